@@ -1,0 +1,315 @@
+"""UMT5 prompt embeddings for the gateway, computed exactly as diffusers' Wan pipelines do.
+
+Usage::
+
+    encoder = TextEncoder("/models/Wan2.1-T2V-1.3B-Diffusers", cache_size=256)
+    embeds = encoder.encode("a red fox running through snow")  # (1, 512, 4096), padded rows are zero
+    encoder.stats  # CacheStats(hits=..., misses=..., size=..., capacity=...)
+
+The folder is laid out like the Wan diffusers repos (``text_encoder/`` and ``tokenizer/`` subfolders)
+or is a single folder holding both the model and the tokenizer files.  ``encode`` reproduces
+``WanPipeline._get_t5_prompt_embeds`` (diffusers 0.42) step for step, with one deliberate difference:
+diffusers silently truncates a prompt longer than ``max_sequence_length`` while we reject it with a
+``ValueError`` naming the ``prompt`` field, which the gateway maps to INVALID_ARGUMENT.
+
+Results are kept in a bounded LRU cache keyed by the cleaned prompt, so a repeated prompt costs no
+forward pass.  Cached tensors are shared between callers: treat them as read-only.
+
+Tests and the CPU demo have no model hub; ``write_tiny_text_encoder`` writes a tiny random UMT5 encoder
+and a tokenizer built in-process (a fixed Unigram vocabulary, no download, no training) that
+``AutoTokenizer.from_pretrained`` loads like the real one.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import os
+import string
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+try:
+    # diffusers' prompt_clean uses the third-party `regex` module; its `\s` differs from `re`'s on a few
+    # control characters (U+001C..U+001F), so use the same engine to match it byte for byte.
+    import regex as _re
+except ImportError:  # pragma: no cover - regex ships with transformers
+    import re as _re
+
+try:
+    import ftfy  # diffusers applies ftfy.fix_text when it is installed; so must we to stay identical.
+except ImportError:
+    ftfy = None
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LEN = 512  # WanPipeline.__call__'s max_sequence_length; the Wan DiT was trained with 512 text tokens.
+
+__all__ = [
+    "DEFAULT_MAX_LEN",
+    "CacheStats",
+    "TextEncoder",
+    "prompt_clean",
+    "write_tiny_text_encoder",
+]
+
+
+def prompt_clean(text: str) -> str:
+    """Same as ``diffusers.pipelines.wan.pipeline_wan.prompt_clean``: ftfy, double html unescape, squeeze spaces."""
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text))
+    text = text.strip()
+    text = _re.sub(r"\s+", " ", text)
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Snapshot of the embedding cache counters."""
+
+    hits: int
+    misses: int
+    size: int
+    capacity: int
+
+
+def _resolve(folder: Path, sub: str) -> Path:
+    # Wan diffusers repos keep each component in its own subfolder; a flat folder holding everything also works.
+    candidate = folder / sub
+    return candidate if candidate.is_dir() else folder
+
+
+def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict:
+    # transformers renamed `torch_dtype` to `dtype` in 4.56; the old name still works there but warns.  "auto" keeps
+    # the checkpoint's dtype (bf16 for Wan), which is also what diffusers does when it loads the pipeline.
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return {key: "auto" if dtype is None else dtype}
+
+
+class TextEncoder:
+    """UMT5 encoder + tokenizer with an LRU cache of prompt embeddings.
+
+    Args:
+        folder: model folder (see module docstring).
+        max_len: ``max_sequence_length``; the output is always ``(1, max_len, d_model)``.
+        cache_size: how many prompts to keep; 0 disables caching.
+        device: where the model runs and the embeddings live.
+        dtype: model dtype; ``None`` keeps the checkpoint's dtype.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        max_len: int = DEFAULT_MAX_LEN,
+        cache_size: int = 128,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"text encoder folder not found: {folder}")
+
+        self.max_len = int(max_len)
+        self.cache_size = int(cache_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(_resolve(folder, "tokenizer"))
+        self.model = UMT5EncoderModel.from_pretrained(_resolve(folder, "text_encoder"), **_dtype_kwargs(dtype))
+        self.model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.dtype = self.model.dtype
+        self.d_model = int(self.model.config.d_model)
+
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # gRPC handlers call encode from a thread pool
+        self._hits = 0
+        self._misses = 0
+        logger.info(
+            "text encoder loaded from %s: d_model=%d max_len=%d dtype=%s device=%s cache_size=%d",
+            folder,
+            self.d_model,
+            self.max_len,
+            self.dtype,
+            self.device,
+            self.cache_size,
+        )
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, len(self._cache), self.cache_size)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens the prompt takes after cleaning, including the end-of-sequence token."""
+        ids = self.tokenizer(prompt_clean(prompt), add_special_tokens=True, truncation=False, verbose=False)
+        return len(ids["input_ids"])
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        """Embed one prompt: ``(1, max_len, d_model)`` in the model dtype, rows past the prompt's tokens zeroed.
+
+        Raises ``ValueError`` (naming the ``prompt`` field) for a non-string, empty, or over-long prompt.
+        """
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        cleaned = prompt_clean(prompt)
+        if not cleaned:
+            raise ValueError("prompt must not be empty (or only whitespace)")
+
+        # Key on the cleaned text: prompts that clean to the same string tokenize identically.
+        with self._lock:
+            cached = self._cache.get(cleaned)
+            if cached is not None:
+                self._cache.move_to_end(cleaned)
+                self._hits += 1
+                return cached
+            self._misses += 1
+
+        n_tokens = len(self.tokenizer(cleaned, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+        if n_tokens > self.max_len:
+            # diffusers would truncate silently and the video would ignore the tail of the prompt; say so instead.
+            raise ValueError(
+                f"prompt is too long: {n_tokens} tokens (including the end-of-sequence token), "
+                f"the limit is {self.max_len}"
+            )
+
+        embeds = self._embed(cleaned)  # outside the lock: a forward pass must not block cache hits
+
+        if self.cache_size:
+            with self._lock:
+                self._cache[cleaned] = embeds
+                self._cache.move_to_end(cleaned)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return embeds
+
+    @torch.no_grad()
+    def _embed(self, cleaned: str) -> torch.Tensor:
+        # Mirrors diffusers WanPipeline._get_t5_prompt_embeds for a single, already cleaned prompt.
+        max_sequence_length = self.max_len
+        text_inputs = self.tokenizer(
+            [cleaned],
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
+        seq_lens = mask.gt(0).sum(dim=1).long()
+
+        prompt_embeds = self.model(text_input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        prompt_embeds = prompt_embeds.to(dtype=self.dtype, device=self.device)
+        # The encoder still writes values at padded positions; the Wan DiT expects exact zeros there.
+        prompt_embeds = [u[:v] for u, v in zip(prompt_embeds, seq_lens)]
+        prompt_embeds = torch.stack(
+            [torch.cat([u, u.new_zeros(max_sequence_length - u.size(0), u.size(1))]) for u in prompt_embeds], dim=0
+        )
+        return prompt_embeds
+
+
+# --- tiny offline model for tests and the CPU demo -------------------------------------------------------------
+
+# Whole-word pieces so typical test prompts tokenize into few tokens; anything else falls back to characters.
+_TINY_WORDS = (
+    "a an the of in on at to and with by from for is are over under into through near "
+    "cat dog fox bird fish horse person man woman child robot car city street forest river ocean sea beach "
+    "mountain snow rain sky sun moon night day light fire water tree flower field road house room "
+    "red green blue yellow white black orange purple golden dark bright small big tall old young "
+    "running walking flying swimming dancing jumping sitting standing driving falling "
+    "slow fast motion camera shot close up wide view scene video cinematic realistic style "
+    "high quality detailed beautiful sunset sunrise"
+).split()
+
+_SPM_SPACE = "\u2581"  # sentencepiece's word-boundary marker, as in the real T5/UMT5 tokenizers
+
+
+def _build_tiny_tokenizer(model_max_length: int):
+    """A T5-style Unigram tokenizer with a fixed vocabulary: deterministic, offline, no training step.
+
+    Ids follow UMT5: <pad>=0, </s>=1, <unk>=2; ``</s>`` is appended to every sequence.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if not c.isspace()]
+    # Unigram picks the segmentation with the highest total log-probability, so whole words (-2) beat spelling
+    # them out from word-initial (-4) and inner (-5) characters.
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (_SPM_SPACE, -3.0)]
+    vocab += [(_SPM_SPACE + w, -2.0) for w in _TINY_WORDS]
+    vocab += [(_SPM_SPACE + c, -4.0) for c in chars]
+    vocab += [(c, -5.0) for c in chars]
+
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPM_SPACE, prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    tok.decoder = decoders.Metaspace(replacement=_SPM_SPACE, prepend_scheme="always", split=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
+
+
+def write_tiny_text_encoder(
+    folder: str | os.PathLike,
+    *,
+    d_model: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    d_kv: int = 8,
+    d_ff: int = 64,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``folder/text_encoder`` (random UMT5EncoderModel) and ``folder/tokenizer``; return ``folder``.
+
+    Same arguments give byte-identical files.  The caller's torch RNG state is left untouched.
+    """
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    folder = Path(folder)
+    tokenizer = _build_tiny_tokenizer(model_max_length=DEFAULT_MAX_LEN)
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=d_ff,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",  # as in umt5-xxl, which Wan uses
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = UMT5EncoderModel(config)
+    model.to(dtype).eval()
+
+    model.save_pretrained(folder / "text_encoder")
+    tokenizer.save_pretrained(folder / "tokenizer")
+    logger.debug("wrote tiny UMT5 encoder (d_model=%d, vocab=%d) to %s", d_model, len(tokenizer), folder)
+    return folder

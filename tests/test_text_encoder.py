@@ -1,0 +1,196 @@
+"""TextEncoder matches diffusers' Wan prompt recipe, caches, validates; the tiny offline model is deterministic."""
+
+from __future__ import annotations
+
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from gateway.text_encoder import CacheStats, TextEncoder, prompt_clean, write_tiny_text_encoder
+
+MAX_LEN = 16
+D_MODEL = 32
+
+PROMPTS = [
+    "A cat on the moon, slow motion",
+    "  a red fox\trunning\n\nthrough   snow  ",
+    "fish &amp;amp; chips &lt;3 at the beach",  # double html unescape in prompt_clean
+    "Zoe-42 in 日本",  # characters outside the tiny vocabulary become <unk>
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return write_tiny_text_encoder(tmp_path_factory.mktemp("umt5"), d_model=D_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    """The same checkpoint loaded directly with transformers, independent of TextEncoder."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_folder / "tokenizer")
+    model = UMT5EncoderModel.from_pretrained(tiny_folder / "text_encoder").eval()
+    return tokenizer, model
+
+
+@pytest.fixture()
+def encoder(tiny_folder) -> TextEncoder:
+    return TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=4)
+
+
+def _diffusers_recipe(tokenizer, text_encoder, prompt: str, max_sequence_length: int) -> torch.Tensor:
+    # Written out from diffusers 0.42.1 WanPipeline._get_t5_prompt_embeds, using diffusers' own prompt_clean.
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean as diffusers_prompt_clean
+
+    prompt = [diffusers_prompt_clean(prompt)]
+    text_inputs = tokenizer(
+        prompt,
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    ids, mask = text_inputs.input_ids, text_inputs.attention_mask
+    seq_lens = mask.gt(0).sum(dim=1).long()
+    with torch.no_grad():
+        embeds = text_encoder(ids, mask).last_hidden_state.to(dtype=text_encoder.dtype)
+    embeds = [u[:v] for u, v in zip(embeds, seq_lens)]
+    return torch.stack([torch.cat([u, u.new_zeros(max_sequence_length - u.size(0), u.size(1))]) for u in embeds])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_matches_manual_diffusers_recipe(reference, encoder, prompt):
+    tokenizer, model = reference
+    expected = _diffusers_recipe(tokenizer, model, prompt, MAX_LEN)
+
+    got = encoder.encode(prompt)
+    assert got.shape == (1, MAX_LEN, D_MODEL)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+    n = len(tokenizer(prompt_clean(prompt))["input_ids"])
+    assert n < MAX_LEN  # the prompts leave padding, so the zeroing is exercised
+    assert got[0, n:].abs().sum() == 0
+    assert (got[0, :n].abs().sum(dim=-1) > 0).all()
+
+
+def test_matches_diffusers_pipeline_method(encoder):
+    # Call the real WanPipeline._get_t5_prompt_embeds with a stand-in `self` holding our tokenizer and model.
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+    fake_pipe = types.SimpleNamespace(
+        tokenizer=encoder.tokenizer, text_encoder=encoder.model, _execution_device=torch.device("cpu")
+    )
+    for prompt in PROMPTS:
+        expected = WanPipeline._get_t5_prompt_embeds(fake_pipe, prompt=prompt, max_sequence_length=MAX_LEN)
+        assert torch.equal(encoder.encode(prompt), expected)
+
+
+def test_prompt_clean_matches_diffusers():
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean as diffusers_prompt_clean
+
+    for text in PROMPTS + ["\u00a0nbsp\u2003em space\x1cfile sep ", "&amp;lt;b&amp;gt;", "   ", ""]:
+        assert prompt_clean(text) == diffusers_prompt_clean(text)
+
+
+def test_flat_folder_layout(tiny_folder, tmp_path, encoder):
+    flat = tmp_path / "flat"
+    shutil.copytree(tiny_folder / "text_encoder", flat)
+    shutil.copytree(tiny_folder / "tokenizer", flat, dirs_exist_ok=True)
+    flat_encoder = TextEncoder(flat, max_len=MAX_LEN)
+    assert torch.equal(flat_encoder.encode(PROMPTS[0]), encoder.encode(PROMPTS[0]))
+
+
+def test_repeat_prompt_hits_cache_without_forward(encoder, monkeypatch):
+    first = encoder.encode("a dog in the rain")
+    assert encoder.stats == CacheStats(hits=0, misses=1, size=1, capacity=4)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("cache hit must not run the model")
+
+    monkeypatch.setattr(encoder.model, "forward", no_forward)
+    assert encoder.encode("a dog in the rain") is first
+    # Same text after prompt_clean -> same tokens -> same cache entry.
+    assert encoder.encode("  a dog   in the\train ") is first
+    assert encoder.stats == CacheStats(hits=2, misses=1, size=1, capacity=4)
+
+
+def test_cache_is_bounded_lru(tiny_folder):
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=2)
+    enc.encode("a")
+    enc.encode("b")
+    enc.encode("a")  # a becomes most recent, so c evicts b
+    enc.encode("c")
+    assert enc.stats == CacheStats(hits=1, misses=3, size=2, capacity=2)
+    enc.encode("a")
+    assert enc.stats.hits == 2
+    enc.encode("b")
+    assert enc.stats.misses == 4
+    assert enc.stats.size == 2
+
+
+def test_cache_disabled(tiny_folder):
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+    a, b = enc.encode("a cat"), enc.encode("a cat")
+    assert a is not b and torch.equal(a, b)
+    assert enc.stats == CacheStats(hits=0, misses=2, size=0, capacity=0)
+
+
+@pytest.mark.parametrize("bad", ["", "   \n\t ", None, 42])
+def test_empty_or_non_string_prompt_names_field(encoder, bad):
+    with pytest.raises(ValueError, match=r"^prompt "):
+        encoder.encode(bad)
+
+
+def test_length_limit_counts_eos_and_names_field(encoder):
+    # Each "cat" is one token in the tiny vocabulary, plus </s>.
+    fits = " ".join(["cat"] * (MAX_LEN - 1))
+    assert encoder.count_tokens(fits) == MAX_LEN
+    out = encoder.encode(fits)
+    assert out[0, -1].abs().sum() > 0  # no padding left
+
+    too_long = fits + " cat"
+    with pytest.raises(ValueError, match=rf"^prompt is too long: {MAX_LEN + 1} tokens .* limit is {MAX_LEN}"):
+        encoder.encode(too_long)
+    assert encoder.stats.size == 1  # rejected prompts are not cached
+
+
+def test_tiny_tokenizer_is_t5_like(tiny_folder):
+    tok = AutoTokenizer.from_pretrained(tiny_folder / "tokenizer")
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    ids = tok("the cat")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["\u2581the", "\u2581cat", "</s>"]
+    # Unknown words fall back to characters rather than <unk>.
+    assert tok.decode(tok("Qwzx 123")["input_ids"], skip_special_tokens=True) == "Qwzx 123"
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_write_tiny_is_deterministic_and_keeps_rng(tmp_path):
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    a = _folder_bytes(write_tiny_text_encoder(tmp_path / "a", seed=7))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    b = _folder_bytes(write_tiny_text_encoder(tmp_path / "b", seed=7))
+    c = _folder_bytes(write_tiny_text_encoder(tmp_path / "c", seed=8))
+    assert set(a) == {
+        "text_encoder/config.json",
+        "text_encoder/model.safetensors",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    }
+    assert a == b
+    assert a["text_encoder/model.safetensors"] != c["text_encoder/model.safetensors"]
+    assert a["tokenizer/tokenizer.json"] == c["tokenizer/tokenizer.json"]
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        TextEncoder(tmp_path / "nope")
