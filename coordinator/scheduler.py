@@ -1,0 +1,199 @@
+"""StreamBatchScheduler: which micro-steps enter stage 0 at each logical tick.
+
+Usage::
+
+    sched = StreamBatchScheduler(num_stages=2, max_batch=4)
+    sched.add_stream(spec)                 # joins at the current tick
+    while sched.active:
+        batch = sched.tick()               # list[MicroStep], possibly empty (a pipeline bubble)
+        ...                                # send the batch to every stage, in this order
+    sched.stop_stream(stream_id)           # cooldown: no new chunks, in-flight chunks finish
+
+The model of time is logical: a batch that enters stage 0 at tick T leaves the last stage at tick
+T + P - 1, so the next level of a chunk may enter at T + P.  Decisions depend only on ticks and on the
+order of ``add_stream``/``stop_stream`` calls, never on wall-clock time, so a plan is reproducible and the
+reference executor can replay it exactly.
+
+Readiness rules for micro-step (s, c, i):
+  * level 0 starts chunks in order, at most one new chunk per stream per tick, while the stream is running
+    and has fewer than ``max_inflight`` chunks in flight;
+  * ``per_level``: (s, c-1, i) entered in an earlier tick (it writes the KV row that (s, c, i) reads);
+  * ``clean``: the clean pass of (s, c-1) entered in an earlier tick before any level of chunk c;
+  * i > 0: (s, c, i-1) entered at least P ticks ago (its latent has come back from the last stage).
+Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
+up to ``max_batch`` that share a latent shape form the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stagecast.microstep import MicroStep, StreamSpec
+
+
+@dataclass
+class _Chunk:
+    index: int
+    started: int  # tick its level 0 entered
+    level: int = -1  # highest level issued so far
+    issued_at: int = -1  # tick the highest level entered
+
+
+@dataclass
+class _StreamState:
+    spec: StreamSpec
+    order: int
+    joined: int
+    max_inflight: int
+    next_chunk: int = 0
+    stopping: bool = False
+    inflight: dict[int, _Chunk] = field(default_factory=dict)
+    done_chunks: int = 0
+    first_finished_tick: int | None = None
+    clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
+
+    @property
+    def finished(self) -> bool:
+        limit_hit = self.spec.num_chunks is not None and self.next_chunk >= self.spec.num_chunks
+        return (self.stopping or limit_hit) and not self.inflight
+
+
+class StreamBatchScheduler:
+    def __init__(self, num_stages: int, max_batch: int = 4, max_inflight: int | None = None):
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.num_stages = num_stages
+        self.max_batch = max_batch
+        self.max_inflight = max_inflight
+        self.now = 0
+        self.streams: dict[int, _StreamState] = {}
+        self._arrivals = 0
+        self.history: list[list[MicroStep]] = []
+
+    # ---- stream events ----------------------------------------------------------------------------------
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        if spec.stream_id in self.streams:
+            raise ValueError(f"stream {spec.stream_id} is already scheduled")
+        if spec.policy == "clean":
+            cap = 1  # the next chunk waits for this one's clean pass: a single stream is serial
+        else:
+            cap = self.max_inflight or spec.levels * self.num_stages
+        self.streams[spec.stream_id] = _StreamState(spec, self._arrivals, self.now, cap)
+        self._arrivals += 1
+
+    def stop_stream(self, stream_id: int) -> None:
+        """Cooldown: start no new chunks; the chunks already in flight complete."""
+        self._state(stream_id).stopping = True
+
+    def cancel_stream(self, stream_id: int) -> None:
+        """Drop a stream at once (a failure): nothing more of it is scheduled."""
+        self.streams.pop(stream_id, None)
+
+    def _state(self, stream_id: int) -> _StreamState:
+        try:
+            return self.streams[stream_id]
+        except KeyError:
+            raise KeyError(f"unknown stream {stream_id}") from None
+
+    # ---- queries --------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return bool(self.streams)
+
+    def phase(self, stream_id: int) -> str:
+        st = self.streams.get(stream_id)
+        if st is None:
+            return "done"
+        if st.stopping or (st.spec.num_chunks is not None and st.next_chunk >= st.spec.num_chunks):
+            return "cooldown"
+        return "warmup" if st.first_finished_tick is None else "steady"
+
+    def inflight(self, stream_id: int) -> int:
+        return len(self._state(stream_id).inflight)
+
+    # ---- the tick -------------------------------------------------------------------------------------
+
+    def _ready(self, st: _StreamState) -> list[tuple[tuple, MicroStep]]:
+        spec, now, p = st.spec, self.now, self.num_stages
+        out = []
+        for ch in st.inflight.values():
+            nxt = ch.level + 1
+            if nxt >= spec.levels or now - ch.issued_at < p:
+                continue
+            prev = st.inflight.get(ch.index - 1)
+            if spec.policy == "per_level" and prev is not None and prev.level < nxt:
+                continue
+            if spec.policy == "per_level" and prev is not None and prev.level == nxt and prev.issued_at >= now:
+                continue
+            out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
+        can_start = not st.stopping and len(st.inflight) < st.max_inflight
+        if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
+            can_start = False
+        c = st.next_chunk
+        if can_start and c > 0:
+            prev = st.inflight.get(c - 1)
+            if spec.policy == "per_level" and prev is not None and prev.issued_at >= now and prev.level == 0:
+                can_start = False
+            if spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
+                can_start = False
+        if can_start:
+            out.append(((now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
+        return out
+
+    def tick(self) -> list[MicroStep]:
+        """Advance one tick and return the batch that enters stage 0 now (empty when nothing is ready)."""
+        ready = []
+        for st in self.streams.values():
+            ready.extend(self._ready(st))
+        ready.sort(key=lambda x: x[0])
+        batch: list[MicroStep] = []
+        shape = None
+        for _, step in ready:
+            spec = self.streams[step.stream].spec
+            key = (spec.latent_shape, spec.text_len)
+            if shape is None:
+                shape = key
+            if key != shape:
+                continue
+            batch.append(step)
+            if len(batch) == self.max_batch:
+                break
+        for step in batch:
+            self._issue(step)
+        self.history.append(batch)
+        self.now += 1
+        for sid in [sid for sid, st in self.streams.items() if st.finished]:
+            del self.streams[sid]
+        return batch
+
+    def _issue(self, step: MicroStep) -> None:
+        st = self.streams[step.stream]
+        spec = st.spec
+        if step.level == 0:
+            st.inflight[step.chunk] = _Chunk(step.chunk, started=self.now)
+            st.next_chunk = step.chunk + 1
+        ch = st.inflight[step.chunk]
+        ch.level, ch.issued_at = step.level, self.now
+        if spec.is_clean_pass(step.level):
+            st.clean_issued = {step.chunk: self.now}
+        if step.level == spec.levels - 1:
+            del st.inflight[step.chunk]
+            st.done_chunks += 1
+        if step.level == spec.steps - 1 and st.first_finished_tick is None:
+            st.first_finished_tick = self.now + self.num_stages - 1
+
+
+def drain(scheduler: StreamBatchScheduler, max_ticks: int = 1_000_000) -> list[list[MicroStep]]:
+    """Tick until every stream is finished; return the non-empty batches in order."""
+    plan = []
+    for _ in range(max_ticks):
+        if not scheduler.active:
+            return plan
+        batch = scheduler.tick()
+        if batch:
+            plan.append(batch)
+    raise RuntimeError(f"scheduler did not drain within {max_ticks} ticks")

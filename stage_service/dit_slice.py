@@ -1,0 +1,398 @@
+"""One depth slice of a Wan DiT: layers [a, b) plus the pre/post pieces its position needs.
+
+Usage::
+
+    sl = DiTSlice.from_state_dict(config, sd, layers=range(0, 2), first=True, last=False)
+    cond = sl.condition(timesteps, tokens=L)            # every slice recomputes conditioning locally
+    hs = sl.embed(latents)                              # first slice only: (B, C, F, H, W) -> (B, L, D)
+    hs = sl.run_blocks(hs, cond, AttentionContext(...)) # the only tensor that crosses a stage boundary
+    out = sl.head(hs, cond, latents.shape)              # last slice only: -> (B, C, F, H, W)
+
+The slice is built from diffusers' own ``WanTransformer3DModel`` (constructed on the meta device, pruned to
+the slice, then filled with only the slice's tensors), and every op below mirrors diffusers' forward so a
+chain of slices equals ``WanTransformer3DModel.forward`` bit for bit.  Self- and cross-attention go through
+our processors, which read per-item context (KV cache, cached text K/V, RoPE offset) from an
+``AttentionContext`` handed to ``run_blocks``.  This module is pure computation: no transport, no RPC.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from torch import nn
+
+from stage_service.configs import expands_timesteps
+
+
+class SelfAttentionKV(Protocol):
+    """Per-item view of a KV cache row: what this micro-step attends to, and where it writes."""
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward, per-item attention inputs.  Index ``b`` describes batch item ``b``.
+
+    ``self_kv[b]`` may be None (plain bidirectional attention over the item's own tokens).
+    ``cross_kv[b][layer]`` is the cached ``(k, v)`` of that item's text for the slice-local layer.
+    ``self_mask`` (oracle only) is an attention mask for full-sequence reference forwards.
+    """
+
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    cross_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    self_kv: list[SelfAttentionKV | None] = field(default_factory=list)
+    self_mask: torch.Tensor | None = None
+
+
+@dataclass
+class Conditioning:
+    temb: torch.Tensor  # (B, D) or (B, L, D) for per-token timesteps
+    timestep_proj: torch.Tensor  # (B, 6, D) or (B, L, 6, D)
+
+
+def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    # Copied op for op from diffusers' WanAttnProcessor so results stay bit-identical.
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    # (B, L, H, Dh) layout in and out, exactly like diffusers' native attention backend.
+    out = F.scaled_dot_product_attention(
+        q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask, dropout_p=0.0
+    )
+    return out.permute(0, 2, 1, 3)
+
+
+class _SliceAttnProcessor:
+    """Attention processor bound to one slice-local layer; reads its inputs from the slice's context."""
+
+    def __init__(self, owner: DiTSlice, layer: int, cross: bool):
+        self._owner = [owner]  # a list so the module tree does not see a cycle
+        self.layer = layer
+        self.cross = cross
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        ctx = self._owner[0]._ctx
+        if ctx is None:
+            raise RuntimeError("slice attention called outside DiTSlice.run_blocks")
+        if self.cross:
+            out = self._cross(attn, hidden_states, ctx)
+        else:
+            out = self._self(attn, hidden_states, ctx)
+        out = out.flatten(2, 3).type_as(hidden_states)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def _self(self, attn, hidden_states, ctx: AttentionContext):
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query = apply_rotary_emb(query, *ctx.rotary)
+        key = apply_rotary_emb(key, *ctx.rotary)
+        if ctx.self_mask is not None or not ctx.self_kv:
+            return _sdpa(query, key, value, ctx.self_mask).type_as(query)
+        outs = []
+        # Items attend to different cached contexts, so attention runs per item; the projections above
+        # stay batched, which is where Stream Batch saves its time.
+        for b, kv in enumerate(ctx.self_kv):
+            k_b, v_b = key[b : b + 1], value[b : b + 1]
+            cached = kv.read(self.layer) if kv is not None else None
+            if kv is not None:
+                kv.write(self.layer, k_b, v_b)
+            if cached is not None:
+                k_b = torch.cat([cached[0], k_b], dim=1)
+                v_b = torch.cat([cached[1], v_b], dim=1)
+            outs.append(_sdpa(query[b : b + 1], k_b, v_b))
+        return torch.cat(outs, dim=0).type_as(query)
+
+    def _cross(self, attn, hidden_states, ctx: AttentionContext):
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        per_item = [item[self.layer] for item in ctx.cross_kv]
+        key = torch.cat([k for k, _ in per_item], dim=0)
+        value = torch.cat([v for _, v in per_item], dim=0)
+        return _sdpa(query, key, value).type_as(query)
+
+
+class DiTSlice(nn.Module):
+    """Layers ``[layers.start, layers.stop)`` of a Wan transformer; see the module docstring."""
+
+    def __init__(self, config: dict, model: WanTransformer3DModel, *, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.config = dict(config)
+        self.layers = layers
+        self.first = first
+        self.last = last
+        self.per_token_timesteps = expands_timesteps(config)
+        self.model = model
+        self._ctx: AttentionContext | None = None
+        for i, block in enumerate(model.blocks):
+            block.attn1.set_processor(_SliceAttnProcessor(self, i, cross=False))
+            block.attn2.set_processor(_SliceAttnProcessor(self, i, cross=True))
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @staticmethod
+    def required_prefixes(*, first: bool, last: bool) -> tuple[str, ...]:
+        """Non-block key prefixes a slice needs (blocks are selected by index)."""
+        keys = [
+            "condition_embedder.time_embedder.",
+            "condition_embedder.time_proj.",
+            "condition_embedder.text_embedder.",
+        ]
+        if first:
+            keys.append("patch_embedding.")
+        if last:
+            keys += ["proj_out.", "scale_shift_table"]
+        return tuple(keys)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: dict,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        layers: range,
+        first: bool,
+        last: bool,
+        device: torch.device | str = "cpu",
+    ) -> DiTSlice:
+        """Build a slice from slice-local tensors (blocks renumbered from 0), never the full model."""
+        cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+        if cfg.get("image_dim") is not None:
+            raise ValueError("image-conditioned Wan checkpoints (image_dim set) are not supported yet")
+        with torch.device("meta"):
+            model = WanTransformer3DModel.from_config(cfg)
+        model.blocks = nn.ModuleList(list(model.blocks)[layers.start : layers.stop])
+        if not first:
+            model.patch_embedding = None
+        if not last:
+            model.proj_out = None
+            model.norm_out = None
+            model.scale_shift_table = None
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        if unexpected:
+            raise ValueError(f"slice {layers.start}:{layers.stop} got unexpected tensors: {sorted(unexpected)[:5]}")
+        if missing:
+            raise ValueError(f"slice {layers.start}:{layers.stop} is missing tensors: {sorted(missing)[:5]}")
+        # RoPE tables are non-persistent buffers: they never come from a checkpoint, so rebuild them.
+        model.rope = WanRotaryPosEmbed(cfg["attention_head_dim"], cfg["patch_size"], cfg.get("rope_max_seq_len", 1024))
+        model = model.to(device)
+        model.eval().requires_grad_(False)
+        return cls(cfg, model, layers=layers, first=first, last=last)
+
+    @classmethod
+    def from_model(cls, model: WanTransformer3DModel, *, layers: range, first: bool, last: bool) -> DiTSlice:
+        """Cut a slice out of an in-memory model (tests and the single-process reference)."""
+        prefixes = cls.required_prefixes(first=first, last=last)
+        sd = {}
+        for key, tensor in model.state_dict().items():
+            if key.startswith("blocks."):
+                idx = int(key.split(".")[1])
+                if idx in layers:
+                    sd[f"blocks.{idx - layers.start}." + key.split(".", 2)[2]] = tensor.clone()
+            elif key.startswith(prefixes):
+                sd[key] = tensor.clone()
+        device = next(model.parameters()).device
+        return cls.from_state_dict(dict(model.config), sd, layers=layers, first=first, last=last, device=device)
+
+    # ---- properties -----------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.condition_embedder.text_embedder.linear_1.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.condition_embedder.text_embedder.linear_1.weight.device
+
+    @property
+    def inner_dim(self) -> int:
+        return self.config["num_attention_heads"] * self.config["attention_head_dim"]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.blocks)
+
+    # ---- computation ----------------------------------------------------------------------------------
+
+    def rotary(
+        self, frames: int, height: int, width: int, frame_offsets: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for latent chunks of shape (frames, height, width) starting at each item's frame offset.
+
+        Equals ``WanRotaryPosEmbed.forward`` on the full sequence sliced at ``offset * tokens_per_frame``.
+        """
+        rope = self.model.rope
+        p_t, p_h, p_w = self.config["patch_size"]
+        ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
+        sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
+        cos_parts = rope.freqs_cos.split(sizes, dim=1)
+        sin_parts = rope.freqs_sin.split(sizes, dim=1)
+        limit = rope.max_seq_len
+        out_cos, out_sin = [], []
+        for f0 in frame_offsets:
+            if f0 < 0 or f0 + ppf > limit:
+                raise ValueError(f"temporal RoPE position {f0}+{ppf} exceeds rope_max_seq_len={limit}")
+            tables = []
+            for parts in (cos_parts, sin_parts):
+                f = parts[0][f0 : f0 + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
+                h = parts[1][:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1)
+                w = parts[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)
+                tables.append(torch.cat([f, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
+            out_cos.append(tables[0])
+            out_sin.append(tables[1])
+        if len(set(frame_offsets)) == 1:
+            return out_cos[0], out_sin[0]
+        return torch.cat(out_cos, dim=0), torch.cat(out_sin, dim=0)
+
+    def condition(self, timestep: torch.Tensor, *, tokens: int) -> Conditioning:
+        """Timestep embedding for a batch; ``timestep`` is (B,) or, for per-token models, (B,) or (B, L).
+
+        Computed item by item: a 1-row linear runs as a GEMV and a B-row one as a GEMM, which round
+        differently, and a micro-step's result must not depend on what shares its batch.
+        """
+        if timestep.shape[0] > 1:
+            parts = [self._condition(timestep[i : i + 1], tokens) for i in range(timestep.shape[0])]
+            return Conditioning(
+                temb=torch.cat([p.temb for p in parts]), timestep_proj=torch.cat([p.timestep_proj for p in parts])
+            )
+        return self._condition(timestep, tokens)
+
+    def _condition(self, timestep: torch.Tensor, tokens: int) -> Conditioning:
+        ce = self.model.condition_embedder
+        if self.per_token_timesteps and timestep.ndim == 1:
+            timestep = timestep[:, None].expand(-1, tokens)
+        ts_seq_len = None
+        if timestep.ndim == 2:
+            ts_seq_len = timestep.shape[1]
+            timestep = timestep.flatten()
+        t = ce.timesteps_proj(timestep)
+        if ts_seq_len is not None:
+            t = t.unflatten(0, (-1, ts_seq_len))
+        te_dtype = next(iter(ce.time_embedder.parameters())).dtype
+        if t.dtype != te_dtype:
+            t = t.to(te_dtype)
+        # diffusers casts temb to the dtype of the text input, which is the slice's compute dtype.
+        temb = ce.time_embedder(t).to(self.dtype)
+        proj = ce.time_proj(ce.act_fn(temb))
+        proj = proj.unflatten(2, (6, -1)) if ts_seq_len is not None else proj.unflatten(1, (6, -1))
+        return Conditioning(temb=temb, timestep_proj=proj)
+
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        """(B, T, text_dim) raw encoder output -> (B, T, D) context."""
+        return self.model.condition_embedder.text_embedder(text.to(self.dtype))
+
+    def cross_kv(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer text K/V for one stream's context (1, T, D); constant for the prompt, so cached."""
+        out = []
+        for block in self.model.blocks:
+            attn = block.attn2
+            key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
+            value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+            out.append((key, value))
+        return out
+
+    def embed(self, latents: torch.Tensor) -> torch.Tensor:
+        if not self.first:
+            raise RuntimeError(f"slice {self.layers} is not the first slice and has no patch embedding")
+        conv = self.model.patch_embedding
+        latents = latents.to(self.dtype)
+        # oneDNN picks its convolution algorithm by input shape, so a batched conv is not bit-identical to
+        # per-item convs.  Embedding item by item keeps every micro-step's result independent of whatever
+        # else shares its batch, which is what lets any batch schedule be compared exactly.
+        hs = torch.cat([conv(latents[i : i + 1]) for i in range(latents.shape[0])], dim=0)
+        return hs.flatten(2).transpose(1, 2).contiguous()
+
+    def run_blocks(self, hidden_states: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> torch.Tensor:
+        self._ctx = ctx
+        try:
+            for block in self.model.blocks:
+                hidden_states = block(hidden_states, None, cond.timestep_proj, ctx.rotary)
+        finally:
+            self._ctx = None
+        return hidden_states
+
+    def head(self, hidden_states: torch.Tensor, cond: Conditioning, latent_shape: torch.Size) -> torch.Tensor:
+        if not self.last:
+            raise RuntimeError(f"slice {self.layers} is not the last slice and has no output head")
+        m = self.model
+        temb = cond.temb
+        if temb.ndim == 3:
+            shift, scale = (m.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (m.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        hs = (m.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+        hs = m.proj_out(hs)
+        b, _, f, h, w = latent_shape
+        p_t, p_h, p_w = self.config["patch_size"]
+        hs = hs.reshape(b, f // p_t, h // p_h, w // p_w, p_t, p_h, p_w, -1)
+        hs = hs.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return hs.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def tokens_per_frame(self, height: int, width: int) -> int:
+        _, p_h, p_w = self.config["patch_size"]
+        return (height // p_h) * (width // p_w)
+
+
+def even_partition(num_layers: int, num_stages: int) -> list[int]:
+    """Split ``num_layers`` into ``num_stages`` contiguous counts differing by at most one (earlier ones larger)."""
+    if num_stages < 1:
+        raise ValueError(f"stage count must be >= 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages: each stage needs a layer")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def parse_partition(spec: str | list[int] | None, num_layers: int, num_stages: int | None = None) -> list[int]:
+    """Parse ``"8,12,12,8"`` (or a list); None means an even split over ``num_stages``."""
+    if spec is None or spec == "":
+        if num_stages is None:
+            raise ValueError("either a partition or a stage count is required")
+        return even_partition(num_layers, num_stages)
+    if isinstance(spec, str):
+        try:
+            counts = [int(x) for x in spec.split(",")]
+        except ValueError as exc:
+            raise ValueError(f"partition {spec!r} must be comma-separated integers, e.g. '8,12,12,8'") from exc
+    else:
+        counts = [int(x) for x in spec]
+    if any(c < 1 for c in counts):
+        raise ValueError(f"partition {counts} has a stage with fewer than 1 layer")
+    if sum(counts) != num_layers:
+        raise ValueError(f"partition {counts} sums to {sum(counts)} layers but the model has {num_layers}")
+    if num_stages is not None and len(counts) != num_stages:
+        raise ValueError(f"partition {counts} has {len(counts)} stages but {num_stages} were requested")
+    return counts
+
+
+def partition_ranges(counts: list[int]) -> list[range]:
+    """``[2, 3]`` -> ``[range(0, 2), range(2, 5)]``."""
+    starts = [0, *itertools.accumulate(counts)]
+    return [range(starts[i], starts[i + 1]) for i in range(len(counts))]
+
+
+__all__ = [
+    "AttentionContext",
+    "Conditioning",
+    "DiTSlice",
+    "even_partition",
+    "parse_partition",
+    "partition_ranges",
+]

@@ -1,0 +1,112 @@
+"""Per-stream, per-slice self-attention KV cache with a rolling window, sinks and epoch resets.
+
+Usage::
+
+    cache = StreamKVCache(spec, num_layers=slice.num_layers, tokens_per_frame=tpf, rope_limit=1024)
+    view = cache.view(step)          # implements dit_slice.SelfAttentionKV for one micro-step
+    ... slice.run_blocks(..., AttentionContext(self_kv=[view, ...]))
+    cache.commit(view)               # store the chunk's K/V (if its level writes) and evict
+    cache.nbytes                     # bounded: rows * (window frames) * layers
+    cache.clear()                    # when the stream ends
+
+K/V are stored after ``norm_k`` and RoPE, per absolute latent frame, in one row per KV row of the policy
+(one per level under ``per_level``, one clean row under ``clean``).  A chunk reads exactly the frames that
+``stagecast.microstep.context_frames`` names, in ascending order, so chunked attention equals a
+full-sequence forward under the corresponding block-causal mask.  Rows must be written in chunk order; a
+plan that violates this is a scheduling bug and raises instead of silently attending to the wrong context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stagecast.microstep import MicroStep, StreamSpec, context_frames
+
+
+class KVOrderError(RuntimeError):
+    """A micro-step needs KV that has not been written, or writes out of chunk order."""
+
+
+class _Row:
+    def __init__(self):
+        self.frames: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.next_chunk = 0
+
+
+class KVView:
+    """One micro-step's window onto its row, plus the writes it makes during the forward."""
+
+    def __init__(self, cache: StreamKVCache, step: MicroStep):
+        self.cache = cache
+        self.step = step
+        spec = cache.spec
+        self.row_id = spec.kv_row(step.level)
+        self.frames = context_frames(spec, step.chunk, cache.rope_limit)
+        self.writes = spec.writes_kv(step.level)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
+        row = cache.rows.get(self.row_id)
+        stored = row.frames if row is not None else {}
+        missing = [f for f in self.frames if f not in stored]
+        if missing:
+            raise KVOrderError(f"{step}: KV row {self.row_id} lacks frames {missing}; the plan ran it too early")
+
+    def read(self, layer: int):
+        if not self.frames:
+            return None
+        frames = self.cache.rows[self.row_id].frames
+        keys = [frames[f][layer][0] for f in self.frames]
+        values = [frames[f][layer][1] for f in self.frames]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.writes:
+            self.pending[layer] = (key, value)
+
+
+class StreamKVCache:
+    def __init__(self, spec: StreamSpec, *, num_layers: int, tokens_per_frame: int, rope_limit: int):
+        self.spec = spec
+        self.num_layers = num_layers
+        self.tokens_per_frame = tokens_per_frame
+        self.rope_limit = rope_limit
+        self.rows: dict[int, _Row] = {}
+
+    def view(self, step: MicroStep) -> KVView:
+        return KVView(self, step)
+
+    def commit(self, view: KVView) -> None:
+        if not view.writes:
+            return
+        if any(p is None for p in view.pending):
+            raise KVOrderError(f"{view.step}: forward did not produce K/V for every layer")
+        chunk = view.step.chunk
+        row = self.rows.setdefault(view.row_id, _Row())
+        if chunk != row.next_chunk:
+            raise KVOrderError(f"{view.step}: KV row {view.row_id} expected chunk {row.next_chunk} next, got {chunk}")
+        spec, tpf = self.spec, self.tokens_per_frame
+        f0 = chunk * spec.chunk_frames
+        for j in range(spec.chunk_frames):
+            sl = slice(j * tpf, (j + 1) * tpf)
+            # Cloning detaches each frame from the chunk tensor so evicting a frame really frees it.
+            per_layer = [(k[:, sl].clone(), v[:, sl].clone()) for k, v in view.pending]  # type: ignore[misc]
+            row.frames[f0 + j] = per_layer
+        row.next_chunk = chunk + 1
+        # Keep only what the next chunk can still see; later chunks see a subset of that plus newer frames.
+        keep = set(context_frames(spec, chunk + 1, self.rope_limit))
+        for f in [f for f in row.frames if f not in keep]:
+            del row.frames[f]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for row in self.rows.values():
+            for per_layer in row.frames.values():
+                for k, v in per_layer:
+                    total += k.numel() * k.element_size() + v.numel() * v.element_size()
+        return total
+
+    def frames_held(self, row: int) -> list[int]:
+        return sorted(self.rows[row].frames) if row in self.rows else []
+
+    def clear(self) -> None:
+        self.rows.clear()

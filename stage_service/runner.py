@@ -1,0 +1,215 @@
+"""Execute batches of micro-steps on one DiT slice, holding each stream's per-slice state.
+
+Usage (the same object serves the single-process reference and a stage process)::
+
+    runner = SliceRunner(dit_slice)
+    runner.open_stream(spec, text_embeds)            # text K/V cached per stream and prompt
+    x = runner.forward(steps, inputs)                # first slice: inputs=None (latents come from the store)
+    results = runner.finish(steps, x)                # last slice: sampler step, next latents, finished chunks
+    runner.close_stream(spec.stream_id)              # frees KV, text K/V and latents
+
+A stream's latents live in a small per-runner store keyed by (stream, chunk): the last slice puts the
+next level's latent there after its sampler step, and the first slice takes its input from there.  When
+one process runs both ends the store is shared; a stage process fills the first slice's store from the
+last stage over the data plane (``put_latent``).  Values are popped when used, so the store holds at most
+one latent per chunk in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stage_service.dit_slice import AttentionContext, DiTSlice
+from stage_service.kv_cache import KVOrderError, StreamKVCache
+from stage_service.sampler import FlowSampler, chunk_noise
+from stagecast.microstep import MicroStep, StreamSpec, rope_offset
+
+
+class UnknownStreamError(KeyError):
+    def __str__(self) -> str:
+        return f"unknown stream {self.args[0]}: it was never opened on this stage or has already been closed"
+
+
+@dataclass
+class StepResult:
+    step: MicroStep
+    next_latent: torch.Tensor | None  # input of the chunk's next level, if it has one
+    finished: torch.Tensor | None  # the clean latent chunk, after the last denoising level
+
+
+@dataclass
+class _Stream:
+    spec: StreamSpec
+    sampler: FlowSampler
+    kv: StreamKVCache
+    # Prompt versions: (first chunk it applies to, per-layer text K/V); sorted by chunk.
+    prompts: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    latents: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def cross_kv(self, chunk: int):
+        current = self.prompts[0][1]
+        for first, kv in self.prompts:
+            if first <= chunk:
+                current = kv
+        return current
+
+
+class SliceRunner:
+    def __init__(self, dit_slice: DiTSlice):
+        self.slice = dit_slice
+        self.streams: dict[int, _Stream] = {}
+        self.rope_limit = dit_slice.model.rope.max_seq_len
+
+    # ---- stream lifecycle ------------------------------------------------------------------------------
+
+    def open_stream(self, spec: StreamSpec, text: torch.Tensor) -> None:
+        if spec.stream_id in self.streams:
+            raise ValueError(f"stream {spec.stream_id} is already open on this stage")
+        cfg = self.slice.config
+        if spec.latent_channels != cfg["in_channels"]:
+            raise ValueError(f"stream latent_channels={spec.latent_channels} but the model has {cfg['in_channels']}")
+        _, p_h, p_w = cfg["patch_size"]
+        if spec.height % p_h or spec.width % p_w:
+            raise ValueError(f"latent size {spec.height}x{spec.width} is not divisible by the patch {p_h}x{p_w}")
+        if spec.epoch_frames(self.rope_limit) > self.rope_limit:
+            raise ValueError(f"reset_frames={spec.reset_frames} exceeds rope_max_seq_len={self.rope_limit}")
+        tpf = self.slice.tokens_per_frame(spec.height, spec.width)
+        kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
+        stream = _Stream(spec=spec, sampler=FlowSampler(spec), kv=kv)
+        self.streams[spec.stream_id] = stream
+        self.set_prompt(spec.stream_id, 0, text)
+
+    def set_prompt(self, stream_id: int, from_chunk: int, text: torch.Tensor) -> None:
+        """Use ``text`` (1, T, text_dim) for chunks >= ``from_chunk``."""
+        stream = self._stream(stream_id)
+        expected = (1, stream.spec.text_len, self.slice.config["text_dim"])
+        if tuple(text.shape) != expected:
+            raise ValueError(f"stream {stream_id}: text embeddings have shape {tuple(text.shape)}, expected {expected}")
+        with torch.no_grad():
+            kv = self.slice.cross_kv(self.slice.embed_text(text.to(self.slice.device)))
+        stream.prompts = [p for p in stream.prompts if p[0] < from_chunk] + [(from_chunk, kv)]
+
+    def close_stream(self, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            raise UnknownStreamError(stream_id)
+        stream.kv.clear()
+        stream.latents.clear()
+        stream.prompts.clear()
+
+    def _stream(self, stream_id: int) -> _Stream:
+        try:
+            return self.streams[stream_id]
+        except KeyError:
+            raise UnknownStreamError(stream_id) from None
+
+    def spec(self, stream_id: int) -> StreamSpec:
+        return self._stream(stream_id).spec
+
+    def memory_bytes(self) -> dict[str, int]:
+        kv = sum(s.kv.nbytes for s in self.streams.values())
+        text = sum(k.numel() * k.element_size() * 2 for s in self.streams.values() for _, p in s.prompts for k, _ in p)
+        lat = sum(t.numel() * t.element_size() for s in self.streams.values() for _, t in s.latents.values())
+        return {"kv": kv, "text_kv": text, "latents": lat}
+
+    # ---- latents --------------------------------------------------------------------------------------
+
+    def put_latent(self, step: MicroStep, latent: torch.Tensor) -> None:
+        """Record the input latent of ``step`` (a level > 0, or the clean pass)."""
+        self._stream(step.stream).latents[step.chunk] = (step.level, latent)
+
+    def take_latent(self, step: MicroStep) -> torch.Tensor:
+        stream = self._stream(step.stream)
+        if step.level == 0:
+            return chunk_noise(stream.spec, step.chunk, 0)
+        held = stream.latents.pop(step.chunk, None)
+        if held is None or held[0] != step.level:
+            have = None if held is None else held[0]
+            raise KVOrderError(f"{step}: its input latent is not here (holding level {have}); plan out of order")
+        return held[1]
+
+    # ---- execution ------------------------------------------------------------------------------------
+
+    def check_batch(self, steps: list[MicroStep]) -> None:
+        if not steps:
+            raise ValueError("empty micro-step batch")
+        shapes = set()
+        for st in steps:
+            spec = self._stream(st.stream).spec
+            if not 0 <= st.level < spec.levels:
+                raise ValueError(f"{st}: level out of range for a stream with {spec.levels} levels")
+            if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
+                raise ValueError(f"{st}: chunk out of range")
+            shapes.add((spec.latent_shape, spec.text_len))
+        if len(shapes) != 1:
+            raise ValueError(f"a batch must share one latent shape and text length, got {sorted(shapes)}")
+        if len(set(steps)) != len(steps):
+            raise ValueError("a batch holds the same micro-step twice")
+
+    @torch.no_grad()
+    def forward(self, steps: list[MicroStep], inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the slice over a batch.  First slice: latents from the store (``inputs`` must be None).
+        Other slices: ``inputs`` are the previous slice's hidden states.  Returns hidden states, or the
+        flow prediction on the last slice."""
+        self.check_batch(steps)
+        sl = self.slice
+        streams = [self._stream(st.stream) for st in steps]
+        spec0 = streams[0].spec
+        _, _, f, h, w = spec0.latent_shape
+        if sl.first:
+            if inputs is not None:
+                raise ValueError("the first slice takes its latents from the store, not from inputs")
+            latents = [self.take_latent(st) for st in steps]
+            if sl.last:
+                # One process owns both ends: remember each input for the sampler step in finish().
+                self._inputs = latents
+            hidden = sl.embed(torch.cat(latents, dim=0).to(sl.device))
+        else:
+            if inputs is None:
+                raise ValueError("a slice after the first needs the previous slice's hidden states")
+            hidden = inputs
+        timesteps = torch.tensor([s.sampler.model_timestep(st.level) for s, st in zip(streams, steps)])
+        cond = sl.condition(timesteps.to(sl.device), tokens=hidden.shape[1])
+        offsets = [rope_offset(s.spec, st.chunk, self.rope_limit) for s, st in zip(streams, steps)]
+        views = [s.kv.view(st) for s, st in zip(streams, steps)]
+        ctx = AttentionContext(
+            rotary=sl.rotary(f, h, w, offsets),
+            cross_kv=[s.cross_kv(st.chunk) for s, st in zip(streams, steps)],
+            self_kv=list(views),
+        )
+        hidden = sl.run_blocks(hidden, cond, ctx)
+        for s, view in zip(streams, views):
+            s.kv.commit(view)
+        if sl.last:
+            return sl.head(hidden, cond, (len(steps), *spec0.latent_shape[1:]))
+        return hidden
+
+    @torch.no_grad()
+    def finish(self, steps: list[MicroStep], flow: torch.Tensor) -> list[StepResult]:
+        """Last slice: apply the sampler step to every item and route the results."""
+        if not self.slice.last:
+            raise RuntimeError("finish() belongs to the last slice")
+        if self.slice.first:
+            inputs = self._inputs
+            self._inputs = []
+        else:
+            inputs = [self.take_latent(st) for st in steps]
+        results = []
+        for i, st in enumerate(steps):
+            stream = self._stream(st.stream)
+            spec = stream.spec
+            if spec.is_clean_pass(st.level):
+                results.append(StepResult(st, None, None))
+                continue
+            x = inputs[i].to(flow.device)
+            nxt = stream.sampler.step(
+                x, flow[i : i + 1], st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
+            )
+            finished = nxt if st.level == spec.steps - 1 else None
+            has_next = st.level + 1 < spec.levels
+            if has_next:
+                self.put_latent(MicroStep(st.stream, st.chunk, st.level + 1), nxt)
+            results.append(StepResult(st, nxt if has_next else None, finished))
+        return results

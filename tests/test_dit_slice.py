@@ -1,0 +1,57 @@
+"""A chain of DiT slices computes exactly what diffusers' WanTransformer3DModel computes."""
+
+import pytest
+import torch
+
+from stage_service.dit_slice import AttentionContext, DiTSlice, parse_partition, partition_ranges
+
+
+def run_slices(slices, latents, timestep, text):
+    first, last = slices[0], slices[-1]
+    b, _, f, h, w = latents.shape
+    hs = first.embed(latents)
+    for sl in slices:
+        cond = sl.condition(timestep, tokens=hs.shape[1])
+        ctx_text = sl.embed_text(text)
+        cross = [sl.cross_kv(ctx_text[i : i + 1]) for i in range(b)]
+        ctx = AttentionContext(rotary=sl.rotary(f, h, w, [0] * b), cross_kv=cross)
+        hs = sl.run_blocks(hs, cond, ctx)
+    return last.head(hs, cond, latents.shape)
+
+
+@pytest.mark.parametrize("name", ["tiny-wan2.1", "tiny-wan2.2-ti2v"])
+@pytest.mark.parametrize("partition", ["4", "2,2", "1,3", "3,1", "1,2,1", "1,1,1,1"])
+def test_slices_in_order_equal_diffusers_forward(tiny_model, name, partition):
+    model = tiny_model(name)
+    cfg = model.config
+    counts = parse_partition(partition, cfg.num_layers)
+    ranges = partition_ranges(counts)
+    slices = [
+        DiTSlice.from_model(model, layers=r, first=i == 0, last=i == len(ranges) - 1) for i, r in enumerate(ranges)
+    ]
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, cfg.in_channels, 3, 4, 6, generator=g)
+    text = torch.randn(1, 7, cfg.text_dim, generator=g)
+    t = torch.tensor([750.0])
+    if name == "tiny-wan2.2-ti2v":
+        ref_t = t[:, None].expand(1, 3 * 2 * 3)  # the pipeline's expand_timesteps path: (B, L)
+    else:
+        ref_t = t
+    expected = model(latents, ref_t, text, return_dict=False)[0]
+    got = run_slices(slices, latents, t, text)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def test_bad_partitions_are_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="sums to 5 layers but the model has 4"):
+        parse_partition("2,3", 4)
+    with pytest.raises(ValueError, match="fewer than 1 layer"):
+        parse_partition("4,0", 4)
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        parse_partition("2;2", 4)
+    with pytest.raises(ValueError, match="has 2 stages but 3 were requested"):
+        parse_partition("2,2", 4, 3)
+    with pytest.raises(ValueError, match="cannot split 4 layers into 5 stages"):
+        parse_partition(None, 4, 5)
+    assert parse_partition(None, 30, 4) == [8, 8, 7, 7]
