@@ -1,0 +1,404 @@
+"""Load only one pipeline stage's slice of a Wan transformer checkpoint (and write test checkpoints).
+
+A stage owning blocks ``[s:e)`` calls::
+
+    config, sd = load_slice_state_dict(folder, layers=range(s, e), first=s == 0, last=e == n, dtype=torch.bfloat16)
+
+and gets the diffusers ``config.json`` and a state dict in ``WanTransformer3DModel`` naming with the blocks
+renumbered from 0 (``blocks.{i - s}``), ready for ``load_state_dict(sd, strict=False, assign=True)`` on a model
+built on meta whose ``blocks`` were cut to ``[s:e)`` (see ``/work/shared/WAN_INTERNALS.md`` section 4).
+
+The slice is ``blocks.{s..e-1}.*``, ``condition_embedder.*`` without the image embedder (every stage recomputes
+the conditioning), ``patch_embedding.*`` if ``first`` and ``proj_out.*`` plus the top-level ``scale_shift_table``
+if ``last``.  Only the safetensors files holding those keys are opened and only those keys are read, so a stage
+never holds the full model.
+
+A checkpoint folder holds ``config.json`` (diffusers, or a Wan-AI ``WanModel`` config) and either one
+safetensors file (``diffusion_pytorch_model.safetensors``, or any single ``*.safetensors``) or shards listed in
+``diffusion_pytorch_model.safetensors.index.json`` / ``model.safetensors.index.json``.  Keys may use the
+diffusers or the original Wan / CausVid / Self-Forcing layout (see ``wan_keys``); original keys are renamed
+on the fly.  The key names are checked against the config before any tensor is read; every problem raises a
+``CheckpointError`` naming the file and the key.
+
+``write_checkpoint`` writes a diffusers state dict in either layout, as one file or shards; tests and the CPU
+demo use it to make tiny random checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import WanTransformer3DModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from stage_service import wan_keys
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+# Index names tried in order; the second is the transformers-style name some original-layout exports use.
+INDEX_NAMES = (WEIGHTS_INDEX_NAME, "model.safetensors.index.json")
+# Parameters of the I2V image embedder: no stage ever loads them (conditioning images are encoded elsewhere).
+IMAGE_EMBEDDER_PREFIX = "condition_embedder.image_embedder."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot provide a stage's slice; ``file`` and ``key`` say where."""
+
+    def __init__(self, file: str | Path, key: str | None, message: str):
+        self.file = str(file)
+        self.key = key
+        where = self.file if key is None else f"{self.file}: key {key!r}"
+        super().__init__(f"{where}: {message}")
+
+
+# --- config -------------------------------------------------------------------------------------------------
+
+
+def read_config(folder: str | Path) -> dict:
+    """Read ``folder/config.json`` as ``WanTransformer3DModel`` keyword arguments.
+
+    Metadata keys (``_class_name``, ``_diffusers_version``, ...) are dropped so both
+    ``WanTransformer3DModel(**config)`` and ``from_config(config)`` work; a Wan-AI ``WanModel`` config is
+    converted.  ``patch_size`` comes back as a tuple, as in ``stage_service.configs``.
+    """
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(path, None, f"missing {CONFIG_NAME}: a checkpoint folder needs the model config")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, None, f"unreadable config: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, None, "config is not a JSON object")
+    if wan_keys.is_original_config(raw):
+        try:
+            return wan_keys.original_config_to_diffusers(raw)
+        except ValueError as e:
+            raise CheckpointError(path, None, str(e)) from e
+    config = {k: v for k, v in raw.items() if not k.startswith("_")}
+    if "num_layers" not in config or "num_attention_heads" not in config:
+        raise CheckpointError(
+            path, "num_layers", "not a WanTransformer3DModel config (no num_layers/num_attention_heads)"
+        )
+    if isinstance(config.get("patch_size"), list):
+        # JSON has no tuples; match stage_service.configs so a written and re-read config compares equal.
+        config["patch_size"] = tuple(config["patch_size"])
+    return config
+
+
+@functools.lru_cache(maxsize=8)
+def _model_shapes_cached(config_json: str) -> dict[str, tuple[int, ...]]:
+    # Built on meta: real configs (14B) would otherwise allocate the whole model just to learn its shapes.
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(json.loads(config_json))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def model_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """Shapes of every ``WanTransformer3DModel`` state-dict entry for ``config`` (no memory allocated)."""
+    return dict(_model_shapes_cached(json.dumps(dict(config), sort_keys=True)))
+
+
+def _slice_member(key: str, layers: range, first: bool, last: bool) -> bool | None:
+    """Whether a full-model diffusers key belongs to the slice; None for a key no rule knows."""
+    parts = key.split(".")
+    if parts[0] == "blocks":
+        # Parse the index: a string prefix "blocks.1" would also match blocks.10.
+        return int(parts[1]) in layers
+    if parts[0] == "condition_embedder":
+        return not key.startswith(IMAGE_EMBEDDER_PREFIX)
+    if parts[0] == "patch_embedding":
+        return first
+    if parts[0] == "proj_out" or key == "scale_shift_table":
+        return last
+    return None
+
+
+def _check_layers(layers: range, num_layers: int, source: str | Path) -> None:
+    if not isinstance(layers, range):
+        raise TypeError(f"layers must be a range, got {type(layers).__name__}")
+    if layers.step != 1 or not 0 <= layers.start <= layers.stop <= num_layers:
+        raise CheckpointError(
+            source,
+            "num_layers",
+            f"layers {layers} out of range for num_layers={num_layers} (need 0 <= start <= stop <= num_layers, step 1)",
+        )
+
+
+def slice_shapes(
+    config: Mapping, *, layers: range, first: bool, last: bool, source: str | Path = CONFIG_NAME
+) -> dict[str, tuple[int, ...]]:
+    """Full-model diffusers names (blocks NOT renumbered) and shapes of the tensors a stage slice needs."""
+    _check_layers(layers, config["num_layers"], source)
+    out = {}
+    for key, shape in model_shapes(config).items():
+        member = _slice_member(key, layers, first, last)
+        if member is None:
+            # A config feature the slicer does not know how to assign to a stage (never silently drop weights).
+            raise CheckpointError(source, key, "parameter that no pipeline stage is assigned to")
+        if member:
+            out[key] = shape
+    return out
+
+
+def _load_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is None or not stored.is_floating_point:
+        return stored
+    # Same rule as diffusers' from_pretrained(torch_dtype=...): these modules stay fp32 for accuracy.
+    parts = key.split(".")
+    if any(m in parts for m in WanTransformer3DModel._keep_in_fp32_modules):
+        return torch.float32
+    return dtype
+
+
+def slice_parameter_bytes(
+    config: Mapping, *, layers: range, first: bool, last: bool, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes a stage slice occupies once loaded with ``dtype`` (fp32 modules counted as fp32)."""
+    total = 0
+    for key, shape in slice_shapes(config, layers=layers, first=first, last=last).items():
+        itemsize = _load_dtype(key, torch.float32, dtype).itemsize
+        total += itemsize * torch.Size(shape).numel()
+    return total
+
+
+# --- locating tensors ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Checkpoint:
+    source: Path  # the index json, or the single safetensors file (named in errors about the whole checkpoint)
+    files: dict[str, Path]  # stored key -> safetensors file
+    layout: wan_keys.Layout
+
+
+def _locate(folder: Path) -> _Checkpoint:
+    for name in INDEX_NAMES:
+        index_path = folder / name
+        if index_path.is_file():
+            return _from_index(index_path)
+    single = folder / WEIGHTS_NAME
+    if not single.is_file():
+        # Wan-AI / ComfyUI exports name the single file freely; accept it when it is unambiguous.
+        candidates = sorted(folder.glob("*.safetensors"))
+        if not candidates:
+            raise CheckpointError(folder, None, f"no {WEIGHTS_NAME}, index json or *.safetensors file")
+        if len(candidates) > 1:
+            names = ", ".join(p.name for p in candidates)
+            raise CheckpointError(folder, None, f"several safetensors files ({names}) but no index json")
+        single = candidates[0]
+    with safe_open(str(single), framework="pt") as f:
+        keys = list(f.keys())
+    return _Checkpoint(single, dict.fromkeys(keys, single), _detect(keys, single))
+
+
+def _from_index(index_path: Path) -> _Checkpoint:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(index_path, "weight_map", f"unreadable index: {e!r}") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(index_path, "weight_map", "weight_map is not a JSON object")
+    files: dict[str, Path] = {}
+    exists: dict[str, bool] = {}
+    for key, name in weight_map.items():
+        if name not in exists:
+            exists[name] = (index_path.parent / name).is_file()
+        if not exists[name]:
+            # Checked for every shard, not just the slice's: a partial download must fail on every stage alike.
+            raise CheckpointError(index_path, key, f"index references missing shard file {name!r}")
+        files[key] = index_path.parent / name
+    return _Checkpoint(index_path, files, _detect(files, index_path))
+
+
+def _detect(keys, source: Path) -> wan_keys.Layout:
+    try:
+        return wan_keys.detect_layout(keys, source=str(source))
+    except wan_keys.LayoutError as e:
+        raise CheckpointError(source, e.key, str(e)) from e
+
+
+def _diffusers_names(ckpt: _Checkpoint) -> dict[str, str]:
+    """Diffusers name -> stored key, for every tensor of the checkpoint (names only)."""
+    names: dict[str, str] = {}
+    for stored, path in ckpt.files.items():
+        if ckpt.layout == "diffusers":
+            name = stored
+        else:
+            try:
+                name = wan_keys.original_to_diffusers(stored)
+            except ValueError as e:
+                raise CheckpointError(path, stored, str(e)) from e
+        if name in names:
+            raise CheckpointError(path, stored, f"duplicate of {names[name]!r} (both are {name!r})")
+        names[name] = stored
+    return names
+
+
+def _check_names(ckpt: _Checkpoint, names: dict[str, str], config: Mapping, config_path: Path) -> None:
+    """The checkpoint's key names must be exactly the config's model (image embedder aside)."""
+    shapes = model_shapes(config)
+    num_layers = config["num_layers"]
+    for name, stored in names.items():
+        if name in shapes or name.startswith(IMAGE_EMBEDDER_PREFIX):
+            continue
+        parts = name.split(".")
+        if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) >= num_layers:
+            why = f"checkpoint has block {parts[1]} but {config_path} says num_layers={num_layers}"
+        else:
+            why = f"tensor {name!r} is not in WanTransformer3DModel built from {config_path}"
+        raise CheckpointError(ckpt.files[stored], stored, f"config disagrees with checkpoint: {why}")
+    for name in shapes:
+        if name not in names and not name.startswith(IMAGE_EMBEDDER_PREFIX):
+            stored = name if ckpt.layout == "diffusers" else wan_keys.diffusers_to_original(name)
+            raise CheckpointError(ckpt.source, stored, f"missing tensor (the model from {config_path} needs {name!r})")
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+
+
+def load_slice_state_dict(
+    folder: str | Path,
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read one stage's tensors: ``(config, state_dict)`` in diffusers naming, blocks renumbered from 0.
+
+    ``dtype`` None keeps the stored dtypes; otherwise tensors are cast to it except diffusers'
+    ``_keep_in_fp32_modules``, which become fp32 (bit-exact with ``from_pretrained(torch_dtype=dtype)``).
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    config = read_config(folder)
+    wanted = slice_shapes(config, layers=layers, first=first, last=last, source=config_path)
+    ckpt = _locate(folder)
+    names = _diffusers_names(ckpt)
+    _check_names(ckpt, names, config, config_path)
+
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(ckpt.files[names[name]], []).append(name)
+
+    loaded: dict[str, torch.Tensor] = {}
+    for path, file_names in by_file.items():
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            present = set(f.keys())
+            for name in file_names:
+                stored = names[name]
+                if stored not in present:
+                    raise CheckpointError(path, stored, f"{ckpt.source.name} maps this key here but the file lacks it")
+                tensor = f.get_tensor(stored)
+                if tuple(tensor.shape) != wanted[name]:
+                    raise CheckpointError(
+                        path,
+                        stored,
+                        f"shape {tuple(tensor.shape)} but the model from {config_path} expects {wanted[name]}",
+                    )
+                # copy=True always: CPU tensors from safe_open are unaligned mmap views (5e-7 output differences).
+                loaded[name] = tensor.to(dtype=_load_dtype(name, tensor.dtype, dtype), copy=True)
+
+    state_dict = {_renumber(name, layers.start): loaded[name] for name in wanted}
+    logger.info(
+        "loaded %d tensors (%.1f MiB) for layers [%d:%d) first=%s last=%s from %d of %d files in %s",
+        len(state_dict),
+        sum(t.nbytes for t in state_dict.values()) / 2**20,
+        layers.start,
+        layers.stop,
+        first,
+        last,
+        len(by_file),
+        len(set(ckpt.files.values())),
+        folder,
+    )
+    return config, state_dict
+
+
+def _renumber(name: str, start: int) -> str:
+    parts = name.split(".")
+    if parts[0] != "blocks":
+        return name
+    parts[1] = str(int(parts[1]) - start)
+    return ".".join(parts)
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(
+    folder: str | Path,
+    state_dict: Mapping[str, torch.Tensor],
+    config: Mapping,
+    *,
+    layout: wan_keys.Layout = "diffusers",
+    max_shard_bytes: int | None = None,
+    key_prefix: str = "",
+) -> Path:
+    """Write a diffusers-named ``state_dict`` (``model.state_dict()``) and ``config`` as a checkpoint folder.
+
+    ``layout="diffusers"`` writes what ``WanTransformer3DModel.save_pretrained`` would (loadable by
+    ``from_pretrained``); ``layout="original"`` renames keys to the original Wan names (behind ``key_prefix``,
+    e.g. ``"model.diffusion_model."``) and writes a Wan-AI ``WanModel`` config.  With ``max_shard_bytes`` the
+    tensors are split, in order, into ``diffusion_pytorch_model-0000k-of-0000n.safetensors`` shards of at most
+    that size (a bigger tensor gets a shard of its own) plus the index json.  Returns the folder.
+    """
+    folder = Path(folder)
+    if layout not in ("diffusers", "original"):
+        raise ValueError(f"layout must be 'diffusers' or 'original', not {layout!r}")
+    if key_prefix and layout != "original":
+        raise ValueError("key_prefix only applies to layout='original'")
+    folder.mkdir(parents=True, exist_ok=True)
+    # Stale weights next to new ones would make the folder ambiguous (index vs single file), so refuse.
+    existing = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".index.json")))
+    if existing:
+        raise FileExistsError(f"{folder} already holds weights: {', '.join(existing)}")
+
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if layout == "original":
+        config_json = wan_keys.diffusers_config_to_original(config)
+        rename = functools.partial(wan_keys.diffusers_to_original, prefix=key_prefix)
+    else:
+        from diffusers import __version__ as diffusers_version
+
+        config_json = {"_class_name": "WanTransformer3DModel", "_diffusers_version": diffusers_version, **config}
+        rename = str
+    (folder / CONFIG_NAME).write_text(json.dumps(config_json, indent=2, default=list) + "\n")
+
+    # save_file needs contiguous, unshared CPU tensors.
+    tensors = {rename(k): v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    metadata = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata=metadata)
+        logger.info("wrote %d tensors to %s", len(tensors), folder / WEIGHTS_NAME)
+        return folder
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += tensor.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("wrote %d tensors in %d shards to %s", len(tensors), len(shards), folder)
+    return folder
