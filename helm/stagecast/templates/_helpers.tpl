@@ -1,0 +1,303 @@
+{{/* vim: set filetype=mustache: */}}
+
+{{- define "stagecast.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Full name prefix of every resource. Truncated to 40 so that "<fullname>-stage-headless" and the
+stage pods' hostnames ("<fullname>-stage-N") stay valid DNS labels (<= 63).
+*/}}
+{{- define "stagecast.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stagecast.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "stagecast.coordinator.fullname" -}}{{ include "stagecast.fullname" . }}-coordinator{{- end -}}
+{{- define "stagecast.gateway.fullname" -}}{{ include "stagecast.fullname" . }}-gateway{{- end -}}
+{{- define "stagecast.stage.fullname" -}}{{ include "stagecast.fullname" . }}-stage{{- end -}}
+{{- define "stagecast.stage.headless" -}}{{ include "stagecast.fullname" . }}-stage-headless{{- end -}}
+
+{{- define "stagecast.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "stagecast.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels shared by every object. */}}
+{{- define "stagecast.labels" -}}
+helm.sh/chart: {{ include "stagecast.chart" . }}
+{{ include "stagecast.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: stagecast
+{{- end -}}
+
+{{/* Release-wide selector: every pod of this release (used by the NetworkPolicies). */}}
+{{- define "stagecast.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stagecast.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Component labels; call with (dict "ctx" $ "component" "stage"). */}}
+{{- define "stagecast.componentLabels" -}}
+{{ include "stagecast.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "stagecast.componentSelectorLabels" -}}
+{{ include "stagecast.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "stagecast.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) -}}
+{{- end -}}
+
+{{/* host:port of the coordinator, as handed to stages and gateways. */}}
+{{- define "stagecast.coordinator.address" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "stagecast.coordinator.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.coordinator.port) -}}
+{{- end -}}
+
+{{/* Checkpoint directory inside the containers: <mountPath>/<subPath>. */}}
+{{- define "stagecast.checkpointDir" -}}
+{{- $mount := trimSuffix "/" .Values.model.mountPath -}}
+{{- $sub := trimAll "/" (default "" .Values.model.subPath) -}}
+{{- if $sub -}}{{ printf "%s/%s" $mount $sub }}{{- else -}}{{ $mount }}{{- end -}}
+{{- end -}}
+
+{{/*
+Native gRPC probe; call with (dict "port" 50060 "probe" .Values.x.probes.startup).
+`enabled` and `service` are consumed here, all other keys pass through.
+*/}}
+{{- define "stagecast.grpcProbe" -}}
+grpc:
+  port: {{ int .port }}
+  service: {{ default "" .probe.service | quote }}
+{{- with (omit .probe "enabled" "service") }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment shared by every stagecast container: pod identity and the OpenTelemetry
+configuration (standard OTEL_* variables only). Call with (dict "ctx" $ "component" "gateway").
+*/}}
+{{- define "stagecast.commonEnv" -}}
+{{- $ := .ctx -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{ include "stagecast.otelEnv" . | trim }}
+{{- end -}}
+
+{{- define "stagecast.otelEnv" -}}
+{{- $ := .ctx -}}
+{{- $t := $.Values.tracing -}}
+{{- $attrs := list "k8s.namespace.name=$(POD_NAMESPACE)" "k8s.pod.name=$(POD_NAME)" "k8s.node.name=$(NODE_NAME)" (printf "service.namespace=%s" $.Release.Name) (printf "service.version=%s" (default $.Chart.AppVersion $.Values.image.tag | toString)) (printf "stagecast.component=%s" .component) -}}
+{{- range $k, $v := $t.resourceAttributes }}
+{{- $attrs = append $attrs (printf "%s=%v" $k $v) -}}
+{{- end }}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "stagecast-%s" .component | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attrs | quote }}
+{{- if $t.enabled }}
+- name: OTEL_SDK_DISABLED
+  value: "false"
+- name: OTEL_TRACES_EXPORTER
+  value: "otlp"
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $t.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $t.protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $t.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $t.ratio | toString | quote }}
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+- name: OTEL_TRACES_EXPORTER
+  value: "none"
+{{- end }}
+{{- end -}}
+
+{{/* resources + nvidia.com/gpu (requests == limits) when device is cuda. */}}
+{{- define "stagecast.resources" -}}
+{{- $res := deepCopy (default dict .resources) -}}
+{{- if and (eq .device "cuda") (gt (int .gpus) 0) -}}
+{{- $req := deepCopy (default dict (get $res "requests")) -}}
+{{- $lim := deepCopy (default dict (get $res "limits")) -}}
+{{- $_ := set $req "nvidia.com/gpu" (int .gpus) -}}
+{{- $_ := set $lim "nvidia.com/gpu" (int .gpus) -}}
+{{- $_ := set $res "requests" $req -}}
+{{- $_ := set $res "limits" $lim -}}
+{{- end -}}
+{{- if $res -}}
+{{ toYaml $res }}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{/* Model volume (PVC, hostPath, or the demo emptyDir). */}}
+{{- define "stagecast.modelVolume" -}}
+- name: model
+{{- if .Values.model.demo.enabled }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.demo.sizeLimit }}
+{{- else if .Values.model.pvc.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    {{- with .Values.model.hostPath.type }}
+    type: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "stagecast.modelVolumeMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end -}}
+
+{{/* initContainer writing the tiny demo checkpoint (model.demo.enabled). */}}
+{{- define "stagecast.demoInitContainer" -}}
+{{- if .Values.model.demo.enabled -}}
+- name: demo-checkpoint
+  image: {{ include "stagecast.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - demo-checkpoint
+    - --out
+    - {{ include "stagecast.checkpointDir" . }}
+  {{- with .Values.containerSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.model.demo.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end -}}
+
+{{- define "stagecast.shmVolume" -}}
+{{- if .shm.enabled -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shm.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Render-time validation. Included by every workload template so that `helm template`,
+`helm install` and `helm lint` all stop with a clear message.
+*/}}
+{{- define "stagecast.validate" -}}
+{{- $v := .Values -}}
+{{- $count := int $v.stages.count -}}
+{{- if lt $count 1 -}}
+{{- fail (printf "stagecast: stages.count must be >= 1 (got %d): the pipeline needs at least one stage" $count) -}}
+{{- end -}}
+{{- $numLayers := int $v.model.numLayers -}}
+{{- if lt $numLayers 1 -}}
+{{- fail (printf "stagecast: model.numLayers must be >= 1 (got %d)" $numLayers) -}}
+{{- end -}}
+{{- if gt $count $numLayers -}}
+{{- fail (printf "stagecast: stages.count (%d) cannot exceed model.numLayers (%d): every stage needs at least one transformer block" $count $numLayers) -}}
+{{- end -}}
+{{- with $v.stages.partition -}}
+{{- if ne (len .) $count -}}
+{{- fail (printf "stagecast: stages.partition %v has %d entries but stages.count is %d: give one block count per stage" . (len .) $count) -}}
+{{- end -}}
+{{- $sum := 0 -}}
+{{- range . -}}
+{{- if lt (int .) 1 -}}
+{{- fail (printf "stagecast: stages.partition entries must be >= 1 (got %v)" .) -}}
+{{- end -}}
+{{- $sum = add $sum (int .) -}}
+{{- end -}}
+{{- if ne (int $sum) $numLayers -}}
+{{- fail (printf "stagecast: stages.partition %v sums to %d but model.numLayers is %d: the stages must cover every transformer block exactly once" . $sum $numLayers) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (has $v.device (list "cuda" "cpu")) -}}
+{{- fail (printf "stagecast: device must be \"cuda\" or \"cpu\" (got %q)" (toString $v.device)) -}}
+{{- end -}}
+{{- if and (eq $v.device "cuda") (lt (int $v.stages.gpusPerStage) 1) -}}
+{{- fail "stagecast: device is \"cuda\" but stages.gpusPerStage < 1: give every stage a GPU or use device: cpu" -}}
+{{- end -}}
+{{- $sources := 0 -}}
+{{- if $v.model.pvc.claimName }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if $v.model.hostPath.path }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if $v.model.demo.enabled }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if eq (int $sources) 0 -}}
+{{- fail "stagecast: no model path: set model.pvc.claimName (an existing PVC holding the checkpoint), model.hostPath.path, or model.demo.enabled=true (tiny CPU demo checkpoint)" -}}
+{{- end -}}
+{{- if gt (int $sources) 1 -}}
+{{- fail "stagecast: set only one of model.pvc.claimName, model.hostPath.path and model.demo.enabled" -}}
+{{- end -}}
+{{- if not (hasPrefix "/" (toString $v.model.mountPath)) -}}
+{{- fail (printf "stagecast: model.mountPath must be an absolute path (got %q)" (toString $v.model.mountPath)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Stage anti-affinity preset (stages.podAntiAffinity). */}}
+{{- define "stagecast.stage.affinity" -}}
+{{- if .Values.stages.affinity -}}
+{{ tpl (toYaml .Values.stages.affinity) . }}
+{{- else if eq .Values.stages.podAntiAffinity "hard" -}}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- include "stagecast.componentSelectorLabels" (dict "ctx" . "component" "stage") | nindent 10 }}
+{{- else if eq .Values.stages.podAntiAffinity "soft" -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "stagecast.componentSelectorLabels" (dict "ctx" . "component" "stage") | nindent 12 }}
+{{- end -}}
+{{- end -}}

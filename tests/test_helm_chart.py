@@ -1,0 +1,759 @@
+"""Render the Helm chart with real Helm and check the manifests.
+
+The renderer is Helm's own Go SDK (``helm.sh/helm/v4`` engine, template funcs, ``fail``,
+values.schema.json validation, ``helm lint`` rules), shipped as the shared library inside the
+PyPI wheel ``helm-python-sdk`` (import name ``helm_python``); ``.ci/install-helm.sh`` installs it
+from ``.ci/helm-requirements.txt``. No cluster is contacted. Every rendered object is validated
+offline against the Kubernetes OpenAPI schemas shipped in ``kubernetes-validate`` (strict: unknown
+fields are errors); the prometheus-operator ServiceMonitor CRD has no schema there and gets a
+structural check instead.
+
+Without the renderer the tests fail when the ``CI`` environment variable is set, and skip
+otherwise. A ``helm`` binary on PATH (or ``$HELM_BIN``), when present, is cross-checked too.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "stagecast"
+RELEASE = "sc"
+NAMESPACE = "video"
+# Oldest Kubernetes the chart supports (pod-index label) and the newest schemas we ship.
+KUBE_VERSIONS = ("1.28.0", "1.37.0")
+VALUES_FILES = {
+    "default": None,
+    "multinode": CHART / "values-multinode.yaml",
+    "cpu": CHART / "values-cpu.yaml",
+}
+INSTALL_HINT = "run `bash .ci/install-helm.sh` (installs .ci/helm-requirements.txt into the active Python)"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+COMPONENT_SERVICE = {"coordinator": "stagecast-coordinator", "stage": "stagecast-stage", "gateway": "stagecast-gateway"}
+
+
+def _need(module: str, what: str):
+    try:
+        return __import__(module)
+    except Exception as exc:  # ImportError, or OSError from a broken native library
+        msg = f"{what} is not importable ({exc!r}): {INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def helm():
+    mod = _need("helm_python", "the real Helm renderer helm_python (PyPI: helm-python-sdk)")
+    assert mod.helm_sdk_version().startswith(("v3.", "v4.")), mod.helm_sdk_version()
+    return mod
+
+
+@pytest.fixture(scope="session")
+def kv():
+    return _need("kubernetes_validate", "kubernetes_validate (PyPI: kubernetes-validate)")
+
+
+def _load_values(name: str) -> dict:
+    path = VALUES_FILES[name]
+    return yaml.safe_load(path.read_text()) if path else {}
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, val in override.items():
+        if isinstance(val, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], val)
+        else:
+            out[key] = copy.deepcopy(val)
+    return out
+
+
+class Rendered:
+    """Objects of one render, indexed by kind and name."""
+
+    def __init__(self, manifests: dict[str, str], values: dict):
+        self.manifests = manifests
+        self.values = values  # user-supplied values merged over values.yaml
+        self.objects: list[dict] = []
+        for template, text in sorted(manifests.items()):
+            if template.endswith("NOTES.txt"):
+                continue
+            for doc in yaml.safe_load_all(text):
+                if doc:
+                    doc.setdefault("metadata", {}).setdefault("annotations", {})
+                    self.objects.append({**doc, "_template": template})
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict:
+        found = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind}/{name}, got {[o['metadata']['name'] for o in self.of_kind(kind)]}"
+        return found[0]
+
+    def component(self, kind: str, component: str) -> dict:
+        found = [
+            o
+            for o in self.of_kind(kind)
+            if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+        ]
+        assert len(found) == 1, f"expected one {kind} of component {component}, got {len(found)}"
+        return found[0]
+
+    def workloads(self) -> list[dict]:
+        return [o for o in self.objects if o["kind"] in WORKLOAD_KINDS]
+
+
+@functools.cache
+def _render_cached(helm, values_json: str) -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def render(helm, name: str = "default", **overrides) -> Rendered:
+    values = _deep_merge(_load_values(name), overrides)
+    manifests = _render_cached(helm, json.dumps(values, sort_keys=True))
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    return Rendered(manifests, _deep_merge(defaults, values))
+
+
+def render_error(helm, name: str = "default", **overrides) -> str:
+    values = _deep_merge(_load_values(name), overrides)
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmError) as info:
+            chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return str(info.value)
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def arg_value(args: list[str], flag: str) -> str | None:
+    if flag not in args:
+        return None
+    assert args.count(flag) == 1, f"{flag} given twice in {args}"
+    return args[args.index(flag) + 1]
+
+
+def main_container(workload: dict) -> dict:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, containers
+    return containers[0]
+
+
+def fqdn(service: str, port: int | str | None = None) -> str:
+    host = f"{service}.{NAMESPACE}.svc.cluster.local"
+    return f"{host}:{port}" if port is not None else host
+
+
+# ----------------------------------------------------------------------------------------------
+# Lint and schema-valid output for every shipped values file.
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_helm_lint_is_clean(helm, name):
+    report = helm.lint(str(CHART), _load_values(name), strict=True, kube_version="v" + KUBE_VERSIONS[0])
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_values_files_match_values_schema(helm, name):
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(_load_values(name))
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_manifests_validate_against_kubernetes_schemas(helm, kv, name):
+    r = render(helm, name)
+    kinds = {o["kind"] for o in r.objects}
+    assert {"Deployment", "StatefulSet", "Service", "NetworkPolicy", "Pod", "ServiceAccount"} <= kinds, kinds
+    checked = 0
+    for obj in r.objects:
+        body = {k: v for k, v in obj.items() if k != "_template"}
+        assert body["metadata"]["name"], obj["_template"]
+        if not body["metadata"]["annotations"]:
+            del body["metadata"]["annotations"]
+        if body["apiVersion"].startswith("monitoring.coreos.com/"):
+            # CRD: no schema in kubernetes-validate; structural check in test_service_monitor_and_dashboard.
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kv.validate(body, version, strict=True)
+            except kv.ValidationError as exc:
+                pytest.fail(
+                    f"{obj['_template']}: {body['kind']}/{body['metadata']['name']} invalid for k8s {version}: {exc}"
+                )
+        checked += 1
+    assert checked >= 10, checked
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_names_are_valid_dns_labels(helm, name):
+    r = render(helm, name)
+    for obj in r.objects:
+        obj_name = obj["metadata"]["name"]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj_name) and len(obj_name) <= 63, obj_name
+        assert obj["metadata"].get("namespace") == NAMESPACE, obj_name
+    count = int(r.values["stages"]["count"])
+    sts = r.component("StatefulSet", "stage")
+    assert len(f"{sts['metadata']['name']}-{count - 1}") <= 63
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage pods: index, rendezvous, placement.
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_stage_pods_get_index_and_rendezvous(helm, name):
+    r = render(helm, name)
+    v = r.values
+    sts = r.component("StatefulSet", "stage")
+    spec = sts["spec"]
+    assert spec["replicas"] == v["stages"]["count"]
+    assert spec["podManagementPolicy"] == "Parallel"
+
+    # Headless Service of the StatefulSet: stable per-pod DNS, resolvable before Ready.
+    headless = r.get("Service", spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    headless_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    assert headless_ports["dist"] == v["stages"]["distPort"]
+    assert headless_ports["grpc"] == v["stages"]["port"]
+
+    c = main_container(sts)
+    env = env_of(c)
+    # Index from the pod-index label (downward API), not from an argument.
+    assert env["STAGECAST_STAGE_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    args = c["args"]
+    assert args[0] == "stage" and "--index" not in args
+
+    # Coordinator address points at the coordinator Service, which selects the coordinator pod.
+    coord_svc = r.component("Service", "coordinator")
+    coord_port = next(p["port"] for p in coord_svc["spec"]["ports"] if p["name"] == "grpc")
+    assert arg_value(args, "--coordinator") == fqdn(coord_svc["metadata"]["name"], coord_port)
+    coord = r.component("Deployment", "coordinator")
+    assert coord_svc["spec"]["selector"].items() <= coord["spec"]["template"]["metadata"]["labels"].items()
+
+    # Advertised host = the pod's name under the headless Service; $(POD_NAME) is defined before use.
+    advertise = arg_value(args, "--advertise-host")
+    assert advertise == "$(POD_NAME)." + fqdn(headless["metadata"]["name"])
+    hosts = {advertise.replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}") for i in range(spec["replicas"])}
+    assert len(hosts) == v["stages"]["count"]
+    assert arg_value(args, "--dist-port") == str(v["stages"]["distPort"])
+    assert arg_value(args, "--port") == str(v["stages"]["port"])
+    assert arg_value(args, "--host") == "0.0.0.0"
+    assert arg_value(args, "--device") == v["device"]
+    assert arg_value(args, "--metrics-port") == str(v["metrics"]["port"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": v["stages"]["port"], "dist": v["stages"]["distPort"], "metrics": v["metrics"]["port"]}
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_coordinator_and_gateway_arguments(helm, name):
+    r = render(helm, name)
+    v = r.values
+    coord = main_container(r.component("Deployment", "coordinator"))
+    assert r.component("Deployment", "coordinator")["spec"]["replicas"] == 1
+    args = coord["args"]
+    assert args[0] == "coordinator"
+    assert arg_value(args, "--stages") == str(v["stages"]["count"])
+    assert arg_value(args, "--port") == str(v["coordinator"]["port"])
+    partition = v["stages"]["partition"]
+    if partition:
+        assert arg_value(args, "--partition") == ",".join(str(p) for p in partition)
+    else:
+        assert "--partition" not in args
+
+    gw = main_container(r.component("Deployment", "gateway"))
+    args = gw["args"]
+    assert args[0] == "gateway"
+    coord_svc = r.component("Service", "coordinator")
+    assert arg_value(args, "--coordinator") == fqdn(coord_svc["metadata"]["name"], v["coordinator"]["port"])
+    assert arg_value(args, "--max-streams") == str(v["gateway"]["maxStreams"])
+    assert arg_value(args, "--device") == v["device"]
+
+
+def test_multinode_spreads_stages_with_partition(helm):
+    r = render(helm, "multinode")
+    sts = r.component("StatefulSet", "stage")
+    assert sts["spec"]["replicas"] == 4
+    coord_args = main_container(r.component("Deployment", "coordinator"))["args"]
+    assert arg_value(coord_args, "--partition") == "8,12,12,8"
+    terms = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert terms[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert terms[0]["labelSelector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    # tpl in values: the gateway's anti-affinity names the release.
+    gw_aff = r.component("Deployment", "gateway")["spec"]["template"]["spec"]["affinity"]
+    term = gw_aff["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+
+
+def test_default_keeps_stages_packable_on_one_node(helm):
+    sts = render(helm).component("StatefulSet", "stage")
+    assert "affinity" not in sts["spec"]["template"]["spec"]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPUs, model volume, /dev/shm.
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_gpu_requests_equal_limits(helm, name):
+    r = render(helm, name)
+    v = r.values
+    for wl in r.workloads() + r.of_kind("Pod"):
+        pod = wl["spec"]["template"]["spec"] if wl["kind"] in WORKLOAD_KINDS else wl["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            res = c.get("resources", {})
+            req = res.get("requests", {}).get("nvidia.com/gpu")
+            lim = res.get("limits", {}).get("nvidia.com/gpu")
+            assert req == lim, f"{wl['metadata']['name']}/{c['name']}: gpu requests {req} != limits {lim}"
+    stage = main_container(r.component("StatefulSet", "stage"))["resources"]
+    gateway = main_container(r.component("Deployment", "gateway"))["resources"]
+    coord = main_container(r.component("Deployment", "coordinator"))["resources"]
+    assert "nvidia.com/gpu" not in coord.get("limits", {})
+    if v["device"] == "cuda":
+        assert stage["limits"]["nvidia.com/gpu"] == v["stages"]["gpusPerStage"] >= 1
+        assert gateway["limits"]["nvidia.com/gpu"] == v["gateway"]["gpus"]
+    else:
+        assert "nvidia.com/gpu" not in stage.get("limits", {}) and "nvidia.com/gpu" not in gateway.get("limits", {})
+
+
+def test_gpus_per_stage_is_honoured(helm):
+    res = main_container(render(helm, stages={"gpusPerStage": 2}).component("StatefulSet", "stage"))["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 2
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_model_volume_and_shm(helm, name):
+    r = render(helm, name)
+    v = r.values
+    checkpoint = f"{v['model']['mountPath'].rstrip('/')}/{v['model']['subPath']}"
+    for component, kind in (("stage", "StatefulSet"), ("gateway", "Deployment")):
+        wl = r.component(kind, component)
+        pod = wl["spec"]["template"]["spec"]
+        c = main_container(wl)
+        assert arg_value(c["args"], "--checkpoint") == checkpoint
+        volumes = {vol["name"]: vol for vol in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        model_mount = mounts[v["model"]["mountPath"]]
+        assert model_mount["readOnly"] is True
+        model_vol = volumes[model_mount["name"]]
+        if v["model"]["demo"]["enabled"]:
+            assert "emptyDir" in model_vol
+            (init,) = pod["initContainers"]
+            assert init["args"] == ["demo-checkpoint", "--out", checkpoint]
+            assert any(
+                m["name"] == model_mount["name"] and m["mountPath"] == v["model"]["mountPath"]
+                for m in init["volumeMounts"]
+            )
+        elif v["model"]["pvc"]["claimName"]:
+            assert model_vol["persistentVolumeClaim"]["claimName"] == v["model"]["pvc"]["claimName"]
+            assert "initContainers" not in pod
+        shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+        assert shm["medium"] == "Memory"
+        assert shm["sizeLimit"] == v[{"stage": "stages"}.get(component, component)]["shm"]["sizeLimit"]
+
+
+def test_host_path_model(helm):
+    r = render(helm, model={"pvc": {"claimName": ""}, "hostPath": {"path": "/data/wan"}})
+    pod = r.component("StatefulSet", "stage")["spec"]["template"]["spec"]
+    (vol,) = [vol for vol in pod["volumes"] if vol["name"] == "model"]
+    assert vol["hostPath"] == {"path": "/data/wan", "type": "Directory"}
+
+
+def test_cpu_values_are_cpu_only_demo(helm):
+    r = render(helm, "cpu")
+    assert r.values["device"] == "cpu"
+    for wl in r.workloads():
+        for c in wl["spec"]["template"]["spec"]["containers"]:
+            assert "nvidia.com/gpu" not in json.dumps(c.get("resources", {}))
+    init = r.component("StatefulSet", "stage")["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["args"] == ["demo-checkpoint", "--out", "/models/demo"]
+    assert not r.of_kind("PodDisruptionBudget")
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes, tracing.
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_probes_use_grpc_health(helm, name):
+    r = render(helm, name)
+    for wl in r.workloads():
+        component = wl["metadata"]["labels"]["app.kubernetes.io/component"]
+        c = main_container(wl)
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c[probe_name]
+            assert set(probe) & {"httpGet", "exec", "tcpSocket"} == set(), (component, probe)
+            assert probe["grpc"]["port"] == grpc_port, (component, probe_name)
+            assert isinstance(probe["grpc"]["service"], str)
+        startup = c["startupProbe"]
+        budget = startup["failureThreshold"] * startup["periodSeconds"]
+        if component in ("stage", "gateway") and r.values["device"] == "cuda":
+            assert budget >= 600, f"{component}: startup budget {budget}s is too short for weight loading"
+        assert budget >= 120, (component, budget)
+
+
+def test_probe_service_name_is_configurable(helm):
+    r = render(helm, stages={"probes": {"readiness": {"service": "stagecast.v1.Stage"}}})
+    c = main_container(r.component("StatefulSet", "stage"))
+    assert c["readinessProbe"]["grpc"] == {"port": 50060, "service": "stagecast.v1.Stage"}
+    assert c["livenessProbe"]["grpc"]["service"] == ""
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_otel_env_on_every_component(helm, name):
+    r = render(helm, name)
+    t = r.values["tracing"]
+    pods = [(wl["metadata"]["labels"]["app.kubernetes.io/component"], main_container(wl)) for wl in r.workloads()]
+    pods += [("test", p["spec"]["containers"][0]) for p in r.of_kind("Pod")]
+    assert {c for c, _ in pods} >= {"coordinator", "stage", "gateway"}
+    service_names = set()
+    for component, c in pods:
+        env = env_of(c)
+        names = list(env)
+        service_names.add(env["OTEL_SERVICE_NAME"]["value"])
+        if component in COMPONENT_SERVICE:
+            assert env["OTEL_SERVICE_NAME"]["value"] == COMPONENT_SERVICE[component]
+        attrs = dict(pair.split("=", 1) for pair in env["OTEL_RESOURCE_ATTRIBUTES"]["value"].split(","))
+        assert attrs["stagecast.component"] == component
+        assert attrs["k8s.pod.name"] == "$(POD_NAME)"
+        assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+        for key, val in t["resourceAttributes"].items():
+            assert attrs[key] == str(val)
+        if t["enabled"]:
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == t["endpoint"]
+            assert env["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == t["protocol"]
+            assert env["OTEL_TRACES_SAMPLER"]["value"] == t["sampler"]
+            assert float(env["OTEL_TRACES_SAMPLER_ARG"]["value"]) == float(t["ratio"])
+            assert env["OTEL_SDK_DISABLED"]["value"] == "false"
+        else:
+            assert env["OTEL_SDK_DISABLED"]["value"] == "true"
+            assert env["OTEL_TRACES_EXPORTER"]["value"] == "none"
+            assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
+    assert len(service_names) == len(pods)
+
+
+def test_multinode_enables_tracing(helm):
+    env = env_of(main_container(render(helm, "multinode").component("StatefulSet", "stage")))
+    assert env["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.05"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"].startswith("http")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exposure and network policy.
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_only_gateway_service_is_exposed(helm, name):
+    r = render(helm, name)
+    v = r.values
+    gw_public = r.get("Service", f"{RELEASE}-stagecast-gateway")
+    assert gw_public["spec"]["type"] == v["gateway"]["service"]["type"]
+    assert [p["name"] for p in gw_public["spec"]["ports"]] == ["grpc"], "metrics must not be on the public Service"
+    for svc in r.of_kind("Service"):
+        if svc is gw_public:
+            continue
+        assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", svc["metadata"]["name"]
+        assert "externalIPs" not in svc["spec"]
+    assert not r.of_kind("Ingress")
+    for wl in r.workloads() + r.of_kind("Pod"):
+        pod = wl["spec"]["template"]["spec"] if wl["kind"] in WORKLOAD_KINDS else wl["spec"]
+        assert not pod.get("hostNetwork") and not pod.get("hostPID")
+        for c in pod["containers"]:
+            assert all("hostPort" not in p for p in c.get("ports", []))
+
+
+def test_gateway_service_type_is_configurable(helm):
+    r = render(helm, gateway={"service": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8"]}})
+    svc = r.get("Service", f"{RELEASE}-stagecast-gateway")
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8"]
+    assert render(helm, "multinode").get("Service", f"{RELEASE}-stagecast-gateway")["spec"]["type"] == "LoadBalancer"
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_network_policies_restrict_to_release(helm, name):
+    r = render(helm, name)
+    v = r.values
+    release_peer = {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}}
+    }
+    metrics_peers = v["networkPolicy"]["metrics"]["from"]
+    assert metrics_peers, "the shipped values let a monitoring namespace scrape"
+    for component in ("coordinator", "stage"):
+        np = r.component("NetworkPolicy", component)
+        wl = r.component("StatefulSet" if component == "stage" else "Deployment", component)
+        assert np["spec"]["podSelector"]["matchLabels"].items() <= wl["spec"]["template"]["metadata"]["labels"].items()
+        assert np["spec"]["policyTypes"] == ["Ingress"]
+        for rule in np["spec"]["ingress"]:
+            assert rule.get("from"), f"{component}: a rule without 'from' admits every source"
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer
+                if peer == release_peer:
+                    continue
+                # Anything else may only reach the metrics port.
+                assert peer in metrics_peers, (component, peer)
+                assert [p["port"] for p in rule["ports"]] == ["metrics"], (component, rule)
+        assert any(rule["from"] == [release_peer] for rule in np["spec"]["ingress"])
+    # Release pods carry the labels the peer selects on.
+    for wl in r.workloads() + r.of_kind("Pod"):
+        labels = (
+            wl["spec"]["template"]["metadata"]["labels"] if wl["kind"] in WORKLOAD_KINDS else wl["metadata"]["labels"]
+        )
+        assert release_peer["podSelector"]["matchLabels"].items() <= labels.items()
+    # Gateway: gRPC open (networkPolicy.gateway.from is empty), metrics not.
+    gw = r.component("NetworkPolicy", "gateway")
+    grpc_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "grpc")
+    assert "from" not in grpc_rule
+    metrics_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "metrics")
+    assert metrics_rule["from"]
+
+
+def test_metrics_scrapers_are_configurable(helm):
+    peer = {
+        "namespaceSelector": {"matchLabels": {"team": "obs"}},
+        "podSelector": {"matchLabels": {"app": "prometheus"}},
+    }
+    r = render(helm, networkPolicy={"metrics": {"from": [peer]}})
+    for component in ("coordinator", "stage", "gateway"):
+        rules = r.component("NetworkPolicy", component)["spec"]["ingress"]
+        metrics_rules = [rule for rule in rules if peer in rule.get("from", [])]
+        assert len(metrics_rules) == 1 and metrics_rules[0]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        # The list replaces the default peer, it is not merged into it.
+        assert "monitoring" not in json.dumps(rules)
+    r = render(helm, networkPolicy={"metrics": {"from": []}})
+    assert len(r.component("NetworkPolicy", "stage")["spec"]["ingress"]) == 1
+    assert not render(helm, networkPolicy={"enabled": False}).of_kind("NetworkPolicy")
+
+
+# ----------------------------------------------------------------------------------------------
+# Monitoring, PDB, helm test.
+
+
+def test_service_monitor_and_dashboard(helm):
+    r = render(helm, "multinode")
+    (sm,) = r.of_kind("ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+    selector = sm["spec"]["selector"]["matchLabels"]
+    scraped = {
+        s["metadata"]["labels"]["app.kubernetes.io/component"]
+        for s in r.of_kind("Service")
+        if selector.items() <= s["metadata"]["labels"].items()
+    }
+    assert scraped == {"coordinator", "stage", "gateway"}
+    for svc in r.of_kind("Service"):
+        if selector.items() <= svc["metadata"]["labels"].items():
+            assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
+    (cm,) = r.of_kind("ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["stagecast.json"])
+    assert dashboard["title"] and dashboard["panels"]
+    assert dashboard == json.loads((CHART / "dashboards" / "stagecast.json").read_text())
+    default = render(helm)
+    assert not default.of_kind("ServiceMonitor") and not default.of_kind("ConfigMap")
+
+
+def test_stage_pdb(helm):
+    r = render(helm)
+    (pdb,) = r.of_kind("PodDisruptionBudget")
+    sts = r.component("StatefulSet", "stage")
+    assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_helm_test_pod_generates_through_gateway(helm, name):
+    r = render(helm, name)
+    (pod,) = r.of_kind("Pod")
+    assert pod["_template"].endswith("templates/tests/test-generate.yaml")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[0] == "generate"
+    gw = r.get("Service", f"{RELEASE}-stagecast-gateway")
+    assert arg_value(args, "--target") == fqdn(gw["metadata"]["name"], gw["spec"]["ports"][0]["port"])
+    assert arg_value(args, "--prompt") and arg_value(args, "--seconds") == str(r.values["tests"]["seconds"])
+    assert arg_value(args, "--out") == "/tmp/clip.mp4"
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad values fail the render with a clear message.
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"stages": {"count": 0}}, "stages.count must be >= 1 (got 0)"),
+        ({"stages": {"count": -2}}, "stages.count must be >= 1 (got -2)"),
+        ({"stages": {"count": 4, "partition": [10, 10, 20]}}, "has 3 entries but stages.count is 4"),
+        ({"stages": {"count": 4, "partition": [10, 10, 10, 9]}}, "sums to 39 but model.numLayers is 40"),
+        (
+            {"stages": {"count": 2, "partition": [20, 20]}, "model": {"numLayers": 30}},
+            "sums to 40 but model.numLayers is 30",
+        ),
+        ({"stages": {"count": 2, "partition": [0, 40]}}, "stages.partition entries must be >= 1"),
+        ({"stages": {"count": 41}}, "cannot exceed model.numLayers (40)"),
+        ({"model": {"pvc": {"claimName": ""}}}, "no model path"),
+        ({"model": {"pvc": {"claimName": "x"}, "hostPath": {"path": "/data"}}}, "set only one of"),
+        ({"stages": {"gpusPerStage": 0}}, "stages.gpusPerStage < 1"),
+    ],
+)
+def test_bad_values_fail_with_clear_message(helm, overrides, message):
+    err = render_error(helm, **overrides)
+    assert message in err, err
+    assert "stagecast:" in err
+
+
+def test_multinode_partition_must_match_count(helm):
+    err = render_error(helm, "multinode", stages={"count": 3})
+    assert "stages.partition [8 12 12 8] has 4 entries but stages.count is 3" in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path"),
+    [
+        ({"device": "tpu"}, "/device"),
+        ({"stages": {"gpusPerStage": "one"}}, "/stages/gpusPerStage"),
+        ({"gateway": {"service": {"type": "ExternalName"}}}, "/gateway/service/type"),
+        ({"tracing": {"ratio": 2}}, "/tracing/ratio"),
+        ({"stagess": {"count": 2}}, "stagess"),
+    ],
+)
+def test_values_schema_rejects_bad_types(helm, overrides, path):
+    err = render_error(helm, **overrides)
+    assert "schema" in err and path in err, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Documentation stays in step with values.yaml.
+
+
+def _leaf_paths(node, prefix=""):
+    if isinstance(node, dict) and node:
+        for key, val in node.items():
+            yield from _leaf_paths(val, f"{prefix}.{key}" if prefix else key)
+    else:
+        yield prefix
+
+
+def test_readme_documents_every_value():
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text().split("\n## Values\n", 1)[1]
+    documented = set(re.findall(r"^\| `([^`]+)` \|", readme, flags=re.M))
+    # Maps meant to be filled by the user (resources, probes, selectors...) are documented as a whole.
+    missing = [p for p in _leaf_paths(defaults) if not any(p == d or p.startswith(d + ".") for d in documented)]
+    assert not missing, f"values missing from the README table: {missing}"
+    stale = [d for d in documented if not any(p == d or p.startswith(d + ".") for p in _leaf_paths(defaults))]
+    assert not stale, f"README documents values that do not exist: {stale}"
+
+
+def test_schema_covers_every_value():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node, sch, path):
+        if sch.get("additionalProperties") is False and isinstance(node, dict):
+            for key, val in node.items():
+                assert key in sch["properties"], f"{path}.{key} is not in values.schema.json"
+                walk(val, sch["properties"][key], f"{path}.{key}")
+
+    walk(defaults, schema, "")
+
+
+# ----------------------------------------------------------------------------------------------
+# A helm binary, when one is installed, must agree with the SDK.
+
+
+def _helm_bin() -> str | None:
+    return os.environ.get("HELM_BIN") or shutil.which("helm")
+
+
+@pytest.mark.skipif(_helm_bin() is None, reason="no helm binary on PATH (the SDK above is the CI renderer)")
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_helm_binary_agrees(helm, name):
+    cmd = [_helm_bin(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    if VALUES_FILES[name]:
+        cmd += ["-f", str(VALUES_FILES[name])]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
+    binary = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out) if d}
+    sdk = {(o["kind"], o["metadata"]["name"]) for o in render(helm, name).objects}
+    assert binary == sdk
+
+
+# ----------------------------------------------------------------------------------------------
+# The images the chart runs (text checks: no docker engine in CI).
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            cmd, _, rest = line.partition(" ")
+            out.append((cmd.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfiles_match_the_chart(dockerfile):
+    ins = _instructions(REPO / "docker" / dockerfile)
+    final_stage = ins[max(i for i, (cmd, _) in enumerate(ins) if cmd == "FROM") :]
+    entrypoints = [json.loads(rest) for cmd, rest in final_stage if cmd == "ENTRYPOINT"]
+    assert entrypoints == [["stagecast"]], "the chart passes only sub-commands: ENTRYPOINT must be exec-form stagecast"
+    users = [rest for cmd, rest in final_stage if cmd == "USER"]
+    run_as = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]
+    assert users and users[-1].split(":")[0] == str(run_as), (users, run_as)
+    runs = " ".join(rest for cmd, rest in ins if cmd == "RUN")
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for cmd, rest in ins if cmd == "ARG" and "=" in rest}
+    if dockerfile == "Dockerfile":
+        assert "nvidia/cuda" in args["CUDA_IMAGE"] and "runtime" in args["CUDA_IMAGE"]
+        assert 'pip install "/src[gpu]"' in runs
+    else:
+        assert args["PYTHON_IMAGE"] == "python:3.11-slim"
+        assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
+        assert runs.index("torch==2.13.0") < runs.index("pip install /src")
+    ignore = (REPO / "docker" / f"{dockerfile}.dockerignore").read_text().split()
+    assert {".git", ".venv", "**/*.safetensors"} <= set(ignore), "weights and venvs stay out of the build context"
+
+
+def test_long_release_name_keeps_names_valid(helm):
+    release = "a-very-long-release-name-for-testing-the-dns-limits1"  # 53: Helm's maximum
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render({}, name=release, namespace=NAMESPACE)
+    for template, text in manifests.items():
+        if template.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+                if doc["kind"] == "StatefulSet":
+                    # Pod hostnames <sts>-<ordinal> and the controller-revision-hash label value.
+                    assert len(doc["metadata"]["name"]) + 1 + 11 <= 63
