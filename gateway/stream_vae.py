@@ -1,0 +1,395 @@
+"""Streaming Wan VAE decode: latent chunks in, video frames out, one causal-conv cache per stream.
+
+The DiT finishes a stream's latents one chunk at a time. ``AutoencoderKLWan.decode`` cannot continue a video (it
+clears its cache on entry and exit, so every chunk would restart at "frame 0"), so this module drives the decoder
+itself, exactly as ``AutoencoderKLWan._decode`` does, with the cache kept per stream (WAN_INTERNALS.md section 5)::
+
+    vae = StreamVAE.from_folder("/models/Wan2.2-TI2V-5B-Diffusers/vae", dtype=torch.bfloat16, device="cuda")
+    state = vae.new_state()                              # one per stream
+    for latents in chunks:                               # the DiT's normalised latents, (1, z_dim, T, h, w)
+        video = vae.decode_chunk(state, latents)         # (1, 3, n, H, W) in [-1, 1]
+        frames = to_uint8_frames(video)                  # (n, H, W, 3) uint8, for the encoder
+    vae.release(state)
+
+The concatenated chunk outputs are bit-identical for every chunking of a stream, and equal bit for bit the one-shot
+``vae.decode(z * std + mean).sample`` of the whole latent video wherever the backend's 1x1x1 ``post_quant_conv``
+gives the same bits for T frames at once as for one at a time (true at most sizes; on CPU not at a 2x4 latent,
+where the two differ by ~1e-6). The first chunk of a stream gives ``1 + 4 (T - 1)`` frames, later chunks ``4 T``
+(``frames_for_chunk``). One ``StreamVAE`` serves any number of streams; it holds no per-stream data.
+
+Moving a stream (another process or GPU): ``torch.save(state.state_dict(), f)`` and
+``vae.load_state(torch.load(f))`` on a ``StreamVAE`` with the same weights; the dict holds only tensors, ints,
+strings and None, so ``torch.load``'s default ``weights_only=True`` accepts it.
+
+To run the decoder as pipeline stages, ``split_decoder(vae, 2)`` cuts it by blocks into ``StreamVAESlice`` s with
+the same ``new_state``/``decode_chunk``/``release`` API; each owns the cache slots of its own blocks, the first
+takes latents, the last returns video, and what passes between them is one tensor per chunk.
+
+Not handled: tiled decode (``vae.enable_tiling()`` is ignored, and the one-shot reference is the untiled decode)
+and model-offload hooks (they sit on ``vae.decode``, which this bypasses; keep the module on its device).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from os import PathLike
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanResample, unpatchify
+from torch import nn
+
+from gateway import vae_configs
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+def frames_for_chunk(first: bool, latent_frames: int, temporal_factor: int = 4) -> int:
+    """Video frames a chunk of ``latent_frames`` decodes to: frame 0 of a stream gives 1, every other gives 4."""
+    if latent_frames < 1:
+        raise ValueError(f"a chunk has at least one latent frame, got {latent_frames}")
+    return 1 + temporal_factor * (latent_frames - 1) if first else temporal_factor * latent_frames
+
+
+def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
+    """Convert decoded video ``(1, 3, n, H, W)`` (or ``(3, n, H, W)``) in [-1, 1] to ``(n, H, W, 3)`` uint8.
+
+    The result stays on the video's device.
+
+    The same arithmetic as diffusers' ``VideoProcessor.postprocess_video(..., output_type="pil")`` and
+    ``encode_video``: ``(x * 0.5 + 0.5).clamp(0, 1)`` in the video's dtype, then float32, ``* 255``, round half to
+    even (``torch.round``, like ``np.round``), cast. Rounding rather than truncating (``export_to_video``'s
+    ``astype(uint8)``) keeps the error within half a level; both are deterministic, this one is unbiased.
+    """
+    if video.dim() == 5:
+        if video.shape[0] != 1:
+            raise ValueError(f"expected one video (1, 3, n, H, W), got shape {tuple(video.shape)}")
+        video = video[0]
+    if video.dim() != 4 or video.shape[0] != 3:
+        raise ValueError(f"expected video of shape (1, 3, n, H, W) or (3, n, H, W), got {tuple(video.shape)}")
+    frames = (video.permute(1, 2, 3, 0) * 0.5 + 0.5).clamp(0, 1).float()
+    return (frames * 255).round().to(torch.uint8)
+
+
+@dataclass
+class VAEStreamState:
+    """One stream's decode state for one decoder (or decoder slice).
+
+    ``feat_cache`` has one slot per ``WanCausalConv3d`` the decoder owns, in call order: ``None`` (not reached
+    yet, or a 1x1x1 shortcut that never caches), ``"Rep"`` (an upsample3d after frame 0) or the last <= 2 input
+    frames of that conv. Slots change shape over the first two latent frames and are stable after that.
+    """
+
+    feat_cache: list
+    temporal_factor: int
+    latent_frames: int = 0  # latent frames decoded so far; 0 means the next one is the stream's frame 0
+    latent_hw: tuple[int, int] | None = None  # fixed by the first chunk: the cached frames only fit that size
+    released: bool = False
+
+    @property
+    def frames_decoded(self) -> int:
+        """Video frames the stream has produced so far."""
+        return frames_for_chunk(True, self.latent_frames, self.temporal_factor) if self.latent_frames else 0
+
+    @property
+    def approx_bytes(self) -> int:
+        """Memory held by the cached tensors (what an admission bound should count per stream)."""
+        return sum(t.numel() * t.element_size() for t in self.feat_cache if isinstance(t, torch.Tensor))
+
+    def state_dict(self) -> dict:
+        """Plain-data snapshot for ``torch.save``; restore it with ``load_state`` of a decoder with equal weights."""
+        if self.released:
+            raise ValueError("cannot snapshot a released VAE stream state")
+        return {
+            "version": _STATE_VERSION,
+            "feat_cache": list(self.feat_cache),
+            "temporal_factor": self.temporal_factor,
+            "latent_frames": self.latent_frames,
+            "latent_hw": None if self.latent_hw is None else list(self.latent_hw),
+        }
+
+
+class _ChunkDecoder:
+    """Shared per-stream, frame-by-frame driver; subclasses say what one latent frame runs through."""
+
+    def __init__(self, vae: AutoencoderKLWan, *, takes_latents: bool, gives_video: bool, in_factor: int, slots: int):
+        if vae.use_tiling:
+            logger.warning("vae tiling is on; streaming decode ignores it and decodes untiled")
+        self.vae = vae
+        self.device = next(vae.parameters()).device
+        self.dtype = vae.dtype
+        self.temporal_factor = vae_configs.temporal_factor(vae.config)
+        self.takes_latents = takes_latents
+        self.gives_video = gives_video
+        # Frames per latent frame (after frame 0, which is always one) in the tensor this decoder receives.
+        self.in_factor = in_factor
+        self.num_slots = slots
+        if takes_latents:
+            z_dim = vae.config.z_dim
+            # Built exactly as WanPipeline does (cast to the VAE dtype, then reciprocal), so that
+            # latents / inv_std + mean is bit-identical to the pipeline's de-normalisation.
+            stats = dict(device=self.device, dtype=self.dtype)
+            self._mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(**stats)
+            self._inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(**stats)
+
+    def new_state(self) -> VAEStreamState:
+        return VAEStreamState(feat_cache=[None] * self.num_slots, temporal_factor=self.temporal_factor)
+
+    def release(self, state: VAEStreamState) -> None:
+        """Drop the cached tensors now rather than when the last reference goes; the state is unusable after."""
+        logger.debug("releasing VAE stream state: %d latent frames, %d bytes", state.latent_frames, state.approx_bytes)
+        state.feat_cache = []
+        state.released = True
+
+    def load_state(self, snapshot: dict) -> VAEStreamState:
+        """Rebuild a state from ``VAEStreamState.state_dict()``, moving its tensors to this decoder's device."""
+        if snapshot.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported VAE stream state version {snapshot.get('version')!r}")
+        cache = snapshot["feat_cache"]
+        if len(cache) != self.num_slots or snapshot["temporal_factor"] != self.temporal_factor:
+            raise ValueError(
+                f"VAE stream state has {len(cache)} cache slots and temporal factor {snapshot['temporal_factor']}; "
+                f"this decoder has {self.num_slots} and {self.temporal_factor}"
+            )
+        for slot in cache:
+            if isinstance(slot, torch.Tensor) and slot.dtype != self.dtype:
+                raise ValueError(f"VAE stream state cache is {slot.dtype}; this decoder runs in {self.dtype}")
+        hw = snapshot["latent_hw"]
+        return VAEStreamState(
+            feat_cache=[s.to(self.device) if isinstance(s, torch.Tensor) else s for s in cache],
+            temporal_factor=self.temporal_factor,
+            latent_frames=snapshot["latent_frames"],
+            latent_hw=None if hw is None else tuple(hw),
+        )
+
+    @torch.no_grad()
+    def decode_chunk(self, state: VAEStreamState, x: torch.Tensor) -> torch.Tensor:
+        """Run one chunk through this decoder, advancing ``state``.
+
+        ``x`` is the DiT's normalised latents ``(1, z_dim, T, h, w)`` for a decoder that takes latents, otherwise
+        the previous slice's output for the same chunk. Returns video ``(1, 3, n, H, W)`` clamped to [-1, 1] for a
+        decoder that gives video (n from ``frames_for_chunk``), otherwise the hidden tensor for the next slice.
+        """
+        if state.released:
+            raise ValueError("this VAE stream state was released")
+        if len(state.feat_cache) != self.num_slots:
+            raise ValueError(f"state has {len(state.feat_cache)} cache slots; this decoder has {self.num_slots}")
+        pieces = self._split_frames(state, self._prepare(state, x))
+        outs = []
+        for piece in pieces:
+            if self.takes_latents:
+                # post_quant_conv (1x1x1) has no temporal state, but CPU/GPU conv kernels do not give bit-identical
+                # results for every frame count (a 2x4 latent differs by ~5e-7 between T=1 and T=6 on CPU). Running
+                # it one frame at a time makes the output independent of how the stream is chunked.
+                piece = self.vae.post_quant_conv(piece)
+            # Frame by frame, as _decode does: frame 0 must go alone (first_chunk=True) and a multi-frame call
+            # is only approximately equal. feat_idx is mutated in place, so each call gets a fresh one.
+            outs.append(self._run_frame(piece, state.feat_cache, [0], first=state.latent_frames == 0))
+            state.latent_frames += 1
+        out = torch.cat(outs, dim=2)
+        if self.gives_video:
+            if self.vae.config.patch_size is not None:
+                out = unpatchify(out, patch_size=self.vae.config.patch_size)
+            out = out.clamp(-1.0, 1.0)
+        return out
+
+    def _prepare(self, state: VAEStreamState, x: torch.Tensor) -> torch.Tensor:
+        if not self.takes_latents:
+            return x.to(self.device)
+        z_dim = self.vae.config.z_dim
+        if x.dim() != 5 or x.shape[0] != 1 or x.shape[1] != z_dim or x.shape[2] < 1:
+            raise ValueError(f"expected normalised latents of shape (1, {z_dim}, T, h, w), got {tuple(x.shape)}")
+        hw = (x.shape[3], x.shape[4])
+        if state.latent_hw is None:
+            state.latent_hw = hw
+        elif state.latent_hw != hw:
+            raise ValueError(f"stream latents are {state.latent_hw[0]}x{state.latent_hw[1]}, got {hw[0]}x{hw[1]}")
+        return x.to(self.device, self.dtype) / self._inv_std + self._mean
+
+    def _split_frames(self, state: VAEStreamState, x: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a chunk back into per-latent-frame pieces: 1 frame for stream frame 0, ``in_factor`` for others."""
+        first = 1 if state.latent_frames == 0 else 0
+        rest = x.shape[2] - first
+        if rest < 0 or rest % self.in_factor or (rest == 0 and not first):
+            raise ValueError(
+                f"got {x.shape[2]} frames; expected {'1 + ' if first else ''}a positive multiple of {self.in_factor}"
+            )
+        return list(x.split([1] * first + [self.in_factor] * (rest // self.in_factor), dim=2))
+
+    def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StreamVAE(_ChunkDecoder):
+    """The whole decoder of one ``AutoencoderKLWan``, decoding any number of streams chunk by chunk."""
+
+    def __init__(self, vae: AutoencoderKLWan):
+        slots = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        super().__init__(vae, takes_latents=True, gives_video=True, in_factor=1, slots=slots)
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        subfolder: str | None = None,
+    ) -> StreamVAE:
+        """Load a diffusers ``AutoencoderKLWan`` folder (``subfolder="vae"`` for a pipeline folder)."""
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder=subfolder, torch_dtype=dtype)
+        vae = vae.to(device).eval().requires_grad_(False)
+        logger.info("loaded VAE from %s (z_dim=%d, %s, %s)", folder, vae.config.z_dim, dtype, device)
+        return cls(vae)
+
+    def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+        return self.vae.decoder(x, feat_cache=cache, feat_idx=idx, first_chunk=first)
+
+
+def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
+    """WanDecoder3d's inline cache handling around conv_in and conv_out, op for op."""
+    i = idx[0]
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2 and cache[i] is not None:
+        cache_x = torch.cat([cache[i][:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    x = conv(x, cache[i])
+    cache[i] = cache_x
+    idx[0] += 1
+    return x
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One block of WanDecoder3d.forward, the granularity at which the decoder can be cut."""
+
+    name: str
+    run: Callable[[torch.Tensor, list, list[int], bool], torch.Tensor]  # (x, cache, feat_idx, first_chunk)
+    modules: tuple[nn.Module, ...]
+    temporal_up: bool  # doubles the frames of every latent frame after the first
+
+    def slots(self) -> int:
+        return sum(isinstance(m, WanCausalConv3d) for mod in self.modules for m in mod.modules())
+
+
+def decoder_units(vae: AutoencoderKLWan) -> list[_Unit]:
+    """conv_in, mid_block, each up block, head: the order of WanDecoder3d.forward."""
+    dec = vae.decoder
+
+    def up_block(block):
+        return lambda x, cache, idx, first: block(x, feat_cache=cache, feat_idx=idx, first_chunk=first)
+
+    units = [
+        _Unit("conv_in", lambda x, cache, idx, _: _cached_conv(dec.conv_in, x, cache, idx), (dec.conv_in,), False),
+        _Unit(
+            "mid_block",
+            lambda x, cache, idx, _: dec.mid_block(x, feat_cache=cache, feat_idx=idx),
+            (dec.mid_block,),
+            False,
+        ),
+    ]
+    for i, block in enumerate(dec.up_blocks):
+        temporal = any(isinstance(m, WanResample) and m.mode == "upsample3d" for m in block.modules())
+        units.append(_Unit(f"up_blocks.{i}", up_block(block), (block,), temporal))
+
+    def head(x, cache, idx, _):
+        return _cached_conv(dec.conv_out, dec.nonlinearity(dec.norm_out(x)), cache, idx)
+
+    units.append(_Unit("head", head, (dec.norm_out, dec.nonlinearity, dec.conv_out), False))
+    return units
+
+
+class StreamVAESlice(_ChunkDecoder):
+    """Decoder units ``[start, stop)`` of one ``AutoencoderKLWan`` (see ``decoder_units``), as a pipeline stage.
+
+    The slice starting at unit 0 takes latents (de-normalisation and post_quant_conv included); the slice ending at
+    the last unit returns video. Its state holds only its own units' cache slots.
+    """
+
+    def __init__(self, vae: AutoencoderKLWan, start: int, stop: int):
+        units = decoder_units(vae)
+        if not 0 <= start < stop <= len(units):
+            raise ValueError(f"slice [{start}, {stop}) is not within the decoder's {len(units)} units")
+        self.start, self.stop = start, stop
+        self.units = units[start:stop]
+        in_factor = 2 ** sum(u.temporal_up for u in units[:start])
+        super().__init__(
+            vae,
+            takes_latents=start == 0,
+            gives_video=stop == len(units),
+            in_factor=in_factor,
+            slots=sum(u.slots() for u in self.units),
+        )
+
+    def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+        for unit in self.units:
+            x = unit.run(x, cache, idx, first)
+        return x
+
+
+@torch.no_grad()
+def unit_macs(vae: AutoencoderKLWan, latent_hw: tuple[int, int] = (2, 2)) -> list[int]:
+    """Multiply-accumulates per decoder unit for one steady-state latent frame at ``latent_hw``.
+
+    Measured by running two latent frames through a scratch state with hooks on every conv; costs scale with
+    h * w, so a tiny probe ranks the units as a full-size frame would.
+    """
+    units = decoder_units(vae)
+    probe = StreamVAESlice(vae, 0, len(units))
+    counts = [0] * len(units)
+    current = [0]
+
+    def count(conv, _inputs, out):
+        counts[current[0]] += out.numel() * (conv.in_channels // conv.groups) * conv.weight[0, 0].numel()
+
+    def enter(i):
+        def hook(_module, _inputs):
+            current[0] = i
+
+        return hook
+
+    handles = []
+    for i, unit in enumerate(units):
+        handles.append(unit.modules[0].register_forward_pre_hook(enter(i)))
+        for mod in unit.modules:
+            handles += [m.register_forward_hook(count) for m in mod.modules() if isinstance(m, nn.Conv2d | nn.Conv3d)]
+    try:
+        state = probe.new_state()
+        z = torch.zeros(1, vae.config.z_dim, 1, *latent_hw)
+        probe.decode_chunk(state, z)  # frame 0 takes the cheaper "Rep" path; count the next one only
+        counts[:] = [0] * len(units)
+        probe.decode_chunk(state, z)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def split_decoder(
+    vae: AutoencoderKLWan, num_slices: int, *, boundaries: list[int] | None = None
+) -> list[StreamVAESlice]:
+    """Cut the decoder into ``num_slices`` consecutive slices.
+
+    ``boundaries`` are the unit indices where slices 1.. start; by default they minimise the largest slice's
+    ``unit_macs``. The slices share ``vae``'s modules; to put them on different devices, build each from its own
+    copy of the VAE moved there (a slice only runs its own units' weights).
+    """
+    n = len(decoder_units(vae))
+    if not 1 <= num_slices <= n:
+        raise ValueError(f"the decoder has {n} units; cannot cut it into {num_slices} slices")
+    if boundaries is None:
+        costs = unit_macs(vae)
+
+        def worst(cuts):
+            edges = [0, *cuts, n]
+            return max(sum(costs[a:b]) for a, b in itertools.pairwise(edges))
+
+        boundaries = list(min(itertools.combinations(range(1, n), num_slices - 1), key=worst))
+    if len(boundaries) != num_slices - 1 or list(boundaries) != sorted(set(boundaries)):
+        raise ValueError(f"need {num_slices - 1} increasing boundaries, got {boundaries}")
+    edges = [0, *boundaries, n]
+    return [StreamVAESlice(vae, a, b) for a, b in itertools.pairwise(edges)]
