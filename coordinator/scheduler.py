@@ -70,7 +70,8 @@ class StreamBatchScheduler:
         self.now = 0
         self.streams: dict[int, _StreamState] = {}
         self._arrivals = 0
-        self.history: list[list[MicroStep]] = []
+        # Chunks each stream started, kept after the stream finishes until the caller pops it.
+        self.started_chunks: dict[int, int] = {}
 
     # ---- stream events ----------------------------------------------------------------------------------
 
@@ -150,6 +151,13 @@ class StreamBatchScheduler:
         for st in self.streams.values():
             ready.extend(self._ready(st))
         ready.sort(key=lambda x: x[0])
+        # Smooth the work over the pipeline: every micro-step in flight comes back once per P ticks, so
+        # taking more than 1/P of them now would leave the next ticks empty (a bubble on every stage).
+        demand = sum(
+            sum(1 for ch in st.inflight.values() if ch.level + 1 < st.spec.levels) + (0 if st.stopping else 1)
+            for st in self.streams.values()
+        )
+        limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
         batch: list[MicroStep] = []
         shape = None
         for _, step in ready:
@@ -160,11 +168,10 @@ class StreamBatchScheduler:
             if key != shape:
                 continue
             batch.append(step)
-            if len(batch) == self.max_batch:
+            if len(batch) == limit:
                 break
         for step in batch:
             self._issue(step)
-        self.history.append(batch)
         self.now += 1
         for sid in [sid for sid, st in self.streams.items() if st.finished]:
             del self.streams[sid]
@@ -176,6 +183,7 @@ class StreamBatchScheduler:
         if step.level == 0:
             st.inflight[step.chunk] = _Chunk(step.chunk, started=self.now)
             st.next_chunk = step.chunk + 1
+            self.started_chunks[step.stream] = st.next_chunk
         ch = st.inflight[step.chunk]
         ch.level, ch.issued_at = step.level, self.now
         if spec.is_clean_pass(step.level):

@@ -1,0 +1,553 @@
+"""The coordinator's pipeline engine: forms generations, schedules micro-steps, routes results, recovers.
+
+Usage (the gRPC servicer in ``coordinator.server`` is a thin layer over this)::
+
+    engine = PipelineEngine(registry, store_host="10.0.0.1", store_port=29500, max_batch=4)
+    engine.start()
+    engine.on_registered(record)            # forms a new generation once every stage is registered
+    session = engine.open(spec, text)       # raises AdmissionError with a gRPC code
+    for ev in session.iter_events(): ...    # StreamStarted, ChunkResult..., then StreamEnded or a failure
+    engine.stop_stream(session.id)          # cooldown
+    engine.shutdown()
+
+Plans go to every stage through one ordered sender per stage; the number of batches planned but not yet
+completed by the last stage is bounded (``lookahead``), so plans run ahead of execution without
+queuing unboundedly.  Any stage failure ends the generation: every active stream ends with UNAVAILABLE,
+surviving stages are reset, and a new generation forms once all stages are registered again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.registry import StageRecord, StageRegistry
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast import wire
+from stagecast.grpc_util import CHANNEL_OPTIONS
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.microstep import StreamSpec
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StreamFailure:
+    code: grpc.StatusCode
+    message: str
+
+
+_END = object()
+
+
+@dataclass
+class StreamSession:
+    id: int
+    spec: StreamSpec
+    text: torch.Tensor
+    traceparent: str = ""
+    events: queue.Queue = field(default_factory=queue.Queue)
+    received: int = 0
+    expected: int | None = None  # known once the scheduler has finished the stream
+    stopped: bool = False
+    ended: bool = False
+    generation: int = 0
+
+    def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
+        while True:
+            ev = self.events.get()
+            if ev is _END:
+                return
+            yield ev
+            if isinstance(ev, StreamFailure):
+                return
+
+
+class _StageLink:
+    """Channel, stubs and an ordered submit queue for one stage of one generation."""
+
+    def __init__(self, record: StageRecord, on_error: Callable[[int, str], None]):
+        self.record = record
+        self.channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.StageServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.outbox: queue.Queue = queue.Queue()
+        self.on_error = on_error
+        self.results_call = None
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name=f"submit-{record.index}")
+        self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            ev = self.outbox.get()
+            if ev is None:
+                return
+            try:
+                self.stub.Submit(ev, timeout=60)
+            except grpc.RpcError as exc:
+                self.on_error(self.record.index, f"submit to stage {self.record.index} failed: {exc.details()}")
+                return
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        if self.results_call is not None:
+            self.results_call.cancel()
+        self.channel.close()
+
+
+class PipelineEngine:
+    def __init__(
+        self,
+        registry: StageRegistry,
+        *,
+        store_host: str,
+        store_port: int,
+        backend: str = "gloo",
+        max_batch: int = 4,
+        lookahead: int | None = None,
+        max_streams: int = 16,
+        record_plan: bool = False,
+        on_ready_change: Callable[[bool], None] | None = None,
+        form_timeout: float = 600.0,
+    ):
+        self.registry = registry
+        self.store_host = store_host
+        self.store_port = store_port
+        self.backend = backend
+        self.max_batch = max_batch
+        self.lookahead = lookahead or 2 * registry.world_size + 2
+        self.max_streams = max_streams
+        self.record_plan = record_plan
+        self.on_ready_change = on_ready_change or (lambda ready: None)
+        self.form_timeout = form_timeout
+
+        self.cond = threading.Condition()
+        self.generation = 0
+        self.ready = False
+        self.forming = False
+        self.links: list[_StageLink] = []
+        self.sched: StreamBatchScheduler | None = None
+        self.sessions: dict[int, StreamSession] = {}
+        self.pending_opens: deque[StreamSession] = deque()
+        self.pending_stops: set[int] = set()
+        self.pending_prompts: deque[tuple[int, torch.Tensor]] = deque()
+        self.seq = 0
+        self.batches_planned = 0
+        self.batches_done = 0
+        self.plan: list[pb.PlanEvent] = []
+        self.stage_times: dict[int, deque] = {}
+        self.last_error = ""
+        self._ids = itertools.count(1)
+        self._stopped = False
+        self._loop_thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
+        self._monitor_stop = threading.Event()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_thread.start()
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self._stopped = True
+            self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down"))
+            self.cond.notify_all()
+        self._monitor_stop.set()
+        for link in self.links:
+            link.close()
+
+    # ---- generations ----------------------------------------------------------------------------------
+
+    def on_registered(self, record: StageRecord) -> None:
+        with self.cond:
+            in_current = any(link.record.index == record.index for link in self.links)
+        if in_current:
+            # A stage of the running generation came back as a new process: that generation is gone.
+            self.fail(f"stage {record.index} restarted", lost=None)
+        self._maybe_form()
+
+    def _maybe_form(self) -> None:
+        with self.cond:
+            if self.ready or self.forming or self._stopped or not self.registry.complete:
+                return
+            self.forming = True
+            self.generation += 1
+            gen = self.generation
+        threading.Thread(target=self._form, args=(gen,), daemon=True, name=f"form-{gen}").start()
+
+    def _form(self, gen: int) -> None:
+        records = self.registry.records()
+        links = [_StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg)) for r in records]
+        world = len(records)
+
+        def form_one(link: _StageLink) -> None:
+            rec = link.record
+            link.stub.Form(
+                pb.Rendezvous(
+                    generation=gen,
+                    rank=rec.index,
+                    world_size=world,
+                    store_host=self.store_host,
+                    store_port=self.store_port,
+                    backend=self.backend,
+                    layer_start=rec.layers.start,
+                    layer_stop=rec.layers.stop,
+                ),
+                timeout=self.form_timeout,
+            )
+
+        try:
+            with ThreadPoolExecutor(max_workers=world) as pool:
+                for fut in [pool.submit(form_one, link) for link in links]:
+                    fut.result()
+        except grpc.RpcError as exc:
+            logger.error("forming generation %d failed: %s", gen, exc.details())
+            for link in links:
+                link.close()
+            with self.cond:
+                self.forming = False
+                self.last_error = f"forming generation {gen} failed: {exc.details()}"
+            self._reset_stages(records, f"forming generation {gen} failed")
+            return
+        with self.cond:
+            if self.generation != gen or self._stopped:
+                for link in links:
+                    link.close()
+                return
+            self.links = links
+            self.sched = StreamBatchScheduler(num_stages=world, max_batch=self.max_batch)
+            self.seq = 0
+            self.batches_planned = self.batches_done = 0
+            self.forming = False
+            self.ready = True
+            self._monitor_stop = threading.Event()
+            self.cond.notify_all()
+        for link in links:
+            threading.Thread(target=self._results_loop, args=(gen, link), daemon=True).start()
+        threading.Thread(target=self._monitor, args=(gen, links, self._monitor_stop), daemon=True).start()
+        logger.info("generation %d formed with %d stages", gen, world)
+        self.on_ready_change(True)
+
+    def _link_error(self, gen: int, index: int, message: str) -> None:
+        with self.cond:
+            if gen != self.generation:
+                return
+        self.fail(message, lost=None)
+
+    def fail(self, reason: str, lost: int | None) -> None:
+        """End the current generation: fail its streams, reset survivors, re-form when possible."""
+        with self.cond:
+            if not self.ready:
+                if lost is not None:
+                    self.registry.mark_lost(lost)
+                return
+            logger.error("generation %d failed: %s", self.generation, reason)
+            self.ready = False
+            self.last_error = reason
+            self.sched = None
+            msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
+            self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
+            links, self.links = self.links, []
+            self._monitor_stop.set()
+            if lost is not None:
+                self.registry.mark_lost(lost)
+            self.cond.notify_all()
+        self.on_ready_change(False)
+        for link in links:
+            link.close()
+        threading.Thread(
+            target=self._reset_then_reform, args=([link.record for link in links], reason), daemon=True
+        ).start()
+
+    def _reset_then_reform(self, records: list[StageRecord], reason: str) -> None:
+        self._reset_stages(records, reason)
+        self._maybe_form()
+
+    def _reset_stages(self, records: list[StageRecord], reason: str) -> None:
+        for rec in records:
+            try:
+                with grpc.insecure_channel(rec.address, options=CHANNEL_OPTIONS) as ch:
+                    pb_grpc.StageServiceStub(ch).Reset(pb.ResetRequest(reason=reason), timeout=15)
+            except grpc.RpcError as exc:
+                logger.warning("stage %d did not answer Reset (%s): marking it lost", rec.index, exc.code().name)
+                self.registry.mark_lost(rec.index)
+
+    def _results_loop(self, gen: int, link: _StageLink) -> None:
+        last = link.record.index == self.registry.world_size - 1
+        try:
+            call = link.stub.Results(pb.ResultsRequest(generation=gen))
+            link.results_call = call
+            for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "chunk":
+                    self._on_chunk(gen, ev.chunk)
+                elif kind == "done":
+                    self._on_done(gen, link.record.index, ev.done, last)
+                elif kind == "error":
+                    self.fail(f"stage {ev.error.stage_index}: {ev.error.message}", lost=None)
+                    return
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            with self.cond:
+                current = gen == self.generation and self.ready
+            if current:
+                self.fail(f"lost contact with stage {link.record.index} ({exc.code().name})", lost=link.record.index)
+            return
+        with self.cond:
+            current = gen == self.generation and self.ready
+        if current:
+            self.fail(f"stage {link.record.index} closed its results stream", lost=None)
+
+    def _monitor(self, gen: int, links: list[_StageLink], stop: threading.Event) -> None:
+        """Catch stages that hang without dropping their connections."""
+        misses = {link.record.index: 0 for link in links}
+        while not stop.wait(0.5):
+            for link in links:
+                try:
+                    link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    misses[link.record.index] = 0
+                except grpc.RpcError:
+                    misses[link.record.index] += 1
+                    if misses[link.record.index] >= 2:
+                        self.fail(f"stage {link.record.index} stopped answering health checks", lost=link.record.index)
+                        return
+
+    # ---- streams --------------------------------------------------------------------------------------
+
+    def model_config(self) -> dict | None:
+        recs = self.registry.records()
+        return recs[0].config if recs else None
+
+    def open(self, spec: StreamSpec, text: torch.Tensor, traceparent: str = "") -> StreamSession:
+        cfg = self.model_config()
+        with self.cond:
+            if not self.ready:
+                registered = len([r for r in self.registry.records() if not r.lost])
+                detail = f"; last error: {self.last_error}" if self.last_error else ""
+                raise AdmissionError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"pipeline is not ready ({registered}/{self.registry.world_size} stages registered{detail})",
+                )
+            active = len(self.sessions)
+            if active >= self.max_streams:
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many streams: {active} of {self.max_streams} are active"
+                )
+            if cfg is not None:
+                _check_against_model(spec, text, cfg)
+            sid = spec.stream_id or next(self._ids)
+            if sid in self.sessions:
+                raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already active")
+            from dataclasses import replace
+
+            spec = replace(spec, stream_id=sid)
+            session = StreamSession(sid, spec, text, traceparent=traceparent, generation=self.generation)
+            self.sessions[sid] = session
+            self.pending_opens.append(session)
+            self.cond.notify_all()
+            return session
+
+    def stop_stream(self, stream_id: int) -> None:
+        with self.cond:
+            session = self.sessions.get(stream_id)
+            if session is None:
+                raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            session.stopped = True
+            self.pending_stops.add(stream_id)
+            self.cond.notify_all()
+
+    def update_prompt(self, stream_id: int, text: torch.Tensor) -> None:
+        with self.cond:
+            session = self.sessions.get(stream_id)
+            if session is None:
+                raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            if tuple(text.shape) != tuple(session.text.shape):
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"text has shape {tuple(text.shape)}, expected {tuple(session.text.shape)}",
+                )
+            self.pending_prompts.append((stream_id, text))
+            self.cond.notify_all()
+
+    def _end(self, session: StreamSession, final) -> None:
+        if session.ended:
+            return
+        session.ended = True
+        session.events.put(final)
+        session.events.put(_END)
+        self.sessions.pop(session.id, None)
+
+    def _end_all(self, failure: StreamFailure) -> None:
+        for session in list(self.sessions.values()):
+            self._end(session, failure)
+        self.pending_opens.clear()
+        self.pending_stops.clear()
+        self.pending_prompts.clear()
+
+    def _maybe_complete(self, session: StreamSession) -> None:
+        if session.expected is not None and session.received >= session.expected:
+            reason = "stopped" if session.stopped else "completed"
+            self._end(session, pb.StreamEvent(ended=pb.StreamEnded(reason=reason)))
+
+    def _on_chunk(self, gen: int, chunk: pb.ChunkResult) -> None:
+        with self.cond:
+            if gen != self.generation:
+                return
+            session = self.sessions.get(chunk.stream_id)
+            if session is None:
+                return
+            session.received += 1
+            session.events.put(pb.StreamEvent(chunk=chunk))
+            self._maybe_complete(session)
+
+    def _on_done(self, gen: int, index: int, done: pb.BatchDone, last: bool) -> None:
+        with self.cond:
+            if gen != self.generation:
+                return
+            times = self.stage_times.setdefault(index, deque(maxlen=256))
+            times.append((done.forward_ms, done.wait_ms))
+            if last:
+                self.batches_done += 1
+                self.cond.notify_all()
+
+    # ---- scheduling loop ------------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        if not self.ready or self.sched is None:
+            return False
+        if self.pending_opens or self.pending_stops or self.pending_prompts:
+            return True
+        return self.sched.active and self.batches_planned - self.batches_done < self.lookahead
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stopped and not self._has_work():
+                    self.cond.wait()
+                if self._stopped:
+                    return
+                events = self._plan_tick()
+                links = list(self.links)
+            for ev in events:
+                for link in links:
+                    link.outbox.put(ev)
+
+    def _next_event(self, **kw) -> pb.PlanEvent:
+        self.seq += 1
+        ev = pb.PlanEvent(generation=self.generation, seq=self.seq, **kw)
+        if self.record_plan:
+            record = pb.PlanEvent()
+            record.CopyFrom(ev)
+            if record.HasField("open"):
+                record.open.ClearField("text")
+            if record.HasField("prompt"):
+                record.prompt.ClearField("text")
+            self.plan.append(record)
+        return ev
+
+    def _plan_tick(self) -> list[pb.PlanEvent]:
+        sched = self.sched
+        assert sched is not None
+        events = []
+        while self.pending_opens:
+            session = self.pending_opens.popleft()
+            sched.add_stream(session.spec)
+            events.append(
+                self._next_event(
+                    open=pb.OpenStream(spec=wire.spec_to_proto(session.spec), text=wire.tensor_to_proto(session.text)),
+                    traceparent=session.traceparent,
+                )
+            )
+            session.events.put(
+                pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.generation))
+            )
+        for sid in sorted(self.pending_stops):
+            if sid in sched.streams:
+                sched.stop_stream(sid)
+        self.pending_stops.clear()
+        while self.pending_prompts:
+            sid, text = self.pending_prompts.popleft()
+            st = sched.streams.get(sid)
+            if st is None:
+                continue
+            # Effective from the next chunk not yet started: chunks in flight keep their prompt.
+            events.append(
+                self._next_event(
+                    prompt=pb.PromptUpdate(stream_id=sid, from_chunk=st.next_chunk, text=wire.tensor_to_proto(text))
+                )
+            )
+        before = set(sched.streams)
+        if sched.active and self.batches_planned - self.batches_done < self.lookahead:
+            batch = sched.tick()
+            if batch:
+                self.batches_planned += 1
+                events.append(self._next_event(batch=pb.MicroBatch(steps=[wire.step_to_proto(s) for s in batch])))
+        for sid in sorted(before - set(sched.streams)):
+            events.append(self._next_event(close=pb.CloseStream(stream_id=sid)))
+            session = self.sessions.get(sid)
+            if session is not None:
+                session.expected = sched_chunks_started(sched, sid)
+                self._maybe_complete(session)
+        return events
+
+    def status(self) -> pb.ClusterStatus:
+        with self.cond:
+            stages = [
+                pb.StageDescription(
+                    index=r.index,
+                    address=r.address,
+                    layer_start=r.layers.start,
+                    layer_stop=r.layers.stop,
+                    device=r.device,
+                    formed=self.ready and not r.lost,
+                )
+                for r in self.registry.records()
+            ]
+            return pb.ClusterStatus(
+                generation=self.generation,
+                ready=self.ready,
+                world_size=self.registry.world_size,
+                stages=stages,
+                active_streams=len(self.sessions),
+            )
+
+
+def sched_chunks_started(sched: StreamBatchScheduler, stream_id: int) -> int:
+    return sched.started_chunks.pop(stream_id, 0)
+
+
+def _check_against_model(spec: StreamSpec, text: torch.Tensor, cfg: dict) -> None:
+    if spec.latent_channels != cfg["in_channels"]:
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"spec.latent_channels={spec.latent_channels} but the model takes {cfg['in_channels']}",
+        )
+    _, p_h, p_w = cfg["patch_size"]
+    if spec.height % p_h or spec.width % p_w or spec.height <= 0 or spec.width <= 0:
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"latent size {spec.height}x{spec.width} must be positive and divisible by the patch {p_h}x{p_w}",
+        )
+    expected = (1, spec.text_len, cfg["text_dim"])
+    if tuple(text.shape) != expected:
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"text embeddings have shape {tuple(text.shape)}, expected {expected}"
+        )

@@ -1,0 +1,122 @@
+"""Stage registry: who serves which layers, and whether the group can be formed.
+
+Usage::
+
+    reg = StageRegistry(world_size=4, partition="8,12,12,8")
+    rec = reg.register(index=1, address="10.0.0.2:50060", config_json=..., expected_world_size=4)
+    rec.layers                       # range(8, 20)
+    reg.complete                     # every index has a live registration
+    reg.mark_lost(1)                 # a lost stage may register again (a restart)
+
+Registration errors are ``RegistrationError`` with the gRPC status code to answer with.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from stage_service.dit_slice import parse_partition, partition_ranges
+
+# Keys that must agree between stages for their slices to form one model.
+_MODEL_KEYS = (
+    "num_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "in_channels",
+    "out_channels",
+    "text_dim",
+    "freq_dim",
+    "ffn_dim",
+    "patch_size",
+    "cross_attn_norm",
+    "qk_norm",
+    "eps",
+    "rope_max_seq_len",
+)
+
+
+class RegistrationError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StageRecord:
+    index: int
+    address: str
+    config: dict
+    device: str
+    layers: range
+    lost: bool = False
+
+
+class StageRegistry:
+    def __init__(self, world_size: int, partition: str | None = None):
+        if world_size < 1:
+            raise ValueError(f"stage count must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.partition_spec = partition
+        self.partition: list[range] | None = None
+        self.model: dict | None = None
+        self.stages: dict[int, StageRecord] = {}
+        self.lock = threading.Lock()
+
+    def register(self, *, index: int, address: str, config_json: str, expected_world_size: int, device: str):
+        with self.lock:
+            if expected_world_size and expected_world_size != self.world_size:
+                raise RegistrationError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stage {index} expects {expected_world_size} stages but this coordinator runs {self.world_size}",
+                )
+            if not 0 <= index < self.world_size:
+                raise RegistrationError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"stage index {index} is out of range for {self.world_size} stages (0..{self.world_size - 1})",
+                )
+            try:
+                config = json.loads(config_json)
+            except json.JSONDecodeError as exc:
+                raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, f"model config is not JSON: {exc}") from exc
+            model = {k: config.get(k) for k in _MODEL_KEYS}
+            if self.model is not None and model != self.model:
+                diff = sorted(k for k in _MODEL_KEYS if model[k] != self.model[k])
+                detail = ", ".join(f"{k}: {model[k]!r} != {self.model[k]!r}" for k in diff)
+                raise RegistrationError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stage {index} serves a different model than the other stages ({detail})",
+                )
+            existing = self.stages.get(index)
+            if existing is not None and not existing.lost and existing.address != address:
+                raise RegistrationError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"stage index {index} is already registered by {existing.address}",
+                )
+            if self.partition is None:
+                try:
+                    counts = parse_partition(self.partition_spec, model["num_layers"], self.world_size)
+                except ValueError as exc:
+                    raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+                self.partition = partition_ranges(counts)
+                self.model = model
+            rec = StageRecord(index, address, config, device, self.partition[index])
+            self.stages[index] = rec
+            return rec
+
+    @property
+    def complete(self) -> bool:
+        with self.lock:
+            return len(self.stages) == self.world_size and not any(r.lost for r in self.stages.values())
+
+    def mark_lost(self, index: int) -> None:
+        with self.lock:
+            if index in self.stages:
+                self.stages[index].lost = True
+
+    def records(self) -> list[StageRecord]:
+        with self.lock:
+            return [self.stages[i] for i in sorted(self.stages)]

@@ -1,0 +1,197 @@
+"""The coordinator process: stage registry, rendezvous store, and the gRPC face of the pipeline engine.
+
+Run with ``stagecast coordinator --stages K [--partition 8,12,12,8]``.  It hosts the torch.distributed
+TCPStore the stages rendezvous on (one key prefix per generation), answers ``Register``, and serves
+``OpenStream``/``StopStream``/``UpdatePrompt`` to the gateway (and to ``stagecast selftest``).  Its health
+service reports the service ``stagecast.internal.v1.CoordinatorService`` SERVING only while a generation
+is formed, so readiness probes and callers can wait on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+import torch.distributed as dist
+
+from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
+from coordinator.registry import RegistrationError, StageRegistry
+from stagecast import wire
+from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "stagecast.internal.v1.CoordinatorService"
+
+
+@dataclass
+class CoordinatorOptions:
+    stages: int
+    partition: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    store_port: int = 0
+    backend: str = "gloo"
+    max_batch: int = 4
+    max_streams: int = 16
+    record_plan: bool = False
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
+    def __init__(self, registry: StageRegistry, engine: PipelineEngine):
+        self.registry = registry
+        self.engine = engine
+
+    def Register(self, request: pb.RegisterRequest, context):
+        try:
+            rec = self._register(request)
+        except RegistrationError as exc:
+            if exc.code != grpc.StatusCode.ALREADY_EXISTS or not self._holder_is_gone(request.index):
+                context.abort(exc.code, str(exc))
+            # The previous holder of this index is dead: its replacement takes over.
+            self.engine.fail(f"stage {request.index} was replaced", lost=request.index)
+            try:
+                rec = self._register(request)
+            except RegistrationError as again:
+                context.abort(again.code, str(again))
+        logger.info("stage %d registered from %s (layers %s)", rec.index, rec.address, rec.layers)
+        self.engine.on_registered(rec)
+        return pb.RegisterReply(
+            world_size=self.registry.world_size,
+            layer_start=rec.layers.start,
+            layer_stop=rec.layers.stop,
+            generation=self.engine.generation,
+        )
+
+    def _register(self, request: pb.RegisterRequest):
+        return self.registry.register(
+            index=request.index,
+            address=request.address,
+            config_json=request.model_config_json,
+            expected_world_size=request.expected_world_size,
+            device=request.device,
+        )
+
+    def _holder_is_gone(self, index: int) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        rec = self.registry.stages.get(index)
+        if rec is None:
+            return True
+        try:
+            with grpc.insecure_channel(rec.address) as ch:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            return False
+        except grpc.RpcError:
+            return True
+
+    def OpenStream(self, request: pb.OpenStreamRequest, context):
+        try:
+            spec = wire.spec_from_proto(request.spec)
+            text = wire.tensor_from_proto(request.text)
+            session = self.engine.open(spec, text, traceparent=request.traceparent)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except AdmissionError as exc:
+            context.abort(exc.code, str(exc))
+
+        def on_done():
+            if not session.ended:
+                # The caller went away: cooldown frees the stream's state on every stage.
+                try:
+                    self.engine.stop_stream(session.id)
+                except AdmissionError:
+                    pass
+
+        context.add_callback(on_done)
+        for ev in session.iter_events():
+            if isinstance(ev, StreamFailure):
+                context.abort(ev.code, ev.message)
+            yield ev
+
+    def StopStream(self, request: pb.StopRequest, context):
+        try:
+            self.engine.stop_stream(request.stream_id)
+        except AdmissionError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.Empty()
+
+    def UpdatePrompt(self, request: pb.PromptUpdate, context):
+        try:
+            self.engine.update_prompt(request.stream_id, wire.tensor_from_proto(request.text))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except AdmissionError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.Empty()
+
+    def GetPlan(self, request, context):
+        if not self.engine.record_plan:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "start the coordinator with --record-plan")
+        with self.engine.cond:
+            return pb.PlanDump(events=list(self.engine.plan))
+
+    def Status(self, request, context):
+        return self.engine.status()
+
+
+class Coordinator:
+    """A running coordinator (store + engine + gRPC server)."""
+
+    def __init__(self, opts: CoordinatorOptions):
+        self.opts = opts
+        self.store = dist.TCPStore(
+            opts.host if opts.host != "0.0.0.0" else "0.0.0.0",
+            opts.store_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        self.registry = StageRegistry(opts.stages, opts.partition)
+        self.engine = PipelineEngine(
+            self.registry,
+            store_host=opts.advertise_host or opts.host,
+            store_port=self.store.port,
+            backend=opts.backend,
+            max_batch=opts.max_batch,
+            max_streams=opts.max_streams,
+            record_plan=opts.record_plan,
+            on_ready_change=self._on_ready,
+        )
+        servicer = CoordinatorServicer(self.registry, self.engine)
+        self.server, self.health, self.port = make_server(
+            opts.port, [(pb_grpc.add_CoordinatorServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+        )
+        self.address = f"{opts.advertise_host or opts.host}:{self.port}"
+
+    def _on_ready(self, ready: bool) -> None:
+        self.health.set(SERVICE_NAME, 1 if ready else 2)  # SERVING / NOT_SERVING
+
+    def start(self) -> None:
+        self.engine.start()
+        self.server.start()
+        set_serving(self.health, [], True)  # the process is alive; the pipeline service follows readiness
+        logger.info("coordinator on %s, rendezvous store on port %d", self.address, self.store.port)
+
+    def stop(self) -> None:
+        self.engine.shutdown()
+        self.server.stop(grace=2).wait()
+
+
+def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None:
+    coord = Coordinator(opts)
+    coord.start()
+    print(f"STAGECAST_READY coordinator address={coord.address} store_port={coord.store.port}", flush=True)
+    stop = stop or threading.Event()
+    try:
+        stop.wait()
+    finally:
+        coord.stop()
+
+
+__all__ = ["CHANNEL_OPTIONS", "Coordinator", "CoordinatorOptions", "serve"]

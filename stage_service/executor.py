@@ -1,0 +1,191 @@
+"""The stage's execution loop: plan events in, data-plane traffic and results out.
+
+Usage::
+
+    ex = StageExecutor(runner, transport, on_event=callback)   # transport None for a single stage
+    ex.start()
+    ex.submit(PlanItem(seq, "open", spec=..., text=...))       # validated by the caller, run in seq order
+    ex.submit(PlanItem(seq, "batch", steps=[...]))
+    ex.stop()
+
+Every stage executes the same events in the same order.  For a batch:
+
+* stage 0 takes each item's input latent from its runner's store, first receiving from the last stage,
+  in the order the last stage sends them, every latent it is owed up to the one it needs;
+* other stages receive the batch's hidden states from their predecessor;
+* non-last stages send their output on; the last stage applies the sampler step, sends next-level
+  latents back to stage 0 and reports finished chunks through ``on_event``.
+
+The order in which the last stage sends latents is a pure function of the plan, so stage 0 tracks it
+in ``_owed`` without any handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from stage_service.runner import SliceRunner
+from stage_service.transport import PipeTransport
+from stagecast.microstep import MicroStep, StreamSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlanItem:
+    seq: int
+    kind: str  # "open" | "batch" | "close" | "prompt"
+    spec: StreamSpec | None = None
+    text: torch.Tensor | None = None
+    steps: list[MicroStep] = field(default_factory=list)
+    stream_id: int | None = None
+    from_chunk: int = 0
+    traceparent: str = ""
+
+
+@dataclass
+class ExecutorEvent:
+    kind: str  # "chunk" | "done" | "error"
+    seq: int
+    stream_id: int = 0
+    chunk: int = 0
+    latents: torch.Tensor | None = None
+    message: str = ""
+    forward_ms: float = 0.0
+    wait_ms: float = 0.0
+
+
+_STOP = object()
+
+
+class StageExecutor:
+    def __init__(
+        self,
+        runner: SliceRunner,
+        transport: PipeTransport | None,
+        on_event: Callable[[ExecutorEvent], None],
+        on_batch: Callable[[PlanItem, float, float], None] | None = None,
+    ):
+        self.runner = runner
+        self.transport = transport
+        self.on_event = on_event
+        self.on_batch = on_batch
+        self.queue: queue.Queue = queue.Queue()
+        self.failed: str | None = None
+        self._owed: deque[MicroStep] = deque()
+        self._thread = threading.Thread(target=self._loop, name="stage-executor", daemon=True)
+        sl = runner.slice
+        self.first, self.last = sl.first, sl.last
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, item: PlanItem) -> None:
+        self.queue.put(item)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current event; events still queued are dropped."""
+        if self.transport is not None:
+            self.transport.abort()
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.queue.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- loop -----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            try:
+                self._run(item)
+            except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which ends the generation
+                self.failed = f"stage event {item.seq} ({item.kind}) failed: {type(exc).__name__}: {exc}"
+                logger.exception("stage executor failed")
+                self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
+                return
+
+    def _run(self, item: PlanItem) -> None:
+        if item.kind == "open":
+            assert item.spec is not None and item.text is not None
+            self.runner.open_stream(item.spec, item.text)
+        elif item.kind == "close":
+            assert item.stream_id is not None
+            self.runner.close_stream(item.stream_id)
+        elif item.kind == "prompt":
+            assert item.stream_id is not None and item.text is not None
+            self.runner.set_prompt(item.stream_id, item.from_chunk, item.text)
+        elif item.kind == "batch":
+            self._run_batch(item)
+        else:
+            raise ValueError(f"unknown plan event kind {item.kind!r}")
+
+    def _receive_owed(self, needed: list[MicroStep]) -> None:
+        tp = self.transport
+        assert tp is not None
+        want = set(needed)
+        while want:
+            if not self._owed:
+                raise RuntimeError(f"stage 0 needs latents for {sorted(map(str, want))} that no batch produces")
+            step = self._owed.popleft()
+            latent = tp.recv_latent(self.runner.spec(step.stream).latent_shape)
+            self.runner.put_latent(step, latent)
+            want.discard(step)
+
+    def _run_batch(self, item: PlanItem) -> None:
+        steps = item.steps
+        runner, tp = self.runner, self.transport
+        runner.check_batch(steps)
+        wait_before = tp.wait_seconds if tp else 0.0
+        distributed = tp is not None and tp.world_size > 1
+        if self.first and distributed:
+            self._receive_owed([st for st in steps if st.level > 0])
+        inputs = None
+        if not self.first:
+            assert tp is not None
+            spec = runner.spec(steps[0].stream)
+            tokens = runner.slice.tokens_per_frame(spec.height, spec.width) * spec.chunk_frames
+            inputs = tp.recv_hidden((len(steps), tokens, runner.slice.inner_dim), runner.slice.dtype)
+        start = time.perf_counter()
+        out = runner.forward(steps, inputs)
+        if not self.last:
+            assert tp is not None
+            tp.send_hidden(out)
+        else:
+            for res in runner.finish(steps, out):
+                if res.next_latent is not None and distributed:
+                    tp.send_latent(res.next_latent)
+                if res.finished is not None:
+                    self.on_event(
+                        ExecutorEvent(
+                            "chunk", item.seq, stream_id=res.step.stream, chunk=res.step.chunk, latents=res.finished
+                        )
+                    )
+        if self.first and distributed:
+            # The last stage will send, in this order, the next-level input of every item that has one.
+            for st in steps:
+                if st.level + 1 < runner.spec(st.stream).levels:
+                    self._owed.append(MicroStep(st.stream, st.chunk, st.level + 1))
+        forward_ms = (time.perf_counter() - start) * 1e3
+        wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
+        if self.on_batch is not None:
+            self.on_batch(item, forward_ms, wait_ms)
+        self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms))

@@ -1,0 +1,352 @@
+"""The stage process: gRPC control plane around one DiT slice and its data plane.
+
+Run with ``stagecast stage --index I --coordinator HOST:PORT --checkpoint DIR``.  Lifecycle:
+
+1. read the checkpoint's config, start the gRPC server (health NOT_SERVING), register with the
+   coordinator, which answers with this stage's layer range;
+2. load only that slice, then report SERVING;
+3. ``Form`` joins the generation's process group; ``Submit`` enqueues validated plan events that the
+   ``StageExecutor`` runs in order; ``Results`` streams finished chunks and batch completions back;
+4. ``Reset`` abandons a generation after a failure elsewhere: streams dropped, group left, memory freed.
+
+Invalid plan events are rejected with a gRPC status naming the problem and never reach the executor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from stage_service.checkpoint import load_slice_state_dict, read_config
+from stage_service.dit_slice import DiTSlice
+from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
+from stage_service.runner import SliceRunner
+from stage_service.transport import PipeTransport
+from stagecast import wire
+from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.microstep import StreamSpec
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "stagecast.internal.v1.StageService"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StageOptions:
+    index: int
+    coordinator: str
+    checkpoint: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    expected_world_size: int = 0
+
+
+class _Generation:
+    """Everything that belongs to one formed generation; dropped as a whole on Reset."""
+
+    def __init__(self, number: int, executor: StageExecutor, transport: PipeTransport | None):
+        self.number = number
+        self.executor = executor
+        self.transport = transport
+        self.events: queue.Queue = queue.Queue()
+        self.next_seq = 1
+        self.specs: dict[int, StreamSpec] = {}  # streams open as of the last accepted event
+
+
+class StageServicer(pb_grpc.StageServiceServicer):
+    def __init__(self, opts: StageOptions):
+        self.opts = opts
+        self.device = torch.device(opts.device)
+        if opts.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+        self.dtype = DTYPES[opts.dtype]
+        self.config = read_config(f"{opts.checkpoint}")
+        self.layers: range | None = None
+        self.world_size = 0
+        self.slice: DiTSlice | None = None
+        self.gen: _Generation | None = None
+        self.lock = threading.RLock()
+        self.address = ""
+
+    # ---- setup ----------------------------------------------------------------------------------------
+
+    def register(self, address: str, timeout: float = 120.0) -> None:
+        self.address = address
+        with grpc.insecure_channel(self.opts.coordinator, options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.CoordinatorServiceStub(ch)
+            reply = stub.Register(
+                pb.RegisterRequest(
+                    index=self.opts.index,
+                    address=address,
+                    model_config_json=json.dumps(self.config, sort_keys=True, default=list),
+                    expected_world_size=self.opts.expected_world_size,
+                    device=self.opts.device,
+                ),
+                timeout=timeout,
+                wait_for_ready=True,
+            )
+        self.world_size = reply.world_size
+        self._load(range(reply.layer_start, reply.layer_stop))
+
+    def _load(self, layers: range) -> float:
+        with self.lock:
+            return self._load_locked(layers)
+
+    def _load_locked(self, layers: range) -> float:
+        if self.layers == layers and self.slice is not None:
+            return 0.0
+        start = time.perf_counter()
+        n = self.config["num_layers"]
+        first, last = layers.start == 0, layers.stop == n
+        config, sd = load_slice_state_dict(
+            self.opts.checkpoint, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
+        )
+        self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
+        self.layers = layers
+        took = time.perf_counter() - start
+        logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
+        return took
+
+    # ---- RPCs -----------------------------------------------------------------------------------------
+
+    def Form(self, request: pb.Rendezvous, context):
+        with self.lock:
+            self._drop_generation("re-forming")
+            try:
+                took = self._load(range(request.layer_start, request.layer_stop))
+            except Exception as exc:  # noqa: BLE001
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"loading layers failed: {exc}")
+            transport = None
+            if request.world_size > 1:
+                transport = PipeTransport.join(
+                    rank=request.rank,
+                    world_size=request.world_size,
+                    store_host=request.store_host,
+                    store_port=request.store_port,
+                    generation=request.generation,
+                    backend=request.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
+                    device=self.device,
+                )
+            assert self.slice is not None
+            runner = SliceRunner(self.slice)
+            gen_holder: list[_Generation] = []
+            executor = StageExecutor(runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev))
+            gen = _Generation(request.generation, executor, transport)
+            gen_holder.append(gen)
+            self.gen = gen
+            self.world_size = request.world_size
+            executor.start()
+            logger.info("stage %d formed generation %d", self.opts.index, request.generation)
+            return pb.FormReply(rank=request.rank, load_seconds=took)
+
+    def _drop_generation(self, reason: str, timeout: float = 5.0) -> bool:
+        """Leave the current generation.  Returns False when the executor is stuck in a data-plane wait
+        that leaving could not release; the caller then restarts the process (``_reexec``)."""
+        gen, self.gen = self.gen, None
+        if gen is None:
+            return True
+        logger.info("stage %d leaving generation %d: %s", self.opts.index, gen.number, reason)
+        gen.events.put(None)  # ends a Results stream still attached to the old generation
+        gen.executor.stop(timeout)
+        if gen.executor.alive:
+            logger.error("stage %d executor is stuck after %.0fs", self.opts.index, timeout)
+            return False
+        for sid in list(gen.executor.runner.streams):
+            gen.executor.runner.close_stream(sid)
+        if gen.transport is not None:
+            # Leaving closes our connections, which releases peers blocked on a receive from us.
+            gen.transport.close()
+        return True
+
+    def _reexec(self, why: str) -> None:
+        """Replace this process with a fresh copy of itself (same PID, same arguments).  The only way to
+        release a thread blocked inside a gloo receive; the new process registers again."""
+        logger.error("stage %d restarting itself: %s", self.opts.index, why)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "stagecast.cli", *sys.argv[1:]])
+
+    def Reset(self, request: pb.ResetRequest, context):
+        reason = request.reason or "reset by coordinator"
+        if not self.lock.acquire(timeout=5.0):
+            self._reexec(f"reset while busy forming a generation ({reason})")
+        try:
+            clean = self._drop_generation(reason)
+        finally:
+            self.lock.release()
+        if not clean:
+            self._reexec(f"executor stuck after reset ({reason})")
+        return pb.Empty()
+
+    def Submit(self, request: pb.PlanEvent, context):
+        with self.lock:
+            gen = self.gen
+            if gen is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stage is not part of a formed generation")
+            if request.generation != gen.number:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"plan is for generation {request.generation} but this stage is in generation {gen.number}",
+                )
+            if gen.executor.failed:
+                context.abort(grpc.StatusCode.UNAVAILABLE, gen.executor.failed)
+            if request.seq != gen.next_seq:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"plan event seq {request.seq} out of order: expected {gen.next_seq}",
+                )
+            try:
+                item = self._validate(gen, request)
+            except KeyError as exc:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            gen.next_seq += 1
+            gen.executor.submit(item)
+            return pb.SubmitReply(accepted_seq=request.seq)
+
+    def _validate(self, gen: _Generation, ev: pb.PlanEvent) -> PlanItem:
+        kind = ev.WhichOneof("event")
+        assert self.slice is not None
+        if kind == "open":
+            spec = wire.spec_from_proto(ev.open.spec)
+            if spec.stream_id in gen.specs:
+                raise ValueError(f"stream {spec.stream_id} is already open")
+            text = wire.tensor_from_proto(ev.open.text)
+            expected = (1, spec.text_len, self.config["text_dim"])
+            if tuple(text.shape) != expected:
+                raise ValueError(f"stream {spec.stream_id}: text has shape {tuple(text.shape)}, expected {expected}")
+            if spec.latent_channels != self.config["in_channels"]:
+                raise ValueError(
+                    f"latent_channels={spec.latent_channels} but the model has {self.config['in_channels']}"
+                )
+            gen.specs[spec.stream_id] = spec
+            return PlanItem(ev.seq, "open", spec=spec, text=text, traceparent=ev.traceparent)
+        if kind == "close":
+            self._known(gen, ev.close.stream_id)
+            del gen.specs[ev.close.stream_id]
+            return PlanItem(ev.seq, "close", stream_id=ev.close.stream_id)
+        if kind == "prompt":
+            spec = self._known(gen, ev.prompt.stream_id)
+            text = wire.tensor_from_proto(ev.prompt.text)
+            if tuple(text.shape) != (1, spec.text_len, self.config["text_dim"]):
+                raise ValueError(f"stream {spec.stream_id}: prompt update text has shape {tuple(text.shape)}")
+            return PlanItem(ev.seq, "prompt", stream_id=spec.stream_id, text=text, from_chunk=ev.prompt.from_chunk)
+        if kind == "batch":
+            steps = [wire.step_from_proto(s) for s in ev.batch.steps]
+            if not steps:
+                raise ValueError("a batch must hold at least one micro-step")
+            shapes = set()
+            for st in steps:
+                spec = self._known(gen, st.stream)
+                if not 0 <= st.level < spec.levels:
+                    raise ValueError(f"{st}: level {st.level} out of range [0, {spec.levels})")
+                if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
+                    raise ValueError(f"{st}: chunk {st.chunk} out of range")
+                shapes.add((spec.latent_shape, spec.text_len))
+            if len(shapes) > 1:
+                raise ValueError("a batch must share one latent shape and text length")
+            if len(set(steps)) != len(steps):
+                raise ValueError("a batch holds the same micro-step twice")
+            return PlanItem(ev.seq, "batch", steps=steps, traceparent=ev.traceparent)
+        raise ValueError("plan event carries no event")
+
+    @staticmethod
+    def _known(gen: _Generation, stream_id: int) -> StreamSpec:
+        if stream_id not in gen.specs:
+            raise KeyError(f"unknown stream {stream_id}: never opened on this stage, or already closed")
+        return gen.specs[stream_id]
+
+    def Results(self, request: pb.ResultsRequest, context):
+        with self.lock:
+            gen = self.gen
+        if gen is None or gen.number != request.generation:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"not in generation {request.generation}")
+        context.add_callback(lambda: gen.events.put(None))
+        while context.is_active():
+            ev: ExecutorEvent | None = gen.events.get()
+            if ev is None:
+                return
+            yield self._event_to_proto(ev, gen.number)
+
+    def _event_to_proto(self, ev: ExecutorEvent, generation: int) -> pb.StageEvent:
+        if ev.kind == "chunk":
+            assert ev.latents is not None
+            return pb.StageEvent(
+                chunk=pb.ChunkResult(
+                    stream_id=ev.stream_id, chunk=ev.chunk, latents=wire.tensor_to_proto(ev.latents), seq=ev.seq
+                )
+            )
+        if ev.kind == "done":
+            return pb.StageEvent(done=pb.BatchDone(seq=ev.seq, forward_ms=ev.forward_ms, wait_ms=ev.wait_ms))
+        return pb.StageEvent(
+            error=pb.StageError(generation=generation, seq=ev.seq, message=ev.message, stage_index=self.opts.index)
+        )
+
+    def Describe(self, request, context):
+        with self.lock:
+            gen = self.gen
+            layers = self.layers or range(0, 0)
+            kv = 0
+            streams = 0
+            if gen is not None:
+                runner = gen.executor.runner
+                streams = len(runner.streams)
+                kv = runner.memory_bytes()["kv"]
+            return pb.StageDescription(
+                index=self.opts.index,
+                address=self.address,
+                model_config_json=json.dumps(self.config, sort_keys=True, default=list),
+                layer_start=layers.start,
+                layer_stop=layers.stop,
+                generation=gen.number if gen else 0,
+                open_streams=streams,
+                device=self.opts.device,
+                kv_bytes=kv,
+                formed=gen is not None,
+            )
+
+
+def serve(opts: StageOptions, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    servicer = StageServicer(opts)
+    server, health, port = make_server(
+        opts.port, [(pb_grpc.add_StageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+    )
+    server.start()
+    address = f"{opts.advertise_host or opts.host}:{port}"
+    logger.info("stage %d listening on %s", opts.index, address)
+    servicer.register(address)
+    set_serving(health, [SERVICE_NAME], True)
+    print(f"STAGECAST_READY stage={opts.index} address={address}", flush=True)
+    if ready is not None:
+        ready.set()
+    stop = stop or threading.Event()
+    try:
+        stop.wait()
+    finally:
+        clean = False
+        if servicer.lock.acquire(timeout=5.0):
+            try:
+                clean = servicer._drop_generation("shutting down")
+            finally:
+                servicer.lock.release()
+        server.stop(grace=2).wait()
+        if not clean:
+            # A thread stuck in a data-plane wait would keep the interpreter alive: exit regardless.
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(0)

@@ -1,0 +1,228 @@
+"""The ``stagecast`` command line.
+
+stagecast up --checkpoint DIR --stages K        coordinator + K stages on this machine
+stagecast coordinator --stages K ...            one coordinator process
+stagecast stage --index I --coordinator H:P ... one stage process
+stagecast selftest --stages K ...               distributed run vs the reference executor, exit 1 on mismatch
+stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
+stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from stagecast.log import setup_logging
+
+
+def _stop_event() -> threading.Event:
+    """An event set by SIGTERM/SIGINT, so services shut down cleanly (they run as PID 1 in containers)."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _add_coordinator(sub) -> None:
+    p = sub.add_parser("coordinator", help="run the coordinator (registry, scheduler, rendezvous store)")
+    p.add_argument("--stages", type=int, required=True, help="number of DiT stages")
+    p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--advertise-host", default=None, help="address stages use to reach this coordinator")
+    p.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: any free port)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument("--max-streams", type=int, default=16, help="admission limit on concurrent streams")
+    p.add_argument("--record-plan", action="store_true", help="keep the plan for GetPlan (selftest)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+
+
+def _add_stage(sub) -> None:
+    p = sub.add_parser("stage", help="run one DiT stage")
+    p.add_argument("--index", type=int, default=None, help="stage index (default: $STAGECAST_STAGE_INDEX)")
+    p.add_argument("--coordinator", required=True, help="coordinator host:port")
+    p.add_argument(
+        "--checkpoint", required=True, help="transformer checkpoint folder (or a folder holding transformer/)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda (-> cuda:<index>) or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50060)
+    p.add_argument("--advertise-host", default=None)
+    p.add_argument("--expected-stages", type=int, default=0, help="refuse to join a coordinator of another size")
+    p.add_argument("--dist-port", type=int, default=0, help="unused with the coordinator-hosted store; kept for charts")
+    p.add_argument("--metrics-port", type=int, default=0)
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="start coordinator and stages on this machine; Ctrl-C / SIGTERM stops all")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--max-batch", type=int, default=4)
+
+
+def _add_selftest(sub) -> None:
+    p = sub.add_parser("selftest", help="run the real multi-process pipeline and compare with the reference")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--policy", choices=["clean", "per_level"], default="per_level")
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--window", type=int, default=0, help="KV window in latent frames (0: unbounded)")
+    p.add_argument("--sink", type=int, default=0)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--checkpoint", default=None, help="transformer folder (default: a tiny random one)")
+    p.add_argument("--height", type=int, default=8, help="latent height")
+    p.add_argument("--width", type=int, default=8, help="latent width")
+    p.add_argument("--tolerance", type=float, default=None, help="max abs diff allowed (default: 0 for fp32)")
+
+
+def _add_demo_checkpoint(sub) -> None:
+    p = sub.add_parser("demo-checkpoint", help="write the tiny random demo checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _resolve_transformer(path: str) -> str:
+    sub = os.path.join(path, "transformer")
+    return sub if os.path.isdir(sub) else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="stagecast", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_coordinator(sub)
+    _add_stage(sub)
+    _add_up(sub)
+    _add_selftest(sub)
+    _add_demo_checkpoint(sub)
+    from coordinator.simulator import add_simulate_parser
+
+    add_simulate_parser(sub)
+    args = parser.parse_args(argv)
+    setup_logging()
+
+    if args.command == "coordinator":
+        from coordinator.server import CoordinatorOptions, serve
+
+        serve(
+            CoordinatorOptions(
+                stages=args.stages,
+                partition=args.partition,
+                host=args.host,
+                port=args.port,
+                advertise_host=args.advertise_host,
+                store_port=args.store_port,
+                backend=args.backend,
+                max_batch=args.max_batch,
+                max_streams=args.max_streams,
+                record_plan=args.record_plan,
+            ),
+            stop=_stop_event(),
+        )
+        return 0
+    if args.command == "stage":
+        from stage_service.server import StageOptions, serve
+
+        index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
+        if index is None:
+            parser.error("stage needs --index or STAGECAST_STAGE_INDEX")
+        index = int(index)
+        device = args.device
+        if device == "cuda":
+            import torch
+
+            device = f"cuda:{index % max(torch.cuda.device_count(), 1)}"
+        serve(
+            StageOptions(
+                index=index,
+                coordinator=args.coordinator,
+                checkpoint=_resolve_transformer(args.checkpoint),
+                device=device,
+                dtype=args.dtype,
+                host=args.host,
+                port=args.port,
+                advertise_host=args.advertise_host,
+                expected_world_size=args.expected_stages,
+            ),
+            stop=_stop_event(),
+        )
+        return 0
+    if args.command == "up":
+        from stagecast.launcher import Launcher
+        from stagecast.local_cluster import start_pipeline
+
+        stop = _stop_event()
+        with Launcher(echo=True) as launcher:
+            pipe = start_pipeline(
+                launcher,
+                checkpoint=_resolve_transformer(args.checkpoint),
+                stages=args.stages,
+                partition=args.partition,
+                device=args.device,
+                dtype=args.dtype,
+                max_batch=args.max_batch,
+                host=args.host,
+                port=args.port,
+            )
+            print(f"stagecast is up: coordinator {pipe.coordinator}, {args.stages} stages", flush=True)
+            print(f"STAGECAST_READY coordinator={pipe.coordinator}", flush=True)
+            stop.wait()
+            print("shutting down", flush=True)
+        return 0
+    if args.command == "selftest":
+        from stagecast.selftest import SelftestConfig, run_selftest
+
+        cfg = SelftestConfig(
+            stages=args.stages,
+            partition=args.partition,
+            policy=args.policy,
+            streams=args.streams,
+            chunks=args.chunks,
+            steps=args.steps,
+            window=args.window or None,
+            sink=args.sink,
+            batch=args.batch,
+            device=args.device,
+            dtype=args.dtype,
+            checkpoint=args.checkpoint,
+            height=args.height,
+            width=args.width,
+            tolerance=args.tolerance,
+        )
+        return run_selftest(cfg)
+    if args.command == "demo-checkpoint":
+        from stagecast.demo_checkpoint import write_demo_checkpoint
+
+        path = write_demo_checkpoint(args.out, seed=args.seed)
+        print(f"wrote demo checkpoint to {path}")
+        return 0
+    if args.command == "simulate":
+        from coordinator.simulator import main as simulate_main
+
+        return simulate_main(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(
+        self, shape: _Iterable[int] | None = ..., dtype: str | None = ..., data: bytes | None = ...
+    ) -> None: ...
+
+class StreamSpec(_message.Message):
+    __slots__ = (
+        "stream_id",
+        "latent_channels",
+        "chunk_frames",
+        "height",
+        "width",
+        "timesteps",
+        "shift",
+        "seed",
+        "policy",
+        "window",
+        "sink",
+        "reset_frames",
+        "sampler",
+        "num_chunks",
+        "text_len",
+    )
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SINK_FIELD_NUMBER: _ClassVar[int]
+    RESET_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    latent_channels: int
+    chunk_frames: int
+    height: int
+    width: int
+    timesteps: _containers.RepeatedScalarFieldContainer[float]
+    shift: float
+    seed: int
+    policy: str
+    window: int
+    sink: int
+    reset_frames: int
+    sampler: str
+    num_chunks: int
+    text_len: int
+    def __init__(
+        self,
+        stream_id: int | None = ...,
+        latent_channels: int | None = ...,
+        chunk_frames: int | None = ...,
+        height: int | None = ...,
+        width: int | None = ...,
+        timesteps: _Iterable[float] | None = ...,
+        shift: float | None = ...,
+        seed: int | None = ...,
+        policy: str | None = ...,
+        window: int | None = ...,
+        sink: int | None = ...,
+        reset_frames: int | None = ...,
+        sampler: str | None = ...,
+        num_chunks: int | None = ...,
+        text_len: int | None = ...,
+    ) -> None: ...
+
+class MicroStep(_message.Message):
+    __slots__ = ("stream", "chunk", "level")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    chunk: int
+    level: int
+    def __init__(self, stream: int | None = ..., chunk: int | None = ..., level: int | None = ...) -> None: ...
+
+class OpenStream(_message.Message):
+    __slots__ = ("spec", "text")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    spec: StreamSpec
+    text: Tensor
+    def __init__(self, spec: StreamSpec | _Mapping | None = ..., text: Tensor | _Mapping | None = ...) -> None: ...
+
+class MicroBatch(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[MicroStep]
+    def __init__(self, steps: _Iterable[MicroStep | _Mapping] | None = ...) -> None: ...
+
+class CloseStream(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    def __init__(self, stream_id: int | None = ...) -> None: ...
+
+class PromptUpdate(_message.Message):
+    __slots__ = ("stream_id", "from_chunk", "text")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    from_chunk: int
+    text: Tensor
+    def __init__(
+        self, stream_id: int | None = ..., from_chunk: int | None = ..., text: Tensor | _Mapping | None = ...
+    ) -> None: ...
+
+class PlanEvent(_message.Message):
+    __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "traceparent")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    seq: int
+    open: OpenStream
+    batch: MicroBatch
+    close: CloseStream
+    prompt: PromptUpdate
+    traceparent: str
+    def __init__(
+        self,
+        generation: int | None = ...,
+        seq: int | None = ...,
+        open: OpenStream | _Mapping | None = ...,
+        batch: MicroBatch | _Mapping | None = ...,
+        close: CloseStream | _Mapping | None = ...,
+        prompt: PromptUpdate | _Mapping | None = ...,
+        traceparent: str | None = ...,
+    ) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted_seq",)
+    ACCEPTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    accepted_seq: int
+    def __init__(self, accepted_seq: int | None = ...) -> None: ...
+
+class ChunkResult(_message.Message):
+    __slots__ = ("stream_id", "chunk", "latents", "seq")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: int
+    latents: Tensor
+    seq: int
+    def __init__(
+        self,
+        stream_id: int | None = ...,
+        chunk: int | None = ...,
+        latents: Tensor | _Mapping | None = ...,
+        seq: int | None = ...,
+    ) -> None: ...
+
+class BatchDone(_message.Message):
+    __slots__ = ("seq", "forward_ms", "wait_ms")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    forward_ms: float
+    wait_ms: float
+    def __init__(self, seq: int | None = ..., forward_ms: float | None = ..., wait_ms: float | None = ...) -> None: ...
+
+class StageError(_message.Message):
+    __slots__ = ("generation", "seq", "message", "stage_index")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    seq: int
+    message: str
+    stage_index: int
+    def __init__(
+        self,
+        generation: int | None = ...,
+        seq: int | None = ...,
+        message: str | None = ...,
+        stage_index: int | None = ...,
+    ) -> None: ...
+
+class StageEvent(_message.Message):
+    __slots__ = ("chunk", "done", "error")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chunk: ChunkResult
+    done: BatchDone
+    error: StageError
+    def __init__(
+        self,
+        chunk: ChunkResult | _Mapping | None = ...,
+        done: BatchDone | _Mapping | None = ...,
+        error: StageError | _Mapping | None = ...,
+    ) -> None: ...
+
+class ResultsRequest(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: int | None = ...) -> None: ...
+
+class Rendezvous(_message.Message):
+    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "backend", "layer_start", "layer_stop")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str
+    layer_start: int
+    layer_stop: int
+    def __init__(
+        self,
+        generation: int | None = ...,
+        rank: int | None = ...,
+        world_size: int | None = ...,
+        store_host: str | None = ...,
+        store_port: int | None = ...,
+        backend: str | None = ...,
+        layer_start: int | None = ...,
+        layer_stop: int | None = ...,
+    ) -> None: ...
+
+class FormReply(_message.Message):
+    __slots__ = ("rank", "load_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    load_seconds: float
+    def __init__(self, rank: int | None = ..., load_seconds: float | None = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("generation", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    reason: str
+    def __init__(self, generation: int | None = ..., reason: str | None = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageDescription(_message.Message):
+    __slots__ = (
+        "index",
+        "address",
+        "model_config_json",
+        "layer_start",
+        "layer_stop",
+        "generation",
+        "open_streams",
+        "device",
+        "kv_bytes",
+        "formed",
+    )
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORMED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    model_config_json: str
+    layer_start: int
+    layer_stop: int
+    generation: int
+    open_streams: int
+    device: str
+    kv_bytes: int
+    formed: bool
+    def __init__(
+        self,
+        index: int | None = ...,
+        address: str | None = ...,
+        model_config_json: str | None = ...,
+        layer_start: int | None = ...,
+        layer_stop: int | None = ...,
+        generation: int | None = ...,
+        open_streams: int | None = ...,
+        device: str | None = ...,
+        kv_bytes: int | None = ...,
+        formed: bool | None = ...,
+    ) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("index", "address", "model_config_json", "expected_world_size", "device")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    model_config_json: str
+    expected_world_size: int
+    device: str
+    def __init__(
+        self,
+        index: int | None = ...,
+        address: str | None = ...,
+        model_config_json: str | None = ...,
+        expected_world_size: int | None = ...,
+        device: str | None = ...,
+    ) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("world_size", "layer_start", "layer_stop", "generation")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    layer_start: int
+    layer_stop: int
+    generation: int
+    def __init__(
+        self,
+        world_size: int | None = ...,
+        layer_start: int | None = ...,
+        layer_stop: int | None = ...,
+        generation: int | None = ...,
+    ) -> None: ...
+
+class OpenStreamRequest(_message.Message):
+    __slots__ = ("spec", "text", "traceparent")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    spec: StreamSpec
+    text: Tensor
+    traceparent: str
+    def __init__(
+        self,
+        spec: StreamSpec | _Mapping | None = ...,
+        text: Tensor | _Mapping | None = ...,
+        traceparent: str | None = ...,
+    ) -> None: ...
+
+class StreamStarted(_message.Message):
+    __slots__ = ("stream_id", "generation")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generation: int
+    def __init__(self, stream_id: int | None = ..., generation: int | None = ...) -> None: ...
+
+class StreamEnded(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: str | None = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("started", "chunk", "ended")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    started: StreamStarted
+    chunk: ChunkResult
+    ended: StreamEnded
+    def __init__(
+        self,
+        started: StreamStarted | _Mapping | None = ...,
+        chunk: ChunkResult | _Mapping | None = ...,
+        ended: StreamEnded | _Mapping | None = ...,
+    ) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    def __init__(self, stream_id: int | None = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PlanDump(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[PlanEvent]
+    def __init__(self, events: _Iterable[PlanEvent | _Mapping] | None = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    ready: bool
+    world_size: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageDescription]
+    active_streams: int
+    def __init__(
+        self,
+        generation: int | None = ...,
+        ready: bool | None = ...,
+        world_size: int | None = ...,
+        stages: _Iterable[StageDescription | _Mapping] | None = ...,
+        active_streams: int | None = ...,
+    ) -> None: ...

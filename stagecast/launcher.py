@@ -1,0 +1,119 @@
+"""Start and stop stagecast service processes on this machine (``stagecast up``, selftest, demo, tests).
+
+Usage::
+
+    with Launcher() as launcher:
+        coord = launcher.spawn("coordinator", ["coordinator", "--stages", "2", "--port", "0"])
+        coord.info["address"]                          # parsed from the child's STAGECAST_READY line
+        launcher.spawn("stage-0", ["stage", "--index", "0", "--coordinator", coord.info["address"], ...])
+    # leaving the block: SIGTERM to every child, SIGKILL after a grace period
+
+Each child prints one ``STAGECAST_READY key=value ...`` line once it serves; ``spawn`` blocks on that
+line (no polling).  Children get PR_SET_PDEATHSIG, so they die with the launcher even if it is killed
+with SIGKILL: no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "STAGECAST_READY"
+
+
+def _die_with_parent() -> None:
+    # Linux only: deliver SIGTERM to the child when the launching thread's process exits.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    info: dict[str, str] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, env: dict[str, str] | None = None, echo: bool = False):
+        self.children: list[Child] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.echo = echo
+
+    def spawn(self, name: str, args: list[str], timeout: float = 300.0) -> Child:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stagecast.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            preexec_fn=_die_with_parent,
+        )
+        child = Child(name, proc)
+        self.children.append(child)
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                child.log.append(line)
+                del child.log[:-200]
+                if line.startswith(READY_PREFIX) and not ready.is_set():
+                    child.info = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+                    ready.set()
+                elif self.echo:
+                    print(f"[{name}] {line}", file=sys.stderr, flush=True)
+            ready.set()  # EOF: the child exited
+
+        threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
+        if not ready.wait(timeout) or not child.info:
+            tail = "\n".join(child.log[-30:])
+            self.stop(child)
+            raise LaunchError(f"{name} did not become ready (exit code {proc.poll()}):\n{tail}")
+        return child
+
+    def stop(self, child: Child, grace: float = 10.0) -> int | None:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+        return child.proc.returncode
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in reversed(self.children):
+            self.stop(child, grace)
+        self.children.clear()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()

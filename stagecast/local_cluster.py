@@ -1,0 +1,78 @@
+"""Start a coordinator and its stages as local processes and wait until the pipeline is formed.
+
+Usage::
+
+    with Launcher() as launcher:
+        pipe = start_pipeline(launcher, checkpoint="ckpt/transformer", stages=2, partition="1,3")
+        pipe.coordinator          # "127.0.0.1:PORT"
+        pipe.stage_children[1]    # the Child for stage 1 (tests kill and restart stages)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stagecast.grpc_util import wait_healthy
+from stagecast.launcher import Child, Launcher
+
+COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
+
+
+@dataclass
+class LocalPipeline:
+    coordinator: str
+    coordinator_child: Child
+    stage_children: dict[int, Child] = field(default_factory=dict)
+    stage_args: dict[int, list[str]] = field(default_factory=dict)
+
+
+def stage_args(index: int, coordinator: str, checkpoint: str, device: str, dtype: str, host: str) -> list[str]:
+    return [
+        "stage",
+        "--index",
+        str(index),
+        "--coordinator",
+        coordinator,
+        "--checkpoint",
+        checkpoint,
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--host",
+        host,
+        "--port",
+        "0",
+    ]
+
+
+def start_pipeline(
+    launcher: Launcher,
+    *,
+    checkpoint: str,
+    stages: int,
+    partition: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_batch: int = 4,
+    max_streams: int = 16,
+    record_plan: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready_timeout: float = 600.0,
+) -> LocalPipeline:
+    args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
+    args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
+    args += ["--backend", "nccl" if device.startswith("cuda") else "gloo"]
+    if partition:
+        args += ["--partition", partition]
+    if record_plan:
+        args.append("--record-plan")
+    coord = launcher.spawn("coordinator", args)
+    address = coord.info["address"]
+    pipe = LocalPipeline(address, coord)
+    for i in range(stages):
+        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host)
+        pipe.stage_children[i] = launcher.spawn(f"stage-{i}", pipe.stage_args[i], timeout=ready_timeout)
+    wait_healthy(address, ready_timeout, service=COORDINATOR_SERVICE)
+    return pipe

@@ -1,0 +1,227 @@
+"""``stagecast selftest``: run the real multi-process pipeline and compare it with the reference executor.
+
+Usage::
+
+    stagecast selftest --stages 3 --partition 1,2,1 --policy per_level --streams 3 --chunks 4
+    run_selftest(SelftestConfig(stages=2, ...)) -> exit code (0: every chunk matched)
+
+Streams open one after another: stream i+1 opens once stream i has delivered its first chunk, and each
+stream is one chunk longer than the previous one, so streams start and end at different times.  The
+coordinator records the plan it actually ran (batches depend on when streams arrived); the reference
+executor replays that plan over the whole model in this process and every chunk is compared.  fp32
+must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from stage_service.checkpoint import load_slice_state_dict, read_config
+from stage_service.dit_slice import DiTSlice
+from stagecast import wire
+from stagecast.grpc_util import CHANNEL_OPTIONS
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.launcher import Launcher
+from stagecast.local_cluster import start_pipeline
+from stagecast.microstep import StreamSpec
+from stagecast.reference import PlanEvent, ReferenceExecutor
+
+logger = logging.getLogger(__name__)
+
+LADDER = (1000.0, 750.0, 500.0, 250.0, 125.0, 60.0)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SelftestConfig:
+    stages: int = 2
+    partition: str | None = None
+    policy: str = "per_level"
+    streams: int = 2
+    chunks: int = 4
+    steps: int = 3
+    window: int | None = None
+    sink: int = 0
+    batch: int = 4
+    device: str = "cpu"
+    dtype: str = "float32"
+    checkpoint: str | None = None
+    height: int = 8
+    width: int = 8
+    tolerance: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class SelftestResult:
+    chunks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    reference: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    max_diff: float = 0.0
+    ok: bool = False
+    plan: list[PlanEvent] = field(default_factory=list)
+
+
+def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
+    return [
+        StreamSpec(
+            stream_id=0,
+            latent_channels=model_cfg["in_channels"],
+            chunk_frames=1,
+            height=cfg.height,
+            width=cfg.width,
+            timesteps=LADDER[: cfg.steps],
+            shift=1.0,
+            seed=cfg.seed + 17 * i,
+            policy=cfg.policy,
+            window=cfg.window,
+            sink=cfg.sink,
+            num_chunks=cfg.chunks + i,
+            text_len=16,
+        )
+        for i in range(cfg.streams)
+    ]
+
+
+def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
+    plan = []
+    for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "open":
+            plan.append(PlanEvent("open", spec=wire.spec_from_proto(ev.open.spec)))
+        elif kind == "batch":
+            plan.append(PlanEvent("batch", steps=tuple(wire.step_from_proto(s) for s in ev.batch.steps)))
+        elif kind == "close":
+            plan.append(PlanEvent("close", stream_id=ev.close.stream_id))
+        else:
+            raise ValueError(f"selftest cannot replay plan events of kind {kind!r}")
+    return plan
+
+
+def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """Open the streams in order, each after its predecessor's first chunk; collect every chunk."""
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[str] = []
+    first_chunk = [threading.Event() for _ in specs]
+    threads = []
+
+    def consume(i: int) -> None:
+        with grpc.insecure_channel(coordinator, options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.CoordinatorServiceStub(ch)
+            req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
+            sid = None
+            try:
+                for ev in stub.OpenStream(req, timeout=600):
+                    kind = ev.WhichOneof("event")
+                    if kind == "started":
+                        sid = ev.started.stream_id
+                        results[sid] = []
+                    elif kind == "chunk":
+                        assert sid is not None
+                        if ev.chunk.chunk != len(results[sid]):
+                            errors.append(f"stream {sid}: chunk {ev.chunk.chunk} arrived out of order")
+                        results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
+                        first_chunk[i].set()
+                    elif kind == "ended" and ev.ended.reason != "completed":
+                        errors.append(f"stream {sid} ended early: {ev.ended.reason}")
+            except grpc.RpcError as exc:
+                errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
+            finally:
+                first_chunk[i].set()
+
+    for i in range(len(specs)):
+        if i > 0:
+            first_chunk[i - 1].wait()
+        t = threading.Thread(target=consume, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return results
+
+
+def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_order, chunks) -> SelftestResult:
+    with grpc.insecure_channel(coordinator, options=CHANNEL_OPTIONS) as ch:
+        dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
+    plan = plan_from_proto(list(dump.events))
+    opened = [ev.spec.stream_id for ev in plan if ev.kind == "open" and ev.spec is not None]
+    texts = {sid: texts_by_order[i] for i, sid in enumerate(opened)}
+    device = torch.device("cuda:0" if cfg.device.startswith("cuda") else cfg.device)
+    model_cfg = read_config(transformer)
+    n = model_cfg["num_layers"]
+    config, sd = load_slice_state_dict(
+        transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device
+    )
+    full = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device=device)
+    reference = ReferenceExecutor(full).replay(plan, texts)
+    result = SelftestResult(chunks=chunks, reference=reference, plan=plan)
+    tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
+    ok = set(chunks) == set(reference)
+    worst = 0.0
+    for sid in sorted(reference):
+        got, want = chunks.get(sid, []), reference[sid]
+        if len(got) != len(want):
+            print(f"stream {sid}: {len(got)} chunks, reference has {len(want)}")
+            ok = False
+            continue
+        diffs = [(g.float().cpu() - w.float().cpu()).abs().max().item() for g, w in zip(got, want)]
+        stream_max = max(diffs) if diffs else 0.0
+        exact = all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+        print(f"stream {sid}: {len(got)} chunks, max |distributed - reference| = {stream_max:.3e}, exact={exact}")
+        worst = max(worst, stream_max)
+        if stream_max > tolerance:
+            ok = False
+    result.max_diff = worst
+    result.ok = ok
+    return result
+
+
+def run_selftest(cfg: SelftestConfig, launcher: Launcher | None = None) -> int:
+    own = launcher is None
+    launcher = launcher or Launcher()
+    tmp = None
+    try:
+        if cfg.checkpoint is None:
+            from stagecast.demo_checkpoint import write_transformer
+
+            tmp = tempfile.TemporaryDirectory(prefix="stagecast-selftest-")
+            transformer = f"{tmp.name}/transformer"
+            write_transformer(__import__("pathlib").Path(transformer), seed=cfg.seed)
+        else:
+            transformer = cfg.checkpoint
+        model_cfg = read_config(transformer)
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=transformer,
+            stages=cfg.stages,
+            partition=cfg.partition,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_batch=cfg.batch,
+            record_plan=True,
+        )
+        specs = stream_specs(cfg, model_cfg)
+        g = torch.Generator().manual_seed(cfg.seed)
+        texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
+        chunks = run_streams(pipe.coordinator, specs, texts)
+        result = compare(cfg, transformer, pipe.coordinator, texts, chunks)
+        verdict = "PASS" if result.ok else "FAIL"
+        print(
+            f"selftest {verdict}: stages={cfg.stages} partition={cfg.partition or 'even'} policy={cfg.policy} "
+            f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
+            f"max_diff={result.max_diff:.3e}"
+        )
+        return 0 if result.ok else 1
+    finally:
+        if own:
+            launcher.stop_all()
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,0 +1,100 @@
+"""Conversions between in-process values and the ``stagecast.internal.v1`` wire messages.
+
+Usage::
+
+    msg = tensor_to_proto(t);  t = tensor_from_proto(msg)
+    msg = spec_to_proto(spec); spec = spec_from_proto(msg)      # raises ValueError naming the bad field
+    msg = step_to_proto(step); step = step_from_proto(msg)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.microstep import MicroStep, StreamSpec
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+
+
+def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"tensor dtype {name} cannot travel on the wire")
+    # bfloat16 has no numpy dtype: ship its raw 16-bit pattern.
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return pb.Tensor(shape=list(t.shape), dtype=name, data=raw.numpy().tobytes())
+
+
+def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"tensor dtype {msg.dtype!r} is not one of {sorted(_DTYPES)}")
+    dtype = _DTYPES[msg.dtype]
+    shape = tuple(msg.shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
+    if len(msg.data) != expected:
+        raise ValueError(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
+    if dtype == torch.bfloat16:
+        arr = np.frombuffer(msg.data, dtype=np.int16).copy()
+        return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy()).reshape(shape)
+
+
+def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
+    return pb.StreamSpec(
+        stream_id=spec.stream_id,
+        latent_channels=spec.latent_channels,
+        chunk_frames=spec.chunk_frames,
+        height=spec.height,
+        width=spec.width,
+        timesteps=list(spec.timesteps),
+        shift=spec.shift,
+        seed=spec.seed,
+        policy=spec.policy,
+        window=spec.window or 0,
+        sink=spec.sink,
+        reset_frames=spec.reset_frames or 0,
+        sampler=spec.sampler,
+        num_chunks=spec.num_chunks or 0,
+        text_len=spec.text_len,
+    )
+
+
+def spec_from_proto(msg: pb.StreamSpec) -> StreamSpec:
+    return StreamSpec(
+        stream_id=msg.stream_id,
+        latent_channels=msg.latent_channels,
+        chunk_frames=msg.chunk_frames,
+        height=msg.height,
+        width=msg.width,
+        # float32 on the wire: round-trip through it so both ends see the same ladder.
+        timesteps=tuple(float(t) for t in msg.timesteps),
+        shift=float(msg.shift) if msg.shift else 1.0,
+        seed=msg.seed,
+        policy=msg.policy or "per_level",
+        window=msg.window or None,
+        sink=msg.sink,
+        reset_frames=msg.reset_frames or None,
+        sampler=msg.sampler or "x0",
+        num_chunks=msg.num_chunks or None,
+        text_len=msg.text_len or 512,
+    )
+
+
+def step_to_proto(step: MicroStep) -> pb.MicroStep:
+    return pb.MicroStep(stream=step.stream, chunk=step.chunk, level=step.level)
+
+
+def step_from_proto(msg: pb.MicroStep) -> MicroStep:
+    return MicroStep(stream=msg.stream, chunk=msg.chunk, level=msg.level)
