@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -16,28 +14,10 @@ class Tensor(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     data: bytes
-    def __init__(
-        self, shape: _Iterable[int] | None = ..., dtype: str | None = ..., data: bytes | None = ...
-    ) -> None: ...
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = (
-        "stream_id",
-        "latent_channels",
-        "chunk_frames",
-        "height",
-        "width",
-        "timesteps",
-        "shift",
-        "seed",
-        "policy",
-        "window",
-        "sink",
-        "reset_frames",
-        "sampler",
-        "num_chunks",
-        "text_len",
-    )
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "height", "width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -68,24 +48,7 @@ class StreamSpec(_message.Message):
     sampler: str
     num_chunks: int
     text_len: int
-    def __init__(
-        self,
-        stream_id: int | None = ...,
-        latent_channels: int | None = ...,
-        chunk_frames: int | None = ...,
-        height: int | None = ...,
-        width: int | None = ...,
-        timesteps: _Iterable[float] | None = ...,
-        shift: float | None = ...,
-        seed: int | None = ...,
-        policy: str | None = ...,
-        window: int | None = ...,
-        sink: int | None = ...,
-        reset_frames: int | None = ...,
-        sampler: str | None = ...,
-        num_chunks: int | None = ...,
-        text_len: int | None = ...,
-    ) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
@@ -95,7 +58,7 @@ class MicroStep(_message.Message):
     stream: int
     chunk: int
     level: int
-    def __init__(self, stream: int | None = ..., chunk: int | None = ..., level: int | None = ...) -> None: ...
+    def __init__(self, stream: _Optional[int] = ..., chunk: _Optional[int] = ..., level: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
     __slots__ = ("spec", "text")
@@ -103,19 +66,19 @@ class OpenStream(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
-    def __init__(self, spec: StreamSpec | _Mapping | None = ..., text: Tensor | _Mapping | None = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("steps",)
     STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[MicroStep]
-    def __init__(self, steps: _Iterable[MicroStep | _Mapping] | None = ...) -> None: ...
+    def __init__(self, steps: _Optional[_Iterable[_Union[MicroStep, _Mapping]]] = ...) -> None: ...
 
 class CloseStream(_message.Message):
     __slots__ = ("stream_id",)
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
-    def __init__(self, stream_id: int | None = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ...) -> None: ...
 
 class PromptUpdate(_message.Message):
     __slots__ = ("stream_id", "from_chunk", "text")
@@ -125,9 +88,7 @@ class PromptUpdate(_message.Message):
     stream_id: int
     from_chunk: int
     text: Tensor
-    def __init__(
-        self, stream_id: int | None = ..., from_chunk: int | None = ..., text: Tensor | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanEvent(_message.Message):
     __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "traceparent")
@@ -145,22 +106,13 @@ class PlanEvent(_message.Message):
     close: CloseStream
     prompt: PromptUpdate
     traceparent: str
-    def __init__(
-        self,
-        generation: int | None = ...,
-        seq: int | None = ...,
-        open: OpenStream | _Mapping | None = ...,
-        batch: MicroBatch | _Mapping | None = ...,
-        close: CloseStream | _Mapping | None = ...,
-        prompt: PromptUpdate | _Mapping | None = ...,
-        traceparent: str | None = ...,
-    ) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., close: _Optional[_Union[CloseStream, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted_seq",)
     ACCEPTED_SEQ_FIELD_NUMBER: _ClassVar[int]
     accepted_seq: int
-    def __init__(self, accepted_seq: int | None = ...) -> None: ...
+    def __init__(self, accepted_seq: _Optional[int] = ...) -> None: ...
 
 class ChunkResult(_message.Message):
     __slots__ = ("stream_id", "chunk", "latents", "seq")
@@ -172,13 +124,7 @@ class ChunkResult(_message.Message):
     chunk: int
     latents: Tensor
     seq: int
-    def __init__(
-        self,
-        stream_id: int | None = ...,
-        chunk: int | None = ...,
-        latents: Tensor | _Mapping | None = ...,
-        seq: int | None = ...,
-    ) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
     __slots__ = ("seq", "forward_ms", "wait_ms")
@@ -188,7 +134,7 @@ class BatchDone(_message.Message):
     seq: int
     forward_ms: float
     wait_ms: float
-    def __init__(self, seq: int | None = ..., forward_ms: float | None = ..., wait_ms: float | None = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
 
 class StageError(_message.Message):
     __slots__ = ("generation", "seq", "message", "stage_index")
@@ -200,13 +146,7 @@ class StageError(_message.Message):
     seq: int
     message: str
     stage_index: int
-    def __init__(
-        self,
-        generation: int | None = ...,
-        seq: int | None = ...,
-        message: str | None = ...,
-        stage_index: int | None = ...,
-    ) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., message: _Optional[str] = ..., stage_index: _Optional[int] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("chunk", "done", "error")
@@ -216,18 +156,13 @@ class StageEvent(_message.Message):
     chunk: ChunkResult
     done: BatchDone
     error: StageError
-    def __init__(
-        self,
-        chunk: ChunkResult | _Mapping | None = ...,
-        done: BatchDone | _Mapping | None = ...,
-        error: StageError | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, chunk: _Optional[_Union[ChunkResult, _Mapping]] = ..., done: _Optional[_Union[BatchDone, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("generation",)
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: int | None = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
     __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "backend", "layer_start", "layer_stop")
@@ -247,17 +182,7 @@ class Rendezvous(_message.Message):
     backend: str
     layer_start: int
     layer_stop: int
-    def __init__(
-        self,
-        generation: int | None = ...,
-        rank: int | None = ...,
-        world_size: int | None = ...,
-        store_host: str | None = ...,
-        store_port: int | None = ...,
-        backend: str | None = ...,
-        layer_start: int | None = ...,
-        layer_stop: int | None = ...,
-    ) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
     __slots__ = ("rank", "load_seconds")
@@ -265,7 +190,7 @@ class FormReply(_message.Message):
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     load_seconds: float
-    def __init__(self, rank: int | None = ..., load_seconds: float | None = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("generation", "reason")
@@ -273,25 +198,14 @@ class ResetRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     generation: int
     reason: str
-    def __init__(self, generation: int | None = ..., reason: str | None = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = (
-        "index",
-        "address",
-        "model_config_json",
-        "layer_start",
-        "layer_stop",
-        "generation",
-        "open_streams",
-        "device",
-        "kv_bytes",
-        "formed",
-    )
+    __slots__ = ("index", "address", "model_config_json", "layer_start", "layer_stop", "generation", "open_streams", "device", "kv_bytes", "formed")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -312,19 +226,7 @@ class StageDescription(_message.Message):
     device: str
     kv_bytes: int
     formed: bool
-    def __init__(
-        self,
-        index: int | None = ...,
-        address: str | None = ...,
-        model_config_json: str | None = ...,
-        layer_start: int | None = ...,
-        layer_stop: int | None = ...,
-        generation: int | None = ...,
-        open_streams: int | None = ...,
-        device: str | None = ...,
-        kv_bytes: int | None = ...,
-        formed: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ..., open_streams: _Optional[int] = ..., device: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., formed: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("index", "address", "model_config_json", "expected_world_size", "device")
@@ -338,14 +240,7 @@ class RegisterRequest(_message.Message):
     model_config_json: str
     expected_world_size: int
     device: str
-    def __init__(
-        self,
-        index: int | None = ...,
-        address: str | None = ...,
-        model_config_json: str | None = ...,
-        expected_world_size: int | None = ...,
-        device: str | None = ...,
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., expected_world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("world_size", "layer_start", "layer_stop", "generation")
@@ -357,13 +252,7 @@ class RegisterReply(_message.Message):
     layer_start: int
     layer_stop: int
     generation: int
-    def __init__(
-        self,
-        world_size: int | None = ...,
-        layer_start: int | None = ...,
-        layer_stop: int | None = ...,
-        generation: int | None = ...,
-    ) -> None: ...
+    def __init__(self, world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
     __slots__ = ("spec", "text", "traceparent")
@@ -373,12 +262,7 @@ class OpenStreamRequest(_message.Message):
     spec: StreamSpec
     text: Tensor
     traceparent: str
-    def __init__(
-        self,
-        spec: StreamSpec | _Mapping | None = ...,
-        text: Tensor | _Mapping | None = ...,
-        traceparent: str | None = ...,
-    ) -> None: ...
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("stream_id", "generation")
@@ -386,13 +270,13 @@ class StreamStarted(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     generation: int
-    def __init__(self, stream_id: int | None = ..., generation: int | None = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class StreamEnded(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: str | None = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StreamEvent(_message.Message):
     __slots__ = ("started", "chunk", "ended")
@@ -402,18 +286,13 @@ class StreamEvent(_message.Message):
     started: StreamStarted
     chunk: ChunkResult
     ended: StreamEnded
-    def __init__(
-        self,
-        started: StreamStarted | _Mapping | None = ...,
-        chunk: ChunkResult | _Mapping | None = ...,
-        ended: StreamEnded | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, started: _Optional[_Union[StreamStarted, _Mapping]] = ..., chunk: _Optional[_Union[ChunkResult, _Mapping]] = ..., ended: _Optional[_Union[StreamEnded, _Mapping]] = ...) -> None: ...
 
 class StopRequest(_message.Message):
     __slots__ = ("stream_id",)
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
-    def __init__(self, stream_id: int | None = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ()
@@ -423,7 +302,7 @@ class PlanDump(_message.Message):
     __slots__ = ("events",)
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[PlanEvent]
-    def __init__(self, events: _Iterable[PlanEvent | _Mapping] | None = ...) -> None: ...
+    def __init__(self, events: _Optional[_Iterable[_Union[PlanEvent, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("generation", "ready", "world_size", "stages", "active_streams")
@@ -437,11 +316,4 @@ class ClusterStatus(_message.Message):
     world_size: int
     stages: _containers.RepeatedCompositeFieldContainer[StageDescription]
     active_streams: int
-    def __init__(
-        self,
-        generation: int | None = ...,
-        ready: bool | None = ...,
-        world_size: int | None = ...,
-        stages: _Iterable[StageDescription | _Mapping] | None = ...,
-        active_streams: int | None = ...,
-    ) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ...) -> None: ...
