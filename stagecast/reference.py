@@ -37,10 +37,11 @@ class StreamRequest:
 class PlanEvent:
     """One entry of a plan, in execution order: open a stream, run a batch, or close a stream."""
 
-    kind: str  # "open" | "batch" | "close"
+    kind: str  # "open" | "batch" | "close" | "prompt"
     spec: StreamSpec | None = None
     steps: tuple[MicroStep, ...] = ()
     stream_id: int | None = None
+    from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
 
 
 @dataclass
@@ -66,13 +67,23 @@ class ReferenceExecutor:
             self.trace(steps, flow, results)
         return results
 
-    def replay(self, plan: list[PlanEvent], texts: dict[int, torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    def replay(
+        self,
+        plan: list[PlanEvent],
+        texts: dict[int, torch.Tensor],
+        prompt_texts: dict[tuple[int, int], torch.Tensor] | None = None,
+    ) -> dict[int, list[torch.Tensor]]:
+        """Run a recorded plan.  ``texts[stream]`` is each stream's first prompt; ``prompt_texts[(stream,
+        from_chunk)]`` the text of each prompt update event."""
         chunks: dict[int, list[torch.Tensor]] = {}
         for ev in plan:
             if ev.kind == "open":
                 assert ev.spec is not None
                 self.runner.open_stream(ev.spec, texts[ev.spec.stream_id])
                 chunks[ev.spec.stream_id] = []
+            elif ev.kind == "prompt":
+                assert ev.stream_id is not None and prompt_texts is not None
+                self.runner.set_prompt(ev.stream_id, ev.from_chunk, prompt_texts[(ev.stream_id, ev.from_chunk)])
             elif ev.kind == "close":
                 assert ev.stream_id is not None
                 self.runner.close_stream(ev.stream_id)

@@ -99,8 +99,10 @@ def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
             plan.append(PlanEvent("batch", steps=tuple(wire.step_from_proto(s) for s in ev.batch.steps)))
         elif kind == "close":
             plan.append(PlanEvent("close", stream_id=ev.close.stream_id))
+        elif kind == "prompt":
+            plan.append(PlanEvent("prompt", stream_id=ev.prompt.stream_id, from_chunk=ev.prompt.from_chunk))
         else:
-            raise ValueError(f"selftest cannot replay plan events of kind {kind!r}")
+            raise ValueError(f"cannot replay plan events of kind {kind!r}")
     return plan
 
 
