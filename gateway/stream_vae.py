@@ -25,6 +25,9 @@ To run the decoder as pipeline stages, ``split_decoder(vae, 2)`` cuts it by bloc
 the same ``new_state``/``decode_chunk``/``release`` API; each owns the cache slots of its own blocks, the first
 takes latents, the last returns video, and what passes between them is one tensor per chunk.
 
+Tests and the CPU demo write a random tiny VAE with ``write_tiny_vae(folder, name="tiny-wan2.1")`` and load it with
+``StreamVAE.from_folder(folder)``.
+
 Not handled: tiled decode (``vae.enable_tiling()`` is ignored, and the one-shot reference is the untiled decode)
 and model-offload hooks (they sit on ``vae.decode``, which this bypasses; keep the module on its device).
 """
@@ -36,6 +39,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
+from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan
@@ -393,3 +397,17 @@ def split_decoder(
         raise ValueError(f"need {num_slices - 1} increasing boundaries, got {boundaries}")
     edges = [0, *boundaries, n]
     return [StreamVAESlice(vae, a, b) for a, b in itertools.pairwise(edges)]
+
+
+def write_tiny_vae(folder: str | PathLike, *, name: str = "tiny-wan2.1", seed: int = 0) -> Path:
+    """Write a random ``AutoencoderKLWan`` of the named ``vae_configs`` preset to ``folder`` (diffusers layout).
+
+    Same arguments give the same weights; the caller's torch RNG state is left untouched.
+    """
+    folder = Path(folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(**vae_configs.vae_config(name))
+    vae.eval().save_pretrained(folder)
+    logger.debug("wrote random %s VAE to %s", name, folder)
+    return folder

@@ -6,6 +6,7 @@ Usage::
     # root/transformer  tiny Wan2.1-style DiT (diffusers layout, sharded so stages read only their shards)
     # root/text_encoder root/tokenizer   tiny UMT5 + offline tokenizer (d_model == the DiT's text_dim)
     # root/vae          tiny Wan2.1-style VAE
+    # root/stagecast.json  the gateway's serving defaults for it (text length 32, 64x64 frames)
 
 The weights are random: the demo proves the system end to end (real processes, real gRPC, real data
 plane, real codecs), not image quality.
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 DEMO_MODEL = "tiny-wan2.1"
 DEMO_VAE = "tiny-wan2.1"
 _MARKER = "stagecast-demo.json"
+PARTS = ("transformer", "text_encoder", "tokenizer", "vae")
+SERVING_DEFAULTS = "stagecast.json"  # read by gateway.checkpoint.ServingDefaults
+DEMO_SERVING = {"text_len": 32, "width": 64, "height": 64, "fps": 16.0, "steps": 2}
 
 
 def write_transformer(folder: Path, *, seed: int, name: str = DEMO_MODEL, max_shard_bytes: int = 64 * 1024) -> None:
@@ -43,24 +47,32 @@ def write_transformer(folder: Path, *, seed: int, name: str = DEMO_MODEL, max_sh
 
 
 def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
+    """Write (or complete) the demo checkpoint in ``out`` and return its path.
+
+    Each part is written only if it is missing, so a folder from an older stagecast (e.g. without ``vae/``) is
+    completed rather than rewritten; the marker file is written last, so an interrupted write is redone.
+    """
     root = Path(out).expanduser()
     marker = root / _MARKER
-    if marker.exists():
+    if marker.exists() and all((root / part).is_dir() for part in PARTS):
         return root
     root.mkdir(parents=True, exist_ok=True)
     from stage_service.configs import model_config
 
     text_dim = model_config(DEMO_MODEL)["text_dim"]
-    write_transformer(root / "transformer", seed=seed)
-    from gateway.text_encoder import write_tiny_text_encoder
+    if not (root / "transformer" / "config.json").exists():
+        write_transformer(root / "transformer", seed=seed)
+    if not (root / "text_encoder" / "config.json").exists() or not (root / "tokenizer").is_dir():
+        from gateway.text_encoder import write_tiny_text_encoder
 
-    write_tiny_text_encoder(root, d_model=text_dim, seed=seed)
-    try:
+        write_tiny_text_encoder(root, d_model=text_dim, seed=seed)
+    if not (root / "vae" / "config.json").exists():
         from gateway.stream_vae import write_tiny_vae
-    except ImportError:
-        write_tiny_vae = None
-    if write_tiny_vae is not None:
+
         write_tiny_vae(root / "vae", name=DEMO_VAE, seed=seed)
+    # Serving defaults the gateway reads (gateway.checkpoint): a short text length keeps the tiny model cheap, and a
+    # small frame size keeps the CPU VAE fast. A real Wan checkpoint has no such file and gets 512 tokens, 832x480.
+    (root / SERVING_DEFAULTS).write_text(json.dumps(DEMO_SERVING, indent=2) + "\n")
     marker.write_text(json.dumps({"model": DEMO_MODEL, "vae": DEMO_VAE, "seed": seed}))
     logger.info("wrote demo checkpoint to %s", root)
     return root

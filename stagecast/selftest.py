@@ -5,8 +5,8 @@ Usage::
     stagecast selftest --stages 3 --partition 1,2,1 --policy per_level --streams 3 --chunks 4
     run_selftest(SelftestConfig(stages=2, ...)) -> exit code (0: every chunk matched)
 
-Streams open one after another: stream i+1 opens once stream i has delivered its first chunk, and each
-stream is one chunk longer than the previous one, so streams start and end at different times.  The
+Streams open one after another: stream i+1 opens once stream i has started, and each stream is one
+chunk longer than the previous one, so streams start and end at different times while in flight together.  The
 coordinator records the plan it actually ran (batches depend on when streams arrived); the reference
 executor replays that plan over the whole model in this process and every chunk is compared.  fp32
 must match bit for bit.
@@ -18,6 +18,7 @@ import logging
 import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -107,10 +108,10 @@ def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
 
 
 def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
-    """Open the streams in order, each after its predecessor's first chunk; collect every chunk."""
+    """Open the streams in order, each once its predecessor has started; collect every chunk."""
     results: dict[int, list[torch.Tensor]] = {}
     errors: list[str] = []
-    first_chunk = [threading.Event() for _ in specs]
+    started = [threading.Event() for _ in specs]
     threads = []
 
     def consume(i: int) -> None:
@@ -124,22 +125,22 @@ def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Ten
                     if kind == "started":
                         sid = ev.started.stream_id
                         results[sid] = []
+                        started[i].set()
                     elif kind == "chunk":
                         assert sid is not None
                         if ev.chunk.chunk != len(results[sid]):
                             errors.append(f"stream {sid}: chunk {ev.chunk.chunk} arrived out of order")
                         results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
-                        first_chunk[i].set()
                     elif kind == "ended" and ev.ended.reason != "completed":
                         errors.append(f"stream {sid} ended early: {ev.ended.reason}")
             except grpc.RpcError as exc:
                 errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
             finally:
-                first_chunk[i].set()
+                started[i].set()
 
     for i in range(len(specs)):
         if i > 0:
-            first_chunk[i - 1].wait()
+            started[i - 1].wait()
         t = threading.Thread(target=consume, args=(i,), daemon=True)
         t.start()
         threads.append(t)
@@ -186,17 +187,14 @@ def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_or
     return result
 
 
-def run_selftest(cfg: SelftestConfig, launcher: Launcher | None = None) -> int:
-    own = launcher is None
-    launcher = launcher or Launcher()
-    tmp = None
-    try:
+def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
+    """Start the pipeline under ``launcher``, run the streams, compare with the reference."""
+    with tempfile.TemporaryDirectory(prefix="stagecast-selftest-") as tmp:
         if cfg.checkpoint is None:
             from stagecast.demo_checkpoint import write_transformer
 
-            tmp = tempfile.TemporaryDirectory(prefix="stagecast-selftest-")
-            transformer = f"{tmp.name}/transformer"
-            write_transformer(__import__("pathlib").Path(transformer), seed=cfg.seed)
+            transformer = f"{tmp}/transformer"
+            write_transformer(Path(transformer), seed=cfg.seed)
         else:
             transformer = cfg.checkpoint
         model_cfg = read_config(transformer)
@@ -214,16 +212,17 @@ def run_selftest(cfg: SelftestConfig, launcher: Launcher | None = None) -> int:
         g = torch.Generator().manual_seed(cfg.seed)
         texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
         chunks = run_streams(pipe.coordinator, specs, texts)
-        result = compare(cfg, transformer, pipe.coordinator, texts, chunks)
-        verdict = "PASS" if result.ok else "FAIL"
-        print(
-            f"selftest {verdict}: stages={cfg.stages} partition={cfg.partition or 'even'} policy={cfg.policy} "
-            f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
-            f"max_diff={result.max_diff:.3e}"
-        )
-        return 0 if result.ok else 1
-    finally:
-        if own:
-            launcher.stop_all()
-        if tmp is not None:
-            tmp.cleanup()
+        return compare(cfg, transformer, pipe.coordinator, texts, chunks)
+
+
+def run_selftest(cfg: SelftestConfig) -> int:
+    """The CLI entry point: prints a verdict and returns the exit code."""
+    with Launcher() as launcher:
+        result = execute_selftest(cfg, launcher)
+    verdict = "PASS" if result.ok else "FAIL"
+    print(
+        f"selftest {verdict}: stages={cfg.stages} partition={cfg.partition or 'even'} policy={cfg.policy} "
+        f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
+        f"max_diff={result.max_diff:.3e}"
+    )
+    return 0 if result.ok else 1

@@ -1,0 +1,182 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StreamConfig(_message.Message):
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SINK_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    width: int
+    height: int
+    chunk_frames: int
+    steps: int
+    seed: int
+    guidance_scale: float
+    codec: str
+    target_fps: float
+    seconds: float
+    policy: str
+    window: int
+    sink: int
+    quality: int
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[str] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ...) -> None: ...
+
+class PromptUpdate(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    def __init__(self, prompt: _Optional[str] = ...) -> None: ...
+
+class Stop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("config", "prompt", "stop")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    config: StreamConfig
+    prompt: PromptUpdate
+    stop: Stop
+    def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+
+class Started(_message.Message):
+    __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    config: StreamConfig
+    total_frames: int
+    num_chunks: int
+    latent_width: int
+    latent_height: int
+    pipeline_stream_id: int
+    def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_MS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_MS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    codec: str
+    index: int
+    pts: float
+    chunk: int
+    latents_ms: float
+    decoded_ms: float
+    encoded_ms: float
+    width: int
+    height: int
+    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[str] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
+class PromptUpdated(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    def __init__(self, prompt: _Optional[str] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ("reason", "frames", "trailer")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    frames: int
+    trailer: bytes
+    def __init__(self, reason: _Optional[str] = ..., frames: _Optional[int] = ..., trailer: _Optional[bytes] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("started", "frame", "prompt_updated", "end")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    started: Started
+    frame: Frame
+    prompt_updated: PromptUpdated
+    end: End
+    def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., prompt_updated: _Optional[_Union[PromptUpdated, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_SENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    VAE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    pipeline_stream_id: int
+    state: str
+    frames_sent: int
+    chunks_received: int
+    vae_state_bytes: int
+    queued_chunks: int
+    queued_messages: int
+    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[str] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ...) -> None: ...
+
+class GatewayStatus(_message.Message):
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "pipeline_ready")
+    class EndedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    VAE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_READY_FIELD_NUMBER: _ClassVar[int]
+    active_streams: int
+    max_streams: int
+    vae_state_bytes: int
+    streams: _containers.RepeatedCompositeFieldContainer[StreamStatus]
+    streams_started: int
+    streams_finished: int
+    ended_by_reason: _containers.ScalarMap[str, int]
+    coordinator: str
+    pipeline_ready: bool
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., pipeline_ready: _Optional[bool] = ...) -> None: ...
