@@ -6,6 +6,9 @@ stagecast stage --index I --coordinator H:P ... one stage process
 stagecast selftest --stages K ...               distributed run vs the reference executor, exit 1 on mismatch
 stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
 stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
+stagecast gateway --coordinator H:P --checkpoint DIR   the public streaming API (stagecast.v1)
+stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
+stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
 """
 
 from __future__ import annotations
@@ -100,6 +103,29 @@ def _add_demo_checkpoint(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_gateway(sub) -> None:
+    p = sub.add_parser("gateway", help="run the gateway: public streaming API, text encoder, VAE, frame encoding")
+    p.add_argument("--coordinator", required=True, help="coordinator host:port")
+    p.add_argument("--checkpoint", required=True, help="folder with transformer/ vae/ text_encoder/ tokenizer/")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0: any free port (printed on the READY line)")
+    p.add_argument("--device", default="cpu", help="where the text encoder and VAE run: cpu, cuda, cuda:N")
+    p.add_argument("--max-streams", type=int, default=8, help="concurrent streams this gateway accepts")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    p.add_argument("--text-len", type=int, default=None, help="text tokens (default: checkpoint's, else 512)")
+    p.add_argument("--vae-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
+    p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
+    p.add_argument(
+        "--slow-client-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a stream's buffers may stay full (client not reading) before it ends with RESOURCE_EXHAUSTED",
+    )
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
 def _resolve_transformer(path: str) -> str:
     sub = os.path.join(path, "transformer")
     return sub if os.path.isdir(sub) else path
@@ -115,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub)
     _add_selftest(sub)
     _add_demo_checkpoint(sub)
+    _add_gateway(sub)
     from coordinator.simulator import add_simulate_parser
 
     add_simulate_parser(sub)
@@ -215,6 +242,32 @@ def main(argv: list[str] | None = None) -> int:
 
         path = write_demo_checkpoint(args.out, seed=args.seed)
         print(f"wrote demo checkpoint to {path}")
+        return 0
+    if args.command == "gateway":
+        from gateway.service import GatewayOptions, serve
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        serve(
+            GatewayOptions(
+                coordinator=args.coordinator,
+                checkpoint=args.checkpoint,
+                host=args.host,
+                port=args.port,
+                device=args.device,
+                max_streams=args.max_streams,
+                metrics_port=args.metrics_port,
+                text_len=args.text_len,
+                vae_dtype=args.vae_dtype,
+                buffer_chunks=args.buffer_chunks,
+                buffer_messages=args.buffer_messages,
+                slow_client_timeout=args.slow_client_timeout,
+                drain_timeout=args.drain_timeout,
+            ),
+            stop=_stop_event(),
+        )
         return 0
     if args.command == "simulate":
         from coordinator.simulator import main as simulate_main

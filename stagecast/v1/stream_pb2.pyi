@@ -153,7 +153,7 @@ class StreamStatus(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[str] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "pipeline_ready")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,7 +169,6 @@ class GatewayStatus(_message.Message):
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ENDED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
-    PIPELINE_READY_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -178,5 +177,4 @@ class GatewayStatus(_message.Message):
     streams_finished: int
     ended_by_reason: _containers.ScalarMap[str, int]
     coordinator: str
-    pipeline_ready: bool
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., pipeline_ready: _Optional[bool] = ...) -> None: ...
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ...) -> None: ...

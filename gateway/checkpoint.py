@@ -1,0 +1,90 @@
+"""What the gateway needs to know about a checkpoint folder before it can turn a request into a stream.
+
+Usage::
+
+    model = ModelInfo.from_checkpoint("/models/Wan2.1-T2V-1.3B-Diffusers")
+    model.latent_channels, model.width_multiple         # 16, 16 (VAE 8x spatial x patch 2)
+    defaults = ServingDefaults.load("/models/Wan2.1-T2V-1.3B-Diffusers")
+    defaults.text_len, defaults.width, defaults.height  # 512, 832, 480 unless stagecast.json says otherwise
+
+The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`` (diffusers layout).  An optional
+``stagecast.json`` beside them overrides the serving defaults; ``stagecast demo-checkpoint`` writes one so the tiny
+model runs with a short text length and small frames.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from gateway import vae_configs
+
+logger = logging.getLogger(__name__)
+
+SERVING_DEFAULTS_FILE = "stagecast.json"
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """Values the gateway uses for fields a request leaves out, and the text length every stream is encoded with.
+
+    ``text_len`` is the text encoder's ``max_len`` and the DiT stream's ``text_len``: the Wan models were trained with
+    512 text tokens, so only tiny test models should use anything else.
+    """
+
+    text_len: int = 512
+    width: int = 832
+    height: int = 480
+    fps: float = 16.0
+    steps: int = 4
+    chunk_frames: int = 1
+
+    @classmethod
+    def load(cls, checkpoint: str | os.PathLike) -> ServingDefaults:
+        path = Path(checkpoint) / SERVING_DEFAULTS_FILE
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        logger.info("serving defaults from %s: %s", path, data)
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shapes that link pixels, latents and tokens for one DiT + VAE pair."""
+
+    latent_channels: int
+    patch_hw: tuple[int, int]
+    spatial_factor: int  # video pixels per latent pixel
+    temporal_factor: int  # video frames per latent frame after the first
+
+    @property
+    def height_multiple(self) -> int:
+        """Pixel heights must be multiples of this, so that latent pixels and DiT patches are whole."""
+        return self.spatial_factor * self.patch_hw[0]
+
+    @property
+    def width_multiple(self) -> int:
+        return self.spatial_factor * self.patch_hw[1]
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | os.PathLike) -> ModelInfo:
+        root = Path(checkpoint)
+        dit = json.loads((root / "transformer" / "config.json").read_text())
+        vae = json.loads((root / "vae" / "config.json").read_text())
+        if vae["z_dim"] != dit["in_channels"]:
+            raise ValueError(f"{root}: the VAE has {vae['z_dim']} latent channels, the DiT {dit['in_channels']}")
+        _, p_h, p_w = dit["patch_size"]
+        return cls(
+            latent_channels=dit["in_channels"],
+            patch_hw=(p_h, p_w),
+            spatial_factor=vae_configs.spatial_factor(vae),
+            temporal_factor=vae_configs.temporal_factor(vae),
+        )

@@ -1,0 +1,357 @@
+"""One client stream inside the gateway: pipeline chunks -> StreamVAE -> frame encoder -> the client's gRPC call.
+
+Usage (the servicer in ``gateway.service`` does this per ``Generate`` call)::
+
+    run = StreamRun(gateway, cfg, text, context, t0)
+    run.open_pipeline()                  # coordinator OpenStream; raises grpc.RpcError as the coordinator says
+    run.start(request_iterator)          # threads: pipeline reader, decoder, client-message reader
+    for msg in run.messages(): yield msg # Started, Frames, PromptUpdated, End; raises StreamFailed
+
+Threads and bounded buffers (per stream)::
+
+    coordinator --(reader)--> latents [buffer_chunks] --(decoder: VAE + encoder)--> out [buffer_messages] --> client
+
+Slow clients: gRPC flow control stops the sender when the client does not read, ``out`` fills and blocks the
+decoder, ``latents`` fills and blocks the reader (backpressure).  If ``latents`` stays full for
+``slow_client_timeout`` seconds, the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are
+dropped, the error is queued for the client, and the pipeline stream is stopped.  A client that still does not
+read for another ``slow_client_timeout`` has its call cancelled.  Memory per stream is therefore bounded by the two
+buffers plus gRPC's flow-control window, whatever the client does.
+
+Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
+StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decoder
+releases the stream's VAE cache.  The stream stays in the gateway's status (state "draining") until both happened,
+so ``GatewayStatus`` shows exactly what the gateway and the pipeline still hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from gateway.channel import CLOSED, BoundedChannel
+from gateway.config import ConfigError, EffectiveConfig
+from gateway.frame_encoder import make_encoder
+from gateway.stream_vae import to_uint8_frames
+from stagecast import wire
+from stagecast.internal.v1 import pipeline_pb2 as ipb
+from stagecast.v1 import stream_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.service import Gateway
+
+logger = logging.getLogger(__name__)
+
+
+class StreamFailed(Exception):
+    """Ends the client's call with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _Chunk:
+    index: int
+    latents: torch.Tensor
+    arrived_ms: float
+
+
+@dataclass
+class _End:
+    reason: str
+
+
+class StreamRun:
+    def __init__(self, gw: Gateway, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float):
+        self.gw = gw
+        self.cfg = cfg
+        self.text = text
+        self.context = context
+        self.t0 = t0
+        self.id = uuid.uuid4().hex[:16]
+        self.pipeline_id = 0
+        self.state = "starting"
+        self.outcome: str | None = None  # why the stream ended: "completed", "stopped", "cancelled", ...
+        self.chunks_received = 0
+        self.frames_emitted = 0  # frames the decoder queued for the client
+        self.frames_sent = 0  # frames handed to gRPC
+        self.first_frame_ms: float | None = None
+        self.vae_state = None
+        self.latents = BoundedChannel(gw.opts.buffer_chunks)
+        self.out = BoundedChannel(gw.opts.buffer_messages)
+        self._lock = threading.Lock()
+        self._call = None
+        self._pipeline_ended = False
+        self._stop_sent = False
+        self._cancelled_pipeline = False
+        self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
+
+    def ms(self) -> float:
+        return (time.monotonic() - self.t0) * 1000.0
+
+    # ---- opening (the handler thread) ----------------------------------------------------------------
+
+    def open_pipeline(self) -> None:
+        spec = self.cfg.stream_spec(latent_channels=self.gw.model.latent_channels, text_len=self.gw.text_len)
+        req = ipb.OpenStreamRequest(spec=wire.spec_to_proto(spec), text=wire.tensor_to_proto(self.text))
+        self._call = self.gw.coordinator.OpenStream(req)
+        try:
+            first = next(self._call)
+        except StopIteration:
+            raise StreamFailed(grpc.StatusCode.UNAVAILABLE, "pipeline: the coordinator closed the stream") from None
+        if first.WhichOneof("event") != "started":
+            self._call.cancel()
+            raise StreamFailed(grpc.StatusCode.INTERNAL, f"pipeline: expected started, got {first}")
+        self.pipeline_id = first.started.stream_id
+
+    def start(self, request_iterator) -> None:
+        self.state = "streaming"
+        for target, args in ((self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))):
+            name = f"{target.__name__.strip('_')}-{self.id[:6]}"
+            threading.Thread(target=target, args=args, daemon=True, name=name).start()
+
+    def started_message(self) -> pb.ServerMessage:
+        cfg = self.cfg
+        return pb.ServerMessage(
+            started=pb.Started(
+                stream_id=self.id,
+                config=cfg.to_proto(),
+                total_frames=cfg.total_frames or 0,
+                num_chunks=cfg.num_chunks or 0,
+                latent_width=cfg.latent_width,
+                latent_height=cfg.latent_height,
+                pipeline_stream_id=self.pipeline_id,
+            )
+        )
+
+    def messages(self):
+        """What the handler yields to the client, in order; raises ``StreamFailed`` to end the call with a status."""
+        yield self.started_message()
+        while True:
+            item = self.out.get()
+            if item is CLOSED:
+                return  # the call ended underneath us (client cancel): nothing more to send
+            if isinstance(item, StreamFailed):
+                raise item
+            if item.WhichOneof("msg") == "frame":
+                self.frames_sent += 1
+            yield item
+            if item.WhichOneof("msg") == "end":
+                return
+
+    # ---- ending --------------------------------------------------------------------------------------
+
+    def fail(self, code: grpc.StatusCode, message: str, outcome: str) -> None:
+        """End the stream with a status: drop what is buffered, tell the client, stop the pipeline stream."""
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.outcome = outcome
+        self.state = "draining"
+        logger.warning("stream %s: %s (%s)", self.id, message, code.name)
+        self.out.put_final(StreamFailed(code, message), drop=True)
+        self.latents.close(drop=True)
+        self.stop_pipeline()
+        self.gw.touch()
+        # A client that never reads never takes the error either; cancel its call rather than hold it forever.
+        self._after(self.gw.opts.slow_client_timeout, self.context.cancel)
+
+    def on_rpc_done(self) -> None:
+        """gRPC callback: the call ended (normally, with an error, or the client cancelled/disconnected)."""
+        self.state = "draining"
+        with self._lock:
+            if self.outcome is None:
+                self.outcome = "cancelled"
+                logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
+        self.out.close(drop=True)
+        self.latents.close(drop=True)
+        self.stop_pipeline()
+        self.gw.touch()
+
+    def stop_pipeline(self) -> None:
+        """StopStream (cooldown) once; the reader keeps draining until the coordinator ends the stream."""
+        with self._lock:
+            if self._stop_sent or self._pipeline_ended or self._call is None:
+                return
+            self._stop_sent = True
+        threading.Thread(target=self._send_stop, daemon=True, name=f"stop-{self.id[:6]}").start()
+
+    def _send_stop(self) -> None:
+        try:
+            self.gw.coordinator.StopStream(ipb.StopRequest(stream_id=self.pipeline_id), timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already ended
+                logger.warning("stream %s: StopStream failed (%s); cancelling", self.id, exc.code().name)
+                self._cancel_pipeline()
+                return
+        self._after(self.gw.opts.drain_timeout, self._cancel_pipeline)
+
+    def _cancel_pipeline(self) -> None:
+        with self._lock:
+            if self._pipeline_ended:
+                return
+            self._cancelled_pipeline = True
+        logger.warning("stream %s: cancelling the pipeline call", self.id)
+        self._call.cancel()  # the coordinator then stops the stream itself
+
+    @staticmethod
+    def _after(seconds: float, fn) -> None:
+        # Timers that fire after the fact are harmless: cancelling a finished call is a no-op.
+        timer = threading.Timer(seconds, fn)
+        timer.daemon = True
+        timer.start()
+
+    def _part_done(self) -> None:
+        with self._lock:
+            self._live_parts -= 1
+            last = self._live_parts == 0
+        if last:
+            self.gw.forget(self)
+
+    # ---- threads -------------------------------------------------------------------------------------
+
+    def _read_pipeline(self) -> None:
+        timeout = self.gw.opts.slow_client_timeout
+        try:
+            for ev in self._call:
+                kind = ev.WhichOneof("event")
+                if kind == "chunk":
+                    self.chunks_received += 1
+                    chunk = _Chunk(ev.chunk.chunk, wire.tensor_from_proto(ev.chunk.latents), self.ms())
+                    try:
+                        self.latents.put(chunk, timeout=timeout)  # False: closed, we are draining
+                    except TimeoutError:
+                        self.fail(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"client too slow: the gateway's buffers for this stream ({self.latents.capacity} chunks, "
+                            f"{self.out.capacity} messages) stayed full for {timeout:g} s; the stream was ended",
+                            "client_too_slow",
+                        )
+                elif kind == "ended":
+                    with self._lock:
+                        self._pipeline_ended = True  # nothing left to stop
+                    self.latents.put_final(_End(ev.ended.reason))
+        except grpc.RpcError as exc:
+            if not self._cancelled_pipeline:
+                self.fail(exc.code(), f"pipeline: {exc.details()}", "pipeline_error")
+        finally:
+            with self._lock:
+                self._pipeline_ended = True
+            self.latents.close()
+            self._part_done()
+
+    def _decode(self) -> None:
+        cfg = self.cfg
+        vae = self.gw.vae
+        state = self.vae_state = vae.new_state()
+        encoder = None
+        try:
+            encoder = make_encoder(cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality)
+            while True:
+                item = self.latents.get()
+                if item is CLOSED:
+                    if self.outcome is None:  # the reader always sends _End or fails first; this is a bug guard
+                        self.fail(grpc.StatusCode.INTERNAL, "pipeline stream ended without an end event", "error")
+                    return
+                if isinstance(item, _End):
+                    self._finish(item.reason, encoder.flush() if cfg.codec == "h264" else b"")
+                    return
+                if not self._emit(item, vae.decode_chunk(state, item.latents), encoder):
+                    return
+        except Exception as exc:
+            logger.exception("stream %s: decode failed", self.id)
+            self.fail(grpc.StatusCode.INTERNAL, f"gateway: decoding or encoding failed: {exc}", "error")
+        finally:
+            vae.release(state)
+            if encoder is not None:
+                encoder.close()
+            self._part_done()
+
+    def _emit(self, chunk: _Chunk, video: torch.Tensor, encoder) -> bool:
+        cfg = self.cfg
+        decoded_ms = self.ms()
+        frames = to_uint8_frames(video).cpu().numpy()
+        if cfg.total_frames is not None:
+            frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
+        for frame in frames:
+            data = encoder.encode(frame)
+            index = self.frames_emitted
+            msg = pb.ServerMessage(
+                frame=pb.Frame(
+                    data=data,
+                    codec=cfg.codec,
+                    index=index,
+                    pts=index / cfg.fps,
+                    chunk=chunk.index,
+                    latents_ms=chunk.arrived_ms,
+                    decoded_ms=decoded_ms,
+                    encoded_ms=self.ms(),
+                    width=cfg.width,
+                    height=cfg.height,
+                )
+            )
+            if not self.out.put(msg):
+                return False  # the call ended or the stream failed
+            if index == 0:
+                self.first_frame_ms = msg.frame.encoded_ms
+                self.gw.metrics.first_frame(msg.frame.encoded_ms / 1000.0)
+            self.frames_emitted += 1
+        self.gw.metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
+        return True
+
+    def _finish(self, reason: str, trailer: bytes) -> None:
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.outcome = reason
+        self.out.put_final(pb.ServerMessage(end=pb.End(reason=reason, frames=self.frames_emitted, trailer=trailer)))
+
+    def _read_requests(self, request_iterator) -> None:
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "prompt":
+                    if not self._update_prompt(msg.prompt.prompt):
+                        return
+                elif kind == "stop":
+                    logger.info("stream %s: client asked to stop", self.id)
+                    self.stop_pipeline()
+                elif kind == "config":
+                    self.fail(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "config: sent twice; a stream takes exactly one config, as its first message",
+                        "invalid_argument",
+                    )
+                    return
+                else:
+                    self.fail(grpc.StatusCode.INVALID_ARGUMENT, "msg: empty ClientMessage", "invalid_argument")
+                    return
+        except Exception as exc:  # the call ended while we were waiting for the next message
+            logger.debug("stream %s: request stream ended: %s", self.id, exc)
+
+    def _update_prompt(self, prompt: str) -> bool:
+        try:
+            text = self.gw.encode_prompt(prompt)
+        except ConfigError as exc:
+            self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
+            return False
+        try:
+            req = ipb.PromptUpdate(stream_id=self.pipeline_id, text=wire.tensor_to_proto(text))
+            self.gw.coordinator.UpdatePrompt(req, timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return True  # the pipeline stream already finished its last chunk: nothing left to change
+            self.fail(exc.code(), f"pipeline: prompt update failed: {exc.details()}", "pipeline_error")
+            return False
+        logger.info("stream %s: prompt updated", self.id)
+        return self.out.put(pb.ServerMessage(prompt_updated=pb.PromptUpdated(prompt=prompt)))

@@ -1,0 +1,401 @@
+"""The stagecast client SDK: stream generated video from a gateway, synchronously or with asyncio.
+
+Usage::
+
+    import stagecast
+
+    with stagecast.Client("localhost:50051") as client:
+        gen = client.generate(prompt="a red fox running through snow", width=832, height=480, seconds=5, codec="jpeg")
+        gen.info                                  # StreamInfo: the effective config (seed, total_frames, ...)
+        for frame in gen:                         # Frame(index, pts, chunk, codec, data, width, height, timing)
+            show(frame.to_array())
+            if frame.index == 40:
+                gen.update_prompt("a red fox sleeping in snow")   # from the next chunk not yet started
+        gen.end                                   # EndInfo(reason="completed", frames=80)
+        print(gen.ttff, gen.fps)
+
+    client.generate(prompt="...", seconds=2).write_mp4("clip.mp4")  # consume the stream into an MP4
+
+    async with stagecast.AsyncClient("localhost:50051") as client:
+        gen = client.generate(prompt="...", seconds=2)
+        async for frame in gen: ...
+        await gen.write_mp4("clip.mp4")          # same methods; I/O ones are coroutines
+
+``gen.stop()`` ends the stream gracefully (chunks in flight are still delivered), ``gen.cancel()`` at once.  A
+failed call raises the ``stagecast.errors`` class for its status code (``InvalidArgumentError``,
+``ResourceExhaustedError``, ``UnavailableError``, ...; all ``StagecastError``).  Leave ``seconds`` out to stream
+until ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import grpc
+
+from stagecast.errors import StagecastError, from_rpc_error
+from stagecast.frames import EndInfo, Frame, Mp4Writer, StreamInfo
+from stagecast.v1 import stream_pb2 as pb
+from stagecast.v1 import stream_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# Raw frames of large videos exceed gRPC's 4 MiB default.
+DEFAULT_OPTIONS = [("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+_DONE = object()
+
+
+def stream_config(
+    prompt: str,
+    *,
+    width: int | None = None,
+    height: int | None = None,
+    seconds: float | None = None,
+    codec: str = "jpeg",
+    chunk_frames: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    guidance_scale: float | None = None,
+    target_fps: float | None = None,
+    policy: str | None = None,
+    window: int | None = None,
+    sink: int | None = None,
+    quality: int | None = None,
+) -> pb.StreamConfig:
+    """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default."""
+    msg = pb.StreamConfig(prompt=prompt, codec=codec, policy=policy or "")
+    optional = dict(
+        width=width,
+        height=height,
+        seconds=seconds,
+        chunk_frames=chunk_frames,
+        steps=steps,
+        seed=seed,
+        guidance_scale=guidance_scale,
+        target_fps=target_fps,
+        window=window,
+        sink=sink,
+        quality=quality,
+    )
+    for name, value in optional.items():
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+class _StreamState:
+    """What sync and async generations share: turning server messages into SDK values and bookkeeping."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self._info: StreamInfo | None = None
+        self.end: EndInfo | None = None
+        self.prompt_updates: list[str] = []  # prompts the gateway accepted, in order
+        self.frames_received = 0
+        self.first_frame_s: float | None = None
+        self.last_frame_s: float | None = None
+        self._cancelled = False
+
+    def _handle(self, msg: pb.ServerMessage) -> Frame | None:
+        kind = msg.WhichOneof("msg")
+        if kind == "frame":
+            now = time.monotonic() - self.t0
+            if self.first_frame_s is None:
+                self.first_frame_s = now
+            self.last_frame_s = now
+            self.frames_received += 1
+            return Frame.from_proto(msg.frame, now)
+        if kind == "started":
+            self._info = StreamInfo.from_proto(msg.started)
+        elif kind == "prompt_updated":
+            self.prompt_updates.append(msg.prompt_updated.prompt)
+        elif kind == "end":
+            self.end = EndInfo(msg.end.reason, msg.end.frames, msg.end.trailer)
+        return None
+
+    @property
+    def ttff(self) -> float | None:
+        """Seconds from sending the config to receiving the first frame."""
+        return self.first_frame_s
+
+    @property
+    def fps(self) -> float | None:
+        """Frames per second received after the first frame (the steady-state rate the client saw)."""
+        if self.frames_received < 2 or self.last_frame_s == self.first_frame_s:
+            return None
+        return (self.frames_received - 1) / (self.last_frame_s - self.first_frame_s)
+
+
+class Generation(_StreamState):
+    """One stream: an iterator of ``Frame``; see the module docstring."""
+
+    def __init__(self, stub: pb_grpc.StreamServiceStub, config: pb.StreamConfig, *, timeout: float | None = None):
+        super().__init__()
+        self._outbox: queue.Queue = queue.Queue()
+        self._outbox.put(pb.ClientMessage(config=config))
+        self._call = stub.Generate(self._requests(), timeout=timeout)
+
+    def _requests(self) -> Iterator[pb.ClientMessage]:
+        while (msg := self._outbox.get()) is not _DONE:
+            yield msg
+
+    def _read(self) -> pb.ServerMessage | None:
+        """The next server message, None at the end of the call; raises the SDK error for a failed call."""
+        try:
+            return next(self._call)
+        except StopIteration:
+            self._outbox.put(_DONE)
+            return None
+        except grpc.RpcError as exc:
+            self._outbox.put(_DONE)
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return None
+            raise from_rpc_error(exc) from None
+
+    @property
+    def info(self) -> StreamInfo:
+        """The Started message (waits for it)."""
+        return self.wait_started()
+
+    def wait_started(self) -> StreamInfo:
+        while self._info is None:
+            msg = self._read()
+            if msg is None:
+                raise StagecastError("the stream ended before it started")
+            if self._handle(msg) is not None:
+                raise StagecastError("the gateway sent a frame before Started")
+        return self._info
+
+    def __iter__(self) -> Iterator[Frame]:
+        return self
+
+    def __next__(self) -> Frame:
+        while True:
+            msg = self._read()
+            if msg is None:
+                raise StopIteration
+            frame = self._handle(msg)
+            if frame is not None:
+                return frame
+
+    def update_prompt(self, prompt: str) -> None:
+        """Use ``prompt`` from the next chunk that has not started (asynchronous; see ``prompt_updates``)."""
+        self._outbox.put(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+
+    def stop(self) -> None:
+        """Graceful end: no new chunks; the frames of chunks in flight still arrive, then End(reason="stopped")."""
+        self._outbox.put(pb.ClientMessage(stop=pb.Stop()))
+
+    def cancel(self) -> None:
+        """End the stream now; iteration stops.  The gateway frees the stream's pipeline and VAE state."""
+        self._cancelled = True
+        self._call.cancel()
+        self._outbox.put(_DONE)
+
+    def collect(self) -> list[Frame]:
+        return list(self)
+
+    def write_mp4(self, path: str | os.PathLike, *, on_frame: Callable[[Frame], None] | None = None) -> int:
+        """Consume the rest of the stream into an MP4 at ``path``; returns the number of frames written."""
+        with Mp4Writer(path, self.info.fps) as mp4:
+            for frame in self:
+                mp4.add(frame)
+                if on_frame is not None:
+                    on_frame(frame)
+            if self.end is not None:
+                mp4.add_trailer(self.end.trailer)
+        return mp4.frames
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.end is None:
+            self.cancel()
+
+
+class AsyncGeneration(_StreamState):
+    """The asyncio twin of ``Generation``: ``async for frame in gen``; I/O methods are coroutines."""
+
+    def __init__(self, stub: pb_grpc.StreamServiceStub, config: pb.StreamConfig, *, timeout: float | None = None):
+        super().__init__()
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._outbox.put_nowait(pb.ClientMessage(config=config))
+        self._call = stub.Generate(self._requests(), timeout=timeout)
+
+    async def _requests(self) -> AsyncIterator[pb.ClientMessage]:
+        while (msg := await self._outbox.get()) is not _DONE:
+            yield msg
+
+    async def _read(self) -> pb.ServerMessage | None:
+        try:
+            msg = await self._call.read()
+        except asyncio.CancelledError:
+            if self._cancelled:
+                return None
+            raise
+        except grpc.RpcError as exc:
+            self._outbox.put_nowait(_DONE)
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return None
+            raise from_rpc_error(exc) from None
+        if msg is grpc.aio.EOF:
+            self._outbox.put_nowait(_DONE)
+            return None
+        return msg
+
+    @property
+    def info(self) -> StreamInfo:
+        """The Started message; ``await gen.wait_started()`` first."""
+        if self._info is None:
+            raise StagecastError("not started yet: await wait_started() first")
+        return self._info
+
+    async def wait_started(self) -> StreamInfo:
+        while self._info is None:
+            msg = await self._read()
+            if msg is None:
+                raise StagecastError("the stream ended before it started")
+            if self._handle(msg) is not None:
+                raise StagecastError("the gateway sent a frame before Started")
+        return self._info
+
+    def __aiter__(self) -> AsyncIterator[Frame]:
+        return self
+
+    async def __anext__(self) -> Frame:
+        while True:
+            msg = await self._read()
+            if msg is None:
+                raise StopAsyncIteration
+            frame = self._handle(msg)
+            if frame is not None:
+                return frame
+
+    def update_prompt(self, prompt: str) -> None:
+        self._outbox.put_nowait(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+
+    def stop(self) -> None:
+        self._outbox.put_nowait(pb.ClientMessage(stop=pb.Stop()))
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+        self._outbox.put_nowait(_DONE)
+
+    async def collect(self) -> list[Frame]:
+        return [frame async for frame in self]
+
+    async def write_mp4(self, path: str | os.PathLike, *, on_frame: Callable[[Frame], None] | None = None) -> int:
+        info = await self.wait_started()
+        with Mp4Writer(path, info.fps) as mp4:
+            async for frame in self:
+                mp4.add(frame)
+                if on_frame is not None:
+                    on_frame(frame)
+            if self.end is not None:
+                mp4.add_trailer(self.end.trailer)
+        return mp4.frames
+
+    async def __aenter__(self) -> AsyncGeneration:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.end is None:
+            self.cancel()
+
+
+class Client:
+    """A connection to one gateway (``host:port``).  Thread-safe; one client can run many streams."""
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, object]] = ()):
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=[*DEFAULT_OPTIONS, *options])
+        self._stub = pb_grpc.StreamServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **config) -> Generation:
+        """Start a stream; keyword arguments are those of ``stream_config``.  Returns at once: errors surface when
+        the stream is read (``info``, iteration)."""
+        return Generation(self._stub, stream_config(prompt, **config), timeout=timeout)
+
+    def status(self, timeout: float = 10.0) -> pb.GatewayStatus:
+        try:
+            return self._stub.GetStatus(pb.StatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def watch_status(self, timeout: float | None = None) -> Iterator[pb.GatewayStatus]:
+        """The gateway's status now and after every change (stream started, ended, failed)."""
+        call = self._stub.WatchStatus(pb.StatusRequest(), timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    def wait_for_status(self, predicate: Callable[[pb.GatewayStatus], bool], timeout: float = 60.0) -> pb.GatewayStatus:
+        """Block until the gateway's status satisfies ``predicate`` (event-driven, no polling)."""
+        for status in self.watch_status(timeout=timeout):
+            if predicate(status):
+                return status
+        raise StagecastError("status stream ended")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``; create it inside a running event loop."""
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, object]] = ()):
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=[*DEFAULT_OPTIONS, *options])
+        self._stub = pb_grpc.StreamServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **config) -> AsyncGeneration:
+        return AsyncGeneration(self._stub, stream_config(prompt, **config), timeout=timeout)
+
+    async def status(self, timeout: float = 10.0) -> pb.GatewayStatus:
+        try:
+            return await self._stub.GetStatus(pb.StatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def watch_status(self, timeout: float | None = None) -> AsyncIterator[pb.GatewayStatus]:
+        call = self._stub.WatchStatus(pb.StatusRequest(), timeout=timeout)
+        try:
+            async for status in call:
+                yield status
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def wait_for_status(
+        self, predicate: Callable[[pb.GatewayStatus], bool], timeout: float = 60.0
+    ) -> pb.GatewayStatus:
+        async for status in self.watch_status(timeout=timeout):
+            if predicate(status):
+                return status
+        raise StagecastError("status stream ended")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
