@@ -126,6 +126,34 @@ def _add_gateway(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="stream a clip from a gateway into an MP4 (progress bar, TTFF, FPS)")
+    p.add_argument("--target", default="localhost:50051", help="gateway host:port")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--seconds", type=float, default=None, help="duration (default: until Ctrl-C)")
+    p.add_argument("--out", default="clip.mp4")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the gateway's)")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
+    p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
+    p.add_argument("--fps", type=float, default=None, help="target fps (default: the gateway's)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="run everything on CPU with a tiny random model and write an MP4")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--out", default="demo.mp4")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=None, help="checkpoint cache (default: $STAGECAST_CACHE/demo or ~/.cache/...)")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def _resolve_transformer(path: str) -> str:
     sub = os.path.join(path, "transformer")
     return sub if os.path.isdir(sub) else path
@@ -142,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_selftest(sub)
     _add_demo_checkpoint(sub)
     _add_gateway(sub)
+    _add_generate(sub)
+    _add_demo(sub)
     from coordinator.simulator import add_simulate_parser
 
     add_simulate_parser(sub)
@@ -269,6 +299,45 @@ def main(argv: list[str] | None = None) -> int:
             stop=_stop_event(),
         )
         return 0
+    if args.command == "generate":
+        from stagecast.errors import StagecastError
+        from stagecast.generate import generate_clip
+
+        try:
+            report = generate_clip(
+                args.target,
+                args.out,
+                prompt=args.prompt,
+                timeout=args.timeout,
+                seconds=args.seconds,
+                width=args.width,
+                height=args.height,
+                steps=args.steps,
+                seed=args.seed,
+                codec=args.codec,
+                chunk_frames=args.chunk_frames,
+                target_fps=args.fps,
+            )
+        except StagecastError as exc:
+            print(f"stagecast generate: {exc}", file=sys.stderr)
+            return 1
+        print(report.summary())
+        return 0
+    if args.command == "demo":
+        from stagecast.demo import DEFAULT_PROMPT, DemoConfig, run_demo
+
+        return run_demo(
+            DemoConfig(
+                seconds=args.seconds,
+                out=args.out,
+                stages=args.stages,
+                prompt=args.prompt or DEFAULT_PROMPT,
+                codec=args.codec,
+                seed=args.seed,
+                cache=args.cache,
+                progress=not args.no_progress,
+            )
+        )
     if args.command == "simulate":
         from coordinator.simulator import main as simulate_main
 
