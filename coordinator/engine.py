@@ -24,7 +24,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import grpc
@@ -154,6 +154,7 @@ class PipelineEngine:
         self.plan: list[pb.PlanEvent] = []
         self.stage_times: dict[int, deque] = {}
         self.last_error = ""
+        self.resetting = 0
         self._ids = itertools.count(1)
         self._stopped = False
         self._loop_thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
@@ -185,7 +186,7 @@ class PipelineEngine:
 
     def _maybe_form(self) -> None:
         with self.cond:
-            if self.ready or self.forming or self._stopped or not self.registry.complete:
+            if self.ready or self.forming or self.resetting or self._stopped or not self.registry.complete:
                 return
             self.forming = True
             self.generation += 1
@@ -213,18 +214,23 @@ class PipelineEngine:
                 timeout=self.form_timeout,
             )
 
-        try:
-            with ThreadPoolExecutor(max_workers=world) as pool:
-                for fut in [pool.submit(form_one, link) for link in links]:
-                    fut.result()
-        except grpc.RpcError as exc:
-            logger.error("forming generation %d failed: %s", gen, exc.details())
+        pool = ThreadPoolExecutor(max_workers=world)
+        futures = [pool.submit(form_one, link) for link in links]
+        done, _ = wait(futures, timeout=self.form_timeout, return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors or len(done) < len(futures):
+            detail = (
+                errors[0].details() if errors and isinstance(errors[0], grpc.RpcError) else str(errors or "timeout")
+            )
+            logger.error("forming generation %d failed: %s", gen, detail)
             for link in links:
                 link.close()
             with self.cond:
                 self.forming = False
-                self.last_error = f"forming generation {gen} failed: {exc.details()}"
-            self._reset_stages(records, f"forming generation {gen} failed")
+                self.last_error = f"forming generation {gen} failed: {detail}"
+            # Stages still waiting in the rendezvous are released by Reset (they restart themselves).
+            self._reset_then_reform(records, f"forming generation {gen} failed")
             return
         with self.cond:
             if self.generation != gen or self._stopped:
@@ -251,12 +257,12 @@ class PipelineEngine:
                 return
         self.fail(message, lost=None)
 
-    def fail(self, reason: str, lost: int | None) -> None:
+    def fail(self, reason: str, lost: int | None, lost_address: str | None = None) -> None:
         """End the current generation: fail its streams, reset survivors, re-form when possible."""
         with self.cond:
             if not self.ready:
                 if lost is not None:
-                    self.registry.mark_lost(lost)
+                    self.registry.mark_lost(lost, lost_address)
                 return
             logger.error("generation %d failed: %s", self.generation, reason)
             self.ready = False
@@ -267,7 +273,7 @@ class PipelineEngine:
             links, self.links = self.links, []
             self._monitor_stop.set()
             if lost is not None:
-                self.registry.mark_lost(lost)
+                self.registry.mark_lost(lost, lost_address)
             self.cond.notify_all()
         self.on_ready_change(False)
         for link in links:
@@ -277,17 +283,28 @@ class PipelineEngine:
         ).start()
 
     def _reset_then_reform(self, records: list[StageRecord], reason: str) -> None:
-        self._reset_stages(records, reason)
+        with self.cond:
+            self.resetting += 1
+        try:
+            self._reset_stages(records, reason)
+        finally:
+            with self.cond:
+                self.resetting -= 1
         self._maybe_form()
 
     def _reset_stages(self, records: list[StageRecord], reason: str) -> None:
-        for rec in records:
+        """Reset every stage at once: a stage blocked on a live peer is released when that peer leaves."""
+
+        def reset(rec: StageRecord) -> None:
             try:
                 with grpc.insecure_channel(rec.address, options=CHANNEL_OPTIONS) as ch:
                     pb_grpc.StageServiceStub(ch).Reset(pb.ResetRequest(reason=reason), timeout=15)
             except grpc.RpcError as exc:
                 logger.warning("stage %d did not answer Reset (%s): marking it lost", rec.index, exc.code().name)
-                self.registry.mark_lost(rec.index)
+                self.registry.mark_lost(rec.index, rec.address)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(records))) as pool:
+            list(pool.map(reset, records))
 
     def _results_loop(self, gen: int, link: _StageLink) -> None:
         last = link.record.index == self.registry.world_size - 1
@@ -309,7 +326,11 @@ class PipelineEngine:
             with self.cond:
                 current = gen == self.generation and self.ready
             if current:
-                self.fail(f"lost contact with stage {link.record.index} ({exc.code().name})", lost=link.record.index)
+                self.fail(
+                    f"lost contact with stage {link.record.index} ({exc.code().name})",
+                    lost=link.record.index,
+                    lost_address=link.record.address,
+                )
             return
         with self.cond:
             current = gen == self.generation and self.ready
@@ -327,7 +348,11 @@ class PipelineEngine:
                 except grpc.RpcError:
                     misses[link.record.index] += 1
                     if misses[link.record.index] >= 2:
-                        self.fail(f"stage {link.record.index} stopped answering health checks", lost=link.record.index)
+                        self.fail(
+                            f"stage {link.record.index} stopped answering health checks",
+                            lost=link.record.index,
+                            lost_address=link.record.address,
+                        )
                         return
 
     # ---- streams --------------------------------------------------------------------------------------

@@ -112,10 +112,13 @@ class StageRegistry:
         with self.lock:
             return len(self.stages) == self.world_size and not any(r.lost for r in self.stages.values())
 
-    def mark_lost(self, index: int) -> None:
+    def mark_lost(self, index: int, address: str | None = None) -> None:
+        """Mark a stage lost; with ``address``, only if that incarnation still holds the index (a newer
+        registration from another address must not be marked lost by news about the old one)."""
         with self.lock:
-            if index in self.stages:
-                self.stages[index].lost = True
+            rec = self.stages.get(index)
+            if rec is not None and (address is None or rec.address == address):
+                rec.lost = True
 
     def records(self) -> list[StageRecord]:
         with self.lock:

@@ -58,6 +58,7 @@ class GatewayOptions:
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
     drain_timeout: float = 60.0  # how long a stopped pipeline stream may take to finish its cooldown
+    abandon_timeout: float = 30.0  # how long a failed stream's client may take to read its error before cancelling
 
 
 class Gateway:

@@ -15,7 +15,7 @@ Slow clients: gRPC flow control stops the sender when the client does not read, 
 decoder, ``latents`` fills and blocks the reader (backpressure).  If ``latents`` stays full for
 ``slow_client_timeout`` seconds, the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are
 dropped, the error is queued for the client, and the pipeline stream is stopped.  A client that still does not
-read for another ``slow_client_timeout`` has its call cancelled.  Memory per stream is therefore bounded by the two
+read for ``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two
 buffers plus gRPC's flow-control window, whatever the client does.
 
 Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
@@ -164,7 +164,7 @@ class StreamRun:
         self.stop_pipeline()
         self.gw.touch()
         # A client that never reads never takes the error either; cancel its call rather than hold it forever.
-        self._after(self.gw.opts.slow_client_timeout, self.context.cancel)
+        self._after(self.gw.opts.abandon_timeout, self.context.cancel)
 
     def on_rpc_done(self) -> None:
         """gRPC callback: the call ended (normally, with an error, or the client cancelled/disconnected)."""

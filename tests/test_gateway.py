@@ -1,0 +1,387 @@
+"""The public streaming API end to end: real processes (coordinator, 2 stages, 2 gateways) on loopback, driven
+through the client SDK (and, for malformed call shapes, the generated gRPC stub).
+
+One cluster serves the whole module.  Gateway ``main`` has generous limits; gateway ``tight`` allows 2 streams and
+buffers almost nothing, so the stream limit and the slow-client policy are cheap to reach.  The coordinator admits
+4 streams and records its plan, which lets the reference executor replay exactly what the pipeline ran.  Every test
+leaves the cluster idle (no streams anywhere) so the next one's plan replays in isolation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import stagecast
+from gateway.frame_encoder import read_mp4_frames
+from gateway.stream_vae import StreamVAE, to_uint8_frames
+from gateway.text_encoder import TextEncoder
+from stage_service.checkpoint import load_slice_state_dict, read_config
+from stage_service.dit_slice import DiTSlice
+from stagecast.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
+from stagecast.grpc_util import CHANNEL_OPTIONS
+from stagecast.internal.v1 import pipeline_pb2 as ipb
+from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
+from stagecast.launcher import Launcher
+from stagecast.local_cluster import start_pipeline
+from stagecast.reference import ReferenceExecutor
+from stagecast.selftest import plan_from_proto
+from stagecast.v1 import stream_pb2 as pb
+from stagecast.v1 import stream_pb2_grpc as pb_grpc
+
+PROMPT = "a red fox running through snow"
+OTHER_PROMPT = "a blue bird flying over the ocean"
+W, H = 48, 32  # non-square, so a width/height mix-up shows; latents 6x4
+COORDINATOR_MAX_STREAMS = 4
+TIGHT_MAX_STREAMS = 2
+TIMEOUT = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    root: object
+    coordinator: str
+    main: str
+    tight: str
+    metrics_port: int
+    stage_addresses: list[str]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    with Launcher() as launcher:
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=str(root / "transformer"),
+            stages=2,
+            record_plan=True,
+            max_streams=COORDINATOR_MAX_STREAMS,
+        )
+        base = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
+        metrics_port = _free_port()
+        tight = base + ["--max-streams", str(TIGHT_MAX_STREAMS), "--buffer-chunks", "1", "--buffer-messages", "2"]
+        tight += ["--slow-client-timeout", "1", "--metrics-port", str(metrics_port)]
+        # Spawned from this thread: children get PR_SET_PDEATHSIG, which fires when the spawning *thread* exits.
+        main_child = launcher.spawn("main", base)
+        tight_child = launcher.spawn("tight", tight)
+        stage_addresses = [child.info["address"] for child in pipe.stage_children.values()]
+        yield Cluster(
+            root,
+            pipe.coordinator,
+            main_child.info["address"],
+            tight_child.info["address"],
+            metrics_port,
+            stage_addresses,
+        )
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """Replays a stream of the recorded plan with the reference executor and decodes it with a fresh StreamVAE."""
+    return Reference(cluster)
+
+
+class Reference:
+    def __init__(self, cluster: Cluster):
+        transformer = str(cluster.root / "transformer")
+        n = read_config(transformer)["num_layers"]
+        config, sd = load_slice_state_dict(transformer, layers=range(n), first=True, last=True, dtype=torch.float32)
+        self.dit = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device="cpu")
+        self.encoder = TextEncoder(cluster.root, max_len=DEMO_SERVING["text_len"])
+        self.vae_folder = cluster.root / "vae"
+        self.coordinator = cluster.coordinator
+
+    def plan_of(self, pipeline_stream_id: int):
+        """The recorded plan events of one stream; it must have run alone, so its batches replay in isolation."""
+        with grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS) as ch:
+            dump = ipb_grpc.CoordinatorServiceStub(ch).GetPlan(ipb.PlanRequest(), timeout=30)
+        events = []
+        for ev in plan_from_proto(list(dump.events)):
+            if ev.kind == "open" and ev.spec.stream_id == pipeline_stream_id:
+                events.append(ev)
+            elif ev.kind == "batch" and any(s.stream == pipeline_stream_id for s in ev.steps):
+                assert all(s.stream == pipeline_stream_id for s in ev.steps), "stream shared a batch; not isolated"
+                events.append(ev)
+            elif ev.kind in ("close", "prompt") and ev.stream_id == pipeline_stream_id:
+                events.append(ev)
+        return events
+
+    def latents(self, events, sid: int, prompt: str, updates: dict[int, str] | None = None) -> list[torch.Tensor]:
+        texts = {sid: self.encoder.encode(prompt)}
+        prompt_texts = {(sid, c): self.encoder.encode(p) for c, p in (updates or {}).items()}
+        return ReferenceExecutor(self.dit).replay(events, texts, prompt_texts)[sid]
+
+    def frames(self, chunks: list[torch.Tensor]) -> list[np.ndarray]:
+        """Per chunk, the uint8 frames a fresh StreamVAE decodes (the stream's VAE cache carried across chunks)."""
+        vae = StreamVAE.from_folder(self.vae_folder)
+        state = vae.new_state()
+        return [to_uint8_frames(vae.decode_chunk(state, c)).numpy() for c in chunks]
+
+
+def _raw(frames: list[stagecast.Frame]) -> np.ndarray:
+    return np.stack([f.to_array() for f in frames])
+
+
+def wait_idle(cluster: Cluster) -> None:
+    """Every stream gone everywhere: both gateways (event-driven watch) and then the coordinator."""
+    for target in (cluster.main, cluster.tight):
+        with stagecast.Client(target) as client:
+            client.wait_for_status(lambda s: s.active_streams == 0 and s.vae_state_bytes == 0, timeout=TIMEOUT)
+    with grpc.insecure_channel(cluster.coordinator) as ch:
+        assert ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).active_streams == 0
+
+
+@pytest.fixture
+def main(cluster):
+    with stagecast.Client(cluster.main) as client:
+        yield client
+    wait_idle(cluster)
+
+
+def test_raw_frames_equal_vae_decode_of_the_reference_executors_latents_bit_for_bit(main, reference):
+    gen = main.generate(PROMPT, width=W, height=H, seconds=1, codec="raw", seed=7, timeout=TIMEOUT)
+    frames = gen.collect()
+    info = gen.info
+    # 1 s at 16 fps = 16 frames; 5 one-latent-frame chunks give 1 + 4*4 = 17, so the last frame is dropped.
+    assert (info.total_frames, info.num_chunks, info.latent_width, info.latent_height) == (16, 5, 6, 4)
+    assert gen.end.reason == "completed" and gen.end.frames == 16
+    assert [f.index for f in frames] == list(range(16))
+    assert [f.pts for f in frames] == [i / 16 for i in range(16)]
+    assert [f.chunk for f in frames] == [0] + [c for c in range(1, 5) for _ in range(4)][:15]
+
+    sid = info.pipeline_stream_id
+    events = reference.plan_of(sid)
+    want = np.concatenate(reference.frames(reference.latents(events, sid, PROMPT)))[:16]
+    got = _raw(frames)
+    assert got.shape == want.shape == (16, H, W, 3)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("codec", ["h264", "jpeg"])
+def test_sdk_mp4_has_exactly_the_requested_frames_at_the_requested_size(main, codec, tmp_path):
+    gen = main.generate(PROMPT, width=W, height=H, seconds=0.5, codec=codec, seed=1, timeout=TIMEOUT)
+    written = gen.write_mp4(tmp_path / "clip.mp4")
+    # 0.5 s at 16 fps = 8 frames: 3 chunks decode to 9, trimmed to 8.
+    assert written == 8 and gen.info.num_chunks == 3
+    frames = read_mp4_frames(tmp_path / "clip.mp4")
+    assert len(frames) == 8
+    assert all(f.shape == (H, W, 3) for f in frames)
+
+
+def test_async_client_streams_the_same_frames_as_the_sync_client(main, cluster):
+    kwargs = dict(width=W, height=H, seconds=0.3, codec="raw", seed=3, timeout=TIMEOUT)
+    sync_frames = main.generate(PROMPT, **kwargs).collect()
+
+    async def run():
+        async with stagecast.AsyncClient(cluster.main) as client:
+            gen = client.generate(PROMPT, **kwargs)
+            info = await gen.wait_started()
+            frames = await gen.collect()
+            return info, frames, gen.end
+
+    info, async_frames, end = asyncio.run(run())
+    assert info.total_frames == 5 and end.reason == "completed"
+    assert [f.data for f in async_frames] == [f.data for f in sync_frames]
+
+
+def test_prompt_update_takes_effect_at_the_next_chunk_boundary_and_nowhere_else(main, reference):
+    gen = main.generate(PROMPT, width=W, height=H, codec="raw", seed=11, timeout=TIMEOUT)  # until stopped
+    sid = gen.info.pipeline_stream_id
+    frames, boundary = [], None
+    for frame in gen:
+        frames.append(frame)
+        if frame.chunk == 1 and len(frames) == 2:  # chunk 1 has started, so the boundary is at least chunk 2
+            gen.update_prompt(OTHER_PROMPT)
+        if gen.prompt_updates and boundary is None and frame.index % 4 == 0:
+            # The coordinator decides the boundary; read it from the plan it recorded (once it is planned).
+            boundary = next((ev.from_chunk for ev in reference.plan_of(sid) if ev.kind == "prompt"), None)
+        if boundary is not None and frame.chunk > boundary:
+            gen.stop()
+            break
+    frames += list(gen)  # the chunks in flight at the stop
+    assert gen.prompt_updates == [OTHER_PROMPT] and gen.end.reason == "stopped"
+
+    events = reference.plan_of(sid)
+    assert [ev.from_chunk for ev in events if ev.kind == "prompt"] == [boundary]
+    chunks = max(f.chunk for f in frames) + 1
+    assert 1 < boundary < chunks
+
+    with_update = reference.latents(events, sid, PROMPT, {boundary: OTHER_PROMPT})
+    without = reference.latents([ev for ev in events if ev.kind != "prompt"], sid, PROMPT)
+    assert len(with_update) == len(without) == chunks
+    for c in range(chunks):
+        assert torch.equal(with_update[c], without[c]) == (c < boundary), f"chunk {c}, boundary {boundary}"
+
+    got = _raw(frames)
+    assert got.tobytes() == np.concatenate(reference.frames(with_update)).tobytes()
+    # In pixels: the frames before the boundary chunk are the no-update video's, the boundary chunk's are not.
+    old = reference.frames(without[: boundary + 1])
+    first_changed = sum(len(f) for f in old[:boundary])
+    old = np.concatenate(old)
+    assert got[:first_changed].tobytes() == old[:first_changed].tobytes()
+    assert not np.array_equal(got[first_changed:], old[first_changed:])
+    print(f"boundary {boundary} of {chunks} chunks")
+
+
+BAD_CONFIGS = [
+    ("width", dict(width=50)),
+    ("height", dict(height=40)),
+    ("seconds", dict(seconds=0)),
+    ("seconds", dict(seconds=-2)),
+    ("steps", dict(steps=0)),
+    ("steps", dict(steps=-1)),
+    ("prompt", dict(prompt="")),
+    ("prompt", dict(prompt="   ")),
+    ("prompt", dict(prompt="snow " * 40)),  # 41 tokens; the demo encoder takes 32
+    ("codec", dict(codec="gif")),
+    ("guidance_scale", dict(guidance_scale=7.5)),
+    ("chunk_frames", dict(chunk_frames=0)),
+]
+
+
+def _raw_call(target: str, messages: list[pb.ClientMessage]) -> grpc.RpcError:
+    """Drive Generate with an exact message sequence (the SDK never sends malformed ones) and return its error."""
+    with grpc.insecure_channel(target) as ch:
+        call = pb_grpc.StreamServiceStub(ch).Generate(iter(messages), timeout=TIMEOUT)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        return err.value
+
+
+def test_bad_requests_get_invalid_argument_naming_the_field_while_a_good_stream_completes(main, cluster):
+    good = main.generate(PROMPT, width=W, height=H, seconds=1, codec="jpeg", seed=2, timeout=TIMEOUT)
+    good.wait_started()
+    collected: list = []
+    reader = threading.Thread(target=lambda: collected.extend(good))
+    reader.start()
+
+    for field, overrides in BAD_CONFIGS:
+        kwargs = dict(prompt=PROMPT, width=W, height=H, seconds=1)
+        kwargs.update(overrides)
+        with pytest.raises(stagecast.InvalidArgumentError) as err:
+            main.generate(kwargs.pop("prompt"), timeout=TIMEOUT, **kwargs).wait_started()
+        assert err.value.details.startswith(f"{field}:"), err.value.details
+
+    config = pb.ClientMessage(config=stagecast.client.stream_config(PROMPT, width=W, height=H))
+    prompt_first = pb.ClientMessage(prompt=pb.PromptUpdate(prompt=PROMPT))
+    for messages in ([prompt_first, config], [config, config], []):
+        err = _raw_call(cluster.main, messages)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details().startswith("config:"), err.details()
+
+    reader.join(TIMEOUT)
+    assert good.end.reason == "completed" and len(collected) == 16
+
+
+def test_too_many_streams_on_a_gateway_is_resource_exhausted(cluster):
+    with stagecast.Client(cluster.tight) as client:
+        streams = [client.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT) for _ in range(2)]
+        for gen in streams:
+            gen.wait_started()
+        with pytest.raises(stagecast.ResourceExhaustedError, match="too many streams.*--max-streams"):
+            client.generate(PROMPT, width=W, height=H, timeout=TIMEOUT).wait_started()
+        for gen in streams:
+            gen.cancel()
+    wait_idle(cluster)
+
+
+def test_the_coordinators_stream_limit_passes_through_as_resource_exhausted(main, cluster):
+    streams = [main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT) for _ in range(4)]
+    for gen in streams:
+        gen.wait_started()
+    with pytest.raises(stagecast.ResourceExhaustedError, match="pipeline.*too many streams"):
+        main.generate(PROMPT, width=W, height=H, timeout=TIMEOUT).wait_started()
+    for gen in streams:
+        gen.cancel()
+
+
+def _stage_state(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as ch:
+        d = ipb_grpc.StageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
+    return d.open_streams, d.kv_bytes
+
+
+def test_cancel_stops_the_pipeline_stream_and_frees_kv_and_vae_state(main, cluster):
+    gen = main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT)  # until stopped
+    next(gen)  # chunk 0 is decoded: the stream's VAE cache is filled
+    seen = main.status()
+    assert seen.active_streams == 1 and seen.streams[0].vae_state_bytes > 0 and seen.vae_state_bytes > 0
+    assert any(_stage_state(a)[1] > 0 for a in cluster.stage_addresses)  # the stages hold its KV cache
+    cancelled = seen.ended_by_reason["cancelled"]
+
+    gen.cancel()
+    assert list(gen) == []  # iteration ends quietly after cancel()
+    done = main.wait_for_status(lambda s: s.active_streams == 0, timeout=TIMEOUT)
+    assert done.vae_state_bytes == 0 and done.ended_by_reason["cancelled"] == cancelled + 1
+    with grpc.insecure_channel(cluster.coordinator) as ch:
+        assert ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).active_streams == 0
+    # The coordinator ended the stream after its last chunk; the stages run the close event right after it, so
+    # allow them a moment (bounded) to get there.
+    deadline = time.monotonic() + 10
+    while any(_stage_state(a) != (0, 0) for a in cluster.stage_addresses) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert [_stage_state(a) for a in cluster.stage_addresses] == [(0, 0)] * len(cluster.stage_addresses)
+
+
+def test_a_client_that_stops_reading_gets_resource_exhausted_and_its_stream_is_freed(cluster):
+    # Without BDP probing the client's flow-control window stays at 64 KiB, so the gateway's buffers fill quickly.
+    with (
+        stagecast.Client(cluster.tight, options=[("grpc.http2.bdp_probe", 0)]) as slow,
+        stagecast.Client(cluster.tight) as observer,
+    ):
+        before = observer.status().ended_by_reason["client_too_slow"]
+        gen = slow.generate(PROMPT, width=64, height=64, codec="raw", timeout=TIMEOUT)  # 12 KiB frames, unbounded
+        next(iter(gen))
+        # Read nothing more until the gateway has given up on this client and released everything it held.
+        status = observer.wait_for_status(
+            lambda s: s.ended_by_reason["client_too_slow"] == before + 1 and s.active_streams == 0, timeout=TIMEOUT
+        )
+        assert status.vae_state_bytes == 0
+        with pytest.raises(stagecast.ResourceExhaustedError, match="client too slow"):
+            for _ in gen:
+                pass
+    wait_idle(cluster)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'stagecast_gateway_streams_ended_total{reason="client_too_slow"}' in metrics
+    assert "stagecast_gateway_active_streams 0.0" in metrics
+
+
+def test_gateway_serves_grpc_health(cluster):
+    with grpc.insecure_channel(cluster.main) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "stagecast.v1.StreamService"):
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_generate_cli_writes_the_clip_and_prints_ttff_and_fps(cluster, tmp_path):
+    out = tmp_path / "cli.mp4"
+    args = ["generate", "--target", cluster.main, "--prompt", PROMPT, "--seconds", "0.5", "--out", str(out)]
+    args += ["--width", str(W), "--height", str(H), "--seed", "5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "stagecast.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFF" in proc.stdout and "FPS" in proc.stdout and "8 frames" in proc.stdout
+    assert len(read_mp4_frames(out)) == 8
+    wait_idle(cluster)
