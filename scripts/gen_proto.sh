@@ -3,10 +3,11 @@
 # The generated files are committed; tests/test_proto.py checks they match the .proto sources.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-.}"
+mkdir -p "${1:-.}"
+out="$(cd "${1:-.}" && pwd)"
 files=$(cd proto && find . -name '*.proto' | sed 's#^\./##' | sort)
-(cd proto && python -m grpc_tools.protoc -I. --python_out="../$out" --pyi_out="../$out" --grpc_python_out="../$out" $files)
-for d in $(cd proto && find . -name '*.proto' -exec dirname {} \; | sort -u); do
+(cd proto && python -m grpc_tools.protoc -I. --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" $files)
+for d in $(cd proto && find . -name '*.proto' -exec dirname {} \; | sed 's|^\./||' | sort -u); do
   p="$out/$d"
   while [ "$p" != "$out/stagecast" ] && [ "$p" != "$out" ]; do
     [ -f "$p/__init__.py" ] || : > "$p/__init__.py"
