@@ -11,12 +11,14 @@ Threads and bounded buffers (per stream)::
 
     coordinator --(reader)--> latents [buffer_chunks] --(decoder: VAE + encoder)--> out [buffer_messages] --> client
 
-Slow clients: gRPC flow control stops the sender when the client does not read, ``out`` fills and blocks the
-decoder, ``latents`` fills and blocks the reader (backpressure).  If ``latents`` stays full for
-``slow_client_timeout`` seconds, the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are
-dropped, the error is queued for the client, and the pipeline stream is stopped.  A client that still does not
-read for ``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two
-buffers plus gRPC's flow-control window, whatever the client does.
+Slow clients: gRPC flow control stops the sender when the client does not read and ``out`` fills; a full ``out``
+blocks the decoder, and a full ``latents`` blocks the pipeline reader (backpressure, which is also all that a VAE
+slower than the DiT causes; the coordinator does not yet pace a stream by delivery, so chunks then wait in its
+queue).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and
+the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the error is queued for
+the client, and the pipeline stream is stopped.  A client that still does not read for ``abandon_timeout`` more
+seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers plus gRPC's flow-control
+window, whatever the client does.
 
 Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
 StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decoder
@@ -221,22 +223,13 @@ class StreamRun:
     # ---- threads -------------------------------------------------------------------------------------
 
     def _read_pipeline(self) -> None:
-        timeout = self.gw.opts.slow_client_timeout
         try:
             for ev in self._call:
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
                     self.chunks_received += 1
-                    chunk = _Chunk(ev.chunk.chunk, wire.tensor_from_proto(ev.chunk.latents), self.ms())
-                    try:
-                        self.latents.put(chunk, timeout=timeout)  # False: closed, we are draining
-                    except TimeoutError:
-                        self.fail(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"client too slow: the gateway's buffers for this stream ({self.latents.capacity} chunks, "
-                            f"{self.out.capacity} messages) stayed full for {timeout:g} s; the stream was ended",
-                            "client_too_slow",
-                        )
+                    # Blocks while the decoder is behind (backpressure); False once closed: we are only draining.
+                    self.latents.put(_Chunk(ev.chunk.chunk, wire.tensor_from_proto(ev.chunk.latents), self.ms()))
                 elif kind == "ended":
                     with self._lock:
                         self._pipeline_ended = True  # nothing left to stop
@@ -300,7 +293,7 @@ class StreamRun:
                     height=cfg.height,
                 )
             )
-            if not self.out.put(msg):
+            if not self._send(msg):
                 return False  # the call ended or the stream failed
             if index == 0:
                 self.first_frame_ms = msg.frame.encoded_ms
@@ -308,6 +301,20 @@ class StreamRun:
             self.frames_emitted += 1
         self.gw.metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
         return True
+
+    def _send(self, msg: pb.ServerMessage) -> bool:
+        """Queue a message for the client; a client that leaves the queue full too long ends the stream."""
+        timeout = self.gw.opts.slow_client_timeout
+        try:
+            return self.out.put(msg, timeout=timeout)
+        except TimeoutError:
+            self.fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client too slow: {self.out.capacity} messages waited {timeout:g} s for the client to read; "
+                "the stream was ended",
+                "client_too_slow",
+            )
+            return False
 
     def _finish(self, reason: str, trailer: bytes) -> None:
         with self._lock:
@@ -354,4 +361,4 @@ class StreamRun:
             self.fail(exc.code(), f"pipeline: prompt update failed: {exc.details()}", "pipeline_error")
             return False
         logger.info("stream %s: prompt updated", self.id)
-        return self.out.put(pb.ServerMessage(prompt_updated=pb.PromptUpdated(prompt=prompt)))
+        return self._send(pb.ServerMessage(prompt_updated=pb.PromptUpdated(prompt=prompt)))

@@ -161,7 +161,7 @@ class SliceRunner:
         if sl.first:
             if inputs is not None:
                 raise ValueError("the first slice takes its latents from the store, not from inputs")
-            latents = [self.take_latent(st) for st in steps]
+            latents = [self.take_latent(st).to(sl.device) for st in steps]
             if sl.last:
                 # One process owns both ends: remember each input for the sampler step in finish().
                 self._inputs = latents

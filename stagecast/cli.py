@@ -94,7 +94,9 @@ def _add_selftest(sub) -> None:
     p.add_argument("--checkpoint", default=None, help="transformer folder (default: a tiny random one)")
     p.add_argument("--height", type=int, default=8, help="latent height")
     p.add_argument("--width", type=int, default=8, help="latent width")
-    p.add_argument("--tolerance", type=float, default=None, help="max abs diff allowed (default: 0 for fp32)")
+    p.add_argument("--tolerance", type=float, default=None, help="max abs diff allowed (default: 0, exact)")
+    p.add_argument("--model", default="tiny-wan2.1", help="config of the random checkpoint (no --checkpoint)")
+    p.add_argument("--layers", type=int, default=None, help="override that config's layer count")
 
 
 def _add_demo_checkpoint(sub) -> None:
@@ -120,7 +122,7 @@ def _add_gateway(sub) -> None:
         "--slow-client-timeout",
         type=float,
         default=5.0,
-        help="seconds a stream's buffers may stay full (client not reading) before it ends with RESOURCE_EXHAUSTED",
+        help="seconds frames may wait unread by a client before its stream ends with RESOURCE_EXHAUSTED",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -265,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             height=args.height,
             width=args.width,
             tolerance=args.tolerance,
+            model=args.model,
+            layers=args.layers,
         )
         return run_selftest(cfg)
     if args.command == "demo-checkpoint":

@@ -30,13 +30,16 @@ SERVING_DEFAULTS = "stagecast.json"  # read by gateway.checkpoint.ServingDefault
 DEMO_SERVING = {"text_len": 32, "width": 64, "height": 64, "fps": 16.0, "steps": 2}
 
 
-def write_transformer(folder: Path, *, seed: int, name: str = DEMO_MODEL, max_shard_bytes: int = 64 * 1024) -> None:
+def write_transformer(
+    folder: Path, *, seed: int, name: str = DEMO_MODEL, max_shard_bytes: int = 64 * 1024, **overrides
+) -> None:
+    """Write a random transformer of a named config (``stage_service.configs``) in diffusers layout."""
     from diffusers import WanTransformer3DModel
 
     from stage_service.checkpoint import write_checkpoint
     from stage_service.configs import model_config
 
-    cfg = model_config(name)
+    cfg = model_config(name, **overrides)
     gen_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

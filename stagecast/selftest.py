@@ -58,6 +58,8 @@ class SelftestConfig:
     width: int = 8
     tolerance: float | None = None
     seed: int = 0
+    model: str = "tiny-wan2.1"  # config of the random checkpoint written when no checkpoint is given
+    layers: int | None = None  # override its layer count (a real config, fewer layers: fast GPU checks)
 
 
 @dataclass
@@ -84,7 +86,7 @@ def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
             window=cfg.window,
             sink=cfg.sink,
             num_chunks=cfg.chunks + i,
-            text_len=16,
+            text_len=16 if model_cfg["text_dim"] < 512 else 512,
         )
         for i in range(cfg.streams)
     ]
@@ -194,7 +196,9 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             from stagecast.demo_checkpoint import write_transformer
 
             transformer = f"{tmp}/transformer"
-            write_transformer(Path(transformer), seed=cfg.seed)
+            overrides = {"num_layers": cfg.layers} if cfg.layers else {}
+            shard = 64 * 1024 if cfg.model.startswith("tiny") else 2 * 1024**3
+            write_transformer(Path(transformer), seed=cfg.seed, name=cfg.model, max_shard_bytes=shard, **overrides)
         else:
             transformer = cfg.checkpoint
         model_cfg = read_config(transformer)

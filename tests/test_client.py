@@ -1,0 +1,81 @@
+"""The client SDK's offline pieces: config building, error mapping, frame decoding and the MP4 helper."""
+
+import grpc
+import numpy as np
+import pytest
+
+import stagecast
+from gateway.frame_encoder import JpegEncoder, Mp4Encoder, read_mp4_frames
+from stagecast.client import stream_config
+from stagecast.errors import from_rpc_error
+from stagecast.frames import Frame, FrameTiming, save_mp4
+
+TIMING = FrameTiming(0.0, 0.0, 0.0, 0.0)
+
+
+def frames(n, w=32, h=16):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def test_stream_config_leaves_out_what_the_caller_did_not_set():
+    msg = stream_config("a cat", width=64, seconds=2)
+    assert msg.HasField("width") and msg.HasField("seconds") and msg.seconds == 2
+    assert not msg.HasField("height") and not msg.HasField("seed") and not msg.HasField("steps")
+    assert msg.codec == "jpeg"
+    assert stream_config("a cat", seed=0).HasField("seed")  # an explicit 0 is a value, not "absent"
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize(
+    "code,cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, stagecast.InvalidArgumentError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, stagecast.ResourceExhaustedError),
+        (grpc.StatusCode.UNAVAILABLE, stagecast.UnavailableError),
+        (grpc.StatusCode.CANCELLED, stagecast.CancelledError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, stagecast.DeadlineExceededError),
+        (grpc.StatusCode.INTERNAL, stagecast.InternalError),
+    ],
+)
+def test_every_status_code_has_its_own_exception_class(code, cls):
+    err = from_rpc_error(FakeRpcError(code, "width: bad"))
+    assert type(err) is cls and isinstance(err, stagecast.StagecastError)
+    assert err.code == code and err.details == "width: bad" and str(err) == f"{code.name}: width: bad"
+
+
+def test_raw_and_jpeg_frames_decode_to_arrays():
+    (img,) = frames(1)
+    raw = Frame(0, 0.0, 0, "raw", img.tobytes(), 32, 16, TIMING)
+    assert np.array_equal(raw.to_array(), img)
+    jpeg = Frame(0, 0.0, 0, "jpeg", JpegEncoder(32, 16).encode(img), 32, 16, TIMING)
+    assert jpeg.to_array().shape == (16, 32, 3)
+    with pytest.raises(ValueError, match="h264"):
+        Frame(0, 0.0, 0, "h264", b"", 32, 16, TIMING).to_array()
+
+
+def test_save_mp4_reencodes_raw_frames_and_concatenates_h264_fragments(tmp_path):
+    imgs = frames(7)
+    raw = [Frame(i, i / 16, 0, "raw", f.tobytes(), 32, 16, TIMING) for i, f in enumerate(imgs)]
+    assert save_mp4(raw, tmp_path / "raw.mp4", fps=16) == 7
+    assert [f.shape for f in read_mp4_frames(tmp_path / "raw.mp4")] == [(16, 32, 3)] * 7
+
+    enc = Mp4Encoder(32, 16, 16)
+    h264 = [Frame(i, i / 16, 0, "h264", enc.encode(f), 32, 16, TIMING) for i, f in enumerate(imgs)]
+    assert save_mp4(h264, tmp_path / "h264.mp4", fps=16, trailer=enc.flush()) == 7
+    assert len(read_mp4_frames(tmp_path / "h264.mp4")) == 7
+
+
+def test_the_sdk_is_exported_from_the_package():
+    for name in ("Client", "AsyncClient", "Frame", "StagecastError", "InvalidArgumentError", "ResourceExhaustedError"):
+        assert name in stagecast.__all__ and getattr(stagecast, name)

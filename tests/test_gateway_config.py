@@ -1,0 +1,111 @@
+"""Request validation, duration arithmetic and the per-stream bounded channel of the gateway (no processes)."""
+
+import threading
+
+import pytest
+
+from gateway.channel import CLOSED, BoundedChannel
+from gateway.checkpoint import ModelInfo, ServingDefaults
+from gateway.config import ConfigError, duration_plan, frames_after_chunks, resolve_config
+from stagecast.client import stream_config
+
+WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
+DEFAULTS = ServingDefaults(text_len=32, width=64, height=48)
+
+
+def resolve(prompt="a cat", **kw):
+    return resolve_config(stream_config(prompt, **kw), defaults=DEFAULTS, model=WAN21)
+
+
+@pytest.mark.parametrize(
+    "seconds,fps,chunk_frames,frames,chunks",
+    [
+        (1, 16, 1, 16, 5),  # 5 chunks give 17 frames; the 17th is dropped
+        (5.0625, 16, 1, 81, 21),  # 81 frames = 21 latent frames exactly, Wan's usual clip
+        (0.01, 16, 1, 1, 1),  # never less than one frame
+        (1, 16, 3, 16, 2),  # 5 latent frames need two 3-frame chunks
+        (0.3, 10, 1, 3, 2),  # 0.3 * 10 is 3.0000000000000004 in floating point: still 3 frames
+    ],
+)
+def test_duration_is_the_fewest_chunks_covering_ceil_seconds_times_fps(seconds, fps, chunk_frames, frames, chunks):
+    assert duration_plan(seconds, fps, chunk_frames, 4) == (frames, chunks)
+    assert frames_after_chunks(chunks, chunk_frames, 4) >= frames > frames_after_chunks(chunks - 1, chunk_frames, 4)
+
+
+def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_field():
+    cfg = resolve(seed=5)
+    assert (cfg.width, cfg.height, cfg.latent_width, cfg.latent_height) == (64, 48, 8, 6)
+    assert (cfg.codec, cfg.fps, cfg.policy, cfg.steps, cfg.guidance_scale) == ("jpeg", 16.0, "per_level", 4, 1.0)
+    assert cfg.seconds is None and cfg.total_frames is None and cfg.num_chunks is None  # until stopped
+    assert cfg.timesteps() == (1000.0, 750.0, 500.0, 250.0)
+    echo = cfg.to_proto()
+    assert echo.HasField("width") and echo.HasField("seed") and not echo.HasField("seconds")
+    spec = cfg.stream_spec(latent_channels=16, text_len=32)
+    assert (spec.height, spec.width, spec.num_chunks, spec.seed, spec.text_len) == (6, 8, None, 5, 32)
+
+
+def test_a_random_seed_is_chosen_when_none_is_given():
+    assert len({resolve().seed for _ in range(8)}) > 1
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("prompt", dict(prompt="")),
+        ("prompt", dict(prompt="x" * 20_001)),
+        ("width", dict(width=50)),
+        ("width", dict(width=0)),
+        ("height", dict(height=-16)),
+        ("height", dict(height=8)),
+        ("seconds", dict(seconds=0)),
+        ("seconds", dict(seconds=-1)),
+        ("steps", dict(steps=0)),
+        ("steps", dict(steps=51)),
+        ("chunk_frames", dict(chunk_frames=0)),
+        ("codec", dict(codec="gif")),
+        ("guidance_scale", dict(guidance_scale=5.0)),
+        ("target_fps", dict(target_fps=0)),
+        ("policy", dict(policy="greedy")),
+        ("window", dict(window=0)),
+        ("sink", dict(window=2, sink=3)),
+        ("quality", dict(quality=101)),
+    ],
+)
+def test_each_invalid_field_is_named_in_the_error(field, kwargs):
+    with pytest.raises(ConfigError) as err:
+        resolve(**kwargs)
+    assert err.value.field == field and str(err.value).startswith(f"{field}: ")
+
+
+def test_width_error_says_why_16():
+    with pytest.raises(ConfigError, match=r"multiple of 16 \(VAE spatial factor 8 x patch 2\)"):
+        resolve(width=40)
+
+
+def test_channel_blocks_when_full_and_times_out():
+    ch = BoundedChannel(2)
+    assert ch.put(1) and ch.put(2)
+    with pytest.raises(TimeoutError):
+        ch.put(3, timeout=0.01)
+    assert ch.get() == 1 and ch.put(3, timeout=0.01)
+    assert [ch.get(), ch.get()] == [2, 3]
+
+
+def test_put_final_goes_past_the_bound_and_closing_wakes_a_blocked_producer():
+    ch = BoundedChannel(1)
+    ch.put("frame")
+    result = []
+    producer = threading.Thread(target=lambda: result.append(ch.put("blocked")))
+    producer.start()
+    assert ch.put_final("error", drop=True)  # the consumer's last word replaces what was queued
+    producer.join(5)
+    assert result == [False]
+    assert ch.get() == "error" and ch.get() is CLOSED
+    assert not ch.put_final("late")
+
+
+def test_serving_defaults_reject_unknown_keys(tmp_path):
+    (tmp_path / "stagecast.json").write_text('{"text_len": 32, "widht": 64}')
+    with pytest.raises(ValueError, match="widht"):
+        ServingDefaults.load(tmp_path)
+    assert ServingDefaults.load(tmp_path / "missing") == ServingDefaults()
