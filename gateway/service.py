@@ -27,6 +27,7 @@ import torch
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import ConfigError, resolve_config
+from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
 from gateway.stream_vae import StreamVAE
@@ -54,6 +55,7 @@ class GatewayOptions:
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
     text_cache: int = 256
     vae_dtype: str = "float32"
+    vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
@@ -69,7 +71,11 @@ class Gateway:
         self.model = ModelInfo.from_checkpoint(root)
         self.text_len = opts.text_len or self.defaults.text_len
         self.encoder = TextEncoder(root, max_len=self.text_len, cache_size=opts.text_cache, device=opts.device)
-        self.vae = StreamVAE.from_folder(root / "vae", dtype=_DTYPES[opts.vae_dtype], device=opts.device)
+        if opts.vae_stage:
+            self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout)
+        else:
+            vae = StreamVAE.from_folder(root / "vae", dtype=_DTYPES[opts.vae_dtype], device=opts.device)
+            self.decoder = LocalDecoder(vae)
         self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
 
@@ -97,12 +103,19 @@ class Gateway:
         self.server.start()
         self.metrics.serve(self.opts.metrics_port)
         set_serving(self.health, [SERVICE_NAME], True)
-        logger.info("gateway on %s -> coordinator %s (text_len=%d)", self.address, self.opts.coordinator, self.text_len)
+        logger.info(
+            "gateway on %s -> coordinator %s (text_len=%d, VAE %s)",
+            self.address,
+            self.opts.coordinator,
+            self.text_len,
+            self.opts.vae_stage or "in process",
+        )
 
     def stop(self, grace: float = 5.0) -> None:
         set_serving(self.health, [SERVICE_NAME], False)
         self.server.stop(grace).wait()
         self.channel.close()
+        self.decoder.close()
 
     # ---- used by the streams -------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class Gateway:
                 frames_sent=run.frames_sent,
                 chunks_received=run.chunks_received,
                 vae_state_bytes=_vae_bytes(run),
-                queued_chunks=len(run.latents),
+                queued_chunks=run.session.queued if run.session is not None else 0,
                 queued_messages=len(run.out),
             )
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
@@ -184,8 +197,8 @@ class Gateway:
 
 
 def _vae_bytes(run: StreamRun) -> int:
-    state = run.vae_state
-    return 0 if state is None or state.released else state.approx_bytes
+    session = run.session
+    return 0 if session is None else session.state_bytes
 
 
 class StreamServicer(pb_grpc.StreamServiceServicer):

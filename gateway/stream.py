@@ -9,21 +9,26 @@ Usage (the servicer in ``gateway.service`` does this per ``Generate`` call)::
 
 Threads and bounded buffers (per stream)::
 
-    coordinator --(reader)--> latents [buffer_chunks] --(decoder: VAE + encoder)--> out [buffer_messages] --> client
+    coordinator --(reader)--> decode session [buffer_chunks] --(decoder thread: encoder)--> out [buffer_messages]
+                                                                                              --(handler)--> client
 
-Slow clients: gRPC flow control stops the sender when the client does not read and ``out`` fills; a full ``out``
-blocks the decoder, and a full ``latents`` blocks the pipeline reader (backpressure, which is also all that a VAE
-slower than the DiT causes; the coordinator does not yet pace a stream by delivery, so chunks then wait in its
-queue).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and
-the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the error is queued for
-the client, and the pipeline stream is stopped.  A client that still does not read for ``abandon_timeout`` more
-seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers plus gRPC's flow-control
-window, whatever the client does.
+The decode session (``gateway.decoder``) is the StreamVAE in this process (latents queue, decoded in the decoder
+thread) or a chain of VAE stage processes (chunks in flight through the chain).
+
+Slow clients: gRPC flow control stops the handler when the client does not read and ``out`` fills; a full ``out``
+blocks the decoder thread, and a full decode session blocks the pipeline reader (backpressure, which is also all
+that a VAE slower than the DiT causes; the coordinator does not yet pace a stream by delivery, so chunks then wait
+in its queue).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and the
+stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the error is queued for the
+client, and the pipeline stream is stopped.  A client that still does not read for ``abandon_timeout`` more seconds
+has its call cancelled.  Memory per stream is therefore bounded by the two buffers plus gRPC's flow-control window,
+whatever the client does.
 
 Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
-StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decoder
-releases the stream's VAE cache.  The stream stays in the gateway's status (state "draining") until both happened,
-so ``GatewayStatus`` shows exactly what the gateway and the pipeline still hold.
+StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decode
+session releases the stream's VAE cache (in every VAE stage, when they are remote).  The stream stays in the
+gateway's status (state "draining") until both happened, so ``GatewayStatus`` shows what the gateway and the
+pipeline still hold.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import torch
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig
 from gateway.frame_encoder import make_encoder
-from gateway.stream_vae import to_uint8_frames
 from stagecast import wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.v1 import stream_pb2 as pb
@@ -61,16 +65,12 @@ class StreamFailed(Exception):
         self.message = message
 
 
-@dataclass
-class _Chunk:
+@dataclass(frozen=True)
+class _ChunkTag:
+    """What the decoder needs to know about a chunk besides its frames."""
+
     index: int
-    latents: torch.Tensor
     arrived_ms: float
-
-
-@dataclass
-class _End:
-    reason: str
 
 
 class StreamRun:
@@ -88,8 +88,8 @@ class StreamRun:
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.frames_sent = 0  # frames handed to gRPC
         self.first_frame_ms: float | None = None
-        self.vae_state = None
-        self.latents = BoundedChannel(gw.opts.buffer_chunks)
+        self.session = None  # the decode session (gateway.decoder), opened by start()
+        self.end_reason: str | None = None  # the pipeline's, once it ended the stream
         self.out = BoundedChannel(gw.opts.buffer_messages)
         self._lock = threading.Lock()
         self._call = None
@@ -118,6 +118,11 @@ class StreamRun:
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"
+        with self._lock:
+            self.session = self.gw.decoder.open(self.gw.opts.buffer_chunks)
+            ended = self.outcome is not None  # the client left while we were opening
+        if ended:
+            self.session.abort()
         for target, args in ((self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))):
             name = f"{target.__name__.strip('_')}-{self.id[:6]}"
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
@@ -162,7 +167,7 @@ class StreamRun:
         self.state = "draining"
         logger.warning("stream %s: %s (%s)", self.id, message, code.name)
         self.out.put_final(StreamFailed(code, message), drop=True)
-        self.latents.close(drop=True)
+        self._abort_decoding()
         self.stop_pipeline()
         self.gw.touch()
         # A client that never reads never takes the error either; cancel its call rather than hold it forever.
@@ -176,9 +181,15 @@ class StreamRun:
                 self.outcome = "cancelled"
                 logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
         self.out.close(drop=True)
-        self.latents.close(drop=True)
+        self._abort_decoding()
         self.stop_pipeline()
         self.gw.touch()
+
+    def _abort_decoding(self) -> None:
+        with self._lock:
+            session = self.session
+        if session is not None:
+            session.abort()
 
     def stop_pipeline(self) -> None:
         """StopStream (cooldown) once; the reader keeps draining until the coordinator ends the stream."""
@@ -228,52 +239,46 @@ class StreamRun:
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
                     self.chunks_received += 1
-                    # Blocks while the decoder is behind (backpressure); False once closed: we are only draining.
-                    self.latents.put(_Chunk(ev.chunk.chunk, wire.tensor_from_proto(ev.chunk.latents), self.ms()))
+                    tag = _ChunkTag(ev.chunk.chunk, self.ms())
+                    # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
+                    self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents))
                 elif kind == "ended":
                     with self._lock:
                         self._pipeline_ended = True  # nothing left to stop
-                    self.latents.put_final(_End(ev.ended.reason))
+                    self.end_reason = ev.ended.reason
         except grpc.RpcError as exc:
             if not self._cancelled_pipeline:
                 self.fail(exc.code(), f"pipeline: {exc.details()}", "pipeline_error")
         finally:
             with self._lock:
                 self._pipeline_ended = True
-            self.latents.close()
+            self.session.finish()  # the decoder's results end after the last chunk
             self._part_done()
 
     def _decode(self) -> None:
         cfg = self.cfg
-        vae = self.gw.vae
-        state = self.vae_state = vae.new_state()
         encoder = None
         try:
             encoder = make_encoder(cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality)
-            while True:
-                item = self.latents.get()
-                if item is CLOSED:
-                    if self.outcome is None:  # the reader always sends _End or fails first; this is a bug guard
-                        self.fail(grpc.StatusCode.INTERNAL, "pipeline stream ended without an end event", "error")
+            for tag, frames in self.session.results():
+                if not self._emit(tag, frames, encoder):
                     return
-                if isinstance(item, _End):
-                    self._finish(item.reason, encoder.flush() if cfg.codec == "h264" else b"")
-                    return
-                if not self._emit(item, vae.decode_chunk(state, item.latents), encoder):
-                    return
+            if self.end_reason is not None:
+                self._finish(self.end_reason, encoder.flush() if cfg.codec == "h264" else b"")
+            elif self.outcome is None:  # the reader ends with an end reason or a failure; this guards against bugs
+                self.fail(grpc.StatusCode.INTERNAL, "pipeline stream ended without an end event", "error")
         except Exception as exc:
             logger.exception("stream %s: decode failed", self.id)
             self.fail(grpc.StatusCode.INTERNAL, f"gateway: decoding or encoding failed: {exc}", "error")
         finally:
-            vae.release(state)
+            self.session.close()  # frees the stream's VAE cache (in the VAE stages too, before returning)
             if encoder is not None:
                 encoder.close()
             self._part_done()
 
-    def _emit(self, chunk: _Chunk, video: torch.Tensor, encoder) -> bool:
+    def _emit(self, chunk: _ChunkTag, frames, encoder) -> bool:
         cfg = self.cfg
         decoded_ms = self.ms()
-        frames = to_uint8_frames(video).cpu().numpy()
         if cfg.total_frames is not None:
             frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
         for frame in frames:

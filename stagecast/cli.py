@@ -7,6 +7,7 @@ stagecast selftest --stages K ...               distributed run vs the reference
 stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
 stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
 stagecast gateway --coordinator H:P --checkpoint DIR   the public streaming API (stagecast.v1)
+stagecast vae-stage --checkpoint DIR --index I --num-slices N [--next H:P]   one VAE decoder slice
 stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
 stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
 """
@@ -126,6 +127,19 @@ def _add_gateway(sub) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--vae-stage", default=None, help="host:port of the first vae-stage (default: VAE in-process)")
+
+
+def _add_vae_stage(sub) -> None:
+    p = sub.add_parser("vae-stage", help="run one slice of the VAE decoder as its own process (chain them)")
+    p.add_argument("--checkpoint", required=True, help="folder holding vae/ (or the VAE folder)")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--num-slices", type=int, required=True)
+    p.add_argument("--next", default=None, help="host:port of the next vae-stage (every stage but the last)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50070)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 def _add_generate(sub) -> None:
@@ -172,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_selftest(sub)
     _add_demo_checkpoint(sub)
     _add_gateway(sub)
+    _add_vae_stage(sub)
     _add_generate(sub)
     _add_demo(sub)
     from coordinator.simulator import add_simulate_parser
@@ -299,6 +314,24 @@ def main(argv: list[str] | None = None) -> int:
                 buffer_messages=args.buffer_messages,
                 slow_client_timeout=args.slow_client_timeout,
                 drain_timeout=args.drain_timeout,
+                vae_stage=args.vae_stage,
+            ),
+            stop=_stop_event(),
+        )
+        return 0
+    if args.command == "vae-stage":
+        from gateway.vae_stage import VAEStageOptions, serve
+
+        serve(
+            VAEStageOptions(
+                checkpoint=args.checkpoint,
+                index=args.index,
+                num_slices=args.num_slices,
+                next=args.next,
+                host=args.host,
+                port=args.port,
+                device=args.device,
+                dtype=args.dtype,
             ),
             stop=_stop_event(),
         )

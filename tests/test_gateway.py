@@ -1,8 +1,9 @@
 """The public streaming API end to end: real processes (coordinator, 2 stages, 2 gateways) on loopback, driven
 through the client SDK (and, for malformed call shapes, the generated gRPC stub).
 
-One cluster serves the whole module.  Gateway ``main`` has generous limits; gateway ``tight`` allows 2 streams and
-buffers almost nothing, so the stream limit and the slow-client policy are cheap to reach.  The coordinator admits
+One cluster serves the whole module.  Gateway ``main`` has generous limits and decodes in-process; gateway ``tight``
+allows 2 streams, buffers almost nothing (so the stream limit and the slow-client policy are cheap to reach) and
+decodes through a chain of two VAE stage processes.  The coordinator admits
 4 streams and records its plan, which lets the reference executor replay exactly what the pipeline ran.  Every test
 leaves the cluster idle (no streams anywhere) so the next one's plan replays in isolation.
 """
@@ -34,6 +35,7 @@ from stagecast.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
+from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
 from stagecast.launcher import Launcher
 from stagecast.local_cluster import start_pipeline
 from stagecast.reference import ReferenceExecutor
@@ -63,6 +65,7 @@ class Cluster:
     tight: str
     metrics_port: int
     stage_addresses: list[str]
+    vae_stage_addresses: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +82,24 @@ def cluster(tmp_path_factory):
         base = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         metrics_port = _free_port()
         tight = base + ["--max-streams", str(TIGHT_MAX_STREAMS), "--buffer-chunks", "1", "--buffer-messages", "2"]
-        tight += ["--slow-client-timeout", "1", "--metrics-port", str(metrics_port)]
+        tight += ["--slow-client-timeout", "2", "--metrics-port", str(metrics_port)]
+        # The VAE chain is started from its end: each stage needs the next one's address.
+        vae = ["vae-stage", "--checkpoint", str(root), "--num-slices", "2", "--port", "0"]
+        vae_last = launcher.spawn("vae-1", vae + ["--index", "1"])
+        vae_first = launcher.spawn("vae-0", vae + ["--index", "0", "--next", vae_last.info["address"]])
+        tight += ["--vae-stage", vae_first.info["address"]]
         # Spawned from this thread: children get PR_SET_PDEATHSIG, which fires when the spawning *thread* exits.
         main_child = launcher.spawn("main", base)
         tight_child = launcher.spawn("tight", tight)
         stage_addresses = [child.info["address"] for child in pipe.stage_children.values()]
         yield Cluster(
-            root,
-            pipe.coordinator,
-            main_child.info["address"],
-            tight_child.info["address"],
-            metrics_port,
-            stage_addresses,
+            root=root,
+            coordinator=pipe.coordinator,
+            main=main_child.info["address"],
+            tight=tight_child.info["address"],
+            metrics_port=metrics_port,
+            stage_addresses=stage_addresses,
+            vae_stage_addresses=[vae_first.info["address"], vae_last.info["address"]],
         )
 
 
@@ -174,6 +183,24 @@ def test_raw_frames_equal_vae_decode_of_the_reference_executors_latents_bit_for_
     got = _raw(frames)
     assert got.shape == want.shape == (16, H, W, 3)
     assert got.tobytes() == want.tobytes()
+
+
+def _vae_stage_streams(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as ch:
+        d = vpb_grpc.VAEStageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
+    return d.open_streams, d.state_bytes
+
+
+def test_vae_stage_processes_decode_exactly_what_the_in_process_vae_decodes(main, cluster):
+    kwargs = dict(width=W, height=H, seconds=1, codec="raw", seed=7, timeout=TIMEOUT)
+    local = main.generate(PROMPT, **kwargs).collect()
+    with stagecast.Client(cluster.tight) as client:
+        remote = client.generate(PROMPT, **kwargs)
+        frames = remote.collect()
+    assert remote.end.reason == "completed" and len(frames) == len(local) == 16
+    assert [f.data for f in frames] == [f.data for f in local]
+    # The call to the VAE chain ends only after every stage released the stream's cache.
+    assert [_vae_stage_streams(a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize("codec", ["h264", "jpeg"])
@@ -366,6 +393,7 @@ def test_a_client_that_stops_reading_gets_resource_exhausted_and_its_stream_is_f
             lambda s: s.ended_by_reason["client_too_slow"] == before + 1 and s.active_streams == 0, timeout=TIMEOUT
         )
         assert status.vae_state_bytes == 0
+        assert [_vae_stage_streams(a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
         with pytest.raises(stagecast.ResourceExhaustedError, match="client too slow"):
             for _ in gen:
                 pass

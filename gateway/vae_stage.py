@@ -1,0 +1,130 @@
+"""A VAE decoder stage process: one slice of the Wan VAE decoder, chained to the next stage.
+
+Run the chain from its end (each stage needs the next one's address), then point the gateway at its head::
+
+    stagecast vae-stage --checkpoint DIR --index 1 --num-slices 2 --port 50071
+    stagecast vae-stage --checkpoint DIR --index 0 --num-slices 2 --port 50070 --next 127.0.0.1:50071
+    stagecast gateway ... --vae-stage 127.0.0.1:50070
+
+Every stage cuts the decoder the same way (``split_decoder``: balanced by measured multiply-accumulates, a pure
+function of the architecture) and keeps its own slice.  One ``Decode`` call per client stream: the stage decodes
+each chunk with its slice and the stream's cache slots, and forwards the result on its own call to the next stage,
+so a stream's consecutive chunks are in different stages at once.  The last stage returns uint8 frames.  A stream's
+state lives exactly as long as its call, and is released before the call ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from gateway.stream_vae import StreamVAE, split_decoder, to_uint8_frames
+from stagecast import wire
+from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.internal.v1 import vae_pb2 as vpb
+from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "stagecast.internal.v1.VAEStageService"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class VAEStageOptions:
+    checkpoint: str  # a folder holding vae/, or the VAE folder itself
+    index: int
+    num_slices: int
+    next: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50070
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
+    def __init__(self, opts: VAEStageOptions):
+        folder = Path(opts.checkpoint)
+        folder = folder / "vae" if (folder / "vae").is_dir() else folder
+        vae = StreamVAE.from_folder(folder, dtype=_DTYPES[opts.dtype], device=opts.device).vae
+        self.slice = split_decoder(vae, opts.num_slices)[opts.index]
+        self.opts = opts
+        self.is_last = self.slice.gives_video
+        if self.is_last != (opts.next is None):
+            raise ValueError(f"stage {opts.index} of {opts.num_slices}: --next is needed by every stage but the last")
+        self.next_stub = None
+        if opts.next:
+            self.next_channel = grpc.insecure_channel(opts.next, options=CHANNEL_OPTIONS)
+            self.next_stub = vpb_grpc.VAEStageServiceStub(self.next_channel)
+        self.lock = threading.Lock()
+        self.states: dict[int, object] = {}
+        logger.info(
+            "VAE stage %d/%d: decoder units [%d, %d), next %s",
+            opts.index,
+            opts.num_slices,
+            self.slice.start,
+            self.slice.stop,
+            opts.next or "(last: frames go back)",
+        )
+
+    def Decode(self, request_iterator, context):
+        state = self.slice.new_state()
+        with self.lock:
+            self.states[id(state)] = state
+        try:
+            if self.next_stub is None:
+                for req in request_iterator:
+                    frames = to_uint8_frames(self._decode(state, req))
+                    yield vpb.VAEChunk(chunk=req.chunk, data=wire.tensor_to_proto(frames))
+            else:
+                downstream = self.next_stub.Decode(self._forward(state, request_iterator))
+                context.add_callback(downstream.cancel)  # our caller left: so does the rest of the chain
+                yield from downstream  # ends after every later stage released the stream's state
+        except grpc.RpcError as exc:
+            context.abort(exc.code(), f"VAE stage {self.opts.index + 1}: {exc.details()}")
+        finally:
+            self.slice.release(state)
+            with self.lock:
+                self.states.pop(id(state), None)
+
+    def _forward(self, state, request_iterator):
+        for req in request_iterator:
+            yield vpb.VAEChunk(chunk=req.chunk, data=wire.tensor_to_proto(self._decode(state, req)))
+
+    def _decode(self, state, req: vpb.VAEChunk) -> torch.Tensor:
+        return self.slice.decode_chunk(state, wire.tensor_from_proto(req.data))
+
+    def Describe(self, request, context):
+        with self.lock:
+            states = list(self.states.values())
+        return vpb.VAEStageDescription(
+            index=self.opts.index,
+            num_slices=self.opts.num_slices,
+            unit_start=self.slice.start,
+            unit_stop=self.slice.stop,
+            next=self.opts.next or "",
+            open_streams=len(states),
+            state_bytes=sum(s.approx_bytes for s in states if not s.released),
+            device=self.opts.device,
+        )
+
+
+def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
+    servicer = VAEStageServicer(opts)
+    server, health, port = make_server(
+        opts.port, [(vpb_grpc.add_VAEStageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+    )
+    server.start()
+    set_serving(health, [SERVICE_NAME], True)
+    host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
+    print(f"STAGECAST_READY vae_stage={opts.index} address={host}:{port}", flush=True)
+    stop = stop or threading.Event()
+    try:
+        stop.wait()
+    finally:
+        server.stop(2).wait()
