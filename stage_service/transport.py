@@ -145,8 +145,12 @@ class PipeTransport:
 
     def close(self) -> None:
         self._pending.clear()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                logger.exception("destroying the process group failed")
+        if not dist.is_initialized():
+            return
+        try:
+            if self.backend == "nccl":
+                # destroy can block on in-flight NCCL work; abort tears the communicators down at once.
+                self.group.abort()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group is being abandoned either way
+            logger.exception("leaving the process group failed")

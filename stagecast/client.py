@@ -50,6 +50,18 @@ DEFAULT_OPTIONS = [("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 _DONE = object()
 
 
+# The request iterators hold only their queue, not the generation: gRPC's sending thread keeps the iterator alive,
+# and a generation the caller dropped must still be collectable (its __del__ cancels the call).
+def _drain(outbox: queue.Queue) -> Iterator[pb.ClientMessage]:
+    while (msg := outbox.get()) is not _DONE:
+        yield msg
+
+
+async def _adrain(outbox: asyncio.Queue) -> AsyncIterator[pb.ClientMessage]:
+    while (msg := await outbox.get()) is not _DONE:
+        yield msg
+
+
 def stream_config(
     prompt: str,
     *,
@@ -138,11 +150,7 @@ class Generation(_StreamState):
         super().__init__()
         self._outbox: queue.Queue = queue.Queue()
         self._outbox.put(pb.ClientMessage(config=config))
-        self._call = stub.Generate(self._requests(), timeout=timeout)
-
-    def _requests(self) -> Iterator[pb.ClientMessage]:
-        while (msg := self._outbox.get()) is not _DONE:
-            yield msg
+        self._call = stub.Generate(_drain(self._outbox), timeout=timeout)
 
     def _read(self) -> pb.ServerMessage | None:
         """The next server message, None at the end of the call; raises the SDK error for a failed call."""
@@ -218,6 +226,12 @@ class Generation(_StreamState):
         if self.end is None:
             self.cancel()
 
+    def __del__(self) -> None:
+        # A dropped, unfinished generation must not keep its stream (and the gateway's resources) alive.
+        if self.end is None and not self._cancelled and hasattr(self, "_call"):
+            self._call.cancel()
+            self._outbox.put(_DONE)
+
 
 class AsyncGeneration(_StreamState):
     """The asyncio twin of ``Generation``: ``async for frame in gen``; I/O methods are coroutines."""
@@ -226,11 +240,7 @@ class AsyncGeneration(_StreamState):
         super().__init__()
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._outbox.put_nowait(pb.ClientMessage(config=config))
-        self._call = stub.Generate(self._requests(), timeout=timeout)
-
-    async def _requests(self) -> AsyncIterator[pb.ClientMessage]:
-        while (msg := await self._outbox.get()) is not _DONE:
-            yield msg
+        self._call = stub.Generate(_adrain(self._outbox), timeout=timeout)
 
     async def _read(self) -> pb.ServerMessage | None:
         try:

@@ -325,6 +325,13 @@ def test_bad_requests_get_invalid_argument_naming_the_field_while_a_good_stream_
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.details().startswith("config:"), err.details()
 
+    # A bad prompt update ends its stream (the call's status is the only error channel), and only that stream.
+    updated = main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT)  # until stopped
+    updated.wait_started()
+    updated.update_prompt("snow " * 40)
+    with pytest.raises(stagecast.InvalidArgumentError, match="^prompt update: prompt: is too long"):
+        updated.collect()
+
     reader.join(TIMEOUT)
     assert good.end.reason == "completed" and len(collected) == 16
 
