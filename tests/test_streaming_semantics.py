@@ -174,3 +174,22 @@ def test_generation_is_deterministic_by_seed(tiny_model):
         runs.append(torch.cat(out.chunks[1], 2))
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+def test_per_level_streaming_with_per_token_timesteps_wan22_ti2v(tiny_model):
+    """Wan2.2-TI2V runs per-token timesteps (B, L); the streaming path matches the masked full forward."""
+    model = tiny_model("tiny-wan2.2-ti2v")
+    n = 3
+    spec = make_spec(latent_channels=48, num_chunks=n, window=2, sink=1, policy="per_level")
+    text = torch.randn(1, spec.text_len, model.config.text_dim, generator=torch.Generator().manual_seed(8))
+    _, flows, inputs = traced_run(model, spec, text, num_stages=2)
+    chunkwise_patch_embedding(model, 1)
+    sampler = FlowSampler(spec)
+    set_self_mask(model, frame_mask(spec, n, TPF))
+    for level in range(spec.steps):
+        x = torch.cat([inputs[s] for s in sorted(inputs, key=lambda s: s.chunk) if s.level == level], dim=2)
+        t = torch.full((1, n * TPF), sampler.model_timestep(level))
+        full = model(x, t, text, return_dict=False)[0]
+        for c in range(n):
+            step = next(s for s in flows if s.chunk == c and s.level == level)
+            assert torch.equal(flows[step], full[:, :, c : c + 1])

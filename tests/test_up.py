@@ -1,0 +1,46 @@
+"""``stagecast up`` starts coordinator and stages; SIGTERM stops all of them, leaving no orphans."""
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from stagecast.demo_checkpoint import write_transformer
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.launcher import Launcher
+from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec
+
+
+def descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            kids = (task / "children").read_text().split() if (task / "children").exists() else []
+            out += [int(k) for k in kids]
+            todo += [int(k) for k in kids]
+    return out
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_and_sigterm_stops_every_process():
+    with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
+        write_transformer(Path(tmp) / "transformer", seed=0)
+        up = launcher.spawn("up", ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0"])
+        channel, stub = coordinator_stub(up.info["coordinator"])
+        assert stub.Status(pb.Empty()).ready
+        chunks, reason = run_stream(stub, tiny_spec(num_chunks=2))
+        assert reason == "completed" and len(chunks) == 2
+        channel.close()
+        children = descendants(up.pid)
+        assert len(children) >= 3  # coordinator + 2 stages
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+        assert not [pid for pid in children if alive(pid)]
