@@ -329,7 +329,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field_while_a_good_stream_
     updated = main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT)  # until stopped
     updated.wait_started()
     updated.update_prompt("snow " * 40)
-    with pytest.raises(stagecast.InvalidArgumentError, match="^prompt update: prompt: is too long"):
+    with pytest.raises(stagecast.InvalidArgumentError, match="INVALID_ARGUMENT: prompt update: prompt: is too long"):
         updated.collect()
 
     reader.join(TIMEOUT)
