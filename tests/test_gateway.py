@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 import stagecast
 from gateway.frame_encoder import read_mp4_frames
@@ -410,12 +411,14 @@ def test_a_client_that_stops_reading_gets_resource_exhausted_and_its_stream_is_f
     assert "stagecast_gateway_active_streams 0.0" in metrics
 
 
-def test_gateway_serves_grpc_health(cluster):
+def test_gateway_serves_grpc_health_and_reflection(cluster):
     with grpc.insecure_channel(cluster.main) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for service in ("", "stagecast.v1.StreamService"):
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+        assert "stagecast.v1.StreamService" in services and "grpc.health.v1.Health" in services
 
 
 def test_generate_cli_writes_the_clip_and_prints_ttff_and_fps(cluster, tmp_path):
