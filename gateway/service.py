@@ -6,8 +6,9 @@ Run with ``stagecast gateway --coordinator HOST:PORT --checkpoint DIR [--port 50
     gw.start(); ...; gw.stop()
 
 The gateway encodes prompts (UMT5, cached per prompt), opens one coordinator stream per client stream, decodes the
-finished latent chunks with a per-stream StreamVAE and encodes frames (``gateway.stream`` holds the per-stream
-machinery and its buffering policy).  Errors that end a call are gRPC status codes: INVALID_ARGUMENT names the bad
+finished latent chunks with a per-stream StreamVAE cache (in this process, or in a chain of ``stagecast vae-stage``
+processes with ``--vae-stage``) and encodes frames (``gateway.stream`` holds the per-stream machinery and its
+buffering policy).  Errors that end a call are gRPC status codes: INVALID_ARGUMENT names the bad
 field, RESOURCE_EXHAUSTED means this gateway's ``--max-streams`` (or the coordinator's own limit, passed through)
 or a client too slow to keep up.  ``GetStatus``/``WatchStatus`` and the Prometheus metrics show the streams the
 gateway holds and the VAE cache memory they use.
