@@ -152,7 +152,7 @@ class PipelineEngine:
         self.batches_planned = 0
         self.batches_done = 0
         self.plan: list[pb.PlanEvent] = []
-        self.stage_times: dict[int, deque] = {}
+        self.stage_stats: dict[int, pb.StageStats] = {}
         self.last_error = ""
         self.resetting = 0
         self._ids = itertools.count(1)
@@ -241,6 +241,7 @@ class PipelineEngine:
             self.sched = StreamBatchScheduler(num_stages=world, max_batch=self.max_batch)
             self.seq = 0
             self.batches_planned = self.batches_done = 0
+            self.stage_stats = {}
             self.forming = False
             self.ready = True
             self._monitor_stop = threading.Event()
@@ -447,8 +448,11 @@ class PipelineEngine:
         with self.cond:
             if gen != self.generation:
                 return
-            times = self.stage_times.setdefault(index, deque(maxlen=256))
-            times.append((done.forward_ms, done.wait_ms))
+            st = self.stage_stats.setdefault(index, pb.StageStats(index=index))
+            st.batches += 1
+            st.forward_ms_total += done.forward_ms
+            st.wait_ms_total += done.wait_ms
+            st.micro_steps += done.micro_steps
             if last:
                 self.batches_done += 1
                 self.cond.notify_all()
@@ -552,6 +556,7 @@ class PipelineEngine:
                 world_size=self.registry.world_size,
                 stages=stages,
                 active_streams=len(self.sessions),
+                stage_stats=[self.stage_stats[i] for i in sorted(self.stage_stats)],
             )
 
 

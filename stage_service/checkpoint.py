@@ -402,3 +402,34 @@ def write_checkpoint(
     (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     logger.info("wrote %d tensors in %d shards to %s", len(tensors), len(shards), folder)
     return folder
+
+
+RANDOM_PREFIX = "random:"
+
+
+def random_slice_state_dict(
+    config: Mapping,
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Random weights for a slice, in the same naming and dtypes ``load_slice_state_dict`` returns.
+
+    Benchmarks run the real architectures with random weights (throughput does not depend on the values),
+    so each stage makes its own slice on its device instead of reading tens of GB from disk.  Values are
+    scaled like an initialised model (std 0.02; norms at 1) so activations stay finite in bf16.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + layers.start)
+    out = {}
+    for key, shape in slice_shapes(config, layers=layers, first=first, last=last).items():
+        target = _load_dtype(key, torch.float32, dtype)
+        if ".norm" in key and key.endswith(".weight"):
+            t = torch.ones(shape, dtype=target, device=device)
+        else:
+            t = (torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=target)
+        out[_renumber(key, layers.start)] = t
+    return out

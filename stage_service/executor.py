@@ -61,6 +61,7 @@ class ExecutorEvent:
     message: str = ""
     forward_ms: float = 0.0
     wait_ms: float = 0.0
+    micro_steps: int = 0
 
 
 _STOP = object()
@@ -81,6 +82,9 @@ class StageExecutor:
         self.queue: queue.Queue = queue.Queue()
         self.failed: str | None = None
         self._owed: deque[MicroStep] = deque()
+        # CUDA event pairs of batches whose GPU time has not been read yet (read when done, never synced).
+        self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._cuda = runner.slice.device.type == "cuda"
         self._thread = threading.Thread(target=self._loop, name="stage-executor", daemon=True)
         sl = runner.slice
         self.first, self.last = sl.first, sl.last
@@ -165,7 +169,14 @@ class StageExecutor:
             tokens = runner.slice.tokens_per_frame(spec.height, spec.width) * spec.chunk_frames
             inputs = tp.recv_hidden((len(steps), tokens, runner.slice.inner_dim), runner.slice.dtype)
         start = time.perf_counter()
+        if self._cuda:
+            ev_start = torch.cuda.Event(enable_timing=True)
+            ev_start.record()
         out = runner.forward(steps, inputs)
+        if self._cuda:
+            ev_end = torch.cuda.Event(enable_timing=True)
+            ev_end.record()
+            self._timings.append((len(steps), ev_start, ev_end))
         if not self.last:
             assert tp is not None
             tp.send_hidden(out)
@@ -184,8 +195,14 @@ class StageExecutor:
             for st in steps:
                 if st.level + 1 < runner.spec(st.stream).levels:
                     self._owed.append(MicroStep(st.stream, st.chunk, st.level + 1))
-        forward_ms = (time.perf_counter() - start) * 1e3
+        forward_ms, micro_steps = (time.perf_counter() - start) * 1e3, len(steps)
+        if self._cuda:
+            forward_ms, micro_steps = 0.0, 0
+            while self._timings and self._timings[0][2].query():
+                n, a, b = self._timings.popleft()
+                forward_ms += a.elapsed_time(b)
+                micro_steps += n
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
         if self.on_batch is not None:
             self.on_batch(item, forward_ms, wait_ms)
-        self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms))
+        self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps))

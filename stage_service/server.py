@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from stage_service.checkpoint import load_slice_state_dict, read_config
+from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict, read_config
+from stage_service.configs import model_config
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
 from stage_service.runner import SliceRunner
@@ -74,7 +75,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
         self.dtype = DTYPES[opts.dtype]
-        self.config = read_config(f"{opts.checkpoint}")
+        if opts.checkpoint.startswith(RANDOM_PREFIX):
+            # "random:wan2.1-1.3b": the real architecture with random weights (benchmarks; nothing to read).
+            self.config = model_config(opts.checkpoint[len(RANDOM_PREFIX) :])
+        else:
+            self.config = read_config(opts.checkpoint)
         self.layers: range | None = None
         self.world_size = 0
         self.slice: DiTSlice | None = None
@@ -112,9 +117,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         start = time.perf_counter()
         n = self.config["num_layers"]
         first, last = layers.start == 0, layers.stop == n
-        config, sd = load_slice_state_dict(
-            self.opts.checkpoint, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
-        )
+        if self.opts.checkpoint.startswith(RANDOM_PREFIX):
+            config = self.config
+            sd = random_slice_state_dict(
+                config, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
+            )
+        else:
+            config, sd = load_slice_state_dict(
+                self.opts.checkpoint, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
+            )
         self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
         self.layers = layers
         took = time.perf_counter() - start
@@ -292,7 +303,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 )
             )
         if ev.kind == "done":
-            return pb.StageEvent(done=pb.BatchDone(seq=ev.seq, forward_ms=ev.forward_ms, wait_ms=ev.wait_ms))
+            return pb.StageEvent(
+                done=pb.BatchDone(seq=ev.seq, forward_ms=ev.forward_ms, wait_ms=ev.wait_ms, micro_steps=ev.micro_steps)
+            )
         return pb.StageEvent(
             error=pb.StageError(generation=generation, seq=ev.seq, message=ev.message, stage_index=self.opts.index)
         )

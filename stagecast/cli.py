@@ -171,6 +171,8 @@ def _add_demo(sub) -> None:
 
 
 def _resolve_transformer(path: str) -> str:
+    if path.startswith("random:"):
+        return path
     sub = os.path.join(path, "transformer")
     return sub if os.path.isdir(sub) else path
 

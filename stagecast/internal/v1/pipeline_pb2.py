@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$stagecast/internal/v1/pipeline.proto\x12\x15stagecast.internal.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x98\x02\n\nStreamSpec\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x17\n\x0flatent_channels\x18\x02 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x11\n\ttimesteps\x18\x06 \x03(\x02\x12\r\n\x05shift\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x0e\n\x06window\x18\n \x01(\x05\x12\x0c\n\x04sink\x18\x0b \x01(\x05\x12\x14\n\x0creset_frames\x18\x0c \x01(\x05\x12\x0f\n\x07sampler\x18\r \x01(\t\x12\x12\n\nnum_chunks\x18\x0e \x01(\x05\x12\x10\n\x08text_len\x18\x0f \x01(\x05\"9\n\tMicroStep\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05level\x18\x03 \x01(\x05\"j\n\nOpenStream\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.stagecast.internal.v1.StreamSpec\x12+\n\x04text\x18\x02 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\"=\n\nMicroBatch\x12/\n\x05steps\x18\x01 \x03(\x0b\x32 .stagecast.internal.v1.MicroStep\" \n\x0b\x43loseStream\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"b\n\x0cPromptUpdate\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\nfrom_chunk\x18\x02 \x01(\x05\x12+\n\x04text\x18\x03 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\"\x9d\x02\n\tPlanEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x31\n\x04open\x18\x03 \x01(\x0b\x32!.stagecast.internal.v1.OpenStreamH\x00\x12\x32\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32!.stagecast.internal.v1.MicroBatchH\x00\x12\x33\n\x05\x63lose\x18\x05 \x01(\x0b\x32\".stagecast.internal.v1.CloseStreamH\x00\x12\x35\n\x06prompt\x18\x06 \x01(\x0b\x32#.stagecast.internal.v1.PromptUpdateH\x00\x12\x13\n\x0btraceparent\x18\x07 \x01(\tB\x07\n\x05\x65vent\"#\n\x0bSubmitReply\x12\x14\n\x0c\x61\x63\x63\x65pted_seq\x18\x01 \x01(\x04\"l\n\x0b\x43hunkResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12.\n\x07latents\x18\x03 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"=\n\tBatchDone\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x01\"S\n\nStageError\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0bstage_index\x18\x04 \x01(\x05\"\xb0\x01\n\nStageEvent\x12\x33\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\".stagecast.internal.v1.ChunkResultH\x00\x12\x30\n\x04\x64one\x18\x02 \x01(\x0b\x32 .stagecast.internal.v1.BatchDoneH\x00\x12\x32\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.stagecast.internal.v1.StageErrorH\x00\x42\x07\n\x05\x65vent\"$\n\x0eResultsRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa4\x01\n\nRendezvous\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x12\n\nlayer_stop\x18\x08 \x01(\x05\"/\n\tFormReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\"2\n\x0cResetRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x07\n\x05\x45mpty\"\xd2\x01\n\x10StageDescription\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_config_json\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x12\n\nlayer_stop\x18\x05 \x01(\x05\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x14\n\x0copen_streams\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\x12\x0e\n\x06\x66ormed\x18\n \x01(\x08\"y\n\x0fRegisterRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_config_json\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_world_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"`\n\rRegisterReply\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x12\n\nlayer_stop\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x86\x01\n\x11OpenStreamRequest\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.stagecast.internal.v1.StreamSpec\x12+\n\x04text\x18\x02 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"6\n\rStreamStarted\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x1d\n\x0bStreamEnded\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb9\x01\n\x0bStreamEvent\x12\x37\n\x07started\x18\x01 \x01(\x0b\x32$.stagecast.internal.v1.StreamStartedH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".stagecast.internal.v1.ChunkResultH\x00\x12\x33\n\x05\x65nded\x18\x03 \x01(\x0b\x32\".stagecast.internal.v1.StreamEndedH\x00\x42\x07\n\x05\x65vent\" \n\x0bStopRequest\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"\r\n\x0bPlanRequest\"<\n\x08PlanDump\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .stagecast.internal.v1.PlanEvent\"\x97\x01\n\rClusterStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x37\n\x06stages\x18\x04 \x03(\x0b\x32\'.stagecast.internal.v1.StageDescription\x12\x16\n\x0e\x61\x63tive_streams\x18\x05 \x01(\x05\x32\xa1\x03\n\x0cStageService\x12K\n\x04\x46orm\x12!.stagecast.internal.v1.Rendezvous\x1a .stagecast.internal.v1.FormReply\x12N\n\x06Submit\x12 .stagecast.internal.v1.PlanEvent\x1a\".stagecast.internal.v1.SubmitReply\x12U\n\x07Results\x12%.stagecast.internal.v1.ResultsRequest\x1a!.stagecast.internal.v1.StageEvent0\x01\x12J\n\x05Reset\x12#.stagecast.internal.v1.ResetRequest\x1a\x1c.stagecast.internal.v1.Empty\x12Q\n\x08\x44\x65scribe\x12\x1c.stagecast.internal.v1.Empty\x1a\'.stagecast.internal.v1.StageDescription2\x8d\x04\n\x12\x43oordinatorService\x12X\n\x08Register\x12&.stagecast.internal.v1.RegisterRequest\x1a$.stagecast.internal.v1.RegisterReply\x12\\\n\nOpenStream\x12(.stagecast.internal.v1.OpenStreamRequest\x1a\".stagecast.internal.v1.StreamEvent0\x01\x12N\n\nStopStream\x12\".stagecast.internal.v1.StopRequest\x1a\x1c.stagecast.internal.v1.Empty\x12Q\n\x0cUpdatePrompt\x12#.stagecast.internal.v1.PromptUpdate\x1a\x1c.stagecast.internal.v1.Empty\x12N\n\x07GetPlan\x12\".stagecast.internal.v1.PlanRequest\x1a\x1f.stagecast.internal.v1.PlanDump\x12L\n\x06Status\x12\x1c.stagecast.internal.v1.Empty\x1a$.stagecast.internal.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$stagecast/internal/v1/pipeline.proto\x12\x15stagecast.internal.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x98\x02\n\nStreamSpec\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x17\n\x0flatent_channels\x18\x02 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x11\n\ttimesteps\x18\x06 \x03(\x02\x12\r\n\x05shift\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x0e\n\x06window\x18\n \x01(\x05\x12\x0c\n\x04sink\x18\x0b \x01(\x05\x12\x14\n\x0creset_frames\x18\x0c \x01(\x05\x12\x0f\n\x07sampler\x18\r \x01(\t\x12\x12\n\nnum_chunks\x18\x0e \x01(\x05\x12\x10\n\x08text_len\x18\x0f \x01(\x05\"9\n\tMicroStep\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12\r\n\x05level\x18\x03 \x01(\x05\"j\n\nOpenStream\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.stagecast.internal.v1.StreamSpec\x12+\n\x04text\x18\x02 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\"=\n\nMicroBatch\x12/\n\x05steps\x18\x01 \x03(\x0b\x32 .stagecast.internal.v1.MicroStep\" \n\x0b\x43loseStream\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"b\n\x0cPromptUpdate\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\nfrom_chunk\x18\x02 \x01(\x05\x12+\n\x04text\x18\x03 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\"\x9d\x02\n\tPlanEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x31\n\x04open\x18\x03 \x01(\x0b\x32!.stagecast.internal.v1.OpenStreamH\x00\x12\x32\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32!.stagecast.internal.v1.MicroBatchH\x00\x12\x33\n\x05\x63lose\x18\x05 \x01(\x0b\x32\".stagecast.internal.v1.CloseStreamH\x00\x12\x35\n\x06prompt\x18\x06 \x01(\x0b\x32#.stagecast.internal.v1.PromptUpdateH\x00\x12\x13\n\x0btraceparent\x18\x07 \x01(\tB\x07\n\x05\x65vent\"#\n\x0bSubmitReply\x12\x14\n\x0c\x61\x63\x63\x65pted_seq\x18\x01 \x01(\x04\"l\n\x0b\x43hunkResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x05\x12.\n\x07latents\x18\x03 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"R\n\tBatchDone\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x01\x12\x13\n\x0bmicro_steps\x18\x04 \x01(\x05\"S\n\nStageError\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0bstage_index\x18\x04 \x01(\x05\"\xb0\x01\n\nStageEvent\x12\x33\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\".stagecast.internal.v1.ChunkResultH\x00\x12\x30\n\x04\x64one\x18\x02 \x01(\x0b\x32 .stagecast.internal.v1.BatchDoneH\x00\x12\x32\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.stagecast.internal.v1.StageErrorH\x00\x42\x07\n\x05\x65vent\"$\n\x0eResultsRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xa4\x01\n\nRendezvous\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x12\n\nlayer_stop\x18\x08 \x01(\x05\"/\n\tFormReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\"2\n\x0cResetRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x07\n\x05\x45mpty\"\xd2\x01\n\x10StageDescription\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_config_json\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x12\n\nlayer_stop\x18\x05 \x01(\x05\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x14\n\x0copen_streams\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\x12\x0e\n\x06\x66ormed\x18\n \x01(\x08\"y\n\x0fRegisterRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_config_json\x18\x03 \x01(\t\x12\x1b\n\x13\x65xpected_world_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\"`\n\rRegisterReply\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x12\n\nlayer_stop\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x86\x01\n\x11OpenStreamRequest\x12/\n\x04spec\x18\x01 \x01(\x0b\x32!.stagecast.internal.v1.StreamSpec\x12+\n\x04text\x18\x02 \x01(\x0b\x32\x1d.stagecast.internal.v1.Tensor\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"6\n\rStreamStarted\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x1d\n\x0bStreamEnded\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb9\x01\n\x0bStreamEvent\x12\x37\n\x07started\x18\x01 \x01(\x0b\x32$.stagecast.internal.v1.StreamStartedH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".stagecast.internal.v1.ChunkResultH\x00\x12\x33\n\x05\x65nded\x18\x03 \x01(\x0b\x32\".stagecast.internal.v1.StreamEndedH\x00\x42\x07\n\x05\x65vent\" \n\x0bStopRequest\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"\r\n\x0bPlanRequest\"<\n\x08PlanDump\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .stagecast.internal.v1.PlanEvent\"r\n\nStageStats\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x04\x12\x18\n\x10\x66orward_ms_total\x18\x03 \x01(\x01\x12\x15\n\rwait_ms_total\x18\x04 \x01(\x01\x12\x13\n\x0bmicro_steps\x18\x05 \x01(\x04\"\xcf\x01\n\rClusterStatus\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x37\n\x06stages\x18\x04 \x03(\x0b\x32\'.stagecast.internal.v1.StageDescription\x12\x16\n\x0e\x61\x63tive_streams\x18\x05 \x01(\x05\x12\x36\n\x0bstage_stats\x18\x06 \x03(\x0b\x32!.stagecast.internal.v1.StageStats2\xa1\x03\n\x0cStageService\x12K\n\x04\x46orm\x12!.stagecast.internal.v1.Rendezvous\x1a .stagecast.internal.v1.FormReply\x12N\n\x06Submit\x12 .stagecast.internal.v1.PlanEvent\x1a\".stagecast.internal.v1.SubmitReply\x12U\n\x07Results\x12%.stagecast.internal.v1.ResultsRequest\x1a!.stagecast.internal.v1.StageEvent0\x01\x12J\n\x05Reset\x12#.stagecast.internal.v1.ResetRequest\x1a\x1c.stagecast.internal.v1.Empty\x12Q\n\x08\x44\x65scribe\x12\x1c.stagecast.internal.v1.Empty\x1a\'.stagecast.internal.v1.StageDescription2\x8d\x04\n\x12\x43oordinatorService\x12X\n\x08Register\x12&.stagecast.internal.v1.RegisterRequest\x1a$.stagecast.internal.v1.RegisterReply\x12\\\n\nOpenStream\x12(.stagecast.internal.v1.OpenStreamRequest\x1a\".stagecast.internal.v1.StreamEvent0\x01\x12N\n\nStopStream\x12\".stagecast.internal.v1.StopRequest\x1a\x1c.stagecast.internal.v1.Empty\x12Q\n\x0cUpdatePrompt\x12#.stagecast.internal.v1.PromptUpdate\x1a\x1c.stagecast.internal.v1.Empty\x12N\n\x07GetPlan\x12\".stagecast.internal.v1.PlanRequest\x1a\x1f.stagecast.internal.v1.PlanDump\x12L\n\x06Status\x12\x1c.stagecast.internal.v1.Empty\x1a$.stagecast.internal.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,45 +52,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNKRESULT']._serialized_start=1089
   _globals['_CHUNKRESULT']._serialized_end=1197
   _globals['_BATCHDONE']._serialized_start=1199
-  _globals['_BATCHDONE']._serialized_end=1260
-  _globals['_STAGEERROR']._serialized_start=1262
-  _globals['_STAGEERROR']._serialized_end=1345
-  _globals['_STAGEEVENT']._serialized_start=1348
-  _globals['_STAGEEVENT']._serialized_end=1524
-  _globals['_RESULTSREQUEST']._serialized_start=1526
-  _globals['_RESULTSREQUEST']._serialized_end=1562
-  _globals['_RENDEZVOUS']._serialized_start=1565
-  _globals['_RENDEZVOUS']._serialized_end=1729
-  _globals['_FORMREPLY']._serialized_start=1731
-  _globals['_FORMREPLY']._serialized_end=1778
-  _globals['_RESETREQUEST']._serialized_start=1780
-  _globals['_RESETREQUEST']._serialized_end=1830
-  _globals['_EMPTY']._serialized_start=1832
-  _globals['_EMPTY']._serialized_end=1839
-  _globals['_STAGEDESCRIPTION']._serialized_start=1842
-  _globals['_STAGEDESCRIPTION']._serialized_end=2052
-  _globals['_REGISTERREQUEST']._serialized_start=2054
-  _globals['_REGISTERREQUEST']._serialized_end=2175
-  _globals['_REGISTERREPLY']._serialized_start=2177
-  _globals['_REGISTERREPLY']._serialized_end=2273
-  _globals['_OPENSTREAMREQUEST']._serialized_start=2276
-  _globals['_OPENSTREAMREQUEST']._serialized_end=2410
-  _globals['_STREAMSTARTED']._serialized_start=2412
-  _globals['_STREAMSTARTED']._serialized_end=2466
-  _globals['_STREAMENDED']._serialized_start=2468
-  _globals['_STREAMENDED']._serialized_end=2497
-  _globals['_STREAMEVENT']._serialized_start=2500
-  _globals['_STREAMEVENT']._serialized_end=2685
-  _globals['_STOPREQUEST']._serialized_start=2687
-  _globals['_STOPREQUEST']._serialized_end=2719
-  _globals['_PLANREQUEST']._serialized_start=2721
-  _globals['_PLANREQUEST']._serialized_end=2734
-  _globals['_PLANDUMP']._serialized_start=2736
-  _globals['_PLANDUMP']._serialized_end=2796
-  _globals['_CLUSTERSTATUS']._serialized_start=2799
-  _globals['_CLUSTERSTATUS']._serialized_end=2950
-  _globals['_STAGESERVICE']._serialized_start=2953
-  _globals['_STAGESERVICE']._serialized_end=3370
-  _globals['_COORDINATORSERVICE']._serialized_start=3373
-  _globals['_COORDINATORSERVICE']._serialized_end=3898
+  _globals['_BATCHDONE']._serialized_end=1281
+  _globals['_STAGEERROR']._serialized_start=1283
+  _globals['_STAGEERROR']._serialized_end=1366
+  _globals['_STAGEEVENT']._serialized_start=1369
+  _globals['_STAGEEVENT']._serialized_end=1545
+  _globals['_RESULTSREQUEST']._serialized_start=1547
+  _globals['_RESULTSREQUEST']._serialized_end=1583
+  _globals['_RENDEZVOUS']._serialized_start=1586
+  _globals['_RENDEZVOUS']._serialized_end=1750
+  _globals['_FORMREPLY']._serialized_start=1752
+  _globals['_FORMREPLY']._serialized_end=1799
+  _globals['_RESETREQUEST']._serialized_start=1801
+  _globals['_RESETREQUEST']._serialized_end=1851
+  _globals['_EMPTY']._serialized_start=1853
+  _globals['_EMPTY']._serialized_end=1860
+  _globals['_STAGEDESCRIPTION']._serialized_start=1863
+  _globals['_STAGEDESCRIPTION']._serialized_end=2073
+  _globals['_REGISTERREQUEST']._serialized_start=2075
+  _globals['_REGISTERREQUEST']._serialized_end=2196
+  _globals['_REGISTERREPLY']._serialized_start=2198
+  _globals['_REGISTERREPLY']._serialized_end=2294
+  _globals['_OPENSTREAMREQUEST']._serialized_start=2297
+  _globals['_OPENSTREAMREQUEST']._serialized_end=2431
+  _globals['_STREAMSTARTED']._serialized_start=2433
+  _globals['_STREAMSTARTED']._serialized_end=2487
+  _globals['_STREAMENDED']._serialized_start=2489
+  _globals['_STREAMENDED']._serialized_end=2518
+  _globals['_STREAMEVENT']._serialized_start=2521
+  _globals['_STREAMEVENT']._serialized_end=2706
+  _globals['_STOPREQUEST']._serialized_start=2708
+  _globals['_STOPREQUEST']._serialized_end=2740
+  _globals['_PLANREQUEST']._serialized_start=2742
+  _globals['_PLANREQUEST']._serialized_end=2755
+  _globals['_PLANDUMP']._serialized_start=2757
+  _globals['_PLANDUMP']._serialized_end=2817
+  _globals['_STAGESTATS']._serialized_start=2819
+  _globals['_STAGESTATS']._serialized_end=2933
+  _globals['_CLUSTERSTATUS']._serialized_start=2936
+  _globals['_CLUSTERSTATUS']._serialized_end=3143
+  _globals['_STAGESERVICE']._serialized_start=3146
+  _globals['_STAGESERVICE']._serialized_end=3563
+  _globals['_COORDINATORSERVICE']._serialized_start=3566
+  _globals['_COORDINATORSERVICE']._serialized_end=4091
 # @@protoc_insertion_point(module_scope)

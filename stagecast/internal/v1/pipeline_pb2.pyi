@@ -127,14 +127,16 @@ class ChunkResult(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
-    __slots__ = ("seq", "forward_ms", "wait_ms")
+    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     forward_ms: float
     wait_ms: float
-    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ...) -> None: ...
+    micro_steps: int
+    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ...) -> None: ...
 
 class StageError(_message.Message):
     __slots__ = ("generation", "seq", "message", "stage_index")
@@ -304,16 +306,32 @@ class PlanDump(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[PlanEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[PlanEvent, _Mapping]]] = ...) -> None: ...
 
+class StageStats(_message.Message):
+    __slots__ = ("index", "batches", "forward_ms_total", "wait_ms_total", "micro_steps")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    batches: int
+    forward_ms_total: float
+    wait_ms_total: float
+    micro_steps: int
+    def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
     stages: _containers.RepeatedCompositeFieldContainer[StageDescription]
     active_streams: int
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ...) -> None: ...
+    stage_stats: _containers.RepeatedCompositeFieldContainer[StageStats]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
