@@ -31,7 +31,7 @@ from gateway.config import ConfigError, resolve_config
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
-from gateway.stream_vae import StreamVAE
+from gateway.stream_vae import DTYPES, StreamVAE
 from gateway.text_encoder import TextEncoder
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
@@ -41,7 +41,6 @@ from stagecast.v1 import stream_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stagecast.v1.StreamService"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -75,7 +74,7 @@ class Gateway:
         if opts.vae_stage:
             self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout)
         else:
-            vae = StreamVAE.from_folder(root / "vae", dtype=_DTYPES[opts.vae_dtype], device=opts.device)
+            vae = StreamVAE.from_folder(root / "vae", dtype=DTYPES[opts.vae_dtype], device=opts.device)
             self.decoder = LocalDecoder(vae)
         self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)

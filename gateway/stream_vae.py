@@ -51,6 +51,7 @@ from gateway import vae_configs
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --vae-dtype / --dtype names
 
 
 def frames_for_chunk(first: bool, latent_frames: int, temporal_factor: int = 4) -> int:

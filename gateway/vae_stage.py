@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from gateway.stream_vae import StreamVAE, split_decoder, to_uint8_frames
+from gateway.stream_vae import DTYPES, StreamVAE, split_decoder, to_uint8_frames
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -32,7 +32,6 @@ from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stagecast.internal.v1.VAEStageService"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -51,7 +50,7 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
     def __init__(self, opts: VAEStageOptions):
         folder = Path(opts.checkpoint)
         folder = folder / "vae" if (folder / "vae").is_dir() else folder
-        vae = StreamVAE.from_folder(folder, dtype=_DTYPES[opts.dtype], device=opts.device).vae
+        vae = StreamVAE.from_folder(folder, dtype=DTYPES[opts.dtype], device=opts.device).vae
         self.slice = split_decoder(vae, opts.num_slices)[opts.index]
         self.opts = opts
         self.is_last = self.slice.gives_video

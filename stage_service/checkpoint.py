@@ -423,13 +423,15 @@ def random_slice_state_dict(
     so each stage makes its own slice on its device instead of reading tens of GB from disk.  Values are
     scaled like an initialised model (std 0.02; norms at 1) so activations stay finite in bf16.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + layers.start)
+    device = torch.device(device)
+    # Generate on the target device: a 14B slice is tens of GB, far too slow to draw on the CPU.
+    gen = torch.Generator(device=device).manual_seed(seed * 7919 + layers.start)
     out = {}
     for key, shape in slice_shapes(config, layers=layers, first=first, last=last).items():
         target = _load_dtype(key, torch.float32, dtype)
         if ".norm" in key and key.endswith(".weight"):
             t = torch.ones(shape, dtype=target, device=device)
         else:
-            t = (torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=target)
+            t = torch.randn(shape, generator=gen, device=device, dtype=target) * 0.02
         out[_renumber(key, layers.start)] = t
     return out
