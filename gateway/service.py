@@ -55,6 +55,7 @@ class GatewayOptions:
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
     text_cache: int = 256
     vae_dtype: str = "float32"
+    vae_compile: bool = False  # torch.compile the VAE decoder (GPU; the first stream pays the compile)
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
@@ -74,7 +75,9 @@ class Gateway:
         if opts.vae_stage:
             self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout)
         else:
-            vae = StreamVAE.from_folder(root / "vae", dtype=DTYPES[opts.vae_dtype], device=opts.device)
+            vae = StreamVAE.from_folder(
+                root / "vae", dtype=DTYPES[opts.vae_dtype], device=opts.device, compile=opts.vae_compile
+            )
             self.decoder = LocalDecoder(vae)
         self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)

@@ -117,6 +117,7 @@ def _add_gateway(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument("--text-len", type=int, default=None, help="text tokens (default: checkpoint's, else 512)")
     p.add_argument("--vae-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
     p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
     p.add_argument(
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics_port=args.metrics_port,
                 text_len=args.text_len,
                 vae_dtype=args.vae_dtype,
+                vae_compile=args.vae_compile,
                 buffer_chunks=args.buffer_chunks,
                 buffer_messages=args.buffer_messages,
                 slow_client_timeout=args.slow_client_timeout,
