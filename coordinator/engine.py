@@ -65,6 +65,7 @@ class StreamSession:
     traceparent: str = ""
     events: queue.Queue = field(default_factory=queue.Queue)
     received: int = 0
+    delivered: int = 0  # chunks handed to the consumer's gRPC stream
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
     ended: bool = False
@@ -126,6 +127,7 @@ class PipelineEngine:
         record_plan: bool = False,
         on_ready_change: Callable[[bool], None] | None = None,
         form_timeout: float = 600.0,
+        max_ahead: int | None = None,
     ):
         self.registry = registry
         self.store_host = store_host
@@ -137,6 +139,9 @@ class PipelineEngine:
         self.record_plan = record_plan
         self.on_ready_change = on_ready_change or (lambda ready: None)
         self.form_timeout = form_timeout
+        # Chunks a stream may run ahead of its consumer: enough for the full wavefront plus a little slack.
+        self.max_ahead = max_ahead
+        self._idle_ticks = 0
 
         self.cond = threading.Condition()
         self.generation = 0
@@ -388,7 +393,7 @@ class PipelineEngine:
             session = StreamSession(sid, spec, text, traceparent=traceparent, generation=self.generation)
             self.sessions[sid] = session
             self.pending_opens.append(session)
-            self.cond.notify_all()
+            self._wake()
             return session
 
     def stop_stream(self, stream_id: int) -> None:
@@ -398,7 +403,7 @@ class PipelineEngine:
                 raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
             session.stopped = True
             self.pending_stops.add(stream_id)
-            self.cond.notify_all()
+            self._wake()
 
     def update_prompt(self, stream_id: int, text: torch.Tensor) -> None:
         with self.cond:
@@ -411,7 +416,7 @@ class PipelineEngine:
                     f"text has shape {tuple(text.shape)}, expected {tuple(session.text.shape)}",
                 )
             self.pending_prompts.append((stream_id, text))
-            self.cond.notify_all()
+            self._wake()
 
     def _end(self, session: StreamSession, final) -> None:
         if session.ended:
@@ -455,7 +460,7 @@ class PipelineEngine:
             st.micro_steps += done.micro_steps
             if last:
                 self.batches_done += 1
-                self.cond.notify_all()
+                self._wake()
 
     # ---- scheduling loop ------------------------------------------------------------------------------
 
@@ -464,7 +469,27 @@ class PipelineEngine:
             return False
         if self.pending_opens or self.pending_stops or self.pending_prompts:
             return True
-        return self.sched.active and self.batches_planned - self.batches_done < self.lookahead
+        # After P empty ticks in a row nothing waits on pipeline latency any more: only an outside event
+        # (a batch done, a chunk delivered, an open or stop) can make work, and each one wakes the loop.
+        return (
+            self.sched.active
+            and self.batches_planned - self.batches_done < self.lookahead
+            and self._idle_ticks < self.registry.world_size
+        )
+
+    def _wake(self) -> None:
+        self._idle_ticks = 0
+        self.cond.notify_all()
+
+    def delivered(self, session: StreamSession) -> None:
+        """The consumer took a chunk: the stream may start another (delivery pacing)."""
+        with self.cond:
+            session.delivered += 1
+            self._wake()
+
+    def _credit(self, session: StreamSession) -> int:
+        ahead = self.max_ahead or session.spec.levels * self.registry.world_size + 2
+        return session.delivered + ahead
 
     def _loop(self) -> None:
         while True:
@@ -524,8 +549,13 @@ class PipelineEngine:
                 )
             )
         before = set(sched.streams)
+        for sid in before:
+            session = self.sessions.get(sid)
+            if session is not None:
+                sched.set_credit(sid, self._credit(session))
         if sched.active and self.batches_planned - self.batches_done < self.lookahead:
             batch = sched.tick()
+            self._idle_ticks = 0 if batch else self._idle_ticks + 1
             if batch:
                 self.batches_planned += 1
                 events.append(self._next_event(batch=pb.MicroBatch(steps=[wire.step_to_proto(s) for s in batch])))

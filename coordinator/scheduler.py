@@ -50,6 +50,7 @@ class _StreamState:
     inflight: dict[int, _Chunk] = field(default_factory=dict)
     done_chunks: int = 0
     first_finished_tick: int | None = None
+    credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
 
     @property
@@ -88,6 +89,11 @@ class StreamBatchScheduler:
     def stop_stream(self, stream_id: int) -> None:
         """Cooldown: start no new chunks; the chunks already in flight complete."""
         self._state(stream_id).stopping = True
+
+    def set_credit(self, stream_id: int, credit: int | None) -> None:
+        """Let the stream start chunks only while fewer than ``credit`` have started: the consumer's pace
+        reaches the scheduler, so a slow consumer never makes finished chunks pile up."""
+        self._state(stream_id).credit = credit
 
     def cancel_stream(self, stream_id: int) -> None:
         """Drop a stream at once (a failure): nothing more of it is scheduled."""
@@ -133,6 +139,8 @@ class StreamBatchScheduler:
             out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
         can_start = not st.stopping and len(st.inflight) < st.max_inflight
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
+            can_start = False
+        if st.credit is not None and st.next_chunk >= st.credit:
             can_start = False
         c = st.next_chunk
         if can_start and c > 0:

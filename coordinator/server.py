@@ -113,6 +113,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             if isinstance(ev, StreamFailure):
                 context.abort(ev.code, ev.message)
             yield ev
+            if ev.HasField("chunk"):
+                # gRPC flow control holds this generator while the consumer is not reading, so counting here
+                # paces the stream's scheduling by delivery.
+                self.engine.delivered(session)
 
     def StopStream(self, request: pb.StopRequest, context):
         try:
