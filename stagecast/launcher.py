@@ -9,8 +9,8 @@ Usage::
     # leaving the block: SIGTERM to every child, SIGKILL after a grace period
 
 Each child prints one ``STAGECAST_READY key=value ...`` line once it serves; ``spawn`` blocks on that
-line (no polling).  Children get PR_SET_PDEATHSIG, so they die with the launcher even if it is killed
-with SIGKILL: no orphans.
+line (no polling); ``start`` + ``wait_ready`` start several children at once.  Children get
+PR_SET_PDEATHSIG, so they die with the launcher even if it is killed with SIGKILL: no orphans.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class Child:
     proc: subprocess.Popen
     info: dict[str, str] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
+    ready: threading.Event | None = None
 
     @property
     def pid(self) -> int:
@@ -59,19 +61,25 @@ class Launcher:
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.echo = echo
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
 
-    def spawn(self, name: str, args: list[str], timeout: float = 300.0) -> Child:
-        proc = subprocess.Popen(
+    def start(self, name: str, args: list[str]) -> Child:
+        """Start a child without waiting for it; pair with ``wait_ready`` (lets several start at once)."""
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child is forked from
+        # the launcher's own long-lived thread, whichever thread calls start().
+        proc = self._spawner.submit(
+            subprocess.Popen,
             [sys.executable, "-m", "stagecast.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=self.env,
             preexec_fn=_die_with_parent,
-        )
+        ).result()
         child = Child(name, proc)
         self.children.append(child)
         ready = threading.Event()
+        child.ready = ready
 
         def pump() -> None:
             assert proc.stdout is not None
@@ -87,11 +95,19 @@ class Launcher:
             ready.set()  # EOF: the child exited
 
         threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
-        if not ready.wait(timeout) or not child.info:
+        return child
+
+    def wait_ready(self, child: Child, timeout: float = 300.0) -> Child:
+        """Block until the child printed its READY line (no polling); raise LaunchError if it exited or timed out."""
+        assert child.ready is not None
+        if not child.ready.wait(timeout) or not child.info:
             tail = "\n".join(child.log[-30:])
             self.stop(child)
-            raise LaunchError(f"{name} did not become ready (exit code {proc.poll()}):\n{tail}")
+            raise LaunchError(f"{child.name} did not become ready (exit code {child.proc.poll()}):\n{tail}")
         return child
+
+    def spawn(self, name: str, args: list[str], timeout: float = 300.0) -> Child:
+        return self.wait_ready(self.start(name, args), timeout)
 
     def stop(self, child: Child, grace: float = 10.0) -> int | None:
         if child.proc.poll() is None:
@@ -111,6 +127,9 @@ class Launcher:
         for child in reversed(self.children):
             self.stop(child, grace)
         self.children.clear()
+        # Only now may the forking thread exit: its exit is what PR_SET_PDEATHSIG watches.
+        self._spawner.shutdown(wait=True)
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
 
     def __enter__(self) -> Launcher:
         return self

@@ -73,6 +73,8 @@ def start_pipeline(
     pipe = LocalPipeline(address, coord)
     for i in range(stages):
         pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host)
-        pipe.stage_children[i] = launcher.spawn(f"stage-{i}", pipe.stage_args[i], timeout=ready_timeout)
+        pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])
+    for child in pipe.stage_children.values():
+        launcher.wait_ready(child, timeout=ready_timeout)
     wait_healthy(address, ready_timeout, service=COORDINATOR_SERVICE)
     return pipe
