@@ -68,14 +68,15 @@ def _add_stage(sub) -> None:
 
 
 def _add_up(sub) -> None:
-    p = sub.add_parser("up", help="start coordinator and stages on this machine; Ctrl-C / SIGTERM stops all")
+    p = sub.add_parser("up", help="start coordinator, stages and gateway on this machine; SIGTERM stops all")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--partition", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--port", type=int, default=50050, help="coordinator port")
+    p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
     p.add_argument("--max-batch", type=int, default=4)
 
 
@@ -261,8 +262,19 @@ def main(argv: list[str] | None = None) -> int:
                 host=args.host,
                 port=args.port,
             )
-            print(f"stagecast is up: coordinator {pipe.coordinator}, {args.stages} stages", flush=True)
-            print(f"STAGECAST_READY coordinator={pipe.coordinator}", flush=True)
+            ready = f"coordinator={pipe.coordinator}"
+            root = args.checkpoint
+            if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
+                # The gateway (text encoder + VAE) shares the last stage's GPU.
+                gw_device = f"cuda:{args.stages - 1}" if args.device == "cuda" else args.device
+                gateway = launcher.spawn(
+                    "gateway",
+                    ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
+                    + ["--host", args.host, "--port", str(args.gateway_port)],
+                )
+                ready += f" gateway={gateway.info['address']}"
+            print(f"stagecast is up: {ready.replace('=', ' ')}, {args.stages} stages", flush=True)
+            print(f"STAGECAST_READY {ready}", flush=True)
             stop.wait()
             print("shutting down", flush=True)
         return 0

@@ -1,11 +1,12 @@
-"""``stagecast up`` starts coordinator and stages; SIGTERM stops all of them, leaving no orphans."""
+"""``stagecast up`` starts coordinator, stages and gateway; SIGTERM stops all of them, leaving no orphans."""
 
 import os
 import signal
 import tempfile
 from pathlib import Path
 
-from stagecast.demo_checkpoint import write_transformer
+import stagecast
+from stagecast.demo_checkpoint import write_demo_checkpoint
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.launcher import Launcher
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec
@@ -32,15 +33,18 @@ def alive(pid):
 
 def test_up_serves_and_sigterm_stops_every_process():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
-        write_transformer(Path(tmp) / "transformer", seed=0)
-        up = launcher.spawn("up", ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0"])
+        write_demo_checkpoint(tmp)
+        up = launcher.spawn("up", ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"])
         channel, stub = coordinator_stub(up.info["coordinator"])
         assert stub.Status(pb.Empty()).ready
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=2))
         assert reason == "completed" and len(chunks) == 2
         channel.close()
+        with stagecast.Client(up.info["gateway"]) as client:
+            frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
+        assert len(frames) == 8
         children = descendants(up.pid)
-        assert len(children) >= 3  # coordinator + 2 stages
+        assert len(children) >= 4  # coordinator + 2 stages + gateway
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
         assert not [pid for pid in children if alive(pid)]
