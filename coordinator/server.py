@@ -36,7 +36,7 @@ class CoordinatorOptions:
     port: int = 0
     advertise_host: str | None = None
     store_port: int = 0
-    backend: str = "gloo"
+    backend: str = ""  # "": each stage picks nccl (GPU) or gloo (CPU)
     max_batch: int = 4
     max_streams: int = 16
     record_plan: bool = False

@@ -43,7 +43,9 @@ def _add_coordinator(sub) -> None:
     p.add_argument("--port", type=int, default=50050)
     p.add_argument("--advertise-host", default=None, help="address stages use to reach this coordinator")
     p.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: any free port)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument(
+        "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="data plane (auto: nccl on GPU stages)"
+    )
     p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--max-streams", type=int, default=16, help="admission limit on concurrent streams")
     p.add_argument("--record-plan", action="store_true", help="keep the plan for GetPlan (selftest)")
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 advertise_host=args.advertise_host,
                 store_port=args.store_port,
-                backend=args.backend,
+                backend="" if args.backend == "auto" else args.backend,
                 max_batch=args.max_batch,
                 max_streams=args.max_streams,
                 record_plan=args.record_plan,
