@@ -17,6 +17,7 @@ one latent per chunk in flight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,25 @@ class _Stream:
             if first <= chunk:
                 current = kv
         return current
+
+
+def validate_batch(steps: list[MicroStep], spec_of: Callable[[int], StreamSpec]) -> None:
+    """Raise ValueError (KeyError from ``spec_of`` for unknown streams) unless ``steps`` is a runnable batch:
+    levels and chunks in range, one latent shape and text length, no micro-step twice."""
+    if not steps:
+        raise ValueError("a batch must hold at least one micro-step")
+    shapes = set()
+    for st in steps:
+        spec = spec_of(st.stream)
+        if not 0 <= st.level < spec.levels:
+            raise ValueError(f"{st}: level {st.level} out of range [0, {spec.levels})")
+        if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
+            raise ValueError(f"{st}: chunk {st.chunk} out of range")
+        shapes.add((spec.latent_shape, spec.text_len))
+    if len(shapes) != 1:
+        raise ValueError(f"a batch must share one latent shape and text length, got {sorted(shapes)}")
+    if len(set(steps)) != len(steps):
+        raise ValueError("a batch holds the same micro-step twice")
 
 
 class SliceRunner:
@@ -133,20 +153,7 @@ class SliceRunner:
     # ---- execution ------------------------------------------------------------------------------------
 
     def check_batch(self, steps: list[MicroStep]) -> None:
-        if not steps:
-            raise ValueError("empty micro-step batch")
-        shapes = set()
-        for st in steps:
-            spec = self._stream(st.stream).spec
-            if not 0 <= st.level < spec.levels:
-                raise ValueError(f"{st}: level out of range for a stream with {spec.levels} levels")
-            if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
-                raise ValueError(f"{st}: chunk out of range")
-            shapes.add((spec.latent_shape, spec.text_len))
-        if len(shapes) != 1:
-            raise ValueError(f"a batch must share one latent shape and text length, got {sorted(shapes)}")
-        if len(set(steps)) != len(steps):
-            raise ValueError("a batch holds the same micro-step twice")
+        validate_batch(steps, lambda sid: self._stream(sid).spec)
 
     @torch.no_grad()
     def forward(self, steps: list[MicroStep], inputs: torch.Tensor | None = None) -> torch.Tensor:

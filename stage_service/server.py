@@ -30,7 +30,7 @@ from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, rando
 from stage_service.configs import model_config
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
-from stage_service.runner import SliceRunner
+from stage_service.runner import SliceRunner, validate_batch
 from stage_service.transport import PipeTransport
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
@@ -259,20 +259,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             return PlanItem(ev.seq, "prompt", stream_id=spec.stream_id, text=text, from_chunk=ev.prompt.from_chunk)
         if kind == "batch":
             steps = [wire.step_from_proto(s) for s in ev.batch.steps]
-            if not steps:
-                raise ValueError("a batch must hold at least one micro-step")
-            shapes = set()
-            for st in steps:
-                spec = self._known(gen, st.stream)
-                if not 0 <= st.level < spec.levels:
-                    raise ValueError(f"{st}: level {st.level} out of range [0, {spec.levels})")
-                if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
-                    raise ValueError(f"{st}: chunk {st.chunk} out of range")
-                shapes.add((spec.latent_shape, spec.text_len))
-            if len(shapes) > 1:
-                raise ValueError("a batch must share one latent shape and text length")
-            if len(set(steps)) != len(steps):
-                raise ValueError("a batch holds the same micro-step twice")
+            validate_batch(steps, lambda sid: self._known(gen, sid))
             return PlanItem(ev.seq, "batch", steps=steps, traceparent=ev.traceparent)
         raise ValueError("plan event carries no event")
 
