@@ -169,7 +169,16 @@ def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_or
     reference = ReferenceExecutor(full).replay(plan, texts)
     result = SelftestResult(chunks=chunks, reference=reference, plan=plan)
     tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
+    result.ok, result.max_diff = judge(chunks, reference, tolerance)
+    return result
+
+
+def judge(chunks: dict[int, list[torch.Tensor]], reference: dict[int, list[torch.Tensor]], tolerance: float):
+    """Print one line per stream; return (ok, worst max-abs difference).  Tolerance 0 demands bit equality
+    (so a NaN can never pass), otherwise every difference must be finite and within the tolerance."""
     ok = set(chunks) == set(reference)
+    if not ok:
+        print(f"streams differ: distributed {sorted(chunks)}, reference {sorted(reference)}")
     worst = 0.0
     for sid in sorted(reference):
         got, want = chunks.get(sid, []), reference[sid]
@@ -179,14 +188,12 @@ def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_or
             continue
         diffs = [(g.float().cpu() - w.float().cpu()).abs().max().item() for g, w in zip(got, want)]
         stream_max = max(diffs) if diffs else 0.0
-        exact = all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+        exact = all(g.shape == w.shape and torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
         print(f"stream {sid}: {len(got)} chunks, max |distributed - reference| = {stream_max:.3e}, exact={exact}")
-        worst = max(worst, stream_max)
-        if stream_max > tolerance:
-            ok = False
-    result.max_diff = worst
-    result.ok = ok
-    return result
+        worst = max(worst, stream_max) if stream_max == stream_max else float("nan")
+        within = exact if tolerance == 0 else all(d <= tolerance for d in diffs)  # NaN compares False
+        ok = ok and within
+    return ok, worst
 
 
 def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
