@@ -17,8 +17,8 @@ thread) or a chain of VAE stage processes (chunks in flight through the chain).
 
 Slow clients: gRPC flow control stops the handler when the client does not read and ``out`` fills; a full ``out``
 blocks the decoder thread, and a full decode session blocks the pipeline reader (backpressure, which is also all
-that a VAE slower than the DiT causes; the coordinator does not yet pace a stream by delivery, so chunks then wait
-in its queue).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and the
+that a VAE slower than the DiT causes; the coordinator paces each stream by delivery, so the pipeline then stops
+starting chunks instead of queuing them).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and the
 stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the error is queued for the
 client, and the pipeline stream is stopped.  A client that still does not read for ``abandon_timeout`` more seconds
 has its call cancelled.  Memory per stream is therefore bounded by the two buffers plus gRPC's flow-control window,
