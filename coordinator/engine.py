@@ -31,6 +31,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
@@ -163,6 +164,8 @@ class PipelineEngine:
         self._ids = itertools.count(1)
         self._stopped = False
         self._loop_thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
+        self.telemetry = CoordinatorTelemetry()  # Prometheus registry and batch spans (coordinator.metrics)
+        self.telemetry.bind(self)
         self._monitor_stop = threading.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class PipelineEngine:
         with self.cond:
             self._stopped = True
             self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down"))
+            self.telemetry.generation_ended("coordinator is shutting down", failed=False)
             self.cond.notify_all()
         self._monitor_stop.set()
         for link in self.links:
@@ -274,6 +278,7 @@ class PipelineEngine:
             self.ready = False
             self.last_error = reason
             self.sched = None
+            self.telemetry.generation_ended(reason, failed=True)
             msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
             self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
             links, self.links = self.links, []
@@ -393,6 +398,7 @@ class PipelineEngine:
             session = StreamSession(sid, spec, text, traceparent=traceparent, generation=self.generation)
             self.sessions[sid] = session
             self.pending_opens.append(session)
+            self.telemetry.stream_opened()
             self._wake()
             return session
 
@@ -422,6 +428,7 @@ class PipelineEngine:
         if session.ended:
             return
         session.ended = True
+        self.telemetry.stream_ended(final.ended.reason if isinstance(final, pb.StreamEvent) else final.code.name)
         session.events.put(final)
         session.events.put(_END)
         self.sessions.pop(session.id, None)
@@ -443,6 +450,7 @@ class PipelineEngine:
             if gen != self.generation:
                 return
             session = self.sessions.get(chunk.stream_id)
+            self.telemetry.chunk(routed=session is not None)
             if session is None:
                 return
             session.received += 1
@@ -460,6 +468,7 @@ class PipelineEngine:
             st.micro_steps += done.micro_steps
             if last:
                 self.batches_done += 1
+                self.telemetry.batch_done(done.seq)
                 self._wake()
 
     # ---- scheduling loop ------------------------------------------------------------------------------
@@ -559,6 +568,9 @@ class PipelineEngine:
             if batch:
                 self.batches_planned += 1
                 events.append(self._next_event(batch=pb.MicroBatch(steps=[wire.step_to_proto(s) for s in batch])))
+                self.telemetry.batch_planned(events[-1], batch, self.sessions)
+            else:
+                self.telemetry.empty_tick()
         for sid in sorted(before - set(sched.streams)):
             events.append(self._next_event(close=pb.CloseStream(stream_id=sid)))
             session = self.sessions.get(sid)

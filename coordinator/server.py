@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
 from coordinator.registry import RegistrationError, StageRegistry
-from stagecast import wire
+from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -40,12 +40,14 @@ class CoordinatorOptions:
     max_batch: int = 4
     max_streams: int = 16
     record_plan: bool = False
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def __init__(self, registry: StageRegistry, engine: PipelineEngine):
         self.registry = registry
         self.engine = engine
+        self.address = ""  # server.address of the RPC spans, once bound
 
     def Register(self, request: pb.RegisterRequest, context):
         try:
@@ -91,10 +93,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             return True
 
     def OpenStream(self, request: pb.OpenStreamRequest, context):
+        method = f"{SERVICE_NAME}/OpenStream"
+        with telemetry.server_span(method, context, target=self.address, traceparent=request.traceparent) as span:
+            yield from self._open_stream(request, context, span)
+
+    def _open_stream(self, request: pb.OpenStreamRequest, context, span):
         try:
             spec = wire.spec_from_proto(request.spec)
             text = wire.tensor_from_proto(request.text)
-            session = self.engine.open(spec, text, traceparent=request.traceparent)
+            # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
+            traceparent = telemetry.traceparent_of(span) or request.traceparent
+            session = self.engine.open(spec, text, traceparent=traceparent)
+            if span is not None:
+                span.set_attribute("stagecast.stream.id", session.id)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except AdmissionError as exc:
@@ -119,20 +130,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 self.engine.delivered(session)
 
     def StopStream(self, request: pb.StopRequest, context):
-        try:
-            self.engine.stop_stream(request.stream_id)
-        except AdmissionError as exc:
-            context.abort(exc.code, str(exc))
-        return pb.Empty()
+        with telemetry.server_span(f"{SERVICE_NAME}/StopStream", context, target=self.address, only_child=True) as span:
+            if span is not None:
+                span.set_attribute("stagecast.stream.id", request.stream_id)
+            try:
+                self.engine.stop_stream(request.stream_id)
+            except AdmissionError as exc:
+                context.abort(exc.code, str(exc))
+            return pb.Empty()
 
     def UpdatePrompt(self, request: pb.PromptUpdate, context):
-        try:
-            self.engine.update_prompt(request.stream_id, wire.tensor_from_proto(request.text))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except AdmissionError as exc:
-            context.abort(exc.code, str(exc))
-        return pb.Empty()
+        method = f"{SERVICE_NAME}/UpdatePrompt"
+        with telemetry.server_span(method, context, target=self.address, only_child=True) as span:
+            if span is not None:
+                span.set_attribute("stagecast.stream.id", request.stream_id)
+            try:
+                self.engine.update_prompt(request.stream_id, wire.tensor_from_proto(request.text))
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except AdmissionError as exc:
+                context.abort(exc.code, str(exc))
+            return pb.Empty()
 
     def GetPlan(self, request, context):
         if not self.engine.record_plan:
@@ -172,6 +190,8 @@ class Coordinator:
             opts.port, [(pb_grpc.add_CoordinatorServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
         )
         self.address = f"{opts.advertise_host or opts.host}:{self.port}"
+        servicer.address = self.address
+        self.metrics = telemetry.MetricsServer()
 
     def _on_ready(self, ready: bool) -> None:
         self.health.set(SERVICE_NAME, 1 if ready else 2)  # SERVING / NOT_SERVING
@@ -179,15 +199,19 @@ class Coordinator:
     def start(self) -> None:
         self.engine.start()
         self.server.start()
+        registry = self.engine.telemetry.registry
+        self.metrics = telemetry.serve_metrics(self.opts.metrics_port, registry, what="coordinator")
         set_serving(self.health, [], True)  # the process is alive; the pipeline service follows readiness
         logger.info("coordinator on %s, rendezvous store on port %d", self.address, self.store.port)
 
     def stop(self) -> None:
         self.engine.shutdown()
         self.server.stop(grace=2).wait()
+        self.metrics.close()
 
 
 def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None:
+    telemetry.init("coordinator")
     coord = Coordinator(opts)
     coord.start()
     print(f"STAGECAST_READY coordinator address={coord.address} store_port={coord.store.port}", flush=True)
@@ -196,6 +220,7 @@ def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None
         stop.wait()
     finally:
         coord.stop()
+        telemetry.shutdown()  # flush queued spans before the process ends
 
 
 __all__ = ["CHANNEL_OPTIONS", "Coordinator", "CoordinatorOptions", "serve"]

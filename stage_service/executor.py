@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
 from stage_service.transport import PipeTransport
 from stagecast.microstep import MicroStep, StreamSpec
@@ -74,11 +75,14 @@ class StageExecutor:
         transport: PipeTransport | None,
         on_event: Callable[[ExecutorEvent], None],
         on_batch: Callable[[PlanItem, float, float], None] | None = None,
+        telemetry: StageTelemetry | None = None,
     ):
         self.runner = runner
         self.transport = transport
         self.on_event = on_event
         self.on_batch = on_batch
+        self.telemetry = telemetry  # metrics and spans (stage_service.metrics); None: not observed
+        self.stream_traceparents: dict[int, str] = {}  # each open stream's span context, for batch span links
         self.queue: queue.Queue = queue.Queue()
         self.failed: str | None = None
         self._owed: deque[MicroStep] = deque()
@@ -116,7 +120,12 @@ class StageExecutor:
 
     def _loop(self) -> None:
         while True:
-            item = self.queue.get()
+            if self.telemetry is not None:
+                waited = time.perf_counter()
+                item = self.queue.get()
+                self.telemetry.idle(time.perf_counter() - waited)
+            else:
+                item = self.queue.get()
             if item is _STOP:
                 return
             try:
@@ -131,9 +140,12 @@ class StageExecutor:
         if item.kind == "open":
             assert item.spec is not None and item.text is not None
             self.runner.open_stream(item.spec, item.text)
+            if item.traceparent:
+                self.stream_traceparents[item.spec.stream_id] = item.traceparent
         elif item.kind == "close":
             assert item.stream_id is not None
             self.runner.close_stream(item.stream_id)
+            self.stream_traceparents.pop(item.stream_id, None)
         elif item.kind == "prompt":
             assert item.stream_id is not None and item.text is not None
             self.runner.set_prompt(item.stream_id, item.from_chunk, item.text)
@@ -158,6 +170,7 @@ class StageExecutor:
         steps = item.steps
         runner, tp = self.runner, self.transport
         runner.check_batch(steps)
+        t_start = time.time_ns()
         wait_before = tp.wait_seconds if tp else 0.0
         distributed = tp is not None and tp.world_size > 1
         if self.first and distributed:
@@ -168,6 +181,7 @@ class StageExecutor:
             spec = runner.spec(steps[0].stream)
             tokens = runner.slice.tokens_per_frame(spec.height, spec.width) * spec.chunk_frames
             inputs = tp.recv_hidden((len(steps), tokens, runner.slice.inner_dim), runner.slice.dtype)
+        t_recv = time.time_ns()
         start = time.perf_counter()
         if self._cuda:
             ev_start = torch.cuda.Event(enable_timing=True)
@@ -178,10 +192,13 @@ class StageExecutor:
             ev_end.record()
             self._timings.append((len(steps), ev_start, ev_end))
         if not self.last:
+            t_compute = time.time_ns()
             assert tp is not None
             tp.send_hidden(out)
         else:
-            for res in runner.finish(steps, out):
+            results = runner.finish(steps, out)
+            t_compute = time.time_ns()
+            for res in results:
                 if res.next_latent is not None and distributed:
                     tp.send_latent(res.next_latent)
                 if res.finished is not None:
@@ -203,6 +220,12 @@ class StageExecutor:
                 forward_ms += a.elapsed_time(b)
                 micro_steps += n
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
+        if self.telemetry is not None:
+            received = distributed and (not self.first or any(st.level > 0 for st in steps))
+            sent = distributed and (not self.last or any(st.level + 1 < runner.spec(st.stream).levels for st in steps))
+            timing = BatchTiming(t_start, t_recv, t_compute, time.time_ns(), received, sent, forward_ms)
         if self.on_batch is not None:
             self.on_batch(item, forward_ms, wait_ms)
         self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps))
+        if self.telemetry is not None:
+            self.telemetry.batch(item, timing)  # after the done report: spans are off the critical path

@@ -30,9 +30,10 @@ from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, rando
 from stage_service.configs import model_config
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
+from stage_service.metrics import StageTelemetry
 from stage_service.runner import SliceRunner, validate_batch
 from stage_service.transport import PipeTransport
-from stagecast import wire
+from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -54,6 +55,7 @@ class StageOptions:
     port: int = 0
     advertise_host: str | None = None
     expected_world_size: int = 0
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
 
 
 class _Generation:
@@ -86,6 +88,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.gen: _Generation | None = None
         self.lock = threading.RLock()
         self.address = ""
+        self.telemetry = StageTelemetry(opts.index, state=lambda: self.gen)
 
     # ---- setup ----------------------------------------------------------------------------------------
 
@@ -128,6 +131,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             )
         self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
         self.layers = layers
+        self.telemetry.set_layers(layers)
         took = time.perf_counter() - start
         logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
         return took
@@ -155,7 +159,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
             assert self.slice is not None
             runner = SliceRunner(self.slice)
             gen_holder: list[_Generation] = []
-            executor = StageExecutor(runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev))
+            executor = StageExecutor(
+                runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=self.telemetry
+            )
             gen = _Generation(request.generation, executor, transport)
             gen_holder.append(gen)
             self.gen = gen
@@ -187,6 +193,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         """Replace this process with a fresh copy of itself (same PID, same arguments).  The only way to
         release a thread blocked inside a gloo receive; the new process registers again."""
         logger.error("stage %d restarting itself: %s", self.opts.index, why)
+        telemetry.shutdown(timeout_s=2.0)
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.execv(sys.executable, [sys.executable, "-m", "stagecast.cli", *sys.argv[1:]])
@@ -322,7 +329,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
 
 def serve(opts: StageOptions, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    telemetry.init("stage", {"stagecast.stage.index": opts.index})
     servicer = StageServicer(opts)
+    metrics = telemetry.serve_metrics(opts.metrics_port, servicer.telemetry.registry, what=f"stage {opts.index}")
     server, health, port = make_server(
         opts.port, [(pb_grpc.add_StageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
     )
@@ -345,6 +354,8 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
             finally:
                 servicer.lock.release()
         server.stop(grace=2).wait()
+        metrics.close()
+        telemetry.shutdown()  # flush queued spans before the process ends
         if not clean:
             # A thread stuck in a data-plane wait would keep the interpreter alive: exit regardless.
             for handler in logging.getLogger().handlers:

@@ -10,6 +10,7 @@ stagecast gateway --coordinator H:P --checkpoint DIR   the public streaming API 
 stagecast vae-stage --checkpoint DIR --index I --num-slices N [--next H:P]   one VAE decoder slice
 stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
 stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
+stagecast trace-summary FILE                    per-stage span latencies (p50/p95/max) of an OTLP JSON trace file
 """
 
 from __future__ import annotations
@@ -174,6 +175,12 @@ def _add_demo(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _add_trace_summary(sub) -> None:
+    p = sub.add_parser("trace-summary", help="per-stage span latency table (count, p50, p95, max) of an OTLP JSON file")
+    p.add_argument("file", help="OTLP/JSON traces (ExportTraceServiceRequest; one per line also accepted); - for stdin")
+    p.add_argument("--by", choices=["stage", "service"], default="stage", help="group rows by stage or by service")
+
+
 def _resolve_transformer(path: str) -> str:
     if path.startswith("random:"):
         return path
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.simulator import add_simulate_parser
 
     add_simulate_parser(sub)
+    _add_trace_summary(sub)
     args = parser.parse_args(argv)
     setup_logging()
 
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_batch=args.max_batch,
                 max_streams=args.max_streams,
                 record_plan=args.record_plan,
+                metrics_port=args.metrics_port,
             ),
             stop=_stop_event(),
         )
@@ -243,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 advertise_host=args.advertise_host,
                 expected_world_size=args.expected_stages,
+                metrics_port=args.metrics_port,
             ),
             stop=_stop_event(),
         )
@@ -393,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.no_progress,
             )
         )
+    if args.command == "trace-summary":
+        from stagecast.trace_summary import main as trace_summary_main
+
+        return trace_summary_main(args)
     if args.command == "simulate":
         from coordinator.simulator import main as simulate_main
 

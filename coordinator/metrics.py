@@ -1,0 +1,160 @@
+"""Prometheus metrics and batch spans of the coordinator (``stagecast coordinator --metrics-port 9100``).
+
+Usage (``coordinator.engine.PipelineEngine`` owns one as ``engine.telemetry`` and calls it under its lock)::
+
+    tel = CoordinatorTelemetry()
+    tel.bind(engine)                               # gauges read the engine at scrape time
+    tel.batch_planned(ev, batch, sessions)         # a batch event: counters, and its span (context in ev.traceparent)
+    tel.batch_done(seq)                            # the last stage finished it: latency, span ends
+    tel.generation_ended(reason)                   # batches in flight are abandoned
+
+Metrics:
+
+* ``stagecast_coordinator_active_streams``, ``stagecast_coordinator_pending_events`` (opens, stops and prompt
+  updates not yet planned), ``stagecast_coordinator_batches_in_flight`` (planned, not finished by the last stage),
+  ``stagecast_coordinator_lookahead_batches`` (its limit), ``stagecast_coordinator_stage_outbox_depth{stage}`` (plan
+  events queued for a stage's Submit), ``stagecast_coordinator_ready``, ``stagecast_coordinator_generation`` (gauges);
+* ``stagecast_coordinator_batches_planned_total``, ``stagecast_coordinator_micro_steps_planned_total``,
+  ``stagecast_coordinator_empty_ticks_total`` (ticks that planned nothing: a pipeline bubble at the source),
+  ``stagecast_coordinator_chunks_routed_total``, ``stagecast_coordinator_chunks_dropped_total`` (finished chunks
+  whose stream was gone), ``stagecast_coordinator_streams_opened_total``,
+  ``stagecast_coordinator_streams_ended_total{reason}``,
+  ``stagecast_coordinator_generation_failures_total`` (counters);
+* ``stagecast_coordinator_batch_size`` (micro-steps per batch) and ``stagecast_coordinator_batch_latency_seconds``
+  (planned to finished by the last stage: lookahead queueing plus the pipeline's depth) (histograms).
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from stagecast import telemetry
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class _OutboxCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "stagecast_coordinator_stage_outbox_depth",
+            "Plan events queued for a stage and not yet submitted",
+            labels=["stage"],
+        )
+        for link in list(self.engine.links):
+            fam.add_metric([str(link.record.index)], link.outbox.qsize())
+        yield fam
+
+
+class CoordinatorTelemetry:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self._planned = Counter("stagecast_coordinator_batches_planned", "Batches planned", registry=r)
+        self._steps = Counter("stagecast_coordinator_micro_steps_planned", "Micro-steps planned", registry=r)
+        self._empty = Counter(
+            "stagecast_coordinator_empty_ticks", "Scheduler ticks with active streams that planned nothing", registry=r
+        )
+        self._routed = Counter("stagecast_coordinator_chunks_routed", "Finished chunks handed to streams", registry=r)
+        self._dropped = Counter(
+            "stagecast_coordinator_chunks_dropped",
+            "Finished chunks dropped because their stream or generation was gone",
+            registry=r,
+        )
+        self._opened = Counter("stagecast_coordinator_streams_opened", "Streams admitted", registry=r)
+        self._ended = Counter("stagecast_coordinator_streams_ended", "Streams ended, by reason", ["reason"], registry=r)
+        self._failures = Counter(
+            "stagecast_coordinator_generation_failures", "Pipeline generations that ended in a failure", registry=r
+        )
+        self._size = Histogram(
+            "stagecast_coordinator_batch_size", "Micro-steps per planned batch", buckets=SIZE_BUCKETS, registry=r
+        )
+        self._latency = Histogram(
+            "stagecast_coordinator_batch_latency_seconds",
+            "From planning a batch to the last stage finishing it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._inflight: dict[int, tuple[float, object]] = {}  # seq -> (planned at, span or None)
+
+    def bind(self, engine) -> None:
+        r = self.registry
+        for name, doc, fn in (
+            ("stagecast_coordinator_active_streams", "Streams admitted and not ended", lambda: len(engine.sessions)),
+            (
+                "stagecast_coordinator_pending_events",
+                "Stream opens, stops and prompt updates waiting for the next tick",
+                lambda: len(engine.pending_opens) + len(engine.pending_stops) + len(engine.pending_prompts),
+            ),
+            (
+                "stagecast_coordinator_batches_in_flight",
+                "Batches planned and not yet finished by the last stage",
+                lambda: engine.batches_planned - engine.batches_done,
+            ),
+            ("stagecast_coordinator_lookahead_batches", "Limit on batches in flight", lambda: engine.lookahead),
+            ("stagecast_coordinator_ready", "1 while a generation is formed", lambda: 1 if engine.ready else 0),
+            ("stagecast_coordinator_generation", "Current pipeline generation", lambda: engine.generation),
+        ):
+            Gauge(name, doc, registry=r).set_function(fn)
+        r.register(_OutboxCollector(engine))
+
+    # ---- called by the engine, under its lock -----------------------------------------------------------------
+
+    def empty_tick(self) -> None:
+        self._empty.inc()
+
+    def batch_planned(self, ev, batch, sessions: dict) -> None:
+        """``ev`` is the batch's plan event; sets ``ev.traceparent`` when the batch is traced."""
+        self._planned.inc()
+        self._steps.inc(len(batch))
+        self._size.observe(len(batch))
+        span = None
+        if telemetry.enabled():
+            tps = [sessions[s.stream].traceparent for s in batch if s.stream in sessions]
+            links = telemetry.links_to(tps)
+            if links:
+                span = telemetry.tracer().start_span(
+                    "coordinator.batch",
+                    kind=SpanKind.PRODUCER,
+                    links=links,
+                    attributes={
+                        "stagecast.generation": ev.generation,
+                        "stagecast.batch.seq": ev.seq,
+                        **telemetry.batch_attributes(batch),
+                    },
+                )
+                ev.traceparent = telemetry.traceparent_of(span)
+        self._inflight[ev.seq] = (time.perf_counter(), span)
+
+    def batch_done(self, seq: int) -> None:
+        entry = self._inflight.pop(seq, None)
+        if entry is None:
+            return
+        planned, span = entry
+        self._latency.observe(time.perf_counter() - planned)
+        if span is not None:
+            span.end()
+
+    def generation_ended(self, reason: str, failed: bool) -> None:
+        if failed:
+            self._failures.inc()
+        for _, span in self._inflight.values():
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, reason))
+                span.end()
+        self._inflight.clear()
+
+    def stream_opened(self) -> None:
+        self._opened.inc()
+
+    def stream_ended(self, reason: str) -> None:
+        self._ended.labels(reason=reason).inc()
+
+    def chunk(self, routed: bool) -> None:
+        (self._routed if routed else self._dropped).inc()
