@@ -5,8 +5,23 @@ Usage::
     metrics = GatewayMetrics(active=lambda: n_streams, vae_bytes=lambda: held_bytes)
     metrics.serve(9100)                  # /metrics on 0.0.0.0:9100; port 0 leaves it off
     metrics.stream_ended("completed"); metrics.first_frame(0.42); metrics.chunk_decoded(0.05)
+    metrics.frame_sent(late=False, encode_seconds=0.002); metrics.stream_fps(15.8)
+    metrics.frames_dropped("cancelled", 3)
+    metrics.close()
 
-Each gateway owns its registry, so several gateways in one process (tests) do not collide.
+Each gateway owns its registry, so several gateways in one process (tests) do not collide.  Series:
+
+* ``stagecast_gateway_active_streams``, ``stagecast_gateway_vae_state_bytes`` (VAE decode caches),
+  ``stagecast_gateway_queued_chunks`` (latent chunks waiting for the VAE), ``stagecast_gateway_queued_messages``
+  (encoded messages waiting for clients) (gauges);
+* ``stagecast_gateway_streams_ended_total{reason}``, ``stagecast_gateway_streams_rejected_total{code}``,
+  ``stagecast_gateway_chunks_received_total``, ``stagecast_gateway_frames_total`` (frames queued for clients),
+  ``stagecast_gateway_late_frames_total`` (encoded after their presentation time: the first frame's encode time plus
+  the frame's pts), ``stagecast_gateway_frames_dropped_total{reason}`` (encoded, never handed to the client because
+  the stream ended first) (counters);
+* ``stagecast_gateway_first_frame_seconds`` (server-side TTFF), ``stagecast_gateway_chunk_decode_seconds``,
+  ``stagecast_gateway_frame_encode_seconds``, ``stagecast_gateway_stream_fps`` (each finished stream's frames per
+  second, first to last frame) (histograms).
 """
 
 from __future__ import annotations
@@ -19,10 +34,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ENCODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_FPS_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 30, 48, 60, 120)
 
 
 class GatewayMetrics:
-    def __init__(self, *, active: Callable[[], int], vae_bytes: Callable[[], int]):
+    def __init__(
+        self,
+        *,
+        active: Callable[[], int],
+        vae_bytes: Callable[[], int],
+        queued_chunks: Callable[[], int] = lambda: 0,
+        queued_messages: Callable[[], int] = lambda: 0,
+    ):
+        self._server = None
         self.registry = CollectorRegistry()
         Gauge(
             "stagecast_gateway_active_streams",
@@ -55,11 +80,54 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        Gauge(
+            "stagecast_gateway_queued_chunks",
+            "Latent chunks received and waiting for (or in) the VAE, all streams",
+            registry=self.registry,
+        ).set_function(queued_chunks)
+        Gauge(
+            "stagecast_gateway_queued_messages",
+            "Encoded messages waiting for their clients to read, all streams",
+            registry=self.registry,
+        ).set_function(queued_messages)
+        self._chunks = Counter(
+            "stagecast_gateway_chunks_received", "Latent chunks received from the pipeline", registry=self.registry
+        )
+        self._frames = Counter("stagecast_gateway_frames", "Frames queued for clients", registry=self.registry)
+        self._late = Counter(
+            "stagecast_gateway_late_frames",
+            "Frames encoded after their presentation time (first frame's encode time + pts)",
+            registry=self.registry,
+        )
+        self._dropped = Counter(
+            "stagecast_gateway_frames_dropped",
+            "Frames encoded but never handed to the client because the stream ended first, by stream outcome",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._encode = Histogram(
+            "stagecast_gateway_frame_encode_seconds",
+            "Encoding one frame (JPEG, H.264 or raw)",
+            buckets=_ENCODE_BUCKETS,
+            registry=self.registry,
+        )
+        self._fps = Histogram(
+            "stagecast_gateway_stream_fps",
+            "Frames per second of each finished stream, first to last frame (streams with at least two frames)",
+            buckets=_FPS_BUCKETS,
+            registry=self.registry,
+        )
 
     def serve(self, port: int) -> None:
         if port:
-            start_http_server(port, registry=self.registry)
+            self._server, _ = start_http_server(port, registry=self.registry)
             logger.info("gateway metrics on :%d/metrics", port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def stream_ended(self, reason: str) -> None:
         self._ended.labels(reason=reason).inc()
@@ -72,3 +140,19 @@ class GatewayMetrics:
 
     def chunk_decoded(self, seconds: float) -> None:
         self._decode.observe(seconds)
+
+    def chunk_received(self) -> None:
+        self._chunks.inc()
+
+    def frame_sent(self, *, late: bool, encode_seconds: float) -> None:
+        self._frames.inc()
+        self._encode.observe(encode_seconds)
+        if late:
+            self._late.inc()
+
+    def frames_dropped(self, reason: str, frames: int) -> None:
+        if frames > 0:
+            self._dropped.labels(reason=reason).inc(frames)
+
+    def stream_fps(self, fps: float) -> None:
+        self._fps.observe(fps)

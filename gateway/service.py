@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
 from gateway.stream_vae import DTYPES, StreamVAE
 from gateway.text_encoder import TextEncoder
+from stagecast import telemetry
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.v1 import stream_pb2 as pb
@@ -70,6 +71,7 @@ class Gateway:
         root = Path(opts.checkpoint)
         self.defaults = ServingDefaults.load(root)
         self.model = ModelInfo.from_checkpoint(root)
+        self.model_name = root.resolve().name  # gen_ai.request.model on the stream spans
         self.text_len = opts.text_len or self.defaults.text_len
         self.encoder = TextEncoder(root, max_len=self.text_len, cache_size=opts.text_cache, device=opts.device)
         if opts.vae_stage:
@@ -89,7 +91,12 @@ class Gateway:
         self.started = 0
         self.finished = 0
         self.ended_by_reason: collections.Counter[str] = collections.Counter()
-        self.metrics = GatewayMetrics(active=lambda: len(self.streams), vae_bytes=self.vae_state_bytes)
+        self.metrics = GatewayMetrics(
+            active=lambda: len(self.streams),
+            vae_bytes=self.vae_state_bytes,
+            queued_chunks=lambda: sum(run.session.queued for run in self._runs() if run.session is not None),
+            queued_messages=lambda: sum(len(run.out) for run in self._runs()),
+        )
 
         servicer = StreamServicer(self)
         self.server, self.health, self.port = make_server(
@@ -119,6 +126,7 @@ class Gateway:
         self.server.stop(grace).wait()
         self.channel.close()
         self.decoder.close()
+        self.metrics.close()
 
     # ---- used by the streams -------------------------------------------------------------------------
 
@@ -168,10 +176,12 @@ class Gateway:
 
     # ---- status ------------------------------------------------------------------------------------
 
-    def vae_state_bytes(self) -> int:
+    def _runs(self) -> list[StreamRun]:
         with self.cond:
-            runs = list(self.streams.values())
-        return sum(_vae_bytes(run) for run in runs)
+            return list(self.streams.values())
+
+    def vae_state_bytes(self) -> int:
+        return sum(_vae_bytes(run) for run in self._runs())
 
     def status(self) -> pb.GatewayStatus:
         with self.cond:
@@ -209,6 +219,10 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
         self.gw = gw
 
     def Generate(self, request_iterator, context):
+        with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.gw.address) as span:
+            yield from self._generate(request_iterator, context, span)
+
+    def _generate(self, request_iterator, context, rpc_span):
         t0 = time.monotonic()
         gw = self.gw
         try:
@@ -232,7 +246,7 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many streams: this gateway serves at most {gw.opts.max_streams} at once (--max-streams)",
             )
-        run = self._open(cfg, context, t0)
+        run = self._open(cfg, context, t0, rpc_span)
         gw.register(run)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening
@@ -251,11 +265,11 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
         except StreamFailed as exc:
             self._abort(context, exc.code, exc.message)
 
-    def _open(self, cfg, context, t0: float) -> StreamRun:
+    def _open(self, cfg, context, t0: float, rpc_span=None) -> StreamRun:
         """Encode the prompt and open the pipeline stream; on failure free the reserved slot and end the call."""
         gw = self.gw
         try:
-            run = StreamRun(gw, cfg, gw.encode_prompt(cfg.prompt), context, t0)
+            run = StreamRun(gw, cfg, gw.encode_prompt(cfg.prompt), context, t0, parent_span=rpc_span)
             run.open_pipeline()
             return run
         except ConfigError as exc:
@@ -295,6 +309,7 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
 
 
 def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:
+    telemetry.init("gateway")
     gw = Gateway(opts)
     gw.start()
     print(f"STAGECAST_READY gateway address={gw.address}", flush=True)
@@ -303,3 +318,4 @@ def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:
         stop.wait()
     finally:
         gw.stop()
+        telemetry.shutdown()  # flush queued spans before the process ends

@@ -18,11 +18,11 @@ thread) or a chain of VAE stage processes (chunks in flight through the chain).
 Slow clients: gRPC flow control stops the handler when the client does not read and ``out`` fills; a full ``out``
 blocks the decoder thread, and a full decode session blocks the pipeline reader (backpressure, which is also all
 that a VAE slower than the DiT causes; the coordinator paces each stream by delivery, so the pipeline then stops
-starting chunks instead of queuing them).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is the bottleneck and the
-stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the error is queued for the
-client, and the pipeline stream is stopped.  A client that still does not read for ``abandon_timeout`` more seconds
-has its call cancelled.  Memory per stream is therefore bounded by the two buffers plus gRPC's flow-control window,
-whatever the client does.
+starting chunks instead of queuing them).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is
+the bottleneck and the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the
+error is queued for the client, and the pipeline stream is stopped.  A client that still does not read for
+``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers
+plus gRPC's flow-control window, whatever the client does.
 
 Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
 StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decode
@@ -42,11 +42,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig
 from gateway.frame_encoder import make_encoder
-from stagecast import wire
+from stagecast import telemetry, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.v1 import stream_pb2 as pb
 
@@ -71,10 +73,16 @@ class _ChunkTag:
 
     index: int
     arrived_ms: float
+    arrived_ns: int = 0  # wall clock, for the VAE decode span
+    span: object = None  # the chunk's span, when the stream is traced
+
+
+_OPEN_METHOD = "stagecast.internal.v1.CoordinatorService/OpenStream"
+_FINE_OUTCOMES = {"completed", "stopped", "cancelled"}
 
 
 class StreamRun:
-    def __init__(self, gw: Gateway, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float):
+    def __init__(self, gw: Gateway, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float, parent_span=None):
         self.gw = gw
         self.cfg = cfg
         self.text = text
@@ -97,16 +105,82 @@ class StreamRun:
         self._stop_sent = False
         self._cancelled_pipeline = False
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
+        self.last_frame_ms: float | None = None
+        # Tracing (stagecast.telemetry): the stream's span and the coordinator call's client span; None when off.
+        self.span = self._start_stream_span(parent_span) if telemetry.enabled() else None
+        self._open_span = None
 
     def ms(self) -> float:
         return (time.monotonic() - self.t0) * 1000.0
 
     # ---- opening (the handler thread) ----------------------------------------------------------------
 
+    def _start_stream_span(self, parent):
+        cfg, model = self.cfg, self.gw.model_name
+        attrs = {
+            "gen_ai.operation.name": "generate_content",
+            "gen_ai.provider.name": "stagecast",
+            "gen_ai.request.model": model,
+            "gen_ai.request.seed": cfg.seed,
+            "gen_ai.output.type": "video",
+            "stagecast.gateway.stream_id": self.id,
+            "stagecast.stream.width": cfg.width,
+            "stagecast.stream.height": cfg.height,
+            "stagecast.stream.fps": cfg.fps,
+            "stagecast.stream.steps": cfg.steps,
+            "stagecast.stream.chunk_frames": cfg.chunk_frames,
+            "stagecast.stream.codec": cfg.codec,
+            "stagecast.stream.policy": cfg.policy,
+            "stagecast.stream.total_frames": cfg.total_frames or 0,
+            "stagecast.stream.num_chunks": cfg.num_chunks or 0,
+            "stagecast.stream.window": cfg.window or 0,
+            "stagecast.stream.sink": cfg.sink,
+        }
+        ctx = trace.set_span_in_context(parent) if parent is not None else None
+        return telemetry.tracer().start_span(f"generate_content {model}", context=ctx, attributes=attrs)
+
+    def _child_context(self):
+        return trace.set_span_in_context(self.span)
+
+    def _end_trace(self) -> None:
+        """The stream is gone from the pipeline and the VAE: its span ends with the outcome."""
+        outcome = self.outcome or "unknown"
+        first, last = self.first_frame_ms, self.last_frame_ms
+        if first is not None and last is not None and last > first and self.frames_emitted >= 2:
+            self.gw.metrics.stream_fps((self.frames_emitted - 1) * 1000.0 / (last - first))
+        span = self.span
+        if span is None:
+            return
+        span.set_attribute("stagecast.stream.outcome", outcome)
+        span.set_attribute("stagecast.stream.frames", self.frames_emitted)
+        span.set_attribute("stagecast.stream.chunks", self.chunks_received)
+        if self.first_frame_ms is not None:
+            span.set_attribute("stagecast.stream.ttff_ms", self.first_frame_ms)
+        if outcome not in _FINE_OUTCOMES:
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end()
+
     def open_pipeline(self) -> None:
+        try:
+            self._open_pipeline()
+        except BaseException as exc:
+            code = exc.code if isinstance(exc, StreamFailed) else exc.code() if isinstance(exc, grpc.RpcError) else None
+            telemetry.end_rpc_span(self._open_span, code or grpc.StatusCode.UNKNOWN)
+            if self.span is not None:
+                self.span.set_status(Status(StatusCode.ERROR, f"opening the pipeline stream failed: {exc}"))
+                self.span.end()
+            raise
+
+    def _open_pipeline(self) -> None:
         spec = self.cfg.stream_spec(latent_channels=self.gw.model.latent_channels, text_len=self.gw.text_len)
         req = ipb.OpenStreamRequest(spec=wire.spec_to_proto(spec), text=wire.tensor_to_proto(self.text))
-        self._call = self.gw.coordinator.OpenStream(req)
+        if self.span is not None:
+            # The coordinator's stream span is this call's child; the context also rides in the request.
+            self._open_span = telemetry.start_rpc_span(
+                _OPEN_METHOD, SpanKind.CLIENT, context=self._child_context(), target=self.gw.opts.coordinator
+            )
+            req.traceparent = telemetry.traceparent_of(self._open_span)
+        self._call = self.gw.coordinator.OpenStream(req, metadata=telemetry.metadata_for(self._open_span) or None)
         try:
             first = next(self._call)
         except StopIteration:
@@ -115,6 +189,9 @@ class StreamRun:
             self._call.cancel()
             raise StreamFailed(grpc.StatusCode.INTERNAL, f"pipeline: expected started, got {first}")
         self.pipeline_id = first.started.stream_id
+        if self.span is not None:
+            self.span.set_attribute("stagecast.stream.id", self.pipeline_id)
+            self._open_span.set_attribute("stagecast.stream.id", self.pipeline_id)
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"
@@ -166,7 +243,8 @@ class StreamRun:
             self.outcome = outcome
         self.state = "draining"
         logger.warning("stream %s: %s (%s)", self.id, message, code.name)
-        self.out.put_final(StreamFailed(code, message), drop=True)
+        self.gw.metrics.frames_dropped(outcome, len(self.out))  # queued frames are discarded (approximately: a
+        self.out.put_final(StreamFailed(code, message), drop=True)  # prompt-updated message counts as one)
         self._abort_decoding()
         self.stop_pipeline()
         self.gw.touch()
@@ -180,6 +258,7 @@ class StreamRun:
             if self.outcome is None:
                 self.outcome = "cancelled"
                 logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
+        self.gw.metrics.frames_dropped(self.outcome, len(self.out))
         self.out.close(drop=True)
         self._abort_decoding()
         self.stop_pipeline()
@@ -229,6 +308,7 @@ class StreamRun:
             self._live_parts -= 1
             last = self._live_parts == 0
         if last:
+            self._end_trace()
             self.gw.forget(self)
 
     # ---- threads -------------------------------------------------------------------------------------
@@ -239,14 +319,17 @@ class StreamRun:
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
                     self.chunks_received += 1
-                    tag = _ChunkTag(ev.chunk.chunk, self.ms())
+                    self.gw.metrics.chunk_received()
+                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self._chunk_span(ev.chunk.chunk))
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents))
                 elif kind == "ended":
                     with self._lock:
                         self._pipeline_ended = True  # nothing left to stop
                     self.end_reason = ev.ended.reason
+            telemetry.end_rpc_span(self._open_span, grpc.StatusCode.OK)
         except grpc.RpcError as exc:
+            telemetry.end_rpc_span(self._open_span, exc.code(), exc.details() or "")
             if not self._cancelled_pipeline:
                 self.fail(exc.code(), f"pipeline: {exc.details()}", "pipeline_error")
         finally:
@@ -260,9 +343,17 @@ class StreamRun:
         encoder = None
         try:
             encoder = make_encoder(cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality)
+            resumed_ns = time.time_ns()
             for tag, frames in self.session.results():
-                if not self._emit(tag, frames, encoder):
+                if tag.span is not None:
+                    # The VAE took the chunk when both it had arrived and the previous one was out (exact in-process).
+                    self._post_hoc_span("vae.decode", tag, max(resumed_ns, tag.arrived_ns), time.time_ns())
+                emitted = self._emit(tag, frames, encoder)
+                if tag.span is not None:
+                    tag.span.end()
+                if not emitted:
                     return
+                resumed_ns = time.time_ns()
             if self.end_reason is not None:
                 self._finish(self.end_reason, encoder.flush() if cfg.codec == "h264" else b"")
             elif self.outcome is None:  # the reader ends with an end reason or a failure; this guards against bugs
@@ -281,9 +372,13 @@ class StreamRun:
         decoded_ms = self.ms()
         if cfg.total_frames is not None:
             frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
-        for frame in frames:
+        for position, frame in enumerate(frames):
+            encode_start, encode_start_ns = time.perf_counter(), time.time_ns()
             data = encoder.encode(frame)
+            encode_s = time.perf_counter() - encode_start
             index = self.frames_emitted
+            if chunk.span is not None:
+                self._post_hoc_span("frame.encode", chunk, encode_start_ns, time.time_ns(), {"stagecast.frame": index})
             msg = pb.ServerMessage(
                 frame=pb.Frame(
                     data=data,
@@ -299,13 +394,29 @@ class StreamRun:
                 )
             )
             if not self._send(msg):
+                self.gw.metrics.frames_dropped(self.outcome or "unknown", len(frames) - position)
                 return False  # the call ended or the stream failed
             if index == 0:
                 self.first_frame_ms = msg.frame.encoded_ms
                 self.gw.metrics.first_frame(msg.frame.encoded_ms / 1000.0)
+            # Late: encoded after its presentation time on a clock that starts with the first frame.
+            late = msg.frame.encoded_ms > self.first_frame_ms + 1000.0 * msg.frame.pts
+            self.gw.metrics.frame_sent(late=late, encode_seconds=encode_s)
+            self.last_frame_ms = msg.frame.encoded_ms
             self.frames_emitted += 1
         self.gw.metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
         return True
+
+    def _chunk_span(self, chunk: int):
+        if self.span is None:
+            return None
+        attrs = {"stagecast.stream.id": self.pipeline_id, "stagecast.chunk": chunk}
+        return telemetry.tracer().start_span("chunk", context=self._child_context(), attributes=attrs)
+
+    def _post_hoc_span(self, name: str, chunk: _ChunkTag, start_ns: int, end_ns: int, extra=None) -> None:
+        attrs = {"stagecast.stream.id": self.pipeline_id, "stagecast.chunk": chunk.index, **(extra or {})}
+        ctx = trace.set_span_in_context(chunk.span)
+        telemetry.tracer().start_span(name, context=ctx, attributes=attrs, start_time=start_ns).end(end_ns)
 
     def _send(self, msg: pb.ServerMessage) -> bool:
         """Queue a message for the client; a client that leaves the queue full too long ends the stream."""
