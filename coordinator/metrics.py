@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
 from stagecast import telemetry
@@ -56,6 +56,7 @@ class _OutboxCollector:
 class CoordinatorTelemetry:
     def __init__(self):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._planned = Counter("stagecast_coordinator_batches_planned", "Batches planned", registry=r)
         self._steps = Counter("stagecast_coordinator_micro_steps_planned", "Micro-steps planned", registry=r)
         self._empty = Counter(

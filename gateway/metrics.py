@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class GatewayMetrics:
     ):
         self._server = None
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         Gauge(
             "stagecast_gateway_active_streams",
             "Streams the gateway holds, including ones still draining",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from stagecast import telemetry
 
@@ -57,6 +57,7 @@ class StageTelemetry:
         self._state = state  # () -> the current _Generation or None
         self.layers = range(0, 0)
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         labels = {"stage": str(index)}
         r = self.registry
         self._forward = Histogram(

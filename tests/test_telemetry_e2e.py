@@ -29,6 +29,7 @@ from stagecast.demo_checkpoint import write_demo_checkpoint
 from stagecast.grpc_util import wait_healthy
 from stagecast.launcher import Launcher
 from stagecast.local_cluster import COORDINATOR_SERVICE, stage_args
+from tests.test_dashboard import DASHBOARD, dashboard_metric_names, family_names
 
 PROMPT = "a red fox running through snow"
 W, H = 48, 32
@@ -122,12 +123,13 @@ def _free_port() -> int:
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the endpoint, keyed by (name, labels); the key ("", names) holds every series name the
+    endpoint declares (with counter and histogram suffixes), sampled or not."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    families = list(text_string_to_metric_families(text))
+    samples = {(s.name, frozenset(s.labels.items())): s.value for fam in families for s in fam.samples}
+    samples[("", frozenset())] = family_names(families)
+    return samples
 
 
 @dataclass
@@ -369,3 +371,9 @@ def test_every_metrics_endpoint_moves_as_a_stream_runs(run):
     assert value(a[g], "stagecast_gateway_frames_total") >= 9
     late, frames = value(a[g], "stagecast_gateway_late_frames_total"), value(a[g], "stagecast_gateway_frames_total")
     assert 0 <= late <= frames
+
+
+def test_dashboard_queries_name_only_metrics_the_live_services_export(run):
+    exported = set().union(*(samples[("", frozenset())] for samples in run.after.values()))
+    used = dashboard_metric_names(json.loads(DASHBOARD.read_text()))
+    assert used <= exported, f"not exported by any running service: {sorted(used - exported)}"
