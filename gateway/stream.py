@@ -322,7 +322,9 @@ class StreamRun:
                     self.gw.metrics.chunk_received()
                     tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self._chunk_span(ev.chunk.chunk))
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
-                    self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents))
+                    if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
+                        tag.span.set_attribute("stagecast.chunk.dropped", True)
+                        tag.span.end()
                 elif kind == "ended":
                     with self._lock:
                         self._pipeline_ended = True  # nothing left to stop
