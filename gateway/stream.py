@@ -77,7 +77,8 @@ class _ChunkTag:
     span: object = None  # the chunk's span, when the stream is traced
 
 
-_OPEN_METHOD = "stagecast.internal.v1.CoordinatorService/OpenStream"
+_COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
+_OPEN_METHOD = f"{_COORDINATOR_SERVICE}/OpenStream"
 _FINE_OUTCOMES = {"completed", "stopped", "cancelled"}
 
 
@@ -280,13 +281,33 @@ class StreamRun:
 
     def _send_stop(self) -> None:
         try:
-            self.gw.coordinator.StopStream(ipb.StopRequest(stream_id=self.pipeline_id), timeout=10)
+            self._call_coordinator("StopStream", ipb.StopRequest(stream_id=self.pipeline_id), timeout=10)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already ended
                 logger.warning("stream %s: StopStream failed (%s); cancelling", self.id, exc.code().name)
                 self._cancel_pipeline()
                 return
         self._after(self.gw.opts.drain_timeout, self._cancel_pipeline)
+
+    def _call_coordinator(self, method: str, request, timeout: float):
+        """A unary coordinator call; a client span of the stream (its context in the metadata) when traced."""
+        rpc = getattr(self.gw.coordinator, method)
+        if self.span is None:
+            return rpc(request, timeout=timeout)
+        span = telemetry.start_rpc_span(
+            f"{_COORDINATOR_SERVICE}/{method}",
+            SpanKind.CLIENT,
+            context=self._child_context(),
+            target=self.gw.opts.coordinator,
+        )
+        span.set_attribute("stagecast.stream.id", self.pipeline_id)
+        try:
+            reply = rpc(request, timeout=timeout, metadata=telemetry.metadata_for(span))
+        except grpc.RpcError as exc:
+            telemetry.end_rpc_span(span, exc.code(), exc.details() or "")
+            raise
+        telemetry.end_rpc_span(span, grpc.StatusCode.OK)
+        return reply
 
     def _cancel_pipeline(self) -> None:
         with self._lock:
@@ -472,7 +493,7 @@ class StreamRun:
             return False
         try:
             req = ipb.PromptUpdate(stream_id=self.pipeline_id, text=wire.tensor_to_proto(text))
-            self.gw.coordinator.UpdatePrompt(req, timeout=30)
+            self._call_coordinator("UpdatePrompt", req, timeout=30)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return True  # the pipeline stream already finished its last chunk: nothing left to change

@@ -39,7 +39,7 @@ Semantic conventions, chosen deliberately:
   up with every other gRPC span in a trace.  The RPC conventions were reworked and declared stable in v1.45.0
   (``rpc.system.name``, fully qualified ``rpc.method``, string ``rpc.response.status_code``, ``error.type``); as
   the conventions' migration guide prescribes, ``OTEL_SEMCONV_STABILITY_OPT_IN=rpc`` switches to those and
-  ``rpc/dup`` emits both.
+  ``rpc/dup`` emits both (``rpc.method``, a key both versions use, then holds the stable, fully qualified value).
 * The gateway's stream span follows the GenAI conventions (development status): name
   ``generate_content <model>``, ``gen_ai.operation.name="generate_content"``, ``gen_ai.provider.name="stagecast"``,
   ``gen_ai.request.model``, ``gen_ai.request.seed``, ``gen_ai.output.type="video"`` (a custom value), plus the
@@ -51,7 +51,8 @@ Semantic conventions, chosen deliberately:
 
 Span tree: gateway ``stagecast.v1.StreamService/Generate`` (server) -> ``generate_content <model>`` (the stream)
 -> ``stagecast.internal.v1.CoordinatorService/OpenStream`` (client) -> coordinator ``.../OpenStream`` (server, the
-coordinator's stream span); the stream span also parents ``chunk`` -> ``vae.decode``, ``frame.encode``.  Batches
+coordinator's stream span); ``StopStream`` / ``UpdatePrompt`` calls likewise (client span under the stream, server
+span under it); the stream span also parents ``chunk`` -> ``vae.decode``, ``frame.encode`` (one per frame).  Batches
 are planned ahead and shared by streams, so each ``coordinator.batch`` is a root span (plan to last-stage done)
 LINKED to the coordinator stream spans it serves; its context travels in ``PlanEvent.traceparent`` and every
 stage's ``stage.batch`` is its child (links to the same streams), split into ``stage.recv`` (waiting for the

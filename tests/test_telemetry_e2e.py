@@ -238,6 +238,16 @@ def test_trace_holds_gateway_coordinator_stage_and_vae_spans_with_parentage_link
     open_client = one("stagecast-gateway", "stagecast.internal.v1.CoordinatorService/OpenStream")
     assert open_client.kind == 3 and open_client.parent_id == stream.span_id  # CLIENT
 
+    # The client's stop crossed to the coordinator too.
+    stop_client = one("stagecast-gateway", "stagecast.internal.v1.CoordinatorService/StopStream")
+    assert stop_client.kind == 3 and stop_client.parent_id == stream.span_id
+    stop_server = one("stagecast-coordinator", "stagecast.internal.v1.CoordinatorService/StopStream")
+    assert (stop_server.kind, stop_server.parent_id) == (2, stop_client.span_id)
+    assert stop_server.attrs["stagecast.stream.id"] == run.pipeline_id and stop_server.attrs["rpc.method"] in (
+        "StopStream",
+        "stagecast.internal.v1.CoordinatorService/StopStream",
+    )
+
     # Chunks, each with its VAE decode and frame encodes.
     chunks = named[("stagecast-gateway", "chunk")]
     assert len(chunks) >= 3
