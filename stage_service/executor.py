@@ -213,17 +213,20 @@ class StageExecutor:
                 if st.level + 1 < runner.spec(st.stream).levels:
                     self._owed.append(MicroStep(st.stream, st.chunk, st.level + 1))
         forward_ms, micro_steps = (time.perf_counter() - start) * 1e3, len(steps)
+        forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
         if self._cuda:
-            forward_ms, micro_steps = 0.0, 0
+            forward_ms, micro_steps, forward_samples = 0.0, 0, []
             while self._timings and self._timings[0][2].query():
                 n, a, b = self._timings.popleft()
-                forward_ms += a.elapsed_time(b)
+                forward_samples.append(a.elapsed_time(b))
+                forward_ms += forward_samples[-1]
                 micro_steps += n
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
         if self.telemetry is not None:
             received = distributed and (not self.first or any(st.level > 0 for st in steps))
             sent = distributed and (not self.last or any(st.level + 1 < runner.spec(st.stream).levels for st in steps))
-            timing = BatchTiming(t_start, t_recv, t_compute, time.time_ns(), received, sent, forward_ms)
+            end = time.time_ns()
+            timing = BatchTiming(t_start, t_recv, t_compute, end, received, sent, forward_ms, forward_samples)
         if self.on_batch is not None:
             self.on_batch(item, forward_ms, wait_ms)
         self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps))

@@ -48,7 +48,8 @@ class BatchTiming:
     end_ns: int  # sends (and chunk reports) done
     received: bool
     sent: bool
-    forward_ms: float
+    forward_ms: float  # what the done event reports (on CUDA: the batches whose GPU time was read just now)
+    forward_samples: list[float]  # forward ms of each batch finished (CPU: this one; CUDA: as read from events)
 
 
 class StageTelemetry:
@@ -154,7 +155,8 @@ class StageTelemetry:
     def batch(self, item, t: BatchTiming) -> None:
         recv_s = (t.recv_ns - t.start_ns) / 1e9
         compute_s = (t.compute_ns - t.recv_ns) / 1e9
-        self._forward.observe(t.forward_ms / 1e3)
+        for ms in t.forward_samples:
+            self._forward.observe(ms / 1e3)
         self._recv.inc(recv_s)
         self._compute.inc(compute_s)
         self._send.inc((t.end_ns - t.compute_ns) / 1e9)
@@ -179,7 +181,6 @@ class StageTelemetry:
             "stagecast.stage.layer_stop": self.layers.stop,
             "stagecast.generation": gen.number if gen is not None else 0,
             "stagecast.batch.seq": item.seq,
-            "stagecast.forward_ms": t.forward_ms,
             **telemetry.batch_attributes(item.steps),
         }
         tracer = telemetry.tracer()

@@ -56,10 +56,10 @@ span under it); the stream span also parents ``chunk`` -> ``vae.decode``, ``fram
 are planned ahead and shared by streams, so each ``coordinator.batch`` is a root span (plan to last-stage done)
 LINKED to the coordinator stream spans it serves; its context travels in ``PlanEvent.traceparent`` and every
 stage's ``stage.batch`` is its child (links to the same streams), split into ``stage.recv`` (waiting for the
-previous stage or the latents), ``stage.compute`` and ``stage.send`` (host time: on CUDA, compute is launch time and
-``stagecast.forward_ms`` holds the CUDA-event time).  The control-plane calls around it (``Submit``, ``Results``,
-``Form``, health checks) get no spans of their own: they are off the critical path, and a span per plan event per
-stage would double the volume for nothing the batch spans do not already show.
+previous stage or the latents), ``stage.compute`` and ``stage.send`` (host time: on CUDA, compute is launch time;
+``stagecast_stage_forward_seconds`` has the GPU time from CUDA events).  The control-plane calls around it
+(``Submit``, ``Results``, ``Form``, health checks) get no spans of their own: they are off the critical path, and a
+span per plan event per stage would double the volume for nothing the batch spans do not already show.
 """
 
 from __future__ import annotations
