@@ -74,13 +74,11 @@ class StageExecutor:
         runner: SliceRunner,
         transport: PipeTransport | None,
         on_event: Callable[[ExecutorEvent], None],
-        on_batch: Callable[[PlanItem, float, float], None] | None = None,
         telemetry: StageTelemetry | None = None,
     ):
         self.runner = runner
         self.transport = transport
         self.on_event = on_event
-        self.on_batch = on_batch
         self.telemetry = telemetry  # metrics and spans (stage_service.metrics); None: not observed
         self.stream_traceparents: dict[int, str] = {}  # each open stream's span context, for batch span links
         self.queue: queue.Queue = queue.Queue()
@@ -227,8 +225,6 @@ class StageExecutor:
             sent = distributed and (not self.last or any(st.level + 1 < runner.spec(st.stream).levels for st in steps))
             end = time.time_ns()
             timing = BatchTiming(t_start, t_recv, t_compute, end, received, sent, forward_ms, forward_samples)
-        if self.on_batch is not None:
-            self.on_batch(item, forward_ms, wait_ms)
         self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps))
         if self.telemetry is not None:
             self.telemetry.batch(item, timing)  # after the done report: spans are off the critical path
