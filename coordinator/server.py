@@ -23,6 +23,7 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.launcher import announce_ready
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "stagecast.internal.v1.CoordinatorService"
@@ -214,7 +215,7 @@ def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None
     telemetry.init("coordinator")
     coord = Coordinator(opts)
     coord.start()
-    print(f"STAGECAST_READY coordinator address={coord.address} store_port={coord.store.port}", flush=True)
+    announce_ready("coordinator", address=coord.address, store_port=coord.store.port)
     stop = stop or threading.Event()
     try:
         stop.wait()

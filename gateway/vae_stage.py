@@ -28,6 +28,7 @@ from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
+from stagecast.launcher import announce_ready
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
     server.start()
     set_serving(health, [SERVICE_NAME], True)
     host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
-    print(f"STAGECAST_READY vae_stage={opts.index} address={host}:{port}", flush=True)
+    announce_ready(vae_stage=opts.index, address=f"{host}:{port}")
     stop = stop or threading.Event()
     try:
         stop.wait()

@@ -37,6 +37,7 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.launcher import announce_ready
 from stagecast.microstep import StreamSpec
 
 logger = logging.getLogger(__name__)
@@ -340,7 +341,7 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
     logger.info("stage %d listening on %s", opts.index, address)
     servicer.register(address)
     set_serving(health, [SERVICE_NAME], True)
-    print(f"STAGECAST_READY stage={opts.index} address={address}", flush=True)
+    announce_ready(stage=opts.index, address=address)
     if ready is not None:
         ready.set()
     stop = stop or threading.Event()

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command == "up":
-        from stagecast.launcher import Launcher
+        from stagecast.launcher import Launcher, announce_ready
         from stagecast.local_cluster import start_pipeline
 
         stop = _stop_event()
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 host=args.host,
                 port=args.port,
             )
-            ready = f"coordinator={pipe.coordinator}"
+            ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
                 # The gateway (text encoder + VAE) shares the last stage's GPU.
@@ -284,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                     ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
                     + ["--host", args.host, "--port", str(args.gateway_port)],
                 )
-                ready += f" gateway={gateway.info['address']}"
-            print(f"stagecast is up: {ready.replace('=', ' ')}, {args.stages} stages", flush=True)
-            print(f"STAGECAST_READY {ready}", flush=True)
+                ready["gateway"] = gateway.info["address"]
+            where = ", ".join(f"{role} {address}" for role, address in ready.items())
+            print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
+            announce_ready(**ready)
             stop.wait()
             print("shutting down", flush=True)
         return 0

@@ -30,6 +30,13 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "STAGECAST_READY"
 
 
+def announce_ready(role: str | None = None, **info: object) -> None:
+    """Print the line ``Launcher`` waits for: ``STAGECAST_READY [role] key=value ...`` (values without spaces)."""
+    fields = [role] if role else []
+    fields += [f"{key}={value}" for key, value in info.items()]
+    print(" ".join([READY_PREFIX, *fields]), flush=True)
+
+
 def _die_with_parent() -> None:
     # Linux only: deliver SIGTERM to the child when the launching thread's process exits.
     try:
