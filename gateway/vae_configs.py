@@ -30,7 +30,7 @@ VAEs keep the real ``z_dim`` so they accept the latents of the matching tiny DiT
 
 from __future__ import annotations
 
-import copy
+from stagecast.presets import named_config
 
 # fmt: off
 _WAN21_LATENTS_MEAN = [
@@ -108,14 +108,7 @@ CONFIGS: dict[str, dict] = {
 
 def vae_config(name: str, **overrides) -> dict:
     """Return a fresh copy of a named config, with keyword overrides applied."""
-    if name not in CONFIGS:
-        raise KeyError(f"unknown VAE config {name!r}; known: {', '.join(sorted(CONFIGS))}")
-    cfg = copy.deepcopy(CONFIGS[name])
-    unknown = set(overrides) - set(cfg)
-    if unknown:
-        raise KeyError(f"unknown VAE config keys for {name!r}: {sorted(unknown)}")
-    cfg.update(overrides)
-    return cfg
+    return named_config(CONFIGS, name, "VAE", **overrides)
 
 
 def spatial_factor(cfg) -> int:

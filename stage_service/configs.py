@@ -8,7 +8,7 @@ transformer config key, so it is kept beside the config rather than inside it.
 
 from __future__ import annotations
 
-import copy
+from stagecast.presets import named_config
 
 _WAN21_BASE = dict(
     patch_size=(1, 2, 2),
@@ -52,14 +52,7 @@ CONFIGS: dict[str, dict] = {
 
 def model_config(name: str, **overrides) -> dict:
     """Return a fresh copy of a named config, with keyword overrides applied."""
-    if name not in CONFIGS:
-        raise KeyError(f"unknown model config {name!r}; known: {', '.join(sorted(CONFIGS))}")
-    cfg = copy.deepcopy(CONFIGS[name])
-    unknown = set(overrides) - set(cfg)
-    if unknown:
-        raise KeyError(f"unknown config keys for {name!r}: {sorted(unknown)}")
-    cfg.update(overrides)
-    return cfg
+    return named_config(CONFIGS, name, "model", **overrides)
 
 
 def expands_timesteps(config: dict) -> bool:
