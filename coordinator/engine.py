@@ -575,7 +575,7 @@ class PipelineEngine:
             events.append(self._next_event(close=pb.CloseStream(stream_id=sid)))
             session = self.sessions.get(sid)
             if session is not None:
-                session.expected = sched_chunks_started(sched, sid)
+                session.expected = sched.started_chunks.pop(sid, 0)
                 self._maybe_complete(session)
         return events
 
@@ -600,10 +600,6 @@ class PipelineEngine:
                 active_streams=len(self.sessions),
                 stage_stats=[self.stage_stats[i] for i in sorted(self.stage_stats)],
             )
-
-
-def sched_chunks_started(sched: StreamBatchScheduler, stream_id: int) -> int:
-    return sched.started_chunks.pop(stream_id, 0)
 
 
 def _check_against_model(spec: StreamSpec, text: torch.Tensor, cfg: dict) -> None:

@@ -132,9 +132,9 @@ class StreamBatchScheduler:
             if nxt >= spec.levels or now - ch.issued_at < p:
                 continue
             prev = st.inflight.get(ch.index - 1)
+            # (s, c-1, nxt) must have entered in an earlier tick; this tick's picks are issued only after
+            # every stream was asked, so a level issued at all was issued before now.
             if spec.policy == "per_level" and prev is not None and prev.level < nxt:
-                continue
-            if spec.policy == "per_level" and prev is not None and prev.level == nxt and prev.issued_at >= now:
                 continue
             out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
         can_start = not st.stopping and len(st.inflight) < st.max_inflight
@@ -143,12 +143,9 @@ class StreamBatchScheduler:
         if st.credit is not None and st.next_chunk >= st.credit:
             can_start = False
         c = st.next_chunk
-        if can_start and c > 0:
-            prev = st.inflight.get(c - 1)
-            if spec.policy == "per_level" and prev is not None and prev.issued_at >= now and prev.level == 0:
-                can_start = False
-            if spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
-                can_start = False
+        # per_level: chunk c-1 started in an earlier tick (at most one start per stream and tick).
+        if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
+            can_start = False
         if can_start:
             out.append(((now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
         return out

@@ -109,11 +109,6 @@ class StreamSpec:
             return self.reset_frames
         return (rope_limit // self.chunk_frames) * self.chunk_frames
 
-    def with_chunks(self, num_chunks: int | None) -> StreamSpec:
-        from dataclasses import replace
-
-        return replace(self, num_chunks=num_chunks)
-
 
 def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
     """Absolute latent frames that ``chunk`` attends to besides its own: the causal KV window.
