@@ -1,8 +1,10 @@
-"""Where a stream's latents become frames: the StreamVAE in the gateway process, or a chain of VAE stage processes.
+"""Where a stream's latents become frames: the VAE in the gateway process (whole, or cut into slices over several
+devices), or a chain of VAE stage processes.
 
 Usage (one session per client stream; ``gateway.stream`` drives it from two threads)::
 
-    decoder = LocalDecoder(StreamVAE.from_folder(root / "vae"))       # or RemoteDecoder("127.0.0.1:50070")
+    decoder = LocalDecoder(StreamVAE.from_folder(root / "vae"))       # or RemoteDecoder("127.0.0.1:50070"), or
+    decoder = LocalDecoder.from_folder(root / "vae", dtype=torch.bfloat16, devices=["cuda:0", "cuda:1"])
     session = decoder.open(capacity=4)
     session.submit(tag, latents)          # producer thread; blocks while ``capacity`` chunks are queued/in flight;
                                           # ``tag`` is the caller's, with the chunk number as ``tag.index``
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from gateway.channel import CLOSED, BoundedChannel
-from gateway.stream_vae import StreamVAE, to_uint8_frames
+from gateway.stream_vae import ChunkDecoder, StreamVAE, split_decoder, to_uint8_frames
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -39,49 +41,129 @@ _DONE = object()
 
 
 class LocalDecoder:
-    def __init__(self, vae: StreamVAE):
-        self.vae = vae
+    """The VAE in this process: one ``StreamVAE``, or ``StreamVAESlice`` s (each on its own device) as a pipeline.
+
+    ``parts`` is a decoder or a list of them, first to last: the first takes latents, the last gives video.  Every
+    part runs in its own thread per stream, so with several parts a stream's consecutive chunks are in different
+    parts (and devices) at once, and with one part the next chunk decodes while the consumer encodes this one.
+    """
+
+    def __init__(self, parts: ChunkDecoder | list[ChunkDecoder]):
+        self.parts = list(parts) if isinstance(parts, list | tuple) else [parts]
+        if not self.parts or not self.parts[0].takes_latents or not self.parts[-1].gives_video:
+            raise ValueError("a local decoder needs parts that take latents first and give video last")
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder,
+        *,
+        dtype: torch.dtype,
+        devices: list[str],
+        boundaries: list[int] | None = None,
+        compile: bool = False,
+    ) -> LocalDecoder:
+        """One part per device: the whole ``StreamVAE`` for one device, else ``split_decoder`` slices.
+
+        ``boundaries`` are the decoder unit indices where parts 1.. start (``decoder_units``); by default the cut
+        balances multiply-accumulates.  Each device loads its own copy of the weights and runs only its slice.
+        """
+        if not devices:
+            raise ValueError("no VAE devices given")
+        if boundaries is not None and len(devices) == 1 and boundaries:
+            raise ValueError(f"VAE split {boundaries} needs {len(boundaries) + 1} devices, got 1")
+        if len(devices) == 1:
+            return cls(StreamVAE.from_folder(folder, dtype=dtype, device=devices[0], compile=compile))
+        parts = []
+        for i, device in enumerate(devices):
+            vae = StreamVAE.from_folder(folder, dtype=dtype, device=device).vae
+            part = split_decoder(vae, len(devices), boundaries=boundaries, compile=compile)[i]
+            parts.append(part)
+        logger.info(
+            "VAE decoder split over %s at units %s",
+            ", ".join(devices),
+            [p.start for p in parts[1:]],
+        )
+        return cls(parts)
 
     def open(self, capacity: int) -> LocalSession:
-        return LocalSession(self.vae, capacity)
+        return LocalSession(self.parts, capacity)
 
     def close(self) -> None:
         pass
 
 
-class LocalSession:
-    """Latents wait in a bounded queue; ``results()`` decodes them in the consumer's thread."""
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
 
-    def __init__(self, vae: StreamVAE, capacity: int):
-        self.vae = vae
-        self.state = vae.new_state()
-        self.inbox = BoundedChannel(capacity)
+
+class LocalSession:
+    """Latents wait in a bounded queue; one worker thread per part decodes, each handing on to the next."""
+
+    def __init__(self, parts: list[ChunkDecoder], capacity: int):
+        self.parts = parts
+        self.states = [part.new_state() for part in parts]
+        # inbox (capacity) -> part 0 -> [1] -> part 1 -> ... -> [1] -> results()
+        self.channels = [BoundedChannel(capacity)] + [BoundedChannel(1) for _ in parts]
+        self.workers = [
+            threading.Thread(target=self._work, args=(i,), daemon=True, name=f"vae-part-{i}") for i in range(len(parts))
+        ]
+        for worker in self.workers:
+            worker.start()
+
+    def _work(self, i: int) -> None:
+        part, state = self.parts[i], self.states[i]
+        inbox, outbox = self.channels[i], self.channels[i + 1]
+        try:
+            while (item := inbox.get()) is not CLOSED:
+                if isinstance(item, _Failure):
+                    outbox.put_final(item)
+                    return
+                tag, x = item
+                y = part.decode_chunk(state, x)
+                if part.gives_video:
+                    y = to_uint8_frames(y).cpu().numpy()
+                if not outbox.put((tag, y)):
+                    inbox.close(drop=True)  # aborted downstream: stop the parts upstream too
+                    return
+            outbox.close()  # finished: what is queued still drains
+        except Exception as exc:
+            logger.exception("VAE part %d failed", i)
+            inbox.close(drop=True)  # the producer's submit returns False from now on
+            outbox.put_final(_Failure(exc), drop=True)
 
     def submit(self, tag, latents: torch.Tensor) -> bool:
-        return self.inbox.put((tag, latents))
+        return self.channels[0].put((tag, latents))
 
     def finish(self) -> None:
-        self.inbox.close()
+        self.channels[0].close()
 
     def abort(self) -> None:
-        self.inbox.close(drop=True)
+        for channel in self.channels:
+            channel.close(drop=True)
 
     def results(self):
-        while (item := self.inbox.get()) is not CLOSED:
-            tag, latents = item
-            yield tag, to_uint8_frames(self.vae.decode_chunk(self.state, latents)).cpu().numpy()
+        while (item := self.channels[-1].get()) is not CLOSED:
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
 
     def close(self) -> None:
         self.abort()
-        self.vae.release(self.state)
+        for worker in self.workers:
+            if worker is not threading.current_thread():
+                worker.join()  # at most the chunk each is decoding; then no thread touches the states
+        for part, state in zip(self.parts, self.states, strict=True):
+            part.release(state)
 
     @property
     def queued(self) -> int:
-        return len(self.inbox)
+        return sum(len(channel) for channel in self.channels)
 
     @property
     def state_bytes(self) -> int:
-        return 0 if self.state.released else self.state.approx_bytes
+        return sum(0 if s.released else s.approx_bytes for s in self.states)
 
 
 class RemoteDecoder:

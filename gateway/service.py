@@ -31,7 +31,7 @@ from gateway.config import ConfigError, resolve_config
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
-from gateway.stream_vae import DTYPES, StreamVAE
+from gateway.stream_vae import DTYPES
 from gateway.text_encoder import TextEncoder
 from stagecast import telemetry
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
@@ -59,6 +59,8 @@ class GatewayOptions:
     vae_dtype: str = "float32"
     vae_compile: bool = False  # torch.compile the VAE decoder (GPU; the first stream pays the compile)
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
+    vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
+    vae_split: list[int] | None = None  # decoder units where slices 1.. start (None: balanced by MACs)
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
@@ -78,10 +80,13 @@ class Gateway:
         if opts.vae_stage:
             self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout)
         else:
-            vae = StreamVAE.from_folder(
-                root / "vae", dtype=DTYPES[opts.vae_dtype], device=opts.device, compile=opts.vae_compile
+            self.decoder = LocalDecoder.from_folder(
+                root / "vae",
+                dtype=DTYPES[opts.vae_dtype],
+                devices=opts.vae_devices or [opts.device],
+                boundaries=opts.vae_split,
+                compile=opts.vae_compile,
             )
-            self.decoder = LocalDecoder(vae)
         self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
 

@@ -119,7 +119,7 @@ class VAEStreamState:
         }
 
 
-class _ChunkDecoder:
+class ChunkDecoder:
     """Shared per-stream, frame-by-frame driver; subclasses say what one latent frame runs through."""
 
     def __init__(self, vae: AutoencoderKLWan, *, takes_latents: bool, gives_video: bool, in_factor: int, slots: int):
@@ -230,7 +230,7 @@ class _ChunkDecoder:
         raise NotImplementedError
 
 
-class StreamVAE(_ChunkDecoder):
+class StreamVAE(ChunkDecoder):
     """The whole decoder of one ``AutoencoderKLWan``, decoding any number of streams chunk by chunk."""
 
     def __init__(self, vae: AutoencoderKLWan, *, compile: bool = False):
@@ -313,14 +313,14 @@ def decoder_units(vae: AutoencoderKLWan) -> list[_Unit]:
     return units
 
 
-class StreamVAESlice(_ChunkDecoder):
+class StreamVAESlice(ChunkDecoder):
     """Decoder units ``[start, stop)`` of one ``AutoencoderKLWan`` (see ``decoder_units``), as a pipeline stage.
 
     The slice starting at unit 0 takes latents (de-normalisation and post_quant_conv included); the slice ending at
     the last unit returns video. Its state holds only its own units' cache slots.
     """
 
-    def __init__(self, vae: AutoencoderKLWan, start: int, stop: int):
+    def __init__(self, vae: AutoencoderKLWan, start: int, stop: int, *, compile: bool = False):
         units = decoder_units(vae)
         if not 0 <= start < stop <= len(units):
             raise ValueError(f"slice [{start}, {stop}) is not within the decoder's {len(units)} units")
@@ -334,11 +334,17 @@ class StreamVAESlice(_ChunkDecoder):
             in_factor=in_factor,
             slots=sum(u.slots() for u in self.units),
         )
+        # As StreamVAE: frames after a stream's first run through one compiled graph of this slice's units.
+        self._compiled = torch.compile(self._run_units, dynamic=False) if compile else None
 
-    def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+    def _run_units(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
         for unit in self.units:
             x = unit.run(x, cache, idx, first)
         return x
+
+    def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
+        run = self._compiled if self._compiled is not None and not first else self._run_units
+        return run(x, cache, idx, first)
 
 
 @torch.no_grad()
@@ -380,7 +386,7 @@ def unit_macs(vae: AutoencoderKLWan, latent_hw: tuple[int, int] = (2, 2)) -> lis
 
 
 def split_decoder(
-    vae: AutoencoderKLWan, num_slices: int, *, boundaries: list[int] | None = None
+    vae: AutoencoderKLWan, num_slices: int, *, boundaries: list[int] | None = None, compile: bool = False
 ) -> list[StreamVAESlice]:
     """Cut the decoder into ``num_slices`` consecutive slices.
 
@@ -402,7 +408,9 @@ def split_decoder(
     if len(boundaries) != num_slices - 1 or list(boundaries) != sorted(set(boundaries)):
         raise ValueError(f"need {num_slices - 1} increasing boundaries, got {boundaries}")
     edges = [0, *boundaries, n]
-    return [StreamVAESlice(vae, a, b) for a, b in itertools.pairwise(edges)]
+    if boundaries and not 1 <= boundaries[0] <= boundaries[-1] < n:
+        raise ValueError(f"boundaries {boundaries} must lie in [1, {n - 1}]: the decoder has {n} units")
+    return [StreamVAESlice(vae, a, b, compile=compile) for a, b in itertools.pairwise(edges)]
 
 
 def write_tiny_vae(folder: str | PathLike, *, name: str = "tiny-wan2.1", seed: int = 0) -> Path:

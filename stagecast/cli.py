@@ -36,6 +36,19 @@ def _stop_event() -> threading.Event:
     return stop
 
 
+def _csv(kind):
+    """argparse type: a comma-separated list, e.g. ``cuda:0,cuda:1`` or ``4``."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            msg = f"expected a comma-separated list of {kind.__name__}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
 def _add_coordinator(sub) -> None:
     p = sub.add_parser("coordinator", help="run the coordinator (registry, scheduler, rendezvous store)")
     p.add_argument("--stages", type=int, required=True, help="number of DiT stages")
@@ -133,6 +146,18 @@ def _add_gateway(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--vae-stage", default=None, help="host:port of the first vae-stage (default: VAE in-process)")
+    p.add_argument(
+        "--vae-devices",
+        type=_csv(str),
+        default=None,
+        help="cut the in-process VAE into one pipelined slice per device, e.g. cuda:0,cuda:1 (default: --device)",
+    )
+    p.add_argument(
+        "--vae-split",
+        type=_csv(int),
+        default=None,
+        help="decoder units where VAE slices 1.. start, e.g. 4 (default: balanced by multiply-accumulates)",
+    )
 
 
 def _add_vae_stage(sub) -> None:
@@ -344,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 slow_client_timeout=args.slow_client_timeout,
                 drain_timeout=args.drain_timeout,
                 vae_stage=args.vae_stage,
+                vae_devices=args.vae_devices,
+                vae_split=args.vae_split,
             ),
             stop=_stop_event(),
         )
