@@ -204,12 +204,20 @@ def start_system(launcher, root: Path, args, device_kind: str):
         device=stage_device,
         dtype=args.dtype,
         max_batch=args.batch,
+        cuda_graphs=args.cuda_graphs and device_kind == "cuda",
     )
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else args.stages - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
     gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
+    if device_kind == "cuda":
+        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(args.stages))
+        gw_args += ["--vae-devices", ",".join(f"cuda:{g}" for g in vae_gpus.split(","))]
+    else:  # CPU smoke: the same pipelined path, two slices on the CPU
+        gw_args += ["--vae-devices", "cpu,cpu"]
+    if args.vae_split:
+        gw_args += ["--vae-split", args.vae_split]
     gateway = launcher.spawn("gateway", gw_args, timeout=600)
     return pipe, gateway.info["address"]
 
@@ -335,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-chunks", type=int, default=8)
     ap.add_argument("--gateway-gpu", type=int, default=None, help="GPU for text encoder + VAE (default: last stage's)")
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
+    ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
+    ap.add_argument(
+        "--vae-gpus", default=None, help="GPUs the VAE decoder is cut over, e.g. 0,1 (default: every stage's GPU)"
+    )
+    ap.add_argument("--vae-split", default=None, help="decoder units where VAE slices 1.. start (gateway --vae-split)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves the harness runs")

@@ -50,6 +50,24 @@ class KVView:
         if missing:
             raise KVOrderError(f"{step}: KV row {self.row_id} lacks frames {missing}; the plan ran it too early")
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens this micro-step attends to besides its own (what ``read`` returns per layer)."""
+        return len(self.frames) * self.cache.tokens_per_frame
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The most any chunk of this stream attends to: the window, or (no window) at least this step's."""
+        window = self.cache.spec.window
+        return max(self.context_tokens, (window or 0) * self.cache.tokens_per_frame)
+
+    def read_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every layer's ``read`` into ``(layers, 1, context_tokens, heads, head_dim)`` buffers, one copy per layer."""
+        frames = self.cache.rows[self.row_id].frames
+        for layer in range(self.cache.num_layers):
+            torch.cat([frames[f][layer][0] for f in self.frames], dim=1, out=keys[layer])
+            torch.cat([frames[f][layer][1] for f in self.frames], dim=1, out=values[layer])
+
     def read(self, layer: int):
         if not self.frames:
             return None

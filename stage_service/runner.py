@@ -2,7 +2,7 @@
 
 Usage (the same object serves the single-process reference and a stage process)::
 
-    runner = SliceRunner(dit_slice)
+    runner = SliceRunner(dit_slice)                  # graphs=GraphedBlocks(dit_slice): blocks as CUDA graphs
     runner.open_stream(spec, text_embeds)            # text K/V cached per stream and prompt
     x = runner.forward(steps, inputs)                # first slice: inputs=None (latents come from the store)
     results = runner.finish(steps, x)                # last slice: sampler step, next latents, finished chunks
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_service.dit_slice import AttentionContext, DiTSlice
+from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec, rope_offset
@@ -77,8 +78,9 @@ def validate_batch(steps: list[MicroStep], spec_of: Callable[[int], StreamSpec])
 
 
 class SliceRunner:
-    def __init__(self, dit_slice: DiTSlice):
+    def __init__(self, dit_slice: DiTSlice, *, graphs: GraphedBlocks | None = None):
         self.slice = dit_slice
+        self.graphs = graphs  # run the blocks as CUDA graphs (``stage_service.graphs``); None: eager
         self.streams: dict[int, _Stream] = {}
         self.rope_limit = dit_slice.model.rope.max_seq_len
 
@@ -117,6 +119,8 @@ class SliceRunner:
             raise UnknownStreamError(stream_id)
         stream.kv.clear()
         stream.latents.clear()
+        if self.graphs is not None:
+            self.graphs.forget_text([kv for _, kv in stream.prompts])
         stream.prompts.clear()
 
     def _stream(self, stream_id: int) -> _Stream:
@@ -132,7 +136,8 @@ class SliceRunner:
         kv = sum(s.kv.nbytes for s in self.streams.values())
         text = sum(k.numel() * k.element_size() * 2 for s in self.streams.values() for _, p in s.prompts for k, _ in p)
         lat = sum(t.numel() * t.element_size() for s in self.streams.values() for _, t in s.latents.values())
-        return {"kv": kv, "text_kv": text, "latents": lat}
+        graphs = self.graphs.nbytes if self.graphs is not None else 0
+        return {"kv": kv, "text_kv": text, "latents": lat, "graph_buffers": graphs}
 
     # ---- latents --------------------------------------------------------------------------------------
 
@@ -186,7 +191,7 @@ class SliceRunner:
             cross_kv=[s.cross_kv(st.chunk) for s, st in zip(streams, steps)],
             self_kv=list(views),
         )
-        hidden = sl.run_blocks(hidden, cond, ctx)
+        hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, cond, ctx)
         for s, view in zip(streams, views):
             s.kv.commit(view)
         if sl.last:

@@ -30,6 +30,7 @@ from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, rando
 from stage_service.configs import model_config
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
+from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
 from stage_service.runner import SliceRunner, validate_batch
 from stage_service.transport import PipeTransport
@@ -57,6 +58,7 @@ class StageOptions:
     advertise_host: str | None = None
     expected_world_size: int = 0
     metrics_port: int = 0  # Prometheus /metrics (0: off)
+    cuda_graphs: bool = False  # run the blocks as CUDA graphs (``stage_service.graphs``); ignored on CPU
 
 
 class _Generation:
@@ -74,6 +76,8 @@ class _Generation:
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, opts: StageOptions):
         self.opts = opts
+        if opts.cuda_graphs and not opts.device.startswith("cuda"):
+            logger.warning("--cuda-graphs needs a GPU; stage %d on %s runs eagerly", opts.index, opts.device)
         self.device = torch.device(opts.device)
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
@@ -158,7 +162,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     device=self.device,
                 )
             assert self.slice is not None
-            runner = SliceRunner(self.slice)
+            graphs = GraphedBlocks(self.slice) if self.opts.cuda_graphs and self.device.type == "cuda" else None
+            runner = SliceRunner(self.slice, graphs=graphs)
             gen_holder: list[_Generation] = []
             executor = StageExecutor(
                 runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=self.telemetry

@@ -80,6 +80,7 @@ def _add_stage(sub) -> None:
     p.add_argument("--advertise-host", default=None)
     p.add_argument("--expected-stages", type=int, default=0, help="refuse to join a coordinator of another size")
     p.add_argument("--dist-port", type=int, default=0, help="unused with the coordinator-hosted store; kept for charts")
+    p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
     p.add_argument("--metrics-port", type=int, default=0)
 
 
@@ -94,6 +95,7 @@ def _add_up(sub) -> None:
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
     p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
 
 
 def _add_selftest(sub) -> None:
@@ -115,6 +117,7 @@ def _add_selftest(sub) -> None:
     p.add_argument("--tolerance", type=float, default=None, help="max abs diff allowed (default: 0, exact)")
     p.add_argument("--model", default="tiny-wan2.1", help="config of the random checkpoint (no --checkpoint)")
     p.add_argument("--layers", type=int, default=None, help="override that config's layer count")
+    p.add_argument("--cuda-graphs", action="store_true", help="stages run CUDA graphs (the reference stays eager)")
 
 
 def _add_demo_checkpoint(sub) -> None:
@@ -278,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 advertise_host=args.advertise_host,
                 expected_world_size=args.expected_stages,
                 metrics_port=args.metrics_port,
+                cuda_graphs=args.cuda_graphs,
             ),
             stop=_stop_event(),
         )
@@ -298,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_batch=args.max_batch,
                 host=args.host,
                 port=args.port,
+                cuda_graphs=args.cuda_graphs,
             )
             ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
@@ -337,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             tolerance=args.tolerance,
             model=args.model,
             layers=args.layers,
+            cuda_graphs=args.cuda_graphs,
         )
         return run_selftest(cfg)
     if args.command == "demo-checkpoint":

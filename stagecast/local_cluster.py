@@ -26,8 +26,10 @@ class LocalPipeline:
     stage_args: dict[int, list[str]] = field(default_factory=dict)
 
 
-def stage_args(index: int, coordinator: str, checkpoint: str, device: str, dtype: str, host: str) -> list[str]:
-    return [
+def stage_args(
+    index: int, coordinator: str, checkpoint: str, device: str, dtype: str, host: str, cuda_graphs: bool = False
+) -> list[str]:
+    args = [
         "stage",
         "--index",
         str(index),
@@ -44,6 +46,7 @@ def stage_args(index: int, coordinator: str, checkpoint: str, device: str, dtype
         "--port",
         "0",
     ]
+    return args + (["--cuda-graphs"] if cuda_graphs else [])
 
 
 def start_pipeline(
@@ -60,6 +63,7 @@ def start_pipeline(
     host: str = "127.0.0.1",
     port: int = 0,
     ready_timeout: float = 600.0,
+    cuda_graphs: bool = False,
 ) -> LocalPipeline:
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
     args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
@@ -72,7 +76,7 @@ def start_pipeline(
     address = coord.info["address"]
     pipe = LocalPipeline(address, coord)
     for i in range(stages):
-        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host)
+        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs)
         pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])
     for child in pipe.stage_children.values():
         launcher.wait_ready(child, timeout=ready_timeout)

@@ -60,6 +60,7 @@ class SelftestConfig:
     seed: int = 0
     model: str = "tiny-wan2.1"  # config of the random checkpoint written when no checkpoint is given
     layers: int | None = None  # override its layer count (a real config, fewer layers: fast GPU checks)
+    cuda_graphs: bool = False  # stages run CUDA graphs; the reference stays eager, so parity checks the graphs
 
 
 @dataclass
@@ -218,6 +219,7 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             dtype=cfg.dtype,
             max_batch=cfg.batch,
             record_plan=True,
+            cuda_graphs=cfg.cuda_graphs,
         )
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)

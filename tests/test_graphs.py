@@ -1,0 +1,106 @@
+"""GraphedBlocks: the static-buffer forward a CUDA graph replays must equal the eager forward bit for bit.
+
+On the CPU the "graph" re-runs the captured function on the same static buffers (``rerun_capture``), so these tests
+hold everything but the capture itself: the batch signature, the copies into the per-slot buffers (KV window, text
+K/V, RoPE, hidden states), KV writes handed back through the static outputs, and re-capture when buffers grow.
+``stagecast selftest --cuda-graphs`` checks the real capture on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage_service.dit_slice import DiTSlice
+from stage_service.graphs import GraphedBlocks, rerun_capture
+from stagecast.microstep import StreamSpec
+from stagecast.reference import ReferenceExecutor, StreamRequest
+
+
+def spec(stream_id: int, **kw) -> StreamSpec:
+    base = dict(
+        stream_id=stream_id,
+        latent_channels=16,
+        chunk_frames=1,
+        height=4,
+        width=6,
+        timesteps=(1000.0, 600.0),
+        num_chunks=6,
+        text_len=16,
+        seed=stream_id,
+        window=3,
+        sink=1,
+    )
+    base.update(kw)
+    return StreamSpec(**base)
+
+
+def requests(specs, arrivals, text_dim=32):
+    gen = torch.Generator().manual_seed(7)
+    return [StreamRequest(s, torch.randn(1, s.text_len, text_dim, generator=gen), t) for s, t in zip(specs, arrivals)]
+
+
+def run(model, reqs, *, graphed: bool, num_stages=2, max_batch=3):
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full)
+    graphs = None
+    if graphed:
+        graphs = GraphedBlocks(full, capture=rerun_capture)
+        ref.runner.graphs = graphs
+    out = ref.generate(reqs, num_stages=num_stages, max_batch=max_batch)
+    return out, graphs
+
+
+@pytest.mark.parametrize("policy", ["per_level", "clean"])
+def test_graphed_blocks_equal_eager_for_concurrent_streams(tiny_model, policy):
+    model = tiny_model()
+    specs = [spec(1, policy=policy), spec(2, policy=policy, num_chunks=4, seed=9), spec(3, policy=policy, window=None)]
+    reqs = requests(specs, arrivals=[0, 2, 3])
+    eager, _ = run(model, reqs, graphed=False)
+    graphed, graphs = run(model, reqs, graphed=True)
+    for s in specs:
+        assert len(graphed.chunks[s.stream_id]) == s.num_chunks
+        for a, b in zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True):
+            assert torch.equal(a, b)
+    assert graphs.captures > 0 and graphs.eager_batches == 0
+    assert len(graphs.slots) == max(len(ev.steps) for ev in eager.plan if ev.kind == "batch")
+
+
+def test_signatures_repeat_once_the_window_is_full(tiny_model):
+    model = tiny_model()
+    reqs = requests([spec(1, num_chunks=12, window=2, sink=1)], arrivals=[0])
+    eager, _ = run(model, reqs, graphed=False, num_stages=1, max_batch=1)
+    graphed, graphs = run(model, reqs, graphed=True, num_stages=1, max_batch=1)
+    assert all(torch.equal(a, b) for a, b in zip(eager.chunks[1], graphed.chunks[1], strict=True))
+    batches = sum(ev.kind == "batch" for ev in eager.plan)
+    # Per level: context 0, 1 and 2 frames, writing KV or not -> a handful of graphs for 24 batches.
+    assert batches == 24 and graphs.captures <= 6
+
+
+def test_a_wider_window_regrows_the_buffers_and_recaptures(tiny_model):
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=rerun_capture)
+    eager_ref, graphed_ref = ReferenceExecutor(full), ReferenceExecutor(full)
+    graphed_ref.runner.graphs = graphs
+    for stream, window in ((1, 2), (2, 4)):  # one after the other: the second needs bigger KV buffers
+        reqs = requests([spec(stream, window=window, sink=0)], arrivals=[0])
+        want = eager_ref.generate(reqs).chunks[stream]
+        got = graphed_ref.generate(reqs).chunks[stream]
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        tokens = graphed_ref.runner.slice.tokens_per_frame(4, 6)
+        assert graphs.slots[0].context_capacity == window * tokens
+    # Closing a stream lets go of its text K/V.
+    assert all(slot.text_source is None for slot in graphs.slots)
+
+
+def test_past_the_graph_limit_batches_run_eagerly_and_still_match(tiny_model):
+    model = tiny_model()
+    reqs = requests([spec(1)], arrivals=[0])
+    eager, _ = run(model, reqs, graphed=False)
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full)
+    ref.runner.graphs = graphs = GraphedBlocks(full, capture=rerun_capture, max_graphs=1)
+    got = ref.generate(reqs, num_stages=2, max_batch=3)
+    assert graphs.captures == 1 and graphs.eager_batches > 0
+    assert all(torch.equal(a, b) for a, b in zip(eager.chunks[1], got.chunks[1], strict=True))
