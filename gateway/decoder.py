@@ -116,6 +116,8 @@ class LocalSession:
         part, state = self.parts[i], self.states[i]
         inbox, outbox = self.channels[i], self.channels[i + 1]
         try:
+            if part.device.type == "cuda":
+                torch.cuda.set_device(part.device)  # per thread; the .cpu() sync below then waits on this GPU
             while (item := inbox.get()) is not CLOSED:
                 if isinstance(item, _Failure):
                     outbox.put_final(item)

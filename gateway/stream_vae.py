@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
@@ -257,8 +258,15 @@ class StreamVAE(ChunkDecoder):
         return cls(vae, compile=compile)
 
     def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
-        decoder = self._compiled if self._compiled is not None and not first else self.vae.decoder
-        return decoder(x, feat_cache=cache, feat_idx=idx, first_chunk=first)
+        if self._compiled is not None and not first:
+            with _COMPILED_CALLS:
+                return self._compiled(x, feat_cache=cache, feat_idx=idx, first_chunk=first)
+        return self.vae.decoder(x, feat_cache=cache, feat_idx=idx, first_chunk=first)
+
+
+# Dynamo is not thread-safe: one thread compiling while another calls a compiled function fails ("using FX to
+# symbolically trace a dynamo-optimized function").  Compiled calls take this lock; they only launch kernels.
+_COMPILED_CALLS = threading.Lock()
 
 
 def _cached_conv(conv: WanCausalConv3d, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
@@ -343,8 +351,10 @@ class StreamVAESlice(ChunkDecoder):
         return x
 
     def _run_frame(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
-        run = self._compiled if self._compiled is not None and not first else self._run_units
-        return run(x, cache, idx, first)
+        if self._compiled is not None and not first:
+            with _COMPILED_CALLS:
+                return self._compiled(x, cache, idx, first)
+        return self._run_units(x, cache, idx, first)
 
 
 @torch.no_grad()

@@ -117,6 +117,9 @@ class StageExecutor:
     # ---- loop -----------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._cuda:
+            # The current device is per thread: without this, streams and events here would be cuda:0's.
+            torch.cuda.set_device(self.runner.slice.device)
         while True:
             if self.telemetry is not None:
                 waited = time.perf_counter()

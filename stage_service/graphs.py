@@ -43,22 +43,33 @@ def rerun_capture(fn: Callable[[], None]) -> Callable[[], None]:
     return fn
 
 
-def cuda_graph_capture(pool=None, warmup: int = 2) -> Capture:
-    """Capture into ``torch.cuda.CUDAGraph`` s sharing one memory pool (warmed up on a side stream first)."""
+def cuda_graph_capture(device: torch.device, pool=None, warmup: int = 2) -> Capture:
+    """Capture into ``torch.cuda.CUDAGraph`` s on ``device``, sharing one memory pool (warmed up on a side stream).
+
+    Streams belong to the *current* device, which is per thread: a thread that never selected the slice's device
+    would capture on another GPU's stream while the kernels run eagerly on their own, so every step here runs under
+    ``torch.cuda.device(device)``.
+    """
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def capture(fn: Callable[[], None]) -> Callable[[], None]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the stage's gRPC threads may use the GPU (a new stream's text K/V) during a capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the stage's gRPC threads may use the GPU (a new stream's text K/V) during a capture.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            fn()
-        return graph.replay
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay
 
     return capture
 
@@ -113,7 +124,7 @@ class GraphedBlocks:
     def __init__(self, dit_slice: DiTSlice, *, capture: Capture | None = None, max_graphs: int = 64):
         self.slice = dit_slice
         if capture is None:
-            capture = cuda_graph_capture() if dit_slice.device.type == "cuda" else rerun_capture
+            capture = cuda_graph_capture(dit_slice.device) if dit_slice.device.type == "cuda" else rerun_capture
         self.capture = capture
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
