@@ -96,6 +96,12 @@ def _add_up(sub) -> None:
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
+    p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
+    p.add_argument(
+        "--vae-devices",
+        default=None,
+        help="devices the gateway's VAE is cut over (default with --device cuda: every stage's GPU)",
+    )
 
 
 def _add_selftest(sub) -> None:
@@ -307,13 +313,23 @@ def main(argv: list[str] | None = None) -> int:
             ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
-                # The gateway (text encoder + VAE) shares the last stage's GPU.
+                # The gateway's text encoder shares the last stage's GPU; its VAE is cut over every stage's GPU.
                 gw_device = f"cuda:{args.stages - 1}" if args.device == "cuda" else args.device
-                gateway = launcher.spawn(
-                    "gateway",
-                    ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
-                    + ["--host", args.host, "--port", str(args.gateway_port)],
-                )
+                gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
+                gw_args += ["--host", args.host, "--port", str(args.gateway_port)]
+                vae_devices = args.vae_devices
+                if vae_devices is None and args.device == "cuda":
+                    import torch
+
+                    gpus = max(torch.cuda.device_count(), 1)  # stage i runs on cuda:(i % gpus)
+                    vae_devices = ",".join(f"cuda:{i}" for i in range(min(args.stages, gpus)))
+                if vae_devices:
+                    gw_args += ["--vae-devices", vae_devices]
+                if args.device.startswith("cuda"):
+                    gw_args += ["--vae-dtype", args.dtype]
+                if args.vae_compile:
+                    gw_args.append("--vae-compile")
+                gateway = launcher.spawn("gateway", gw_args)
                 ready["gateway"] = gateway.info["address"]
             where = ", ".join(f"{role} {address}" for role, address in ready.items())
             print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
