@@ -292,6 +292,31 @@ def test_coordinator_and_gateway_arguments(helm, name):
     assert arg_value(args, "--device") == v["device"]
 
 
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_gpu_speed_flags_follow_the_values(helm, name):
+    r = render(helm, name)
+    v = r.values
+    stage = main_container(r.component("StatefulSet", "stage"))["args"]
+    gw = main_container(r.component("Deployment", "gateway"))["args"]
+    if v["device"] == "cuda":
+        assert arg_value(stage, "--dtype") == arg_value(gw, "--vae-dtype") == v["dtype"]
+        assert ("--cuda-graphs" in stage) == v["stages"]["cudaGraphs"]
+        assert ("--vae-compile" in gw) == v["gateway"]["vaeCompile"]
+    else:  # the CPU demo runs float32 and eager everywhere
+        assert not {"--dtype", "--cuda-graphs"} & set(stage)
+        assert not {"--vae-dtype", "--vae-compile", "--vae-devices"} & set(gw)
+
+
+def test_a_multi_gpu_gateway_cuts_its_vae_over_every_gpu(helm):
+    gw = main_container(render(helm, gateway={"gpus": 2}).component("Deployment", "gateway"))
+    assert arg_value(gw["args"], "--vae-devices") == "cuda:0,cuda:1"
+    assert gw["resources"]["limits"]["nvidia.com/gpu"] == 2
+    one = main_container(render(helm).component("Deployment", "gateway"))["args"]
+    assert "--vae-devices" not in one
+    off = main_container(render(helm, stages={"cudaGraphs": False}).component("StatefulSet", "stage"))["args"]
+    assert "--cuda-graphs" not in off
+
+
 def test_multinode_spreads_stages_with_partition(helm):
     r = render(helm, "multinode")
     sts = r.component("StatefulSet", "stage")
