@@ -18,6 +18,9 @@ Metrics (every series carries ``stage="<index>"``):
 * ``stagecast_stage_queue_depth`` (gauge): plan events accepted and not yet executed.
 * ``stagecast_stage_open_streams``, ``stagecast_stage_kv_cache_bytes``, ``stagecast_stage_text_kv_bytes``,
   ``stagecast_stage_latent_bytes`` (gauges, read at scrape time), ``stagecast_stage_generation``.
+* ``stagecast_stage_cuda_graphs``, ``stagecast_stage_graph_buffer_bytes`` (gauges, ``--cuda-graphs``): graphs
+  captured and held, and their static input/output buffers; ``stagecast_stage_eager_batches`` (gauge): batches
+  that ran eagerly past the graph limit (0 when all batches replay graphs).
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ class StageTelemetry:
             ("stagecast_stage_text_kv_bytes", "Cross-attention K/V of the open streams", lambda: self._memory()[2]),
             ("stagecast_stage_latent_bytes", "Latents held between levels", lambda: self._memory()[3]),
             ("stagecast_stage_generation", "Pipeline generation this stage is in (0: none)", self._generation),
+            ("stagecast_stage_cuda_graphs", "CUDA graphs captured and held", lambda: self._graphs()[0]),
+            ("stagecast_stage_graph_buffer_bytes", "Static buffers of the CUDA graphs", lambda: self._graphs()[1]),
+            ("stagecast_stage_eager_batches", "Batches run eagerly past the graph limit", lambda: self._graphs()[2]),
         ):
             g = Gauge(name, doc, ["stage"], registry=r)
             g.labels(**labels).set_function(fn)
@@ -135,6 +141,16 @@ class StageTelemetry:
             except RuntimeError:
                 continue
         return self._last_memory
+
+    def _graphs(self) -> tuple[int, int, int]:
+        ex = self._executor()
+        graphs = None if ex is None else ex.runner.graphs
+        if graphs is None:
+            return (0, 0, 0)
+        try:
+            return (len(graphs.graphs), graphs.nbytes, graphs.eager_batches)
+        except RuntimeError:  # the executor resized the slots while we summed
+            return (len(graphs.graphs), 0, graphs.eager_batches)
 
     def _bubble(self) -> float:
         now = time.monotonic()

@@ -104,3 +104,24 @@ def test_past_the_graph_limit_batches_run_eagerly_and_still_match(tiny_model):
     got = ref.generate(reqs, num_stages=2, max_batch=3)
     assert graphs.captures == 1 and graphs.eager_batches > 0
     assert all(torch.equal(a, b) for a, b in zip(eager.chunks[1], got.chunks[1], strict=True))
+
+
+def test_stage_metrics_report_the_graphs(tiny_model):
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from stage_service.metrics import StageTelemetry
+
+    model = tiny_model()
+    reqs = requests([spec(1)], arrivals=[0])
+    _, graphs = run(model, reqs, graphed=True)
+    runner = SimpleNamespace(graphs=graphs, streams={}, memory_bytes=lambda: dict(kv=0, text_kv=0, latents=0))
+    executor = SimpleNamespace(runner=runner, queue=SimpleNamespace(qsize=lambda: 0))
+    gen = SimpleNamespace(executor=executor, number=1)
+    text = generate_latest(StageTelemetry(0, state=lambda: gen).registry).decode()
+    assert f'stagecast_stage_cuda_graphs{{stage="0"}} {float(len(graphs.graphs))}' in text
+    assert f'stagecast_stage_graph_buffer_bytes{{stage="0"}} {float(graphs.nbytes)}' in text
+    assert graphs.nbytes > 0 and len(graphs.graphs) > 0
+    eager = generate_latest(StageTelemetry(0, state=lambda: None).registry).decode()
+    assert 'stagecast_stage_cuda_graphs{stage="0"} 0.0' in eager
