@@ -357,6 +357,17 @@ class StreamVAESlice(ChunkDecoder):
         return self._run_units(x, cache, idx, first)
 
 
+def _allow_recompiles(entries: int) -> None:
+    """Every compiled slice shares ``_run_units``'s code object, and dynamo keeps a limited number of compiled
+    variants per code object (8 by default). Each slice needs up to three: the stream's frame 1, frame 2 and
+    later frames, whose cache slots differ in frames and strides. Past the limit, dynamo silently runs the rest
+    eagerly."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < entries:
+        setattr(config, name, entries)
+
+
 @torch.no_grad()
 def unit_macs(vae: AutoencoderKLWan, latent_hw: tuple[int, int] = (2, 2)) -> list[int]:
     """Multiply-accumulates per decoder unit for one steady-state latent frame at ``latent_hw``.
@@ -418,6 +429,8 @@ def split_decoder(
     if len(boundaries) != num_slices - 1 or list(boundaries) != sorted(set(boundaries)):
         raise ValueError(f"need {num_slices - 1} increasing boundaries, got {boundaries}")
     edges = [0, *boundaries, n]
+    if compile:
+        _allow_recompiles(4 * num_slices)
     if boundaries and not 1 <= boundaries[0] <= boundaries[-1] < n:
         raise ValueError(f"boundaries {boundaries} must lie in [1, {n - 1}]: the decoder has {n} units")
     return [StreamVAESlice(vae, a, b, compile=compile) for a, b in itertools.pairwise(edges)]

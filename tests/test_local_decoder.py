@@ -133,3 +133,21 @@ def test_bad_splits_are_refused_with_the_reason(vae_folder):
         LocalDecoder.from_folder(vae_folder, dtype=torch.float32, devices=["cpu", "cpu"], boundaries=[2, 3])
     with pytest.raises(ValueError, match=f"must lie in \\[1, {units - 1}\\]"):
         LocalDecoder.from_folder(vae_folder, dtype=torch.float32, devices=["cpu", "cpu"], boundaries=[units])
+
+
+def test_compiled_slices_get_room_for_their_variants(vae_folder):
+    # All slices share one code object; each needs up to 3 compiled variants (frame 1, frame 2, later frames).
+    # Under dynamo's default limit of 8, the third slice of three would silently run eagerly.
+    import torch._dynamo
+
+    from gateway.stream_vae import split_decoder
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before = getattr(config, name)
+    try:
+        setattr(config, name, 8)
+        split_decoder(StreamVAE.from_folder(vae_folder).vae, 3, compile=True)
+        assert getattr(config, name) >= 3 * 3
+    finally:
+        setattr(config, name, before)
