@@ -236,19 +236,39 @@ def stream_once(client, args, seconds: float, prompt: str) -> dict:
         policy="per_level",
     )
     t0 = time.perf_counter()
-    stamps = [time.perf_counter() - t0 for _ in gen]
+    stamps, first = [], None
+    for frame in gen:
+        stamps.append(time.perf_counter() - t0)
+        first = first or frame
     ended = time.perf_counter() - t0  # the call's end: the End message after the last frame
     if not stamps:
         raise RuntimeError("the stream produced no frames")
     skip = max(1, len(stamps) // 5)  # steady state: drop the first fifth (warmup of the wavefront)
     steady = stamps[skip:]
     fps = (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 2 else float("nan")
+    ttff = first.timing.received_s  # the SDK's clock starts before the call sends the config
     return {
-        "ttff_s": stamps[0],
+        "ttff_s": ttff,
+        "ttff_parts_ms": ttff_parts(first.timing, ttff),
         "fps": fps,
         "frames": len(stamps),
         "first_to_last_frame_s": stamps[-1] - stamps[0],
         "last_frame_to_end_s": ended - stamps[-1],
+    }
+
+
+def ttff_parts(timing, ttff_s: float) -> dict:
+    """Where the first frame's time went, from the gateway's timestamps on it (ms since it got the config).
+
+    ``pipeline``: prompt encoding, the coordinator's open, every stage and the hops back to the gateway, up to the
+    first chunk's latents; ``vae``: decoding that chunk; ``encode``: the frame's codec; ``rest``: the client's
+    request reaching the gateway and the frame reaching the client.
+    """
+    return {
+        "pipeline": timing.latents_ms,
+        "vae": timing.decoded_ms - timing.latents_ms,
+        "encode": timing.encoded_ms - timing.decoded_ms,
+        "rest": ttff_s * 1e3 - timing.encoded_ms,
     }
 
 
@@ -291,7 +311,8 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             main = stream_once(client, args, args.seconds, f"a fox {nonce}")
             wall = time.perf_counter() - t  # includes the stream's set-up and its end
             after = stage_stats(pipe.coordinator)
-            ttffs = [stream_once(client, args, 0.3, f"a cat {nonce + i}")["ttff_s"] for i in range(args.ttff_runs)]
+            firsts = [stream_once(client, args, 0.3, f"a cat {nonce + i}") for i in range(args.ttff_runs)]
+            ttffs = [f["ttff_s"] for f in firsts]
         mem = gpu_memory()
     stages = []
     for b, a in zip(before, after):
@@ -316,6 +337,10 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         "last_frame_to_end_s": main["last_frame_to_end_s"],
         "ttff_p50_s": statistics.median(ttffs),
         "ttff_p95_s": sorted(ttffs)[max(0, round(0.95 * len(ttffs)) - 1)],
+        # Medians of each part over the TTFF streams (they need not add up to the median TTFF exactly).
+        "ttff_parts_p50_ms": {
+            part: statistics.median(f["ttff_parts_ms"][part] for f in firsts) for part in firsts[0]["ttff_parts_ms"]
+        },
         "stages": stages,
         "bubble_fraction": 1 - sum(util) / len(util) if util else None,
         "gpu_memory_used_mib": mem,
