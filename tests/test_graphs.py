@@ -125,3 +125,16 @@ def test_stage_metrics_report_the_graphs(tiny_model):
     assert graphs.nbytes > 0 and len(graphs.graphs) > 0
     eager = generate_latest(StageTelemetry(0, state=lambda: None).registry).decode()
     assert 'stagecast_stage_cuda_graphs{stage="0"} 0.0' in eager
+
+
+def test_graphed_blocks_with_per_token_timesteps_wan22_ti2v(tiny_model):
+    # TI2V embeds a timestep per token: the conditioning is (B, L, 6, D), and the static buffer must follow.
+    model = tiny_model("tiny-wan2.2-ti2v")
+    specs = [spec(1, latent_channels=48), spec(2, latent_channels=48, num_chunks=3, seed=5)]
+    reqs = requests(specs, arrivals=[0, 1], text_dim=model.config.text_dim)
+    eager, _ = run(model, reqs, graphed=False)
+    graphed, graphs = run(model, reqs, graphed=True)
+    for s in specs:
+        pairs = zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    assert graphs.captures > 0 and graphs.eager_batches == 0
