@@ -13,6 +13,9 @@ length.  The first batch of a signature is captured; later ones copy their input
 in static output buffers that the caller's ``KVView`` takes before the next replay (``StreamKVCache.commit`` clones
 what it keeps).
 
+Past ``max_graphs`` signatures, new ones run eagerly; if a capture fails, the stage logs it and runs every batch
+eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
+
 Static buffers are per batch slot and shared by every graph, so memory grows with the largest batch and window, not
 with the number of graphs: for each slot, the KV window in (``max context`` tokens) and the KV written (one chunk),
 for every layer of the slice.  Graphs share one memory pool; they are replayed one at a time on one stream.
@@ -130,7 +133,8 @@ class GraphedBlocks:
         self.graphs: dict[tuple, _Graph] = {}
         self.slots: list[_Slot] = []
         self.captures = 0  # graphs captured so far (a new signature, or after the buffers grew)
-        self.eager_batches = 0  # batches that could not use a graph (oracle masks, or the graph limit)
+        self.eager_batches = 0  # batches that could not use a graph (oracle masks, the graph limit, a failure)
+        self.failure: str | None = None  # why capturing failed, after which every batch runs eagerly
 
     @staticmethod
     def signature(hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> tuple:
@@ -153,7 +157,7 @@ class GraphedBlocks:
         )
 
     def run(self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> torch.Tensor:
-        if ctx.self_mask is not None:
+        if ctx.self_mask is not None or self.failure is not None:
             self.eager_batches += 1
             return self.slice.run_blocks(hidden, cond, ctx)
         sig = self.signature(hidden, cond, ctx)
@@ -166,7 +170,14 @@ class GraphedBlocks:
                 return self.slice.run_blocks(hidden, cond, ctx)
             if self._ensure_slots(hidden, ctx):
                 self.graphs.clear()  # buffers were reallocated: the captured graphs point at the old ones
-            graph = self._capture(sig, hidden, cond, ctx)
+            try:
+                graph = self._capture(sig, hidden, cond, ctx)
+            except Exception as exc:  # a kernel that cannot be captured: keep serving, eagerly
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self.graphs.clear()
+                logger.exception("CUDA graph capture failed; this stage runs eagerly from now on")
+                self.eager_batches += 1
+                return self.slice.run_blocks(hidden, cond, ctx)
             self.graphs[sig] = graph
         self._copy_inputs(graph, hidden, cond, ctx)
         graph.replay()

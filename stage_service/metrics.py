@@ -20,7 +20,7 @@ Metrics (every series carries ``stage="<index>"``):
   ``stagecast_stage_latent_bytes`` (gauges, read at scrape time), ``stagecast_stage_generation``.
 * ``stagecast_stage_cuda_graphs``, ``stagecast_stage_graph_buffer_bytes`` (gauges, ``--cuda-graphs``): graphs
   captured and held, and their static input/output buffers; ``stagecast_stage_eager_batches`` (gauge): batches
-  that ran eagerly past the graph limit (0 when all batches replay graphs).
+  that ran eagerly past the graph limit or after a failed capture (0 when all batches replay graphs).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class StageTelemetry:
             ("stagecast_stage_generation", "Pipeline generation this stage is in (0: none)", self._generation),
             ("stagecast_stage_cuda_graphs", "CUDA graphs captured and held", lambda: self._graphs()[0]),
             ("stagecast_stage_graph_buffer_bytes", "Static buffers of the CUDA graphs", lambda: self._graphs()[1]),
-            ("stagecast_stage_eager_batches", "Batches run eagerly past the graph limit", lambda: self._graphs()[2]),
+            ("stagecast_stage_eager_batches", "Batches run without a graph", lambda: self._graphs()[2]),
         ):
             g = Gauge(name, doc, ["stage"], registry=r)
             g.labels(**labels).set_function(fn)

@@ -138,3 +138,21 @@ def test_graphed_blocks_with_per_token_timesteps_wan22_ti2v(tiny_model):
         pairs = zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
     assert graphs.captures > 0 and graphs.eager_batches == 0
+
+
+def test_a_failed_capture_falls_back_to_eager_for_good(tiny_model, caplog):
+    model = tiny_model()
+    reqs = requests([spec(1)], arrivals=[0])
+    eager, _ = run(model, reqs, graphed=False)
+
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full)
+    ref.runner.graphs = graphs = GraphedBlocks(full, capture=broken)
+    got = ref.generate(reqs, num_stages=2, max_batch=3)
+    assert all(torch.equal(a, b) for a, b in zip(eager.chunks[1], got.chunks[1], strict=True))
+    batches = sum(ev.kind == "batch" for ev in eager.plan)
+    assert graphs.eager_batches == batches and not graphs.graphs
+    assert "not permitted" in graphs.failure and "runs eagerly from now on" in caplog.text
