@@ -9,8 +9,8 @@ Usage (one session per client stream; ``gateway.stream`` drives it from two thre
     session.submit(tag, latents)          # producer thread; blocks while ``capacity`` chunks are queued/in flight;
                                           # ``tag`` is the caller's, with the chunk number as ``tag.index``
     session.finish()                      # no more chunks: results() ends after the last one
-    for tag, frames in session.results(): # consumer thread; frames (n, H, W, 3) uint8, in submit order
-        ...
+    for tag, frames, when in session.results():  # consumer thread; frames (n, H, W, 3) uint8, in submit order;
+        ...                               # when: (start_ns, end_ns) of the chunk's decode, or None if unknown
     session.abort()                       # from any thread: stop taking chunks, drop what is queued
     session.close()                       # consumer thread, last: frees the stream's VAE cache (remote: waits
                                           # until every stage has freed it)
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -122,11 +123,12 @@ class LocalSession:
                 if isinstance(item, _Failure):
                     outbox.put_final(item)
                     return
-                tag, x = item
+                tag, x, started_ns = item
+                started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
                 y = part.decode_chunk(state, x)
                 if part.gives_video:
                     y = to_uint8_frames(y).cpu().numpy()
-                if not outbox.put((tag, y)):
+                if not outbox.put((tag, y, started_ns)):
                     inbox.close(drop=True)  # aborted downstream: stop the parts upstream too
                     return
             outbox.close()  # finished: what is queued still drains
@@ -136,7 +138,7 @@ class LocalSession:
             outbox.put_final(_Failure(exc), drop=True)
 
     def submit(self, tag, latents: torch.Tensor) -> bool:
-        return self.channels[0].put((tag, latents))
+        return self.channels[0].put((tag, latents, None))
 
     def finish(self) -> None:
         self.channels[0].close()
@@ -149,7 +151,8 @@ class LocalSession:
         while (item := self.channels[-1].get()) is not CLOSED:
             if isinstance(item, _Failure):
                 raise item.exc
-            yield item
+            tag, frames, started_ns = item
+            yield tag, frames, (started_ns, time.time_ns())
 
     def close(self) -> None:
         self.abort()
@@ -220,7 +223,7 @@ class RemoteSession:
         try:
             for reply in self.call:
                 tag = self.inflight.get()
-                yield tag, np.asarray(wire.tensor_from_proto(reply.data))
+                yield tag, np.asarray(wire.tensor_from_proto(reply.data)), None
         except grpc.RpcError as exc:
             raise RuntimeError(f"VAE stage {self.decoder.address}: {exc.code().name}: {exc.details()}") from None
 

@@ -12,8 +12,9 @@ Threads and bounded buffers (per stream)::
     coordinator --(reader)--> decode session [buffer_chunks] --(decoder thread: encoder)--> out [buffer_messages]
                                                                                               --(handler)--> client
 
-The decode session (``gateway.decoder``) is the StreamVAE in this process (latents queue, decoded in the decoder
-thread) or a chain of VAE stage processes (chunks in flight through the chain).
+The decode session (``gateway.decoder``) is the VAE in this process (latents queue, decoded by one worker thread
+per VAE part, the parts possibly on several GPUs; the decoder thread takes finished frames and encodes them while
+the next chunk decodes) or a chain of VAE stage processes (chunks in flight through the chain).
 
 Slow clients: gRPC flow control stops the handler when the client does not read and ``out`` fills; a full ``out``
 blocks the decoder thread, and a full decode session blocks the pipeline reader (backpressure, which is also all
@@ -367,10 +368,11 @@ class StreamRun:
         try:
             encoder = make_encoder(cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality)
             resumed_ns = time.time_ns()
-            for tag, frames in self.session.results():
+            for tag, frames, when in self.session.results():
                 if tag.span is not None:
-                    # The VAE took the chunk when both it had arrived and the previous one was out (exact in-process).
-                    self._post_hoc_span("vae.decode", tag, max(resumed_ns, tag.arrived_ns), time.time_ns())
+                    if when is None:  # VAE stage processes: from when it both had arrived and the last one was out
+                        when = (max(resumed_ns, tag.arrived_ns), time.time_ns())
+                    self._post_hoc_span("vae.decode", tag, *when)
                 emitted = self._emit(tag, frames, encoder)
                 if tag.span is not None:
                     tag.span.end()

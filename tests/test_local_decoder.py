@@ -60,9 +60,10 @@ def test_every_cut_over_two_parts_gives_the_whole_decoders_frames(vae_folder):
         decoder = LocalDecoder.from_folder(vae_folder, dtype=torch.float32, devices=["cpu", "cpu"], boundaries=[cut])
         assert [p.start for p in decoder.parts] == [0, cut]
         got, session = run_session(decoder, chunks)
-        assert [tag for tag, _ in got] == list(range(len(chunks)))
-        for (_, frames), ref in zip(got, want, strict=True):
+        assert [tag for tag, _, _ in got] == list(range(len(chunks)))
+        for (_, frames, (start, end)), ref in zip(got, want, strict=True):
             np.testing.assert_array_equal(frames, ref)
+            assert 0 < start <= end
         assert session.state_bytes == 0 and all(s.released for s in session.states)
         assert not any(w.is_alive() for w in session.workers)
 
@@ -81,7 +82,7 @@ def test_three_parts_and_two_concurrent_streams_stay_separate(vae_folder):
     for t in threads:
         t.join()
     for chunks, got in zip(streams, results, strict=True):
-        for (_, frames), ref in zip(got, expected_frames(vae_folder, chunks), strict=True):
+        for (_, frames, _), ref in zip(got, expected_frames(vae_folder, chunks), strict=True):
             np.testing.assert_array_equal(frames, ref)
 
 
@@ -92,7 +93,7 @@ def test_a_bad_chunk_fails_the_session_with_the_parts_error_and_frees_everything
     assert session.submit(0, good[0])
     assert session.submit(1, torch.zeros(1, 3, 1, 4, 6))  # wrong latent channels
     results = session.results()
-    tag, frames = next(results)
+    tag, frames, _ = next(results)
     assert tag == 0 and frames.shape[0] == 1
     with pytest.raises(ValueError, match=r"expected normalised latents of shape \(1, 16, T, h, w\)"):
         next(results)
