@@ -16,9 +16,10 @@ what it keeps).
 Past ``max_graphs`` signatures, new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
 
-Static buffers are per batch slot and shared by every graph, so memory grows with the largest batch and window, not
-with the number of graphs: for each slot, the KV window in (``max context`` tokens) and the KV written (one chunk),
-for every layer of the slice.  Graphs share one memory pool; they are replayed one at a time on one stream.
+Static buffers are per batch slot and shape class (tokens per item, text length), shared by every graph of that
+class, so memory grows with the largest batch and window, not with the number of graphs: for each slot, the KV
+window in (``max context`` tokens) and the KV written (one chunk), for every layer of the slice.  Graphs share
+one memory pool; they are replayed one at a time on one stream.
 
 The kernels a graph replays are the ones the eager forward launches, so results equal the eager path bit for bit
 (``stagecast selftest --cuda-graphs`` checks it on a GPU).  On a CPU ``capture`` defaults to plain re-execution of
@@ -121,6 +122,7 @@ class _Graph:
     cos: torch.Tensor
     sin: torch.Tensor
     out: list  # [the blocks' output]: a graph replays into the tensor captured there; a rerun makes a new one
+    slots: list[_Slot]  # the slots the graph was captured on, one per batch item
 
 
 class GraphedBlocks:
@@ -131,7 +133,9 @@ class GraphedBlocks:
         self.capture = capture
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
-        self.slots: list[_Slot] = []
+        # Slots per shape class (tokens per item, text length): streams of another resolution get their own, so
+        # batches of two resolutions can alternate without reallocating (and re-capturing) every time.
+        self.pools: dict[tuple[int, int], list[_Slot]] = {}
         self.captures = 0  # graphs captured so far (a new signature, or after the buffers grew)
         self.eager_batches = 0  # batches that could not use a graph (oracle masks, the graph limit, a failure)
         self.failure: str | None = None  # why capturing failed, after which every batch runs eagerly
@@ -152,7 +156,8 @@ class GraphedBlocks:
         """Static buffer memory (the graphs' own pool comes on top)."""
         return sum(
             t.numel() * t.element_size()
-            for s in self.slots
+            for slots in list(self.pools.values())
+            for s in slots
             for t in (s.k_in, s.v_in, s.k_out, s.v_out, s.text_k, s.text_v)
         )
 
@@ -181,33 +186,31 @@ class GraphedBlocks:
             self.graphs[sig] = graph
         self._copy_inputs(graph, hidden, cond, ctx)
         graph.replay()
-        self._hand_over_writes(ctx)
+        self._hand_over_writes(graph, ctx)
         return graph.out[0].clone()  # the next replay overwrites graph.out; the caller may still be sending this
 
     def forget_text(self, sources: list) -> None:
         """A stream closed: let go of its text K/V (a slot keeps the last list it copied alive)."""
-        for slot in self.slots:
-            if any(slot.text_source is src for src in sources):
-                slot.text_source = None
+        for slots in self.pools.values():
+            for slot in slots:
+                if any(slot.text_source is src for src in sources):
+                    slot.text_source = None
 
     # ---- buffers ----------------------------------------------------------------------------------------
 
     def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> bool:
         """Make a slot per item large enough for its KV window and text; True if any buffer was reallocated."""
         layers, tokens = self.slice.num_layers, hidden.shape[1]
+        text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
+        slots = self.pools.setdefault((tokens, text_len), [])
         grew = False
         for b in range(hidden.shape[0]):
             kv = ctx.self_kv[b] if ctx.self_kv else None
             need = max(kv.max_context_tokens if kv is not None else 0, 1)
             text_k, _ = ctx.cross_kv[b][0]
-            _, text_len, heads, head_dim = text_k.shape
-            slot = self.slots[b] if b < len(self.slots) else None
-            if (
-                slot is not None
-                and slot.context_capacity >= need
-                and slot.k_out.shape[2] == tokens
-                and slot.text_k.shape[2] == text_len
-            ):
+            heads, head_dim = text_k.shape[2:]
+            slot = slots[b] if b < len(slots) else None
+            if slot is not None and slot.context_capacity >= need:
                 continue
             opts = dict(device=hidden.device, dtype=text_k.dtype)
             need = max(need, slot.context_capacity if slot is not None else 0)
@@ -220,9 +223,9 @@ class GraphedBlocks:
                 text_v=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
             )
             if slot is None:
-                self.slots.append(new)
+                slots.append(new)
             else:
-                self.slots[b] = new
+                slots[b] = new
                 grew = True
             logger.debug("graph slot %d: %d context tokens, %d MiB", b, need, self.nbytes >> 20)
         return grew
@@ -231,20 +234,19 @@ class GraphedBlocks:
         static_hidden = hidden.clone()
         static_proj = cond.timestep_proj.clone()
         cos, sin = (t.clone() for t in ctx.rotary)
-        items = range(hidden.shape[0])
+        slots = self.pools[(hidden.shape[1], ctx.cross_kv[0][0][0].shape[1])][: hidden.shape[0]]
         static_ctx = AttentionContext(
             rotary=(cos, sin),
-            cross_kv=[[(s.text_k[i], s.text_v[i]) for i in range(self.slice.num_layers)] for s in self.slots],
+            cross_kv=[[(s.text_k[i], s.text_v[i]) for i in range(self.slice.num_layers)] for s in slots],
             self_kv=[
                 None
                 if kv is None
                 else _StaticKV(s.k_in, s.v_in, s.k_out, s.v_out, tokens=kv.context_tokens, writes=kv.writes)
-                for kv, s in zip(ctx.self_kv, self.slots, strict=False)
+                for kv, s in zip(ctx.self_kv, slots, strict=False)
             ],
         )
-        static_ctx.cross_kv = static_ctx.cross_kv[: len(items)]
         out: list[torch.Tensor] = []
-        graph = _Graph(lambda: None, static_hidden, static_proj, cos, sin, out)
+        graph = _Graph(lambda: None, static_hidden, static_proj, cos, sin, out, slots)
         self._copy_inputs(graph, hidden, cond, ctx)
 
         def forward() -> None:
@@ -260,7 +262,7 @@ class GraphedBlocks:
         graph.timestep_proj.copy_(cond.timestep_proj)
         graph.cos.copy_(ctx.rotary[0])
         graph.sin.copy_(ctx.rotary[1])
-        for b, slot in enumerate(self.slots[: hidden.shape[0]]):
+        for b, slot in enumerate(graph.slots):
             kv = ctx.self_kv[b] if ctx.self_kv else None
             if kv is not None and kv.context_tokens:
                 kv.read_into(slot.k_in[:, :, : kv.context_tokens], slot.v_in[:, :, : kv.context_tokens])
@@ -270,8 +272,8 @@ class GraphedBlocks:
                 torch.stack([v for _, v in text], out=slot.text_v)
                 slot.text_source = text
 
-    def _hand_over_writes(self, ctx: AttentionContext) -> None:
-        for kv, slot in zip(ctx.self_kv, self.slots, strict=False):
+    def _hand_over_writes(self, graph: _Graph, ctx: AttentionContext) -> None:
+        for kv, slot in zip(ctx.self_kv, graph.slots, strict=False):
             if kv is not None and kv.writes:
                 for layer in range(self.slice.num_layers):
                     kv.write(layer, slot.k_out[layer], slot.v_out[layer])

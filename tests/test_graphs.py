@@ -63,7 +63,8 @@ def test_graphed_blocks_equal_eager_for_concurrent_streams(tiny_model, policy):
         for a, b in zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True):
             assert torch.equal(a, b)
     assert graphs.captures > 0 and graphs.eager_batches == 0
-    assert len(graphs.slots) == max(len(ev.steps) for ev in eager.plan if ev.kind == "batch")
+    (slots,) = graphs.pools.values()  # one resolution and text length: one set of slots
+    assert len(slots) == max(len(ev.steps) for ev in eager.plan if ev.kind == "batch")
 
 
 def test_signatures_repeat_once_the_window_is_full(tiny_model):
@@ -89,9 +90,9 @@ def test_a_wider_window_regrows_the_buffers_and_recaptures(tiny_model):
         got = graphed_ref.generate(reqs).chunks[stream]
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
         tokens = graphed_ref.runner.slice.tokens_per_frame(4, 6)
-        assert graphs.slots[0].context_capacity == window * tokens
+        assert graphs.pools[(tokens, 16)][0].context_capacity == window * tokens
     # Closing a stream lets go of its text K/V.
-    assert all(slot.text_source is None for slot in graphs.slots)
+    assert all(slot.text_source is None for slot in graphs.pools[(tokens, 16)])
 
 
 def test_past_the_graph_limit_batches_run_eagerly_and_still_match(tiny_model):
@@ -156,3 +157,19 @@ def test_a_failed_capture_falls_back_to_eager_for_good(tiny_model, caplog):
     batches = sum(ev.kind == "batch" for ev in eager.plan)
     assert graphs.eager_batches == batches and not graphs.graphs
     assert "not permitted" in graphs.failure and "runs eagerly from now on" in caplog.text
+
+
+def test_two_resolutions_keep_their_own_slots_and_graphs(tiny_model):
+    # Batches of two streams at different sizes alternate; each size keeps its buffers, so once both windows
+    # are full nothing is captured again.
+    model = tiny_model()
+    specs = [spec(1, num_chunks=10, window=2, sink=0), spec(2, num_chunks=10, window=2, sink=0, height=8, width=6)]
+    reqs = requests(specs, arrivals=[0, 0])
+    eager, _ = run(model, reqs, graphed=False, num_stages=1, max_batch=1)
+    graphed, graphs = run(model, reqs, graphed=True, num_stages=1, max_batch=1)
+    for s in specs:
+        pairs = zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    assert len(graphs.pools) == 2
+    batches = sum(ev.kind == "batch" for ev in eager.plan)
+    assert batches == 40 and graphs.captures <= 12  # per size: context 0, 1, 2 frames x writes or not
