@@ -34,7 +34,8 @@ def alive(pid):
 def test_up_serves_and_sigterm_stops_every_process():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
-        up = launcher.spawn("up", ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"])
+        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        up = launcher.spawn("up", [*args, "--vae-devices", "cpu,cpu"])  # the gateway's VAE cut in two parts
         channel, stub = coordinator_stub(up.info["coordinator"])
         assert stub.Status(pb.Empty()).ready
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=2))
