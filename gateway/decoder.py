@@ -71,6 +71,14 @@ class LocalDecoder:
         """
         if not devices:
             raise ValueError("no VAE devices given")
+        for name in devices:
+            try:
+                device = torch.device(name)
+            except RuntimeError:
+                raise ValueError(f"VAE device {name!r} is not a device name (e.g. cpu, cuda:0)") from None
+            count = torch.cuda.device_count()
+            if device.type == "cuda" and (device.index or 0) >= count:
+                raise ValueError(f"VAE device {name!r} does not exist here: this machine has {count} CUDA device(s)")
         if boundaries is not None and len(devices) == 1 and boundaries:
             raise ValueError(f"VAE split {boundaries} needs {len(boundaries) + 1} devices, got 1")
         if len(devices) == 1:

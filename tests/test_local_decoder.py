@@ -126,6 +126,14 @@ def test_abort_unblocks_a_producer_and_close_joins_the_workers(vae_folder):
     assert all(s.released for s in session.states)
 
 
+def test_bad_devices_are_refused_with_the_reason(vae_folder):
+    with pytest.raises(ValueError, match="'gpu0' is not a device name"):
+        LocalDecoder.from_folder(vae_folder, dtype=torch.float32, devices=["cpu", "gpu0"])
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"'{missing}' does not exist here"):
+        LocalDecoder.from_folder(vae_folder, dtype=torch.float32, devices=["cpu", missing])
+
+
 def test_bad_splits_are_refused_with_the_reason(vae_folder):
     units = len(decoder_units(StreamVAE.from_folder(vae_folder).vae))
     with pytest.raises(ValueError, match="needs 2 devices"):
