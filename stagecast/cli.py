@@ -16,12 +16,15 @@ stagecast trace-summary FILE                    per-stage span latencies (p50/p9
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
 
 from stagecast.log import setup_logging
+
+SERVICE_COMMANDS = ("coordinator", "stage", "gateway", "vae-stage")
 
 
 def _stop_event() -> threading.Event:
@@ -242,6 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_summary(sub)
     args = parser.parse_args(argv)
     setup_logging()
+    try:
+        return _dispatch(args, parser)
+    except (ValueError, FileNotFoundError) as exc:
+        if args.command not in SERVICE_COMMANDS:
+            raise
+        # A service that cannot start from its flags says why in one line (the traceback is at debug level).
+        logging.getLogger("stagecast.cli").debug("%s failed to start", args.command, exc_info=True)
+        print(f"stagecast {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args, parser) -> int:
 
     if args.command == "coordinator":
         from coordinator.server import CoordinatorOptions, serve

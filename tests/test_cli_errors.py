@@ -1,0 +1,39 @@
+"""A service that cannot start from its flags exits 2 with one line naming the problem, not a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from stagecast.demo_checkpoint import write_demo_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "stagecast.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--vae-devices", "gpu0"], "stagecast gateway: error: VAE device 'gpu0' is not a device name"),
+        (["--vae-devices", "cpu,cpu", "--vae-split", "0"], "stagecast gateway: error: boundaries [0] must lie in"),
+    ],
+)
+def test_gateway_with_bad_vae_flags_exits_2_with_the_reason(checkpoint, flags, message):
+    proc = run_cli("gateway", "--coordinator", "127.0.0.1:1", "--checkpoint", str(checkpoint), "--port", "0", *flags)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stage_with_a_missing_checkpoint_exits_2_naming_it(tmp_path):
+    missing = tmp_path / "nowhere"
+    proc = run_cli("stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(missing))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stagecast stage: error:" in proc.stderr and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
