@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh 1.3b     # 1.3B: 1 step on 2 GPUs and on 1 GPU, 4 steps on 2 GPUs (~9 min)
 #   bash benchmarks/gpu_suite.sh large    # 14B 1 step and 5B 704x1280 4 steps on 2 GPUs (~8 min)
 #
-# Results go to ${OUT:-benchmarks/results}/*.json and rows are appended to BENCHMARKS.md's end; the commit is read
+# Results go to ${OUT:-benchmarks/results}/*.json, table rows to rows.md beside them; the commit is read
 # from $STAGECAST_COMMIT when the tree has no .git.
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
