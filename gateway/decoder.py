@@ -20,6 +20,7 @@ Both are exact: ``gateway.stream_vae`` decodes chunk by chunk bit-identically ho
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from gateway.channel import CLOSED, BoundedChannel
-from gateway.stream_vae import ChunkDecoder, StreamVAE, split_decoder, to_uint8_frames
+from gateway.stream_vae import ChunkDecoder, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -64,30 +65,31 @@ class LocalDecoder:
         boundaries: list[int] | None = None,
         compile: bool = False,
     ) -> LocalDecoder:
-        """One part per device: the whole ``StreamVAE`` for one device, else ``split_decoder`` slices.
+        """One part per device: the whole ``StreamVAE`` for one device, else the ``decoder_cut`` slices.
 
         ``boundaries`` are the decoder unit indices where parts 1.. start (``decoder_units``); by default the cut
         balances multiply-accumulates.  Each device loads its own copy of the weights and runs only its slice.
         """
         if not devices:
             raise ValueError("no VAE devices given")
+        count = torch.cuda.device_count()
         for name in devices:
             try:
                 device = torch.device(name)
             except RuntimeError:
                 raise ValueError(f"VAE device {name!r} is not a device name (e.g. cpu, cuda:0)") from None
-            count = torch.cuda.device_count()
             if device.type == "cuda" and (device.index or 0) >= count:
                 raise ValueError(f"VAE device {name!r} does not exist here: this machine has {count} CUDA device(s)")
-        if boundaries is not None and len(devices) == 1 and boundaries:
+        if boundaries and len(devices) == 1:
             raise ValueError(f"VAE split {boundaries} needs {len(boundaries) + 1} devices, got 1")
         if len(devices) == 1:
             return cls(StreamVAE.from_folder(folder, dtype=dtype, device=devices[0], compile=compile))
-        parts = []
-        for i, device in enumerate(devices):
-            vae = StreamVAE.from_folder(folder, dtype=dtype, device=device).vae
-            part = split_decoder(vae, len(devices), boundaries=boundaries, compile=compile)[i]
-            parts.append(part)
+        vaes = [StreamVAE.from_folder(folder, dtype=dtype, device=device).vae for device in devices]
+        edges = decoder_cut(vaes[0], len(devices), boundaries)
+        parts = [
+            StreamVAESlice(vae, a, b, compile=compile)
+            for vae, (a, b) in zip(vaes, itertools.pairwise(edges), strict=True)
+        ]
         logger.info(
             "VAE decoder split over %s at units %s",
             ", ".join(devices),

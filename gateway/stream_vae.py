@@ -343,7 +343,10 @@ class StreamVAESlice(ChunkDecoder):
             slots=sum(u.slots() for u in self.units),
         )
         # As StreamVAE: frames after a stream's first run through one compiled graph of this slice's units.
-        self._compiled = torch.compile(self._run_units, dynamic=False) if compile else None
+        self._compiled = None
+        if compile:
+            _reserve_compiled_variants()
+            self._compiled = torch.compile(self._run_units, dynamic=False)
 
     def _run_units(self, x: torch.Tensor, cache: list, idx: list[int], first: bool) -> torch.Tensor:
         for unit in self.units:
@@ -357,15 +360,20 @@ class StreamVAESlice(ChunkDecoder):
         return self._run_units(x, cache, idx, first)
 
 
-def _allow_recompiles(entries: int) -> None:
+_compiled_slices = 0
+
+
+def _reserve_compiled_variants() -> None:
     """Every compiled slice shares ``_run_units``'s code object, and dynamo keeps a limited number of compiled
     variants per code object (8 by default). Each slice needs up to three: the stream's frame 1, frame 2 and
     later frames, whose cache slots differ in frames and strides. Past the limit, dynamo silently runs the rest
-    eagerly."""
+    eagerly, so each compiled slice made in this process raises the limit by four."""
+    global _compiled_slices
+    _compiled_slices += 1
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if getattr(config, name) < entries:
-        setattr(config, name, entries)
+    if getattr(config, name) < 4 * _compiled_slices:
+        setattr(config, name, 4 * _compiled_slices)
 
 
 @torch.no_grad()
@@ -409,11 +417,21 @@ def unit_macs(vae: AutoencoderKLWan, latent_hw: tuple[int, int] = (2, 2)) -> lis
 def split_decoder(
     vae: AutoencoderKLWan, num_slices: int, *, boundaries: list[int] | None = None, compile: bool = False
 ) -> list[StreamVAESlice]:
-    """Cut the decoder into ``num_slices`` consecutive slices.
+    """Cut the decoder into ``num_slices`` consecutive slices (``decoder_cut`` says where).
+
+    The slices share ``vae``'s modules; to put them on different devices, build each with
+    ``StreamVAESlice(vae_there, edges[i], edges[i + 1])`` from its own copy of the VAE moved there (a slice only
+    runs its own units' weights).
+    """
+    edges = decoder_cut(vae, num_slices, boundaries)
+    return [StreamVAESlice(vae, a, b, compile=compile) for a, b in itertools.pairwise(edges)]
+
+
+def decoder_cut(vae: AutoencoderKLWan, num_slices: int, boundaries: list[int] | None = None) -> list[int]:
+    """``[0, *boundaries, units]``: where each of ``num_slices`` slices starts, and where the last one ends.
 
     ``boundaries`` are the unit indices where slices 1.. start; by default they minimise the largest slice's
-    ``unit_macs``. The slices share ``vae``'s modules; to put them on different devices, build each from its own
-    copy of the VAE moved there (a slice only runs its own units' weights).
+    ``unit_macs`` (a pure function of the architecture, so every process that cuts the same model agrees).
     """
     n = len(decoder_units(vae))
     if not 1 <= num_slices <= n:
@@ -428,12 +446,9 @@ def split_decoder(
         boundaries = list(min(itertools.combinations(range(1, n), num_slices - 1), key=worst))
     if len(boundaries) != num_slices - 1 or list(boundaries) != sorted(set(boundaries)):
         raise ValueError(f"need {num_slices - 1} increasing boundaries, got {boundaries}")
-    edges = [0, *boundaries, n]
-    if compile:
-        _allow_recompiles(4 * num_slices)
     if boundaries and not 1 <= boundaries[0] <= boundaries[-1] < n:
         raise ValueError(f"boundaries {boundaries} must lie in [1, {n - 1}]: the decoder has {n} units")
-    return [StreamVAESlice(vae, a, b, compile=compile) for a, b in itertools.pairwise(edges)]
+    return [0, *boundaries, n]
 
 
 def write_tiny_vae(folder: str | PathLike, *, name: str = "tiny-wan2.1", seed: int = 0) -> Path:

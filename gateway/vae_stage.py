@@ -6,7 +6,7 @@ Run the chain from its end (each stage needs the next one's address), then point
     stagecast vae-stage --checkpoint DIR --index 0 --num-slices 2 --port 50070 --next 127.0.0.1:50071
     stagecast gateway ... --vae-stage 127.0.0.1:50070
 
-Every stage cuts the decoder the same way (``split_decoder``: balanced by measured multiply-accumulates, a pure
+Every stage cuts the decoder the same way (``decoder_cut``: balanced by measured multiply-accumulates, a pure
 function of the architecture) and keeps its own slice.  One ``Decode`` call per client stream: the stage decodes
 each chunk with its slice and the stream's cache slots, and forwards the result on its own call to the next stage,
 so a stream's consecutive chunks are in different stages at once.  The last stage returns uint8 frames.  A stream's
@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from gateway.stream_vae import DTYPES, StreamVAE, split_decoder, to_uint8_frames
+from gateway.stream_vae import DTYPES, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -52,7 +52,10 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
         folder = Path(opts.checkpoint)
         folder = folder / "vae" if (folder / "vae").is_dir() else folder
         vae = StreamVAE.from_folder(folder, dtype=DTYPES[opts.dtype], device=opts.device).vae
-        self.slice = split_decoder(vae, opts.num_slices)[opts.index]
+        edges = decoder_cut(vae, opts.num_slices)
+        if not 0 <= opts.index < opts.num_slices:
+            raise ValueError(f"--index {opts.index} is not a slice of {opts.num_slices} (0..{opts.num_slices - 1})")
+        self.slice = StreamVAESlice(vae, edges[opts.index], edges[opts.index + 1])
         self.opts = opts
         self.is_last = self.slice.gives_video
         if self.is_last != (opts.next is None):
