@@ -173,10 +173,11 @@ class GraphedBlocks:
                     logger.warning("%d CUDA graphs captured; further batch signatures run eagerly", self.max_graphs)
                 self.eager_batches += 1
                 return self.slice.run_blocks(hidden, cond, ctx)
-            if self._ensure_slots(hidden, ctx):
+            slots, grew = self._ensure_slots(hidden, ctx)
+            if grew:
                 self.graphs.clear()  # buffers were reallocated: the captured graphs point at the old ones
             try:
-                graph = self._capture(sig, hidden, cond, ctx)
+                graph = self._capture(sig, hidden, cond, ctx, slots)
             except Exception as exc:  # a kernel that cannot be captured: keep serving, eagerly
                 self.failure = f"{type(exc).__name__}: {exc}"
                 self.graphs.clear()
@@ -198,8 +199,9 @@ class GraphedBlocks:
 
     # ---- buffers ----------------------------------------------------------------------------------------
 
-    def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> bool:
-        """Make a slot per item large enough for its KV window and text; True if any buffer was reallocated."""
+    def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> tuple[list[_Slot], bool]:
+        """A slot per item, large enough for its KV window and text: ``(the batch's slots, whether any buffer was
+        reallocated)``."""
         layers, tokens = self.slice.num_layers, hidden.shape[1]
         text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
         slots = self.pools.setdefault((tokens, text_len), [])
@@ -228,13 +230,14 @@ class GraphedBlocks:
                 slots[b] = new
                 grew = True
             logger.debug("graph slot %d: %d context tokens, %d MiB", b, need, self.nbytes >> 20)
-        return grew
+        return slots[: hidden.shape[0]], grew
 
-    def _capture(self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> _Graph:
+    def _capture(
+        self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, slots: list[_Slot]
+    ) -> _Graph:
         static_hidden = hidden.clone()
         static_proj = cond.timestep_proj.clone()
         cos, sin = (t.clone() for t in ctx.rotary)
-        slots = self.pools[(hidden.shape[1], ctx.cross_kv[0][0][0].shape[1])][: hidden.shape[0]]
         static_ctx = AttentionContext(
             rotary=(cos, sin),
             cross_kv=[[(s.text_k[i], s.text_v[i]) for i in range(self.slice.num_layers)] for s in slots],

@@ -257,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args, parser) -> int:
-
     if args.command == "coordinator":
         from coordinator.server import CoordinatorOptions, serve
 
