@@ -328,15 +328,16 @@ def _dispatch(args, parser) -> int:
             root = args.checkpoint
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
                 # The gateway's text encoder shares the last stage's GPU; its VAE is cut over every stage's GPU.
-                gw_device = f"cuda:{args.stages - 1}" if args.device == "cuda" else args.device
-                gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
-                gw_args += ["--host", args.host, "--port", str(args.gateway_port)]
-                vae_devices = args.vae_devices
-                if vae_devices is None and args.device == "cuda":
+                gw_device, vae_devices = args.device, args.vae_devices
+                if args.device == "cuda":
                     import torch
 
                     gpus = max(torch.cuda.device_count(), 1)  # stage i runs on cuda:(i % gpus)
-                    vae_devices = ",".join(f"cuda:{i}" for i in range(min(args.stages, gpus)))
+                    gw_device = f"cuda:{(args.stages - 1) % gpus}"
+                    if vae_devices is None:
+                        vae_devices = ",".join(f"cuda:{i}" for i in range(min(args.stages, gpus)))
+                gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root, "--device", gw_device]
+                gw_args += ["--host", args.host, "--port", str(args.gateway_port)]
                 if vae_devices:
                     gw_args += ["--vae-devices", vae_devices]
                 if args.device.startswith("cuda"):
