@@ -56,6 +56,7 @@ class StreamFailure:
 
 
 _END = object()
+MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 
 
 @dataclass
@@ -66,7 +67,12 @@ class StreamSession:
     traceparent: str = ""
     events: queue.Queue = field(default_factory=queue.Queue)
     received: int = 0
-    delivered: int = 0  # chunks handed to the consumer's gRPC stream
+    # Chunks the consumer has consumed: acknowledged by it (``acknowledges``), else yielded by its gRPC stream.
+    delivered: int = 0
+    acknowledges: bool = False
+    consumer_depth: int = 0  # chunks the consumer holds between receiving and acknowledging (its VAE depth)
+    started: int = 0  # chunks started by the scheduler
+    max_lead: int = 0  # the largest started - delivered seen
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
     ended: bool = False
@@ -372,7 +378,17 @@ class PipelineEngine:
         recs = self.registry.records()
         return recs[0].config if recs else None
 
-    def open(self, spec: StreamSpec, text: torch.Tensor, traceparent: str = "") -> StreamSession:
+    def open(
+        self,
+        spec: StreamSpec,
+        text: torch.Tensor,
+        traceparent: str = "",
+        *,
+        acknowledges: bool = False,
+        consumer_depth: int = 0,
+    ) -> StreamSession:
+        if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
+            raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
         cfg = self.model_config()
         with self.cond:
             if not self.ready:
@@ -395,7 +411,15 @@ class PipelineEngine:
             from dataclasses import replace
 
             spec = replace(spec, stream_id=sid)
-            session = StreamSession(sid, spec, text, traceparent=traceparent, generation=self.generation)
+            session = StreamSession(
+                sid,
+                spec,
+                text,
+                traceparent=traceparent,
+                generation=self.generation,
+                acknowledges=acknowledges,
+                consumer_depth=consumer_depth,
+            )
             self.sessions[sid] = session
             self.pending_opens.append(session)
             self.telemetry.stream_opened()
@@ -491,14 +515,44 @@ class PipelineEngine:
         self.cond.notify_all()
 
     def delivered(self, session: StreamSession) -> None:
-        """The consumer took a chunk: the stream may start another (delivery pacing)."""
+        """The consumer's gRPC stream took a chunk.  For a consumer that does not acknowledge, that is delivery: the
+        stream may start another (delivery pacing)."""
+        if session.acknowledges:
+            return
         with self.cond:
             session.delivered += 1
             self._wake()
 
+    def consumed(self, stream_id: int, chunks: int) -> None:
+        """The consumer acknowledged the first ``chunks`` chunks as consumed (decoded and handed on)."""
+        with self.cond:
+            session = self.sessions.get(stream_id)
+            if session is None:
+                raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            if not session.acknowledges:
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stream {stream_id} was opened without acknowledges; its chunks count as delivered when sent",
+                )
+            if not 0 <= chunks <= session.received:
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunks={chunks} must be in [0, {session.received}] (the chunks the stream has received)",
+                )
+            if chunks > session.delivered:
+                session.delivered = chunks
+                self._wake()
+
+    def lead_bound(self, session: StreamSession) -> int:
+        """Chunks a stream may run ahead of its consumer: one wavefront (every level in every stage) plus what
+        the consumer holds to keep its decoder busy (2 for a consumer that does not say)."""
+        if self.max_ahead:
+            return self.max_ahead
+        depth = session.consumer_depth if session.acknowledges else 2
+        return session.spec.levels * self.registry.world_size + depth
+
     def _credit(self, session: StreamSession) -> int:
-        ahead = self.max_ahead or session.spec.levels * self.registry.world_size + 2
-        return session.delivered + ahead
+        return session.delivered + self.lead_bound(session)
 
     def _loop(self) -> None:
         while True:
@@ -565,6 +619,11 @@ class PipelineEngine:
         if sched.active and self.batches_planned - self.batches_done < self.lookahead:
             batch = sched.tick()
             self._idle_ticks = 0 if batch else self._idle_ticks + 1
+            for sid in before:
+                session = self.sessions.get(sid)
+                if session is not None:
+                    session.started = sched.started_chunks.get(sid, 0)
+                    session.max_lead = max(session.max_lead, session.started - session.delivered)
             if batch:
                 self.batches_planned += 1
                 events.append(self._next_event(batch=pb.MicroBatch(steps=[wire.step_to_proto(s) for s in batch])))
@@ -599,6 +658,17 @@ class PipelineEngine:
                 stages=stages,
                 active_streams=len(self.sessions),
                 stage_stats=[self.stage_stats[i] for i in sorted(self.stage_stats)],
+                streams=[
+                    pb.StreamProgress(
+                        stream_id=s.id,
+                        started=s.started,
+                        received=s.received,
+                        consumed=s.delivered,
+                        bound=self.lead_bound(s),
+                        max_lead=s.max_lead,
+                    )
+                    for s in sorted(self.sessions.values(), key=lambda s: s.id)
+                ],
             )
 
 

@@ -104,7 +104,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             text = wire.tensor_from_proto(request.text)
             # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
             traceparent = telemetry.traceparent_of(span) or request.traceparent
-            session = self.engine.open(spec, text, traceparent=traceparent)
+            session = self.engine.open(
+                spec,
+                text,
+                traceparent=traceparent,
+                acknowledges=request.acknowledges,
+                consumer_depth=request.consumer_depth,
+            )
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
         except ValueError as exc:
@@ -126,8 +132,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 context.abort(ev.code, ev.message)
             yield ev
             if ev.HasField("chunk"):
-                # gRPC flow control holds this generator while the consumer is not reading, so counting here
-                # paces the stream's scheduling by delivery.
+                # gRPC flow control holds this generator while the consumer is not reading, so for a consumer that
+                # does not acknowledge, counting here paces the stream's scheduling by delivery.  (It paces loosely:
+                # gRPC's buffers take several chunks; a consumer that acknowledges holds the lead exactly.)
                 self.engine.delivered(session)
 
     def StopStream(self, request: pb.StopRequest, context):
@@ -152,6 +159,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             except AdmissionError as exc:
                 context.abort(exc.code, str(exc))
             return pb.Empty()
+
+    def Consumed(self, request: pb.ChunksConsumed, context):
+        try:
+            self.engine.consumed(request.stream_id, request.chunks)
+        except AdmissionError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.Empty()
 
     def GetPlan(self, request, context):
         if not self.engine.record_plan:

@@ -100,6 +100,11 @@ class LocalDecoder:
     def open(self, capacity: int) -> LocalSession:
         return LocalSession(self.parts, capacity)
 
+    def depth(self, capacity: int) -> int:
+        """Chunks a stream needs queued here to keep every part busy: one per part and one waiting (at most
+        ``capacity`` + 1, what a session can hold before the producer blocks)."""
+        return min(len(self.parts) + 1, capacity + 1)
+
     def close(self) -> None:
         pass
 
@@ -192,6 +197,10 @@ class RemoteDecoder:
 
     def open(self, capacity: int) -> RemoteSession:
         return RemoteSession(self, capacity)
+
+    def depth(self, capacity: int) -> int:
+        """Chunks a stream keeps in flight through the chain."""
+        return capacity
 
     def close(self) -> None:
         self.channel.close()

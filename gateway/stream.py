@@ -108,6 +108,7 @@ class StreamRun:
         self._cancelled_pipeline = False
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
         self.last_frame_ms: float | None = None
+        self._ack_future = None  # the latest acknowledgement in flight
         # Tracing (stagecast.telemetry): the stream's span and the coordinator call's client span; None when off.
         self.span = self._start_stream_span(parent_span) if telemetry.enabled() else None
         self._open_span = None
@@ -175,7 +176,13 @@ class StreamRun:
 
     def _open_pipeline(self) -> None:
         spec = self.cfg.stream_spec(latent_channels=self.gw.model.latent_channels, text_len=self.gw.text_len)
-        req = ipb.OpenStreamRequest(spec=wire.spec_to_proto(spec), text=wire.tensor_to_proto(self.text))
+        # The stream's lead is held to one wavefront plus our VAE depth: we acknowledge each chunk once decoded.
+        req = ipb.OpenStreamRequest(
+            spec=wire.spec_to_proto(spec),
+            text=wire.tensor_to_proto(self.text),
+            acknowledges=True,
+            consumer_depth=self.gw.decoder.depth(self.gw.opts.buffer_chunks),
+        )
         if self.span is not None:
             # The coordinator's stream span is this call's child; the context also rides in the request.
             self._open_span = telemetry.start_rpc_span(
@@ -378,6 +385,7 @@ class StreamRun:
                     tag.span.end()
                 if not emitted:
                     return
+                self._acknowledge(tag.index + 1)
                 resumed_ns = time.time_ns()
             if self.end_reason is not None:
                 self._finish(self.end_reason, encoder.flush() if cfg.codec == "h264" else b"")
@@ -431,6 +439,19 @@ class StreamRun:
             self.frames_emitted += 1
         self.gw.metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
         return True
+
+    def _acknowledge(self, chunks: int) -> None:
+        """Tell the coordinator the first ``chunks`` chunks are consumed, without waiting for its answer: the stream
+        may start further chunks (its lead stays one wavefront plus the VAE depth)."""
+        req = ipb.ChunksConsumed(stream_id=self.pipeline_id, chunks=chunks)
+        future = self.gw.coordinator.Consumed.future(req, timeout=10)
+        future.add_done_callback(self._acknowledged)
+        self._ack_future = future  # the latest is kept alive; acknowledgements are cumulative
+
+    def _acknowledged(self, future) -> None:
+        exc = future.exception()
+        if exc is not None and exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
+            logger.warning("stream %s: acknowledging chunks failed (%s)", self.id, exc.code().name)
 
     def _chunk_span(self, chunk: int):
         if self.span is None:

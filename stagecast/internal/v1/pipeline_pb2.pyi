@@ -257,14 +257,42 @@ class RegisterReply(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "traceparent")
+    __slots__ = ("spec", "text", "traceparent", "acknowledges", "consumer_depth")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGES_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     traceparent: str
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    acknowledges: bool
+    consumer_depth: int
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ...) -> None: ...
+
+class ChunksConsumed(_message.Message):
+    __slots__ = ("stream_id", "chunks")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunks: int
+    def __init__(self, stream_id: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class StreamProgress(_message.Message):
+    __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    started: int
+    received: int
+    consumed: int
+    bound: int
+    max_lead: int
+    def __init__(self, stream_id: _Optional[int] = ..., started: _Optional[int] = ..., received: _Optional[int] = ..., consumed: _Optional[int] = ..., bound: _Optional[int] = ..., max_lead: _Optional[int] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("stream_id", "generation")
@@ -321,17 +349,19 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
     stages: _containers.RepeatedCompositeFieldContainer[StageDescription]
     active_streams: int
     stage_stats: _containers.RepeatedCompositeFieldContainer[StageStats]
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
+    streams: _containers.RepeatedCompositeFieldContainer[StreamProgress]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ...) -> None: ...

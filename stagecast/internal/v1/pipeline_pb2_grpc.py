@@ -302,6 +302,11 @@ class CoordinatorServiceStub:
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.PromptUpdate.SerializeToString,
                 response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Consumed = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/Consumed',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetPlan = channel.unary_unary(
                 '/stagecast.internal.v1.CoordinatorService/GetPlan',
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.PlanRequest.SerializeToString,
@@ -343,6 +348,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Consumed(self, request, context):
+        """The consumer's acknowledgement (streams opened with acknowledges): lets the stream start further chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPlan(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -376,6 +388,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
             'UpdatePrompt': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdatePrompt,
                     request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.PromptUpdate.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
+            ),
+            'Consumed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Consumed,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.FromString,
                     response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
             ),
             'GetPlan': grpc.unary_unary_rpc_method_handler(
@@ -496,6 +513,33 @@ class CoordinatorService:
             target,
             '/stagecast.internal.v1.CoordinatorService/UpdatePrompt',
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.PromptUpdate.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consumed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/Consumed',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.SerializeToString,
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
             options,
             channel_credentials,
