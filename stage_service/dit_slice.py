@@ -18,6 +18,7 @@ our processors, which read per-item context (KV cache, cached text K/V, RoPE off
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,7 +88,7 @@ class _SliceAttnProcessor:
         self.cross = cross
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        ctx = self._owner[0]._ctx
+        ctx = getattr(self._owner[0]._local, "ctx", None)
         if ctx is None:
             raise RuntimeError("slice attention called outside DiTSlice.run_blocks")
         if self.cross:
@@ -139,7 +140,8 @@ class DiTSlice(nn.Module):
         self.last = last
         self.per_token_timesteps = expands_timesteps(config)
         self.model = model
-        self._ctx: AttentionContext | None = None
+        # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
+        self._local = threading.local()
         for i, block in enumerate(model.blocks):
             block.attn1.set_processor(_SliceAttnProcessor(self, i, cross=False))
             block.attn2.set_processor(_SliceAttnProcessor(self, i, cross=True))
@@ -319,12 +321,12 @@ class DiTSlice(nn.Module):
         return hs.flatten(2).transpose(1, 2).contiguous()
 
     def run_blocks(self, hidden_states: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> torch.Tensor:
-        self._ctx = ctx
+        self._local.ctx = ctx
         try:
             for block in self.model.blocks:
                 hidden_states = block(hidden_states, None, cond.timestep_proj, ctx.rotary)
         finally:
-            self._ctx = None
+            self._local.ctx = None
         return hidden_states
 
     def head(self, hidden_states: torch.Tensor, cond: Conditioning, latent_shape: torch.Size) -> torch.Tensor:

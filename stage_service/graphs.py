@@ -13,6 +13,12 @@ length.  The first batch of a signature is captured; later ones copy their input
 in static output buffers that the caller's ``KVView`` takes before the next replay (``StreamKVCache.commit`` clones
 what it keeps).
 
+With ``background=True`` (the stage's default on a GPU) a signature first seen at run time never stalls the serving
+path: its batch runs eagerly, the inputs are copied into buffers of its own, and a worker thread captures its graph
+(on its own CUDA stream, ``capture_error_mode="thread_local"``) while the executor keeps running batches; batches of
+that signature run eagerly until the graph is in, then replay it.  Such a graph keeps its own slots (it was captured
+while other graphs replayed on the shared ones).  ``warm`` captures signatures in line, before the stage is ready.
+
 Past ``max_graphs`` signatures, new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
 
@@ -29,7 +35,9 @@ the same static-buffer code, which is what the CPU tests hold against the eager 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -126,13 +134,27 @@ class _Graph:
 
 
 class GraphedBlocks:
-    def __init__(self, dit_slice: DiTSlice, *, capture: Capture | None = None, max_graphs: int = 64):
+    def __init__(
+        self,
+        dit_slice: DiTSlice,
+        *,
+        capture: Capture | None = None,
+        max_graphs: int = 64,
+        background: bool = False,
+    ):
         self.slice = dit_slice
         if capture is None:
             capture = cuda_graph_capture(dit_slice.device) if dit_slice.device.type == "cuda" else rerun_capture
         self.capture = capture
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
+        # Background capture: signatures being captured off the serving path, and the one worker that does it.
+        self.background = background
+        self.pending: dict[tuple, Future] = {}
+        self._lock = threading.Lock()  # graphs/pending between the executor and the capture worker
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="graph-capture") if background else None
+        self.background_captures = 0  # graphs captured off the serving path
+        self.private_slots: list[_Slot] = []  # the slots of graphs captured in the background
         # Slots per shape class (tokens per item, text length): streams of another resolution get their own, so
         # batches of two resolutions can alternate without reallocating (and re-capturing) every time.
         self.pools: dict[tuple[int, int], list[_Slot]] = {}
@@ -156,7 +178,7 @@ class GraphedBlocks:
         """Static buffer memory (the graphs' own pool comes on top)."""
         return sum(
             t.numel() * t.element_size()
-            for slots in list(self.pools.values())
+            for slots in [*self.pools.values(), list(self.private_slots)]
             for s in slots
             for t in (s.k_in, s.v_in, s.k_out, s.v_out, s.text_k, s.text_v)
         )
@@ -167,6 +189,8 @@ class GraphedBlocks:
             return self.slice.run_blocks(hidden, cond, ctx)
         sig = self.signature(hidden, cond, ctx)
         graph = self.graphs.get(sig)
+        if graph is None and self.background:
+            return self._eager_while_capturing(sig, hidden, cond, ctx)
         if graph is None:
             if len(self.graphs) >= self.max_graphs:
                 if self.eager_batches == 0:
@@ -190,9 +214,84 @@ class GraphedBlocks:
         self._hand_over_writes(graph, ctx)
         return graph.out[0].clone()  # the next replay overwrites graph.out; the caller may still be sending this
 
+    def warm(self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> bool:
+        """Capture this batch's signature now, in line (before the stage serves); True if a graph holds it."""
+        background, self.background = self.background, False
+        try:
+            self.run(hidden, cond, ctx)
+        finally:
+            self.background = background
+        return self.signature(hidden, cond, ctx) in self.graphs
+
+    def wait_captures(self, timeout: float | None = None) -> None:
+        """Block until every background capture started so far has finished (tests, shutdown)."""
+        with self._lock:
+            futures = list(self.pending.values())
+        for future in futures:
+            future.exception(timeout)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _eager_while_capturing(
+        self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """A signature without a graph: start capturing it off the serving path (once) and run this batch eagerly."""
+        with self._lock:
+            start = sig not in self.pending and len(self.graphs) + len(self.pending) < self.max_graphs
+            if start:
+                self.pending[sig] = Future()  # placeholder until submitted, so the signature is not started twice
+        if start:
+            # Inputs go into buffers of the new graph's own, here on the executor thread: the KV window and text are
+            # read before the executor moves on (commits evict frames), and no shared slot is touched meanwhile.
+            slots = self._private_slots(hidden, ctx)
+            graph, forward = self._prepare(sig, hidden, cond, ctx, slots)
+            with self._lock:
+                self.pending[sig] = self._worker.submit(self._capture_in_background, sig, graph, forward)
+        self.eager_batches += 1
+        return self.slice.run_blocks(hidden, cond, ctx)
+
+    def _capture_in_background(self, sig: tuple, graph: _Graph, forward: Callable[[], None]) -> None:
+        try:
+            graph.replay = self.capture(forward)
+        except Exception:
+            logger.exception("background CUDA graph capture failed; signature %s stays eager", sig)
+            return  # it stays pending: the signature is not retried, and runs eagerly
+        with self._lock:
+            self.graphs[sig] = graph
+            self.pending.pop(sig, None)
+            self.private_slots.extend(graph.slots)
+            self.captures += 1
+            self.background_captures += 1
+        logger.info("captured a graph in the background for batch signature %s (%d graphs)", sig, len(self.graphs))
+
+    def _private_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[_Slot]:
+        layers, tokens = self.slice.num_layers, hidden.shape[1]
+        text_len = ctx.cross_kv[0][0][0].shape[1]
+        slots = []
+        for b in range(hidden.shape[0]):
+            kv = ctx.self_kv[b] if ctx.self_kv else None
+            need = max(kv.context_tokens if kv is not None else 0, 1)
+            heads, head_dim = ctx.cross_kv[b][0][0].shape[2:]
+            slots.append(self._new_slot(layers, need, tokens, text_len, heads, head_dim, hidden.device, hidden.dtype))
+        return slots
+
+    @staticmethod
+    def _new_slot(layers, context, tokens, text_len, heads, head_dim, device, dtype) -> _Slot:
+        opts = dict(device=device, dtype=dtype)
+        return _Slot(
+            k_in=torch.zeros(layers, 1, context, heads, head_dim, **opts),
+            v_in=torch.zeros(layers, 1, context, heads, head_dim, **opts),
+            k_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
+            v_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
+            text_k=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
+            text_v=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
+        )
+
     def forget_text(self, sources: list) -> None:
         """A stream closed: let go of its text K/V (a slot keeps the last list it copied alive)."""
-        for slots in self.pools.values():
+        for slots in [*self.pools.values(), self.private_slots]:
             for slot in slots:
                 if any(slot.text_source is src for src in sources):
                     slot.text_source = None
@@ -235,6 +334,16 @@ class GraphedBlocks:
     def _capture(
         self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, slots: list[_Slot]
     ) -> _Graph:
+        graph, forward = self._prepare(sig, hidden, cond, ctx, slots)
+        graph.replay = self.capture(forward)
+        self.captures += 1
+        logger.info("captured a graph for batch signature %s (%d graphs)", sig, len(self.graphs) + 1)
+        return graph
+
+    def _prepare(
+        self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, slots: list[_Slot]
+    ) -> tuple[_Graph, Callable[[], None]]:
+        """The graph's static inputs, filled with this batch's, and the forward to capture over them."""
         static_hidden = hidden.clone()
         static_proj = cond.timestep_proj.clone()
         cos, sin = (t.clone() for t in ctx.rotary)
@@ -255,10 +364,7 @@ class GraphedBlocks:
         def forward() -> None:
             out[:] = [self.slice.run_blocks(static_hidden, Conditioning(cond.temb, static_proj), static_ctx)]
 
-        graph.replay = self.capture(forward)
-        self.captures += 1
-        logger.info("captured a graph for batch signature %s (%d graphs)", sig, len(self.graphs) + 1)
-        return graph
+        return graph, forward
 
     def _copy_inputs(self, graph: _Graph, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> None:
         graph.hidden.copy_(hidden)

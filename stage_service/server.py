@@ -162,7 +162,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     device=self.device,
                 )
             assert self.slice is not None
-            graphs = GraphedBlocks(self.slice) if self.opts.cuda_graphs and self.device.type == "cuda" else None
+            graphs = None
+            if self.opts.cuda_graphs and self.device.type == "cuda":
+                # A signature first seen while serving runs eagerly while its graph is captured off the serving path.
+                graphs = GraphedBlocks(self.slice, background=True)
             runner = SliceRunner(self.slice, graphs=graphs)
             gen_holder: list[_Generation] = []
             executor = StageExecutor(

@@ -8,6 +8,8 @@ K/V, RoPE, hidden states), KV writes handed back through the static outputs, and
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.graphs import GraphedBlocks, rerun_capture
 from stagecast.microstep import StreamSpec
 from stagecast.reference import ReferenceExecutor, StreamRequest
+
+TIMEOUT = 60
 
 
 def spec(stream_id: int, **kw) -> StreamSpec:
@@ -173,3 +177,59 @@ def test_two_resolutions_keep_their_own_slots_and_graphs(tiny_model):
     assert len(graphs.pools) == 2
     batches = sum(ev.kind == "batch" for ev in eager.plan)
     assert batches == 40 and graphs.captures <= 12  # per size: context 0, 1, 2 frames x writes or not
+
+
+def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_streams_chunks(tiny_model):
+    # The capture hook stands in for a slow GPU capture: it holds until the gate opens.
+    gate, started = threading.Event(), []
+
+    def slow_capture(fn):
+        started.append(threading.current_thread().name)
+        assert gate.wait(TIMEOUT), "the gate never opened"
+        return rerun_capture(fn)
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=slow_capture, background=True)
+    graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
+    graphed_ref.runner.graphs = graphs
+
+    # Stream 1 alone, the gate open: its signatures get graphs (first seen: eager, captured off the serving path).
+    gate.set()
+    first = requests([spec(1, num_chunks=8, window=2, sink=0)], arrivals=[0])
+    got = graphed_ref.generate(first, num_stages=2, max_batch=2).chunks[1]
+    graphs.wait_captures(TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(eager_ref.generate(first, num_stages=2, max_batch=2).chunks[1], got))
+    known, captured = set(graphs.graphs), graphs.captures
+    assert captured > 0 and captured == graphs.background_captures and not graphs.pending
+    assert all(name.startswith("graph-capture") for name in started)
+
+    # The gate shut: stream 3 (stream 1's size) runs with stream 2, the first at a new size.  Its captures hang, and
+    # both streams still run to the end.
+    gate.clear()
+    specs = [spec(3, num_chunks=8, window=2, sink=0), spec(2, num_chunks=6, window=2, sink=0, height=8, width=6)]
+    both = requests(specs, arrivals=[0, 3])
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(graphed_ref.generate(both, num_stages=2, max_batch=2).chunks)
+    )
+    worker.start()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive(), "a capture held the serving path"
+    want = eager_ref.generate(both, num_stages=2, max_batch=2).chunks
+    for s in specs:
+        assert len(result[s.stream_id]) == s.num_chunks
+        assert all(torch.equal(a, b) for a, b in zip(want[s.stream_id], result[s.stream_id], strict=True))
+    assert graphs.captures == captured and graphs.pending  # nothing new was captured, the new size is waiting
+    assert all(sig[0][1] != next(iter(known))[0][1] for sig in graphs.pending)  # only the new size's signatures
+
+    # Open the gate: the new size's graphs arrive and are replayed, still bit for bit.
+    gate.set()
+    graphs.wait_captures(TIMEOUT)
+    assert graphs.captures > captured and not graphs.pending and graphs.private_slots
+    eager_before = graphs.eager_batches
+    again = requests([spec(4, num_chunks=6, window=2, sink=0, height=8, width=6)], arrivals=[0])
+    got = graphed_ref.generate(again, num_stages=2, max_batch=2).chunks[4]
+    assert all(torch.equal(a, b) for a, b in zip(eager_ref.generate(again, num_stages=2, max_batch=2).chunks[4], got))
+    assert graphs.eager_batches == eager_before  # every signature of that size now replays a graph
+    graphs.close()
