@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import torch
@@ -57,7 +58,10 @@ class GatewayOptions:
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
     text_cache: int = 256
     vae_dtype: str = "float32"
-    vae_compile: bool = False  # torch.compile the VAE decoder (GPU; the first stream pays the compile)
+    vae_compile: bool = False  # torch.compile the VAE decoder (GPU; compiled before the gateway serves)
+    # Decode a few chunks at the default size before serving, so that every compiled variant is built (dynamo is not
+    # thread-safe and a compile on the serving path freezes streams for seconds).  None: when ``vae_compile``.
+    warmup: bool | None = None
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
     vae_split: list[int] | None = None  # decoder units where slices 1.. start (None: balanced by MACs)
@@ -87,6 +91,9 @@ class Gateway:
                 boundaries=opts.vae_split,
                 compile=opts.vae_compile,
             )
+        self.warmup_s = 0.0
+        if opts.warmup if opts.warmup is not None else opts.vae_compile:
+            self.warmup_s = self._warm_up()
         self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
 
@@ -114,6 +121,28 @@ class Gateway:
         )
         host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
         self.address = f"{host}:{self.port}"
+
+    def _warm_up(self, chunks: int = 4) -> float:
+        """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through a decode session
+        (every VAE part, in its own thread, as a stream would), so that kernels are loaded and every compiled variant
+        (the first chunk's, the steady cache's) is built now rather than while a stream waits."""
+        start = time.perf_counter()
+        self.encoder.encode("warm-up")
+        if isinstance(self.decoder, LocalDecoder):
+            sf = self.model.spatial_factor
+            shape = (1, self.model.latent_channels, 1, self.defaults.height // sf, self.defaults.width // sf)
+            session = self.decoder.open(chunks)
+            try:
+                for c in range(chunks):
+                    session.submit(SimpleNamespace(index=c), torch.zeros(shape))
+                session.finish()
+                for _ in session.results():
+                    pass
+            finally:
+                session.close()
+        took = time.perf_counter() - start
+        logger.info("gateway warmed up in %.1f s (text encoder, %d VAE chunks of the default size)", took, chunks)
+        return took
 
     def start(self) -> None:
         self.server.start()
