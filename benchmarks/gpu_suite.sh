@@ -14,7 +14,7 @@ harness=(python -m benchmarks.harness --cuda-graphs --vae-compile --markdown "$o
 
 case "${1:-}" in
   check)
-    s=(timeout 150 python -m stagecast.cli selftest --device cuda --cuda-graphs)
+    s=(timeout 150 python -m launcher.cli selftest --device cuda --cuda-graphs)
     "${s[@]}" --dtype bfloat16 --window 3 --sink 1 --chunks 6
     "${s[@]}" --dtype bfloat16 --model wan2.1-1.3b --layers 4 --height 60 --width 104 --window 3 --sink 1 --chunks 6
     "${s[@]}" --dtype float32 --policy clean --window 2 --chunks 5 --partition 1,3

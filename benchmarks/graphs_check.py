@@ -17,11 +17,11 @@ import time
 import torch
 from diffusers import WanTransformer3DModel
 
-from stage_service.configs import model_config
+from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.microstep import MicroStep, StreamSpec
-from stagecast.reference import ReferenceExecutor, StreamRequest
+from stagecast.model.dit_configs import model_config
 
 
 def build(name: str, layers: int | None, dtype: torch.dtype) -> DiTSlice:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from stage_service.configs import model_config
+from stagecast.model.dit_configs import model_config
 
 VAE_FOR_MODEL = {
     "wan2.1-1.3b": "wan2.1",
@@ -75,7 +75,7 @@ def write_assets(root: Path, args) -> None:
     from diffusers import AutoencoderKLWan
 
     from gateway.text_encoder import write_tiny_text_encoder
-    from gateway.vae_configs import vae_config
+    from stagecast.model.vae_configs import vae_config
 
     cfg = model_config(args.model)
     (root / "transformer").mkdir(parents=True)
@@ -114,7 +114,7 @@ def matmul_peak_tflops(device: torch.device, n: int) -> float:
 def build_peer(args, device, dtype):
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    from gateway.vae_configs import vae_config
+    from stagecast.model.vae_configs import vae_config
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -124,7 +124,7 @@ def build_peer(args, device, dtype):
 
 
 def latent_geometry(args, vae) -> tuple[int, int, int]:
-    from gateway.vae_configs import spatial_factor
+    from stagecast.model.vae_configs import spatial_factor
 
     f = spatial_factor(dict(vae.config))
     return vae.config.z_dim, args.height // f, args.width // f
@@ -193,7 +193,7 @@ def run_peer(args, dit, vae, device, dtype, text_len, chunks: int) -> dict:
 
 
 def start_system(launcher, root: Path, args, device_kind: str):
-    from stagecast.local_cluster import start_pipeline
+    from launcher.local_cluster import start_pipeline
 
     stage_device = "cuda" if device_kind == "cuda" else "cpu"
     pipe = start_pipeline(
@@ -298,7 +298,7 @@ def gpu_memory() -> list[int]:
 
 def run_system(root: Path, args, device_kind: str) -> dict:
     import stagecast
-    from stagecast.launcher import Launcher
+    from launcher.process import Launcher
 
     with Launcher() as launcher:
         pipe, gateway = start_system(launcher, root, args, device_kind)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from stage_service.dit_slice import parse_partition, partition_ranges
+from stagecast.model.partition import parse_partition, partition_ranges
 
 # Keys that must agree between stages for their slices to form one model.
 _MODEL_KEYS = (

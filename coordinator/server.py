@@ -23,7 +23,7 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.launcher import announce_ready
+from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "stagecast.internal.v1.CoordinatorService"

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from gateway import vae_configs
+from stagecast.model import vae_configs
+from stagecast.model.config import read_config, read_vae_config
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ class ModelInfo:
     @classmethod
     def from_checkpoint(cls, checkpoint: str | os.PathLike) -> ModelInfo:
         root = Path(checkpoint)
-        dit = json.loads((root / "transformer" / "config.json").read_text())
-        vae = json.loads((root / "vae" / "config.json").read_text())
+        # The shared readers: a transformer config in the original Wan layout, or an older diffusers VAE config,
+        # reads here exactly as the stages read it.
+        dit = read_config(root / "transformer")
+        vae = read_vae_config(root / "vae")
         if vae["z_dim"] != dit["in_channels"]:
             raise ValueError(f"{root}: the VAE has {vae['z_dim']} latent channels, the DiT {dit['in_channels']}")
         _, p_h, p_w = dit["patch_size"]

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.frame_encoder import CODECS
+from stagecast.media import CODECS
 from stagecast.microstep import POLICIES, StreamSpec
 from stagecast.v1 import stream_pb2 as pb
 

@@ -37,7 +37,7 @@ from gateway.text_encoder import TextEncoder
 from stagecast import telemetry
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
-from stagecast.launcher import announce_ready
+from stagecast.service import announce_ready
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 

@@ -48,9 +48,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig
-from gateway.frame_encoder import make_encoder
 from stagecast import telemetry, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
+from stagecast.media import make_encoder
 from stagecast.v1 import stream_pb2 as pb
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 The DiT finishes a stream's latents one chunk at a time. ``AutoencoderKLWan.decode`` cannot continue a video (it
 clears its cache on entry and exit, so every chunk would restart at "frame 0"), so this module drives the decoder
-itself, exactly as ``AutoencoderKLWan._decode`` does, with the cache kept per stream (WAN_INTERNALS.md section 5)::
+itself, exactly as ``AutoencoderKLWan._decode`` does, with the cache kept per stream::
 
     vae = StreamVAE.from_folder("/models/Wan2.2-TI2V-5B-Diffusers/vae", dtype=torch.bfloat16, device="cuda")
     state = vae.new_state()                              # one per stream
@@ -47,7 +47,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanResample, unpatchify
 from torch import nn
 
-from gateway import vae_configs
+from stagecast.model import vae_configs
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class StreamVAE(ChunkDecoder):
     def __init__(self, vae: AutoencoderKLWan, *, compile: bool = False):
         slots = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         super().__init__(vae, takes_latents=True, gives_video=True, in_factor=1, slots=slots)
-        # torch.compile of the decoder: 85 -> 52 ms per latent frame at 480p on an H200 (DESIGN.md section 4).
+        # torch.compile of the decoder: 85 -> 52 ms per latent frame at 480p on an H200.
         # Frame 0 stays eager: its cache slots hold the string "Rep" and it trims frames (first_chunk=True).
         self._compiled = torch.compile(vae.decoder, dynamic=False) if compile else None
 

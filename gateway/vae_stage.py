@@ -28,7 +28,7 @@ from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
-from stagecast.launcher import announce_ready
+from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ A stage owning blocks ``[s:e)`` calls::
 
 and gets the diffusers ``config.json`` and a state dict in ``WanTransformer3DModel`` naming with the blocks
 renumbered from 0 (``blocks.{i - s}``), ready for ``load_state_dict(sd, strict=False, assign=True)`` on a model
-built on meta whose ``blocks`` were cut to ``[s:e)`` (see ``/work/shared/WAN_INTERNALS.md`` section 4).
+built on meta whose ``blocks`` were cut to ``[s:e)``.
 
 The slice is ``blocks.{s..e-1}.*``, ``condition_embedder.*`` without the image embedder (every stage recomputes
 the conditioning), ``patch_embedding.*`` if ``first`` and ``proj_out.*`` plus the top-level ``scale_shift_table``
@@ -38,62 +38,17 @@ from diffusers import WanTransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stage_service import wan_keys
+from stagecast.model import wan_keys
+from stagecast.model.config import CONFIG_NAME, CheckpointError, read_config
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 # Index names tried in order; the second is the transformers-style name some original-layout exports use.
 INDEX_NAMES = (WEIGHTS_INDEX_NAME, "model.safetensors.index.json")
 # Parameters of the I2V image embedder: no stage ever loads them (conditioning images are encoded elsewhere).
 IMAGE_EMBEDDER_PREFIX = "condition_embedder.image_embedder."
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot provide a stage's slice; ``file`` and ``key`` say where."""
-
-    def __init__(self, file: str | Path, key: str | None, message: str):
-        self.file = str(file)
-        self.key = key
-        where = self.file if key is None else f"{self.file}: key {key!r}"
-        super().__init__(f"{where}: {message}")
-
-
-# --- config -------------------------------------------------------------------------------------------------
-
-
-def read_config(folder: str | Path) -> dict:
-    """Read ``folder/config.json`` as ``WanTransformer3DModel`` keyword arguments.
-
-    Metadata keys (``_class_name``, ``_diffusers_version``, ...) are dropped so both
-    ``WanTransformer3DModel(**config)`` and ``from_config(config)`` work; a Wan-AI ``WanModel`` config is
-    converted.  ``patch_size`` comes back as a tuple, as in ``stage_service.configs``.
-    """
-    path = Path(folder) / CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointError(path, None, f"missing {CONFIG_NAME}: a checkpoint folder needs the model config")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, None, f"unreadable config: {e}") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(path, None, "config is not a JSON object")
-    if wan_keys.is_original_config(raw):
-        try:
-            return wan_keys.original_config_to_diffusers(raw)
-        except ValueError as e:
-            raise CheckpointError(path, None, str(e)) from e
-    config = {k: v for k, v in raw.items() if not k.startswith("_")}
-    if "num_layers" not in config or "num_attention_heads" not in config:
-        raise CheckpointError(
-            path, "num_layers", "not a WanTransformer3DModel config (no num_layers/num_attention_heads)"
-        )
-    if isinstance(config.get("patch_size"), list):
-        # JSON has no tuples; match stage_service.configs so a written and re-read config compares equal.
-        config["patch_size"] = tuple(config["patch_size"])
-    return config
 
 
 @functools.lru_cache(maxsize=8)

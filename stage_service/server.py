@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict, read_config
-from stage_service.configs import model_config
+from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
 from stage_service.graphs import GraphedBlocks
@@ -38,8 +37,10 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.launcher import announce_ready
 from stagecast.microstep import StreamSpec
+from stagecast.model.config import read_config
+from stagecast.model.dit_configs import model_config
+from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "stagecast.internal.v1.StageService"
@@ -205,7 +206,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         telemetry.shutdown(timeout_s=2.0)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "stagecast.cli", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "launcher.cli", *sys.argv[1:]])
 
     def Reset(self, request: pb.ResetRequest, context):
         reason = request.reason or "reset by coordinator"

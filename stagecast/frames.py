@@ -137,7 +137,7 @@ class Mp4Writer:
         if frame.codec == "h264":
             self._file.write(frame.data)
         else:
-            from gateway.frame_encoder import Mp4Encoder
+            from stagecast.media import Mp4Encoder
 
             if self._encoder is None:
                 self._encoder = Mp4Encoder(frame.width, frame.height, self.fps)

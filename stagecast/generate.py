@@ -13,9 +13,11 @@ the frames received after the first one over the time since it arrived.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -88,3 +90,59 @@ def _stop_on_interrupt(stop):
 
     signal.signal(signal.SIGINT, handler)
     return lambda: signal.signal(signal.SIGINT, previous)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="stream a clip from a gateway into an MP4 (progress bar, TTFF, FPS)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="localhost:50051", help="gateway host:port")
+    p.add_argument("--prompt", required=True, help="what to generate")
+    p.add_argument("--seconds", type=float, default=None, help="duration (default: until Ctrl-C)")
+    p.add_argument("--out", default="clip.mp4", help="the MP4 file to write")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the gateway's)")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the gateway's)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the gateway's)")
+    p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
+    p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
+    p.add_argument("--fps", type=float, default=None, help="target fps (default: the gateway's)")
+    p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
+    p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
+    p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
+    p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from stagecast.errors import StagecastError
+
+    try:
+        report = generate_clip(
+            args.target,
+            args.out,
+            prompt=args.prompt,
+            timeout=args.timeout,
+            seconds=args.seconds,
+            width=args.width,
+            height=args.height,
+            steps=args.steps,
+            seed=args.seed,
+            codec=args.codec,
+            chunk_frames=args.chunk_frames,
+            target_fps=args.fps,
+            policy=args.policy,
+            window=args.window,
+            sink=args.sink,
+        )
+    except StagecastError as exc:
+        print(f"stagecast generate: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # A second Ctrl-C aborts at once: one line, no traceback (130 as shells report SIGINT).
+        print("stagecast generate: aborted", file=sys.stderr)
+        return 130
+    print(report.summary())
+    return 0

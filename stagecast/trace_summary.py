@@ -140,3 +140,10 @@ def main(args) -> int:
         return 1
     print(format_table(rows, by=args.by))
     return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("trace-summary", help="per-stage span latency table (count, p50, p95, max) of an OTLP JSON file")
+    p.add_argument("file", help="OTLP/JSON traces (ExportTraceServiceRequest; one per line also accepted); - for stdin")
+    p.add_argument("--by", choices=["stage", "service"], default="stage", help="group rows by stage or by service")
+    p.set_defaults(run=main)

@@ -12,7 +12,7 @@ torch.set_num_threads(int(os.environ.get("STAGECAST_TEST_THREADS", "2")))
 def tiny_model():
     from diffusers import WanTransformer3DModel
 
-    from stage_service.configs import model_config
+    from stagecast.model.dit_configs import model_config
 
     def make(name="tiny-wan2.1", seed=0, **overrides):
         torch.manual_seed(seed)

@@ -4,11 +4,11 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launcher.local_cluster import COORDINATOR_SERVICE
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.local_cluster import COORDINATOR_SERVICE
 from stagecast.microstep import StreamSpec
 
 

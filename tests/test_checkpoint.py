@@ -24,8 +24,8 @@ from stage_service.checkpoint import (
     slice_parameter_bytes,
     write_checkpoint,
 )
-from stage_service.configs import CONFIGS, model_config
-from stage_service.wan_keys import (
+from stagecast.model.dit_configs import CONFIGS, model_config
+from stagecast.model.wan_keys import (
     detect_layout,
     diffusers_config_to_original,
     diffusers_to_original,

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from stagecast.demo_checkpoint import write_demo_checkpoint
+from launcher.demo_checkpoint import write_demo_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def checkpoint(tmp_path_factory):
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "stagecast.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 import stagecast
-from gateway.frame_encoder import JpegEncoder, Mp4Encoder, read_mp4_frames
 from stagecast.client import stream_config
 from stagecast.errors import from_rpc_error
 from stagecast.frames import Frame, FrameTiming, save_mp4
+from stagecast.media import JpegEncoder, Mp4Encoder, read_mp4_frames
 
 TIMING = FrameTiming(0.0, 0.0, 0.0, 0.0)
 

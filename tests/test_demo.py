@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from gateway.frame_encoder import read_mp4_frames
-from stagecast.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
+from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
+from stagecast.media import read_mp4_frames
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -27,7 +27,7 @@ def test_demo_writes_a_one_second_mp4_and_stops_every_process(tmp_path):
     out = tmp_path / "demo.mp4"
     env = {**os.environ, "STAGECAST_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stagecast.cli", "demo", "--seconds", "1", "--out", str(out), "--no-progress"],
+        [sys.executable, "-m", "launcher.cli", "demo", "--seconds", "1", "--out", str(out), "--no-progress"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -4,13 +4,14 @@ import json
 import subprocess
 import sys
 
-from stage_service.checkpoint import load_slice_state_dict, read_config
+from stage_service.checkpoint import load_slice_state_dict
+from stagecast.model.config import read_config
 
 
 def test_demo_checkpoint_command_writes_every_component(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "stagecast.cli", "demo-checkpoint", "--out", str(out)],
+        [sys.executable, "-m", "launcher.cli", "demo-checkpoint", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

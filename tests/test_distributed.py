@@ -2,8 +2,8 @@
 
 import pytest
 
-from stagecast.launcher import Launcher
-from stagecast.selftest import SelftestConfig, execute_selftest
+from launcher.process import Launcher
+from launcher.selftest import SelftestConfig, execute_selftest
 
 CASES = [
     # stages, partition, policy, streams, window, sink, batch

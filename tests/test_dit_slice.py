@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from stage_service.dit_slice import AttentionContext, DiTSlice, parse_partition, partition_ranges
+from stage_service.dit_slice import AttentionContext, DiTSlice
+from stagecast.model.partition import parse_partition, partition_ranges
 
 
 def run_slices(slices, latents, timestep, text):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from gateway.frame_encoder import (
+from stagecast.media import (
     CODECS,
     JpegEncoder,
     Mp4Encoder,

@@ -27,20 +27,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 import stagecast
-from gateway.frame_encoder import read_mp4_frames
 from gateway.stream_vae import StreamVAE, to_uint8_frames
 from gateway.text_encoder import TextEncoder
-from stage_service.checkpoint import load_slice_state_dict, read_config
+from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
+from launcher.reference import ReferenceExecutor
+from launcher.selftest import plan_from_proto
+from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
-from stagecast.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
-from stagecast.reference import ReferenceExecutor
-from stagecast.selftest import plan_from_proto
+from stagecast.media import read_mp4_frames
+from stagecast.model.config import read_config
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
@@ -426,7 +427,7 @@ def test_generate_cli_writes_the_clip_and_prints_ttff_and_fps(cluster, tmp_path)
     args = ["generate", "--target", cluster.main, "--prompt", PROMPT, "--seconds", "0.5", "--out", str(out)]
     args += ["--width", str(W), "--height", str(H), "--seed", "5"]
     proc = subprocess.run(
-        [sys.executable, "-m", "stagecast.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
+        [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
     )
     assert proc.returncode == 0, proc.stderr
     assert "TTFF" in proc.stdout and "FPS" in proc.stdout and "8 frames" in proc.stdout

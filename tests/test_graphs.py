@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
+from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
 from stage_service.graphs import GraphedBlocks, rerun_capture
 from stagecast.microstep import StreamSpec
-from stagecast.reference import ReferenceExecutor, StreamRequest
 
 TIMEOUT = 60
 

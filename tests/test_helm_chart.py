@@ -233,7 +233,6 @@ def test_stage_pods_get_index_and_rendezvous(helm, name):
     assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
     assert headless["spec"]["selector"].items() <= pod_labels.items()
     headless_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
-    assert headless_ports["dist"] == v["stages"]["distPort"]
     assert headless_ports["grpc"] == v["stages"]["port"]
 
     c = main_container(sts)
@@ -258,13 +257,13 @@ def test_stage_pods_get_index_and_rendezvous(helm, name):
     assert advertise == "$(POD_NAME)." + fqdn(headless["metadata"]["name"])
     hosts = {advertise.replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}") for i in range(spec["replicas"])}
     assert len(hosts) == v["stages"]["count"]
-    assert arg_value(args, "--dist-port") == str(v["stages"]["distPort"])
+    assert "--dist-port" not in args
     assert arg_value(args, "--port") == str(v["stages"]["port"])
     assert arg_value(args, "--host") == "0.0.0.0"
     assert arg_value(args, "--device") == v["device"]
     assert arg_value(args, "--metrics-port") == str(v["metrics"]["port"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": v["stages"]["port"], "dist": v["stages"]["distPort"], "metrics": v["metrics"]["port"]}
+    assert ports == {"grpc": v["stages"]["port"], "metrics": v["metrics"]["port"]}
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))

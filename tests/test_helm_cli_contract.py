@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from stagecast import cli
+from launcher import cli
 from tests.test_helm_chart import arg_value, fqdn, helm, render  # noqa: F401 - helm is a fixture
 
 VALUES = ["default", "multinode", "cpu"]

@@ -7,10 +7,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stagecast.demo_checkpoint import write_transformer
+from launcher.demo_checkpoint import write_transformer
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
 from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec, wait_for_generation
 
 

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from stagecast.selftest import judge
+from launcher.selftest import judge
 
 
 def chunks(*values):
@@ -26,7 +26,7 @@ def test_bit_equal_streams_pass_and_any_difference_fails():
 
 def test_selftest_command_passes_and_prints_the_difference():
     proc = subprocess.run(
-        [sys.executable, "-m", "stagecast.cli", "selftest", "--stages", "2", "--streams", "1", "--chunks", "2"],
+        [sys.executable, "-m", "launcher.cli", "selftest", "--stages", "2", "--streams", "1", "--chunks", "2"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,7 +3,7 @@
 import pytest
 
 from coordinator.simulator import SimConfig, simulate
-from stagecast.cli import main
+from launcher.cli import main
 
 
 @pytest.mark.parametrize("stages,steps,batch", [(2, 2, 4), (2, 4, 4), (4, 4, 4), (8, 8, 8), (4, 4, 2)])

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
 from stage_service.sampler import FlowSampler
 from stagecast.microstep import StreamSpec, context_frames
-from stagecast.reference import ReferenceExecutor, StreamRequest
 from tests.oracle import chunkwise_patch_embedding, frame_mask, set_self_mask
 
 H, W = 4, 4  # latent size: 2x2 patches -> 4 tokens per frame

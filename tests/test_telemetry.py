@@ -10,8 +10,8 @@ import pytest
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
+from launcher.cli import main as cli_main
 from stagecast import telemetry
-from stagecast.cli import main as cli_main
 from stagecast.trace_summary import load, summarize
 
 OTEL_VARS = (

@@ -24,11 +24,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from prometheus_client.parser import text_string_to_metric_families
 
 import stagecast
-from stagecast.cli import main as cli_main
-from stagecast.demo_checkpoint import write_demo_checkpoint
+from launcher.cli import main as cli_main
+from launcher.demo_checkpoint import write_demo_checkpoint
+from launcher.local_cluster import COORDINATOR_SERVICE, stage_args
+from launcher.process import Launcher
 from stagecast.grpc_util import wait_healthy
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import COORDINATOR_SERVICE, stage_args
 from tests.test_dashboard import DASHBOARD, dashboard_metric_names, family_names
 
 PROMPT = "a red fox running through snow"

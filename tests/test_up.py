@@ -1,14 +1,15 @@
 """``stagecast up`` starts coordinator, stages and gateway; SIGTERM stops all of them, leaving no orphans."""
 
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
 
 import stagecast
-from stagecast.demo_checkpoint import write_demo_checkpoint
+from launcher.demo_checkpoint import write_demo_checkpoint, write_transformer
+from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.launcher import Launcher
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec
 
 
@@ -49,3 +50,19 @@ def test_up_serves_and_sigterm_stops_every_process():
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
         assert not [pid for pid in children if alive(pid)]
+
+
+def test_up_serves_a_checkpoint_whose_transformer_has_original_wan_keys_and_config(tmp_path):
+    """Stages and gateway read the same config: a Wan-AI ``WanModel`` config.json (``dim``, ``num_heads``, no
+    ``in_channels``) with original key names starts the whole system and streams."""
+    root = write_demo_checkpoint(tmp_path / "ckpt")
+    shutil.rmtree(root / "transformer")
+    write_transformer(root / "transformer", seed=0, layout="original")
+    config = (root / "transformer" / "config.json").read_text()
+    assert '"dim"' in config and "in_channels" not in config
+    with Launcher() as launcher:
+        args = ["up", "--checkpoint", str(root), "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        up = launcher.spawn("up", args)
+        with stagecast.Client(up.info["gateway"]) as client:
+            frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
+        assert len(frames) == 8

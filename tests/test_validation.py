@@ -8,14 +8,14 @@ import grpc
 import pytest
 import torch
 
-from stage_service.checkpoint import read_config
+from launcher.demo_checkpoint import write_transformer
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
 from stagecast import wire
-from stagecast.demo_checkpoint import write_transformer
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
+from stagecast.model.config import read_config
 from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec
 
 

@@ -14,6 +14,7 @@ plane, real codecs), not image quality.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from pathlib import Path
@@ -31,13 +32,22 @@ DEMO_SERVING = {"text_len": 32, "width": 64, "height": 64, "fps": 16.0, "steps":
 
 
 def write_transformer(
-    folder: Path, *, seed: int, name: str = DEMO_MODEL, max_shard_bytes: int = 64 * 1024, **overrides
+    folder: Path,
+    *,
+    seed: int,
+    name: str = DEMO_MODEL,
+    max_shard_bytes: int = 64 * 1024,
+    layout: str = "diffusers",
+    **overrides,
 ) -> None:
-    """Write a random transformer of a named config (``stage_service.configs``) in diffusers layout."""
+    """Write a random transformer of a named config (``stagecast.model.dit_configs``).
+
+    ``layout="original"`` writes the Wan-AI key names and ``WanModel`` config (as CausVid / Self-Forcing ship).
+    """
     from diffusers import WanTransformer3DModel
 
     from stage_service.checkpoint import write_checkpoint
-    from stage_service.configs import model_config
+    from stagecast.model.dit_configs import model_config
 
     cfg = model_config(name, **overrides)
     gen_state = torch.random.get_rng_state()
@@ -46,7 +56,7 @@ def write_transformer(
         model = WanTransformer3DModel(**cfg)
     finally:
         torch.random.set_rng_state(gen_state)
-    write_checkpoint(folder, model.state_dict(), dict(model.config), max_shard_bytes=max_shard_bytes)
+    write_checkpoint(folder, model.state_dict(), dict(model.config), layout=layout, max_shard_bytes=max_shard_bytes)
 
 
 def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
@@ -60,7 +70,7 @@ def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     if marker.exists() and all((root / part).is_dir() for part in PARTS):
         return root
     root.mkdir(parents=True, exist_ok=True)
-    from stage_service.configs import model_config
+    from stagecast.model.dit_configs import model_config
 
     text_dim = model_config(DEMO_MODEL)["text_dim"]
     if not (root / "transformer" / "config.json").exists():
@@ -79,3 +89,16 @@ def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     marker.write_text(json.dumps({"model": DEMO_MODEL, "vae": DEMO_VAE, "seed": seed}))
     logger.info("wrote demo checkpoint to %s", root)
     return root
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo-checkpoint", help="write the tiny random demo checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    path = write_demo_checkpoint(args.out, seed=args.seed)
+    print(f"wrote demo checkpoint to {path}")
+    return 0

@@ -10,12 +10,12 @@ Usage::
 
 Each child prints one ``STAGECAST_READY key=value ...`` line once it serves; ``spawn`` blocks on that
 line (no polling); ``start`` + ``wait_ready`` start several children at once.  Children get
-PR_SET_PDEATHSIG, so they die with the launcher even if it is killed with SIGKILL: no orphans.
+PR_SET_PDEATHSIG (set by the child itself, ``stagecast.service.die_with_parent``), so they die with the
+launcher even if it is killed with SIGKILL: no orphans.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -25,25 +25,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from stagecast.service import PARENT_PID_ENV, READY_PREFIX
+
 logger = logging.getLogger(__name__)
-
-READY_PREFIX = "STAGECAST_READY"
-
-
-def announce_ready(role: str | None = None, **info: object) -> None:
-    """Print the line ``Launcher`` waits for: ``STAGECAST_READY [role] key=value ...`` (values without spaces)."""
-    fields = [role] if role else []
-    fields += [f"{key}={value}" for key, value in info.items()]
-    print(" ".join([READY_PREFIX, *fields]), flush=True)
-
-
-def _die_with_parent() -> None:
-    # Linux only: deliver SIGTERM to the child when the launching thread's process exits.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -76,12 +60,13 @@ class Launcher:
         # the launcher's own long-lived thread, whichever thread calls start().
         proc = self._spawner.submit(
             subprocess.Popen,
-            [sys.executable, "-m", "stagecast.cli", *args],
+            [sys.executable, "-m", "launcher.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=self.env,
-            preexec_fn=_die_with_parent,
+            # No preexec_fn: it would make subprocess fork rather than spawn, and gRPC's fork handlers abort
+            # such a child (grpc/grpc#43055).  The child sets PR_SET_PDEATHSIG itself (die_with_parent).
+            env={**self.env, PARENT_PID_ENV: str(os.getpid())},
         ).result()
         child = Child(name, proc)
         self.children.append(child)

@@ -8,7 +8,7 @@ transformer config key, so it is kept beside the config rather than inside it.
 
 from __future__ import annotations
 
-from stagecast.presets import named_config
+from stagecast.model.presets import named_config
 
 _WAN21_BASE = dict(
     patch_size=(1, 2, 2),

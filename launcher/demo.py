@@ -15,16 +15,17 @@ shows the system working end to end, not image quality.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagecast.demo_checkpoint import write_demo_checkpoint
+from launcher.demo_checkpoint import write_demo_checkpoint
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
 from stagecast.generate import generate_clip
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +74,35 @@ def run_demo(cfg: DemoConfig) -> int:
         print(report.summary(), flush=True)
     print(f"demo finished in {time.monotonic() - t0:.1f} s; every process stopped", flush=True)
     return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run everything on CPU with a tiny random model and write an MP4",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--out", default="demo.mp4")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=None, help="checkpoint cache (default: $STAGECAST_CACHE/demo or ~/.cache/...)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_demo(
+        DemoConfig(
+            seconds=args.seconds,
+            out=args.out,
+            stages=args.stages,
+            prompt=args.prompt or DEFAULT_PROMPT,
+            codec=args.codec,
+            seed=args.seed,
+            cache=args.cache,
+            progress=not args.no_progress,
+        )
+    )

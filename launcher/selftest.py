@@ -14,6 +14,7 @@ must match bit for bit.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import tempfile
 import threading
@@ -23,16 +24,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from stage_service.checkpoint import load_slice_state_dict, read_config
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
+from launcher.reference import PlanEvent, ReferenceExecutor
+from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
 from stagecast.microstep import StreamSpec
-from stagecast.reference import PlanEvent, ReferenceExecutor
+from stagecast.model.config import read_config
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +203,7 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
     """Start the pipeline under ``launcher``, run the streams, compare with the reference."""
     with tempfile.TemporaryDirectory(prefix="stagecast-selftest-") as tmp:
         if cfg.checkpoint is None:
-            from stagecast.demo_checkpoint import write_transformer
+            from launcher.demo_checkpoint import write_transformer
 
             transformer = f"{tmp}/transformer"
             overrides = {"num_layers": cfg.layers} if cfg.layers else {}
@@ -239,3 +241,55 @@ def run_selftest(cfg: SelftestConfig) -> int:
         f"max_diff={result.max_diff:.3e}"
     )
     return 0 if result.ok else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "selftest",
+        help="run the real multi-process pipeline and compare with the reference",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--policy", choices=["clean", "per_level"], default="per_level")
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--window", type=int, default=0, help="KV window in latent frames (0: unbounded)")
+    p.add_argument("--sink", type=int, default=0)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--checkpoint", default=None, help="transformer folder (default: a tiny random one)")
+    p.add_argument("--height", type=int, default=8, help="latent height")
+    p.add_argument("--width", type=int, default=8, help="latent width")
+    p.add_argument("--tolerance", type=float, default=None, help="max abs diff allowed (default: 0, exact)")
+    p.add_argument("--model", default="tiny-wan2.1", help="config of the random checkpoint (no --checkpoint)")
+    p.add_argument("--layers", type=int, default=None, help="override that config's layer count")
+    p.add_argument("--cuda-graphs", action="store_true", help="stages run CUDA graphs (the reference stays eager)")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_selftest(
+        SelftestConfig(
+            stages=args.stages,
+            partition=args.partition,
+            policy=args.policy,
+            streams=args.streams,
+            chunks=args.chunks,
+            steps=args.steps,
+            window=args.window or None,
+            sink=args.sink,
+            batch=args.batch,
+            device=args.device,
+            dtype=args.dtype,
+            checkpoint=args.checkpoint,
+            height=args.height,
+            width=args.width,
+            tolerance=args.tolerance,
+            model=args.model,
+            layers=args.layers,
+            cuda_graphs=args.cuda_graphs,
+        )
+    )

@@ -4,7 +4,7 @@ Use ``AutoencoderKLWan(**vae_config("wan2.2"))`` for the real architectures (ben
 weights; production loads a diffusers folder instead) and the ``tiny-*`` presets for tests and the CPU demo::
 
     from diffusers import AutoencoderKLWan
-    from gateway.vae_configs import vae_config, spatial_factor, temporal_factor
+    from stagecast.model.vae_configs import vae_config, spatial_factor, temporal_factor
 
     cfg = vae_config("tiny-wan2.2")
     vae = AutoencoderKLWan(**cfg)
@@ -30,7 +30,7 @@ VAEs keep the real ``z_dim`` so they accept the latents of the matching tiny DiT
 
 from __future__ import annotations
 
-from stagecast.presets import named_config
+from stagecast.model.presets import named_config
 
 # fmt: off
 _WAN21_LATENTS_MEAN = [

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from launcher.process import Child, Launcher
 from stagecast.grpc_util import wait_healthy
-from stagecast.launcher import Child, Launcher
 
 COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
 
@@ -82,3 +82,28 @@ def start_pipeline(
         launcher.wait_ready(child, timeout=ready_timeout)
     wait_healthy(address, ready_timeout, service=COORDINATOR_SERVICE)
     return pipe
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each process of a one-machine deployment runs: the rule ``stagecast up`` and the harness share."""
+
+    stage_devices: list[str]
+    gateway_device: str
+    vae_devices: list[str] | None
+
+    @classmethod
+    def plan(cls, device: str, stages: int, gpus: int | None = None, vae_devices: list[str] | None = None):
+        """``device`` "cuda": stage i on ``cuda:(i % gpus)``, the gateway (text encoder, VAE tail) on the last
+        stage's GPU, and the VAE cut over every GPU a stage uses.  Any other device: everything on it."""
+        if device != "cuda":
+            return cls([device] * stages, device, vae_devices)
+        if gpus is None:
+            import torch
+
+            gpus = torch.cuda.device_count()
+        gpus = max(gpus, 1)
+        stage_devices = [f"cuda:{i % gpus}" for i in range(stages)]
+        if vae_devices is None:
+            vae_devices = [f"cuda:{i}" for i in range(min(stages, gpus))]
+        return cls(stage_devices, stage_devices[-1], vae_devices)

@@ -1,0 +1,113 @@
+"""``stagecast gateway`` and ``stagecast vae-stage``: the gateway's own flags and entry points."""
+
+from __future__ import annotations
+
+import argparse
+
+from stagecast.service import csv_list, run_service
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "gateway",
+        help="run the gateway: public streaming API, text encoder, VAE, frame encoding",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--coordinator", required=True, help="coordinator host:port")
+    p.add_argument("--checkpoint", required=True, help="folder with transformer/ vae/ text_encoder/ tokenizer/")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50051, help="0: any free port (printed on the READY line)")
+    p.add_argument("--device", default="cpu", help="where the text encoder and VAE run: cpu, cuda, cuda:N")
+    p.add_argument("--max-streams", type=int, default=8, help="concurrent streams this gateway accepts")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    p.add_argument("--text-len", type=int, default=None, help="text tokens (default: checkpoint's, else 512)")
+    p.add_argument("--vae-dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
+    p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
+    p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
+    p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
+    p.add_argument(
+        "--slow-client-timeout",
+        type=float,
+        default=5.0,
+        help="seconds frames may wait unread by a client before its stream ends with RESOURCE_EXHAUSTED",
+    )
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--vae-stage", default=None, help="host:port of the first vae-stage (default: VAE in-process)")
+    p.add_argument(
+        "--vae-devices",
+        type=csv_list(str),
+        default=None,
+        help="cut the in-process VAE into one pipelined slice per device, e.g. cuda:0,cuda:1 (default: --device)",
+    )
+    p.add_argument(
+        "--vae-split",
+        type=csv_list(int),
+        default=None,
+        help="decoder units where VAE slices 1.. start, e.g. 4 (default: balanced by multiply-accumulates)",
+    )
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from gateway.service import GatewayOptions, serve
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    options = GatewayOptions(
+        coordinator=args.coordinator,
+        checkpoint=args.checkpoint,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_streams=args.max_streams,
+        metrics_port=args.metrics_port,
+        text_len=args.text_len,
+        vae_dtype=args.vae_dtype,
+        vae_compile=args.vae_compile,
+        buffer_chunks=args.buffer_chunks,
+        buffer_messages=args.buffer_messages,
+        slow_client_timeout=args.slow_client_timeout,
+        drain_timeout=args.drain_timeout,
+        vae_stage=args.vae_stage,
+        vae_devices=args.vae_devices,
+        vae_split=args.vae_split,
+    )
+    return run_service("gateway", lambda stop: serve(options, stop=stop))
+
+
+def add_vae_stage_parser(sub) -> None:
+    p = sub.add_parser(
+        "vae-stage",
+        help="run one slice of the VAE decoder as its own process (chain them)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, help="folder holding vae/ (or the VAE folder)")
+    p.add_argument("--index", type=int, required=True, help="this slice's position in the chain, from 0")
+    p.add_argument("--num-slices", type=int, required=True, help="slices the decoder is cut into")
+    p.add_argument("--next", default=None, help="host:port of the next vae-stage (every stage but the last)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
+    p.set_defaults(run=vae_stage_main)
+
+
+def vae_stage_main(args: argparse.Namespace) -> int:
+    from gateway.vae_stage import VAEStageOptions, serve
+
+    options = VAEStageOptions(
+        checkpoint=args.checkpoint,
+        index=args.index,
+        num_slices=args.num_slices,
+        next=args.next,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    return run_service("vae-stage", lambda stop: serve(options, stop=stop))

@@ -1,0 +1,60 @@
+"""The ``stagecast`` command line: a table of subcommands, each owned by the floor that implements it.
+
+stagecast up --checkpoint DIR --stages K        coordinator + K stages + gateway on this machine
+stagecast coordinator --stages K ...            one coordinator process
+stagecast stage --index I --coordinator H:P ... one stage process
+stagecast gateway --coordinator H:P --checkpoint DIR   the public streaming API (stagecast.v1)
+stagecast vae-stage --checkpoint DIR --index I --num-slices N [--next H:P]   one VAE decoder slice
+stagecast selftest --stages K ...               distributed run vs the reference executor, exit 1 on mismatch
+stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
+stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
+stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
+stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
+stagecast trace-summary FILE                    per-stage span latencies (p50/p95/max) of an OTLP JSON trace file
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from stagecast.log import setup_logging
+from stagecast.service import die_with_parent
+
+# (module, function adding the subcommand's parser): each parser sets ``run`` to its entry point.  The services
+# own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
+COMMANDS: list[tuple[str, str]] = [
+    ("coordinator.cli", "add_parser"),
+    ("stage_service.cli", "add_parser"),
+    ("launcher.up", "add_parser"),
+    ("launcher.selftest", "add_parser"),
+    ("launcher.demo_checkpoint", "add_parser"),
+    ("gateway.cli", "add_parser"),
+    ("gateway.cli", "add_vae_stage_parser"),
+    ("stagecast.generate", "add_parser"),
+    ("launcher.demo", "add_parser"),
+    ("coordinator.cli", "add_simulate_parser"),
+    ("stagecast.trace_summary", "add_parser"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagecast", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module, function in COMMANDS:
+        getattr(importlib.import_module(module), function)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

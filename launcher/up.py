@@ -1,0 +1,74 @@
+"""``stagecast up``: a coordinator, K stages and a gateway on this machine; SIGTERM or Ctrl-C stops them all."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start coordinator, stages and gateway on this machine; SIGTERM stops all",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder (transformer/, vae/, text_encoder/, ...)")
+    p.add_argument("--stages", type=int, default=2, help="DiT stages (one process each)")
+    p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--port", type=int, default=50050, help="coordinator port")
+    p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
+    p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
+    p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
+    p.add_argument(
+        "--vae-devices",
+        type=csv_list(str),
+        default=None,
+        help="devices the gateway's VAE is cut over (default with --device cuda: every stage's GPU)",
+    )
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from launcher.local_cluster import Placement, start_pipeline
+    from launcher.process import Launcher
+
+    stop = stop_event()
+    placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices)
+    with Launcher(echo=True) as launcher:
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=resolve_transformer(args.checkpoint),
+            stages=args.stages,
+            partition=args.partition,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch=args.max_batch,
+            host=args.host,
+            port=args.port,
+            cuda_graphs=args.cuda_graphs,
+        )
+        ready = {"coordinator": pipe.coordinator}
+        root = args.checkpoint
+        if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
+            gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root]
+            gw_args += ["--device", placement.gateway_device, "--host", args.host, "--port", str(args.gateway_port)]
+            if placement.vae_devices:
+                gw_args += ["--vae-devices", ",".join(placement.vae_devices)]
+            if args.device.startswith("cuda"):
+                gw_args += ["--vae-dtype", args.dtype]
+            if args.vae_compile:
+                gw_args.append("--vae-compile")
+            gateway = launcher.spawn("gateway", gw_args)
+            ready["gateway"] = gateway.info["address"]
+        where = ", ".join(f"{role} {address}" for role, address in ready.items())
+        print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
+        announce_ready(**ready)
+        stop.wait()
+        print("shutting down", flush=True)
+    return 0

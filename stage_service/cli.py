@@ -1,0 +1,55 @@
+"""``stagecast stage``: one DiT stage process's flags and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from stagecast.service import resolve_transformer, run_service
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("stage", help="run one DiT stage", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--index", type=int, default=None, help="stage index (default: $STAGECAST_STAGE_INDEX)")
+    p.add_argument("--coordinator", required=True, help="coordinator host:port")
+    p.add_argument(
+        "--checkpoint", required=True, help="transformer checkpoint folder (or a folder holding transformer/)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda (-> cuda:<index %% GPUs>) or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50060, help="gRPC port (0: any free port)")
+    p.add_argument("--advertise-host", default=None, help="address the coordinator and peers use for this stage")
+    p.add_argument("--expected-stages", type=int, default=0, help="refuse to join a coordinator of another size")
+    p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from stage_service.server import StageOptions, serve
+
+    index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
+    if index is None:
+        print("stagecast stage: error: stage needs --index or STAGECAST_STAGE_INDEX", flush=True)
+        return 2
+    index = int(index)
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        device = f"cuda:{index % max(torch.cuda.device_count(), 1)}"
+    options = StageOptions(
+        index=index,
+        coordinator=args.coordinator,
+        checkpoint=resolve_transformer(args.checkpoint),
+        device=device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        expected_world_size=args.expected_stages,
+        metrics_port=args.metrics_port,
+        cuda_graphs=args.cuda_graphs,
+    )
+    return run_service("stage", lambda stop: serve(options, stop=stop))

@@ -1,0 +1,97 @@
+"""What every service process shares at start-up: the READY line, the stop signal and flag helpers.
+
+A service's ``cli.py`` builds its parser with these helpers and runs through ``run_service``::
+
+    def main(args) -> int:
+        return run_service("stage", lambda stop: serve(options_from(args), stop=stop))
+
+``run_service`` sets SIGTERM/SIGINT to a stop event (services run as PID 1 in containers), and turns a
+``ValueError`` or ``FileNotFoundError`` raised while starting into one line on stderr and exit status 2.
+When a launcher started the process (``STAGECAST_PARENT_PID`` set), the process also dies with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+READY_PREFIX = "STAGECAST_READY"
+PARENT_PID_ENV = "STAGECAST_PARENT_PID"
+
+logger = logging.getLogger(__name__)
+
+
+def announce_ready(role: str | None = None, **info: object) -> None:
+    """Print the line a launcher waits for: ``STAGECAST_READY [role] key=value ...`` (values without spaces)."""
+    fields = [role] if role else []
+    fields += [f"{key}={value}" for key, value in info.items()]
+    print(" ".join([READY_PREFIX, *fields]), flush=True)
+
+
+def die_with_parent() -> None:
+    """If a launcher started this process, get SIGTERM when it exits (Linux ``PR_SET_PDEATHSIG``).
+
+    The child sets this itself, after ``exec``, rather than in a ``preexec_fn``: a ``preexec_fn`` makes
+    ``subprocess`` fork instead of spawn, and gRPC's fork handlers then abort a child of a process that has
+    used gRPC (grpc/grpc#43055).  A parent that died before the call is caught by comparing the parent pid.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if str(os.getppid()) != expected:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_event() -> threading.Event:
+    """An event set by SIGTERM/SIGINT, so services shut down cleanly."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def csv_list(kind):
+    """argparse type: a comma-separated list, e.g. ``cuda:0,cuda:1`` or ``4``."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            msg = f"expected a comma-separated list of {kind.__name__}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
+    """Run ``serve(stop)`` until SIGTERM/SIGINT; a start-up error in the flags is one line and exit status 2."""
+    try:
+        serve(stop_event())
+    except (ValueError, FileNotFoundError) as exc:
+        logger.debug("%s failed to start", name, exc_info=True)
+        print(f"stagecast {name}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def resolve_transformer(path: str) -> str:
+    """A checkpoint root holding ``transformer/``, or the transformer folder itself (or ``random:...``)."""
+    if path.startswith("random:"):
+        return path
+    sub = os.path.join(path, "transformer")
+    return sub if os.path.isdir(sub) else path
