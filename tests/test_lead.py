@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 import stagecast
-from stagecast.demo_checkpoint import write_demo_checkpoint
+from launcher.demo_checkpoint import write_demo_checkpoint
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.launcher import Launcher
-from stagecast.local_cluster import start_pipeline
 from tests.pipeline_helpers import coordinator_stub, open_request, tiny_spec
 
 STAGES = 2

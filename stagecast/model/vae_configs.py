@@ -18,7 +18,7 @@ Every preset lists all sixteen ``AutoencoderKLWan.__init__`` arguments, so an ov
 not take is caught here rather than deep inside diffusers.
 
 ``latents_mean``/``latents_std`` are the real per-channel statistics in every preset, tiny ones included: the tiny
-VAEs keep the real ``z_dim`` so they accept the latents of the matching tiny DiTs in ``stage_service/configs.py``
+VAEs keep the real ``z_dim`` so they accept the latents of the matching tiny DiTs in ``stagecast/model/dit_configs.py``
 (16 channels for Wan2.1, 48 for Wan2.2), and de-normalisation is then exercised with realistic numbers.
 
 - Wan2.1: diffusers' own ``AutoencoderKLWan`` defaults (the Wan2.1 VAE).
