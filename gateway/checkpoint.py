@@ -42,6 +42,10 @@ class ServingDefaults:
     fps: float = 16.0
     steps: int = 4
     chunk_frames: int = 1
+    # The per-stream cost budget (gateway.admission); 0 derives it from the serving size, rate and steps above and
+    # the gateway's device.
+    max_frame_pixels: int = 0
+    max_stream_cost: float = 0
 
     @classmethod
     def load(cls, checkpoint: str | os.PathLike) -> ServingDefaults:

@@ -34,6 +34,38 @@ def add_parser(sub) -> None:
         help="seconds frames may wait unread by a client before its stream ends with RESOURCE_EXHAUSTED",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
+    p.add_argument(
+        "--config-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a Generate call may take to send its config before it ends with DEADLINE_EXCEEDED",
+    )
+    p.add_argument("--max-pending", type=int, default=128, help="Generate calls that may wait for their config at once")
+    p.add_argument(
+        "--max-watchers",
+        type=int,
+        default=16,
+        help="WatchStatus calls at once (and as many health Watch and reflection streams)",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve grpc.health.v1 on this port, on threads of its own, for probes (0: any free port; "
+        "default: only on --port)",
+    )
+    p.add_argument(
+        "--max-frame-pixels",
+        type=int,
+        default=0,
+        help="cost budget: pixels of one frame (0: stagecast.json's, else the checkpoint's size x a device headroom)",
+    )
+    p.add_argument(
+        "--max-stream-cost",
+        type=float,
+        default=0,
+        help="cost budget: pixels x frames/s x steps of one stream (0: stagecast.json's, else derived like pixels)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--vae-stage", default=None, help="host:port of the first vae-stage (default: VAE in-process)")
     p.add_argument(
@@ -73,6 +105,12 @@ def main(args: argparse.Namespace) -> int:
         buffer_messages=args.buffer_messages,
         slow_client_timeout=args.slow_client_timeout,
         drain_timeout=args.drain_timeout,
+        config_timeout=args.config_timeout,
+        max_pending=args.max_pending,
+        max_watchers=args.max_watchers,
+        health_port=args.health_port,
+        max_frame_pixels=args.max_frame_pixels,
+        max_stream_cost=args.max_stream_cost,
         vae_stage=args.vae_stage,
         vae_devices=args.vae_devices,
         vae_split=args.vae_split,

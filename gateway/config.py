@@ -21,16 +21,31 @@ import random
 from dataclasses import dataclass
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from stagecast.media import CODECS
+from stagecast import api
+from stagecast.media import CODECS, DEFAULT_CRF, DEFAULT_JPEG_QUALITY, quality_to_crf
 from stagecast.microstep import POLICIES, StreamSpec
 from stagecast.v1 import stream_pb2 as pb
 
-MAX_PROMPT_CHARS = 20_000  # tokenising is the real limit; this only stops absurd payloads before it runs
+# The hard limits of the public API (the ranges in proto/stagecast/v1/stream.proto say the same).  A gateway's cost
+# budget (gateway.admission) may refuse a stream inside them.
+MAX_PROMPT_CHARS = 20_000  # tokenising is the real limit; this stops absurd payloads before it runs
 MAX_SIDE = 4096
 MAX_STEPS = 50
 MAX_CHUNK_FRAMES = 16
 MAX_SECONDS = 24 * 3600.0
 MAX_FPS = 240.0
+# Every encoder takes the rate as a fraction with a denominator <= 1001 (the MP4 time base), so 1e-4 fps rounds to 0
+# and fails in the encoder; the API's range starts at 1 frame per second for every codec alike.
+MIN_FPS = 1.0
+MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
+# The largest legal request: a config whose prompt is MAX_PROMPT_CHARS characters of 4 UTF-8 bytes each, plus the
+# other fields (under 100 bytes) and framing.  The public server refuses bigger messages before parsing them.
+MAX_REQUEST_BYTES = 4 * MAX_PROMPT_CHARS + 16 * 1024
+
+# Each codec's quality when the request leaves it out; Started.config writes it out.
+DEFAULT_H264_QUALITY = 55  # quality_to_crf(55) == 23, x264's own default CRF
+DEFAULT_QUALITY = {"jpeg": DEFAULT_JPEG_QUALITY, "h264": DEFAULT_H264_QUALITY, "raw": 100}
+assert quality_to_crf(DEFAULT_H264_QUALITY) == DEFAULT_CRF
 
 
 class ConfigError(ValueError):
@@ -54,9 +69,9 @@ class EffectiveConfig:
     fps: float
     seconds: float | None
     policy: str
-    window: int | None
+    window: int | None  # None: unbounded
     sink: int
-    quality: int | None
+    quality: int  # the codec's default when the request left it out
     latent_width: int
     latent_height: int
     total_frames: int | None  # None: until stopped
@@ -91,17 +106,15 @@ class EffectiveConfig:
             steps=self.steps,
             seed=self.seed,
             guidance_scale=self.guidance_scale,
-            codec=self.codec,
+            codec=api.codec_value(self.codec),
             target_fps=self.fps,
-            policy=self.policy,
+            policy=api.policy_value(self.policy),
+            window=self.window or 0,  # 0: unbounded, written out so that every field is present
             sink=self.sink,
+            quality=self.quality,
         )
         if self.seconds is not None:
             msg.seconds = self.seconds
-        if self.window is not None:
-            msg.window = self.window
-        if self.quality is not None:
-            msg.quality = self.quality
         return msg
 
 
@@ -134,13 +147,47 @@ def _size(field: str, value: int, multiple: int, factor: int, patch: int) -> int
     return value
 
 
+def parse_client_message(data: bytes) -> pb.ClientMessage:
+    """A request's bytes as a ClientMessage, or ``ConfigError("request", ...)`` (INVALID_ARGUMENT)."""
+    return _parse(pb.ClientMessage, data)
+
+
+def parse_status_request(data: bytes) -> pb.StatusRequest:
+    return _parse(pb.StatusRequest, data)
+
+
+def _parse(cls, data: bytes):
+    try:
+        return cls.FromString(data)
+    except Exception as exc:  # DecodeError; anything else the parser raises is the same verdict
+        name = cls.DESCRIPTOR.full_name
+        raise ConfigError("request", f"{len(data)} bytes that are not a {name} ({exc})") from None
+
+
+def check_prompt(prompt: str, field: str = "prompt") -> str:
+    """The length and emptiness checks every prompt (a config's or an update's) passes before it is tokenised."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ConfigError(field, f"is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    if not prompt.strip():
+        raise ConfigError(field, "must not be empty")
+    return prompt
+
+
+def _enum(field: str, value: int, names: dict[str, int], default: str) -> str:
+    """An enum field's name (UNSPECIFIED: ``default``); a number this gateway does not know names the field."""
+    if value == 0:
+        return default
+    for name, number in names.items():
+        if number == value:
+            return name
+    enum = pb.StreamConfig.DESCRIPTOR.fields_by_name[field].enum_type
+    allowed = ", ".join(enum.values_by_number[n].name for n in names.values())
+    raise ConfigError(field, f"must be one of {allowed} (UNSPECIFIED: {default}), got {value}")
+
+
 def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo) -> EffectiveConfig:
     """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults."""
-    prompt = msg.prompt
-    if not prompt.strip():
-        raise ConfigError("prompt", "must not be empty")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise ConfigError("prompt", f"is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    prompt = check_prompt(msg.prompt)
 
     sf, (p_h, p_w) = model.spatial_factor, model.patch_hw
     width = _size("width", msg.width if msg.HasField("width") else defaults.width, model.width_multiple, sf, p_w)
@@ -159,13 +206,14 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
             f"only 1.0 is supported (the served causal few-step models are guidance-distilled), got {guidance}",
         )
 
-    codec = msg.codec or "jpeg"
-    if codec not in CODECS:
-        raise ConfigError("codec", f"must be one of {', '.join(CODECS)}, got {codec!r}")
+    codec = _enum("codec", msg.codec, api.CODECS, api.DEFAULT_CODEC)
+    assert codec in CODECS
 
     fps = msg.target_fps if msg.HasField("target_fps") else defaults.fps
-    if not (0 < fps <= MAX_FPS) or math.isnan(fps):
-        raise ConfigError("target_fps", f"must be in (0, {MAX_FPS}], got {fps}")
+    if not (MIN_FPS <= fps <= MAX_FPS) or math.isnan(fps):
+        raise ConfigError("target_fps", f"must be in [{MIN_FPS:g}, {MAX_FPS:g}], got {fps:.6g}")
+    if codec == "h264" and (width % 2 or height % 2):  # yuv420p: whole chroma samples
+        raise ConfigError("width" if width % 2 else "height", f"must be even with codec H264, got {width}x{height}")
 
     seconds: float | None = None
     total_frames = num_chunks = None
@@ -175,18 +223,18 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
             raise ConfigError("seconds", f"must be in (0, {MAX_SECONDS:.0f}] (leave it out to stream until stopped)")
         total_frames, num_chunks = duration_plan(seconds, fps, chunk_frames, model.temporal_factor)
 
-    policy = msg.policy or "per_level"
-    if policy not in POLICIES:
-        raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
-    window = msg.window if msg.HasField("window") else None
-    if window is not None and window < 1:
-        raise ConfigError("window", f"must be >= 1 latent frame (leave it out for an unbounded window), got {window}")
+    policy = _enum("policy", msg.policy, api.POLICIES, api.DEFAULT_POLICY)
+    assert policy in POLICIES
+    window = msg.window if msg.HasField("window") else 0
+    if not 0 <= window <= MAX_WINDOW:
+        raise ConfigError(
+            "window", f"must be in [0, {MAX_WINDOW}] latent frames (0 or absent: unbounded), got {window}"
+        )
     sink = msg.sink if msg.HasField("sink") else 0
-    if sink < 0 or (window is not None and sink > window):
-        raise ConfigError("sink", f"must be in [0, window], got sink={sink} window={window}")
-    quality = msg.quality if msg.HasField("quality") else None
-    if quality is not None:
-        _int_in("quality", quality, 1, 100)
+    if not 0 <= sink <= (window or MAX_WINDOW):
+        raise ConfigError("sink", f"must be in [0, window] (window {window or 'unbounded'}), got {sink}")
+    quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]
+    _int_in("quality", quality, 1, 100)
 
     return EffectiveConfig(
         prompt=prompt,
@@ -200,7 +248,7 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         fps=fps,
         seconds=seconds,
         policy=policy,
-        window=window,
+        window=window or None,
         sink=sink,
         quality=quality,
         latent_width=width // sf,

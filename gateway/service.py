@@ -9,15 +9,24 @@ The gateway encodes prompts (UMT5, cached per prompt), opens one coordinator str
 finished latent chunks with a per-stream StreamVAE cache (in this process, or in a chain of ``stagecast vae-stage``
 processes with ``--vae-stage``) and encodes frames (``gateway.stream`` holds the per-stream machinery and its
 buffering policy).  Errors that end a call are gRPC status codes: INVALID_ARGUMENT names the bad
-field, RESOURCE_EXHAUSTED means this gateway's ``--max-streams`` (or the coordinator's own limit, passed through)
-or a client too slow to keep up.  ``GetStatus``/``WatchStatus`` and the Prometheus metrics show the streams the
+field (or says the request bytes are not a message), RESOURCE_EXHAUSTED means this gateway's ``--max-streams`` (or
+the coordinator's own limit, passed through), its per-stream cost budget (``gateway.admission``), too many calls
+waiting for their config or watching the status, or a client too slow to keep up; DEADLINE_EXCEEDED means no config
+within ``--config-timeout``.  ``GetStatus``/``WatchStatus`` and the Prometheus metrics show the streams the
 gateway holds and the VAE cache memory they use.
+
+The edge is bounded: the handlers take raw bytes and parse them (grpc would answer INTERNAL to bytes it cannot
+decode), requests over the largest legal message are refused before parsing, every call that can stay open holds a
+slot from a bounded budget (streams, calls waiting for their config, status watchers, health watchers, reflection)
+and the thread pool is larger than all budgets together, so health checks and new streams always find a thread.
+With ``--health-port`` grpc.health.v1 is also served by a server of its own (what Kubernetes probes call).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -27,23 +36,40 @@ from types import SimpleNamespace
 import grpc
 import torch
 
+from gateway.admission import Admission, CostBudget, Refused
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import ConfigError, resolve_config
+from gateway.config import MAX_REQUEST_BYTES, ConfigError, parse_client_message, parse_status_request, resolve_config
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
 from gateway.stream_vae import DTYPES
 from gateway.text_encoder import TextEncoder
-from stagecast import telemetry
-from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast import api, telemetry
+from stagecast.grpc_util import (
+    CHANNEL_OPTIONS,
+    HEALTH_WATCH,
+    MAX_MESSAGE_BYTES,
+    REFLECTION_STREAMS,
+    ConcurrencyLimits,
+    make_health_server,
+    make_server,
+    set_serving,
+)
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.service import announce_ready
 from stagecast.v1 import stream_pb2 as pb
-from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stagecast.v1.StreamService"
+WATCH_STATUS = f"/{SERVICE_NAME}/WatchStatus"
+# The public server's options: requests are refused above the largest legal one before they are parsed; responses
+# (raw frames, H.264 fragments of a whole GOP) may be large.
+PUBLIC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+HEADROOM_THREADS = 16  # beyond every bounded kind of call: health checks, GetStatus, refusals in flight
 
 
 @dataclass
@@ -70,6 +96,12 @@ class GatewayOptions:
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
     drain_timeout: float = 60.0  # how long a stopped pipeline stream may take to finish its cooldown
     abandon_timeout: float = 30.0  # how long a failed stream's client may take to read its error before cancelling
+    config_timeout: float = 10.0  # how long a Generate call may take to send its config
+    max_pending: int = 128  # Generate calls waiting for their config at once
+    max_watchers: int = 16  # WatchStatus calls at once (and as many health Watch and reflection calls)
+    health_port: int | None = None  # grpc.health.v1 also on a server of its own (0: any free port); None: off
+    max_frame_pixels: int = 0  # per-stream cost budget (gateway.admission); 0: stagecast.json's, else derived
+    max_stream_cost: float = 0
 
 
 class Gateway:
@@ -99,7 +131,17 @@ class Gateway:
 
         self.cond = threading.Condition()
         self.streams: dict[str, StreamRun] = {}
-        self.reserved = 0  # admitted calls still being set up (prompt encoding, coordinator open)
+        self.admitted = 0  # streams past the count cap: being set up, or registered and not yet forgotten
+        self.pending = 0  # Generate calls waiting for their config
+        self._releases: dict[str, object] = {}  # per registered stream: gives back what admission took
+        self.budget = CostBudget.derive(
+            self.defaults,
+            (opts.vae_devices or [opts.device])[0] if not opts.vae_stage else opts.device,
+            max_frame_pixels=opts.max_frame_pixels,
+            max_stream_cost=opts.max_stream_cost,
+        )
+        # Admission, in order: count cap, cost budget (later checks, e.g. capacity, are appended).
+        self.admission = Admission([self._count_cap, self.budget.check])
         self.version = 0  # bumped on every change WatchStatus reports
         self.started = 0
         self.finished = 0
@@ -112,15 +154,27 @@ class Gateway:
         )
 
         servicer = StreamServicer(self)
+        streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
+        streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
+        self.limits = ConcurrencyLimits(streaming)
+        # A handler thread per stream and per call waiting for its config, one per bounded streaming call, and
+        # headroom: every call that can stay open is bounded below the pool's size.
+        workers = opts.max_streams + opts.max_pending + self.limits.total() + HEADROOM_THREADS
         self.server, self.health, self.port = make_server(
             opts.port,
-            [(pb_grpc.add_StreamServiceServicer_to_server, servicer, SERVICE_NAME)],
+            [(_add_stream_service, servicer, SERVICE_NAME)],
             host=opts.host,
-            # One handler thread per stream, plus room to refuse the streams over the limit and serve status.
-            max_workers=opts.max_streams + 16,
+            max_workers=workers,
+            options=PUBLIC_OPTIONS,
+            interceptors=[self.limits],
+            maximum_concurrent_rpcs=workers,
         )
         host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
         self.address = f"{host}:{self.port}"
+        self.health_server = self.health_address = None
+        if opts.health_port is not None:
+            self.health_server, health_port = make_health_server(self.health, opts.health_port, host=opts.host)
+            self.health_address = f"{host}:{health_port}"
 
     def _warm_up(self, chunks: int = 4) -> float:
         """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through a decode session
@@ -146,18 +200,26 @@ class Gateway:
 
     def start(self) -> None:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
         self.metrics.serve(self.opts.metrics_port)
         set_serving(self.health, [SERVICE_NAME], True)
         logger.info(
-            "gateway on %s -> coordinator %s (text_len=%d, VAE %s)",
+            "gateway on %s -> coordinator %s (text_len=%d, VAE %s, cost budget %d pixels/frame and %.4g "
+            "pixel-passes/s per stream: %s)",
             self.address,
             self.opts.coordinator,
             self.text_len,
             self.opts.vae_stage or "in process",
+            self.budget.max_frame_pixels,
+            self.budget.max_stream_cost,
+            self.budget.origin,
         )
 
     def stop(self, grace: float = 5.0) -> None:
         set_serving(self.health, [SERVICE_NAME], False)
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self.server.stop(grace).wait()
         self.channel.close()
         self.decoder.close()
@@ -171,33 +233,56 @@ class Gateway:
         except ValueError as exc:
             raise ConfigError("prompt", str(exc).removeprefix("prompt ")) from None
 
-    def reserve(self) -> bool:
+    # ---- admission ---------------------------------------------------------------------------------
+
+    def _count_cap(self, cfg) -> object:
+        """The first admission check: at most ``max_streams`` streams, from admission until they are forgotten."""
         with self.cond:
-            if len(self.streams) + self.reserved >= self.opts.max_streams:
+            if self.admitted >= self.opts.max_streams:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many streams: this gateway serves at most {self.opts.max_streams} at once (--max-streams)",
+                )
+            self.admitted += 1
+        return self._uncount
+
+    def _uncount(self) -> None:
+        with self.cond:
+            self.admitted -= 1
+
+    def enter_pending(self) -> bool:
+        """A Generate call starts waiting for its config; False when ``max_pending`` calls already are."""
+        with self.cond:
+            if self.pending >= self.opts.max_pending:
                 return False
-            self.reserved += 1
+            self.pending += 1
+            self._changed()
             return True
 
-    def unreserve(self) -> None:
+    def leave_pending(self) -> None:
         with self.cond:
-            self.reserved -= 1
+            self.pending -= 1
+            self._changed()
 
-    def register(self, run: StreamRun) -> None:
+    def register(self, run: StreamRun, release) -> None:
+        """An admitted stream is open; ``release`` (from admission) runs when it is forgotten."""
         with self.cond:
-            self.reserved -= 1
+            self._releases[run.id] = release
             self.streams[run.id] = run
             self.started += 1
             self._changed()
 
     def forget(self, run: StreamRun) -> None:
-        """The stream's pipeline side and VAE state are gone: it no longer counts against the limit."""
+        """The stream's pipeline side and VAE state are gone: it no longer counts against the limits."""
         with self.cond:
             if self.streams.pop(run.id, None) is None:
                 return
+            release = self._releases.pop(run.id)
             reason = run.outcome or "unknown"
             self.finished += 1
             self.ended_by_reason[reason] += 1
             self._changed()
+        release()
         self.metrics.stream_ended(reason)
         logger.info("stream %s finished: %s, %d frames", run.id, reason, run.frames_emitted)
 
@@ -228,12 +313,13 @@ class Gateway:
                 streams_finished=self.finished,
                 ended_by_reason=dict(self.ended_by_reason),
                 coordinator=self.opts.coordinator,
+                waiting_calls=self.pending,
             )
         for run in runs:
             msg.streams.add(
                 stream_id=run.id,
                 pipeline_stream_id=run.pipeline_id,
-                state=run.state,
+                state=api.state_value(run.state),
                 frames_sent=run.frames_sent,
                 chunks_received=run.chunks_received,
                 vae_state_bytes=_vae_bytes(run),
@@ -249,7 +335,46 @@ def _vae_bytes(run: StreamRun) -> int:
     return 0 if session is None else session.state_bytes
 
 
-class StreamServicer(pb_grpc.StreamServiceServicer):
+_TIMED_OUT = object()
+_NO_MESSAGE = object()
+
+
+def _read_first(request_iterator, box: queue.SimpleQueue) -> None:
+    """Reads the first request (bytes) into ``box`` in a thread of its own, so that the handler can stop waiting."""
+    try:
+        box.put(next(request_iterator))
+    except StopIteration:
+        box.put(_NO_MESSAGE)
+    except Exception as exc:  # the call ended (cancelled, or aborted when its deadline passed)
+        box.put(exc)
+
+
+def _parsed(request_iterator):
+    """The call's later requests as ClientMessages; raises ``ConfigError`` at bytes that are not one."""
+    for data in request_iterator:
+        yield parse_client_message(data)
+
+
+def _add_stream_service(servicer: StreamServicer, server: grpc.Server) -> None:
+    """Registers StreamService with handlers that take the request bytes (``request_deserializer=None``) and parse
+    them: a sync grpc server answers INTERNAL (and logs a traceback) for bytes its deserializer cannot decode."""
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate, response_serializer=pb.ServerMessage.SerializeToString
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus, response_serializer=pb.GatewayStatus.SerializeToString
+        ),
+        "WatchStatus": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchStatus, response_serializer=pb.GatewayStatus.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class StreamServicer:
+    """``stagecast.v1.StreamService``; every method takes the request's bytes (see ``_add_stream_service``)."""
+
     def __init__(self, gw: Gateway):
         self.gw = gw
 
@@ -257,13 +382,47 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
         with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.gw.address) as span:
             yield from self._generate(request_iterator, context, span)
 
+    def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
+        """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
+        gw = self.gw
+        if not gw.enter_pending():
+            self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many calls waiting for their config: this gateway holds at most {gw.opts.max_pending} "
+                "(--max-pending); send the config as the first message",
+            )
+        try:
+            box: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_read_first, args=(request_iterator, box), daemon=True, name="config").start()
+            try:
+                first = box.get(timeout=gw.opts.config_timeout)
+            except queue.Empty:
+                first = _TIMED_OUT
+        finally:
+            gw.leave_pending()
+        if first is _TIMED_OUT:
+            self._abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"config: none arrived within {gw.opts.config_timeout:g} s of the call's start (--config-timeout)",
+            )
+        if first is _NO_MESSAGE:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "config: the client sent no message; send a config")
+        if isinstance(first, Exception):
+            logger.debug("call ended before its config: %s", first)
+            return None
+        try:
+            return parse_client_message(first)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     def _generate(self, request_iterator, context, rpc_span):
         t0 = time.monotonic()
         gw = self.gw
-        try:
-            first = next(request_iterator)
-        except StopIteration:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "config: the client sent no message; send a config")
+        first = self._first_message(request_iterator, context)
+        if first is None:
+            return
         kind = first.WhichOneof("msg")
         if kind != "config":
             self._abort(
@@ -275,17 +434,15 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
             cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not gw.reserve():
-            self._abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many streams: this gateway serves at most {gw.opts.max_streams} at once (--max-streams)",
-            )
-        run = self._open(cfg, context, t0, rpc_span)
-        gw.register(run)
+        try:
+            release = gw.admission.admit(cfg)
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        run = self._open(cfg, context, t0, rpc_span, release)
+        gw.register(run, release)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening
-        run.start(request_iterator)
+        run.start(_parsed(request_iterator))
         logger.info(
             "stream %s (pipeline %d): %dx%d, %s frames, codec %s",
             run.id,
@@ -300,8 +457,8 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
         except StreamFailed as exc:
             self._abort(context, exc.code, exc.message)
 
-    def _open(self, cfg, context, t0: float, rpc_span=None) -> StreamRun:
-        """Encode the prompt and open the pipeline stream; on failure free the reserved slot and end the call."""
+    def _open(self, cfg, context, t0: float, rpc_span, release) -> StreamRun:
+        """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
         gw = self.gw
         try:
             run = StreamRun(gw, cfg, gw.encode_prompt(cfg.prompt), context, t0, parent_span=rpc_span)
@@ -313,7 +470,7 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
             code, message = exc.code(), f"pipeline (coordinator {gw.opts.coordinator}): {exc.details()}"
         except StreamFailed as exc:
             code, message = exc.code, exc.message
-        gw.unreserve()
+        release()
         self._abort(context, code, message)
 
     def _abort(self, context, code: grpc.StatusCode, message: str):
@@ -321,11 +478,19 @@ class StreamServicer(pb_grpc.StreamServiceServicer):
         logger.info("call ended with %s: %s", code.name, message)
         context.abort(code, message)
 
-    def GetStatus(self, request, context):
+    def GetStatus(self, request: bytes, context):
+        try:
+            parse_status_request(request)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return self.gw.status()
 
-    def WatchStatus(self, request, context):
+    def WatchStatus(self, request: bytes, context):
         gw = self.gw
+        try:
+            parse_status_request(request)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         done = threading.Event()
 
         def on_done():
@@ -347,7 +512,8 @@ def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:
     telemetry.init("gateway")
     gw = Gateway(opts)
     gw.start()
-    announce_ready("gateway", address=gw.address)
+    extra = {"health_address": gw.health_address} if gw.health_address else {}
+    announce_ready("gateway", address=gw.address, **extra)
     stop = stop or threading.Event()
     try:
         stop.wait()

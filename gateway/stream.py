@@ -47,8 +47,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.channel import CLOSED, BoundedChannel
-from gateway.config import ConfigError, EffectiveConfig
-from stagecast import telemetry, wire
+from gateway.config import ConfigError, EffectiveConfig, check_prompt
+from stagecast import api, telemetry, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
 from stagecast.v1 import stream_pb2 as pb
@@ -415,7 +415,7 @@ class StreamRun:
             msg = pb.ServerMessage(
                 frame=pb.Frame(
                     data=data,
-                    codec=cfg.codec,
+                    codec=api.codec_value(cfg.codec),
                     index=index,
                     pts=index / cfg.fps,
                     chunk=chunk.index,
@@ -483,9 +483,15 @@ class StreamRun:
             if self.outcome is not None:
                 return
             self.outcome = reason
-        self.out.put_final(pb.ServerMessage(end=pb.End(reason=reason, frames=self.frames_emitted, trailer=trailer)))
+        self.out.put_final(
+            pb.ServerMessage(
+                end=pb.End(reason=api.end_reason_value(reason), frames=self.frames_emitted, trailer=trailer)
+            )
+        )
 
     def _read_requests(self, request_iterator) -> None:
+        """Reads the client's later messages; ``request_iterator`` parses them (``ConfigError`` for bytes that are
+        not a ClientMessage)."""
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
@@ -505,12 +511,14 @@ class StreamRun:
                 else:
                     self.fail(grpc.StatusCode.INVALID_ARGUMENT, "msg: empty ClientMessage", "invalid_argument")
                     return
+        except ConfigError as exc:
+            self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument")
         except Exception as exc:  # the call ended while we were waiting for the next message
             logger.debug("stream %s: request stream ended: %s", self.id, exc)
 
     def _update_prompt(self, prompt: str) -> bool:
         try:
-            text = self.gw.encode_prompt(prompt)
+            text = self.gw.encode_prompt(check_prompt(prompt))  # the config's limits, before tokenising
         except ConfigError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
             return False

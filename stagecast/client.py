@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
+from stagecast import api
 from stagecast.errors import StagecastError, from_rpc_error
 from stagecast.frames import EndInfo, Frame, Mp4Writer, StreamInfo
 from stagecast.v1 import stream_pb2 as pb
@@ -68,19 +69,22 @@ def stream_config(
     width: int | None = None,
     height: int | None = None,
     seconds: float | None = None,
-    codec: str = "jpeg",
+    codec: str | int = "jpeg",
     chunk_frames: int | None = None,
     steps: int | None = None,
     seed: int | None = None,
     guidance_scale: float | None = None,
     target_fps: float | None = None,
-    policy: str | None = None,
+    policy: str | int | None = None,
     window: int | None = None,
     sink: int | None = None,
     quality: int | None = None,
 ) -> pb.StreamConfig:
-    """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default."""
-    msg = pb.StreamConfig(prompt=prompt, codec=codec, policy=policy or "")
+    """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
+
+    ``codec`` is "jpeg", "h264" or "raw" and ``policy`` "per_level" or "clean" (the wire's ``Codec`` and ``KvPolicy``
+    enums; an enum number is passed through as it is).  An unknown name raises ``ValueError`` naming the field."""
+    msg = pb.StreamConfig(prompt=prompt, codec=api.codec_value(codec), policy=api.policy_value(policy))
     optional = dict(
         width=width,
         height=height,
@@ -127,7 +131,7 @@ class _StreamState:
         elif kind == "prompt_updated":
             self.prompt_updates.append(msg.prompt_updated.prompt)
         elif kind == "end":
-            self.end = EndInfo(msg.end.reason, msg.end.frames, msg.end.trailer)
+            self.end = EndInfo(api.end_reason_name(msg.end.reason), msg.end.frames, msg.end.trailer)
         return None
 
     @property

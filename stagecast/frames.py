@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stagecast import api
 from stagecast.v1 import stream_pb2 as pb
 
 
@@ -53,7 +54,7 @@ class Frame:
             index=msg.index,
             pts=msg.pts,
             chunk=msg.chunk,
-            codec=msg.codec,
+            codec=api.codec_name(msg.codec),
             data=msg.data,
             width=msg.width,
             height=msg.height,
@@ -109,7 +110,22 @@ class StreamInfo:
 
     @property
     def codec(self) -> str:
-        return self.config.codec
+        """ "jpeg", "h264" or "raw"."""
+        return api.codec_name(self.config.codec)
+
+    @property
+    def policy(self) -> str:
+        """ "per_level" or "clean"."""
+        return api.policy_name(self.config.policy)
+
+    @property
+    def window(self) -> int | None:
+        """KV window in latent frames; None: unbounded."""
+        return self.config.window or None
+
+    @property
+    def quality(self) -> int:
+        return self.config.quality
 
     @property
     def seed(self) -> int:
@@ -118,7 +134,7 @@ class StreamInfo:
 
 @dataclass(frozen=True)
 class EndInfo:
-    reason: str  # "completed" | "stopped"
+    reason: str  # "completed" | "stopped" (the wire's EndReason)
     frames: int
     trailer: bytes = b""
 

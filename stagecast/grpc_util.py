@@ -5,11 +5,18 @@ Usage::
     server, health = make_server(port, [(add_FooServicer_to_server, servicer, "pkg.Foo")], host="0.0.0.0")
     server.start(); health.set("pkg.Foo", SERVING)
     channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+    # A public server: bounded calls per streaming method, and health also on a server of its own.
+    limits = ConcurrencyLimits({HEALTH_WATCH: 16, "/pkg.Foo/Watch": 8})
+    server, health, port = make_server(port, services, interceptors=[limits], max_workers=limits.total() + 32)
+    probe_server, probe_port = make_health_server(health, probe_port)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 
 import grpc
@@ -24,6 +31,69 @@ CHANNEL_OPTIONS = [
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+REFLECTION_STREAMS = (
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+)
+
+
+class ConcurrencyLimits(grpc.ServerInterceptor):
+    """A server interceptor that bounds the open calls of each listed streaming method: a call over its method's
+    limit ends at once with RESOURCE_EXHAUSTED instead of holding one of the server's threads.
+
+    In grpc's thread-per-call server, every open streaming call holds a thread; with every such method bounded and
+    the thread pool larger than the sum of the bounds, short calls (health checks, status) always find a thread.
+    """
+
+    def __init__(self, limits: Mapping[str, int]):
+        self.limits = dict(limits)
+        self._open: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def total(self) -> int:
+        return sum(self.limits.values())
+
+    def open_calls(self, method: str) -> int:
+        with self._lock:
+            return self._open[method]
+
+    def _acquire(self, method: str) -> bool:
+        with self._lock:
+            if self._open[method] >= self.limits[method]:
+                return False
+            self._open[method] += 1
+            return True
+
+    def _release(self, method: str) -> None:
+        with self._lock:
+            self._open[method] -= 1
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method not in self.limits or not handler.response_streaming:
+            return handler
+        inner = handler.stream_stream if handler.request_streaming else handler.unary_stream
+        limit = self.limits[method]
+
+        def limited(request, context):
+            if not self._acquire(method):
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: this server serves at most {limit} such calls at once",
+                )
+            try:
+                yield from inner(request, context)
+            finally:
+                self._release(method)
+
+        make = (
+            grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
+        )
+        return make(
+            limited, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 def make_server(
@@ -32,10 +102,19 @@ def make_server(
     *,
     host: str = "127.0.0.1",
     max_workers: int = 32,
+    options: Sequence[tuple[str, object]] = CHANNEL_OPTIONS,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Build a server with the given servicers, grpc.health.v1 and reflection.  Returns the bound port
-    (useful with ``port=0``)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    (useful with ``port=0``).  ``add(servicer, server)`` registers a servicer (a generated ``add_*_to_server`` or a
+    function adding generic handlers)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=list(interceptors),
+        options=list(options),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
     health_servicer = health.HealthServicer()
     names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
     for add, servicer, name in services:
@@ -49,6 +128,25 @@ def make_server(
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     return server, health_servicer, bound
+
+
+def make_health_server(
+    health_servicer: health.HealthServicer, port: int, *, host: str = "127.0.0.1", max_watchers: int = 4
+) -> tuple[grpc.Server, int]:
+    """grpc.health.v1 alone on its own port and threads, sharing ``health_servicer``'s statuses: what liveness and
+    readiness probes should call, since nothing the main server's clients do can take its threads.  Not started."""
+    limits = ConcurrencyLimits({HEALTH_WATCH: max_watchers})
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_watchers + 4),
+        interceptors=[limits],
+        options=[("grpc.max_receive_message_length", 4096)],
+        maximum_concurrent_rpcs=max_watchers + 4,
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the health server to {host}:{port}")
+    return server, bound
 
 
 def set_serving(health_servicer: health.HealthServicer, names: Sequence[str], serving: bool) -> None:

@@ -9,6 +9,7 @@ from stagecast.client import stream_config
 from stagecast.errors import from_rpc_error
 from stagecast.frames import Frame, FrameTiming, save_mp4
 from stagecast.media import JpegEncoder, Mp4Encoder, read_mp4_frames
+from stagecast.v1 import stream_pb2 as pb
 
 TIMING = FrameTiming(0.0, 0.0, 0.0, 0.0)
 
@@ -22,7 +23,7 @@ def test_stream_config_leaves_out_what_the_caller_did_not_set():
     msg = stream_config("a cat", width=64, seconds=2)
     assert msg.HasField("width") and msg.HasField("seconds") and msg.seconds == 2
     assert not msg.HasField("height") and not msg.HasField("seed") and not msg.HasField("steps")
-    assert msg.codec == "jpeg"
+    assert msg.codec == pb.CODEC_JPEG  # the SDK keeps the names; the wire carries the enum
     assert stream_config("a cat", seed=0).HasField("seed")  # an explicit 0 is a value, not "absent"
 
 

@@ -290,7 +290,7 @@ BAD_CONFIGS = [
     ("prompt", dict(prompt="")),
     ("prompt", dict(prompt="   ")),
     ("prompt", dict(prompt="snow " * 40)),  # 41 tokens; the demo encoder takes 32
-    ("codec", dict(codec="gif")),
+    ("codec", dict(codec=99)),  # an enum number this gateway does not know
     ("guidance_scale", dict(guidance_scale=7.5)),
     ("chunk_frames", dict(chunk_frames=0)),
 ]

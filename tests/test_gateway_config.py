@@ -8,6 +8,7 @@ from gateway.channel import CLOSED, BoundedChannel
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import ConfigError, duration_plan, frames_after_chunks, resolve_config
 from stagecast.client import stream_config
+from stagecast.v1 import stream_pb2 as pb
 
 WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
 DEFAULTS = ServingDefaults(text_len=32, width=64, height=48)
@@ -39,7 +40,11 @@ def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_fi
     assert cfg.seconds is None and cfg.total_frames is None and cfg.num_chunks is None  # until stopped
     assert cfg.timesteps() == (1000.0, 750.0, 500.0, 250.0)
     echo = cfg.to_proto()
-    assert echo.HasField("width") and echo.HasField("seed") and not echo.HasField("seconds")
+    # Every field is written out, the unbounded window as 0 and the codec's default quality; only seconds stays
+    # absent for a stream that runs until stopped.
+    optional = [f.name for f in echo.DESCRIPTOR.fields if f.has_presence]
+    assert [name for name in optional if not echo.HasField(name)] == ["seconds"]
+    assert (echo.window, echo.quality, echo.codec, echo.policy) == (0, 90, pb.CODEC_JPEG, pb.KV_POLICY_PER_LEVEL)
     spec = cfg.stream_spec(latent_channels=16, text_len=32)
     assert (spec.height, spec.width, spec.num_chunks, spec.seed, spec.text_len) == (6, 8, None, 5, 32)
 
@@ -62,13 +67,24 @@ def test_a_random_seed_is_chosen_when_none_is_given():
         ("steps", dict(steps=0)),
         ("steps", dict(steps=51)),
         ("chunk_frames", dict(chunk_frames=0)),
-        ("codec", dict(codec="gif")),
+        ("codec", dict(codec=99)),  # an enum number this gateway does not know
         ("guidance_scale", dict(guidance_scale=5.0)),
         ("target_fps", dict(target_fps=0)),
-        ("policy", dict(policy="greedy")),
-        ("window", dict(window=0)),
+        ("policy", dict(policy=7)),
+        ("window", dict(window=-1)),
+        ("window", dict(window=1025)),
+        ("sink", dict(sink=-1)),
         ("sink", dict(window=2, sink=3)),
         ("quality", dict(quality=101)),
+        ("quality", dict(quality=0)),
+        ("target_fps", dict(target_fps=float("nan"))),
+        ("target_fps", dict(target_fps=241)),
+        ("target_fps", dict(codec="h264", target_fps=1e-4)),  # accepted once, then failed INTERNAL in the muxer
+        ("target_fps", dict(target_fps=0.5)),
+        ("seconds", dict(seconds=float("inf"))),
+        ("steps", dict(steps=2**31 - 1)),
+        ("chunk_frames", dict(chunk_frames=17)),
+        ("width", dict(width=4112)),
     ],
 )
 def test_each_invalid_field_is_named_in_the_error(field, kwargs):

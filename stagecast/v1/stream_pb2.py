@@ -24,41 +24,50 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagecast/v1/stream.proto\x12\x0cstagecast.v1\"\xb9\x03\n\x0cStreamConfig\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0c\x63hunk_frames\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x17\n\ntarget_fps\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x14\n\x07seconds\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x13\n\x06window\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x11\n\x04sink\x18\r \x01(\x05H\t\x88\x01\x01\x12\x14\n\x07quality\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x08\n\x06_widthB\t\n\x07_heightB\x0f\n\r_chunk_framesB\x08\n\x06_stepsB\x07\n\x05_seedB\x11\n\x0f_guidance_scaleB\r\n\x0b_target_fpsB\n\n\x08_secondsB\t\n\x07_windowB\x07\n\x05_sinkB\n\n\x08_quality\"\x1e\n\x0cPromptUpdate\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\x06\n\x04Stop\"\x96\x01\n\rClientMessage\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.stagecast.v1.StreamConfigH\x00\x12,\n\x06prompt\x18\x02 \x01(\x0b\x32\x1a.stagecast.v1.PromptUpdateH\x00\x12\"\n\x04stop\x18\x03 \x01(\x0b\x32\x12.stagecast.v1.StopH\x00\x42\x05\n\x03msg\"\xbb\x01\n\x07Started\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.stagecast.v1.StreamConfig\x12\x14\n\x0ctotal_frames\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12\x14\n\x0clatent_width\x18\x05 \x01(\x05\x12\x15\n\rlatent_height\x18\x06 \x01(\x05\x12\x1a\n\x12pipeline_stream_id\x18\x07 \x01(\x04\"\xaa\x01\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x03\x12\x0b\n\x03pts\x18\x04 \x01(\x01\x12\r\n\x05\x63hunk\x18\x05 \x01(\x05\x12\x12\n\nlatents_ms\x18\x06 \x01(\x01\x12\x12\n\ndecoded_ms\x18\x07 \x01(\x01\x12\x12\n\nencoded_ms\x18\x08 \x01(\x01\x12\r\n\x05width\x18\t \x01(\x05\x12\x0e\n\x06height\x18\n \x01(\x05\"\x1f\n\rPromptUpdated\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"6\n\x03\x45nd\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x03\x12\x0f\n\x07trailer\x18\x03 \x01(\x0c\"\xbf\x01\n\rServerMessage\x12(\n\x07started\x18\x01 \x01(\x0b\x32\x15.stagecast.v1.StartedH\x00\x12$\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x13.stagecast.v1.FrameH\x00\x12\x35\n\x0eprompt_updated\x18\x03 \x01(\x0b\x32\x1b.stagecast.v1.PromptUpdatedH\x00\x12 \n\x03\x65nd\x18\x04 \x01(\x0b\x32\x11.stagecast.v1.EndH\x00\x42\x05\n\x03msg\"\x0f\n\rStatusRequest\"\xc3\x01\n\x0cStreamStatus\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x1a\n\x12pipeline_stream_id\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x66rames_sent\x18\x04 \x01(\x03\x12\x17\n\x0f\x63hunks_received\x18\x05 \x01(\x05\x12\x17\n\x0fvae_state_bytes\x18\x06 \x01(\x03\x12\x15\n\rqueued_chunks\x18\x07 \x01(\x05\x12\x17\n\x0fqueued_messages\x18\x08 \x01(\x05\"\xc9\x02\n\rGatewayStatus\x12\x16\n\x0e\x61\x63tive_streams\x18\x01 \x01(\x05\x12\x13\n\x0bmax_streams\x18\x02 \x01(\x05\x12\x17\n\x0fvae_state_bytes\x18\x03 \x01(\x03\x12+\n\x07streams\x18\x04 \x03(\x0b\x32\x1a.stagecast.v1.StreamStatus\x12\x17\n\x0fstreams_started\x18\x05 \x01(\x03\x12\x18\n\x10streams_finished\x18\x06 \x01(\x03\x12G\n\x0f\x65nded_by_reason\x18\x07 \x03(\x0b\x32..stagecast.v1.GatewayStatus.EndedByReasonEntry\x12\x13\n\x0b\x63oordinator\x18\x08 \x01(\t\x1a\x34\n\x12\x45ndedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xeb\x01\n\rStreamService\x12H\n\x08Generate\x12\x1b.stagecast.v1.ClientMessage\x1a\x1b.stagecast.v1.ServerMessage(\x01\x30\x01\x12\x45\n\tGetStatus\x12\x1b.stagecast.v1.StatusRequest\x1a\x1b.stagecast.v1.GatewayStatus\x12I\n\x0bWatchStatus\x12\x1b.stagecast.v1.StatusRequest\x1a\x1b.stagecast.v1.GatewayStatus0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagecast/v1/stream.proto\x12\x0cstagecast.v1\"\xe6\x03\n\x0cStreamConfig\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0c\x63hunk_frames\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\"\n\x05\x63odec\x18\x08 \x01(\x0e\x32\x13.stagecast.v1.Codec\x12\x17\n\ntarget_fps\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x14\n\x07seconds\x18\n \x01(\x02H\x07\x88\x01\x01\x12&\n\x06policy\x18\x0b \x01(\x0e\x32\x16.stagecast.v1.KvPolicy\x12\x13\n\x06window\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x11\n\x04sink\x18\r \x01(\x05H\t\x88\x01\x01\x12\x14\n\x07quality\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x08\n\x06_widthB\t\n\x07_heightB\x0f\n\r_chunk_framesB\x08\n\x06_stepsB\x07\n\x05_seedB\x11\n\x0f_guidance_scaleB\r\n\x0b_target_fpsB\n\n\x08_secondsB\t\n\x07_windowB\x07\n\x05_sinkB\n\n\x08_quality\"\x1e\n\x0cPromptUpdate\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\x06\n\x04Stop\"\x96\x01\n\rClientMessage\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.stagecast.v1.StreamConfigH\x00\x12,\n\x06prompt\x18\x02 \x01(\x0b\x32\x1a.stagecast.v1.PromptUpdateH\x00\x12\"\n\x04stop\x18\x03 \x01(\x0b\x32\x12.stagecast.v1.StopH\x00\x42\x05\n\x03msg\"\xbb\x01\n\x07Started\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.stagecast.v1.StreamConfig\x12\x14\n\x0ctotal_frames\x18\x03 \x01(\x03\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12\x14\n\x0clatent_width\x18\x05 \x01(\x05\x12\x15\n\rlatent_height\x18\x06 \x01(\x05\x12\x1a\n\x12pipeline_stream_id\x18\x07 \x01(\x04\"\xbf\x01\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\"\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x13.stagecast.v1.Codec\x12\r\n\x05index\x18\x03 \x01(\x03\x12\x0b\n\x03pts\x18\x04 \x01(\x01\x12\r\n\x05\x63hunk\x18\x05 \x01(\x05\x12\x12\n\nlatents_ms\x18\x06 \x01(\x01\x12\x12\n\ndecoded_ms\x18\x07 \x01(\x01\x12\x12\n\nencoded_ms\x18\x08 \x01(\x01\x12\r\n\x05width\x18\t \x01(\x05\x12\x0e\n\x06height\x18\n \x01(\x05\"\x1f\n\rPromptUpdated\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"O\n\x03\x45nd\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.stagecast.v1.EndReason\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x03\x12\x0f\n\x07trailer\x18\x03 \x01(\x0c\"\xbf\x01\n\rServerMessage\x12(\n\x07started\x18\x01 \x01(\x0b\x32\x15.stagecast.v1.StartedH\x00\x12$\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x13.stagecast.v1.FrameH\x00\x12\x35\n\x0eprompt_updated\x18\x03 \x01(\x0b\x32\x1b.stagecast.v1.PromptUpdatedH\x00\x12 \n\x03\x65nd\x18\x04 \x01(\x0b\x32\x11.stagecast.v1.EndH\x00\x42\x05\n\x03msg\"\x0f\n\rStatusRequest\"\xde\x01\n\x0cStreamStatus\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x1a\n\x12pipeline_stream_id\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.stagecast.v1.StreamState\x12\x13\n\x0b\x66rames_sent\x18\x04 \x01(\x03\x12\x17\n\x0f\x63hunks_received\x18\x05 \x01(\x05\x12\x17\n\x0fvae_state_bytes\x18\x06 \x01(\x03\x12\x15\n\rqueued_chunks\x18\x07 \x01(\x05\x12\x17\n\x0fqueued_messages\x18\x08 \x01(\x05\"\xe0\x02\n\rGatewayStatus\x12\x16\n\x0e\x61\x63tive_streams\x18\x01 \x01(\x05\x12\x13\n\x0bmax_streams\x18\x02 \x01(\x05\x12\x17\n\x0fvae_state_bytes\x18\x03 \x01(\x03\x12+\n\x07streams\x18\x04 \x03(\x0b\x32\x1a.stagecast.v1.StreamStatus\x12\x17\n\x0fstreams_started\x18\x05 \x01(\x03\x12\x18\n\x10streams_finished\x18\x06 \x01(\x03\x12G\n\x0f\x65nded_by_reason\x18\x07 \x03(\x0b\x32..stagecast.v1.GatewayStatus.EndedByReasonEntry\x12\x13\n\x0b\x63oordinator\x18\x08 \x01(\t\x12\x15\n\rwaiting_calls\x18\t \x01(\x05\x1a\x34\n\x12\x45ndedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*M\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_JPEG\x10\x01\x12\x0e\n\nCODEC_H264\x10\x02\x12\r\n\tCODEC_RAW\x10\x03*S\n\x08KvPolicy\x12\x19\n\x15KV_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13KV_POLICY_PER_LEVEL\x10\x01\x12\x13\n\x0fKV_POLICY_CLEAN\x10\x02*Y\n\tEndReason\x12\x1a\n\x16\x45ND_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45ND_REASON_COMPLETED\x10\x01\x12\x16\n\x12\x45ND_REASON_STOPPED\x10\x02*}\n\x0bStreamState\x12\x1c\n\x18STREAM_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15STREAM_STATE_STARTING\x10\x01\x12\x1a\n\x16STREAM_STATE_STREAMING\x10\x02\x12\x19\n\x15STREAM_STATE_DRAINING\x10\x03\x32\xeb\x01\n\rStreamService\x12H\n\x08Generate\x12\x1b.stagecast.v1.ClientMessage\x1a\x1b.stagecast.v1.ServerMessage(\x01\x30\x01\x12\x45\n\tGetStatus\x12\x1b.stagecast.v1.StatusRequest\x1a\x1b.stagecast.v1.GatewayStatus\x12I\n\x0bWatchStatus\x12\x1b.stagecast.v1.StatusRequest\x1a\x1b.stagecast.v1.GatewayStatus0\x01\x42\x65\n\x14\x64\x65v.stagecast.api.v1B\x0bStreamProtoP\x01Z>github.com/stagecast/stagecast/gen/go/stagecast/v1;stagecastv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagecast.v1.stream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\024dev.stagecast.api.v1B\013StreamProtoP\001Z>github.com/stagecast/stagecast/gen/go/stagecast/v1;stagecastv1'
   _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._loaded_options = None
   _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._serialized_options = b'8\001'
+  _globals['_CODEC']._serialized_start=2014
+  _globals['_CODEC']._serialized_end=2091
+  _globals['_KVPOLICY']._serialized_start=2093
+  _globals['_KVPOLICY']._serialized_end=2176
+  _globals['_ENDREASON']._serialized_start=2178
+  _globals['_ENDREASON']._serialized_end=2267
+  _globals['_STREAMSTATE']._serialized_start=2269
+  _globals['_STREAMSTATE']._serialized_end=2394
   _globals['_STREAMCONFIG']._serialized_start=44
-  _globals['_STREAMCONFIG']._serialized_end=485
-  _globals['_PROMPTUPDATE']._serialized_start=487
-  _globals['_PROMPTUPDATE']._serialized_end=517
-  _globals['_STOP']._serialized_start=519
-  _globals['_STOP']._serialized_end=525
-  _globals['_CLIENTMESSAGE']._serialized_start=528
-  _globals['_CLIENTMESSAGE']._serialized_end=678
-  _globals['_STARTED']._serialized_start=681
-  _globals['_STARTED']._serialized_end=868
-  _globals['_FRAME']._serialized_start=871
-  _globals['_FRAME']._serialized_end=1041
-  _globals['_PROMPTUPDATED']._serialized_start=1043
-  _globals['_PROMPTUPDATED']._serialized_end=1074
-  _globals['_END']._serialized_start=1076
-  _globals['_END']._serialized_end=1130
-  _globals['_SERVERMESSAGE']._serialized_start=1133
-  _globals['_SERVERMESSAGE']._serialized_end=1324
-  _globals['_STATUSREQUEST']._serialized_start=1326
-  _globals['_STATUSREQUEST']._serialized_end=1341
-  _globals['_STREAMSTATUS']._serialized_start=1344
-  _globals['_STREAMSTATUS']._serialized_end=1539
-  _globals['_GATEWAYSTATUS']._serialized_start=1542
-  _globals['_GATEWAYSTATUS']._serialized_end=1871
-  _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._serialized_start=1819
-  _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._serialized_end=1871
-  _globals['_STREAMSERVICE']._serialized_start=1874
-  _globals['_STREAMSERVICE']._serialized_end=2109
+  _globals['_STREAMCONFIG']._serialized_end=530
+  _globals['_PROMPTUPDATE']._serialized_start=532
+  _globals['_PROMPTUPDATE']._serialized_end=562
+  _globals['_STOP']._serialized_start=564
+  _globals['_STOP']._serialized_end=570
+  _globals['_CLIENTMESSAGE']._serialized_start=573
+  _globals['_CLIENTMESSAGE']._serialized_end=723
+  _globals['_STARTED']._serialized_start=726
+  _globals['_STARTED']._serialized_end=913
+  _globals['_FRAME']._serialized_start=916
+  _globals['_FRAME']._serialized_end=1107
+  _globals['_PROMPTUPDATED']._serialized_start=1109
+  _globals['_PROMPTUPDATED']._serialized_end=1140
+  _globals['_END']._serialized_start=1142
+  _globals['_END']._serialized_end=1221
+  _globals['_SERVERMESSAGE']._serialized_start=1224
+  _globals['_SERVERMESSAGE']._serialized_end=1415
+  _globals['_STATUSREQUEST']._serialized_start=1417
+  _globals['_STATUSREQUEST']._serialized_end=1432
+  _globals['_STREAMSTATUS']._serialized_start=1435
+  _globals['_STREAMSTATUS']._serialized_end=1657
+  _globals['_GATEWAYSTATUS']._serialized_start=1660
+  _globals['_GATEWAYSTATUS']._serialized_end=2012
+  _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._serialized_start=1960
+  _globals['_GATEWAYSTATUS_ENDEDBYREASONENTRY']._serialized_end=2012
+  _globals['_STREAMSERVICE']._serialized_start=2397
+  _globals['_STREAMSERVICE']._serialized_end=2632
 # @@protoc_insertion_point(module_scope)

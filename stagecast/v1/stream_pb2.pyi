@@ -1,10 +1,51 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_JPEG: _ClassVar[Codec]
+    CODEC_H264: _ClassVar[Codec]
+    CODEC_RAW: _ClassVar[Codec]
+
+class KvPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_POLICY_UNSPECIFIED: _ClassVar[KvPolicy]
+    KV_POLICY_PER_LEVEL: _ClassVar[KvPolicy]
+    KV_POLICY_CLEAN: _ClassVar[KvPolicy]
+
+class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    END_REASON_UNSPECIFIED: _ClassVar[EndReason]
+    END_REASON_COMPLETED: _ClassVar[EndReason]
+    END_REASON_STOPPED: _ClassVar[EndReason]
+
+class StreamState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_STATE_UNSPECIFIED: _ClassVar[StreamState]
+    STREAM_STATE_STARTING: _ClassVar[StreamState]
+    STREAM_STATE_STREAMING: _ClassVar[StreamState]
+    STREAM_STATE_DRAINING: _ClassVar[StreamState]
+CODEC_UNSPECIFIED: Codec
+CODEC_JPEG: Codec
+CODEC_H264: Codec
+CODEC_RAW: Codec
+KV_POLICY_UNSPECIFIED: KvPolicy
+KV_POLICY_PER_LEVEL: KvPolicy
+KV_POLICY_CLEAN: KvPolicy
+END_REASON_UNSPECIFIED: EndReason
+END_REASON_COMPLETED: EndReason
+END_REASON_STOPPED: EndReason
+STREAM_STATE_UNSPECIFIED: StreamState
+STREAM_STATE_STARTING: StreamState
+STREAM_STATE_STREAMING: StreamState
+STREAM_STATE_DRAINING: StreamState
 
 class StreamConfig(_message.Message):
     __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality")
@@ -29,14 +70,14 @@ class StreamConfig(_message.Message):
     steps: int
     seed: int
     guidance_scale: float
-    codec: str
+    codec: Codec
     target_fps: float
     seconds: float
-    policy: str
+    policy: KvPolicy
     window: int
     sink: int
     quality: int
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[str] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ...) -> None: ...
 
 class PromptUpdate(_message.Message):
     __slots__ = ("prompt",)
@@ -89,7 +130,7 @@ class Frame(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    codec: str
+    codec: Codec
     index: int
     pts: float
     chunk: int
@@ -98,7 +139,7 @@ class Frame(_message.Message):
     encoded_ms: float
     width: int
     height: int
-    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[str] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class PromptUpdated(_message.Message):
     __slots__ = ("prompt",)
@@ -111,10 +152,10 @@ class End(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
-    reason: str
+    reason: EndReason
     frames: int
     trailer: bytes
-    def __init__(self, reason: _Optional[str] = ..., frames: _Optional[int] = ..., trailer: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., frames: _Optional[int] = ..., trailer: _Optional[bytes] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("started", "frame", "prompt_updated", "end")
@@ -144,16 +185,16 @@ class StreamStatus(_message.Message):
     QUEUED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     pipeline_stream_id: int
-    state: str
+    state: StreamState
     frames_sent: int
     chunks_received: int
     vae_state_bytes: int
     queued_chunks: int
     queued_messages: int
-    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[str] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +210,7 @@ class GatewayStatus(_message.Message):
     STREAMS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     ENDED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -177,4 +219,5 @@ class GatewayStatus(_message.Message):
     streams_finished: int
     ended_by_reason: _containers.ScalarMap[str, int]
     coordinator: str
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ...) -> None: ...
+    waiting_calls: int
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ...) -> None: ...

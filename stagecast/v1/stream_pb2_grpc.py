@@ -68,7 +68,8 @@ class StreamServiceServicer:
 
     def WatchStatus(self, request, context):
         """The status now and after every change (stream start/end): for dashboards and for tests that must wait
-        on an event rather than sleep.
+        on an event rather than sleep. A gateway serves a bounded number of watchers at once (RESOURCE_EXHAUSTED
+        beyond it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,82 @@
+"""The public API's enums (``stagecast.v1``) and the names the SDK, the gateway and the CLI use for them.
+
+Usage::
+
+    from stagecast import api
+    api.codec_value("h264")                 # pb.CODEC_H264; raises ValueError naming ``codec`` for an unknown name
+    api.codec_name(pb.CODEC_H264)           # "h264"; api.codec_name(pb.CODEC_UNSPECIFIED) -> "jpeg" (the default)
+    api.policy_value("clean"), api.policy_name(pb.KV_POLICY_CLEAN)
+    api.end_reason_name(pb.END_REASON_STOPPED)       # "stopped"
+    api.state_value("draining"), api.state_name(pb.STREAM_STATE_DRAINING)
+
+The wire carries enums (so clients in any language get typed values); Python users keep the short lower-case
+names (``codec="jpeg"``), which are also the names the gateway logs, traces and labels metrics with.
+"""
+
+from __future__ import annotations
+
+from stagecast.v1 import stream_pb2 as pb
+
+CODECS = {"jpeg": pb.CODEC_JPEG, "h264": pb.CODEC_H264, "raw": pb.CODEC_RAW}
+POLICIES = {"per_level": pb.KV_POLICY_PER_LEVEL, "clean": pb.KV_POLICY_CLEAN}
+END_REASONS = {"completed": pb.END_REASON_COMPLETED, "stopped": pb.END_REASON_STOPPED}
+STATES = {
+    "starting": pb.STREAM_STATE_STARTING,
+    "streaming": pb.STREAM_STATE_STREAMING,
+    "draining": pb.STREAM_STATE_DRAINING,
+}
+DEFAULT_CODEC = "jpeg"
+DEFAULT_POLICY = "per_level"
+
+
+def _value(field: str, table: dict[str, int], value: str | int | None, default: str | None) -> int:
+    if value is None or value == "":
+        return table[default] if default is not None else 0
+    if isinstance(value, str):
+        if value.lower() in table:
+            return table[value.lower()]
+        raise ValueError(f"{field}: must be one of {', '.join(table)}, got {value!r}")
+    return int(value)  # an enum number: passed through, the gateway checks it
+
+
+def _name(field: str, table: dict[str, int], value: int, default: str | None) -> str:
+    if value == 0 and default is not None:
+        return default
+    for name, number in table.items():
+        if number == value:
+            return name
+    raise ValueError(f"{field}: unknown value {value}")
+
+
+def codec_value(name: str | int | None) -> int:
+    """The wire value of a codec name (``None`` or ``""``: the default, JPEG)."""
+    return _value("codec", CODECS, name, DEFAULT_CODEC)
+
+
+def codec_name(value: int) -> str:
+    return _name("codec", CODECS, value, DEFAULT_CODEC)
+
+
+def policy_value(name: str | int | None) -> int:
+    """The wire value of a KV policy name; ``None`` or ``""`` stay UNSPECIFIED (the gateway's default)."""
+    return _value("policy", POLICIES, name, None)
+
+
+def policy_name(value: int) -> str:
+    return _name("policy", POLICIES, value, DEFAULT_POLICY)
+
+
+def end_reason_value(name: str) -> int:
+    return _value("reason", END_REASONS, name, None)
+
+
+def end_reason_name(value: int) -> str:
+    return _name("reason", END_REASONS, value, None) if value else "unspecified"
+
+
+def state_value(name: str) -> int:
+    return _value("state", STATES, name, None)
+
+
+def state_name(value: int) -> str:
+    return _name("state", STATES, value, None) if value else "unspecified"
