@@ -400,6 +400,36 @@ def test_model_volume_and_shm(helm, name):
         assert shm["sizeLimit"] == v[{"stage": "stages"}.get(component, component)]["shm"]["sizeLimit"]
 
 
+def _containers(obj: dict) -> list[dict]:
+    spec = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_every_container_has_a_read_only_root_and_writes_only_to_empty_dirs(helm, name):
+    r = render(helm, name)
+    pods = r.workloads() + r.of_kind("Pod")
+    assert {"Pod", "Deployment", "StatefulSet"} <= {o["kind"] for o in pods}
+    for obj in pods:
+        spec = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+        volumes = {vol["name"]: vol for vol in spec.get("volumes", [])}
+        for c in _containers(obj):
+            where = (obj["metadata"]["name"], c["name"])
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, where
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            assert "emptyDir" in volumes[mounts["/tmp"]["name"]], where
+            # Every writable mount is an emptyDir; everything else is mounted read-only.
+            for m in mounts.values():
+                vol = volumes[m["name"]]
+                assert "emptyDir" in vol or m.get("readOnly") is True, (where, m)
+            # What caches on disk (HOME, torch.compile, Triton, CUDA) writes under /tmp.
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            if c["name"] != "demo-checkpoint":
+                for var in ("HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"):
+                    assert env[var].startswith("/tmp"), (where, var)
+
+
 def test_host_path_model(helm):
     r = render(helm, model={"pvc": {"claimName": ""}, "hostPath": {"path": "/data/wan"}})
     pod = r.component("StatefulSet", "stage")["spec"]["template"]["spec"]
@@ -428,11 +458,15 @@ def test_probes_use_grpc_health(helm, name):
     for wl in r.workloads():
         component = wl["metadata"]["labels"]["app.kubernetes.io/component"]
         c = main_container(wl)
-        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        # The gateway serves health on a server of its own, so client load on the public port cannot fail a probe.
+        probe_port = ports["health"] if component == "gateway" else ports["grpc"]
+        if component == "gateway":
+            assert probe_port != ports["grpc"] and arg_value(c["args"], "--health-port") == str(probe_port)
         for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[probe_name]
             assert set(probe) & {"httpGet", "exec", "tcpSocket"} == set(), (component, probe)
-            assert probe["grpc"]["port"] == grpc_port, (component, probe_name)
+            assert probe["grpc"]["port"] == probe_port, (component, probe_name)
             assert isinstance(probe["grpc"]["service"], str)
         startup = c["startupProbe"]
         budget = startup["failureThreshold"] * startup["periodSeconds"]
@@ -526,6 +560,8 @@ def test_network_policies_restrict_to_release(helm, name):
     release_peer = {
         "podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}}
     }
+    stage_peer = {"podSelector": {"matchLabels": {**release_peer["podSelector"]["matchLabels"]}}}
+    stage_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "stage"
     metrics_peers = v["networkPolicy"]["metrics"]["from"]
     assert metrics_peers, "the shipped values let a monitoring namespace scrape"
     for component in ("coordinator", "stage"):
@@ -538,11 +574,23 @@ def test_network_policies_restrict_to_release(helm, name):
             for peer in rule["from"]:
                 assert "ipBlock" not in peer
                 if peer == release_peer:
+                    # Release pods reach named ports only.
+                    assert rule.get("ports"), (component, rule)
+                    continue
+                if peer == stage_peer and component == "stage":
+                    # The data plane: only other stages, on any port (NCCL's ports are ephemeral).
+                    assert rule["from"] == [stage_peer] and "ports" not in rule
                     continue
                 # Anything else may only reach the metrics port.
                 assert peer in metrics_peers, (component, peer)
                 assert [p["port"] for p in rule["ports"]] == ["metrics"], (component, rule)
         assert any(rule["from"] == [release_peer] for rule in np["spec"]["ingress"])
+    stage_np = r.component("NetworkPolicy", "stage")
+    release_rule = next(rule for rule in stage_np["spec"]["ingress"] if rule["from"] == [release_peer])
+    assert [p["port"] for p in release_rule["ports"]] == ["grpc", "metrics"]
+    assert stage_peer["podSelector"]["matchLabels"].items() <= (
+        r.component("StatefulSet", "stage")["spec"]["template"]["metadata"]["labels"].items()
+    )
     # Release pods carry the labels the peer selects on.
     for wl in r.workloads() + r.of_kind("Pod"):
         labels = (
@@ -552,7 +600,9 @@ def test_network_policies_restrict_to_release(helm, name):
     # Gateway: gRPC open (networkPolicy.gateway.from is empty), metrics not.
     gw = r.component("NetworkPolicy", "gateway")
     grpc_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "grpc")
-    assert "from" not in grpc_rule
+    assert "from" not in grpc_rule and [p["port"] for p in grpc_rule["ports"]] == ["grpc", "health"]
+    gw_ports = {p["name"] for p in main_container(r.component("Deployment", "gateway"))["ports"]}
+    assert gw_ports == {"grpc", "health", "metrics"}  # every port the policies name exists
     metrics_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "metrics")
     assert metrics_rule["from"]
 
@@ -570,7 +620,7 @@ def test_metrics_scrapers_are_configurable(helm):
         # The list replaces the default peer, it is not merged into it.
         assert "monitoring" not in json.dumps(rules)
     r = render(helm, networkPolicy={"metrics": {"from": []}})
-    assert len(r.component("NetworkPolicy", "stage")["spec"]["ingress"]) == 1
+    assert len(r.component("NetworkPolicy", "stage")["spec"]["ingress"]) == 2  # release ports, stage data plane
     assert not render(helm, networkPolicy={"enabled": False}).of_kind("NetworkPolicy")
 
 

@@ -113,6 +113,17 @@ configuration (standard OTEL_* variables only). Call with (dict "ctx" $ "compone
       fieldPath: spec.nodeName
 - name: PYTHONUNBUFFERED
   value: "1"
+# The root filesystem is read-only: everything that caches on disk writes under the /tmp emptyDir.
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /tmp/cache/torchinductor
+- name: TRITON_CACHE_DIR
+  value: /tmp/cache/triton
+- name: CUDA_CACHE_PATH
+  value: /tmp/cache/nv
 {{ include "stagecast.otelEnv" . | trim }}
 {{- end -}}
 
