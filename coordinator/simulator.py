@@ -169,16 +169,20 @@ def simulate(cfg: SimConfig) -> SimReport:
 
 
 def add_simulate_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="simulate the scheduler: utilization and bubble fraction")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--streams", type=int, default=1)
-    p.add_argument("--chunks", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--policy", choices=["clean", "per_level"], default="per_level")
+    p = sub.add_parser(
+        "simulate",
+        help="simulate the scheduler: utilization and bubble fraction",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
+    p.add_argument("--streams", type=int, default=1, help="concurrent streams")
+    p.add_argument("--chunks", type=int, default=64, help="chunks per stream")
+    p.add_argument("--batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument("--policy", choices=["clean", "per_level"], default="per_level", help="KV policy")
     p.add_argument("--stage-ms", default=None, help="per-stage ms for a batch of one, e.g. 10,10,12")
     p.add_argument("--growth", type=float, default=0.05, help="extra cost per extra micro-step in a batch")
-    p.add_argument("--comm-ms", type=float, default=0.06)
+    p.add_argument("--comm-ms", type=float, default=0.06, help="ms to send a batch's hidden states between stages")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

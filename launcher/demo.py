@@ -82,14 +82,14 @@ def add_parser(sub) -> None:
         help="run everything on CPU with a tiny random model and write an MP4",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--out", default="demo.mp4")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seconds", type=float, default=2.0, help="seconds of video")
+    p.add_argument("--out", default="demo.mp4", help="MP4 file to write")
+    p.add_argument("--stages", type=int, default=2, help="DiT stage processes")
+    p.add_argument("--prompt", default=None, help="what to generate (default: a built-in prompt)")
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
+    p.add_argument("--seed", type=int, default=0, help="stream seed")
     p.add_argument("--cache", default=None, help="checkpoint cache (default: $STAGECAST_CACHE/demo or ~/.cache/...)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=main)
 
 

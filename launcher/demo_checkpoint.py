@@ -92,9 +92,13 @@ def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo-checkpoint", help="write the tiny random demo checkpoint")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
+        "demo-checkpoint",
+        help="write the tiny random demo checkpoint",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", required=True, help="folder to write (transformer/, vae/, text_encoder/, tokenizer/)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.set_defaults(run=main)
 
 

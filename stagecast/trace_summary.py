@@ -16,6 +16,7 @@ its resource has ``stagecast.stage.index`` = N; other spans are grouped by ``sta
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -143,7 +144,11 @@ def main(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("trace-summary", help="per-stage span latency table (count, p50, p95, max) of an OTLP JSON file")
+    p = sub.add_parser(
+        "trace-summary",
+        help="per-stage span latency table (count, p50, p95, max) of an OTLP JSON file",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("file", help="OTLP/JSON traces (ExportTraceServiceRequest; one per line also accepted); - for stdin")
     p.add_argument("--by", choices=["stage", "service"], default="stage", help="group rows by stage or by service")
     p.set_defaults(run=main)

@@ -1,0 +1,34 @@
+"""Every ``stagecast`` subcommand's ``--help`` shows a line for every flag and the defaults."""
+
+import argparse
+
+import pytest
+
+from launcher.cli import build_parser
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_every_flag_has_a_help_line_and_help_shows_the_defaults(name):
+    sub = _subcommands()[name]
+    actions = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+    assert actions, name
+    missing = [a.option_strings[0] if a.option_strings else a.dest for a in actions if not (a.help or "").strip()]
+    assert not missing, f"stagecast {name}: flags without a help line: {missing}"
+    text = sub.format_help()
+    for action in actions:
+        has_default = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        if has_default and not action.required:
+            assert f"(default: {action.default})" in " ".join(text.split()), (name, action.option_strings)
+
+
+def test_the_gateway_help_names_its_limits():
+    text = " ".join(_subcommands()["gateway"].format_help().split())
+    for flag in ("--config-timeout", "--max-pending", "--max-watchers", "--health-port", "--max-frame-pixels"):
+        assert flag in text
+    assert "(default: 10.0)" in text and "(default: 128)" in text
