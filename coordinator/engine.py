@@ -25,7 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -38,7 +38,7 @@ from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import StreamSpec
+from stagecast.microstep import PlanEvent, StreamSpec
 
 logger = logging.getLogger(__name__)
 
@@ -567,18 +567,13 @@ class PipelineEngine:
                 for link in links:
                     link.outbox.put(ev)
 
-    def _next_event(self, **kw) -> pb.PlanEvent:
+    def _next_event(self, kind: str, **kw) -> pb.PlanEvent:
         self.seq += 1
-        ev = pb.PlanEvent(generation=self.generation, seq=self.seq, **kw)
+        event = PlanEvent(kind, seq=self.seq, **kw)
         if self.record_plan:
-            record = pb.PlanEvent()
-            record.CopyFrom(ev)
-            if record.HasField("open"):
-                record.open.ClearField("text")
-            if record.HasField("prompt"):
-                record.prompt.ClearField("text")
-            self.plan.append(record)
-        return ev
+            # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
+            self.plan.append(wire.event_to_proto(replace(event, text=None), self.generation))
+        return wire.event_to_proto(event, self.generation)
 
     def _plan_tick(self) -> list[pb.PlanEvent]:
         sched = self.sched
@@ -588,10 +583,7 @@ class PipelineEngine:
             session = self.pending_opens.popleft()
             sched.add_stream(session.spec)
             events.append(
-                self._next_event(
-                    open=pb.OpenStream(spec=wire.spec_to_proto(session.spec), text=wire.tensor_to_proto(session.text)),
-                    traceparent=session.traceparent,
-                )
+                self._next_event("open", spec=session.spec, text=session.text, traceparent=session.traceparent)
             )
             session.events.put(
                 pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.generation))
@@ -606,11 +598,7 @@ class PipelineEngine:
             if st is None:
                 continue
             # Effective from the next chunk not yet started: chunks in flight keep their prompt.
-            events.append(
-                self._next_event(
-                    prompt=pb.PromptUpdate(stream_id=sid, from_chunk=st.next_chunk, text=wire.tensor_to_proto(text))
-                )
-            )
+            events.append(self._next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
         before = set(sched.streams)
         for sid in before:
             session = self.sessions.get(sid)
@@ -626,12 +614,12 @@ class PipelineEngine:
                     session.max_lead = max(session.max_lead, session.started - session.delivered)
             if batch:
                 self.batches_planned += 1
-                events.append(self._next_event(batch=pb.MicroBatch(steps=[wire.step_to_proto(s) for s in batch])))
+                events.append(self._next_event("batch", steps=tuple(batch)))
                 self.telemetry.batch_planned(events[-1], batch, self.sessions)
             else:
                 self.telemetry.empty_tick()
         for sid in sorted(before - set(sched.streams)):
-            events.append(self._next_event(close=pb.CloseStream(stream_id=sid)))
+            events.append(self._next_event("close", stream_id=sid))
             session = self.sessions.get(sid)
             if session is not None:
                 session.expected = sched.started_chunks.pop(sid, 0)

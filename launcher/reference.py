@@ -22,7 +22,7 @@ import torch
 from coordinator.scheduler import StreamBatchScheduler
 from stage_service.dit_slice import DiTSlice
 from stage_service.runner import SliceRunner, StepResult
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 
 
 @dataclass
@@ -31,17 +31,6 @@ class StreamRequest:
     text: torch.Tensor  # (1, text_len, text_dim)
     arrival_tick: int = 0
     stop_tick: int | None = None  # for unbounded streams: the tick a stop arrives
-
-
-@dataclass
-class PlanEvent:
-    """One entry of a plan, in execution order: open a stream, run a batch, or close a stream."""
-
-    kind: str  # "open" | "batch" | "close" | "prompt"
-    spec: StreamSpec | None = None
-    steps: tuple[MicroStep, ...] = ()
-    stream_id: int | None = None
-    from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
 
 
 @dataclass

@@ -26,14 +26,14 @@ import torch
 
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
-from launcher.reference import PlanEvent, ReferenceExecutor
+from launcher.reference import ReferenceExecutor
 from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import StreamSpec
+from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import read_config
 
 logger = logging.getLogger(__name__)
@@ -96,20 +96,8 @@ def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
 
 
 def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
-    plan = []
-    for ev in events:
-        kind = ev.WhichOneof("event")
-        if kind == "open":
-            plan.append(PlanEvent("open", spec=wire.spec_from_proto(ev.open.spec)))
-        elif kind == "batch":
-            plan.append(PlanEvent("batch", steps=tuple(wire.step_from_proto(s) for s in ev.batch.steps)))
-        elif kind == "close":
-            plan.append(PlanEvent("close", stream_id=ev.close.stream_id))
-        elif kind == "prompt":
-            plan.append(PlanEvent("prompt", stream_id=ev.prompt.stream_id, from_chunk=ev.prompt.from_chunk))
-        else:
-            raise ValueError(f"cannot replay plan events of kind {kind!r}")
-    return plan
+    """A recorded plan (texts stripped) as the reference executor replays it."""
+    return [wire.event_from_proto(ev) for ev in events]
 
 
 def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

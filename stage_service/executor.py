@@ -4,8 +4,8 @@ Usage::
 
     ex = StageExecutor(runner, transport, on_event=callback)   # transport None for a single stage
     ex.start()
-    ex.submit(PlanItem(seq, "open", spec=..., text=...))       # validated by the caller, run in seq order
-    ex.submit(PlanItem(seq, "batch", steps=[...]))
+    ex.submit(PlanEvent("open", seq=seq, spec=..., text=...))       # validated by the caller, run in seq order
+    ex.submit(PlanEvent("batch", seq=seq, steps=(...)))
     ex.stop()
 
 Every stage executes the same events in the same order.  For a batch:
@@ -28,28 +28,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
 from stage_service.transport import PipeTransport
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.microstep import MicroStep, PlanEvent
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PlanItem:
-    seq: int
-    kind: str  # "open" | "batch" | "close" | "prompt"
-    spec: StreamSpec | None = None
-    text: torch.Tensor | None = None
-    steps: list[MicroStep] = field(default_factory=list)
-    stream_id: int | None = None
-    from_chunk: int = 0
-    traceparent: str = ""
 
 
 @dataclass
@@ -94,7 +82,7 @@ class StageExecutor:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: PlanItem) -> None:
+    def submit(self, item: PlanEvent) -> None:
         self.queue.put(item)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -137,7 +125,7 @@ class StageExecutor:
                 self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
                 return
 
-    def _run(self, item: PlanItem) -> None:
+    def _run(self, item: PlanEvent) -> None:
         if item.kind == "open":
             assert item.spec is not None and item.text is not None
             self.runner.open_stream(item.spec, item.text)
@@ -167,7 +155,7 @@ class StageExecutor:
             self.runner.put_latent(step, latent)
             want.discard(step)
 
-    def _run_batch(self, item: PlanItem) -> None:
+    def _run_batch(self, item: PlanEvent) -> None:
         steps = item.steps
         runner, tp = self.runner, self.transport
         runner.check_batch(steps)

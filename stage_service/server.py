@@ -28,7 +28,7 @@ import torch
 
 from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
-from stage_service.executor import ExecutorEvent, PlanItem, StageExecutor
+from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
 from stage_service.runner import SliceRunner, validate_batch
@@ -37,7 +37,7 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import StreamSpec
+from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import read_config
 from stagecast.model.dit_configs import model_config
 from stagecast.service import announce_ready
@@ -247,38 +247,34 @@ class StageServicer(pb_grpc.StageServiceServicer):
             gen.executor.submit(item)
             return pb.SubmitReply(accepted_seq=request.seq)
 
-    def _validate(self, gen: _Generation, ev: pb.PlanEvent) -> PlanItem:
-        kind = ev.WhichOneof("event")
+    def _validate(self, gen: _Generation, msg: pb.PlanEvent) -> PlanEvent:
         assert self.slice is not None
-        if kind == "open":
-            spec = wire.spec_from_proto(ev.open.spec)
+        ev = wire.event_from_proto(msg)
+        if ev.kind == "open":
+            spec = ev.spec
+            assert spec is not None
             if spec.stream_id in gen.specs:
                 raise ValueError(f"stream {spec.stream_id} is already open")
-            text = wire.tensor_from_proto(ev.open.text)
             expected = (1, spec.text_len, self.config["text_dim"])
-            if tuple(text.shape) != expected:
-                raise ValueError(f"stream {spec.stream_id}: text has shape {tuple(text.shape)}, expected {expected}")
+            if ev.text is None or tuple(ev.text.shape) != expected:
+                shape = None if ev.text is None else tuple(ev.text.shape)
+                raise ValueError(f"stream {spec.stream_id}: text has shape {shape}, expected {expected}")
             if spec.latent_channels != self.config["in_channels"]:
                 raise ValueError(
                     f"latent_channels={spec.latent_channels} but the model has {self.config['in_channels']}"
                 )
             gen.specs[spec.stream_id] = spec
-            return PlanItem(ev.seq, "open", spec=spec, text=text, traceparent=ev.traceparent)
-        if kind == "close":
-            self._known(gen, ev.close.stream_id)
-            del gen.specs[ev.close.stream_id]
-            return PlanItem(ev.seq, "close", stream_id=ev.close.stream_id)
-        if kind == "prompt":
-            spec = self._known(gen, ev.prompt.stream_id)
-            text = wire.tensor_from_proto(ev.prompt.text)
-            if tuple(text.shape) != (1, spec.text_len, self.config["text_dim"]):
-                raise ValueError(f"stream {spec.stream_id}: prompt update text has shape {tuple(text.shape)}")
-            return PlanItem(ev.seq, "prompt", stream_id=spec.stream_id, text=text, from_chunk=ev.prompt.from_chunk)
-        if kind == "batch":
-            steps = [wire.step_from_proto(s) for s in ev.batch.steps]
-            validate_batch(steps, lambda sid: self._known(gen, sid))
-            return PlanItem(ev.seq, "batch", steps=steps, traceparent=ev.traceparent)
-        raise ValueError("plan event carries no event")
+        elif ev.kind == "close":
+            self._known(gen, ev.stream_id)
+            del gen.specs[ev.stream_id]
+        elif ev.kind == "prompt":
+            spec = self._known(gen, ev.stream_id)
+            if ev.text is None or tuple(ev.text.shape) != (1, spec.text_len, self.config["text_dim"]):
+                shape = None if ev.text is None else tuple(ev.text.shape)
+                raise ValueError(f"stream {spec.stream_id}: prompt update text has shape {shape}")
+        else:
+            validate_batch(list(ev.steps), lambda sid: self._known(gen, sid))
+        return ev
 
     @staticmethod
     def _known(gen: _Generation, stream_id: int) -> StreamSpec:

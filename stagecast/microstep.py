@@ -10,6 +10,10 @@ the reference executor and every stage agree without asking each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 POLICIES = ("clean", "per_level")
 
@@ -131,3 +135,29 @@ def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
 def rope_offset(spec: StreamSpec, chunk: int, rope_limit: int) -> int:
     f0 = chunk * spec.chunk_frames
     return f0 % spec.epoch_frames(rope_limit)
+
+
+PLAN_EVENT_KINDS = ("open", "batch", "close", "prompt")
+
+
+@dataclass(frozen=True)
+class PlanEvent:
+    """One entry of a plan, in execution order: open a stream, run a batch, change a prompt, or close a stream.
+
+    The coordinator makes them, the wire carries them (``stagecast.wire.event_to_proto`` / ``event_from_proto``),
+    every stage executes them in ``seq`` order, and the reference executor replays them.  ``text`` (open, prompt)
+    is None in a recorded plan, which keeps only what the schedule was.
+    """
+
+    kind: str
+    seq: int = 0
+    spec: StreamSpec | None = None
+    text: torch.Tensor | None = None
+    steps: tuple[MicroStep, ...] = ()
+    stream_id: int | None = None
+    from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
+    traceparent: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLAN_EVENT_KINDS:
+            raise ValueError(f"plan event kind {self.kind!r} is not one of {PLAN_EVENT_KINDS}")

@@ -5,6 +5,7 @@ Usage::
     msg = tensor_to_proto(t);  t = tensor_from_proto(msg)
     msg = spec_to_proto(spec); spec = spec_from_proto(msg)      # raises ValueError naming the bad field
     msg = step_to_proto(step); step = step_from_proto(msg)
+    msg = event_to_proto(event, generation); event = event_from_proto(msg)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,3 +99,42 @@ def step_to_proto(step: MicroStep) -> pb.MicroStep:
 
 def step_from_proto(msg: pb.MicroStep) -> MicroStep:
     return MicroStep(stream=msg.stream, chunk=msg.chunk, level=msg.level)
+
+
+def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
+    """The one wire form of a plan event (texts included where the event has them)."""
+    msg = pb.PlanEvent(generation=generation, seq=event.seq, traceparent=event.traceparent)
+    if event.kind == "open":
+        assert event.spec is not None
+        msg.open.spec.CopyFrom(spec_to_proto(event.spec))
+        if event.text is not None:
+            msg.open.text.CopyFrom(tensor_to_proto(event.text))
+    elif event.kind == "batch":
+        msg.batch.steps.extend(step_to_proto(s) for s in event.steps)
+    elif event.kind == "close":
+        msg.close.stream_id = event.stream_id or 0
+    else:
+        msg.prompt.stream_id = event.stream_id or 0
+        msg.prompt.from_chunk = event.from_chunk
+        if event.text is not None:
+            msg.prompt.text.CopyFrom(tensor_to_proto(event.text))
+    return msg
+
+
+def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
+    """Inverse of ``event_to_proto``; raises ValueError for an event that carries nothing or a bad field."""
+    kind = msg.WhichOneof("event")
+    common = dict(seq=msg.seq, traceparent=msg.traceparent)
+    if kind == "open":
+        text = tensor_from_proto(msg.open.text) if msg.open.HasField("text") else None
+        return PlanEvent("open", spec=spec_from_proto(msg.open.spec), text=text, **common)
+    if kind == "batch":
+        return PlanEvent("batch", steps=tuple(step_from_proto(s) for s in msg.batch.steps), **common)
+    if kind == "close":
+        return PlanEvent("close", stream_id=msg.close.stream_id, **common)
+    if kind == "prompt":
+        text = tensor_from_proto(msg.prompt.text) if msg.prompt.HasField("text") else None
+        return PlanEvent(
+            "prompt", stream_id=msg.prompt.stream_id, from_chunk=msg.prompt.from_chunk, text=text, **common
+        )
+    raise ValueError("plan event carries no event")
