@@ -1,38 +1,53 @@
 #!/usr/bin/env bash
-# Every BENCHMARKS.md row, in parts that each fit a 10-minute device call (2 GPUs).
+# Every BENCHMARKS.md harness-v2 row, in parts that each fit a 10-minute device call (2 GPUs).
 #
 #   bash benchmarks/gpu_suite.sh check    # graphed-vs-eager parity on 2 GPUs + one-GPU graph timing (~4 min)
-#   bash benchmarks/gpu_suite.sh 1.3b     # 1.3B: 1 step on 2 GPUs and on 1 GPU, 4 steps on 2 GPUs (~9 min)
-#   bash benchmarks/gpu_suite.sh large    # 14B 1 step and 5B 704x1280 4 steps on 2 GPUs (~8 min)
+#   bash benchmarks/gpu_suite.sh quick    # every harness path once, short streams (~3 min): run before the rest
+#   bash benchmarks/gpu_suite.sh 1.3b     # 1.3B 1 step with the load rows (1, 2, 4, 8 streams)
+#   bash benchmarks/gpu_suite.sh 1.3b-4   # 1.3B 4 steps
+#   bash benchmarks/gpu_suite.sh 14b      # 14B 1 step
+#   bash benchmarks/gpu_suite.sh 5b       # 5B 704x1280 4 steps
 #
-# Results go to ${OUT:-benchmarks/results}/*.json, table rows to rows.md beside them; the commit is read
-# from $STAGECAST_COMMIT when the tree has no .git.
+# Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
+# from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
+# .git. Main streams are 60 s of video (DESIGN.md section 4).
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-harness=(python -m benchmarks.harness --cuda-graphs --vae-compile --markdown "$out/rows.md")
+harness=(python -m benchmarks.harness --cuda-graphs --vae-compile)
 
-case "${1:-}" in
-  check)
-    s=(timeout 150 python -m launcher.cli selftest --device cuda --cuda-graphs)
-    "${s[@]}" --dtype bfloat16 --window 3 --sink 1 --chunks 6
-    "${s[@]}" --dtype bfloat16 --model wan2.1-1.3b --layers 4 --height 60 --width 104 --window 3 --sink 1 --chunks 6
-    "${s[@]}" --dtype float32 --policy clean --window 2 --chunks 5 --partition 1,3
-    timeout 120 python -m benchmarks.graphs_check
-    ;;
-  1.3b)
-    timeout 200 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --seconds 10 --json "$out/13b_1step_2gpu.json"
-    timeout 200 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 1 --seconds 10 --json "$out/13b_1step_1gpu.json"
-    timeout 200 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --seconds 10 --json "$out/13b_4step_2gpu.json"
-    ;;
-  large)
-    timeout 300 "${harness[@]}" --model wan2.1-14b --steps 1 --stages 2 --seconds 10 --peer-chunks 4 --ttff-runs 3 \
-      --json "$out/14b_1step_2gpu.json"
-    timeout 240 "${harness[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 4 --stages 2 --seconds 8 \
-      --peer-chunks 4 --ttff-runs 3 --json "$out/5b_4step_2gpu.json"
-    ;;
-  *)
-    sed -n '2,9p' "$0"
-    exit 2
-    ;;
-esac
+for part in "$@"; do
+  case "$part" in
+    check)
+      s=(timeout 150 python -m launcher.cli selftest --device cuda --cuda-graphs)
+      "${s[@]}" --dtype bfloat16 --window 3 --sink 1 --chunks 6
+      "${s[@]}" --dtype bfloat16 --model wan2.1-1.3b --layers 4 --height 60 --width 104 --window 3 --sink 1 --chunks 6
+      "${s[@]}" --dtype float32 --policy clean --window 2 --chunks 5 --partition 1,3
+      timeout 120 python -m benchmarks.graphs_check
+      ;;
+    quick)
+      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --seconds 15 --first-seconds 4 \
+        --ttff-runs 2 --interactive-updates 2 --load 2 --load-seconds 4 --peer-chunks 4 --json "$out/quick.json"
+      ;;
+    1.3b)
+      timeout 420 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 12 \
+        --json "$out/v2_13b_1step_2gpu.json"
+      ;;
+    1.3b-4)
+      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \
+        --json "$out/v2_13b_4step_2gpu.json"
+      ;;
+    14b)
+      timeout 360 "${harness[@]}" --model wan2.1-14b --steps 1 --stages 2 --peer-chunks 4 --ttff-runs 3 \
+        --no-compiled-peer --json "$out/v2_14b_1step_2gpu.json"
+      ;;
+    5b)
+      timeout 360 "${harness[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 4 --stages 2 \
+        --peer-chunks 4 --ttff-runs 3 --no-compiled-peer --json "$out/v2_5b_4step_2gpu.json"
+      ;;
+    *)
+      sed -n '2,13p' "$0"
+      exit 2
+      ;;
+  esac
+done

@@ -1,25 +1,35 @@
-"""Benchmark harness: the real system against the single-GPU peer and the compute floor, in one run.
+"""Benchmark harness v2: what a viewer sees, from the real system, beside the single-GPU peers and the compute floor.
 
 Usage (on a machine with GPUs; one command per configuration)::
 
-    python -m benchmarks.harness --model wan2.1-1.3b --width 832 --height 480 --steps 1 --stages 2 \
-        --seconds 10 --json results/1.3b-1step-2gpu.json --markdown BENCHMARKS.md
+    python -m benchmarks.harness --model wan2.1-1.3b --steps 1 --stages 2 --cuda-graphs --vae-compile \
+        --load 1,2,4,8 --json benchmarks/results/v2_13b_1step_2gpu.json
     python -m benchmarks.harness --smoke          # CPU, tiny model, a few seconds (CI runs this)
+    python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
-What one run does:
+What one run does (DESIGN.md section 4):
 
-1. writes a checkpoint folder holding the real VAE / DiT *configs* with random weights (stages build their
-   own random slices on their GPUs: ``--checkpoint random:<model>``), and a small random UMT5 with the
-   real text width (4096);
-2. measures the **compute floor**: FLOPs per video frame (DiT forward per latent frame at every step,
-   counted with ``torch.utils.flop_counter``, plus the VAE decode of one latent frame) divided by a bf16
-   matmul peak measured here, times the GPU count;
-3. measures the **peer**: diffusers on one GPU, sequential and eager, ``WanTransformer3DModel`` for every
-   step of a chunk, then ``AutoencoderKLWan`` chunk decode;
-4. starts coordinator, N stages and the gateway as processes (gRPC + NCCL) and streams through the public
-   API with the SDK: FPS counted at the client after warmup, TTFF p50/p95 over fresh prompts, per-stage
-   forward time and utilization from the coordinator's stats, peak GPU memory from nvidia-smi;
-5. prints ratios against the peer and the floor, writes JSON, and appends a row to ``--markdown``.
+1. writes a checkpoint folder holding the real VAE / DiT *configs* (stages build their own random slices on their
+   GPUs: ``--checkpoint random:<model>``) and the real-size UMT5-XXL text encoder, built with random weights on the
+   gateway's GPU (``--text-encoder tiny`` for a 2-layer one);
+2. the **compute floor**: FLOPs per video frame (the DiT at every step, the KV-window attention, the VAE) counted with
+   ``torch.utils.flop_counter``, over a bf16 matmul peak measured here, times the GPU count;
+3. the **peers**, on one GPU, sequential: diffusers eager (``WanTransformer3DModel`` every step, then the
+   ``AutoencoderKLWan`` chunk decode), and the same work under ``torch.compile`` (DiT and VAE decoder);
+4. **cold start**: coordinator, N stages and the gateway as processes (gRPC + NCCL), timed to READY (the gateway
+   serving); then the **first stream after READY** (``--first-seconds``), measured on its own;
+5. the **main stream**, ``--seconds`` of video (60 by default): per-frame arrivals at the client, steady FPS over the
+   middle 40% of frames (the DiT is still producing there: the lead is bounded), whole-stream FPS beside it, and at
+   ``--target-fps``: the share of frames on time (frame i due at the first frame's arrival + i / fps), the max and
+   p99 gap between frames and the count of gaps over 250 ms; the lead (chunks started - consumed) sampled from the
+   coordinator; the gateway's timestamps per chunk;
+6. **TTFF** over fresh prompts, to the first decodable picture (for h264, the first fragment), split by the
+   gateway's timestamps; **interactive latency**: PromptUpdate to the first frame of the first chunk generated under
+   the new prompt (the coordinator's recorded plan names that chunk);
+7. **load** (``--load 1,2,4,8``): N concurrent streams, per-stream steady FPS, on-time share, TTFF p50/p95, and the
+   aggregate;
+8. JSON with all of it, the versions (torch, CUDA, NCCL, diffusers, driver, GPU count), the commit and whether the
+   tree was dirty.
 """
 
 from __future__ import annotations
@@ -50,6 +60,17 @@ VAE_FOR_MODEL = {
 LADDER = (700.0, 500.0, 400.0, 200.0)
 
 
+def _has_timesteps_field() -> bool:
+    """Whether the public StreamConfig takes an explicit ladder; without it the gateway's own ladder is used (the
+    ladder's values do not change the work per step, so speed figures are comparable either way)."""
+    from stagecast.v1 import stream_pb2 as pb
+
+    return "timesteps" in pb.StreamConfig.DESCRIPTOR.fields_by_name
+
+
+TIMESTEPS_FIELD = _has_timesteps_field()
+
+
 def git_commit() -> str:
     if os.environ.get("STAGECAST_COMMIT"):  # the device machine gets a copy of the tree without .git
         return os.environ["STAGECAST_COMMIT"]
@@ -74,7 +95,7 @@ def sync(device: torch.device) -> None:
 def write_assets(root: Path, args) -> None:
     from diffusers import AutoencoderKLWan
 
-    from gateway.text_encoder import write_tiny_text_encoder
+    from gateway.text_encoder import write_random_text_encoder, write_tiny_text_encoder
     from stagecast.model.vae_configs import vae_config
 
     cfg = model_config(args.model)
@@ -82,12 +103,14 @@ def write_assets(root: Path, args) -> None:
     (root / "transformer" / "config.json").write_text(json.dumps(cfg, default=list))
     torch.manual_seed(0)
     AutoencoderKLWan(**vae_config(VAE_FOR_MODEL[args.model])).save_pretrained(root / "vae")
-    # The real encoder is UMT5-XXL (5.7B, ~50 ms per new prompt on an H200, DESIGN.md section 4); a random one of
-    # that size cannot be written here in reasonable time, so a 2-layer encoder of the same width stands in.
-    heads = 8 if cfg["text_dim"] >= 512 else 4
-    write_tiny_text_encoder(
-        root, d_model=cfg["text_dim"], num_layers=2, num_heads=heads, d_kv=cfg["text_dim"] // heads, d_ff=256
-    )
+    if args.text_encoder == "umt5-xxl":
+        # The real UMT5-XXL (5.7B): its config only; the gateway draws the weights on its GPU.
+        write_random_text_encoder(root)
+    else:  # a 2-layer encoder of the real width
+        heads = 8 if cfg["text_dim"] >= 512 else 4
+        write_tiny_text_encoder(
+            root, d_model=cfg["text_dim"], num_layers=2, num_heads=heads, d_kv=cfg["text_dim"] // heads, d_ff=256
+        )
     text_len = 512 if cfg["text_dim"] >= 512 else 16
     defaults = {"text_len": text_len, "width": args.width, "height": args.height, "steps": args.steps}
     (root / "stagecast.json").write_text(json.dumps(defaults))
@@ -162,72 +185,81 @@ def flops_per_frame(args, dit, vae, device, dtype, text_len) -> dict:
     }
 
 
-def run_peer(args, dit, vae, device, dtype, text_len, chunks: int) -> dict:
-    """diffusers, one GPU, sequential, eager: every step of a chunk through the whole DiT, then VAE decode."""
+def run_peer(args, dit, vae, device, dtype, text_len, chunks: int, compiled: bool = False) -> dict:
+    """diffusers, one GPU, sequential: every step of a chunk through the whole DiT, then VAE decode; eager, or with
+    ``torch.compile`` on the DiT and the VAE decoder (compiled during the warm-up chunks, not timed)."""
     from gateway.stream_vae import StreamVAE
 
     c, h, w = latent_geometry(args, vae)
     text = torch.randn(1, text_len, dit.config.text_dim, device=device, dtype=dtype)
-    sv = StreamVAE(vae)
+    model = torch.compile(dit, dynamic=False) if compiled else dit
+    sv = StreamVAE(vae, compile=compiled)
     state = sv.new_state()
     timesteps = LADDER[: args.steps]
-    frames = 0
+    frames, warm = 0, 3 if compiled else 2
+    t0 = time.perf_counter()
     with torch.no_grad():
-        for i in range(chunks + 2):
-            if i == 2:  # two warm-up chunks (frame 0 decodes alone, then the cache settles)
+        for i in range(chunks + warm):
+            if i == warm:  # warm-up chunks: frame 0 decodes alone, then the cache settles (and compiles run)
                 sync(device)
                 start, frames = time.perf_counter(), 0
             x = torch.randn(1, c, 1, h, w, device=device, dtype=dtype)
             for t in timesteps:
-                v = dit(x, torch.tensor([t], device=device), text, return_dict=False)[0]
+                v = model(x, torch.tensor([t], device=device), text, return_dict=False)[0]
                 x = x - (t / 1000.0) * v
             video = sv.decode_chunk(state, x)
             frames += video.shape[2]
         sync(device)
     elapsed = time.perf_counter() - start
     sv.release(state)
-    return {"fps": frames / elapsed, "frames": frames, "seconds": elapsed}
+    return {"fps": frames / elapsed, "frames": frames, "seconds": elapsed, "warmup_s": start - t0}
 
 
-# ---- the system -----------------------------------------------------------------------------------------
+# ---- what the viewer sees -------------------------------------------------------------------------------
 
 
-def start_system(launcher, root: Path, args, device_kind: str):
-    from launcher.local_cluster import start_pipeline
-
-    stage_device = "cuda" if device_kind == "cuda" else "cpu"
-    pipe = start_pipeline(
-        launcher,
-        checkpoint=f"random:{args.model}",
-        stages=args.stages,
-        partition=args.partition,
-        device=stage_device,
-        dtype=args.dtype,
-        max_batch=args.batch,
-        cuda_graphs=args.cuda_graphs and device_kind == "cuda",
-    )
-    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else args.stages - 1}"
-    gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
-    gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
-    if args.vae_compile and device_kind == "cuda":
-        gw_args.append("--vae-compile")
-    if device_kind == "cuda":
-        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(args.stages))
-        gw_args += ["--vae-devices", ",".join(f"cuda:{g}" for g in vae_gpus.split(","))]
-    else:  # CPU smoke: the same pipelined path, two slices on the CPU
-        gw_args += ["--vae-devices", "cpu,cpu"]
-    if args.vae_split:
-        gw_args += ["--vae-split", args.vae_split]
-    gateway = launcher.spawn("gateway", gw_args, timeout=600)
-    return pipe, gateway.info["address"]
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1])."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered)) - 1))]
 
 
-def stream_once(client, args, seconds: float, prompt: str) -> dict:
-    gen = client.generate(
-        prompt=prompt,
+def frame_stats(arrivals: list[float], target_fps: float, middle: tuple[float, float] = (0.3, 0.7)) -> dict:
+    """Steady FPS over the middle of the frames, whole-stream FPS, and punctuality at ``target_fps``.
+
+    Frame i is due at arrivals[0] + i / target_fps; a gap is the time between two consecutive frames' arrivals.
+    """
+    n = len(arrivals)
+    out = {"frames": n, "first_s": arrivals[0] if n else None, "last_s": arrivals[-1] if n else None}
+    if n < 3:
+        return {**out, "steady_fps": None, "whole_fps": None, "on_time": None, "max_gap_ms": None}
+    a, b = int(n * middle[0]), max(int(n * middle[0]) + 2, int(n * middle[1]))
+    b = min(b, n)
+    gaps = [(arrivals[i] - arrivals[i - 1]) * 1e3 for i in range(1, n)]
+    late = [arrivals[i] - (arrivals[0] + i / target_fps) for i in range(n)]
+    return {
+        **out,
+        "steady_fps": (b - a - 1) / (arrivals[b - 1] - arrivals[a]) if arrivals[b - 1] > arrivals[a] else None,
+        "steady_window": [a, b],
+        "whole_fps": (n - 1) / (arrivals[-1] - arrivals[0]),
+        "target_fps": target_fps,
+        "on_time": sum(x <= 1e-9 for x in late) / n,
+        "max_late_ms": max(late) * 1e3,
+        "max_gap_ms": max(gaps),
+        "p99_gap_ms": percentile(gaps, 0.99),
+        "gaps_over_250ms": sum(g > 250.0 for g in gaps),
+    }
+
+
+def decodable(codec: str, seen: bytes) -> bool:
+    """Whether the bytes received so far hold a picture: every JPEG/raw frame does; fMP4 once a fragment is in."""
+    return codec != "h264" or b"moof" in seen
+
+
+def config_kwargs(args) -> dict:
+    kw = dict(
         width=args.width,
         height=args.height,
-        seconds=seconds,
         steps=args.steps,
         codec=args.codec,
         chunk_frames=1,
@@ -235,26 +267,67 @@ def stream_once(client, args, seconds: float, prompt: str) -> dict:
         sink=args.sink,
         policy="per_level",
     )
-    t0 = time.perf_counter()
-    stamps, first = [], None
-    for frame in gen:
-        stamps.append(time.perf_counter() - t0)
-        first = first or frame
-    ended = time.perf_counter() - t0  # the call's end: the End message after the last frame
-    if not stamps:
-        raise RuntimeError("the stream produced no frames")
-    skip = max(1, len(stamps) // 5)  # steady state: drop the first fifth (warmup of the wavefront)
-    steady = stamps[skip:]
-    fps = (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 2 else float("nan")
-    ttff = first.timing.received_s  # the SDK's clock starts before the call sends the config
-    return {
-        "ttff_s": ttff,
-        "ttff_parts_ms": ttff_parts(first.timing, ttff),
-        "fps": fps,
-        "frames": len(stamps),
-        "first_to_last_frame_s": stamps[-1] - stamps[0],
-        "last_frame_to_end_s": ended - stamps[-1],
-    }
+    if TIMESTEPS_FIELD:
+        kw["timesteps"] = list(LADDER[: args.steps])
+    return kw
+
+
+class StreamRecord:
+    """One stream read to its end: per-frame arrivals (client clock from the call's start), the gateway's per-chunk
+    timestamps, TTFF to the first decodable picture, and optional prompt updates sent at given frames."""
+
+    def __init__(self, client, args, seconds: float | None, prompt: str, updates: dict[int, str] | None = None):
+        self.args = args
+        self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config_kwargs(args))
+        self.updates = dict(updates or {})
+        self.arrivals: list[float] = []
+        self.chunks: dict[int, dict] = {}
+        self.frame_chunk: list[int] = []
+        self.update_sent: list[tuple[float, str]] = []
+        self.ttff_s: float | None = None
+        self.first = None
+        self.error: str | None = None
+
+    def run(self) -> StreamRecord:
+        seen = b""
+        try:
+            for frame in self.gen:
+                now = frame.timing.received_s  # the SDK's clock, from just before the call sent its config
+                self.arrivals.append(now)
+                self.frame_chunk.append(frame.chunk)
+                if frame.chunk not in self.chunks:
+                    t = frame.timing
+                    self.chunks[frame.chunk] = {
+                        "chunk": frame.chunk,
+                        "latents_ms": round(t.latents_ms, 2),
+                        "decoded_ms": round(t.decoded_ms, 2),
+                        "encoded_ms": round(t.encoded_ms, 2),
+                        "received_ms": round(now * 1e3, 2),
+                    }
+                if self.ttff_s is None:
+                    seen += frame.data
+                    if decodable(self.args.codec, seen):
+                        self.ttff_s, self.first = now, frame
+                prompt = self.updates.pop(frame.index, None)
+                if prompt is not None:
+                    self.update_sent.append((time.monotonic() - self.gen.t0, prompt))
+                    self.gen.update_prompt(prompt)
+        except Exception as exc:  # noqa: BLE001 - recorded; a load row reports failed streams
+            self.error = f"{type(exc).__name__}: {exc}"
+        return self
+
+    def stats(self) -> dict:
+        return frame_stats(self.arrivals, self.args.target_fps)
+
+    def json(self) -> dict:
+        return {
+            "pipeline_stream_id": self.gen.info.pipeline_stream_id if self.arrivals else None,
+            "ttff_s": self.ttff_s,
+            **self.stats(),
+            "error": self.error,
+            "arrivals_s": [round(x, 5) for x in self.arrivals],
+            "gateway_chunks": [self.chunks[c] for c in sorted(self.chunks)],
+        }
 
 
 def ttff_parts(timing, ttff_s: float) -> dict:
@@ -272,18 +345,120 @@ def ttff_parts(timing, ttff_s: float) -> dict:
     }
 
 
-def stage_stats(coordinator: str) -> list[dict]:
+# ---- the system -----------------------------------------------------------------------------------------
+
+
+def start_system(launcher, root: Path, args, device_kind: str):
+    from launcher.local_cluster import start_pipeline
+
+    stage_device = "cuda" if device_kind == "cuda" else "cpu"
+    pipe = start_pipeline(
+        launcher,
+        checkpoint=f"random:{args.model}",
+        stages=args.stages,
+        partition=args.partition,
+        device=stage_device,
+        dtype=args.dtype,
+        max_batch=args.batch,
+        max_streams=max(16, max(args.load or [1]) + 2),
+        record_plan=True,  # the interactive-latency measurement reads each prompt update's first chunk from it
+        cuda_graphs=args.cuda_graphs and device_kind == "cuda",
+    )
+    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else args.stages - 1}"
+    gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
+    gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
+    gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
+    if args.vae_compile and device_kind == "cuda":
+        gw_args.append("--vae-compile")
+    if device_kind == "cuda":
+        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(args.stages))
+        gw_args += ["--vae-devices", ",".join(f"cuda:{g}" for g in vae_gpus.split(","))]
+    else:  # CPU smoke: the same pipelined path, two slices on the CPU
+        gw_args += ["--vae-devices", "cpu,cpu"]
+    if args.vae_split:
+        gw_args += ["--vae-split", args.vae_split]
+    gateway = launcher.spawn("gateway", gw_args, timeout=900)
+    return pipe, gateway.info["address"]
+
+
+def coordinator_status(coordinator: str):
     import grpc
 
     from stagecast.internal.v1 import pipeline_pb2 as pb
     from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(coordinator) as ch:
-        status = pb_grpc.CoordinatorServiceStub(ch).Status(pb.Empty(), timeout=10)
+        return pb_grpc.CoordinatorServiceStub(ch).Status(pb.Empty(), timeout=10)
+
+
+def stage_stats(coordinator: str) -> list[dict]:
     return [
         {"index": s.index, "batches": s.batches, "forward_ms": s.forward_ms_total, "micro_steps": s.micro_steps}
-        for s in status.stage_stats
+        for s in coordinator_status(coordinator).stage_stats
     ]
+
+
+def plan_prompt_chunks(coordinator: str) -> dict[int, list[int]]:
+    """Per pipeline stream, the first chunk of each prompt update, in order (from the recorded plan)."""
+    import grpc
+
+    from stagecast.internal.v1 import pipeline_pb2 as pb
+    from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(coordinator, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
+        dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
+    out: dict[int, list[int]] = {}
+    for ev in dump.events:
+        if ev.HasField("prompt"):
+            out.setdefault(ev.prompt.stream_id, []).append(ev.prompt.from_chunk)
+    return out
+
+
+class LeadSampler:
+    """Samples every stream's lead (chunks started - consumed, and its bound) from the coordinator while it runs."""
+
+    def __init__(self, coordinator: str, period: float = 0.25):
+        import threading
+
+        self.coordinator, self.period = coordinator, period
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period):
+            try:
+                status = coordinator_status(self.coordinator)
+            except Exception:  # noqa: BLE001 - a missed sample
+                continue
+            for s in status.streams:
+                self.samples.append(
+                    {
+                        "t_s": round(time.perf_counter() - t0, 3),
+                        "stream": s.stream_id,
+                        "lead": s.started - s.consumed,
+                        "bound": s.bound,
+                        "max_lead": s.max_lead,
+                    }
+                )
+
+    def __enter__(self) -> LeadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"max": None, "bound": None, "samples": []}
+        return {
+            "max": max(s["max_lead"] for s in self.samples),
+            "bound": max(s["bound"] for s in self.samples),
+            "samples": self.samples,
+        }
 
 
 def gpu_memory() -> list[int]:
@@ -297,68 +472,172 @@ def gpu_memory() -> list[int]:
 
 
 def run_system(root: Path, args, device_kind: str) -> dict:
+    import threading
+
     import stagecast
     from launcher.process import Launcher
 
+    nonce = uuid.uuid4().int % 9000
     with Launcher() as launcher:
+        t = time.perf_counter()
         pipe, gateway = start_system(launcher, root, args, device_kind)
+        time_to_ready = time.perf_counter() - t
         with stagecast.Client(gateway) as client:
             # Every prompt is new to the server (its text cache), as the protocol asks for TTFF.
-            nonce = uuid.uuid4().int % 900
-            stream_once(client, args, min(3.0, args.seconds), f"a dog {nonce}")  # compile, allocator, autotune
+            first = StreamRecord(client, args, args.first_seconds, f"a dog {nonce}").run()
             before = stage_stats(pipe.coordinator)
-            t = time.perf_counter()
-            main = stream_once(client, args, args.seconds, f"a fox {nonce}")
-            wall = time.perf_counter() - t  # includes the stream's set-up and its end
+            with LeadSampler(pipe.coordinator) as lead:
+                t = time.perf_counter()
+                main = StreamRecord(client, args, args.seconds, f"a fox {nonce}").run()
+                wall = time.perf_counter() - t
             after = stage_stats(pipe.coordinator)
-            firsts = [stream_once(client, args, 0.3, f"a cat {nonce + i}") for i in range(args.ttff_runs)]
-            ttffs = [f["ttff_s"] for f in firsts]
+            firsts = [StreamRecord(client, args, 0.5, f"a cat {nonce} {i}").run() for i in range(args.ttff_runs)]
+            # Interactive: a new prompt every `interactive_every` frames.
+            every = max(8, int(args.target_fps))
+            updates = {every * (k + 1): f"a bird {nonce} {k}" for k in range(args.interactive_updates)}
+            inter_seconds = every * (args.interactive_updates + 2) / args.target_fps
+            inter = StreamRecord(client, args, inter_seconds, f"a cow {nonce}", updates).run()
+            prompt_chunks = plan_prompt_chunks(pipe.coordinator)
+            load_rows = []
+            for n in args.load or []:
+                recs = [StreamRecord(client, args, args.load_seconds, f"load {nonce} {n} {i}") for i in range(n)]
+                threads = [threading.Thread(target=r.run) for r in recs]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                load_rows.append(load_row(n, recs))
         mem = gpu_memory()
+    for rec in (first, main, *firsts, inter):
+        if rec.error:
+            raise RuntimeError(f"a measured stream failed: {rec.error}")
+    latencies = interactive_latencies(inter, prompt_chunks.get(inter.gen.info.pipeline_stream_id, []))
+    span = main.stats()
     stages = []
     for b, a in zip(before, after):
         busy = (a["forward_ms"] - b["forward_ms"]) / 1e3
+        n = max(1, a["batches"] - b["batches"])
         stages.append(
             {
                 "index": a["index"],
                 "batches": a["batches"] - b["batches"],
-                "mean_forward_ms": (a["forward_ms"] - b["forward_ms"]) / max(1, a["batches"] - b["batches"]),
-                "mean_batch": (a["micro_steps"] - b["micro_steps"]) / max(1, a["batches"] - b["batches"]),
-                # Forward time over the span the frames arrived in (first to last). CUDA events time the GPU
-                # stream, so where the gateway's VAE shares the GPU its kernels count in (time-slicing).
-                "utilization": busy / max(main["first_to_last_frame_s"], 1e-9),
+                "mean_forward_ms": (a["forward_ms"] - b["forward_ms"]) / n,
+                "mean_batch": (a["micro_steps"] - b["micro_steps"]) / n,
+                # Forward time over the frames' span. CUDA events time the GPU stream, so where the gateway's VAE
+                # shares the GPU its kernels count in (time-slicing).
+                "utilization": busy / max(span["last_s"] - span["first_s"], 1e-9),
             }
         )
-    util = [s["utilization"] for s in stages]
+    ttffs = [f.ttff_s for f in firsts]
     return {
-        "fps": main["fps"],
-        "frames": main["frames"],
-        "main_stream_wall_s": wall,
-        "first_to_last_frame_s": main["first_to_last_frame_s"],
-        "last_frame_to_end_s": main["last_frame_to_end_s"],
+        "time_to_ready_s": time_to_ready,
+        "first_stream": first.json(),
+        "main": {**main.json(), "wall_s": wall},
+        "steady_fps": span["steady_fps"],
+        "whole_fps": span["whole_fps"],
+        "lead": lead.summary(),
         "ttff_p50_s": statistics.median(ttffs),
-        "ttff_p95_s": sorted(ttffs)[max(0, round(0.95 * len(ttffs)) - 1)],
+        "ttff_p95_s": percentile(ttffs, 0.95),
+        "ttff_s": ttffs,
         # Medians of each part over the TTFF streams (they need not add up to the median TTFF exactly).
         "ttff_parts_p50_ms": {
-            part: statistics.median(f["ttff_parts_ms"][part] for f in firsts) for part in firsts[0]["ttff_parts_ms"]
+            part: statistics.median(ttff_parts(f.first.timing, f.ttff_s)[part] for f in firsts)
+            for part in ("pipeline", "vae", "encode", "rest")
         },
+        "interactive": {
+            "latencies_ms": latencies,
+            "p50_ms": statistics.median(latencies) if latencies else None,
+            "p95_ms": percentile(latencies, 0.95) if latencies else None,
+        },
+        "load": load_rows,
         "stages": stages,
-        "bubble_fraction": 1 - sum(util) / len(util) if util else None,
         "gpu_memory_used_mib": mem,
     }
+
+
+def interactive_latencies(rec: StreamRecord, from_chunks: list[int]) -> list[float]:
+    """For each update: from sending it to the arrival of the first frame of the chunk it first applies to."""
+    out = []
+    for (sent, _), chunk in zip(rec.update_sent, from_chunks):
+        arrived = [t for t, c in zip(rec.arrivals, rec.frame_chunk) if c >= chunk]
+        if arrived:
+            out.append((arrived[0] - sent) * 1e3)
+    return out
+
+
+def load_row(n: int, recs: list[StreamRecord]) -> dict:
+    ok = [r for r in recs if not r.error and len(r.arrivals) > 2]
+    streams = [r.json() for r in recs]
+    for s in streams:
+        s.pop("arrivals_s")  # per-frame arrivals are kept for the single streams; a load row keeps the summaries
+        s.pop("gateway_chunks")
+    ttffs = [r.ttff_s for r in ok if r.ttff_s is not None]
+    first = min((r.arrivals[0] for r in ok), default=0.0)
+    last = max((r.arrivals[-1] for r in ok), default=0.0)
+    return {
+        "streams": n,
+        "failed": n - len(ok),
+        "per_stream": streams,
+        "steady_fps_min": min((s["steady_fps"] or 0.0 for s in streams if not s["error"]), default=None),
+        "steady_fps_mean": statistics.mean(s["steady_fps"] or 0.0 for s in streams if not s["error"]) if ok else None,
+        "on_time_min": min((s["on_time"] or 0.0 for s in streams if not s["error"]), default=None),
+        "ttff_p50_s": statistics.median(ttffs) if ttffs else None,
+        "ttff_p95_s": percentile(ttffs, 0.95) if ttffs else None,
+        "aggregate_fps": sum(len(r.arrivals) - 1 for r in ok) / (last - first) if last > first else None,
+    }
+
+
+# ---- versions -------------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    import diffusers
+
+    out = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "diffusers": diffusers.__version__,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpu": gpu_name(),
+        "nccl": None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            pass
+        try:
+            out["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True
+            ).split()[0]
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return out
+
+
+def tree_dirty() -> bool | None:
+    if os.environ.get("STAGECAST_DIRTY") is not None:  # the device machine's copy has no .git
+        return os.environ["STAGECAST_DIRTY"] == "1"
+    try:
+        return bool(subprocess.check_output(["git", "status", "--porcelain"], text=True).strip())
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 # ---- report ---------------------------------------------------------------------------------------------
 
 
 def markdown_row(r: dict) -> str:
-    s, p, f = r["system"], r["peer"], r["floor"]
-    stage_ms = "/".join(f"{x['mean_forward_ms']:.1f}" for x in s["stages"])
+    s, a = r["system"], r["args"]
+    first = s["first_stream"]
     return (
-        f"| {r['date']} | {r['gpu']} x{r['args']['stages']} | {r['args']['model']} @ {r['args']['height']}x"
-        f"{r['args']['width']}, {r['args']['steps']} step(s), B={r['args']['batch']} | {s['fps']:.1f} | "
-        f"{s['ttff_p50_s'] * 1e3:.0f} / {s['ttff_p95_s'] * 1e3:.0f} | {p['fps']:.1f} | "
-        f"{f['fps']:.0f} | {s['fps'] / p['fps']:.2f}x | {s['fps'] / f['fps']:.1%} | {stage_ms} | "
-        f"{s['bubble_fraction']:.0%} | {r['commit']} | `{r['command']}` |"
+        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s) | {a['stages']} | "
+        f"{s['steady_fps']:.1f} | {s['whole_fps']:.1f} | {s['main']['on_time']:.1%} | "
+        f"{s['main']['max_gap_ms']:.0f} | {s['main']['gaps_over_250ms']} | "
+        f"{first['on_time']:.1%} / {first['max_gap_ms']:.0f} | "
+        f"{s['ttff_p50_s'] * 1e3:.0f} / {s['ttff_p95_s'] * 1e3:.0f} | {r['commit']} |"
     )
 
 
@@ -373,11 +652,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
     ap.add_argument("--sink", type=int, default=3, help="sink frames (protocol: 3)")
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=60.0, help="video of the main stream (protocol: 60 or more)")
+    ap.add_argument("--first-seconds", type=float, default=10.0, help="video of the first stream after READY")
+    ap.add_argument("--target-fps", type=float, default=16.0, help="presentation rate for on-time figures")
     ap.add_argument("--codec", default="jpeg")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ttff-runs", type=int, default=5)
+    ap.add_argument("--interactive-updates", type=int, default=5, help="prompt updates in the interactive stream")
+    ap.add_argument("--load", default=None, help="concurrent-stream counts for load rows, e.g. 1,2,4,8")
+    ap.add_argument("--load-seconds", type=float, default=20.0, help="video per stream in a load row")
     ap.add_argument("--peer-chunks", type=int, default=8)
+    ap.add_argument("--no-compiled-peer", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument(
+        "--text-encoder", choices=("umt5-xxl", "tiny"), default=None, help="default: umt5-xxl on GPU, tiny on CPU"
+    )
     ap.add_argument("--gateway-gpu", type=int, default=None, help="GPU for text encoder + VAE (default: last stage's)")
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
@@ -386,14 +674,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--vae-split", default=None, help="decoder units where VAE slices 1.. start (gateway --vae-split)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--markdown", default=None, help="append a one-line table row here")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves the harness runs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
-        args.seconds, args.ttff_runs, args.peer_chunks, args.steps, args.window, args.sink = 1.0, 2, 2, 2, 2, 1
-        args.codec = "raw"
+        args.seconds, args.first_seconds, args.ttff_runs, args.peer_chunks = 2.0, 1.0, 2, 2
+        args.steps, args.window, args.sink, args.codec = 2, 2, 1, "raw"
+        args.interactive_updates, args.load, args.load_seconds = 2, "1,2", 1.0
+        args.no_compiled_peer = True
+    args.load = [int(x) for x in args.load.split(",")] if args.load else []
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.text_encoder is None:
+        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
     device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
     text_len = 512 if model_config(args.model)["text_dim"] >= 512 else 16
@@ -407,27 +700,42 @@ def main(argv: list[str] | None = None) -> int:
         peak = matmul_peak_tflops(device, 8192 if device_kind == "cuda" else 512)
         floor_fps = args.stages * peak / flops["tflop_per_video_frame"]
         peer = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks)
+        peer_compiled = None
+        if not args.no_compiled_peer:
+            peer_compiled = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks, compiled=True)
         del dit, vae
         if device_kind == "cuda":
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
         system = run_system(root, args, device_kind)
 
     result = {
+        "harness": 2,
         "date": datetime.date.today().isoformat(),
         "gpu": gpu_name(),
         "commit": git_commit(),
+        "dirty": tree_dirty(),
+        "versions": versions(),
         "command": command,
         "args": vars(args),
+        "timesteps": list(LADDER[: args.steps]) if TIMESTEPS_FIELD else "gateway default (evenly spaced from 1000)",
         "floor": {"matmul_peak_tflops": peak, **flops, "fps": floor_fps},
         "peer": peer,
+        "peer_compiled": peer_compiled,
         "system": system,
-        "ratios": {"vs_peer": system["fps"] / peer["fps"], "of_floor": system["fps"] / floor_fps},
+        "ratios": {
+            "vs_peer": system["steady_fps"] / peer["fps"],
+            "vs_peer_compiled": system["steady_fps"] / peer_compiled["fps"] if peer_compiled else None,
+            "of_floor": system["steady_fps"] / floor_fps,
+        },
     }
-    print(json.dumps(result, indent=2))
+    summary = {k: v for k, v in result.items() if k != "system"}
+    summary["system"] = {k: v for k, v in system.items() if k not in ("first_stream", "main", "lead", "load")}
+    print(json.dumps(summary, indent=2))
     print(markdown_row(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if args.markdown:
         with open(args.markdown, "a") as fh:
             fh.write(markdown_row(result) + "\n")

@@ -23,6 +23,7 @@ and a tokenizer built in-process (a fixed Unigram vocabulary, no download, no tr
 from __future__ import annotations
 
 import html
+import json
 import logging
 import os
 import string
@@ -127,7 +128,18 @@ class TextEncoder:
         self.max_len = int(max_len)
         self.cache_size = int(cache_size)
         self.tokenizer = AutoTokenizer.from_pretrained(_resolve(folder, "tokenizer"))
-        self.model = UMT5EncoderModel.from_pretrained(_resolve(folder, "text_encoder"), **_dtype_kwargs(dtype))
+        model_folder = _resolve(folder, "text_encoder")
+        config_file = model_folder / "config.json"
+        if config_file.exists() and json.loads(config_file.read_text()).get(RANDOM_WEIGHTS_KEY):
+            # Benchmarks: a real-size encoder (UMT5-XXL is 5.7B parameters) with random weights, built on the device
+            # (writing and reading 11 GB of random weights would take longer than the benchmark).
+            from transformers import UMT5Config
+
+            config = UMT5Config.from_pretrained(model_folder)
+            with torch.device(device):
+                self.model = UMT5EncoderModel(config).to(dtype or torch.bfloat16)
+        else:
+            self.model = UMT5EncoderModel.from_pretrained(model_folder, **_dtype_kwargs(dtype))
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.dtype = self.model.dtype
@@ -271,6 +283,33 @@ def _build_tiny_tokenizer(model_max_length: int):
         unk_token="<unk>",
         model_max_length=model_max_length,
     )
+
+
+# A text_encoder/config.json with this key set true and no weights: the encoder is built with random weights on the
+# device (``write_random_text_encoder``; benchmarks of the real-size UMT5-XXL).
+RANDOM_WEIGHTS_KEY = "stagecast_random_weights"
+
+UMT5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=256384)
+
+
+def write_random_text_encoder(folder: str | os.PathLike, **dims) -> Path:
+    """Write ``folder/text_encoder/config.json`` for a UMT5 encoder of ``dims`` (default: UMT5-XXL, Wan's) whose
+    weights are drawn at random where it is loaded, and the tiny tokenizer (its ids are a subset of the vocabulary)."""
+    from transformers import UMT5Config
+
+    folder = Path(folder)
+    tokenizer = _build_tiny_tokenizer(model_max_length=DEFAULT_MAX_LEN)
+    config = UMT5Config(
+        **{**UMT5_XXL, **dims}, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1
+    )
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} ids")
+    config.save_pretrained(folder / "text_encoder")
+    data = json.loads((folder / "text_encoder" / "config.json").read_text())
+    data[RANDOM_WEIGHTS_KEY] = True
+    (folder / "text_encoder" / "config.json").write_text(json.dumps(data, indent=2))
+    tokenizer.save_pretrained(folder / "tokenizer")
+    return folder
 
 
 def write_tiny_text_encoder(

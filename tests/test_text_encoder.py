@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import types
 from pathlib import Path
@@ -194,3 +195,19 @@ def test_write_tiny_is_deterministic_and_keeps_rng(tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
         TextEncoder(tmp_path / "nope")
+
+
+def test_a_random_weight_encoder_is_built_where_it_loads_from_its_config_alone(tmp_path):
+    from gateway.text_encoder import RANDOM_WEIGHTS_KEY, write_random_text_encoder
+
+    # The real UMT5-XXL's shape but small, so it builds on a CPU: a config and a tokenizer, no weight files.
+    write_random_text_encoder(tmp_path, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000)
+    files = sorted(p.name for p in (tmp_path / "text_encoder").iterdir())
+    assert files == ["config.json"]
+    assert json.loads((tmp_path / "text_encoder" / "config.json").read_text())[RANDOM_WEIGHTS_KEY] is True
+    enc = TextEncoder(tmp_path, max_len=16, dtype=torch.float32)
+    out = enc.encode("a red fox")
+    assert out.shape == (1, 16, 64) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert out[0, :4].abs().sum() > 0  # real tokens carry values (the tail is zeroed padding)
+    with pytest.raises(ValueError, match="vocab_size=10 is smaller"):
+        write_random_text_encoder(tmp_path / "x", vocab_size=10)

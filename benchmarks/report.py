@@ -1,0 +1,145 @@
+"""BENCHMARKS.md's harness-v2 tables, generated from the JSON files the harness writes.
+
+Usage::
+
+    python -m benchmarks.report                          # benchmarks/results/v2_*.json -> BENCHMARKS.md
+    python -m benchmarks.report --results DIR --out FILE
+
+The tables replace what lies between the ``<!-- harness-v2:begin -->`` and ``<!-- harness-v2:end -->`` lines of the
+output file (appended at its end when the markers are missing); nothing else in the file changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- harness-v2:begin -->", "<!-- harness-v2:end -->"
+MODEL_NAMES = {"wan2.1-1.3b": "1.3B", "wan2.1-14b": "14B", "wan2.2-ti2v-5b": "5B", "tiny-wan2.1": "tiny"}
+
+
+def _f(x, fmt: str = ".1f", none: str = "–") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _x(x) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def _ms(x) -> str:
+    return _f(None if x is None else x * 1e3, ".0f")
+
+
+def config_name(r: dict) -> str:
+    a = r["args"]
+    steps = f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
+    return f"{MODEL_NAMES.get(a['model'], a['model'])} @ {a['width']}×{a['height']}, {steps}"
+
+
+def load(results: Path) -> list[dict]:
+    runs = []
+    for path in sorted(results.glob("v2_*.json")):
+        r = json.loads(path.read_text())
+        if r.get("harness") == 2:
+            r["_file"] = path.name
+            runs.append(r)
+    return runs
+
+
+def tables(runs: list[dict]) -> str:
+    out = []
+    out.append("### Steady state and punctuality (the main stream)\n")
+    out.append(
+        "| config | GPUs | steady FPS | whole-stream FPS | on time @ target | max gap (ms) | p99 gap (ms) | "
+        "gaps > 250 ms | lead max / bound (chunks) | peer eager | peer compiled | floor | vs eager | vs compiled "
+        "| of floor |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        s, m, pc = r["system"], r["system"]["main"], r.get("peer_compiled")
+        out.append(
+            f"| {config_name(r)} | {r['args']['stages']} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
+            f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
+            f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(r['peer']['fps'])} | "
+            f"{_f(pc['fps'] if pc else None)} | {_f(r['floor']['fps'], '.0f')} | "
+            f"{_x(r['ratios']['vs_peer'])} | {_x(r['ratios']['vs_peer_compiled'])} | "
+            f"{_f(r['ratios']['of_floor'], '.1%')} |"
+        )
+    out.append(
+        "\nFrames of the main stream: "
+        + "; ".join(f"{config_name(r)}: {r['system']['main']['frames']}" for r in runs)
+        + "."
+    )
+    out.append("\n### Cold start, TTFF and interactive latency\n")
+    out.append(
+        "| config | time to READY (s) | first stream after READY: steady FPS / on time / max gap (ms) / gaps > 250 ms "
+        "| its TTFF (ms) | TTFF p50 / p95 (ms) | TTFF parts p50: pipeline / VAE / encode / rest (ms) "
+        "| PromptUpdate → first new frame p50 / p95 (ms) |"
+    )
+    out.append("|---|---|---|---|---|---|---|")
+    for r in runs:
+        s, fs, parts = r["system"], r["system"]["first_stream"], r["system"]["ttff_parts_p50_ms"]
+        inter = s["interactive"]
+        out.append(
+            f"| {config_name(r)} | {_f(s['time_to_ready_s'])} | {_f(fs['steady_fps'])} / {_f(fs['on_time'], '.1%')} / "
+            f"{_f(fs['max_gap_ms'], '.0f')} / {fs['gaps_over_250ms']} | {_ms(fs['ttff_s'])} | "
+            f"{_ms(s['ttff_p50_s'])} / {_ms(s['ttff_p95_s'])} | "
+            + " / ".join(_f(parts[k], ".0f") for k in ("pipeline", "vae", "encode", "rest"))
+            + f" | {_f(inter['p50_ms'], '.0f')} / {_f(inter['p95_ms'], '.0f')} |"
+        )
+    loaded = [r for r in runs if r["system"].get("load")]
+    if loaded:
+        out.append("\n### Load: concurrent streams\n")
+        out.append(
+            "| config | streams | per-stream steady FPS min / mean | on time min | TTFF p50 / p95 (ms) | aggregate FPS "
+            "| failed |"
+        )
+        out.append("|---|---|---|---|---|---|---|")
+        for r in loaded:
+            for row in r["system"]["load"]:
+                out.append(
+                    f"| {config_name(r)} | {row['streams']} | "
+                    f"{_f(row['steady_fps_min'])} / {_f(row['steady_fps_mean'])} "
+                    f"| {_f(row['on_time_min'], '.1%')} | {_ms(row['ttff_p50_s'])} / {_ms(row['ttff_p95_s'])} | "
+                    f"{_f(row['aggregate_fps'])} | {row['failed']} |"
+                )
+    out.append("\n### Runs\n")
+    out.append("| file | commit | dirty | torch | CUDA | NCCL | diffusers | driver | GPUs | timesteps | command |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        v = r["versions"]
+        steps = r["timesteps"] if isinstance(r["timesteps"], str) else ", ".join(f"{t:g}" for t in r["timesteps"])
+        out.append(
+            f"| `{r['_file']}` | {r['commit']} | {r['dirty']} | {v['torch']} | {v['cuda']} | {v['nccl']} | "
+            f"{v['diffusers']} | {v['driver']} | {v['gpu_count']}× {v['gpu']} | {steps} | `{r['command']}` |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def render(document: str, body: str) -> str:
+    block = f"{BEGIN}\n{body}{END}"
+    if BEGIN in document and END in document:
+        head, rest = document.split(BEGIN, 1)
+        return head + block + rest.split(END, 1)[1]
+    return document.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--out", default="BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    runs = load(Path(args.results))
+    if not runs:
+        print(f"no harness-v2 results (v2_*.json) in {args.results}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.write_text(render(out.read_text() if out.exists() else "", tables(runs)))
+    print(f"{out}: tables from {len(runs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
