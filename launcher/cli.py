@@ -8,6 +8,7 @@ stagecast vae-stage --checkpoint DIR --index I --num-slices N [--next H:P]   one
 stagecast selftest --stages K ...               distributed run vs the reference executor, exit 1 on mismatch
 stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
 stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
+stagecast convert SRC.pt --source S --out DIR [--base DIR]   a CausVid / Self-Forcing / SDV2 file to a checkpoint
 stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
 stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
 stagecast trace-summary FILE                    per-stage span latencies (p50/p95/max) of an OTLP JSON trace file
@@ -30,6 +31,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("launcher.up", "add_parser"),
     ("launcher.selftest", "add_parser"),
     ("launcher.demo_checkpoint", "add_parser"),
+    ("launcher.convert", "add_parser"),
     ("gateway.cli", "add_parser"),
     ("gateway.cli", "add_vae_stage_parser"),
     ("stagecast.generate", "add_parser"),

@@ -10,6 +10,7 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from launcher.process import Child, Launcher
@@ -27,7 +28,14 @@ class LocalPipeline:
 
 
 def stage_args(
-    index: int, coordinator: str, checkpoint: str, device: str, dtype: str, host: str, cuda_graphs: bool = False
+    index: int,
+    coordinator: str,
+    checkpoint: str,
+    device: str,
+    dtype: str,
+    host: str,
+    cuda_graphs: bool = False,
+    loras: Sequence[str] = (),
 ) -> list[str]:
     args = [
         "stage",
@@ -46,6 +54,8 @@ def stage_args(
         "--port",
         "0",
     ]
+    for lora in loras:
+        args += ["--lora", lora]
     return args + (["--cuda-graphs"] if cuda_graphs else [])
 
 
@@ -64,6 +74,7 @@ def start_pipeline(
     port: int = 0,
     ready_timeout: float = 600.0,
     cuda_graphs: bool = False,
+    loras: Sequence[str] = (),
 ) -> LocalPipeline:
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
     args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
@@ -76,7 +87,7 @@ def start_pipeline(
     address = coord.info["address"]
     pipe = LocalPipeline(address, coord)
     for i in range(stages):
-        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs)
+        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs, loras)
         pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])
     for child in pipe.stage_children.values():
         launcher.wait_ready(child, timeout=ready_timeout)

@@ -63,6 +63,7 @@ class SelftestConfig:
     model: str = "tiny-wan2.1"  # config of the random checkpoint written when no checkpoint is given
     layers: int | None = None  # override its layer count (a real config, fewer layers: fast GPU checks)
     cuda_graphs: bool = False  # stages run CUDA graphs; the reference stays eager, so parity checks the graphs
+    loras: tuple[str, ...] = ()  # ``--lora PATH[:SCALE]`` for every stage; the reference merges them the same way
 
 
 @dataclass
@@ -72,6 +73,7 @@ class SelftestResult:
     max_diff: float = 0.0
     ok: bool = False
     plan: list[PlanEvent] = field(default_factory=list)
+    texts: dict[int, torch.Tensor] = field(default_factory=dict)  # each stream's text, to replay with other weights
 
 
 def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
@@ -153,12 +155,15 @@ def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_or
     device = torch.device("cuda:0" if cfg.device.startswith("cuda") else cfg.device)
     model_cfg = read_config(transformer)
     n = model_cfg["num_layers"]
+    from stage_service.lora import parse_lora
+
+    loras = [parse_lora(text) for text in cfg.loras]
     config, sd = load_slice_state_dict(
-        transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device
+        transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device, loras=loras
     )
     full = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device=device)
     reference = ReferenceExecutor(full).replay(plan, texts)
-    result = SelftestResult(chunks=chunks, reference=reference, plan=plan)
+    result = SelftestResult(chunks=chunks, reference=reference, plan=plan, texts=texts)
     tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
     result.ok, result.max_diff = judge(chunks, reference, tolerance)
     return result
@@ -210,6 +215,7 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             max_batch=cfg.batch,
             record_plan=True,
             cuda_graphs=cfg.cuda_graphs,
+            loras=cfg.loras,
         )
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
@@ -255,6 +261,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny-wan2.1", help="config of the random checkpoint (no --checkpoint)")
     p.add_argument("--layers", type=int, default=None, help="override that config's layer count")
     p.add_argument("--cuda-graphs", action="store_true", help="stages run CUDA graphs (the reference stays eager)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]", help="LoRA merged by every stage")
     p.set_defaults(run=main)
 
 
@@ -279,5 +286,6 @@ def main(args: argparse.Namespace) -> int:
             model=args.model,
             layers=args.layers,
             cuda_graphs=args.cuda_graphs,
+            loras=tuple(args.lora),
         )
     )

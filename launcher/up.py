@@ -31,6 +31,13 @@ def add_parser(sub) -> None:
         default=None,
         help="devices the gateway's VAE is cut over (default with --device cuda: every stage's GPU)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="LoRA file merged into every stage's layers at load (diffusers, PEFT or kohya keys); repeatable",
+    )
     p.set_defaults(run=main)
 
 
@@ -52,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             cuda_graphs=args.cuda_graphs,
+            loras=args.lora,
         )
         ready = {"coordinator": pipe.coordinator}
         root = args.checkpoint

@@ -29,9 +29,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -40,6 +43,9 @@ from safetensors.torch import save_file
 
 from stagecast.model import wan_keys
 from stagecast.model.config import CONFIG_NAME, CheckpointError, read_config
+
+if TYPE_CHECKING:
+    from stage_service.lora import LoraSpec
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +158,37 @@ def _locate(folder: Path) -> _Checkpoint:
             names = ", ".join(p.name for p in candidates)
             raise CheckpointError(folder, None, f"several safetensors files ({names}) but no index json")
         single = candidates[0]
-    with safe_open(str(single), framework="pt") as f:
-        keys = list(f.keys())
+    keys = list(_open(single, None).keys())
     return _Checkpoint(single, dict.fromkeys(keys, single), _detect(keys, single))
+
+
+def _open(path: Path, device: str | torch.device | None):
+    """``safe_open`` with a ``CheckpointError`` naming the file, and the first tensor a truncated file cuts off."""
+    try:
+        return safe_open(str(path), framework="pt", device=str(device or "cpu"))
+    except Exception as exc:  # safetensors' own error types differ between versions
+        key, why = truncated_key(path)
+        raise CheckpointError(path, key, f"not a readable safetensors file: {why or exc}") from None
+
+
+def truncated_key(path: str | Path) -> tuple[str | None, str | None]:
+    """For a safetensors file shorter than its header says: the first tensor whose bytes are missing, and why.
+
+    ``(None, None)`` when the header cannot be parsed or the file is long enough (another problem)."""
+    try:
+        size = Path(path).stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size or n > 100 * 2**20:
+                return None, f"header of {n} bytes but the file holds {size} bytes: truncated or not safetensors"
+            header = json.loads(fh.read(n))
+        ends = sorted((info["data_offsets"][1], key) for key, info in header.items() if key != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None, None
+    for end, key in ends:
+        if 8 + n + end > size:
+            return key, f"truncated: the file ends at byte {size} but tensor {key!r} needs bytes up to {8 + n + end}"
+    return None, None
 
 
 def _from_index(index_path: Path) -> _Checkpoint:
@@ -188,7 +222,7 @@ def _diffusers_names(ckpt: _Checkpoint) -> dict[str, str]:
     names: dict[str, str] = {}
     for stored, path in ckpt.files.items():
         if ckpt.layout == "diffusers":
-            name = stored
+            name = wan_keys.strip_original_prefix(stored)
         else:
             try:
                 name = wan_keys.original_to_diffusers(stored)
@@ -222,7 +256,20 @@ def _check_names(ckpt: _Checkpoint, names: dict[str, str], config: Mapping, conf
 # --- loading ------------------------------------------------------------------------------------------------
 
 
-def load_slice_state_dict(
+def load_slice_state_dict(folder: str | Path, **kwargs) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read one stage's tensors (keyword arguments: see ``_load_slice_state_dict``).
+
+    A ``CheckpointError`` is raised with its traceback cut, so the frames of the failed load (and any tensor they
+    held) are gone once the caller has the error: nothing half-loaded stays behind."""
+    try:
+        return _load_slice_state_dict(folder, **kwargs)
+    except CheckpointError as exc:
+        error = exc
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    raise error
+
+
+def _load_slice_state_dict(
     folder: str | Path,
     *,
     layers: range,
@@ -230,11 +277,14 @@ def load_slice_state_dict(
     last: bool,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    loras: Sequence[LoraSpec] = (),
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read one stage's tensors: ``(config, state_dict)`` in diffusers naming, blocks renumbered from 0.
 
     ``dtype`` None keeps the stored dtypes; otherwise tensors are cast to it except diffusers'
     ``_keep_in_fp32_modules``, which become fp32 (bit-exact with ``from_pretrained(torch_dtype=dtype)``).
+    Files are read in parallel threads.  ``loras`` (``stage_service.lora``) are merged into the slice's weights,
+    reading only the LoRA tensors of the slice's modules.  On any error nothing read so far is kept.
     """
     folder = Path(folder)
     config_path = folder / CONFIG_NAME
@@ -248,27 +298,24 @@ def load_slice_state_dict(
     for name in wanted:
         by_file.setdefault(ckpt.files[names[name]], []).append(name)
 
+    start = time.perf_counter()
     loaded: dict[str, torch.Tensor] = {}
-    for path, file_names in by_file.items():
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            present = set(f.keys())
-            for name in file_names:
-                stored = names[name]
-                if stored not in present:
-                    raise CheckpointError(path, stored, f"{ckpt.source.name} maps this key here but the file lacks it")
-                tensor = f.get_tensor(stored)
-                if tuple(tensor.shape) != wanted[name]:
-                    raise CheckpointError(
-                        path,
-                        stored,
-                        f"shape {tuple(tensor.shape)} but the model from {config_path} expects {wanted[name]}",
-                    )
-                # copy=True always: CPU tensors from safe_open are unaligned mmap views (5e-7 output differences).
-                loaded[name] = tensor.to(dtype=_load_dtype(name, tensor.dtype, dtype), copy=True)
+    try:
+        # With LoRAs the stored precision is kept until they are merged, then each tensor is cast once.
+        _read_files(by_file, names, wanted, ckpt, config_path, None if loras else dtype, device, loaded)
+        if loras:
+            from stage_service.lora import merge_loras
 
-    state_dict = {_renumber(name, layers.start): loaded[name] for name in wanted}
+            merge_loras(loaded, loras, model_shapes=model_shapes(config))
+            for name, tensor in loaded.items():
+                loaded[name] = tensor.to(_load_dtype(name, tensor.dtype, dtype))
+        state_dict = {_renumber(name, layers.start): loaded[name] for name in wanted}
+    except BaseException:
+        # Nothing half-loaded stays behind: the traceback keeps this frame alive, so drop the tensors explicitly.
+        loaded.clear()
+        raise
     logger.info(
-        "loaded %d tensors (%.1f MiB) for layers [%d:%d) first=%s last=%s from %d of %d files in %s",
+        "loaded %d tensors (%.1f MiB) for layers [%d:%d) first=%s last=%s from %d of %d files in %s in %.2fs%s",
         len(state_dict),
         sum(t.nbytes for t in state_dict.values()) / 2**20,
         layers.start,
@@ -278,8 +325,77 @@ def load_slice_state_dict(
         len(by_file),
         len(set(ckpt.files.values())),
         folder,
+        time.perf_counter() - start,
+        f" with {len(loras)} LoRA(s) merged" if loras else "",
     )
     return config, state_dict
+
+
+# Shards are read by this many threads at once (safetensors releases the GIL while copying).
+READ_THREADS = 8
+
+
+def _read_files(
+    by_file: dict[Path, list[str]],
+    names: dict[str, str],
+    wanted: dict[str, tuple[int, ...]],
+    ckpt: _Checkpoint,
+    config_path: Path,
+    dtype: torch.dtype | None,
+    device: str | torch.device,
+    out: dict[str, torch.Tensor],
+) -> None:
+    """Read every file's tensors into ``out``, one thread per file (at most ``READ_THREADS``); the first error wins."""
+
+    def read(path: Path, file_names: list[str]) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        key = names[file_names[0]]
+        try:
+            with _open(path, device) as f:
+                present = set(f.keys())
+                # Every name and shape is checked from the header before any tensor of this file is read.
+                for name in file_names:
+                    key = names[name]
+                    if key not in present:
+                        raise CheckpointError(path, key, f"{ckpt.source.name} maps this key here but the file lacks it")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != wanted[name]:
+                        raise CheckpointError(
+                            path, key, f"shape {shape} but the model from {config_path} expects {wanted[name]}"
+                        )
+                for name in file_names:
+                    key = names[name]
+                    tensor = f.get_tensor(key)
+                    # copy=True always: CPU tensors from safe_open are unaligned mmap views (5e-7 output differences).
+                    got[name] = tensor.to(dtype=_load_dtype(name, tensor.dtype, dtype), copy=True)
+                    del tensor
+        except CheckpointError:
+            got.clear()
+            raise
+        except Exception as exc:  # a truncated or corrupt file: safetensors' own error, with the file and key named
+            got.clear()
+            raise CheckpointError(path, key, f"cannot read the tensor (truncated or corrupt file?): {exc}") from None
+        return got
+
+    if len(by_file) <= 1:
+        for path, file_names in by_file.items():
+            out.update(read(path, file_names))
+        return
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(by_file)), thread_name_prefix="shard-read") as pool:
+        futures = [pool.submit(read, path, file_names) for path, file_names in by_file.items()]
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                part = future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every reader has finished
+                error = error or exc
+                continue
+            if error is None:
+                out.update(part)
+            part = None
+        futures.clear()
+    if error is not None:
+        raise error
 
 
 def _renumber(name: str, start: int) -> str:

@@ -23,10 +23,19 @@ def add_parser(sub) -> None:
     p.add_argument("--expected-stages", type=int, default=0, help="refuse to join a coordinator of another size")
     p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA safetensors file (diffusers, PEFT or kohya keys) merged into this stage's layers at load; "
+        "repeatable, applied in order",
+    )
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    from stage_service.lora import MAX_LORAS, parse_lora
     from stage_service.server import StageOptions, serve
 
     index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
@@ -34,6 +43,13 @@ def main(args: argparse.Namespace) -> int:
         print("stagecast stage: error: stage needs --index or STAGECAST_STAGE_INDEX", flush=True)
         return 2
     index = int(index)
+    try:
+        if len(args.lora) > MAX_LORAS:
+            raise ValueError(f"--lora: at most {MAX_LORAS} LoRAs, got {len(args.lora)}")
+        loras = tuple(parse_lora(text) for text in args.lora)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"stagecast stage: error: {exc}", flush=True)
+        return 2
     device = args.device
     if device == "cuda":
         import torch
@@ -51,5 +67,6 @@ def main(args: argparse.Namespace) -> int:
         expected_world_size=args.expected_stages,
         metrics_port=args.metrics_port,
         cuda_graphs=args.cuda_graphs,
+        loras=loras,
     )
     return run_service("stage", lambda stop: serve(options, stop=stop))

@@ -60,6 +60,7 @@ class StageOptions:
     expected_world_size: int = 0
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     cuda_graphs: bool = False  # run the blocks as CUDA graphs (``stage_service.graphs``); ignored on CPU
+    loras: tuple = ()  # ``stage_service.lora.LoraSpec`` s merged into the slice at load, in order
 
 
 class _Generation:
@@ -133,7 +134,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
             )
         else:
             config, sd = load_slice_state_dict(
-                self.opts.checkpoint, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
+                self.opts.checkpoint,
+                layers=layers,
+                first=first,
+                last=last,
+                dtype=self.dtype,
+                device=self.device,
+                loras=self.opts.loras,
             )
         self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
         self.layers = layers

@@ -6,7 +6,9 @@ slice must hold exactly its tensors, bit-identical to the full model's, read fro
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,9 +96,11 @@ class RecordingSafeOpen:
         self.opened: list[str] = []
         self.requested: list[tuple[str, str]] = []
         self.bytes_read = 0
+        self.lock = threading.Lock()  # shards are read by several threads at once
 
     def __call__(self, path, *args, **kwargs):
-        self.opened.append(Path(path).name)
+        with self.lock:
+            self.opened.append(Path(path).name)
         return _RecordingHandle(self, Path(path).name, safetensors.safe_open(path, *args, **kwargs))
 
 
@@ -114,10 +118,17 @@ class _RecordingHandle:
     def keys(self):
         return self._handle.keys()
 
+    def metadata(self):
+        return self._handle.metadata()
+
+    def get_slice(self, key):  # header only: the shape, no tensor bytes
+        return self._handle.get_slice(key)
+
     def get_tensor(self, key):
         tensor = self._handle.get_tensor(key)
-        self._recorder.requested.append((self._name, key))
-        self._recorder.bytes_read += tensor.nbytes
+        with self._recorder.lock:
+            self._recorder.requested.append((self._name, key))
+            self._recorder.bytes_read += tensor.nbytes
         return tensor
 
 
@@ -476,3 +487,56 @@ def test_write_refuses_a_folder_with_weights(tmp_path):
     write_checkpoint(tmp_path, full, cfg)
     with pytest.raises(FileExistsError):
         write_checkpoint(tmp_path, full, cfg, max_shard_bytes=SMALL_SHARDS)
+
+
+# --- training-wrapper prefixes, truncated files, nothing half-loaded ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, prefix",
+    [
+        ("original", "generator.model."),
+        ("original", "module.model._orig_mod."),
+        ("diffusers", "_orig_mod."),
+        ("diffusers", "module."),
+    ],
+)
+def test_training_wrapper_prefixes_load(tmp_path, layout, prefix):
+    """``_orig_mod.`` (torch.compile), ``module.`` (DDP), ``generator.model.`` (a distillation model's state dict)."""
+    cfg, full = full_model("tiny-wan2.1")
+    if layout == "original":
+        sd = {diffusers_to_original(k, prefix=prefix): v for k, v in full.items()}
+    else:
+        sd = {prefix + k: v for k, v in full.items()}
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg), default=list))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / SINGLE))
+    for layers in (range(0, 2), range(2, 4)):
+        first, last = layers.start == 0, layers.stop == 4
+        _, got = load_slice_state_dict(tmp_path, layers=layers, first=first, last=last)
+        assert_same_tensors(got, expected_slice(full, layers, first, last))
+
+
+def _tensor_ids() -> set[int]:
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single"])
+def test_truncated_file_names_file_and_key_and_nothing_half_loaded_stays(tmp_path, sharded):
+    cfg, full = full_model("tiny-wan2.1")
+    write_checkpoint(tmp_path, full, cfg, max_shard_bytes=SMALL_SHARDS if sharded else None)
+    if sharded:
+        weight_map = json.loads((tmp_path / INDEX).read_text())["weight_map"]
+        victim = tmp_path / weight_map["blocks.3.ffn.net.2.weight"]  # read late, after other shards' tensors
+    else:
+        victim = tmp_path / SINGLE
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 200])
+    before = _tensor_ids()
+    with pytest.raises(CheckpointError) as err:
+        load_slice_state_dict(tmp_path, layers=range(4), first=True, last=True)
+    # The caller holds the error (a log record would): it must not keep any tensor read before the failure alive.
+    assert err.value.file == str(victim) and err.value.key is not None and "truncated" in str(err.value)
+    assert err.value.key in str(err.value)
+    assert _tensor_ids() <= before
+    assert str(victim) not in Path("/proc/self/maps").read_text()  # no file left memory-mapped

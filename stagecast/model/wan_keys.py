@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 
 Layout = Literal["diffusers", "original"]
 
-# Checked longest first: "model.diffusion_model." also starts with "model.".
-ORIGINAL_PREFIXES = ("model.diffusion_model.", "model.")
+# Leading prefixes that training and export code put in front of the transformer's own names, stripped in any
+# order and repeatedly: ``module.`` (DistributedDataParallel), ``generator.model.`` (a whole CausVid / Self-Forcing
+# distillation model's state dict), ``model.`` (their ``WanDiffusionWrapper.model``), ``model.diffusion_model.``
+# (ComfyUI exports), ``diffusion_model.``.  Checked longest first: "model.diffusion_model." also starts with "model.".
+ORIGINAL_PREFIXES = ("generator.model.", "model.diffusion_model.", "diffusion_model.", "module.", "model.")
+# Wrapper modules that appear anywhere inside a name: ``_orig_mod.`` from ``torch.compile``, and FSDP's and activation
+# checkpointing's wrappers (Self-Forcing strips the same three in ``trainer/distillation.py``'s ``rename_param``).
+WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 # Module renames outside the blocks: original module -> diffusers module; the leaf (weight/bias) is kept.
 _TOP_MODULES = {
@@ -118,10 +124,21 @@ def _convert(key: str, top: tuple[dict, dict], block: tuple[dict, dict]) -> str 
 
 
 def strip_original_prefix(key: str) -> str:
-    """Drop a ``model.diffusion_model.`` or ``model.`` prefix (CausVid / Self-Forcing / ComfyUI exports)."""
-    for prefix in ORIGINAL_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix) :]
+    """The transformer's own name inside ``key``: wrapper segments (``_orig_mod.``, FSDP's) removed wherever they
+    are, then leading ``module.``, ``generator.model.``, ``model.``, ``model.diffusion_model.`` prefixes dropped
+    (CausVid / Self-Forcing / StreamDiffusionV2 / ComfyUI exports, DDP and ``torch.compile`` wrappers)."""
+    if "_" in key:
+        for segment in WRAPPER_SEGMENTS:
+            if segment in key:
+                key = key.replace(segment, "")
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in ORIGINAL_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                stripped = True
+                break
     return key
 
 
@@ -137,8 +154,11 @@ def original_to_diffusers(key: str) -> str:
 
 
 def diffusers_to_original(key: str, *, prefix: str = "") -> str:
-    """Rename one ``WanTransformer3DModel`` key to the original Wan name, with an optional ``prefix``."""
-    name = _convert(key, (_TOP_MODULES_INV, _TOP_PARAMS_INV), (_BLOCK_MODULES_INV, _BLOCK_PARAMS_INV))
+    """Rename one ``WanTransformer3DModel`` key (optionally prefixed, see ``strip_original_prefix``) to the original
+    Wan name, with an optional ``prefix`` in front."""
+    name = _convert(
+        strip_original_prefix(key), (_TOP_MODULES_INV, _TOP_PARAMS_INV), (_BLOCK_MODULES_INV, _BLOCK_PARAMS_INV)
+    )
     if name is None:
         raise ValueError(f"not a diffusers WanTransformer3DModel key: {key!r}")
     return prefix + name
