@@ -39,6 +39,7 @@ from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
+from stagecast.model.config import DiTConfig, check_spec
 
 logger = logging.getLogger(__name__)
 
@@ -661,19 +662,7 @@ class PipelineEngine:
 
 
 def _check_against_model(spec: StreamSpec, text: torch.Tensor, cfg: dict) -> None:
-    if spec.latent_channels != cfg["in_channels"]:
-        raise AdmissionError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"spec.latent_channels={spec.latent_channels} but the model takes {cfg['in_channels']}",
-        )
-    _, p_h, p_w = cfg["patch_size"]
-    if spec.height % p_h or spec.width % p_w or spec.height <= 0 or spec.width <= 0:
-        raise AdmissionError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"latent size {spec.height}x{spec.width} must be positive and divisible by the patch {p_h}x{p_w}",
-        )
-    expected = (1, spec.text_len, cfg["text_dim"])
-    if tuple(text.shape) != expected:
-        raise AdmissionError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"text embeddings have shape {tuple(text.shape)}, expected {expected}"
-        )
+    try:
+        check_spec(spec, DiTConfig.from_kwargs(cfg), tuple(text.shape))
+    except ValueError as exc:
+        raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

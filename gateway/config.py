@@ -86,8 +86,8 @@ class EffectiveConfig:
             stream_id=0,  # the coordinator assigns it
             latent_channels=latent_channels,
             chunk_frames=self.chunk_frames,
-            height=self.latent_height,
-            width=self.latent_width,
+            latent_height=self.latent_height,
+            latent_width=self.latent_width,
             timesteps=self.timesteps(),
             seed=self.seed,
             policy=self.policy,

@@ -168,7 +168,7 @@ class StageExecutor:
         if not self.first:
             assert tp is not None
             spec = runner.spec(steps[0].stream)
-            tokens = runner.slice.tokens_per_frame(spec.height, spec.width) * spec.chunk_frames
+            tokens = runner.slice.tokens_per_frame(spec.latent_height, spec.latent_width) * spec.chunk_frames
             inputs = tp.recv_hidden((len(steps), tokens, runner.slice.inner_dim), runner.slice.dtype)
         t_recv = time.time_ns()
         start = time.perf_counter()

@@ -27,6 +27,7 @@ from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec, rope_offset
+from stagecast.model.config import DiTConfig, check_spec
 
 
 class UnknownStreamError(KeyError):
@@ -83,21 +84,15 @@ class SliceRunner:
         self.graphs = graphs  # run the blocks as CUDA graphs (``stage_service.graphs``); None: eager
         self.streams: dict[int, _Stream] = {}
         self.rope_limit = dit_slice.model.rope.max_seq_len
+        self.model = DiTConfig.from_kwargs({**dit_slice.config, "rope_max_seq_len": self.rope_limit})
 
     # ---- stream lifecycle ------------------------------------------------------------------------------
 
     def open_stream(self, spec: StreamSpec, text: torch.Tensor) -> None:
         if spec.stream_id in self.streams:
             raise ValueError(f"stream {spec.stream_id} is already open on this stage")
-        cfg = self.slice.config
-        if spec.latent_channels != cfg["in_channels"]:
-            raise ValueError(f"stream latent_channels={spec.latent_channels} but the model has {cfg['in_channels']}")
-        _, p_h, p_w = cfg["patch_size"]
-        if spec.height % p_h or spec.width % p_w:
-            raise ValueError(f"latent size {spec.height}x{spec.width} is not divisible by the patch {p_h}x{p_w}")
-        if spec.epoch_frames(self.rope_limit) > self.rope_limit:
-            raise ValueError(f"reset_frames={spec.reset_frames} exceeds rope_max_seq_len={self.rope_limit}")
-        tpf = self.slice.tokens_per_frame(spec.height, spec.width)
+        check_spec(spec, self.model, tuple(text.shape))
+        tpf = self.slice.tokens_per_frame(spec.latent_height, spec.latent_width)
         kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
         stream = _Stream(spec=spec, sampler=FlowSampler(spec), kv=kv)
         self.streams[spec.stream_id] = stream

@@ -38,7 +38,7 @@ from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
-from stagecast.model.config import read_config
+from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
 from stagecast.service import announce_ready
 
@@ -262,14 +262,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
             assert spec is not None
             if spec.stream_id in gen.specs:
                 raise ValueError(f"stream {spec.stream_id} is already open")
-            expected = (1, spec.text_len, self.config["text_dim"])
-            if ev.text is None or tuple(ev.text.shape) != expected:
-                shape = None if ev.text is None else tuple(ev.text.shape)
-                raise ValueError(f"stream {spec.stream_id}: text has shape {shape}, expected {expected}")
-            if spec.latent_channels != self.config["in_channels"]:
-                raise ValueError(
-                    f"latent_channels={spec.latent_channels} but the model has {self.config['in_channels']}"
-                )
+            if ev.text is None:
+                raise ValueError(f"stream {spec.stream_id}: open carries no text embeddings")
+            check_spec(spec, DiTConfig.from_kwargs(self.config), tuple(ev.text.shape))
             gen.specs[spec.stream_id] = spec
         elif ev.kind == "close":
             self._known(gen, ev.stream_id)

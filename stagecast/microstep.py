@@ -9,7 +9,7 @@ the reference executor and every stage agree without asking each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ class StreamSpec:
     stream_id: int
     latent_channels: int
     chunk_frames: int
-    height: int  # latent height
-    width: int  # latent width
+    latent_height: int
+    latent_width: int
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
     shift: float = 1.0
     seed: int = 0
@@ -54,7 +54,6 @@ class StreamSpec:
     sampler: str = "x0"  # "x0": predict x0, re-noise with fresh noise (CausVid / Self-Forcing); "euler"
     num_chunks: int | None = None  # None: unbounded, ends when stopped
     text_len: int = 512
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         errors = []
@@ -96,7 +95,7 @@ class StreamSpec:
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int, int]:
-        return (1, self.latent_channels, self.chunk_frames, self.height, self.width)
+        return (1, self.latent_channels, self.chunk_frames, self.latent_height, self.latent_width)
 
     def is_clean_pass(self, level: int) -> bool:
         return self.policy == "clean" and level == self.steps

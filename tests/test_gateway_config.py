@@ -46,7 +46,7 @@ def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_fi
     assert [name for name in optional if not echo.HasField(name)] == ["seconds"]
     assert (echo.window, echo.quality, echo.codec, echo.policy) == (0, 90, pb.CODEC_JPEG, pb.KV_POLICY_PER_LEVEL)
     spec = cfg.stream_spec(latent_channels=16, text_len=32)
-    assert (spec.height, spec.width, spec.num_chunks, spec.seed, spec.text_len) == (6, 8, None, 5, 32)
+    assert (spec.latent_height, spec.latent_width, spec.num_chunks, spec.seed, spec.text_len) == (6, 8, None, 5, 32)
 
 
 def test_a_random_seed_is_chosen_when_none_is_given():

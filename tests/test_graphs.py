@@ -26,8 +26,8 @@ def spec(stream_id: int, **kw) -> StreamSpec:
         stream_id=stream_id,
         latent_channels=16,
         chunk_frames=1,
-        height=4,
-        width=6,
+        latent_height=4,
+        latent_width=6,
         timesteps=(1000.0, 600.0),
         num_chunks=6,
         text_len=16,
@@ -167,7 +167,10 @@ def test_two_resolutions_keep_their_own_slots_and_graphs(tiny_model):
     # Batches of two streams at different sizes alternate; each size keeps its buffers, so once both windows
     # are full nothing is captured again.
     model = tiny_model()
-    specs = [spec(1, num_chunks=10, window=2, sink=0), spec(2, num_chunks=10, window=2, sink=0, height=8, width=6)]
+    specs = [
+        spec(1, num_chunks=10, window=2, sink=0),
+        spec(2, num_chunks=10, window=2, sink=0, latent_height=8, latent_width=6),
+    ]
     reqs = requests(specs, arrivals=[0, 0])
     eager, _ = run(model, reqs, graphed=False, num_stages=1, max_batch=1)
     graphed, graphs = run(model, reqs, graphed=True, num_stages=1, max_batch=1)
@@ -207,7 +210,10 @@ def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_s
     # The gate shut: stream 3 (stream 1's size) runs with stream 2, the first at a new size.  Its captures hang, and
     # both streams still run to the end.
     gate.clear()
-    specs = [spec(3, num_chunks=8, window=2, sink=0), spec(2, num_chunks=6, window=2, sink=0, height=8, width=6)]
+    specs = [
+        spec(3, num_chunks=8, window=2, sink=0),
+        spec(2, num_chunks=6, window=2, sink=0, latent_height=8, latent_width=6),
+    ]
     both = requests(specs, arrivals=[0, 3])
     result = {}
     worker = threading.Thread(
@@ -228,7 +234,7 @@ def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_s
     graphs.wait_captures(TIMEOUT)
     assert graphs.captures > captured and not graphs.pending and graphs.private_slots
     eager_before = graphs.eager_batches
-    again = requests([spec(4, num_chunks=6, window=2, sink=0, height=8, width=6)], arrivals=[0])
+    again = requests([spec(4, num_chunks=6, window=2, sink=0, latent_height=8, latent_width=6)], arrivals=[0])
     got = graphed_ref.generate(again, num_stages=2, max_batch=2).chunks[4]
     assert all(torch.equal(a, b) for a, b in zip(eager_ref.generate(again, num_stages=2, max_batch=2).chunks[4], got))
     assert graphs.eager_batches == eager_before  # every signature of that size now replays a graph

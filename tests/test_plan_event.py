@@ -7,7 +7,13 @@ from stagecast import wire
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 
 SPEC = StreamSpec(
-    stream_id=3, latent_channels=16, chunk_frames=1, height=4, width=6, timesteps=(1000.0, 500.0), text_len=8
+    stream_id=3,
+    latent_channels=16,
+    chunk_frames=1,
+    latent_height=4,
+    latent_width=6,
+    timesteps=(1000.0, 500.0),
+    text_len=8,
 )
 
 

@@ -37,7 +37,14 @@ def traced_run(model, spec, text, *, num_stages=1, max_batch=4):
 
 
 def make_spec(**kw):
-    base = dict(stream_id=1, latent_channels=16, chunk_frames=1, height=H, width=W, timesteps=(1000.0, 600.0, 300.0))
+    base = dict(
+        stream_id=1,
+        latent_channels=16,
+        chunk_frames=1,
+        latent_height=H,
+        latent_width=W,
+        timesteps=(1000.0, 600.0, 300.0),
+    )
     base.update(kw)
     return StreamSpec(**base)
 

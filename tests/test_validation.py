@@ -93,7 +93,7 @@ def test_invalid_plans_are_rejected_and_the_stage_keeps_working(pipeline):
         expect(
             grpc.StatusCode.INVALID_ARGUMENT,
             lambda: submit(open=pb.OpenStream(spec=spec, text=bad_text)),
-            "text has shape",
+            "text embeddings have shape",
         )
         spec.policy = "bogus"
         good_text = wire.tensor_to_proto(torch.zeros(1, 16, config["text_dim"]))
@@ -110,7 +110,7 @@ def test_invalid_stream_requests_get_invalid_argument(pipeline):
     req.spec.latent_channels = 48
     expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(stub.OpenStream(req, timeout=10)), "latent_channels")
     req = open_request(tiny_spec())
-    req.spec.height = 7
+    req.spec.latent_height = 7
     expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(stub.OpenStream(req, timeout=10)), "divisible")
     req = open_request(tiny_spec())
     del req.spec.timesteps[:]

@@ -11,8 +11,11 @@ Every problem raises ``CheckpointError`` naming the file (and the key where ther
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagecast.microstep import StreamSpec
 from stagecast.model import wan_keys
 
 CONFIG_NAME = "config.json"
@@ -91,3 +94,64 @@ def read_vae_config(folder: str | Path) -> dict:
         if config.get(key) is None:
             raise CheckpointError(path, key, "not an AutoencoderKLWan config")
     return config
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """The typed facts of a Wan transformer config that the services check streams against.
+
+    ``kwargs`` keeps the full ``WanTransformer3DModel`` keyword arguments (what ``read_config`` returns) for
+    building the model; everything the services reason about is a typed field::
+
+        model = DiTConfig.from_kwargs(read_config(folder))
+        model.in_channels, model.patch_hw, model.text_dim
+    """
+
+    in_channels: int
+    patch_size: tuple[int, int, int]
+    text_dim: int
+    num_layers: int
+    num_attention_heads: int
+    attention_head_dim: int
+    rope_max_seq_len: int
+    kwargs: dict = field(compare=False, repr=False, default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, config: Mapping) -> DiTConfig:
+        missing = [k for k in ("in_channels", "patch_size", "text_dim", "num_layers") if k not in config]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
+        return cls(
+            in_channels=int(config["in_channels"]),
+            patch_size=tuple(int(p) for p in config["patch_size"]),
+            text_dim=int(config["text_dim"]),
+            num_layers=int(config["num_layers"]),
+            num_attention_heads=int(config.get("num_attention_heads", 0)),
+            attention_head_dim=int(config.get("attention_head_dim", 0)),
+            rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+            kwargs=dict(config),
+        )
+
+    @property
+    def patch_hw(self) -> tuple[int, int]:
+        return self.patch_size[1], self.patch_size[2]
+
+
+def check_spec(spec: StreamSpec, model: DiTConfig, text_shape: tuple[int, ...] | None = None) -> None:
+    """The one check of a stream against a model: the coordinator admits by it, every stage opens by it.
+
+    Raises ``ValueError`` naming the field.  ``text_shape``, when given, is the prompt embedding's shape.
+    """
+    if spec.latent_channels != model.in_channels:
+        raise ValueError(f"spec.latent_channels={spec.latent_channels} but the model takes {model.in_channels}")
+    p_h, p_w = model.patch_hw
+    h, w = spec.latent_height, spec.latent_width
+    if h <= 0 or w <= 0 or h % p_h or w % p_w:
+        raise ValueError(
+            f"spec.latent_height x spec.latent_width = {h}x{w} must be positive and divisible by the patch {p_h}x{p_w}"
+        )
+    if spec.epoch_frames(model.rope_max_seq_len) > model.rope_max_seq_len:
+        raise ValueError(f"spec.reset_frames={spec.reset_frames} exceeds rope_max_seq_len={model.rope_max_seq_len}")
+    expected = (1, spec.text_len, model.text_dim)
+    if text_shape is not None and tuple(text_shape) != expected:
+        raise ValueError(f"text embeddings have shape {tuple(text_shape)}, expected {expected} (spec.text_len)")

@@ -17,12 +17,12 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "height", "width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len")
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
-    HEIGHT_FIELD_NUMBER: _ClassVar[int]
-    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
     SHIFT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -36,8 +36,8 @@ class StreamSpec(_message.Message):
     stream_id: int
     latent_channels: int
     chunk_frames: int
-    height: int
-    width: int
+    latent_height: int
+    latent_width: int
     timesteps: _containers.RepeatedScalarFieldContainer[float]
     shift: float
     seed: int
@@ -48,7 +48,7 @@ class StreamSpec(_message.Message):
     sampler: str
     num_chunks: int
     text_len: int
-    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
