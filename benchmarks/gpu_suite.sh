@@ -26,11 +26,11 @@ for part in "$@"; do
       timeout 120 python -m benchmarks.graphs_check
       ;;
     quick)
-      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --seconds 15 --first-seconds 4 \
+      timeout 240 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --seconds 15 --first-seconds 4 \
         --ttff-runs 2 --interactive-updates 2 --load 2 --load-seconds 4 --peer-chunks 4 --json "$out/quick.json"
       ;;
     1.3b)
-      timeout 420 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 12 \
+      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 10 \
         --json "$out/v2_13b_1step_2gpu.json"
       ;;
     1.3b-4)
@@ -38,7 +38,7 @@ for part in "$@"; do
         --json "$out/v2_13b_4step_2gpu.json"
       ;;
     14b)
-      timeout 360 "${harness[@]}" --model wan2.1-14b --steps 1 --stages 2 --peer-chunks 4 --ttff-runs 3 \
+      timeout 285 "${harness[@]}" --model wan2.1-14b --steps 1 --stages 2 --peer-chunks 4 --ttff-runs 3 \
         --no-compiled-peer --json "$out/v2_14b_1step_2gpu.json"
       ;;
     5b)

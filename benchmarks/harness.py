@@ -545,6 +545,9 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             for part in ("pipeline", "vae", "encode", "rest")
         },
         "interactive": {
+            "updates_sent_s": [round(t, 4) for t, _ in inter.update_sent],
+            "from_chunks": prompt_chunks.get(inter.gen.info.pipeline_stream_id, []),
+            "frames": len(inter.arrivals),
             "latencies_ms": latencies,
             "p50_ms": statistics.median(latencies) if latencies else None,
             "p95_ms": percentile(latencies, 0.95) if latencies else None,

@@ -176,26 +176,31 @@ class Gateway:
             self.health_server, health_port = make_health_server(self.health, opts.health_port, host=opts.host)
             self.health_address = f"{host}:{health_port}"
 
-    def _warm_up(self, chunks: int = 4) -> float:
-        """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through a decode session
-        (every VAE part, in its own thread, as a stream would), so that kernels are loaded and every compiled variant
-        (the first chunk's, the steady cache's) is built now rather than while a stream waits."""
+    def _warm_up(self, chunks: int = 4, sessions: int = 3) -> float:
+        """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through ``sessions`` decode
+        sessions one after the other (every VAE part, in its own thread, as streams would), so that kernels are
+        loaded and every compiled variant is built now rather than while a stream waits.  One session is not enough:
+        on an H200 the first stream after a one-session warm-up still recompiled once (a 26 s stall at its second
+        chunk), as the second stream did without any warm-up; from the third stream on nothing compiles."""
         start = time.perf_counter()
         self.encoder.encode("warm-up")
         if isinstance(self.decoder, LocalDecoder):
             sf = self.model.spatial_factor
             shape = (1, self.model.latent_channels, 1, self.defaults.height // sf, self.defaults.width // sf)
-            session = self.decoder.open(chunks)
-            try:
-                for c in range(chunks):
-                    session.submit(SimpleNamespace(index=c), torch.zeros(shape))
-                session.finish()
-                for _ in session.results():
-                    pass
-            finally:
-                session.close()
+            for _ in range(sessions):
+                session = self.decoder.open(chunks)
+                try:
+                    for c in range(chunks):
+                        session.submit(SimpleNamespace(index=c), torch.randn(shape))
+                    session.finish()
+                    for _ in session.results():
+                        pass
+                finally:
+                    session.close()
         took = time.perf_counter() - start
-        logger.info("gateway warmed up in %.1f s (text encoder, %d VAE chunks of the default size)", took, chunks)
+        logger.info(
+            "gateway warmed up in %.1f s (text encoder; %d x %d VAE chunks of the default size)", took, sessions, chunks
+        )
         return took
 
     def start(self) -> None:
