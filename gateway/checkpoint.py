@@ -7,9 +7,13 @@ Usage::
     defaults = ServingDefaults.load("/models/Wan2.1-T2V-1.3B-Diffusers")
     defaults.text_len, defaults.width, defaults.height  # 512, 832, 480 unless stagecast.json says otherwise
 
+    defaults.sampler.ladder_for(defaults.steps)         # the checkpoint's timestep ladder (stagecast.sampling)
+
 The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`` (diffusers layout).  An optional
-``stagecast.json`` beside them overrides the serving defaults; ``stagecast demo-checkpoint`` writes one so the tiny
-model runs with a short text length and small frames.
+``stagecast.json`` beside them overrides the serving defaults and names the checkpoint's sampler (its ``sampler``
+section, see ``stagecast.sampling`` and README.md); ``stagecast demo-checkpoint`` writes one so the tiny model runs
+with a short text length and small frames.  An unknown key, or a value the sampler cannot use, is an error that
+names the key.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from stagecast.model import vae_configs
 from stagecast.model.config import read_config, read_vae_config
+from stagecast.sampling import SamplerConfig, SamplerError
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +51,38 @@ class ServingDefaults:
     # the gateway's device.
     max_frame_pixels: int = 0
     max_stream_cost: float = 0
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # the ``sampler`` section
+
+    def __post_init__(self):
+        offered = self.sampler.supported_steps()
+        if self.steps not in offered:
+            raise SamplerError(
+                "steps", f"the default step count {self.steps} has no ladder (the sampler offers {list(offered)})"
+            )
 
     @classmethod
     def load(cls, checkpoint: str | os.PathLike) -> ServingDefaults:
         path = Path(checkpoint) / SERVING_DEFAULTS_FILE
         if not path.exists():
             return cls()
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: must hold a JSON object")
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        logger.info("serving defaults from %s: %s", path, data)
-        return cls(**data)
+            raise ValueError(f"{path}: unknown key {unknown[0]!r} (unknown: {unknown}); known: {sorted(known)}")
+        try:
+            if "sampler" in data:
+                data["sampler"] = SamplerConfig.from_json(data["sampler"])
+            defaults = cls(**data)
+        except SamplerError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        logger.info("serving defaults from %s: %s", path, defaults)
+        return defaults
 
 
 @dataclass(frozen=True)

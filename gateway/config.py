@@ -5,6 +5,7 @@ Usage::
     cfg = resolve_config(msg, defaults=ServingDefaults(), model=ModelInfo.from_checkpoint(root))
     # raises ConfigError("width: must be a positive multiple of 16 ...") -> INVALID_ARGUMENT
     cfg.total_frames, cfg.num_chunks     # None, None for a stream that runs until stopped
+    cfg.timesteps, cfg.shift, cfg.update      # the ladder the stream runs: the checkpoint's for cfg.steps, or its own
     spec = cfg.stream_spec(latent_channels=16, text_len=512)
     started.config.CopyFrom(cfg.to_proto())   # every field filled in: what the client gets back
 
@@ -24,13 +25,13 @@ from gateway.checkpoint import ModelInfo, ServingDefaults
 from stagecast import api
 from stagecast.media import CODECS, DEFAULT_CRF, DEFAULT_JPEG_QUALITY, quality_to_crf
 from stagecast.microstep import POLICIES, StreamSpec
+from stagecast.sampling import MAX_STEPS, SamplerError, as_f32
 from stagecast.v1 import stream_pb2 as pb
 
 # The hard limits of the public API (the ranges in proto/stagecast/v1/stream.proto say the same).  A gateway's cost
 # budget (gateway.admission) may refuse a stream inside them.
 MAX_PROMPT_CHARS = 20_000  # tokenising is the real limit; this stops absurd payloads before it runs
 MAX_SIDE = 4096
-MAX_STEPS = 50
 MAX_CHUNK_FRAMES = 16
 MAX_SECONDS = 24 * 3600.0
 MAX_FPS = 240.0
@@ -76,10 +77,9 @@ class EffectiveConfig:
     latent_height: int
     total_frames: int | None  # None: until stopped
     num_chunks: int | None
-
-    def timesteps(self) -> tuple[float, ...]:
-        """An evenly spaced ladder from 1000: 1 step -> (1000,), 4 steps -> (1000, 750, 500, 250)."""
-        return tuple(1000.0 * (1 - i / self.steps) for i in range(self.steps))
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)  # the ladder, one timestep per step (float32)
+    shift: float = 1.0  # the checkpoint's flow-matching shift
+    update: str = "x0"  # the checkpoint's update rule: "x0" (re-noise) or "euler"
 
     def stream_spec(self, *, latent_channels: int, text_len: int) -> StreamSpec:
         return StreamSpec(
@@ -88,7 +88,9 @@ class EffectiveConfig:
             chunk_frames=self.chunk_frames,
             latent_height=self.latent_height,
             latent_width=self.latent_width,
-            timesteps=self.timesteps(),
+            timesteps=self.timesteps,
+            shift=self.shift,
+            sampler=self.update,
             seed=self.seed,
             policy=self.policy,
             window=self.window,
@@ -112,6 +114,8 @@ class EffectiveConfig:
             window=self.window or 0,  # 0: unbounded, written out so that every field is present
             sink=self.sink,
             quality=self.quality,
+            timesteps=self.timesteps,
+            shift=self.shift,
         )
         if self.seconds is not None:
             msg.seconds = self.seconds
@@ -195,8 +199,21 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
 
     chunk_frames = msg.chunk_frames if msg.HasField("chunk_frames") else defaults.chunk_frames
     _int_in("chunk_frames", chunk_frames, 1, MAX_CHUNK_FRAMES)
-    steps = msg.steps if msg.HasField("steps") else defaults.steps
-    _int_in("steps", steps, 1, MAX_STEPS)
+    steps = msg.steps if msg.HasField("steps") else None
+    if steps is not None:
+        _int_in("steps", steps, 1, MAX_STEPS)
+    sampler = defaults.sampler
+    try:
+        timesteps = sampler.resolve(steps=steps, timesteps=list(msg.timesteps), default_steps=defaults.steps)
+    except SamplerError as exc:
+        raise ConfigError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    if msg.HasField("shift") and as_f32(msg.shift) != sampler.shift:
+        raise ConfigError(
+            "shift",
+            f"this checkpoint's sampler runs at shift {sampler.shift:g} (stagecast.json); leave shift out or send "
+            f"{sampler.shift:g}, got {msg.shift:g}",
+        )
+    steps = len(timesteps)
     seed = msg.seed if msg.HasField("seed") else random.randrange(2**31)
 
     guidance = msg.guidance_scale if msg.HasField("guidance_scale") else 1.0
@@ -255,4 +272,7 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         latent_height=height // sf,
         total_frames=total_frames,
         num_chunks=num_chunks,
+        timesteps=timesteps,
+        shift=sampler.shift,
+        update=sampler.update,
     )

@@ -131,6 +131,8 @@ class StreamRun:
             "stagecast.stream.height": cfg.height,
             "stagecast.stream.fps": cfg.fps,
             "stagecast.stream.steps": cfg.steps,
+            "stagecast.stream.timesteps": list(cfg.timesteps),
+            "stagecast.stream.shift": cfg.shift,
             "stagecast.stream.chunk_frames": cfg.chunk_frames,
             "stagecast.stream.codec": cfg.codec,
             "stagecast.stream.policy": cfg.policy,

@@ -9,7 +9,8 @@ Usage::
 
 The ladder holds training timesteps in (0, 1000]; ``shift`` maps them to sigmas the way flow-matching
 schedulers do (``sigma = shift*s / (1 + (shift-1)*s)`` with ``s = t/1000``), and the model sees
-``sigma * 1000``.  Two update rules:
+``sigma * 1000``.  That math is ``stagecast.sampling.sigmas`` / ``model_timestep``, shared by every stage and the
+reference executor.  Two update rules (``spec.sampler``):
 
 * ``x0`` (CausVid / Self-Forcing / StreamDiffusionV2): predict ``x0 = x - sigma*v`` and re-noise it to the
   next sigma with fresh noise.  This is what few-step distilled causal models are trained for.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from stagecast.microstep import StreamSpec
+from stagecast.sampling import model_timestep, sigmas
 
 
 def chunk_noise(spec: StreamSpec, chunk: int, level: int) -> torch.Tensor:
@@ -38,13 +40,11 @@ def chunk_noise(spec: StreamSpec, chunk: int, level: int) -> torch.Tensor:
 class FlowSampler:
     def __init__(self, spec: StreamSpec):
         self.rule = spec.sampler
-        s = torch.tensor(spec.timesteps, dtype=torch.float64) / 1000.0
-        sig = spec.shift * s / (1 + (spec.shift - 1) * s)
-        self.sigmas = [float(x) for x in sig] + [0.0]
+        self.sigmas = sigmas(spec.timesteps, spec.shift)
 
     def model_timestep(self, level: int) -> float:
         """The conditioning timestep of a level; the clean pass (level == steps) runs at t = 0."""
-        return self.sigmas[level] * 1000.0
+        return model_timestep(self.sigmas[level])
 
     def step(
         self, sample: torch.Tensor, flow: torch.Tensor, level: int, noise: Callable[[], torch.Tensor] | None = None

@@ -79,12 +79,24 @@ def stream_config(
     window: int | None = None,
     sink: int | None = None,
     quality: int | None = None,
+    timesteps: Sequence[float] | None = None,
+    shift: float | None = None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
     ``codec`` is "jpeg", "h264" or "raw" and ``policy`` "per_level" or "clean" (the wire's ``Codec`` and ``KvPolicy``
-    enums; an enum number is passed through as it is).  An unknown name raises ``ValueError`` naming the field."""
-    msg = pb.StreamConfig(prompt=prompt, codec=api.codec_value(codec), policy=api.policy_value(policy))
+    enums; an enum number is passed through as it is).  An unknown name raises ``ValueError`` naming the field.
+
+    ``timesteps`` is the stream's own timestep ladder (e.g. ``[700, 500, 400, 200]``, strictly descending, one per
+    step); left out, the checkpoint's ladder for ``steps`` is used.  ``shift`` is the checkpoint's: sending it only
+    asserts it (another value is INVALID_ARGUMENT).  ``gen.info.timesteps`` / ``gen.info.shift`` say which ladder and
+    shift the stream runs."""
+    msg = pb.StreamConfig(
+        prompt=prompt,
+        codec=api.codec_value(codec),
+        policy=api.policy_value(policy),
+        timesteps=list(timesteps or ()),
+    )
     optional = dict(
         width=width,
         height=height,
@@ -97,6 +109,7 @@ def stream_config(
         window=window,
         sink=sink,
         quality=quality,
+        shift=shift,
     )
     for name, value in optional.items():
         if value is not None:

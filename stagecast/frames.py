@@ -128,6 +128,15 @@ class StreamInfo:
         return self.config.quality
 
     @property
+    def timesteps(self) -> tuple[float, ...]:
+        """The timestep ladder the stream runs, one per denoising step."""
+        return tuple(self.config.timesteps)
+
+    @property
+    def shift(self) -> float:
+        return self.config.shift
+
+    @property
     def seed(self) -> int:
         return self.config.seed
 

@@ -39,13 +39,16 @@ class GenerateReport:
     end_reason: str
     ttff: float | None
     fps: float | None
+    timesteps: tuple[float, ...] = ()  # the ladder the stream ran
+    shift: float = 1.0
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
         fps = f"{self.fps:.1f}" if self.fps is not None else "n/a"
+        ladder = ", ".join(f"{t:g}" for t in self.timesteps)
         return (
             f"wrote {self.out}: {self.frames} frames {self.width}x{self.height} ({self.codec}, seed {self.seed}, "
-            f"{self.end_reason}); TTFF {ttff}; FPS {fps}"
+            f"timesteps [{ladder}] shift {self.shift:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}"
         )
 
 
@@ -74,6 +77,8 @@ def generate_clip(
             end_reason=gen.end.reason if gen.end else "unknown",
             ttff=gen.ttff,
             fps=gen.fps,
+            timesteps=info.timesteps,
+            shift=info.shift,
         )
 
 

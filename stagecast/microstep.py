@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from stagecast.sampling import MAX_STEPS, UPDATES, as_f32
+
 POLICIES = ("clean", "per_level")
 
 
@@ -44,8 +46,8 @@ class StreamSpec:
     chunk_frames: int
     latent_height: int
     latent_width: int
-    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
-    shift: float = 1.0
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)  # the ladder (``stagecast.sampling``), float32
+    shift: float = 1.0  # flow-matching shift of the ladder, float32
     seed: int = 0
     policy: str = "per_level"
     window: int | None = None
@@ -63,12 +65,19 @@ class StreamSpec:
             errors.append(f"chunk_frames must be >= 1, got {self.chunk_frames}")
         if not self.timesteps:
             errors.append("timesteps must hold at least one step")
-        if any(not (0 < t <= 1000) for t in self.timesteps):
+        elif len(self.timesteps) > MAX_STEPS:
+            errors.append(f"timesteps has {len(self.timesteps)} steps; at most {MAX_STEPS} are supported")
+        elif any(not (0 < t <= 1000) for t in self.timesteps):  # also catches NaN
             errors.append(f"timesteps must lie in (0, 1000], got {list(self.timesteps)}")
-        if any(a <= b for a, b in zip(self.timesteps, self.timesteps[1:])):
-            errors.append(f"timesteps must be strictly decreasing, got {list(self.timesteps)}")
-        if self.shift <= 0:
+        else:
+            # float32, as the wire carries them: every process that holds this spec holds the same ladder.
+            object.__setattr__(self, "timesteps", tuple(as_f32(t) for t in self.timesteps))
+            if any(a <= b for a, b in zip(self.timesteps, self.timesteps[1:])):
+                errors.append(f"timesteps must be strictly decreasing, got {list(self.timesteps)}")
+        if not (0 < self.shift <= 1e6):  # also catches NaN
             errors.append(f"shift must be > 0, got {self.shift}")
+        else:
+            object.__setattr__(self, "shift", as_f32(self.shift))
         if self.window is not None and self.window < 1:
             errors.append(f"window must be >= 1 latent frame or None, got {self.window}")
         if self.sink < 0 or (self.window is not None and self.sink > self.window):
@@ -77,7 +86,7 @@ class StreamSpec:
             self.reset_frames < self.chunk_frames or self.reset_frames % self.chunk_frames
         ):
             errors.append(f"reset_frames must be a positive multiple of chunk_frames, got {self.reset_frames}")
-        if self.sampler not in ("x0", "euler"):
+        if self.sampler not in UPDATES:
             errors.append(f"sampler must be 'x0' or 'euler', got {self.sampler!r}")
         if self.num_chunks is not None and self.num_chunks < 1:
             errors.append(f"num_chunks must be >= 1 or None, got {self.num_chunks}")

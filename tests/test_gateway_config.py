@@ -38,15 +38,17 @@ def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_fi
     assert (cfg.width, cfg.height, cfg.latent_width, cfg.latent_height) == (64, 48, 8, 6)
     assert (cfg.codec, cfg.fps, cfg.policy, cfg.steps, cfg.guidance_scale) == ("jpeg", 16.0, "per_level", 4, 1.0)
     assert cfg.seconds is None and cfg.total_frames is None and cfg.num_chunks is None  # until stopped
-    assert cfg.timesteps() == (1000.0, 750.0, 500.0, 250.0)
+    assert (cfg.timesteps, cfg.shift, cfg.update) == ((1000.0, 750.0, 500.0, 250.0), 1.0, "x0")
     echo = cfg.to_proto()
     # Every field is written out, the unbounded window as 0 and the codec's default quality; only seconds stays
     # absent for a stream that runs until stopped.
     optional = [f.name for f in echo.DESCRIPTOR.fields if f.has_presence]
     assert [name for name in optional if not echo.HasField(name)] == ["seconds"]
     assert (echo.window, echo.quality, echo.codec, echo.policy) == (0, 90, pb.CODEC_JPEG, pb.KV_POLICY_PER_LEVEL)
+    assert list(echo.timesteps) == [1000.0, 750.0, 500.0, 250.0] and echo.shift == 1.0
     spec = cfg.stream_spec(latent_channels=16, text_len=32)
     assert (spec.latent_height, spec.latent_width, spec.num_chunks, spec.seed, spec.text_len) == (6, 8, None, 5, 32)
+    assert (spec.timesteps, spec.shift, spec.sampler) == ((1000.0, 750.0, 500.0, 250.0), 1.0, "x0")
 
 
 def test_a_random_seed_is_chosen_when_none_is_given():

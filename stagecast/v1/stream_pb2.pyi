@@ -48,7 +48,7 @@ STREAM_STATE_STREAMING: StreamState
 STREAM_STATE_DRAINING: StreamState
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class StreamConfig(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     SINK_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -77,7 +79,9 @@ class StreamConfig(_message.Message):
     window: int
     sink: int
     quality: int
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ...) -> None: ...
+    timesteps: _containers.RepeatedScalarFieldContainer[float]
+    shift: float
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ...) -> None: ...
 
 class PromptUpdate(_message.Message):
     __slots__ = ("prompt",)
