@@ -64,6 +64,10 @@ class SelftestConfig:
     layers: int | None = None  # override its layer count (a real config, fewer layers: fast GPU checks)
     cuda_graphs: bool = False  # stages run CUDA graphs; the reference stays eager, so parity checks the graphs
     loras: tuple[str, ...] = ()  # ``--lora PATH[:SCALE]`` for every stage; the reference merges them the same way
+    # Samplers, stream i taking entry i % len: ladders (None: LADDER[:steps]), shifts, and update rules.
+    ladders: list[tuple[float, ...]] | None = None
+    shifts: list[float] = field(default_factory=lambda: [1.0])
+    updates: list[str] = field(default_factory=lambda: ["x0"])
 
 
 @dataclass
@@ -77,6 +81,7 @@ class SelftestResult:
 
 
 def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
+    ladders = cfg.ladders or [LADDER[: cfg.steps]]
     return [
         StreamSpec(
             stream_id=0,
@@ -84,8 +89,9 @@ def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
             chunk_frames=1,
             latent_height=cfg.height,
             latent_width=cfg.width,
-            timesteps=LADDER[: cfg.steps],
-            shift=1.0,
+            timesteps=tuple(ladders[i % len(ladders)]),
+            shift=cfg.shifts[i % len(cfg.shifts)],
+            sampler=cfg.updates[i % len(cfg.updates)],
             seed=cfg.seed + 17 * i,
             policy=cfg.policy,
             window=cfg.window,

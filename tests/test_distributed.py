@@ -1,6 +1,7 @@
 """The multi-process pipeline (real processes, gRPC, gloo) reproduces the reference executor bit for bit."""
 
 import pytest
+import torch
 
 from launcher.process import Launcher
 from launcher.selftest import SelftestConfig, execute_selftest
@@ -43,4 +44,37 @@ def test_distributed_equals_reference_bit_for_bit(stages, partition, policy, str
     closes = [i for i, ev in enumerate(result.plan) if ev.kind == "close"]
     for k in range(1, streams):
         assert opens[k] < closes[k - 1]
+    assert result.ok and result.max_diff == 0.0
+
+
+def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for_bit():
+    """Three samplers at once: the protocol ladder at shift 5 (x0), an even ladder with Euler steps, and a two-step
+    ladder at shift 3.  Their micro-steps share Stream Batches, and every stage derives each item's timestep and
+    sigma from its own stream's ladder, exactly as the reference does."""
+    ladders = [(700.0, 500.0, 400.0, 200.0), (1000.0, 2000 / 3, 1000 / 3), (900.0, 450.0)]
+    cfg = SelftestConfig(
+        stages=2,
+        policy="per_level",
+        streams=3,
+        chunks=4,
+        batch=4,
+        ladders=ladders,
+        shifts=[5.0, 1.0, 3.0],
+        updates=["x0", "euler", "x0"],
+    )
+    with Launcher() as launcher:
+        result = execute_selftest(cfg, launcher)
+    specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
+    assert sorted((s.steps, s.shift, s.sampler) for s in specs.values()) == [
+        (2, 3.0, "x0"),
+        (3, 1.0, "euler"),
+        (4, 5.0, "x0"),
+    ]
+    mixed = [ev for ev in result.plan if ev.kind == "batch" and len({specs[s.stream].timesteps for s in ev.steps}) > 1]
+    assert mixed, "no batch held micro-steps of streams with different ladders"
+    for sid, want in result.reference.items():
+        got = result.chunks[sid]
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
     assert result.ok and result.max_diff == 0.0

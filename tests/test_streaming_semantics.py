@@ -5,8 +5,8 @@ import torch
 
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
-from stage_service.sampler import FlowSampler
-from stagecast.microstep import StreamSpec, context_frames
+from stage_service.sampler import FlowSampler, chunk_noise
+from stagecast.microstep import MicroStep, StreamSpec, context_frames
 from tests.oracle import chunkwise_patch_embedding, frame_mask, set_self_mask
 
 H, W = 4, 4  # latent size: 2x2 patches -> 4 tokens per frame
@@ -200,3 +200,59 @@ def test_per_level_streaming_with_per_token_timesteps_wan22_ti2v(tiny_model):
         for c in range(n):
             step = next(s for s in flows if s.chunk == c and s.level == level)
             assert torch.equal(flows[step], full[:, :, c : c + 1])
+
+
+def test_streams_with_different_ladders_in_one_batch_each_equal_their_own_oracle(tiny_model):
+    """Two streams with different samplers (the protocol ladder at shift 5 with x0 re-noising; an even ladder at
+    shift 1 with Euler steps) share Stream Batches.  Each item is conditioned on its own stream's shifted
+    timestep: every flow equals the masked full-sequence forward at ``1000 * shift*s / (1 + (shift-1)*s)``, and
+    every next latent equals that stream's update rule, both bit for bit."""
+    model = tiny_model()
+    n = 3
+    samplers = {1: ((700.0, 500.0, 400.0, 200.0), 5.0, "x0"), 2: ((1000.0, 600.0, 300.0), 1.0, "euler")}
+    specs = {
+        sid: make_spec(stream_id=sid, timesteps=lad, shift=sh, sampler=up, num_chunks=n, seed=sid, policy="per_level")
+        for sid, (lad, sh, up) in samplers.items()
+    }
+    g = torch.Generator().manual_seed(9)
+    texts = {sid: torch.randn(1, spec.text_len, model.config.text_dim, generator=g) for sid, spec in specs.items()}
+
+    flows, inputs, batches = {}, {}, []
+
+    def trace(steps, flow, results):
+        batches.append({st.stream for st in steps})
+        for i, st in enumerate(steps):
+            flows[st] = flow[i : i + 1].clone()
+
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full, trace=trace)
+    take = ref.runner.take_latent
+
+    def recording_take(step):
+        inputs[step] = take(step).clone()
+        return inputs[step]
+
+    ref.runner.take_latent = recording_take
+    requests = [StreamRequest(specs[sid], texts[sid]) for sid in specs]
+    out = ref.generate(requests, num_stages=2, max_batch=4)
+    assert any(len(b) == 2 for b in batches), "the two streams never shared a batch"
+
+    chunkwise_patch_embedding(model, 1)
+    for sid, spec in specs.items():
+        ladder, shift, update = samplers[sid]
+        sig = [shift * (t / 1000) / (1 + (shift - 1) * (t / 1000)) for t in ladder] + [0.0]
+        set_self_mask(model, frame_mask(spec, n, TPF), blockwise=True)
+        for level in range(spec.steps):
+            steps = [MicroStep(sid, c, level) for c in range(n)]
+            x = torch.cat([inputs[st] for st in steps], dim=2)
+            oracle = model(x, torch.tensor([sig[level] * 1000]), texts[sid], return_dict=False)[0]
+            for c, st in enumerate(steps):
+                assert torch.equal(flows[st], oracle[:, :, c : c + 1]), f"{st}: {(flows[st] - oracle).abs().max()}"
+                s, s_next, v = sig[level], sig[level + 1], flows[st]
+                if update == "euler":
+                    want = inputs[st] + (s_next - s) * v
+                else:
+                    x0 = inputs[st] - s * v
+                    want = x0 if s_next == 0 else (1 - s_next) * x0 + s_next * chunk_noise(spec, c, level + 1)
+                got = inputs[MicroStep(sid, c, level + 1)] if level + 1 < spec.steps else out.chunks[sid][c]
+                assert torch.equal(got, want), f"{st}: the {update} step"
