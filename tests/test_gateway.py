@@ -187,6 +187,26 @@ def test_raw_frames_equal_vae_decode_of_the_reference_executors_latents_bit_for_
     assert got.tobytes() == want.tobytes()
 
 
+def test_a_streams_own_ladder_reaches_every_stage_and_started_echoes_it(main, cluster, reference):
+    kwargs = dict(width=W, height=H, seconds=0.3, codec="raw", seed=5, timeout=TIMEOUT)
+    default = main.generate(PROMPT, **kwargs)
+    default_frames = default.collect()
+    # The demo checkpoint's stagecast.json has no sampler section: 2 steps evenly from 1000, shift 1.
+    assert (default.info.timesteps, default.info.shift, default.info.config.steps) == ((1000.0, 500.0), 1.0, 2)
+    wait_idle(cluster)
+
+    gen = main.generate(PROMPT, timesteps=[700, 500, 200], **kwargs)
+    frames = gen.collect()
+    assert (gen.info.timesteps, gen.info.shift, gen.info.config.steps) == ((700.0, 500.0, 200.0), 1.0, 3)
+    sid = gen.info.pipeline_stream_id
+    events = reference.plan_of(sid)
+    opened = events[0].spec
+    assert (opened.timesteps, opened.shift, opened.sampler) == ((700.0, 500.0, 200.0), 1.0, "x0")
+    want = np.concatenate(reference.frames(reference.latents(events, sid, PROMPT)))[: len(frames)]
+    assert _raw(frames).tobytes() == want.tobytes()
+    assert _raw(frames).tobytes() != _raw(default_frames).tobytes()
+
+
 def _vae_stage_streams(address: str) -> tuple[int, int]:
     with grpc.insecure_channel(address) as ch:
         d = vpb_grpc.VAEStageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
@@ -293,6 +313,10 @@ BAD_CONFIGS = [
     ("codec", dict(codec=99)),  # an enum number this gateway does not know
     ("guidance_scale", dict(guidance_scale=7.5)),
     ("chunk_frames", dict(chunk_frames=0)),
+    ("timesteps", dict(timesteps=[400, 700])),  # not descending
+    ("timesteps", dict(timesteps=[1500, 700])),  # out of range
+    ("timesteps", dict(steps=2, timesteps=[700, 500, 300])),  # wrong length for the step count
+    ("shift", dict(shift=5.0)),  # the demo checkpoint's sampler runs at shift 1
 ]
 
 
