@@ -30,6 +30,7 @@ from launcher.reference import ReferenceExecutor
 from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stagecast import wire
+from stagecast.generate import ladder_arg
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -268,6 +269,14 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="override that config's layer count")
     p.add_argument("--cuda-graphs", action="store_true", help="stages run CUDA graphs (the reference stays eager)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]", help="LoRA merged by every stage")
+    p.add_argument(
+        "--timesteps",
+        default=None,
+        help="ladders, stream i taking the (i mod n)-th, e.g. '700,500,400,200;1000,500' "
+        "(default: 1000,750,500,250,125,60 cut to --steps)",
+    )
+    p.add_argument("--shift", default="1", help="shifts, stream i taking the (i mod n)-th, e.g. 5,1")
+    p.add_argument("--update", default="x0", help="update rules (x0 | euler), stream i taking the (i mod n)-th")
     p.set_defaults(run=main)
 
 
@@ -293,5 +302,8 @@ def main(args: argparse.Namespace) -> int:
             layers=args.layers,
             cuda_graphs=args.cuda_graphs,
             loras=tuple(args.lora),
+            ladders=[tuple(ladder_arg(lad)) for lad in args.timesteps.split(";")] if args.timesteps else None,
+            shifts=[float(x) for x in args.shift.split(",")],
+            updates=args.update.split(","),
         )
     )

@@ -97,6 +97,15 @@ def _stop_on_interrupt(stop):
     return lambda: signal.signal(signal.SIGINT, previous)
 
 
+def ladder_arg(text: str) -> list[float]:
+    """``700,500,400,200`` -> ``[700.0, 500.0, 400.0, 200.0]`` (the server checks the ladder itself)."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        msg = f"a comma-separated list of timesteps, e.g. 700,500,400,200; got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -110,6 +119,12 @@ def add_parser(sub) -> None:
     p.add_argument("--width", type=int, default=None, help="pixels (default: the gateway's)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: the gateway's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the gateway's)")
+    p.add_argument(
+        "--timesteps",
+        type=ladder_arg,
+        default=None,
+        help="the stream's own timestep ladder, e.g. 700,500,400,200 (default: the checkpoint's for --steps)",
+    )
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
     p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
@@ -134,6 +149,7 @@ def main(args: argparse.Namespace) -> int:
             width=args.width,
             height=args.height,
             steps=args.steps,
+            timesteps=args.timesteps,
             seed=args.seed,
             codec=args.codec,
             chunk_frames=args.chunk_frames,

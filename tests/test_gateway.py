@@ -449,11 +449,16 @@ def test_gateway_serves_grpc_health_and_reflection(cluster):
 def test_generate_cli_writes_the_clip_and_prints_ttff_and_fps(cluster, tmp_path):
     out = tmp_path / "cli.mp4"
     args = ["generate", "--target", cluster.main, "--prompt", PROMPT, "--seconds", "0.5", "--out", str(out)]
-    args += ["--width", str(W), "--height", str(H), "--seed", "5"]
+    args += ["--width", str(W), "--height", str(H), "--seed", "5", "--timesteps", "900,300"]
     proc = subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=TIMEOUT
     )
     assert proc.returncode == 0, proc.stderr
     assert "TTFF" in proc.stdout and "FPS" in proc.stdout and "8 frames" in proc.stdout
+    assert "timesteps [900, 300] shift 1" in proc.stdout
     assert len(read_mp4_frames(out)) == 8
     wait_idle(cluster)
+    bad = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args[:-1], "300,900"], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert bad.returncode == 1 and "timesteps: must be strictly descending" in bad.stderr, bad.stderr
