@@ -40,7 +40,8 @@ MAX_FPS = 240.0
 MIN_FPS = 1.0
 MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
 # The largest legal request: a config whose prompt is MAX_PROMPT_CHARS characters of 4 UTF-8 bytes each, plus the
-# other fields (under 100 bytes) and framing.  The public server refuses bigger messages before parsing them.
+# other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server refuses bigger messages
+# before parsing them.
 MAX_REQUEST_BYTES = 4 * MAX_PROMPT_CHARS + 16 * 1024
 
 # Each codec's quality when the request leaves it out; Started.config writes it out.

@@ -273,6 +273,8 @@ def test_started_echoes_every_field_and_enums_round_trip(edge):
 
 _INTS = [0, 1, -1, 2, 15, 16, 17, 32, 48, 64, 4096, 4112, 2**31 - 1, -(2**31)]
 _FLOATS = [0.0, -0.0, 1.0, -1.0, 0.25, 1e-4, 16.0, 240.0, 240.5, 1e30, float("inf"), float("-inf"), float("nan")]
+_LADDERS = [[700.0], [1000.0, 500.0], [500.0, 700.0], [700.0, 700.0], [1e30], [float("nan")], [0.0], [-1.0]]
+_LADDERS += [[1000.0 - i for i in range(51)], [float("inf"), 500.0]]
 _PROMPTS = ["", " ", PROMPT, "snow " * 40, "\u00e9\u4e2d\U0001f98a" * 50, "x" * 20_001, "\x00\x01\x7f"]
 
 
@@ -313,6 +315,10 @@ def _random_config(rng: random.Random) -> pb.StreamConfig:
             setattr(cfg, name, rng.choice(_FLOATS))
     cfg.codec = rng.choice([0, 1, 2, 3, 4, -1, 2**31 - 1])
     cfg.policy = rng.choice([0, 1, 2, 3, -7])
+    if rng.random() < 0.3:
+        cfg.timesteps.extend(rng.choice(_LADDERS))
+    if rng.random() < 0.2:
+        cfg.shift = rng.choice(_FLOATS)
     return cfg
 
 

@@ -69,6 +69,8 @@ def test_the_largest_legal_request_fits_the_public_message_limit():
         window=MAX_WINDOW,
         sink=MAX_WINDOW,
         quality=100,
+        timesteps=[1000.0 - 19.5 * i for i in range(MAX_STEPS)],
+        shift=1.0,
     )
     size = pb.ClientMessage(config=cfg).ByteSize()
     assert 4 * MAX_PROMPT_CHARS < size <= MAX_REQUEST_BYTES < 2 * size  # sized to it, not far above it
