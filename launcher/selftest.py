@@ -36,6 +36,7 @@ from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import read_config
+from stagecast.sampling import UPDATES, SamplerError, check_ladder, check_shift
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,31 @@ def run_selftest(cfg: SelftestConfig) -> int:
     return 0 if result.ok else 1
 
 
+def _checked(parse):
+    """An argparse type from a parser that raises ValueError (SamplerError included): one line, exit 2."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+_ladders_arg = _checked(lambda text: [check_ladder(ladder_arg(lad)) for lad in text.split(";")])
+_shifts_arg = _checked(lambda text: [check_shift(float(x)) for x in text.split(",")])
+
+
+def _update(name: str) -> str:
+    if name not in UPDATES:
+        raise SamplerError("update", f"must be one of {', '.join(UPDATES)}, got {name!r}")
+    return name
+
+
+_updates_arg = _checked(lambda text: [_update(u) for u in text.split(",")])
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "selftest",
@@ -271,12 +297,13 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]", help="LoRA merged by every stage")
     p.add_argument(
         "--timesteps",
+        type=_ladders_arg,
         default=None,
         help="ladders, stream i taking the (i mod n)-th, e.g. '700,500,400,200;1000,500' "
         "(default: 1000,750,500,250,125,60 cut to --steps)",
     )
-    p.add_argument("--shift", default="1", help="shifts, stream i taking the (i mod n)-th, e.g. 5,1")
-    p.add_argument("--update", default="x0", help="update rules (x0 | euler), stream i taking the (i mod n)-th")
+    p.add_argument("--shift", type=_shifts_arg, default=[1.0], help="shifts, stream i taking the (i mod n)-th: 5,1")
+    p.add_argument("--update", type=_updates_arg, default=["x0"], help="update rules (x0 | euler), cycled the same way")
     p.set_defaults(run=main)
 
 
@@ -302,8 +329,8 @@ def main(args: argparse.Namespace) -> int:
             layers=args.layers,
             cuda_graphs=args.cuda_graphs,
             loras=tuple(args.lora),
-            ladders=[tuple(ladder_arg(lad)) for lad in args.timesteps.split(";")] if args.timesteps else None,
-            shifts=[float(x) for x in args.shift.split(",")],
-            updates=args.update.split(","),
+            ladders=args.timesteps,
+            shifts=args.shift,
+            updates=args.update,
         )
     )
