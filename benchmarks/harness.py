@@ -261,7 +261,6 @@ def config_kwargs(args) -> dict:
         width=args.width,
         height=args.height,
         steps=args.steps,
-        timesteps=LADDER[: args.steps],  # the protocol's ladder, not the checkpoint's
         codec=args.codec,
         chunk_frames=1,
         window=args.window,
