@@ -7,13 +7,17 @@ Usage (the gRPC servicer in ``coordinator.server`` is a thin layer over this)::
     engine.on_registered(record)            # forms a new generation once every stage is registered
     session = engine.open(spec, text)       # raises AdmissionError with a gRPC code
     for ev in session.iter_events(): ...    # StreamStarted, ChunkResult..., then StreamEnded or a failure
-    engine.stop_stream(session.id)          # cooldown
+    engine.stop_stream(session.id)          # cooldown: no new chunks, chunks in flight finish
+    engine.cancel_stream(session.id)        # the consumer left: nothing more is planned, the stream ends now
+    engine.heartbeat(index, address, gen)   # (rejoin, reason) for a stage's periodic heartbeat
     engine.shutdown()
 
 Plans go to every stage through one ordered sender per stage; the number of batches planned but not yet
 completed by the last stage is bounded (``lookahead``), so plans run ahead of execution without
 queuing unboundedly.  Any stage failure ends the generation: every active stream ends with UNAVAILABLE,
-surviving stages are reset, and a new generation forms once all stages are registered again.
+surviving stages are reset, and a new generation forms once all stages are registered again.  A stage
+that finds itself outside the current generation (it was paused and marked lost, the coordinator restarted,
+its generation failed while it could not be reset) learns so from ``heartbeat`` and registers again.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class StreamSession:
     max_lead: int = 0  # the largest started - delivered seen
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
+    cancelled: bool = False
     ended: bool = False
     generation: int = 0
 
@@ -160,6 +165,7 @@ class PipelineEngine:
         self.sessions: dict[int, StreamSession] = {}
         self.pending_opens: deque[StreamSession] = deque()
         self.pending_stops: set[int] = set()
+        self.pending_cancels: set[int] = set()
         self.pending_prompts: deque[tuple[int, torch.Tensor]] = deque()
         self.seq = 0
         self.batches_planned = 0
@@ -174,21 +180,51 @@ class PipelineEngine:
         self.telemetry = CoordinatorTelemetry()  # Prometheus registry and batch spans (coordinator.metrics)
         self.telemetry.bind(self)
         self._monitor_stop = threading.Event()
+        self._workers: set[threading.Thread] = set()  # forming and resetting threads, joined by shutdown
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop_thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
         with self.cond:
             self._stopped = True
             self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, "coordinator is shutting down"))
             self.telemetry.generation_ended("coordinator is shutting down", failed=False)
             self.cond.notify_all()
+            links, self.links = self.links, []
+            workers = list(self._workers)
         self._monitor_stop.set()
-        for link in self.links:
+        for link in links:
             link.close()
+        # Forming and resetting talk to stages with deadlines; wait for them so that none is still running
+        # (and starting threads) while the interpreter shuts down.
+        for worker in workers:
+            worker.join(timeout)
+        if self._loop_thread.is_alive():
+            self._loop_thread.join(timeout)
+
+    def _spawn(self, target, *args, name: str) -> None:
+        """Run a forming or resetting job in its own thread, unless the engine is shutting down.  A reset is
+        counted in ``resetting`` from now on, so that no generation forms before it has run."""
+        with self.cond:
+            if self._stopped:
+                if target == self._form:
+                    self.forming = False
+                return
+            if target == self._reset_then_reform:
+                self.resetting += 1
+            thread = threading.Thread(target=self._tracked, args=(target, *args), daemon=True, name=name)
+            self._workers.add(thread)
+            thread.start()
+
+    def _tracked(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self.cond:
+                self._workers.discard(threading.current_thread())
 
     # ---- generations ----------------------------------------------------------------------------------
 
@@ -207,7 +243,7 @@ class PipelineEngine:
             self.forming = True
             self.generation += 1
             gen = self.generation
-        threading.Thread(target=self._form, args=(gen,), daemon=True, name=f"form-{gen}").start()
+        self._spawn(self._form, gen, name=f"form-{gen}")
 
     def _form(self, gen: int) -> None:
         records = self.registry.records()
@@ -244,9 +280,10 @@ class PipelineEngine:
                 link.close()
             with self.cond:
                 self.forming = False
+                self.resetting += 1  # counted before forming is cleared for anyone else to see
                 self.last_error = f"forming generation {gen} failed: {detail}"
-            # Stages still waiting in the rendezvous are released by Reset (they restart themselves).
-            self._reset_then_reform(records, f"forming generation {gen} failed")
+            # Stages still waiting in the rendezvous are released by Reset (leaving shuts their connections).
+            self._reset_then_reform(records, f"forming generation {gen} failed", gen)
             return
         with self.cond:
             if self.generation != gen or self._stopped:
@@ -296,33 +333,52 @@ class PipelineEngine:
         self.on_ready_change(False)
         for link in links:
             link.close()
-        threading.Thread(
-            target=self._reset_then_reform, args=([link.record for link in links], reason), daemon=True
-        ).start()
+        gen = self.generation
+        self._spawn(self._reset_then_reform, [link.record for link in links], reason, gen, name=f"reset-{gen}")
 
-    def _reset_then_reform(self, records: list[StageRecord], reason: str) -> None:
-        with self.cond:
-            self.resetting += 1
+    def _reset_then_reform(self, records: list[StageRecord], reason: str, generation: int) -> None:
+        """Runs in a ``_spawn``ed thread, which counted itself in ``resetting`` (no generation forms meanwhile)."""
         try:
-            self._reset_stages(records, reason)
+            self._reset_stages(records, reason, generation)
         finally:
             with self.cond:
                 self.resetting -= 1
         self._maybe_form()
 
-    def _reset_stages(self, records: list[StageRecord], reason: str) -> None:
-        """Reset every stage at once: a stage blocked on a live peer is released when that peer leaves."""
+    def _reset_stages(self, records: list[StageRecord], reason: str, generation: int) -> None:
+        """Reset every stage at once: leaving shuts a stage's connections, which releases its peers."""
 
         def reset(rec: StageRecord) -> None:
             try:
                 with grpc.insecure_channel(rec.address, options=CHANNEL_OPTIONS) as ch:
-                    pb_grpc.StageServiceStub(ch).Reset(pb.ResetRequest(reason=reason), timeout=15)
+                    request = pb.ResetRequest(generation=generation, reason=reason)
+                    pb_grpc.StageServiceStub(ch).Reset(request, timeout=15)
             except grpc.RpcError as exc:
                 logger.warning("stage %d did not answer Reset (%s): marking it lost", rec.index, exc.code().name)
                 self.registry.mark_lost(rec.index, rec.address)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(records))) as pool:
-            list(pool.map(reset, records))
+        threads = [threading.Thread(target=reset, args=(rec,), daemon=True) for rec in records]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def heartbeat(self, index: int, address: str, generation: int) -> tuple[bool, str]:
+        """A stage says it is alive and holds ``generation`` (0: none).  Returns (rejoin, reason): whether it
+        is outside the current generation, so that it must drop its state and register again."""
+        rec = self.registry.get(index)
+        if rec is None or rec.address != address:
+            return True, f"stage {index} at {address} is not registered with this coordinator"
+        if rec.lost:
+            return True, f"stage {index} was marked lost"
+        if generation == 0:
+            return False, ""  # alive, waiting to join: the next generation forms once every stage is here
+        with self.cond:
+            if generation == self.generation and (self.ready or self.forming):
+                return False, ""
+            if self.resetting:
+                return False, ""  # a Reset is on its way to it
+            return True, f"generation {generation} is over (the coordinator is at {self.generation})"
 
     def _results_loop(self, gen: int, link: _StageLink) -> None:
         last = link.record.index == self.registry.world_size - 1
@@ -436,6 +492,22 @@ class PipelineEngine:
             self.pending_stops.add(stream_id)
             self._wake()
 
+    def cancel_stream(self, stream_id: int) -> None:
+        """End a stream now (its consumer left): nothing more is planned for it, the batches already planned
+        finish on the stages with their results dropped, and its close frees its state on every stage."""
+        with self.cond:
+            session = self.sessions.get(stream_id)
+            if session is None:
+                raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            session.cancelled = True
+            self._end(session, pb.StreamEvent(ended=pb.StreamEnded(reason="cancelled")))
+            if any(pending is session for pending in self.pending_opens):
+                # Never planned: nothing to close on the stages.
+                self.pending_opens = deque(p for p in self.pending_opens if p is not session)
+            else:
+                self.pending_cancels.add(stream_id)
+            self._wake()
+
     def update_prompt(self, stream_id: int, text: torch.Tensor) -> None:
         with self.cond:
             session = self.sessions.get(stream_id)
@@ -463,6 +535,7 @@ class PipelineEngine:
             self._end(session, failure)
         self.pending_opens.clear()
         self.pending_stops.clear()
+        self.pending_cancels.clear()
         self.pending_prompts.clear()
 
     def _maybe_complete(self, session: StreamSession) -> None:
@@ -501,7 +574,7 @@ class PipelineEngine:
     def _has_work(self) -> bool:
         if not self.ready or self.sched is None:
             return False
-        if self.pending_opens or self.pending_stops or self.pending_prompts:
+        if self.pending_opens or self.pending_stops or self.pending_cancels or self.pending_prompts:
             return True
         # After P empty ticks in a row nothing waits on pipeline latency any more: only an outside event
         # (a batch done, a chunk delivered, an open or stop) can make work, and each one wakes the loop.
@@ -589,10 +662,14 @@ class PipelineEngine:
             session.events.put(
                 pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.generation))
             )
+        before = set(sched.streams)  # a stream that leaves the scheduler from here on gets its close event
         for sid in sorted(self.pending_stops):
             if sid in sched.streams:
                 sched.stop_stream(sid)
         self.pending_stops.clear()
+        for sid in sorted(self.pending_cancels):
+            sched.cancel_stream(sid)  # its close (below) follows the batches already planned
+        self.pending_cancels.clear()
         while self.pending_prompts:
             sid, text = self.pending_prompts.popleft()
             st = sched.streams.get(sid)
@@ -600,8 +677,7 @@ class PipelineEngine:
                 continue
             # Effective from the next chunk not yet started: chunks in flight keep their prompt.
             events.append(self._next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
-        before = set(sched.streams)
-        for sid in before:
+        for sid in sched.streams:
             session = self.sessions.get(sid)
             if session is not None:
                 sched.set_credit(sid, self._credit(session))
@@ -621,9 +697,10 @@ class PipelineEngine:
                 self.telemetry.empty_tick()
         for sid in sorted(before - set(sched.streams)):
             events.append(self._next_event("close", stream_id=sid))
+            started = sched.started_chunks.pop(sid, 0)
             session = self.sessions.get(sid)
             if session is not None:
-                session.expected = sched.started_chunks.pop(sid, 0)
+                session.expected = started
                 self._maybe_complete(session)
         return events
 

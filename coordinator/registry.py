@@ -120,6 +120,10 @@ class StageRegistry:
             if rec is not None and (address is None or rec.address == address):
                 rec.lost = True
 
+    def get(self, index: int) -> StageRecord | None:
+        with self.lock:
+            return self.stages.get(index)
+
     def records(self) -> list[StageRecord]:
         with self.lock:
             return [self.stages[i] for i in sorted(self.stages)]

@@ -71,6 +71,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             generation=self.engine.generation,
         )
 
+    def Heartbeat(self, request: pb.HeartbeatRequest, context):
+        rejoin, reason = self.engine.heartbeat(request.index, request.address, request.generation)
+        if rejoin:
+            logger.info("stage %d (%s) must register again: %s", request.index, request.address, reason)
+        return pb.HeartbeatReply(rejoin=rejoin, reason=reason, generation=self.engine.generation)
+
     def _register(self, request: pb.RegisterRequest):
         return self.registry.register(
             index=request.index,
@@ -83,7 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def _holder_is_gone(self, index: int) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        rec = self.registry.stages.get(index)
+        rec = self.registry.get(index)
         if rec is None:
             return True
         try:
@@ -120,13 +126,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
 
         def on_done():
             if not session.ended:
-                # The caller went away: cooldown frees the stream's state on every stage.
+                # The caller went away: nothing more is planned for the stream, and its close frees its
+                # state on every stage once the batches already planned have run.
                 try:
-                    self.engine.stop_stream(session.id)
+                    self.engine.cancel_stream(session.id)
                 except AdmissionError:
                     pass
 
-        context.add_callback(on_done)
+        if not context.add_callback(on_done):
+            on_done()  # the caller left before the callback could be added
         for ev in session.iter_events():
             if isinstance(ev, StreamFailure):
                 context.abort(ev.code, ev.message)

@@ -32,6 +32,7 @@ import torch
 
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.stream_vae import ChunkDecoder, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
+from gateway.timers import Timers
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -189,9 +190,10 @@ class LocalSession:
 class RemoteDecoder:
     """The first of a chain of ``stagecast vae-stage`` processes."""
 
-    def __init__(self, address: str, drain_timeout: float = 30.0):
+    def __init__(self, address: str, drain_timeout: float = 30.0, timers: Timers | None = None):
         self.address = address
         self.drain_timeout = drain_timeout
+        self.timers = timers or Timers("vae-drain")
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = vpb_grpc.VAEStageServiceStub(self.channel)
 
@@ -249,16 +251,14 @@ class RemoteSession:
     def close(self) -> None:
         """End the call the graceful way, so that when this returns every stage has released the stream's state."""
         self.abort()
-        timer = threading.Timer(self.decoder.drain_timeout, self.call.cancel)
-        timer.daemon = True
-        timer.start()
+        deadline = self.decoder.timers.call_later(self.decoder.drain_timeout, self.call.cancel)
         try:
             for _ in self.results():
                 pass
         except RuntimeError as exc:
             logger.debug("draining a VAE stage call: %s", exc)
         finally:
-            timer.cancel()
+            self.decoder.timers.cancel(deadline)
 
     @property
     def queued(self) -> int:

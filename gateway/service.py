@@ -44,6 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
 from gateway.stream_vae import DTYPES
 from gateway.text_encoder import TextEncoder
+from gateway.timers import Timers
 from stagecast import api, telemetry
 from stagecast.grpc_util import (
     CHANNEL_OPTIONS,
@@ -112,9 +113,10 @@ class Gateway:
         self.model = ModelInfo.from_checkpoint(root)
         self.model_name = root.resolve().name  # gen_ai.request.model on the stream spans
         self.text_len = opts.text_len or self.defaults.text_len
+        self.timers = Timers("gateway-deadlines")  # every stream's deadlines, on one thread
         self.encoder = TextEncoder(root, max_len=self.text_len, cache_size=opts.text_cache, device=opts.device)
         if opts.vae_stage:
-            self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout)
+            self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout, timers=self.timers)
         else:
             self.decoder = LocalDecoder.from_folder(
                 root / "vae",
@@ -228,6 +230,7 @@ class Gateway:
         self.server.stop(grace).wait()
         self.channel.close()
         self.decoder.close()
+        self.timers.close()
         self.metrics.close()
 
     # ---- used by the streams -------------------------------------------------------------------------

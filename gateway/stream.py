@@ -25,11 +25,13 @@ error is queued for the client, and the pipeline stream is stopped.  A client th
 ``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers
 plus gRPC's flow-control window, whatever the client does.
 
-Cleanup: whenever the call ends (completed, failed, cancelled or disconnected), the pipeline stream is stopped with
-StopStream (cooldown frees its KV cache on every stage) and drained until the coordinator ends it, and the decode
-session releases the stream's VAE cache (in every VAE stage, when they are remote).  The stream stays in the
-gateway's status (state "draining") until both happened, so ``GatewayStatus`` shows what the gateway and the
-pipeline still hold.
+Cleanup: when the client asks to stop, the pipeline stream is stopped with StopStream (no new chunks; the chunks in
+flight still reach the client).  Whenever the call ends otherwise (failed, cancelled or disconnected), the pipeline
+call is cancelled: the coordinator plans nothing more for the stream, and its close frees the KV cache on every stage
+once the batches already planned have run.  The decode session releases the stream's VAE cache (in every VAE stage,
+when they are remote).  The stream stays in the gateway's status (state "draining") until both happened, so
+``GatewayStatus`` shows what the gateway and the pipeline still hold.  Deadlines (a stopped stream's drain, a failed
+stream's unread error) run on the gateway's one timer thread (``gateway.timers``), not on a thread per stream.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class StreamRun:
         self._pipeline_ended = False
         self._stop_sent = False
         self._cancelled_pipeline = False
+        self._deadlines: list = []  # timer entries of this stream, cancelled when the stream is gone
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
         self.last_frame_ms: float | None = None
         self._ack_future = None  # the latest acknowledgement in flight
@@ -211,6 +214,7 @@ class StreamRun:
             ended = self.outcome is not None  # the client left while we were opening
         if ended:
             self.session.abort()
+            self._cancel_pipeline()
         for target, args in ((self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))):
             name = f"{target.__name__.strip('_')}-{self.id[:6]}"
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
@@ -257,7 +261,7 @@ class StreamRun:
         self.gw.metrics.frames_dropped(outcome, len(self.out))  # queued frames are discarded (approximately: a
         self.out.put_final(StreamFailed(code, message), drop=True)  # prompt-updated message counts as one)
         self._abort_decoding()
-        self.stop_pipeline()
+        self._cancel_pipeline()
         self.gw.touch()
         # A client that never reads never takes the error either; cancel its call rather than hold it forever.
         self._after(self.gw.opts.abandon_timeout, self.context.cancel)
@@ -272,7 +276,8 @@ class StreamRun:
         self.gw.metrics.frames_dropped(self.outcome, len(self.out))
         self.out.close(drop=True)
         self._abort_decoding()
-        self.stop_pipeline()
+        self._cancel_pipeline()  # nobody reads any more: plan nothing more, free the stream everywhere
+        self._clear_deadlines()
         self.gw.touch()
 
     def _abort_decoding(self) -> None:
@@ -282,28 +287,31 @@ class StreamRun:
             session.abort()
 
     def stop_pipeline(self) -> None:
-        """StopStream (cooldown) once; the reader keeps draining until the coordinator ends the stream."""
+        """StopStream (no new chunks) once; the reader keeps draining until the coordinator ends the stream."""
         with self._lock:
             if self._stop_sent or self._pipeline_ended or self._call is None:
                 return
             self._stop_sent = True
-        threading.Thread(target=self._send_stop, daemon=True, name=f"stop-{self.id[:6]}").start()
+        request = ipb.StopRequest(stream_id=self.pipeline_id)
+        span, metadata = self._client_span("StopStream")
+        future = self.gw.coordinator.StopStream.future(request, timeout=10, metadata=metadata)
+        future.add_done_callback(lambda f: self._stop_sent_done(f, span))  # no thread waits on it
 
-    def _send_stop(self) -> None:
-        try:
-            self._call_coordinator("StopStream", ipb.StopRequest(stream_id=self.pipeline_id), timeout=10)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already ended
-                logger.warning("stream %s: StopStream failed (%s); cancelling", self.id, exc.code().name)
-                self._cancel_pipeline()
-                return
+    def _stop_sent_done(self, future, span) -> None:
+        exc = future.exception()
+        if span is not None:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.OK
+            telemetry.end_rpc_span(span, code, exc.details() if isinstance(exc, grpc.RpcError) else "")
+        if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it ended
+            logger.warning("stream %s: StopStream failed (%s); cancelling", self.id, exc.code().name)
+            self._cancel_pipeline()
+            return
         self._after(self.gw.opts.drain_timeout, self._cancel_pipeline)
 
-    def _call_coordinator(self, method: str, request, timeout: float):
-        """A unary coordinator call; a client span of the stream (its context in the metadata) when traced."""
-        rpc = getattr(self.gw.coordinator, method)
+    def _client_span(self, method: str):
+        """A client span of the stream for a coordinator call, and the metadata carrying it (None, None: off)."""
         if self.span is None:
-            return rpc(request, timeout=timeout)
+            return None, None
         span = telemetry.start_rpc_span(
             f"{_COORDINATOR_SERVICE}/{method}",
             SpanKind.CLIENT,
@@ -311,8 +319,16 @@ class StreamRun:
             target=self.gw.opts.coordinator,
         )
         span.set_attribute("stagecast.stream.id", self.pipeline_id)
+        return span, telemetry.metadata_for(span)
+
+    def _call_coordinator(self, method: str, request, timeout: float):
+        """A unary coordinator call; a client span of the stream (its context in the metadata) when traced."""
+        rpc = getattr(self.gw.coordinator, method)
+        span, metadata = self._client_span(method)
+        if span is None:
+            return rpc(request, timeout=timeout)
         try:
-            reply = rpc(request, timeout=timeout, metadata=telemetry.metadata_for(span))
+            reply = rpc(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             telemetry.end_rpc_span(span, exc.code(), exc.details() or "")
             raise
@@ -320,25 +336,32 @@ class StreamRun:
         return reply
 
     def _cancel_pipeline(self) -> None:
+        """Cancel the pipeline call: the coordinator plans nothing more for the stream and ends it."""
         with self._lock:
-            if self._pipeline_ended:
+            if self._pipeline_ended or self._call is None or self._cancelled_pipeline:
                 return
             self._cancelled_pipeline = True
-        logger.warning("stream %s: cancelling the pipeline call", self.id)
-        self._call.cancel()  # the coordinator then stops the stream itself
+        logger.debug("stream %s: cancelling the pipeline call", self.id)
+        self._call.cancel()
 
-    @staticmethod
-    def _after(seconds: float, fn) -> None:
-        # Timers that fire after the fact are harmless: cancelling a finished call is a no-op.
-        timer = threading.Timer(seconds, fn)
-        timer.daemon = True
-        timer.start()
+    def _after(self, seconds: float, fn) -> None:
+        # Deadlines that fire after the fact are harmless: cancelling a finished call is a no-op.
+        entry = self.gw.timers.call_later(seconds, fn)
+        with self._lock:
+            self._deadlines.append(entry)
+
+    def _clear_deadlines(self) -> None:
+        with self._lock:
+            entries, self._deadlines = self._deadlines, []
+        for entry in entries:
+            self.gw.timers.cancel(entry)
 
     def _part_done(self) -> None:
         with self._lock:
             self._live_parts -= 1
             last = self._live_parts == 0
         if last:
+            self._clear_deadlines()
             self._end_trace()
             self.gw.forget(self)
 

@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = build_parser().parse_args(argv)
     setup_logging()
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        # A second Ctrl-C (the first one stops gracefully where a command supports it) ends without a traceback.
+        print(f"\nstagecast {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
 class LocalPipeline:
     coordinator: str
     coordinator_child: Child
+    coordinator_args: list[str] = field(default_factory=list)  # to start it again on the same port
     stage_children: dict[int, Child] = field(default_factory=dict)
     stage_args: dict[int, list[str]] = field(default_factory=dict)
 
@@ -85,7 +86,9 @@ def start_pipeline(
         args.append("--record-plan")
     coord = launcher.spawn("coordinator", args)
     address = coord.info["address"]
-    pipe = LocalPipeline(address, coord)
+    bound = address.rsplit(":", 1)[1]
+    again = [*args[: args.index("--port") + 1], bound, *args[args.index("--port") + 2 :]]
+    pipe = LocalPipeline(address, coord, again)
     for i in range(stages):
         pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs, loras)
         pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])

@@ -12,6 +12,12 @@ Each child prints one ``STAGECAST_READY key=value ...`` line once it serves; ``s
 line (no polling); ``start`` + ``wait_ready`` start several children at once.  Children get
 PR_SET_PDEATHSIG (set by the child itself, ``stagecast.service.die_with_parent``), so they die with the
 launcher even if it is killed with SIGKILL: no orphans.
+
+``Supervisor`` keeps children up (``stagecast up``)::
+
+    sup = Supervisor(launcher, stop)                 # stop: a threading.Event (SIGTERM / Ctrl-C)
+    sup.watch(coord, args)                           # restart with ``args`` when it dies, with backoff
+    failure = sup.wait()                             # None once ``stop`` is set; else why it gave up
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -128,3 +136,83 @@ class Launcher:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Restart watched children that die, with exponential backoff; give up when one dies more than
+    ``max_restarts`` times within ``window`` seconds, or cannot be started again, naming it."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        stop: threading.Event,
+        *,
+        max_restarts: int = 5,
+        window: float = 600.0,
+        backoff: tuple[float, float] = (0.5, 10.0),
+        ready_timeout: float = 300.0,
+    ):
+        self.launcher = launcher
+        self.stop = stop
+        self.max_restarts = max_restarts
+        self.window = window
+        self.backoff = backoff
+        self.ready_timeout = ready_timeout
+        self.failure: str | None = None
+        self.restarts: dict[str, int] = {}
+        self._threads: list[threading.Thread] = []
+
+    def watch(self, child: Child, args: list[str]) -> None:
+        thread = threading.Thread(target=self._watch, args=(child, args), daemon=True, name=f"watch-{child.name}")
+        self._threads.append(thread)
+        thread.start()
+
+    def wait(self) -> str | None:
+        """Block until ``stop`` is set (SIGTERM, or the supervisor gave up); returns why it gave up, or None."""
+        self.stop.wait()
+        return self.failure
+
+    def _give_up(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+        self.stop.set()
+
+    def _watch(self, child: Child, args: list[str]) -> None:
+        name = child.name
+        deaths: deque[float] = deque()
+        while True:
+            code = child.proc.wait()  # also reaps it: no zombie
+            if self.stop.is_set():
+                return
+            now = time.monotonic()
+            deaths.append(now)
+            while deaths and deaths[0] < now - self.window:
+                deaths.popleft()
+            what = f"{name} {describe_exit(code)}"
+            if len(deaths) > self.max_restarts:
+                tail = "\n".join(child.log[-10:])
+                self._give_up(f"{what}; it died {len(deaths)} times in {self.window:.0f} s, giving up\n{tail}")
+                return
+            delay = min(self.backoff[1], self.backoff[0] * 2 ** (len(deaths) - 1))
+            logger.warning("%s; restarting it in %.1f s", what, delay)
+            print(f"stagecast up: {what}; restarting it in {delay:.1f} s", file=sys.stderr, flush=True)
+            if self.stop.wait(delay):
+                return
+            try:
+                child = self.launcher.wait_ready(self.launcher.start(name, args), self.ready_timeout)
+            except LaunchError as exc:
+                self._give_up(f"{what} and could not be restarted: {exc}")
+                return
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            print(f"stagecast up: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)

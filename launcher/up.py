@@ -1,9 +1,15 @@
-"""``stagecast up``: a coordinator, K stages and a gateway on this machine; SIGTERM or Ctrl-C stops them all."""
+"""``stagecast up``: a coordinator, K stages and a gateway on this machine; SIGTERM or Ctrl-C stops them all.
+
+Its ports are checked before anything starts (a taken one fails at once with "address already in use").  It
+supervises its children: a service that dies is started again with backoff (on the same port), and one that dies
+more than ``--max-restarts`` times in 10 minutes makes ``up`` stop everything and exit 1, naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
 
@@ -38,45 +44,70 @@ def add_parser(sub) -> None:
         metavar="PATH[:SCALE]",
         help="LoRA file merged into every stage's layers at load (diffusers, PEFT or kohya keys); repeatable",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one dead service within 10 minutes before up exits non-zero naming it (0: none)",
+    )
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
     from launcher.local_cluster import Placement, start_pipeline
-    from launcher.process import Launcher
+    from launcher.process import Launcher, LaunchError, Supervisor
+    from stagecast.grpc_util import AddressInUseError, check_port_free
 
+    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port)):
+        try:
+            check_port_free(args.host, max(port, 0))  # before anything starts: fail at once
+        except AddressInUseError as exc:
+            print(f"stagecast up: {role} port: {exc.strerror}", file=sys.stderr)
+            return 2
     stop = stop_event()
     placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices)
     with Launcher(echo=True) as launcher:
-        pipe = start_pipeline(
-            launcher,
-            checkpoint=resolve_transformer(args.checkpoint),
-            stages=args.stages,
-            partition=args.partition,
-            device=args.device,
-            dtype=args.dtype,
-            max_batch=args.max_batch,
-            host=args.host,
-            port=args.port,
-            cuda_graphs=args.cuda_graphs,
-            loras=args.lora,
-        )
-        ready = {"coordinator": pipe.coordinator}
-        root = args.checkpoint
-        if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
-            gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root]
-            gw_args += ["--device", placement.gateway_device, "--host", args.host, "--port", str(args.gateway_port)]
-            if placement.vae_devices:
-                gw_args += ["--vae-devices", ",".join(placement.vae_devices)]
-            if args.device.startswith("cuda"):
-                gw_args += ["--vae-dtype", args.dtype]
-            if args.vae_compile:
-                gw_args.append("--vae-compile")
-            gateway = launcher.spawn("gateway", gw_args)
-            ready["gateway"] = gateway.info["address"]
+        supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts)
+        try:
+            pipe = start_pipeline(
+                launcher,
+                checkpoint=resolve_transformer(args.checkpoint),
+                stages=args.stages,
+                partition=args.partition,
+                device=args.device,
+                dtype=args.dtype,
+                max_batch=args.max_batch,
+                host=args.host,
+                port=args.port,
+                cuda_graphs=args.cuda_graphs,
+                loras=args.lora,
+            )
+            supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
+            for index, child in pipe.stage_children.items():
+                supervisor.watch(child, pipe.stage_args[index])
+            ready = {"coordinator": pipe.coordinator}
+            root = args.checkpoint
+            if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
+                gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root]
+                gw_args += ["--device", placement.gateway_device, "--host", args.host]
+                if placement.vae_devices:
+                    gw_args += ["--vae-devices", ",".join(placement.vae_devices)]
+                if args.device.startswith("cuda"):
+                    gw_args += ["--vae-dtype", args.dtype]
+                if args.vae_compile:
+                    gw_args.append("--vae-compile")
+                gateway = launcher.spawn("gateway", [*gw_args, "--port", str(args.gateway_port)])
+                ready["gateway"] = gateway.info["address"]
+                bound = ready["gateway"].rsplit(":", 1)[1]
+                supervisor.watch(gateway, [*gw_args, "--port", bound])  # a restart keeps the port
+        except LaunchError as exc:
+            print(f"stagecast up: {exc}", file=sys.stderr)
+            return 1
         where = ", ".join(f"{role} {address}" for role, address in ready.items())
         print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
         announce_ready(**ready)
-        stop.wait()
+        failure = supervisor.wait()
+        if failure is not None:
+            print(f"stagecast up: {failure}", file=sys.stderr, flush=True)
         print("shutting down", flush=True)
-    return 0
+    return 1 if failure is not None else 0

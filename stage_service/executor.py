@@ -71,7 +71,10 @@ class StageExecutor:
         self.stream_traceparents: dict[int, str] = {}  # each open stream's span context, for batch span links
         self.queue: queue.Queue = queue.Queue()
         self.failed: str | None = None
-        self._owed: deque[MicroStep] = deque()
+        self._stopping = False
+        # Latents the last stage will send to stage 0, in its send order, with their shapes: a stream closed
+        # while some are in flight (a cancel) still has them received, and dropped, to keep the pair in order.
+        self._owed: deque[tuple[MicroStep, tuple[int, ...]]] = deque()
         # CUDA event pairs of batches whose GPU time has not been read yet (read when done, never synced).
         self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._cuda = runner.slice.device.type == "cuda"
@@ -87,6 +90,7 @@ class StageExecutor:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current event; events still queued are dropped."""
+        self._stopping = True
         if self.transport is not None:
             self.transport.abort()
         while True:
@@ -120,6 +124,9 @@ class StageExecutor:
             try:
                 self._run(item)
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which ends the generation
+                if self._stopping:
+                    logger.info("stage executor stopped during event %d (%s): %s", item.seq, item.kind, exc)
+                    return
                 self.failed = f"stage event {item.seq} ({item.kind}) failed: {type(exc).__name__}: {exc}"
                 logger.exception("stage executor failed")
                 self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
@@ -150,9 +157,10 @@ class StageExecutor:
         while want:
             if not self._owed:
                 raise RuntimeError(f"stage 0 needs latents for {sorted(map(str, want))} that no batch produces")
-            step = self._owed.popleft()
-            latent = tp.recv_latent(self.runner.spec(step.stream).latent_shape)
-            self.runner.put_latent(step, latent)
+            step, shape = self._owed.popleft()
+            latent = tp.recv_latent(shape)
+            if step.stream in self.runner.streams:
+                self.runner.put_latent(step, latent)
             want.discard(step)
 
     def _run_batch(self, item: PlanEvent) -> None:
@@ -199,8 +207,9 @@ class StageExecutor:
         if self.first and distributed:
             # The last stage will send, in this order, the next-level input of every item that has one.
             for st in steps:
-                if st.level + 1 < runner.spec(st.stream).levels:
-                    self._owed.append(MicroStep(st.stream, st.chunk, st.level + 1))
+                spec = runner.spec(st.stream)
+                if st.level + 1 < spec.levels:
+                    self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
         forward_ms, micro_steps = (time.perf_counter() - start) * 1e3, len(steps)
         forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
         if self._cuda:

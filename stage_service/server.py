@@ -4,10 +4,16 @@ Run with ``stagecast stage --index I --coordinator HOST:PORT --checkpoint DIR``.
 
 1. read the checkpoint's config, start the gRPC server (health NOT_SERVING), register with the
    coordinator, which answers with this stage's layer range;
-2. load only that slice, then report SERVING;
+2. load only that slice, then report the process SERVING (health service ""): alive, waiting to join;
 3. ``Form`` joins the generation's process group; ``Submit`` enqueues validated plan events that the
-   ``StageExecutor`` runs in order; ``Results`` streams finished chunks and batch completions back;
+   ``StageExecutor`` runs in order; ``Results`` streams finished chunks and batch completions back.  While a
+   generation is formed, the health service ``stagecast.internal.v1.StageService`` is SERVING;
 4. ``Reset`` abandons a generation after a failure elsewhere: streams dropped, group left, memory freed.
+
+Self-healing: the stage sends the coordinator a heartbeat twice a second naming the generation it holds.
+When the coordinator answers that the stage is outside its current generation (the stage was paused and
+marked lost, the coordinator restarted, or the generation failed while the stage could not be reset), or
+the coordinator stays unreachable, the stage drops its generation and registers again, with backoff.
 
 Invalid plan events are rejected with a gRPC status naming the problem and never reach the executor.
 """
@@ -34,7 +40,7 @@ from stage_service.metrics import StageTelemetry
 from stage_service.runner import SliceRunner, validate_batch
 from stage_service.transport import PipeTransport
 from stagecast import telemetry, wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.grpc_util import CHANNEL_OPTIONS, NOT_SERVING, SERVING, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
@@ -95,6 +101,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.gen: _Generation | None = None
         self.lock = threading.RLock()
         self.address = ""
+        self.health = None  # the server's grpc.health.v1 servicer, once serving
         self.telemetry = StageTelemetry(opts.index, state=lambda: self.gen)
 
     # ---- setup ----------------------------------------------------------------------------------------
@@ -102,20 +109,87 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def register(self, address: str, timeout: float = 120.0) -> None:
         self.address = address
         with grpc.insecure_channel(self.opts.coordinator, options=CHANNEL_OPTIONS) as ch:
-            stub = pb_grpc.CoordinatorServiceStub(ch)
-            reply = stub.Register(
-                pb.RegisterRequest(
-                    index=self.opts.index,
-                    address=address,
-                    model_config_json=json.dumps(self.config, sort_keys=True, default=list),
-                    expected_world_size=self.opts.expected_world_size,
-                    device=self.opts.device,
-                ),
-                timeout=timeout,
-                wait_for_ready=True,
-            )
+            self._register(pb_grpc.CoordinatorServiceStub(ch), timeout, wait_for_ready=True)
+
+    def _register(self, stub, timeout: float, wait_for_ready: bool = False) -> None:
+        reply = stub.Register(
+            pb.RegisterRequest(
+                index=self.opts.index,
+                address=self.address,
+                model_config_json=json.dumps(self.config, sort_keys=True, default=list),
+                expected_world_size=self.opts.expected_world_size,
+                device=self.opts.device,
+            ),
+            timeout=timeout,
+            wait_for_ready=wait_for_ready,
+        )
         self.world_size = reply.world_size
         self._load(range(reply.layer_start, reply.layer_stop))
+
+    # ---- membership -----------------------------------------------------------------------------------
+
+    def held_generation(self) -> int:
+        gen = self.gen
+        return gen.number if gen is not None else 0
+
+    def membership(self, stop: threading.Event, interval: float = 0.5, max_backoff: float = 2.0) -> None:
+        """Heartbeat until ``stop``; leave and register again whenever this stage is outside the current
+        generation (see the module docstring).  Runs in its own thread."""
+        channel = grpc.insecure_channel(self.opts.coordinator, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.CoordinatorServiceStub(channel)
+        registered, misses, delay = True, 0, interval
+        try:
+            while not stop.wait(delay):
+                held = self.held_generation()
+                try:
+                    if not registered:
+                        self._register(stub, timeout=10.0)
+                        registered, misses, delay = True, 0, interval
+                        logger.info("stage %d registered again", self.opts.index)
+                        continue
+                    request = pb.HeartbeatRequest(index=self.opts.index, address=self.address, generation=held)
+                    reply = stub.Heartbeat(request, timeout=2.0)
+                except grpc.RpcError as exc:
+                    misses += 1
+                    delay = min(max_backoff, interval * 2**misses)
+                    if misses == 1 or misses % 20 == 0:
+                        logger.warning(
+                            "stage %d: coordinator %s: %s: %s",
+                            self.opts.index,
+                            "registration failed" if not registered else "heartbeat failed",
+                            exc.code().name,
+                            exc.details(),
+                        )
+                    if registered and misses >= 3 and held:
+                        # Whatever the coordinator knows when it is back, this generation cannot go on.
+                        registered = not self.leave(held, f"lost the coordinator ({exc.code().name})")
+                    continue
+                misses, delay = 0, interval
+                if reply.rejoin:
+                    logger.warning("stage %d: %s; registering again", self.opts.index, reply.reason)
+                    registered = not self.leave(held, reply.reason)
+                    delay = 0.0
+        finally:
+            channel.close()
+
+    def leave(self, held: int, reason: str) -> bool:
+        """Drop generation ``held`` (0: none), unless another generation was formed meanwhile.  Returns
+        whether this stage now holds no generation."""
+        if not self.lock.acquire(timeout=5.0):
+            self._reexec(f"leaving while busy forming a generation ({reason})")
+        try:
+            if self.held_generation() != held:
+                return False
+            clean = self._drop_generation(reason)
+        finally:
+            self.lock.release()
+        if not clean:
+            self._reexec(f"executor stuck after leaving ({reason})")
+        return True
+
+    def _set_member(self, member: bool) -> None:
+        if self.health is not None:
+            self.health.set(SERVICE_NAME, SERVING if member else NOT_SERVING)
 
     def _load(self, layers: range) -> float:
         with self.lock:
@@ -184,6 +258,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self.gen = gen
             self.world_size = request.world_size
             executor.start()
+            self._set_member(True)
             logger.info("stage %d formed generation %d", self.opts.index, request.generation)
             return pb.FormReply(rank=request.rank, load_seconds=took)
 
@@ -193,18 +268,22 @@ class StageServicer(pb_grpc.StageServiceServicer):
         gen, self.gen = self.gen, None
         if gen is None:
             return True
+        self._set_member(False)
         logger.info("stage %d leaving generation %d: %s", self.opts.index, gen.number, reason)
         gen.events.put(None)  # ends a Results stream still attached to the old generation
-        gen.executor.stop(timeout)
+        gen.executor.stop(timeout)  # aborting the transport releases a receive or send blocked on a peer
         if gen.executor.alive:
             logger.error("stage %d executor is stuck after %.0fs", self.opts.index, timeout)
             return False
         for sid in list(gen.executor.runner.streams):
             gen.executor.runner.close_stream(sid)
+        released = True
         if gen.transport is not None:
-            # Leaving closes our connections, which releases peers blocked on a receive from us.
-            gen.transport.close()
-        return True
+            # Leaving shuts our connections, which releases peers blocked on us, and frees the group's
+            # sockets, fds and threads.
+            released = gen.transport.close()
+        gen.executor.on_event = _ignore  # the executor's callback refers to ``gen``: no cycle outlives it
+        return released
 
     def _reexec(self, why: str) -> None:
         """Replace this process with a fresh copy of itself (same PID, same arguments).  The only way to
@@ -220,6 +299,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if not self.lock.acquire(timeout=5.0):
             self._reexec(f"reset while busy forming a generation ({reason})")
         try:
+            held = self.held_generation()
+            if request.generation and held > request.generation:
+                # A Reset that arrives late (this process was paused) must not end a newer generation.
+                logger.info("stage %d ignores a reset of generation %d", self.opts.index, request.generation)
+                return pb.Empty()
             clean = self._drop_generation(reason)
         finally:
             self.lock.release()
@@ -336,6 +420,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             )
 
 
+def _ignore(_event) -> None:
+    pass
+
+
 def serve(opts: StageOptions, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     telemetry.init("stage", {"stagecast.stage.index": opts.index})
     servicer = StageServicer(opts)
@@ -343,17 +431,21 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
     server, health, port = make_server(
         opts.port, [(pb_grpc.add_StageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
     )
+    servicer.health = health
     server.start()
     address = f"{opts.advertise_host or opts.host}:{port}"
     logger.info("stage %d listening on %s", opts.index, address)
-    servicer.register(address)
-    set_serving(health, [SERVICE_NAME], True)
-    announce_ready(stage=opts.index, address=address)
-    if ready is not None:
-        ready.set()
     stop = stop or threading.Event()
     try:
+        servicer.register(address)
+        set_serving(health, [], True)  # alive; StageService follows membership of a formed generation
+        announce_ready(stage=opts.index, address=address)
+        if ready is not None:
+            ready.set()
+        member = threading.Thread(target=servicer.membership, args=(stop,), daemon=True, name="membership")
+        member.start()
         stop.wait()
+        member.join(5.0)
     finally:
         clean = False
         if servicer.lock.acquire(timeout=5.0):

@@ -7,21 +7,33 @@ Usage::
     hs = tp.recv_hidden(shape, dtype)     # rank r <- r-1
     tp.send_latent(x)                     # last -> first (the next level's input)
     x = tp.recv_latent(shape)             # first <- last
-    tp.abort()                            # from any thread: pending waits raise TransportAborted
-    tp.close()
+    tp.abort()                            # from any thread: blocked sends and receives raise at once
+    tp.close()                            # leaves the group: its sockets, fds and threads are gone
 
 Only hidden states (B, L, D) and small latents cross.  Both ends derive every shape from the plan, so
 no per-message handshake is needed.  The process group lives in a ``PrefixStore`` named after the
 generation, on a TCPStore the coordinator hosts: a new generation after a failure never sees the old
-one's keys.  A receive blocked on a peer that died raises at once (the connection closes).  One blocked on a live
-peer is released when that peer leaves the group, which every stage does on ``Reset``.  On NCCL, sends
+one's keys.  A receive blocked on a peer that died raises at once (the connection closes).  On NCCL, sends
 and receives are enqueued on the GPU and ordered per peer pair; the host does not block.
+
+gloo cannot interrupt a wait, and a gloo send completes only once the receiver has posted its receive
+(``is_completed()`` stays false until ``wait()``).  So:
+
+* sends are reaped by one thread per generation that waits on them in order (the executor never blocks
+  on a send, and no send handle or tensor outlives its delivery);
+* ``abort`` shuts down this generation's gloo connections (found by port: every pair socket has our
+  listener's port or a peer's listener port at one end), which makes every blocked wait, here and at the
+  peers, raise at once, as a peer's death would;
+* ``close`` joins the reaper and destroys the group, so nothing of the generation stays behind.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import queue
+import socket
 import threading
 import time
 
@@ -45,9 +57,14 @@ class PipeTransport:
         self.world_size = world_size
         self.device = device
         self.backend = backend
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._aborted = threading.Event()
         self.wait_seconds = 0.0  # time spent blocked in receives, for bubble accounting
+        self.sockets: list[tuple[int, int]] = []  # (fd, inode) of this generation's gloo connections
+        self._sends: queue.Queue = queue.Queue()  # (work, tensor) until delivered; None ends the reaper
+        self._reaper: threading.Thread | None = None
+        if backend != "nccl" and world_size > 1:
+            self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="send-reaper")
+            self._reaper.start()
 
     @classmethod
     def join(
@@ -70,9 +87,12 @@ class PipeTransport:
             torch.cuda.set_device(device)
         if dist.is_initialized():
             dist.destroy_process_group()
+        before = _socket_fds()
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
         group = dist.group.WORLD
         tp = cls(group, rank, world_size, device, backend)
+        if backend == "gloo" and world_size > 1:
+            tp.sockets = _gloo_connections(before, prefixed, rank, world_size)
         tp._warmup()
         logger.info("joined generation %d as rank %d/%d over %s", generation, rank, world_size, backend)
         return tp
@@ -92,11 +112,24 @@ class PipeTransport:
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=dst, tag=tag)
-        self._pending.append((work, tensor))
-        self._reap()
+        if self._reaper is not None:
+            self._sends.put((work, tensor))  # kept alive until delivered
 
-    def _reap(self) -> None:
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+    def _reap_loop(self) -> None:
+        # Sends to one peer complete in order, so waiting on them in order never waits on a later one.
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            try:
+                item[0].wait()
+            except RuntimeError:
+                pass  # the generation is being abandoned (abort, or a peer left): nothing to deliver
+            del item
+
+    @property
+    def pending_sends(self) -> int:
+        return self._sends.qsize()
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self._isend(hidden, self.rank + 1, HIDDEN_TAG)
@@ -129,28 +162,103 @@ class PipeTransport:
 
     # ---- teardown -------------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Wait for every outstanding send (used before leaving a generation cleanly)."""
-        for work, _ in self._pending:
-            self._wait(work)
-        self._pending.clear()
-
     def abort(self) -> None:
+        """Release every wait on this generation's data plane, in this process and at its peers."""
         self._aborted.set()
         if self.backend == "nccl":
             try:
                 self.group.abort()
             except Exception:  # noqa: BLE001 - best effort: the group is being abandoned anyway
                 logger.exception("NCCL abort failed")
-
-    def close(self) -> None:
-        self._pending.clear()
-        if not dist.is_initialized():
             return
+        for fd, inode in self.sockets:
+            _shutdown_socket(fd, inode)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Leave the group.  Returns False if a send could not be released (the caller restarts the process)."""
+        released = True
+        self.abort()  # a send the peer will never receive would hold the reaper; peers blocked on us are freed
+        if self._reaper is not None:
+            self._sends.put(None)
+            self._reaper.join(timeout)
+            released = not self._reaper.is_alive()
+            self._reaper = None
+        self.group = None
+        if not dist.is_initialized():
+            return released
         try:
             if self.backend == "nccl":
                 # destroy can block on in-flight NCCL work; abort tears the communicators down at once.
-                self.group.abort()
+                dist.group.WORLD.abort()
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the group is being abandoned either way
             logger.exception("leaving the process group failed")
+        return released
+
+
+def _socket_fds() -> dict[int, int]:
+    """fd -> socket inode of this process's open sockets."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(name)] = int(link[8:-1])
+    return out
+
+
+def _port_pair(fd: int) -> tuple[int, int, bool] | None:
+    """(local port, remote port, listening) of a TCP socket fd, or None for anything else."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        local = sock.getsockname()[1]
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return local, 0, True
+        return local, sock.getpeername()[1], False
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _gloo_connections(before: dict[int, int], store, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The gloo pair sockets that init_process_group opened.  Other threads (gRPC, metrics) may open sockets
+    meanwhile, so a new socket counts only if one of its ends is a gloo listener of this generation: every
+    rank publishes its listener's port, and every pair connects one rank's listener to another rank."""
+    new = {fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino}
+    ports = {fd: _port_pair(fd) for fd in new}
+    listening = [p[0] for p in ports.values() if p is not None and p[2]]
+    store.set(f"stagecast/gloo-listeners/{rank}", ",".join(map(str, listening)))
+    keys = [f"stagecast/gloo-listeners/{r}" for r in range(world_size)]
+    store.wait(keys)
+    gloo_ports = {int(p) for key in keys for p in store.get(key).decode().split(",") if p}
+    return [
+        (fd, new[fd])
+        for fd, p in ports.items()
+        if p is not None and not p[2] and (p[0] in gloo_ports or p[1] in gloo_ports)
+    ]
+
+
+def _shutdown_socket(fd: int, inode: int) -> None:
+    """Shut a gloo connection down (both directions), if ``fd`` still is that socket.  gloo's loop then fails
+    the pair as if the peer had died, which raises in every wait on it (the listener is left alone: gloo
+    aborts the process if its accept fails)."""
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
+            return
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()

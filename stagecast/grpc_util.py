@@ -15,6 +15,8 @@ Usage::
 from __future__ import annotations
 
 import collections
+import errno
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
@@ -29,6 +31,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A server owns its port: with gRPC's default SO_REUSEPORT, a second server on a taken port starts
+# "successfully" and the kernel splits the clients between two unrelated processes.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, EXCLUSIVE_PORT]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
@@ -108,11 +114,12 @@ def make_server(
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Build a server with the given servicers, grpc.health.v1 and reflection.  Returns the bound port
     (useful with ``port=0``).  ``add(servicer, server)`` registers a servicer (a generated ``add_*_to_server`` or a
-    function adding generic handlers)."""
+    function adding generic handlers).  A taken port raises ``AddressInUseError`` ("address already in use")."""
+    check_port_free(host, port)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=list(interceptors),
-        options=list(options),
+        options=[*options, EXCLUSIVE_PORT],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     health_servicer = health.HealthServicer()
@@ -124,7 +131,11 @@ def make_server(
     health_servicer.set("", NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # "Failed to bind to address": taken between the check and now, or not ours
+        check_port_free(host, port)
+        raise OSError(f"could not bind gRPC server to {host}:{port}") from exc
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     return server, health_servicer, bound
@@ -135,11 +146,12 @@ def make_health_server(
 ) -> tuple[grpc.Server, int]:
     """grpc.health.v1 alone on its own port and threads, sharing ``health_servicer``'s statuses: what liveness and
     readiness probes should call, since nothing the main server's clients do can take its threads.  Not started."""
+    check_port_free(host, port)
     limits = ConcurrencyLimits({HEALTH_WATCH: max_watchers})
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_watchers + 4),
         interceptors=[limits],
-        options=[("grpc.max_receive_message_length", 4096)],
+        options=[("grpc.max_receive_message_length", 4096), EXCLUSIVE_PORT],
         maximum_concurrent_rpcs=max_watchers + 4,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -147,6 +159,29 @@ def make_health_server(
     if bound == 0:
         raise OSError(f"could not bind the health server to {host}:{port}")
     return server, bound
+
+
+class AddressInUseError(OSError):
+    def __init__(self, host: str, port: int):
+        super().__init__(errno.EADDRINUSE, f"{host}:{port}: address already in use")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``AddressInUseError`` if something listens on ``host:port`` (port 0 is always free)."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # the server's own bind reports an unusable host
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no owner
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AddressInUseError(host, port) from None
 
 
 def set_serving(health_servicer: health.HealthServicer, names: Sequence[str], serving: bool) -> None:

@@ -6,7 +6,10 @@ A service's ``cli.py`` builds its parser with these helpers and runs through ``r
         return run_service("stage", lambda stop: serve(options_from(args), stop=stop))
 
 ``run_service`` sets SIGTERM/SIGINT to a stop event (services run as PID 1 in containers), and turns a
-``ValueError`` or ``FileNotFoundError`` raised while starting into one line on stderr and exit status 2.
+``ValueError`` or ``OSError`` raised while starting (a missing file, "address already in use") into one line on
+stderr and exit status 2.  It installs ``stagecast.diagnostics`` (SIGUSR2 reports what the process holds), and
+once ``serve`` has returned (spans flushed, peers released) the process exits at once: tearing down torch's and
+gRPC's globals takes seconds on a busy machine and can hang in their destructors.
 When a launcher started the process (``STAGECAST_PARENT_PID`` set), the process also dies with it.
 """
 
@@ -79,14 +82,24 @@ def csv_list(kind):
 
 
 def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
-    """Run ``serve(stop)`` until SIGTERM/SIGINT; a start-up error in the flags is one line and exit status 2."""
+    """Run ``serve(stop)`` until SIGTERM/SIGINT; a start-up error in the flags is one line and exit status 2.
+    Does not return: the process exits with that status."""
+    from stagecast import diagnostics
+
+    diagnostics.install()
+    code = 0
     try:
         serve(stop_event())
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         logger.debug("%s failed to start", name, exc_info=True)
         print(f"stagecast {name}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    except KeyboardInterrupt:  # Ctrl-C before the stop event was set up
+        code = 130
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def resolve_transformer(path: str) -> str:

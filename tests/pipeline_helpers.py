@@ -60,3 +60,17 @@ def run_stream(stub, spec, timeout=120.0):
         elif ev.WhichOneof("event") == "ended":
             return chunks, ev.ended.reason
     raise AssertionError("stream ended without an end event")
+
+
+def wait_until(predicate, timeout, interval=0.05, what="condition"):
+    """Poll an observable state until ``predicate()`` is truthy; returns its value (TimeoutError otherwise)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not hold within {timeout}s")
+        time.sleep(interval)

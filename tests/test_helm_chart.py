@@ -475,6 +475,20 @@ def test_probes_use_grpc_health(helm, name):
         assert budget >= 120, (component, budget)
 
 
+def test_stage_readiness_means_serving_in_a_generation_and_liveness_means_alive(helm):
+    from coordinator.server import SERVICE_NAME as COORDINATOR_HEALTH
+    from stage_service.server import SERVICE_NAME as STAGE_HEALTH
+
+    r = render(helm)
+    stage = main_container(r.component("StatefulSet", "stage"))
+    assert stage["readinessProbe"]["grpc"]["service"] == STAGE_HEALTH  # NOT_SERVING while waiting to join
+    assert stage["startupProbe"]["grpc"]["service"] == stage["livenessProbe"]["grpc"]["service"] == ""
+    # Stages register through the coordinator Service while no generation is formed: it must stay routable.
+    coordinator = main_container(r.component("Deployment", "coordinator"))
+    services = {coordinator[p]["grpc"]["service"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert services == {""} and COORDINATOR_HEALTH not in services
+
+
 def test_probe_service_name_is_configurable(helm):
     r = render(helm, stages={"probes": {"readiness": {"service": "stagecast.v1.Stage"}}})
     c = main_container(r.component("StatefulSet", "stage"))

@@ -1,17 +1,30 @@
-"""Losing a stage mid-stream fails the affected streams promptly; a restarted stage rejoins a new generation."""
+"""Losing a stage mid-stream fails the affected streams promptly; a restarted stage rejoins a new generation;
+a paused stage rejoins by itself once it runs again."""
 
+import os
+import signal
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher.demo_checkpoint import write_transformer
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
+from stage_service.server import SERVICE_NAME as STAGE_HEALTH
+from stagecast.grpc_util import NOT_SERVING, SERVING
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec, wait_for_generation
+from tests.pipeline_helpers import (
+    coordinator_stub,
+    open_request,
+    run_stream,
+    tiny_spec,
+    wait_for_generation,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +59,10 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
             run_stream(stub, tiny_spec(), timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "not ready" in refused.value.details()
+        # The surviving stage is alive, waiting to join: its process health says SERVING, its stage service not.
+        survivor = pipe.stage_children[0].info["address"]
+        wait_until(lambda: health(survivor, STAGE_HEALTH) == NOT_SERVING, timeout=30, what="stage 0 leaving")
+        assert health(survivor, "") == SERVING
 
         launcher.spawn("stage-1-restarted", pipe.stage_args[1])
         status = wait_for_generation(pipe.coordinator, minimum=2)
@@ -55,3 +72,45 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
         channel.close()
     # Leaving the launcher stopped every process it started, including re-executed survivors.
     assert all(child.proc.poll() is not None for child in [pipe.coordinator_child, *pipe.stage_children.values()])
+
+
+def health(address, service):
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def _ready(stub):
+    return stub.Status(pb.Empty(), timeout=10).ready
+
+
+@pytest.mark.parametrize("pause", ["until-lost", pytest.param("20s", marks=pytest.mark.soak)])
+def test_a_paused_stage_rejoins_by_itself_and_a_new_stream_succeeds_within_10s(checkpoint, pause):
+    with Launcher() as launcher:
+        pipe = start_pipeline(launcher, checkpoint=checkpoint, stages=2)
+        channel, stub = coordinator_stub(pipe.coordinator)
+        stage = pipe.stage_children[1]
+        # A stream is running when the stage stops: the survivor is blocked on it in the data plane.
+        events = stub.OpenStream(open_request(tiny_spec(num_chunks=100_000)), timeout=120)
+        assert next(ev for ev in events if ev.WhichOneof("event") == "chunk")
+        os.kill(stage.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in events:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stopped answering health checks" in info.value.details()
+            assert not _ready(stub)
+            if pause == "20s":
+                # Longer than the coordinator's Reset deadline (15 s): the stage is marked lost for good.
+                time.sleep(20)
+        finally:
+            os.kill(stage.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        wait_for_generation(pipe.coordinator, minimum=2, timeout=30)
+        chunks, reason = run_stream(stub, tiny_spec(num_chunks=3), timeout=30)
+        took = time.monotonic() - resumed
+        assert reason == "completed" and len(chunks) == 3
+        assert took < 10.0, f"a new stream succeeded {took:.1f}s after SIGCONT"
+        assert stage.proc.poll() is None  # the same process (no restart by anyone)
+        assert health(stage.info["address"], STAGE_HEALTH) == SERVING  # serving in the new generation
+        channel.close()

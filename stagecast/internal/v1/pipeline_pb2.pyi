@@ -256,6 +256,26 @@ class RegisterReply(_message.Message):
     generation: int
     def __init__(self, world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("index", "address", "generation")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    generation: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("rejoin", "reason", "generation")
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    rejoin: bool
+    reason: str
+    generation: int
+    def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class OpenStreamRequest(_message.Message):
     __slots__ = ("spec", "text", "traceparent", "acknowledges", "consumer_depth")
     SPEC_FIELD_NUMBER: _ClassVar[int]

@@ -287,6 +287,11 @@ class CoordinatorServiceStub:
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/Heartbeat',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.OpenStream = channel.unary_stream(
                 '/stagecast.internal.v1.CoordinatorService/OpenStream',
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.OpenStreamRequest.SerializeToString,
@@ -324,6 +329,13 @@ class CoordinatorServiceServicer:
 
     def Register(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Every registered stage calls this about twice a second; see HeartbeatReply.rejoin.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -374,6 +386,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterRequest.FromString,
                     response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.SerializeToString,
             ),
             'OpenStream': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenStream,
@@ -433,6 +450,33 @@ class CoordinatorService:
             '/stagecast.internal.v1.CoordinatorService/Register',
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterRequest.SerializeToString,
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/Heartbeat',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
