@@ -30,11 +30,11 @@ for part in "$@"; do
         --ttff-runs 2 --interactive-updates 2 --load 2 --load-seconds 4 --peer-chunks 4 --json "$out/quick.json"
       ;;
     1.3b)
-      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 10 \
+      timeout 330 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 10 \
         --json "$out/v2_13b_1step_2gpu.json"
       ;;
     1.3b-4)
-      timeout 300 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \
+      timeout 250 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \
         --json "$out/v2_13b_4step_2gpu.json"
       ;;
     14b)

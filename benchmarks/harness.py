@@ -218,6 +218,13 @@ def run_peer(args, dit, vae, device, dtype, text_len, chunks: int, compiled: boo
 # ---- what the viewer sees -------------------------------------------------------------------------------
 
 
+_T0 = time.perf_counter()
+
+
+def log(phase: str) -> None:
+    print(f"[harness] {phase} done at {time.perf_counter() - _T0:.1f} s", flush=True)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1])."""
     ordered = sorted(values)
@@ -276,8 +283,17 @@ class StreamRecord:
     """One stream read to its end: per-frame arrivals (client clock from the call's start), the gateway's per-chunk
     timestamps, TTFF to the first decodable picture, and optional prompt updates sent at given frames."""
 
-    def __init__(self, client, args, seconds: float | None, prompt: str, updates: dict[int, str] | None = None):
+    def __init__(
+        self,
+        client,
+        args,
+        seconds: float | None,
+        prompt: str,
+        updates: dict[int, str] | None = None,
+        stop_at: int | None = None,
+    ):
         self.args = args
+        self.stop_at = stop_at  # frame index after which an unbounded stream is stopped
         self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config_kwargs(args))
         self.updates = dict(updates or {})
         self.arrivals: list[float] = []
@@ -312,6 +328,8 @@ class StreamRecord:
                 if prompt is not None:
                     self.update_sent.append((time.monotonic() - self.gen.t0, prompt))
                     self.gen.update_prompt(prompt)
+                if frame.index == self.stop_at:
+                    self.gen.stop()
         except Exception as exc:  # noqa: BLE001 - recorded; a load row reports failed streams
             self.error = f"{type(exc).__name__}: {exc}"
         return self
@@ -478,26 +496,41 @@ def run_system(root: Path, args, device_kind: str) -> dict:
     from launcher.process import Launcher
 
     nonce = uuid.uuid4().int % 9000
+    partial: dict = {}
+
+    def done(phase: str, **data) -> None:
+        """Progress on stdout, and what is measured so far in ``<json>.partial`` (kept if a later phase is cut)."""
+        partial.update(data)
+        log(phase)
+        if args.json:
+            Path(args.json + ".partial").write_text(json.dumps(partial, indent=1, default=str))
+
     with Launcher() as launcher:
         t = time.perf_counter()
         pipe, gateway = start_system(launcher, root, args, device_kind)
         time_to_ready = time.perf_counter() - t
+        done("ready", time_to_ready_s=time_to_ready)
         with stagecast.Client(gateway) as client:
             # Every prompt is new to the server (its text cache), as the protocol asks for TTFF.
             first = StreamRecord(client, args, args.first_seconds, f"a dog {nonce}").run()
+            done("first stream", first_stream=first.json())
             before = stage_stats(pipe.coordinator)
             with LeadSampler(pipe.coordinator) as lead:
                 t = time.perf_counter()
                 main = StreamRecord(client, args, args.seconds, f"a fox {nonce}").run()
                 wall = time.perf_counter() - t
             after = stage_stats(pipe.coordinator)
+            done("main stream", main=main.json(), lead=lead.summary())
             firsts = [StreamRecord(client, args, 0.5, f"a cat {nonce} {i}").run() for i in range(args.ttff_runs)]
-            # Interactive: a new prompt every `interactive_every` frames.
+            done("ttff", ttff_s=[f.ttff_s for f in firsts])
+            # Interactive: an unbounded stream with a new prompt every `every` frames, stopped well after the last
+            # update (encoding a new prompt with the real-size encoder on a busy GPU is not instant).
             every = max(8, int(args.target_fps))
             updates = {every * (k + 1): f"a bird {nonce} {k}" for k in range(args.interactive_updates)}
-            inter_seconds = every * (args.interactive_updates + 2) / args.target_fps
-            inter = StreamRecord(client, args, inter_seconds, f"a cow {nonce}", updates).run()
+            stop_at = every * (args.interactive_updates + 10)
+            inter = StreamRecord(client, args, None, f"a cow {nonce}", updates, stop_at=stop_at).run()
             prompt_chunks = plan_prompt_chunks(pipe.coordinator)
+            done("interactive", interactive_sent=inter.update_sent, prompt_chunks=prompt_chunks)
             load_rows = []
             for n in args.load or []:
                 recs = [StreamRecord(client, args, args.load_seconds, f"load {nonce} {n} {i}") for i in range(n)]
@@ -507,6 +540,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 for th in threads:
                     th.join()
                 load_rows.append(load_row(n, recs))
+                done(f"load {n}", load=load_rows)
         mem = gpu_memory()
     for rec in (first, main, *firsts, inter):
         if rec.error:
@@ -702,10 +736,13 @@ def main(argv: list[str] | None = None) -> int:
         flops = flops_per_frame(args, dit, vae, device, dtype, text_len)
         peak = matmul_peak_tflops(device, 8192 if device_kind == "cuda" else 512)
         floor_fps = args.stages * peak / flops["tflop_per_video_frame"]
+        log("floor")
         peer = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks)
+        log("peer")
         peer_compiled = None
         if not args.no_compiled_peer:
             peer_compiled = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks, compiled=True)
+            log("compiled peer")
         del dit, vae
         if device_kind == "cuda":
             torch._dynamo.reset()
@@ -739,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json + ".partial").unlink(missing_ok=True)
     if args.markdown:
         with open(args.markdown, "a") as fh:
             fh.write(markdown_row(result) + "\n")
