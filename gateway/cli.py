@@ -23,6 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-streams", type=int, default=8, help="concurrent streams this gateway accepts")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument("--text-len", type=int, default=None, help="text tokens (default: checkpoint's, else 512)")
+    p.add_argument(
+        "--text-dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="text encoder weights (auto: bfloat16 on a GPU, float32 on CPU)",
+    )
+    p.add_argument("--text-device", default=None, help="where the text encoder runs (default: --device)")
     p.add_argument("--vae-dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
@@ -99,6 +106,8 @@ def main(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         metrics_port=args.metrics_port,
         text_len=args.text_len,
+        text_dtype=args.text_dtype,
+        text_device=args.text_device,
         vae_dtype=args.vae_dtype,
         vae_compile=args.vae_compile,
         buffer_chunks=args.buffer_chunks,

@@ -19,7 +19,8 @@ Each gateway owns its registry, so several gateways in one process (tests) do no
   ``stagecast_gateway_late_frames_total`` (encoded after their presentation time: the first frame's encode time plus
   the frame's pts), ``stagecast_gateway_frames_dropped_total{reason}`` (encoded, never handed to the client because
   the stream ended first) (counters);
-* ``stagecast_gateway_first_frame_seconds`` (server-side TTFF), ``stagecast_gateway_chunk_decode_seconds``,
+* ``stagecast_gateway_prompt_encode_seconds{cached}`` (a prompt's text encoding, cached="true" for a cache hit),
+  ``stagecast_gateway_first_frame_seconds`` (server-side TTFF), ``stagecast_gateway_chunk_decode_seconds``,
   ``stagecast_gateway_frame_encode_seconds``, ``stagecast_gateway_stream_fps`` (each finished stream's frames per
   second, first to last frame) (histograms).
 """
@@ -112,6 +113,13 @@ class GatewayMetrics:
             buckets=_ENCODE_BUCKETS,
             registry=self.registry,
         )
+        self._prompt = Histogram(
+            "stagecast_gateway_prompt_encode_seconds",
+            "Encoding a prompt with the text encoder (cached: served from the embedding cache)",
+            ["cached"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._fps = Histogram(
             "stagecast_gateway_stream_fps",
             "Frames per second of each finished stream, first to last frame (streams with at least two frames)",
@@ -135,6 +143,9 @@ class GatewayMetrics:
 
     def rejected(self, code: str) -> None:
         self._rejected.labels(code=code).inc()
+
+    def prompt_encoded(self, seconds: float, *, cached: bool) -> None:
+        self._prompt.labels(cached="true" if cached else "false").observe(seconds)
 
     def first_frame(self, seconds: float) -> None:
         self._first_frame.observe(seconds)

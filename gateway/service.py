@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from gateway.admission import Admission, CostBudget, Refused
 from gateway.checkpoint import ModelInfo, ServingDefaults
@@ -43,7 +44,7 @@ from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
 from gateway.stream_vae import DTYPES
-from gateway.text_encoder import TextEncoder
+from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
 from stagecast.grpc_util import (
@@ -83,6 +84,8 @@ class GatewayOptions:
     max_streams: int = 8
     metrics_port: int = 0
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
+    text_dtype: str = "auto"  # the text encoder's weights: auto (bfloat16 on a GPU, float32 on CPU) or a dtype name
+    text_device: str | None = None  # where the text encoder runs (None: ``device``)
     text_cache: int = 256
     vae_dtype: str = "float32"
     vae_compile: bool = False  # torch.compile the VAE decoder (GPU; compiled before the gateway serves)
@@ -114,7 +117,14 @@ class Gateway:
         self.model_name = root.resolve().name  # gen_ai.request.model on the stream spans
         self.text_len = opts.text_len or self.defaults.text_len
         self.timers = Timers("gateway-deadlines")  # every stream's deadlines, on one thread
-        self.encoder = TextEncoder(root, max_len=self.text_len, cache_size=opts.text_cache, device=opts.device)
+        text_device = opts.text_device or opts.device
+        self.encoder = TextEncoder(
+            root,
+            max_len=self.text_len,
+            cache_size=opts.text_cache,
+            device=text_device,
+            dtype=text_dtype(opts.text_dtype, text_device),
+        )
         if opts.vae_stage:
             self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout, timers=self.timers)
         else:
@@ -235,11 +245,23 @@ class Gateway:
 
     # ---- used by the streams -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str) -> torch.Tensor:
+    def encode_prompt(self, prompt: str, parent_span=None) -> torch.Tensor:
+        """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span
+        (under ``parent_span`` when tracing)."""
+        start_ns = time.time_ns()
+        t0 = time.perf_counter()
         try:
-            return self.encoder.encode(prompt)
+            embeds, cached = self.encoder.encode_cached(prompt)
         except ValueError as exc:
             raise ConfigError("prompt", str(exc).removeprefix("prompt ")) from None
+        seconds = time.perf_counter() - t0
+        self.metrics.prompt_encoded(seconds, cached=cached)
+        if telemetry.enabled():
+            ctx = trace.set_span_in_context(parent_span) if parent_span is not None else None
+            attrs = {"stagecast.text.cached": cached, "stagecast.text.len": self.text_len}
+            span = telemetry.tracer().start_span("text.encode", context=ctx, attributes=attrs, start_time=start_ns)
+            span.end(start_ns + int(seconds * 1e9))
+        return embeds
 
     # ---- admission ---------------------------------------------------------------------------------
 
@@ -469,7 +491,9 @@ class StreamServicer:
         """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
         gw = self.gw
         try:
-            run = StreamRun(gw, cfg, gw.encode_prompt(cfg.prompt), context, t0, parent_span=rpc_span)
+            run = StreamRun(
+                gw, cfg, gw.encode_prompt(cfg.prompt, parent_span=rpc_span), context, t0, parent_span=rpc_span
+            )
             run.open_pipeline()
             return run
         except ConfigError as exc:

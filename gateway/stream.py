@@ -543,7 +543,9 @@ class StreamRun:
 
     def _update_prompt(self, prompt: str) -> bool:
         try:
-            text = self.gw.encode_prompt(check_prompt(prompt))  # the config's limits, before tokenising
+            text = self.gw.encode_prompt(
+                check_prompt(prompt), parent_span=self.span
+            )  # the config's limits, before tokenising
         except ConfigError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
             return False

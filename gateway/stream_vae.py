@@ -48,6 +48,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalC
 from torch import nn
 
 from stagecast.model import vae_configs
+from stagecast.model.config import read_vae_config
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,12 @@ class StreamVAE(ChunkDecoder):
         subfolder: str | None = None,
         compile: bool = False,
     ) -> StreamVAE:
-        """Load a diffusers ``AutoencoderKLWan`` folder (``subfolder="vae"`` for a pipeline folder)."""
+        """Load a diffusers ``AutoencoderKLWan`` folder (``subfolder="vae"`` for a pipeline folder).
+
+        The config is read first by the shared reader (``read_vae_config``): a config written by an older diffusers
+        (no ``patch_size``, ``decoder_base_dim``, ...) gets diffusers' own defaults, as ``from_pretrained`` applies
+        them, and a config that is no Wan VAE is refused naming the file and key."""
+        read_vae_config(Path(folder) / subfolder if subfolder else folder)
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder=subfolder, torch_dtype=dtype)
         vae = vae.to(device).eval().requires_grad_(False)
         logger.info("loaded VAE from %s (z_dim=%d, %s, %s)", folder, vae.config.z_dim, dtype, device)

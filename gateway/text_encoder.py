@@ -85,6 +85,21 @@ def _resolve(folder: Path, sub: str) -> Path:
     return candidate if candidate.is_dir() else folder
 
 
+TEXT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def text_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
+    """``--text-dtype``: a named dtype, or ``auto`` (None): bfloat16 on a GPU, float32 on CPU.
+
+    The official UMT5-XXL config says float32 (about 23 GB, and twice the encode time of bfloat16), which is what
+    ``dtype="auto"`` would load; Wan's own pipelines run it in bfloat16."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in TEXT_DTYPES:
+        raise ValueError(f"--text-dtype must be auto or one of {', '.join(TEXT_DTYPES)}, got {name!r}")
+    return TEXT_DTYPES[name]
+
+
 def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict:
     # transformers renamed `torch_dtype` to `dtype` in 4.56; the old name still works there but warns.  "auto" keeps
     # the checkpoint's dtype (bf16 for Wan), which is also what diffusers does when it loads the pipeline.
@@ -178,6 +193,10 @@ class TextEncoder:
 
         Raises ``ValueError`` (naming the ``prompt`` field) for a non-string, empty, or over-long prompt.
         """
+        return self.encode_cached(prompt)[0]
+
+    def encode_cached(self, prompt: str) -> tuple[torch.Tensor, bool]:
+        """``encode`` and whether the embeddings came from the cache (no forward pass)."""
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         cleaned = prompt_clean(prompt)
@@ -190,7 +209,7 @@ class TextEncoder:
             if cached is not None:
                 self._cache.move_to_end(cleaned)
                 self._hits += 1
-                return cached
+                return cached, True
             self._misses += 1
 
         n_tokens = len(self.tokenizer(cleaned, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
@@ -209,7 +228,7 @@ class TextEncoder:
                 self._cache.move_to_end(cleaned)
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return embeds
+        return embeds, False
 
     @torch.no_grad()
     def _embed(self, cleaned: str) -> torch.Tensor:

@@ -16,6 +16,8 @@ Metrics (every series carries ``stage="<index>"``):
 * ``stagecast_stage_bubble_ratio`` (gauge): the same over the last ``BUBBLE_WINDOW_S`` seconds of batches.
 * ``stagecast_stage_batches_total``, ``stagecast_stage_micro_steps_total`` (counters).
 * ``stagecast_stage_queue_depth`` (gauge): plan events accepted and not yet executed.
+* ``stagecast_stage_startup_seconds{phase}`` (gauge): ``ready`` is the time from process start to READY (time to
+  ready), ``load`` the time reading (in parallel threads) and merging this stage's slice.
 * ``stagecast_stage_open_streams``, ``stagecast_stage_kv_cache_bytes``, ``stagecast_stage_text_kv_bytes``,
   ``stagecast_stage_latent_bytes`` (gauges, read at scrape time), ``stagecast_stage_generation``.
 * ``stagecast_stage_cuda_graphs``, ``stagecast_stage_graph_buffer_bytes`` (gauges, ``--cuda-graphs``): graphs
@@ -93,6 +95,12 @@ class StageTelemetry:
         self._steps = Counter("stagecast_stage_micro_steps", "Micro-steps executed", ["stage"], registry=r).labels(
             **labels
         )
+        self._startup = Gauge(
+            "stagecast_stage_startup_seconds",
+            "Start-up phases of this stage: ready (process start to READY), load (reading and merging its slice)",
+            ["stage", "phase"],
+            registry=r,
+        )
         for name, doc, fn in (
             ("stagecast_stage_bubble_ratio", f"Share of the last {BUBBLE_WINDOW_S:g}s not computing", self._bubble),
             ("stagecast_stage_queue_depth", "Plan events accepted and not yet executed", self._queue_depth),
@@ -113,6 +121,10 @@ class StageTelemetry:
 
     def set_layers(self, layers: range) -> None:
         self.layers = layers
+
+    def startup(self, phase: str, seconds: float) -> None:
+        """Record ``ready`` (process start to READY) or ``load`` (the last slice load) seconds."""
+        self._startup.labels(stage=str(self.index), phase=phase).set(seconds)
 
     # ---- scrape-time values ------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
-from stagecast.service import announce_ready
+from stagecast.service import announce_ready, process_age
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "stagecast.internal.v1.StageService"
@@ -221,6 +221,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.telemetry.set_layers(layers)
         took = time.perf_counter() - start
         logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
+        self.telemetry.startup("load", took)
         return took
 
     # ---- RPCs -----------------------------------------------------------------------------------------
@@ -439,7 +440,10 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
     try:
         servicer.register(address)
         set_serving(health, [], True)  # alive; StageService follows membership of a formed generation
-        announce_ready(stage=opts.index, address=address)
+        ready_s = process_age()
+        servicer.telemetry.startup("ready", ready_s)
+        logger.info("stage %d READY %.2fs after process start", opts.index, ready_s)
+        announce_ready(stage=opts.index, address=address, ready_s=f"{ready_s:.3f}")
         if ready is not None:
             ready.set()
         member = threading.Thread(target=servicer.membership, args=(stop,), daemon=True, name="membership")

@@ -22,12 +22,15 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 READY_PREFIX = "STAGECAST_READY"
 PARENT_PID_ENV = "STAGECAST_PARENT_PID"
 
 logger = logging.getLogger(__name__)
+_LOADED = time.monotonic()
 
 
 def announce_ready(role: str | None = None, **info: object) -> None:
@@ -35,6 +38,17 @@ def announce_ready(role: str | None = None, **info: object) -> None:
     fields = [role] if role else []
     fields += [f"{key}={value}" for key, value in info.items()]
     print(" ".join([READY_PREFIX, *fields]), flush=True)
+
+
+def process_age() -> float:
+    """Seconds since this process started (from ``/proc/self/stat``; since this module loaded elsewhere)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of proc(5): starttime, in clock ticks after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _LOADED
 
 
 def die_with_parent() -> None:

@@ -211,3 +211,41 @@ def test_a_random_weight_encoder_is_built_where_it_loads_from_its_config_alone(t
     assert out[0, :4].abs().sum() > 0  # real tokens carry values (the tail is zeroed padding)
     with pytest.raises(ValueError, match="vocab_size=10 is smaller"):
         write_random_text_encoder(tmp_path / "x", vocab_size=10)
+
+
+def test_text_dtype_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
+    from gateway.text_encoder import text_dtype
+
+    assert text_dtype("auto", "cuda:1") == torch.bfloat16 and text_dtype(None, "cuda") == torch.bfloat16
+    assert text_dtype("auto", "cpu") == torch.float32
+    assert text_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="--text-dtype"):
+        text_dtype("int8", "cpu")
+
+
+def test_text_encoder_loads_in_the_asked_dtype_and_reports_cache_hits(tmp_path):
+    from gateway.text_encoder import TextEncoder, write_tiny_text_encoder
+
+    write_tiny_text_encoder(tmp_path, d_model=32)
+    enc = TextEncoder(tmp_path, max_len=16, dtype=torch.bfloat16)
+    assert enc.dtype == torch.bfloat16 and next(enc.model.parameters()).dtype == torch.bfloat16
+    first, cached = enc.encode_cached("a red fox")
+    again, cached_again = enc.encode_cached("a red fox")
+    assert (cached, cached_again) == (False, True) and again is first and first.dtype == torch.bfloat16
+
+
+def test_gateway_flags_and_prompt_encode_metric():
+    from gateway.metrics import GatewayMetrics
+    from launcher.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["gateway", "--coordinator", "h:1", "--checkpoint", "c", "--text-dtype", "bfloat16", "--text-device", "cpu"]
+    )
+    assert (args.text_dtype, args.text_device) == ("bfloat16", "cpu")
+    metrics = GatewayMetrics(active=lambda: 0, vae_bytes=lambda: 0)
+    metrics.prompt_encoded(0.2, cached=False)
+    metrics.prompt_encoded(0.0001, cached=True)
+    r = metrics.registry
+    assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_count", {"cached": "false"}) == 1
+    assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_sum", {"cached": "false"}) == 0.2
+    assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_count", {"cached": "true"}) == 1
