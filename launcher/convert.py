@@ -485,13 +485,9 @@ def _convert(
 
 
 def _check_sampler(sampler: dict, where: str) -> None:
-    try:
-        from stagecast.sampling import SamplerConfig, SamplerError
-    except ImportError:  # the sampler format's reader; every ladder below is also checked by it where present
-        ladder = sampler["ladder"]
-        if any(b >= a for a, b in zip(ladder, ladder[1:])) or not all(0 < t <= 1000 for t in ladder):
-            raise ConvertError(f"{where}: ladder {ladder} must descend strictly within (0, 1000]") from None
-        return
+    """The section must read back through the gateway's own reader (``--ladder`` / ``--shift`` are checked here)."""
+    from stagecast.sampling import SamplerConfig, SamplerError
+
     try:
         SamplerConfig.from_json(sampler)
     except SamplerError as exc:

@@ -132,8 +132,7 @@ def test_each_published_layout_converts_to_the_source_weights_in_layer_ordered_s
 
 
 def test_the_sampler_written_is_the_one_the_sampler_reader_accepts(tmp_path):
-    # The sampler format's own reader (issue 12); this test runs once it is on the branch.
-    SamplerConfig = pytest.importorskip("stagecast.sampling").SamplerConfig
+    from stagecast.sampling import SamplerConfig  # the gateway's reader of the section
 
     for source, (_, write) in [(s, LAYOUTS[s]) for s in ("causvid", "self-forcing", "streamdiffusionv2")]:
         write(tmp_path / f"{source}.pt")

@@ -13,7 +13,6 @@ import shutil
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 import stagecast
@@ -90,7 +89,6 @@ def test_old_diffusers_vae_config_serves_exactly(tmp_path):
 def test_converted_self_forcing_with_base_serves_its_ladder_exactly(tmp_path):
     """``stagecast convert --base`` on a Self-Forcing file (old-diffusers VAE config in the base): the gateway streams
     with the source's ladder and shift, and every frame equals the reference over the same weights."""
-    pytest.importorskip("stagecast.sampling")  # the gateway reads stagecast.json's sampler section (issue 12)
     from launcher.convert import SOURCES, convert
     from tests.test_convert import self_forcing_file
 
