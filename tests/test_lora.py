@@ -202,15 +202,20 @@ def test_each_stage_reads_only_its_own_lora_tensors(tmp_path):
     assert not any("proj_out" in k for k in read)
 
 
-def test_a_lora_stream_is_exact_against_the_diffusers_fused_model(tmp_path):
-    folder, file = folder_and_file(tmp_path, "kohya")
-    cfg = SelftestConfig(
-        stages=2, partition="1,3", streams=2, chunks=2, steps=2, checkpoint=folder, loras=(f"{file}:0.8",)
-    )
+def test_lora_files_of_every_format_serve_a_stream_exactly_as_the_diffusers_fused_model(tmp_path):
+    """One file per key format, all four on the stages at once (``--lora`` repeated, each with its scale); the
+    reference is diffusers' fusion of the same files into the full model."""
+    weights = {"diffusers": 0.5, "peft": 1.0, "kohya": 0.5, "original": 1.0}
+    files, oracle_files = [], []
+    for seed, fmt in enumerate(weights, start=1):
+        folder, file = folder_and_file(tmp_path, fmt, seed=seed)
+        files.append(f"{file}:{weights[fmt]}")
+        oracle_files.append(peft_as_diffusers(tmp_path, seed) if fmt == "peft" else file)
+    cfg = SelftestConfig(stages=2, partition="1,3", streams=2, chunks=2, steps=2, checkpoint=folder, loras=tuple(files))
     with Launcher() as launcher:
         result = execute_selftest(cfg, launcher)
     assert result.ok and result.max_diff == 0.0
-    fused = oracle([file], 0.8)
+    fused = oracle(oracle_files, 1.0, weights=list(weights.values()))
     want = ReferenceExecutor(DiTSlice.from_model(fused, layers=range(LAYERS), first=True, last=True)).replay(
         result.plan, result.texts
     )

@@ -235,6 +235,8 @@ def test_trace_holds_gateway_coordinator_stage_and_vae_spans_with_parentage_link
     assert (stream.attrs["stagecast.stream.width"], stream.attrs["stagecast.stream.height"]) == (W, H)
     assert stream.attrs["stagecast.stream.steps"] == STEPS
     assert stream.attrs["stagecast.stream.outcome"] == "stopped"
+    encode = named[("stagecast-gateway", "text.encode")][0]  # the prompt, encoded before the stream opens
+    assert encode.parent_id == rpc.span_id and isinstance(encode.attrs["stagecast.text.cached"], bool)
     open_client = one("stagecast-gateway", "stagecast.internal.v1.CoordinatorService/OpenStream")
     assert open_client.kind == 3 and open_client.parent_id == stream.span_id  # CLIENT
 
@@ -347,6 +349,8 @@ def test_every_metrics_endpoint_moves_as_a_stream_runs(run):
         assert 0 <= value(d[name], "stagecast_stage_bubble_ratio", **stage) <= 1
         assert value(d[name], "stagecast_stage_generation", **stage) == 1
         assert ("stagecast_stage_queue_depth", frozenset({("stage", str(i))})) in d[name]
+        assert value(b[name], "stagecast_stage_startup_seconds", phase="ready", **stage) > 0  # time to READY
+        assert value(b[name], "stagecast_stage_startup_seconds", phase="load", **stage) > 0
 
     c = "coordinator"
     for series in (
@@ -374,6 +378,8 @@ def test_every_metrics_endpoint_moves_as_a_stream_runs(run):
         "stagecast_gateway_stream_fps_count",
     ):
         assert value(a[g], series) > value(b[g], series), series
+    encoded = sum(value(a[g], "stagecast_gateway_prompt_encode_seconds_count", cached=c) for c in ("true", "false"))
+    assert encoded >= 1
     assert value(a[g], "stagecast_gateway_streams_ended_total", reason="stopped") == 1
     assert value(d[g], "stagecast_gateway_active_streams") == 1
     assert value(d[g], "stagecast_gateway_vae_state_bytes") > 0
