@@ -39,6 +39,7 @@ into place at the end, so a failed conversion leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -127,6 +128,9 @@ def load_source(path: str | Path) -> object:
     if not path.is_file():
         raise ConvertError(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
+        key = truncated_pt_key(path)
+        if key is not None:
+            raise ConvertError(f"{path}: truncated: the file ends before (or inside) the bytes of key {key!r}")
         raise ConvertError(
             f"{path}: not a torch.save zip archive (truncated, or written with the legacy serialization that "
             "cannot be memory-mapped); re-save it with torch.save(state_dict, path)"
@@ -145,6 +149,88 @@ def load_source(path: str | Path) -> object:
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         raise ConvertError(f"{path}: unreadable (truncated or corrupt?): {exc}") from None
+
+
+def truncated_pt_key(path: str | Path) -> str | None:
+    """For a ``torch.save`` archive cut short: the first state-dict key whose tensor bytes are missing, or None.
+
+    The zip's directory is at its end, so a truncated file has none; the entries still lie in order behind their
+    local headers: ``<name>/data.pkl`` (the pickle, naming each tensor's storage record) and then
+    ``<name>/data/<storage>`` records.  The pickle's op stream is read (``pickletools.genops``, nothing is
+    executed) to pair every key with its storage, and the first key whose record is absent or is the last one
+    (the one the file ends in) is the answer."""
+    import mmap
+    import pickletools
+
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            headers: list[tuple[str, int]] = []  # (entry name, data start)
+            pos = data.find(b"PK\x03\x04")
+            while pos != -1 and pos + 30 <= len(data):
+                name_len, extra_len = (
+                    int.from_bytes(data[pos + 26 : pos + 28], "little"),
+                    int.from_bytes(data[pos + 28 : pos + 30], "little"),
+                )
+                name = data[pos + 30 : pos + 30 + name_len].decode("utf-8", "replace")
+                headers.append((name, pos + 30 + name_len + extra_len))
+                pos = data.find(b"PK\x03\x04", pos + 30 + name_len)
+            pkl = next((start for name, start in headers if name.endswith("/data.pkl")), None)
+            if pkl is None:
+                return None
+            storage_of = _storage_keys(pickletools.genops(io.BytesIO(data[pkl:])))
+    except (OSError, ValueError, EOFError, UnicodeDecodeError):
+        return None
+    records = {name.rsplit("/", 1)[1]: i for i, (name, _) in enumerate(headers) if "/data/" in name}
+    last = len(headers) - 1
+    for key, storage in storage_of:
+        if storage not in records or records[storage] == last:
+            return key
+    return None
+
+
+def _storage_keys(ops) -> list[tuple[str, str]]:
+    """``(state-dict key, storage record)`` pairs, in pickle order, from a state dict's pickle ops (a key inside a
+    nested entry reads ``"generator_ema: model.blocks.0..."``).
+
+    A tensor is pickled as its key string, then ``_rebuild_tensor_v2`` whose persistent id is the tuple
+    ``("storage", <storage class>, "<record>", "<location>", numel)``; strings reused through the memo are
+    followed with it."""
+    memo: dict[int, object] = {}
+    last: object = None
+    key: str | None = None
+    pending_storage = False
+    section = ""
+    pairs: list[tuple[str, str]] = []
+    next_memo = 0
+    for op, arg, _ in ops:
+        value: object = None
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            value = arg
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            value = memo.get(arg)
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[arg] = last
+            continue
+        elif op.name == "MEMOIZE":
+            memo[next_memo] = last
+            next_memo += 1
+            continue
+        elif op.name == "STOP":
+            break
+        elif op.name == "EMPTY_DICT" and isinstance(last, str):
+            section = last  # a nested state dict's entry name ("generator", "generator_ema", ...)
+        last = value
+        if not isinstance(value, str):
+            continue
+        if value == "storage":
+            pending_storage = True
+        elif pending_storage and value.isdigit():
+            if key is not None:
+                pairs.append((f"{section}: {key}" if section else key, value))
+            pending_storage = False
+        elif not pending_storage and value not in ("cpu",) and not value.startswith("cuda"):
+            key = value
+    return pairs
 
 
 def select_state_dict(obj: object, path: Path, *, ema: bool | None) -> tuple[str | None, Mapping[str, torch.Tensor]]:
