@@ -148,7 +148,7 @@ class Gateway:
         self._releases: dict[str, object] = {}  # per registered stream: gives back what admission took
         self.budget = CostBudget.derive(
             self.defaults,
-            (opts.vae_devices or [opts.device])[0] if not opts.vae_stage else opts.device,
+            opts.device,  # the device kind decides the headroom (the VAE's devices are of the same kind)
             max_frame_pixels=opts.max_frame_pixels,
             max_stream_cost=opts.max_stream_cost,
         )

@@ -6,18 +6,23 @@ keep working beside 100 of them, and they end at the config deadline); every cal
 once; a request over the largest legal message, bytes that are not a message, a prompt update over the prompt limit
 and a stream over the cost budget each get a clear status; and a fuzz of random public requests gives no crash, no
 hang and no INTERNAL or UNKNOWN, after which a normal stream completes.  ``test_fuzz_slice`` (100 requests) always
-runs; ``test_fuzz_full`` (1,200) runs with ``-m fuzz``.
+runs; ``test_fuzz_full`` (1,200) runs with ``-m fuzz``.  Two clients without stagecast's code stream with typed
+enums: one built from gRPC reflection, and a Node.js one built from the .proto file (``tests/node``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import struct
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -444,3 +449,77 @@ def test_fuzz_slice(edge):
 @pytest.mark.fuzz
 def test_fuzz_full(edge):
     fuzz(edge, 1200, _seed(1717))
+
+
+# ---- a client without stagecast's code ---------------------------------------------------------------------------
+
+
+def test_a_client_built_only_from_server_reflection_streams_with_typed_enums(edge):
+    """What a client in another language does (grpcurl, a Node client with a dynamic loader): it knows the API only
+    from the service description, sets enums by name, and reads every field of Started.config back."""
+    from google.protobuf import descriptor_pool, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(edge.address) as ch:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(ch))
+        service = pool.FindServiceByName("stagecast.v1.StreamService")
+        options = service.file.GetOptions()
+        assert options.go_package.endswith(";stagecastv1") and options.java_package == "dev.stagecast.api.v1"
+        client_msg = message_factory.GetMessageClass(pool.FindMessageTypeByName("stagecast.v1.ClientMessage"))
+        server_msg = message_factory.GetMessageClass(pool.FindMessageTypeByName("stagecast.v1.ServerMessage"))
+        codec = pool.FindEnumTypeByName("stagecast.v1.Codec")
+        assert [v.name for v in codec.values] == ["CODEC_UNSPECIFIED", "CODEC_JPEG", "CODEC_H264", "CODEC_RAW"]
+
+        request = client_msg()
+        request.config.prompt = PROMPT
+        request.config.width, request.config.height, request.config.seconds = W, H, 0.25
+        request.config.codec = codec.values_by_name["CODEC_RAW"].number
+        call = ch.stream_stream(
+            "/stagecast.v1.StreamService/Generate",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=server_msg.FromString,
+        )(iter([request]), timeout=TIMEOUT)
+        replies = list(call)
+
+    def enum_name(message, field: str) -> str:
+        value = getattr(message, field)
+        return message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number[value].name
+
+    started, frames, end = replies[0].started, [r.frame for r in replies[1:-1]], replies[-1].end
+    config = started.config
+    assert enum_name(config, "codec") == "CODEC_RAW" and enum_name(config, "policy") == "KV_POLICY_PER_LEVEL"
+    absent = [f.name for f in config.DESCRIPTOR.fields if f.has_presence and not config.HasField(f.name)]
+    assert absent == [] and (config.window, config.quality) == (0, 100)  # bounded clip: seconds present too
+    assert len(frames) == 4 and all(enum_name(f, "codec") == "CODEC_RAW" for f in frames)
+    assert all(len(f.data) == W * H * 3 for f in frames)
+    assert enum_name(end, "reason") == "END_REASON_COMPLETED" and end.frames == 4
+
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+
+
+def test_a_node_client_built_from_the_proto_file_streams_with_enum_names(edge):
+    """The Node.js path (``tests/node``; ``npm ci --prefix tests/node`` installs its two packages, as CI does)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on this machine")
+    assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), "run: npm ci --prefix tests/node"
+    proc = subprocess.run(
+        [node, str(NODE_DIR / "foreign_client.mjs"), edge.address], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0, out["details"]
+    config = out["config"]
+    assert (config["codec"], config["policy"], config["window"], config["quality"]) == (
+        "CODEC_RAW",
+        "KV_POLICY_PER_LEVEL",
+        0,
+        100,
+    )
+    assert config["width"] == W and config["target_fps"] == 16 and "seed" in config and "sink" in config
+    assert out["frames"] == out["totalFrames"] == out["endFrames"] == 4
+    assert out["frameCodecs"] == ["CODEC_RAW"] and out["frameBytes"] == [W * H * 3]
+    assert out["endReason"] == "END_REASON_COMPLETED"
+    assert out["badCode"] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and out["badDetails"].startswith("codec:")
+    assert out["statusMaxStreams"] == MAX_STREAMS
