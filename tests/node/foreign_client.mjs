@@ -10,6 +10,7 @@ import protoLoader from "@grpc/proto-loader";
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "proto");
 const definition = protoLoader.loadSync("stagecast/v1/stream.proto", {
   includeDirs: [root],
+  keepCase: true, // field names as in the .proto (target_fps)
   enums: String, // enum fields as their names, e.g. "CODEC_RAW"
   longs: Number,
   defaults: false,
