@@ -67,9 +67,8 @@ BASE_PARTS = ("vae", "text_encoder", "tokenizer")
 
 @dataclass(frozen=True)
 class Source:
-    """What a project's published checkpoints hold and how they are sampled."""
+    """How a project's published checkpoints are sampled (the entries they nest weights under: ``NESTING``)."""
 
-    entries: tuple[str, ...]  # state-dict entries in preference order (EMA first where the project has one)
     ladder: tuple[float, ...]  # raw denoising_step_list without the terminal 0
     shift: float  # 1.0 when the ladder is not warped
     chunk_frames: int  # num_frame_per_block
@@ -78,21 +77,18 @@ class Source:
 
 SOURCES: dict[str, Source] = {
     "causvid": Source(
-        entries=("generator",),
         ladder=(1000.0, 757.0, 522.0),
         shift=1.0,
         chunk_frames=3,
         cite="tianweiy/CausVid configs/wan_causal_dmd.yaml, causvid/train_distillation.py",
     ),
     "self-forcing": Source(
-        entries=("generator_ema", "generator"),
         ladder=(1000.0, 750.0, 500.0, 250.0),
         shift=5.0,
         chunk_frames=3,
         cite="guandeh17/Self-Forcing configs/self_forcing_dmd.yaml, trainer/distillation.py",
     ),
     "streamdiffusionv2": Source(
-        entries=("generator_ema", "generator", "state_dict"),
         ladder=(700.0, 500.0, 400.0, 200.0),
         shift=1.0,
         chunk_frames=1,
@@ -357,14 +353,19 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], where: str, *, num_heads
         pos_embed_seq_len=None,
     )
     same_width = {n: c for n, c in CONFIGS.items() if c["num_attention_heads"] * c["attention_head_dim"] == dim}
-    exact = [n for n, c in same_width.items() if all(c[k] == v for k, v in config.items())]
-    preset = exact[0] if exact else (sorted(same_width)[0] if len(same_width) == 1 else None)
+    # The preset of this width that differs in the fewest values (exactly one, or no preset is named).
+    ranked = sorted((sum(c.get(k) != v for k, v in config.items()), n) for n, c in same_width.items())
+    preset = ranked[0][1] if ranked and (len(ranked) == 1 or ranked[0][0] < ranked[1][0]) else None
     if num_heads is None:
-        if preset is None:
+        heads = {c["num_attention_heads"] for c in same_width.values()}
+        if len(heads) == 1:
+            num_heads = heads.pop()  # every preset of this width agrees
+        elif preset is None:
             raise ConvertError(
                 f"{where}: width {dim} matches no named preset ({', '.join(sorted(CONFIGS))}); give --num-heads"
             )
-        num_heads = CONFIGS[preset]["num_attention_heads"]
+        else:
+            num_heads = CONFIGS[preset]["num_attention_heads"]
     if num_heads < 1 or dim % num_heads:
         raise ConvertError(f"{where}: width {dim} is not divisible by --num-heads {num_heads}")
     config = dict(config, num_attention_heads=num_heads, attention_head_dim=dim // num_heads)

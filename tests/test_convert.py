@@ -281,3 +281,21 @@ def test_cli_converts_with_a_base_and_reports(tmp_path, capsys):
         assert sorted(os.listdir(tmp_path / "out" / part)) == sorted(os.listdir(base / part))
     rc = cli_main(["convert", str(tmp_path / "nope.pt"), "--source", "causvid", "--out", str(tmp_path / "o2")])
     assert rc == 2 and "nope.pt: no such file" in capsys.readouterr().out
+
+
+def test_config_checked_against_presets_and_overrides(tmp_path):
+    """A model with fewer layers than any preset: heads come from the preset of its width, the difference is
+    reported; --ladder / --shift replace the source's sampler and are checked by the sampler reader."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        small = WanTransformer3DModel(**model_config(MODEL, num_layers=2)).eval()
+    torch.save({"generator": original(small)}, tmp_path / "small.pt")
+    report = convert(tmp_path / "small.pt", tmp_path / "out", source="causvid", ladder=[900.0, 450.0], shift=3.0)
+    assert report.preset == MODEL and report.preset_differences == ["num_layers=2 (preset 4)"]
+    assert report.config == model_config(MODEL, num_layers=2)
+    assert report.sampler == {"update": "x0", "shift": 3.0, "ladder": [900.0, 450.0]}
+    with pytest.raises(ConvertError, match="sampler.ladder"):
+        convert(tmp_path / "small.pt", tmp_path / "bad", source="causvid", ladder=[450.0, 900.0])
+    with pytest.raises(ConvertError, match="--num-heads 5"):
+        convert(tmp_path / "small.pt", tmp_path / "bad", source="causvid", num_heads=5)
+    assert_nothing_left(tmp_path, "bad")
