@@ -35,7 +35,8 @@ def _ms(x) -> str:
 def config_name(r: dict) -> str:
     a = r["args"]
     steps = f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
-    return f"{MODEL_NAMES.get(a['model'], a['model'])} @ {a['width']}×{a['height']}, {steps}"
+    name = f"{MODEL_NAMES.get(a['model'], a['model'])} @ {a['width']}×{a['height']}, {steps}"
+    return name + (f" ({r['label']})" if r.get("label") else "") + (" ¹" if r.get("partial") else "")
 
 
 def load(results: Path) -> list[dict]:
@@ -59,11 +60,12 @@ def tables(runs: list[dict]) -> str:
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         s, m, pc = r["system"], r["system"]["main"], r.get("peer_compiled")
+        peer, floor = r.get("peer") or {}, r.get("floor") or {}
         out.append(
             f"| {config_name(r)} | {r['args']['stages']} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
             f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
-            f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(r['peer']['fps'])} | "
-            f"{_f(pc['fps'] if pc else None)} | {_f(r['floor']['fps'], '.0f')} | "
+            f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(peer.get('fps'))} | "
+            f"{_f(pc['fps'] if pc else None)} | {_f(floor.get('fps'), '.0f')} | "
             f"{_x(r['ratios']['vs_peer'])} | {_x(r['ratios']['vs_peer_compiled'])} | "
             f"{_f(r['ratios']['of_floor'], '.1%')} |"
         )
@@ -80,13 +82,13 @@ def tables(runs: list[dict]) -> str:
     )
     out.append("|---|---|---|---|---|---|---|")
     for r in runs:
-        s, fs, parts = r["system"], r["system"]["first_stream"], r["system"]["ttff_parts_p50_ms"]
+        s, fs, parts = r["system"], r["system"]["first_stream"], r["system"]["ttff_parts_p50_ms"] or {}
         inter = s["interactive"]
         out.append(
             f"| {config_name(r)} | {_f(s['time_to_ready_s'])} | {_f(fs['steady_fps'])} / {_f(fs['on_time'], '.1%')} / "
             f"{_f(fs['max_gap_ms'], '.0f')} / {fs['gaps_over_250ms']} | {_ms(fs['ttff_s'])} | "
             f"{_ms(s['ttff_p50_s'])} / {_ms(s['ttff_p95_s'])} | "
-            + " / ".join(_f(parts[k], ".0f") for k in ("pipeline", "vae", "encode", "rest"))
+            + " / ".join(_f(parts.get(k), ".0f") for k in ("pipeline", "vae", "encode", "rest"))
             + f" | {_f(inter['p50_ms'], '.0f')} / {_f(inter['p95_ms'], '.0f')} |"
         )
     loaded = [r for r in runs if r["system"].get("load")]
@@ -105,6 +107,9 @@ def tables(runs: list[dict]) -> str:
                     f"| {_f(row['on_time_min'], '.1%')} | {_ms(row['ttff_p50_s'])} / {_ms(row['ttff_p95_s'])} | "
                     f"{_f(row['aggregate_fps'])} | {row['failed']} |"
                 )
+    notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
+    if notes:
+        out.append("\n" + "\n".join(notes))
     out.append("\n### Runs\n")
     out.append("| file | commit | dirty | torch | CUDA | NCCL | diffusers | driver | GPUs | timesteps | command |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|")
