@@ -151,7 +151,9 @@ class LocalSession:
         except Exception as exc:
             logger.exception("VAE part %d failed", i)
             inbox.close(drop=True)  # the producer's submit returns False from now on
-            outbox.put_final(_Failure(exc), drop=True)
+            # Chunks this part finished before failing are good and still queued for the next part: they go
+            # first, then the failure (dropping them lost a good chunk whenever the next part had not taken it).
+            outbox.put_final(_Failure(exc))
 
     def submit(self, tag, latents: torch.Tensor) -> bool:
         return self.channels[0].put((tag, latents, None))
