@@ -48,7 +48,6 @@ class _StreamState:
     next_chunk: int = 0
     stopping: bool = False
     inflight: dict[int, _Chunk] = field(default_factory=dict)
-    done_chunks: int = 0
     first_finished_tick: int | None = None
     credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
@@ -110,17 +109,6 @@ class StreamBatchScheduler:
     @property
     def active(self) -> bool:
         return bool(self.streams)
-
-    def phase(self, stream_id: int) -> str:
-        st = self.streams.get(stream_id)
-        if st is None:
-            return "done"
-        if st.stopping or (st.spec.num_chunks is not None and st.next_chunk >= st.spec.num_chunks):
-            return "cooldown"
-        return "warmup" if st.first_finished_tick is None else "steady"
-
-    def inflight(self, stream_id: int) -> int:
-        return len(self._state(stream_id).inflight)
 
     # ---- the tick -------------------------------------------------------------------------------------
 
@@ -195,18 +183,5 @@ class StreamBatchScheduler:
             st.clean_issued = {step.chunk: self.now}
         if step.level == spec.levels - 1:
             del st.inflight[step.chunk]
-            st.done_chunks += 1
         if step.level == spec.steps - 1 and st.first_finished_tick is None:
             st.first_finished_tick = self.now + self.num_stages - 1
-
-
-def drain(scheduler: StreamBatchScheduler, max_ticks: int = 1_000_000) -> list[list[MicroStep]]:
-    """Tick until every stream is finished; return the non-empty batches in order."""
-    plan = []
-    for _ in range(max_ticks):
-        if not scheduler.active:
-            return plan
-        batch = scheduler.tick()
-        if batch:
-            plan.append(batch)
-    raise RuntimeError(f"scheduler did not drain within {max_ticks} ticks")

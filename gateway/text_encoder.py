@@ -179,10 +179,6 @@ class TextEncoder:
         with self._lock:
             return CacheStats(self._hits, self._misses, len(self._cache), self.cache_size)
 
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
-
     def count_tokens(self, prompt: str) -> int:
         """Tokens the prompt takes after cleaning, including the end-of-sequence token."""
         ids = self.tokenizer(prompt_clean(prompt), add_special_tokens=True, truncation=False, verbose=False)
