@@ -39,7 +39,7 @@ from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
-from stagecast.grpc_util import CHANNEL_OPTIONS
+from stagecast.grpc_util import CHANNEL_OPTIONS, StatusError
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
@@ -48,10 +48,8 @@ from stagecast.model.config import DiTConfig, check_spec
 logger = logging.getLogger(__name__)
 
 
-class AdmissionError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+class AdmissionError(StatusError):
+    """A stream the coordinator will not open, with the status its caller gets."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from stagecast.grpc_util import StatusError
 from stagecast.model.partition import parse_partition, partition_ranges
 
 # Keys that must agree between stages for their slices to form one model.
@@ -39,10 +40,8 @@ _MODEL_KEYS = (
 )
 
 
-class RegistrationError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+class RegistrationError(StatusError):
+    """A stage the registry will not take, with the status the stage gets."""
 
 
 @dataclass

@@ -23,10 +23,11 @@ from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.names import COORDINATOR_SERVICE
 from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "stagecast.internal.v1.CoordinatorService"
+SERVICE_NAME = COORDINATOR_SERVICE
 
 
 @dataclass

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from stagecast.names import DTYPE_NAMES
 from stagecast.service import csv_list, run_service
 
-DTYPES = ["float32", "bfloat16", "float16"]
+DTYPES = list(DTYPE_NAMES)
 
 
 def add_parser(sub) -> None:

@@ -43,7 +43,6 @@ from gateway.config import MAX_REQUEST_BYTES, ConfigError, parse_client_message,
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamRun
-from gateway.stream_vae import DTYPES
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
@@ -58,12 +57,13 @@ from stagecast.grpc_util import (
     set_serving,
 )
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
+from stagecast.names import DTYPES, STREAM_SERVICE
 from stagecast.service import announce_ready
 from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "stagecast.v1.StreamService"
+SERVICE_NAME = STREAM_SERVICE
 WATCH_STATUS = f"/{SERVICE_NAME}/WatchStatus"
 # The public server's options: requests are refused above the largest legal one before they are parsed; responses
 # (raw frames, H.264 fragments of a whole GOP) may be large.

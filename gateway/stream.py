@@ -51,8 +51,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig, check_prompt
 from stagecast import api, telemetry, wire
+from stagecast.grpc_util import StatusError
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
+from stagecast.names import COORDINATOR_SERVICE
 from stagecast.v1 import stream_pb2 as pb
 
 if TYPE_CHECKING:
@@ -61,13 +63,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class StreamFailed(Exception):
+class StreamFailed(StatusError):
     """Ends the client's call with ``code``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -80,8 +77,7 @@ class _ChunkTag:
     span: object = None  # the chunk's span, when the stream is traced
 
 
-_COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
-_OPEN_METHOD = f"{_COORDINATOR_SERVICE}/OpenStream"
+_OPEN_METHOD = f"{COORDINATOR_SERVICE}/OpenStream"
 _FINE_OUTCOMES = {"completed", "stopped", "cancelled"}
 
 
@@ -313,7 +309,7 @@ class StreamRun:
         if self.span is None:
             return None, None
         span = telemetry.start_rpc_span(
-            f"{_COORDINATOR_SERVICE}/{method}",
+            f"{COORDINATOR_SERVICE}/{method}",
             SpanKind.CLIENT,
             context=self._child_context(),
             target=self.gw.opts.coordinator,

@@ -53,7 +53,6 @@ from stagecast.model.config import read_vae_config
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --vae-dtype / --dtype names
 
 
 def frames_for_chunk(first: bool, latent_frames: int, temporal_factor: int = 4) -> int:

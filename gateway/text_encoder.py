@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from stagecast.names import DTYPE_NAMES, DTYPES
+
 try:
     # diffusers' prompt_clean uses the third-party `regex` module; its `\s` differs from `re`'s on a few
     # control characters (U+001C..U+001F), so use the same engine to match it byte for byte.
@@ -85,9 +87,6 @@ def _resolve(folder: Path, sub: str) -> Path:
     return candidate if candidate.is_dir() else folder
 
 
-TEXT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def text_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
     """``--text-dtype``: a named dtype, or ``auto`` (None): bfloat16 on a GPU, float32 on CPU.
 
@@ -95,9 +94,9 @@ def text_dtype(name: str | None, device: str | torch.device) -> torch.dtype:
     ``dtype="auto"`` would load; Wan's own pipelines run it in bfloat16."""
     if name in (None, "auto"):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if name not in TEXT_DTYPES:
-        raise ValueError(f"--text-dtype must be auto or one of {', '.join(TEXT_DTYPES)}, got {name!r}")
-    return TEXT_DTYPES[name]
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"--text-dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict:

@@ -23,16 +23,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from gateway.stream_vae import DTYPES, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
+from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
+from stagecast.names import DTYPES, VAE_STAGE_SERVICE
 from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "stagecast.internal.v1.VAEStageService"
+SERVICE_NAME = VAE_STAGE_SERVICE
 
 
 @dataclass

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from launcher.process import Child, Launcher
 from stagecast.grpc_util import wait_healthy
-
-COORDINATOR_SERVICE = "stagecast.internal.v1.CoordinatorService"
+from stagecast.names import COORDINATOR_SERVICE
 
 
 @dataclass

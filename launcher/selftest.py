@@ -36,12 +36,12 @@ from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import read_config
+from stagecast.names import DTYPES
 from stagecast.sampling import UPDATES, SamplerError, check_ladder, check_shift
 
 logger = logging.getLogger(__name__)
 
 LADDER = (1000.0, 750.0, 500.0, 250.0, 125.0, 60.0)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from stagecast.names import DTYPE_NAMES
 from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
 
 
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stages", type=int, default=2, help="DiT stages (one process each)")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")

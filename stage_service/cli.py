@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from stagecast.names import DTYPE_NAMES
 from stagecast.service import resolve_transformer, run_service
 
 
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
         "--checkpoint", required=True, help="transformer checkpoint folder (or a folder holding transformer/)"
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda (-> cuda:<index %% GPUs>) or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50060, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address the coordinator and peers use for this stage")

@@ -46,11 +46,11 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
+from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.service import announce_ready, process_age
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "stagecast.internal.v1.StageService"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SERVICE_NAME = STAGE_SERVICE
 
 
 @dataclass

@@ -203,3 +203,19 @@ def wait_healthy(target: str, timeout: float, service: str = "") -> None:
         except grpc.RpcError as exc:
             raise TimeoutError(f"{target} did not become healthy within {timeout}s: {exc.code().name}") from exc
         raise TimeoutError(f"{target} health stream ended before SERVING")
+
+
+class StatusError(Exception):
+    """An error that ends an RPC with a gRPC status code: services raise it, the handler aborts with it.
+
+    ``raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, "stream limit 8 reached")``; in a handler,
+    ``except StatusError as e: e.abort(context)``.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def abort(self, context: grpc.ServicerContext):
+        context.abort(self.code, self.message)

@@ -15,11 +15,11 @@ import torch
 
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
+from stagecast.names import DTYPES
 
+# What may travel: the model dtypes, plus what latents, indices and frames use.
 _DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
+    **DTYPES,
     "float64": torch.float64,
     "int64": torch.int64,
     "uint8": torch.uint8,

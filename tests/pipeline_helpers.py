@@ -4,12 +4,12 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launcher.local_cluster import COORDINATOR_SERVICE
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import StreamSpec
+from stagecast.names import COORDINATOR_SERVICE
 
 
 def coordinator_stub(address):

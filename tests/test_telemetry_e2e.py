@@ -26,9 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import stagecast
 from launcher.cli import main as cli_main
 from launcher.demo_checkpoint import write_demo_checkpoint
-from launcher.local_cluster import COORDINATOR_SERVICE, stage_args
+from launcher.local_cluster import stage_args
 from launcher.process import Launcher
 from stagecast.grpc_util import wait_healthy
+from stagecast.names import COORDINATOR_SERVICE
 from tests.test_dashboard import DASHBOARD, dashboard_metric_names, family_names
 
 PROMPT = "a red fox running through snow"
