@@ -15,6 +15,8 @@ names (``codec="jpeg"``), which are also the names the gateway logs, traces and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from stagecast.v1 import stream_pb2 as pb
 
 CODECS = {"jpeg": pb.CODEC_JPEG, "h264": pb.CODEC_H264, "raw": pb.CODEC_RAW}
@@ -29,7 +31,7 @@ DEFAULT_CODEC = "jpeg"
 DEFAULT_POLICY = "per_level"
 
 
-def _value(field: str, table: dict[str, int], value: str | int | None, default: str | None) -> int:
+def _value(field: str, table: Mapping[str, int], value: str | int | None, default: str | None) -> int:
     if value is None or value == "":
         return table[default] if default is not None else 0
     if isinstance(value, str):
@@ -39,7 +41,7 @@ def _value(field: str, table: dict[str, int], value: str | int | None, default: 
     return int(value)  # an enum number: passed through, the gateway checks it
 
 
-def _name(field: str, table: dict[str, int], value: int, default: str | None) -> str:
+def _name(field: str, table: Mapping[str, int], value: int, default: str | None) -> str:
     if value == 0 and default is not None:
         return default
     for name, number in table.items():
@@ -48,18 +50,18 @@ def _name(field: str, table: dict[str, int], value: int, default: str | None) ->
     raise ValueError(f"{field}: unknown value {value}")
 
 
-def codec_value(name: str | int | None) -> int:
+def codec_value(name: str | int | None) -> pb.Codec:
     """The wire value of a codec name (``None`` or ``""``: the default, JPEG)."""
-    return _value("codec", CODECS, name, DEFAULT_CODEC)
+    return _value("codec", CODECS, name, DEFAULT_CODEC)  # type: ignore[return-value]  # an enum number
 
 
 def codec_name(value: int) -> str:
     return _name("codec", CODECS, value, DEFAULT_CODEC)
 
 
-def policy_value(name: str | int | None) -> int:
+def policy_value(name: str | int | None) -> pb.KvPolicy:
     """The wire value of a KV policy name; ``None`` or ``""`` stay UNSPECIFIED (the gateway's default)."""
-    return _value("policy", POLICIES, name, None)
+    return _value("policy", POLICIES, name, None)  # type: ignore[return-value]  # an enum number
 
 
 def policy_name(value: int) -> str:

@@ -155,7 +155,9 @@ class _StreamState:
     @property
     def fps(self) -> float | None:
         """Frames per second received after the first frame (the steady-state rate the client saw)."""
-        if self.frames_received < 2 or self.last_frame_s == self.first_frame_s:
+        if self.frames_received < 2 or self.first_frame_s is None or self.last_frame_s is None:
+            return None
+        if self.last_frame_s == self.first_frame_s:
             return None
         return (self.frames_received - 1) / (self.last_frame_s - self.first_frame_s)
 

@@ -19,11 +19,15 @@ import io
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stagecast import api
 from stagecast.v1 import stream_pb2 as pb
+
+if TYPE_CHECKING:
+    from stagecast.media import Mp4Encoder
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class Mp4Writer:
         self.fps = fps
         self.frames = 0
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._encoder = None
+        self._encoder: Mp4Encoder | None = None
 
     def add(self, frame: Frame) -> None:
         if frame.codec == "h264":

@@ -19,3 +19,39 @@ def tiny_model():
         return WanTransformer3DModel(**model_config(name, **overrides)).eval().requires_grad_(False)
 
     return make
+
+
+# ---- markers: ``-m unit`` is the fast set (in-process, no parity sweeps); ``parity`` pins exactness against the
+# reference and the oracles; ``multiprocess`` starts real services on loopback.  A module that starts processes is
+# found from its source, so a new one is classified without anyone remembering to.
+PARITY_MODULES = {
+    "test_streaming_semantics",
+    "test_graphs",
+    "test_distributed",
+    "test_stream_vae",
+    "test_local_decoder",
+    "test_lora",
+    "test_convert",
+    "test_sampling",
+}
+_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(")
+_kinds: dict[str, set[str]] = {}
+
+
+def module_markers(path) -> set[str]:
+    name = path.stem
+    if name not in _kinds:
+        source = path.read_text()
+        kinds = set()
+        if any(token in source for token in _STARTS_PROCESSES):
+            kinds.add("multiprocess")
+        if name in PARITY_MODULES:
+            kinds.add("parity")
+        _kinds[name] = kinds or {"unit"}
+    return _kinds[name]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for kind in module_markers(item.path):
+            item.add_marker(getattr(pytest.mark, kind))
