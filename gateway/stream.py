@@ -394,7 +394,9 @@ class StreamRun:
         cfg = self.cfg
         encoder = None
         try:
-            encoder = make_encoder(cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality)
+            encoder = make_encoder(
+                cfg.codec, width=cfg.width, height=cfg.height, fps=cfg.fps, quality=cfg.quality, chunked=True
+            )
             resumed_ns = time.time_ns()
             for tag, frames, when in self.session.results():
                 if tag.span is not None:
@@ -428,7 +430,7 @@ class StreamRun:
             frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
         for position, frame in enumerate(frames):
             encode_start, encode_start_ns = time.perf_counter(), time.time_ns()
-            data = encoder.encode(frame)
+            data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
             encode_s = time.perf_counter() - encode_start
             index = self.frames_emitted
             if chunk.span is not None:

@@ -14,7 +14,8 @@ Codecs (``CODECS``):
 * ``"jpeg"`` - one self-contained JPEG image per frame (Pillow).
 * ``"h264"`` - one fragmented-MP4 byte stream (PyAV/FFmpeg).  The concatenation of every chunk is a
   playable MP4: the first chunk carries ``ftyp``+``moov``, each later one whole ``moof``+``mdat``
-  fragments, so it can be fed to a browser's MediaSource or written to a file as it arrives.
+  fragments, so it can be fed to a browser's MediaSource or written to a file as it arrives.  The gateway makes
+  one fragment per chunk (``make_encoder(..., chunked=True)`` and ``keyframe=True`` on each chunk's first frame).
 * ``"raw"`` - the frame's RGB24 bytes, lossless, so end-to-end tests can compare frames bit for bit
   (``raw_to_frames`` turns them back into arrays).
 
@@ -125,12 +126,15 @@ def _check_quality(quality: int) -> None:
 
 
 class FrameEncoder:
-    """Common interface: ``encode(frame) -> bytes`` per frame, ``flush() -> bytes`` once at the end."""
+    """Common interface: ``encode(frame) -> bytes`` per frame, ``flush() -> bytes`` once at the end.
+
+    ``keyframe=True`` marks a frame that starts a unit the viewer should be able to start from (the gateway passes
+    it on the first frame of every chunk); codecs whose every frame stands alone ignore it."""
 
     codec: str = ""
     content_type: str = "application/octet-stream"
 
-    def encode(self, frame) -> bytes:
+    def encode(self, frame, keyframe: bool = False) -> bytes:
         raise NotImplementedError
 
     def flush(self) -> bytes:
@@ -159,7 +163,7 @@ class JpegEncoder(FrameEncoder):
             width, height = _check_size(width, height)
         self.width, self.height, self.quality = width, height, quality
 
-    def encode(self, frame) -> bytes:
+    def encode(self, frame, keyframe: bool = False) -> bytes:
         from PIL import Image
 
         arr = as_rgb_frame(frame, width=self.width, height=self.height)
@@ -178,7 +182,7 @@ class RawEncoder(FrameEncoder):
         width, height = _check_size(width, height)
         self.width, self.height = width, height
 
-    def encode(self, frame) -> bytes:
+    def encode(self, frame, keyframe: bool = False) -> bytes:
         return as_rgb_frame(frame, width=self.width, height=self.height).tobytes()
 
 
@@ -303,13 +307,18 @@ class Mp4Encoder(FrameEncoder):
     def frames(self) -> int:
         return self._frames
 
-    def encode(self, frame) -> bytes:
+    def encode(self, frame, keyframe: bool = False) -> bytes:
+        """``keyframe=True`` forces an IDR frame here, which (with ``frag_keyframe``) starts a new fragment and
+        writes out the previous one: the gateway forces one at every chunk's first frame, so each fragment holds
+        one chunk and a chunk's frames are playable once the next chunk starts (not after a whole GOP)."""
         import av
 
         if self._closed:
             raise RuntimeError("encode() after flush()/close()")
         arr = as_rgb_frame(frame, width=self.width, height=self.height)
         vf = av.VideoFrame.from_ndarray(arr, format="rgb24")
+        if keyframe:
+            vf.pict_type = av.video.frame.PictureType.I
         vf.pts = self._frames  # in units of the stream's 1/fps time base
         self._frames += 1
         # PyAV converts rgb24 to the encoder's pixel format (BT.601, limited range) inside encode().
@@ -344,10 +353,13 @@ def make_encoder(
     height: int,
     fps: float | Fraction = DEFAULT_FPS,
     quality: int | None = None,
+    chunked: bool = False,
 ) -> FrameEncoder:
     """Encoder for one stream.  ``quality`` (1..100, ``None`` = codec default) is JPEG quality for "jpeg", maps to
     CRF via ``quality_to_crf`` for "h264", and is checked but unused for the lossless "raw".  ``fps`` is checked for
-    every codec so a bad request fails the same way whatever the codec."""
+    every codec so a bad request fails the same way whatever the codec.  ``chunked``: the caller marks each chunk's
+    first frame ``keyframe=True`` and h264 cuts fragments only there (one fragment per chunk; x264 adds no keyframes
+    of its own within 10 s)."""
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
     rate = _as_fps(fps)
@@ -355,7 +367,7 @@ def make_encoder(
         return JpegEncoder(width, height, quality=DEFAULT_JPEG_QUALITY if quality is None else quality)
     if codec == "h264":
         crf = DEFAULT_CRF if quality is None else quality_to_crf(quality)
-        return Mp4Encoder(width, height, rate, crf=crf)
+        return Mp4Encoder(width, height, rate, crf=crf, gop=max(1, round(10 * rate)) if chunked else None)
     if quality is not None:
         _check_quality(quality)
     return RawEncoder(width, height)

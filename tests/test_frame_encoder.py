@@ -203,3 +203,26 @@ def test_quality_to_crf():
     assert quality_to_crf(100) == 0
     assert quality_to_crf(1) == 50
     assert quality_to_crf(55) == 23
+
+
+def test_chunked_h264_cuts_one_fragment_per_chunk_and_a_chunk_plays_once_the_next_starts():
+    # Chunks as the gateway makes them: 1 frame, then 4 per chunk; each chunk's first frame is marked keyframe.
+    rng = np.random.default_rng(3)
+    chunks = [[rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)]]
+    chunks += [[rng.integers(0, 255, (48, 64, 3), dtype=np.uint8) for _ in range(4)] for _ in range(3)]
+    enc = make_encoder("h264", width=64, height=48, fps=16, chunked=True)
+    data = b""
+    for c, chunk in enumerate(chunks):
+        for position, frame in enumerate(chunk):
+            data += enc.encode(frame, keyframe=position == 0)
+            if position == 0:
+                # The chunk starting here wrote out every earlier chunk, one fragment each, and nothing more.
+                assert data.count(b"moof") == c
+                assert len(read_mp4_frames(data)) == sum(len(ch) for ch in chunks[:c])
+    data += enc.flush()
+    assert data.count(b"moof") == len(chunks)
+    assert len(read_mp4_frames(data)) == sum(len(ch) for ch in chunks)
+    # Without chunk keyframes the first fragment waits for the GOP (16 frames at 16 fps): nothing plays yet.
+    plain = make_encoder("h264", width=64, height=48, fps=16)
+    data = b"".join(plain.encode(frame) for chunk in chunks for frame in chunk)
+    assert b"moof" not in data
