@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import stagecast
 import stagecast.client
@@ -34,6 +35,7 @@ from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Child, Launcher
 from stagecast.v1 import stream_pb2 as pb
+from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
 PROMPT = "a red fox running through snow"
 W, H = 32, 32
@@ -185,24 +187,49 @@ def test_100_idle_calls_leave_health_status_and_a_real_stream_working_and_end_at
     assert edge.alive() and not edge.log.tracebacks
 
 
-def test_status_watchers_over_their_budget_are_refused_and_status_is_still_served(edge):
-    with stagecast.Client(edge.address) as client:
-        watches = [client._stub.WatchStatus(pb.StatusRequest(), timeout=TIMEOUT) for _ in range(MAX_WATCHERS)]
+def _open_streaming_call(ch: grpc.Channel, kind: str, hold: threading.Event):
+    """One open call of a bounded streaming method, after its first response."""
+    if kind == "status":
+        call = pb_grpc.StreamServiceStub(ch).WatchStatus(pb.StatusRequest(), timeout=TIMEOUT)
+    elif kind == "health":
+        call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    else:
+
+        def requests():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+            hold.wait()
+
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(requests(), timeout=TIMEOUT)
+    next(call)
+    return call
+
+
+@pytest.mark.parametrize("kind", ["status", "health", "reflection"])
+def test_open_streaming_calls_over_their_budget_are_refused_and_status_and_health_still_served(edge, kind):
+    hold = threading.Event()
+    with grpc.insecure_channel(edge.address) as ch:
+        calls = [_open_streaming_call(ch, kind, hold) for _ in range(MAX_WATCHERS)]
         try:
-            for w in watches:
-                next(w)  # each watcher holds its call open
             with pytest.raises(grpc.RpcError) as err:
-                next(client._stub.WatchStatus(pb.StatusRequest(), timeout=10))
+                _open_streaming_call(ch, kind, hold)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4" in err.value.details()
-            assert client.status().max_streams == MAX_STREAMS
+            with stagecast.Client(edge.address) as client:
+                assert client.status().max_streams == MAX_STREAMS
             assert _health(edge.address) == health_pb2.HealthCheckResponse.SERVING
+            assert _health(edge.health_address) == health_pb2.HealthCheckResponse.SERVING
         finally:
-            for w in watches:
-                w.cancel()
-        # The slots come back when the watchers leave.
-        again = client._stub.WatchStatus(pb.StatusRequest(), timeout=10)
-        assert next(again).max_streams == MAX_STREAMS
-        again.cancel()
+            hold.set()
+            for call in calls:
+                call.cancel()
+        # The slots come back once the server has seen the calls end (bounded wait, not a sleep).
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _open_streaming_call(ch, kind, threading.Event()).cancel()
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                threading.Event().wait(0.05)
 
 
 @pytest.mark.parametrize(
