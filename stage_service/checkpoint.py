@@ -158,7 +158,8 @@ def _locate(folder: Path) -> _Checkpoint:
             names = ", ".join(p.name for p in candidates)
             raise CheckpointError(folder, None, f"several safetensors files ({names}) but no index json")
         single = candidates[0]
-    keys = list(_open(single, None).keys())
+    with _open(single, None) as f:
+        keys = list(f.keys())
     return _Checkpoint(single, dict.fromkeys(keys, single), _detect(keys, single))
 
 
