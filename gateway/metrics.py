@@ -13,7 +13,8 @@ Each gateway owns its registry, so several gateways in one process (tests) do no
 
 * ``stagecast_gateway_active_streams``, ``stagecast_gateway_vae_state_bytes`` (VAE decode caches),
   ``stagecast_gateway_queued_chunks`` (latent chunks waiting for the VAE), ``stagecast_gateway_queued_messages``
-  (encoded messages waiting for clients) (gauges);
+  (encoded messages waiting for clients), ``stagecast_gateway_waiting_calls`` (Generate calls that have not sent their
+  config yet: a flood of idle calls shows here) (gauges);
 * ``stagecast_gateway_streams_ended_total{reason}``, ``stagecast_gateway_streams_rejected_total{code}``,
   ``stagecast_gateway_chunks_received_total``, ``stagecast_gateway_frames_total`` (frames queued for clients),
   ``stagecast_gateway_late_frames_total`` (encoded after their presentation time: the first frame's encode time plus
@@ -47,6 +48,7 @@ class GatewayMetrics:
         vae_bytes: Callable[[], int],
         queued_chunks: Callable[[], int] = lambda: 0,
         queued_messages: Callable[[], int] = lambda: 0,
+        waiting_calls: Callable[[], int] = lambda: 0,
     ):
         self._server = None
         self.registry = CollectorRegistry()
@@ -61,6 +63,11 @@ class GatewayMetrics:
             "Memory held by the per-stream VAE decode caches",
             registry=self.registry,
         ).set_function(vae_bytes)
+        Gauge(
+            "stagecast_gateway_waiting_calls",
+            "Generate calls that have not sent their config yet (at most --max-pending)",
+            registry=self.registry,
+        ).set_function(waiting_calls)
         self._ended = Counter(
             "stagecast_gateway_streams_ended", "Streams that ended, by reason", ["reason"], registry=self.registry
         )

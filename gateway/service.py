@@ -163,6 +163,7 @@ class Gateway:
             vae_bytes=self.vae_state_bytes,
             queued_chunks=lambda: sum(run.session.queued for run in self._runs() if run.session is not None),
             queued_messages=lambda: sum(len(run.out) for run in self._runs()),
+            waiting_calls=lambda: self.pending,
         )
 
         servicer = StreamServicer(self)

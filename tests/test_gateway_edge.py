@@ -16,10 +16,12 @@ import json
 import os
 import random
 import shutil
+import socket
 import struct
 import subprocess
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +72,10 @@ class Edge:
     health_address: str
     child: Child
     log: _CountingLog = field(repr=False)
+    metrics_port: int = 0
+
+    def metrics(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
 
     def alive(self) -> bool:
         return self.child.proc.poll() is None
@@ -83,10 +89,13 @@ def edge(tmp_path_factory):
         args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         args += ["--health-port", "0", "--config-timeout", str(CONFIG_TIMEOUT), "--max-pending", str(MAX_PENDING)]
         args += ["--max-watchers", str(MAX_WATCHERS), "--max-streams", str(MAX_STREAMS)]
-        child = launcher.spawn("gateway", args)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            metrics_port = s.getsockname()[1]
+        child = launcher.spawn("gateway", args + ["--metrics-port", str(metrics_port)])
         log = _CountingLog(child.log)
         child.log = log
-        yield Edge(child.info["address"], child.info["health_address"], child, log)
+        yield Edge(child.info["address"], child.info["health_address"], child, log, metrics_port)
 
 
 def _channel(target: str) -> grpc.Channel:
@@ -154,6 +163,7 @@ def test_100_idle_calls_leave_health_status_and_a_real_stream_working_and_end_at
             t.start()
         try:
             _wait_status(edge.address, lambda s: s.waiting_calls == IDLE_CALLS)
+            assert f"stagecast_gateway_waiting_calls {IDLE_CALLS:.1f}" in edge.metrics()
             # Health on the public port and on the gateway's own health port, status, and a real stream, all while
             # every idle call still holds its place.
             assert _health(edge.address) == health_pb2.HealthCheckResponse.SERVING
