@@ -399,31 +399,28 @@ def start_system(launcher, root: Path, args, device_kind: str):
     return pipe, gateway.info["address"]
 
 
-def coordinator_status(coordinator: str):
-    import grpc
-
+def coordinator_status(coordinator: str, launcher):
+    """The coordinator's Status over the launcher's operator certificate (the coordinator is mTLS)."""
     from stagecast.internal.v1 import pipeline_pb2 as pb
     from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(coordinator) as ch:
+    with launcher.channel(coordinator, "coordinator") as ch:
         return pb_grpc.CoordinatorServiceStub(ch).Status(pb.Empty(), timeout=10)
 
 
-def stage_stats(coordinator: str) -> list[dict]:
+def stage_stats(coordinator: str, launcher) -> list[dict]:
     return [
         {"index": s.index, "batches": s.batches, "forward_ms": s.forward_ms_total, "micro_steps": s.micro_steps}
-        for s in coordinator_status(coordinator).stage_stats
+        for s in coordinator_status(coordinator, launcher).stage_stats
     ]
 
 
-def plan_prompt_chunks(coordinator: str) -> dict[int, list[int]]:
+def plan_prompt_chunks(coordinator: str, launcher) -> dict[int, list[int]]:
     """Per pipeline stream, the first chunk of each prompt update, in order (from the recorded plan)."""
-    import grpc
-
     from stagecast.internal.v1 import pipeline_pb2 as pb
     from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(coordinator, options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
+    with launcher.channel(coordinator, "coordinator", [("grpc.max_receive_message_length", 1 << 30)]) as ch:
         dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
     out: dict[int, list[int]] = {}
     for ev in dump.events:
@@ -435,10 +432,10 @@ def plan_prompt_chunks(coordinator: str) -> dict[int, list[int]]:
 class LeadSampler:
     """Samples every stream's lead (chunks started - consumed, and its bound) from the coordinator while it runs."""
 
-    def __init__(self, coordinator: str, period: float = 0.25):
+    def __init__(self, coordinator: str, launcher, period: float = 0.25):
         import threading
 
-        self.coordinator, self.period = coordinator, period
+        self.coordinator, self.launcher, self.period = coordinator, launcher, period
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -447,7 +444,7 @@ class LeadSampler:
         t0 = time.perf_counter()
         while not self._stop.wait(self.period):
             try:
-                status = coordinator_status(self.coordinator)
+                status = coordinator_status(self.coordinator, self.launcher)
             except Exception:  # noqa: BLE001 - a missed sample
                 continue
             for s in status.streams:
@@ -514,12 +511,12 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             # Every prompt is new to the server (its text cache), as the protocol asks for TTFF.
             first = StreamRecord(client, args, args.first_seconds, f"a dog {nonce}").run()
             done("first stream", first_stream=first.json())
-            before = stage_stats(pipe.coordinator)
-            with LeadSampler(pipe.coordinator) as lead:
+            before = stage_stats(pipe.coordinator, launcher)
+            with LeadSampler(pipe.coordinator, launcher) as lead:
                 t = time.perf_counter()
                 main = StreamRecord(client, args, args.seconds, f"a fox {nonce}").run()
                 wall = time.perf_counter() - t
-            after = stage_stats(pipe.coordinator)
+            after = stage_stats(pipe.coordinator, launcher)
             done("main stream", main=main.json(), lead=lead.summary())
             firsts = [StreamRecord(client, args, 0.5, f"a cat {nonce} {i}").run() for i in range(args.ttff_runs)]
             done("ttff", ttff_s=[f.ttff_s for f in firsts])
@@ -529,7 +526,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             updates = {every * (k + 1): f"a bird {nonce} {k}" for k in range(args.interactive_updates)}
             stop_at = every * (args.interactive_updates + 10)
             inter = StreamRecord(client, args, None, f"a cow {nonce}", updates, stop_at=stop_at).run()
-            prompt_chunks = plan_prompt_chunks(pipe.coordinator)
+            prompt_chunks = plan_prompt_chunks(pipe.coordinator, launcher)
             done("interactive", interactive_sent=inter.update_sent, prompt_chunks=prompt_chunks)
             load_rows = []
             for n in args.load or []:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from stagecast.service import run_service
+from stagecast.service import add_security_flags, run_service
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "coordinator",
-        help="run the coordinator (registry, scheduler, rendezvous store)",
+        help="run the coordinator (registry, scheduler, the stages' rendezvous store)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--stages", type=int, required=True, help="number of DiT stages")
@@ -18,7 +18,6 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address stages use to reach this coordinator")
-    p.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: any free port)")
     p.add_argument(
         "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="data plane (auto: nccl on GPU stages)"
     )
@@ -26,26 +25,39 @@ def add_parser(sub) -> None:
     p.add_argument("--max-streams", type=int, default=16, help="admission limit on concurrent streams")
     p.add_argument("--record-plan", action="store_true", help="keep the plan for GetPlan (selftest)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    add_security_flags(p)
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from coordinator.server import CoordinatorOptions, serve
+    from coordinator.server import serve
+    from stagecast.security import mtls_from_flags
 
-    options = CoordinatorOptions(
+    def start(stop) -> None:
+        options = _options(args, mtls_from_flags(args.mtls, args.insecure_internal, "stagecast coordinator"))
+        serve(options, stop=stop)
+
+    return run_service("coordinator", start)
+
+
+def _options(args: argparse.Namespace, mtls):
+    from coordinator.server import CoordinatorOptions
+
+    return CoordinatorOptions(
         stages=args.stages,
         partition=args.partition,
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
-        store_port=args.store_port,
         backend="" if args.backend == "auto" else args.backend,
         max_batch=args.max_batch,
         max_streams=args.max_streams,
         record_plan=args.record_plan,
         metrics_port=args.metrics_port,
+        mtls=mtls,
+        metrics_host=args.metrics_host,
+        health_port=args.health_port,
     )
-    return run_service("coordinator", lambda stop: serve(options, stop=stop))
 
 
 def add_simulate_parser(sub) -> None:

@@ -2,7 +2,7 @@
 
 Usage (the gRPC servicer in ``coordinator.server`` is a thin layer over this)::
 
-    engine = PipelineEngine(registry, store_host="10.0.0.1", store_port=29500, max_batch=4)
+    engine = PipelineEngine(registry, connect=lambda address: channel_to(address), max_batch=4)
     engine.start()
     engine.on_registered(record)            # forms a new generation once every stage is registered
     session = engine.open(spec, text)       # raises AdmissionError with a gRPC code
@@ -95,9 +95,11 @@ class StreamSession:
 class _StageLink:
     """Channel, stubs and an ordered submit queue for one stage of one generation."""
 
-    def __init__(self, record: StageRecord, on_error: Callable[[int, str], None]):
+    def __init__(
+        self, record: StageRecord, on_error: Callable[[int, str], None], connect: Callable[[str], grpc.Channel]
+    ):
         self.record = record
-        self.channel = grpc.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+        self.channel = connect(record.address)
         self.stub = pb_grpc.StageServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.outbox: queue.Queue = queue.Queue()
@@ -129,8 +131,7 @@ class PipelineEngine:
         self,
         registry: StageRegistry,
         *,
-        store_host: str,
-        store_port: int,
+        connect: Callable[[str], grpc.Channel] | None = None,
         backend: str = "gloo",
         max_batch: int = 4,
         lookahead: int | None = None,
@@ -141,8 +142,8 @@ class PipelineEngine:
         max_ahead: int | None = None,
     ):
         self.registry = registry
-        self.store_host = store_host
-        self.store_port = store_port
+        # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
+        self.connect = connect or (lambda address: grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.backend = backend
         self.max_batch = max_batch
         self.lookahead = lookahead or 2 * registry.world_size + 2
@@ -245,7 +246,7 @@ class PipelineEngine:
 
     def _form(self, gen: int) -> None:
         records = self.registry.records()
-        links = [_StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg)) for r in records]
+        links = [_StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg), self.connect) for r in records]
         world = len(records)
 
         def form_one(link: _StageLink) -> None:
@@ -255,8 +256,6 @@ class PipelineEngine:
                     generation=gen,
                     rank=rec.index,
                     world_size=world,
-                    store_host=self.store_host,
-                    store_port=self.store_port,
                     backend=self.backend,
                     layer_start=rec.layers.start,
                     layer_stop=rec.layers.stop,
@@ -348,7 +347,7 @@ class PipelineEngine:
 
         def reset(rec: StageRecord) -> None:
             try:
-                with grpc.insecure_channel(rec.address, options=CHANNEL_OPTIONS) as ch:
+                with self.connect(rec.address) as ch:
                     request = pb.ResetRequest(generation=generation, reason=reason)
                     pb_grpc.StageServiceStub(ch).Reset(request, timeout=15)
             except grpc.RpcError as exc:

@@ -1,33 +1,47 @@
 """The coordinator process: stage registry, rendezvous store, and the gRPC face of the pipeline engine.
 
-Run with ``stagecast coordinator --stages K [--partition 8,12,12,8]``.  It hosts the torch.distributed
-TCPStore the stages rendezvous on (one key prefix per generation), answers ``Register``, and serves
-``OpenStream``/``StopStream``/``UpdatePrompt`` to the gateway (and to ``stagecast selftest``).  Its health
+Run with ``stagecast coordinator --stages K [--partition 8,12,12,8] --mtls DIR``.  It serves the store the stages
+rendezvous on (``coordinator.rendezvous``, one key prefix per generation) on its own mTLS gRPC port, answers
+``Register``, and serves ``OpenStream``/``StopStream``/``UpdatePrompt`` to the gateway (and to an operator's
+``stagecast selftest``).  Each method admits only the roles that need it (``ROLE_RULES``).  Its health
 service reports the service ``stagecast.internal.v1.CoordinatorService`` SERVING only while a generation
 is formed, so readiness probes and callers can wait on it.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 from dataclasses import dataclass
 
 import grpc
-import torch.distributed as dist
 
+from coordinator import rendezvous
 from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
 from coordinator.registry import RegistrationError, StageRegistry
 from stagecast import telemetry, wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.internal.v1 import rendezvous_pb2_grpc as rpb_grpc
 from stagecast.names import COORDINATOR_SERVICE
+from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = COORDINATOR_SERVICE
+_STREAMS = ["gateway"]  # streams are opened, steered and watched by the gateway (and an operator)
+ROLE_RULES = {
+    f"/{SERVICE_NAME}/Register": ["stage"],
+    f"/{SERVICE_NAME}/Heartbeat": ["stage"],
+    f"/{SERVICE_NAME}/OpenStream": _STREAMS,
+    f"/{SERVICE_NAME}/StopStream": _STREAMS,
+    f"/{SERVICE_NAME}/UpdatePrompt": _STREAMS,
+    f"/{SERVICE_NAME}/Consumed": _STREAMS,
+    f"/{SERVICE_NAME}/Status": _STREAMS,
+    f"/{SERVICE_NAME}/GetPlan": [],
+    f"/{rendezvous.SERVICE_NAME}/": ["stage"],
+}
 
 
 @dataclass
@@ -37,18 +51,21 @@ class CoordinatorOptions:
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
-    store_port: int = 0
     backend: str = ""  # "": each stage picks nccl (GPU) or gloo (CPU)
     max_batch: int = 4
     max_streams: int = 16
     record_plan: bool = False
     metrics_port: int = 0  # Prometheus /metrics (0: off)
+    mtls: MTLS | None = None  # deployment credentials (role "coordinator"); None: plaintext (--insecure-internal)
+    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
+    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
-    def __init__(self, registry: StageRegistry, engine: PipelineEngine):
+    def __init__(self, registry: StageRegistry, engine: PipelineEngine, mtls: MTLS | None = None):
         self.registry = registry
         self.engine = engine
+        self.mtls = mtls
         self.address = ""  # server.address of the RPC spans, once bound
 
     def Register(self, request: pb.RegisterRequest, context):
@@ -94,7 +111,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         if rec is None:
             return True
         try:
-            with grpc.insecure_channel(rec.address) as ch:
+            with connect(rec.address, self.mtls, "stage") as ch:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
             return False
         except grpc.RpcError:
@@ -191,28 +208,31 @@ class Coordinator:
 
     def __init__(self, opts: CoordinatorOptions):
         self.opts = opts
-        self.store = dist.TCPStore(
-            opts.host if opts.host != "0.0.0.0" else "0.0.0.0",
-            opts.store_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=300),
-        )
+        self.store = rendezvous.RendezvousServicer()
         self.registry = StageRegistry(opts.stages, opts.partition)
         self.engine = PipelineEngine(
             self.registry,
-            store_host=opts.advertise_host or opts.host,
-            store_port=self.store.port,
+            connect=lambda address: connect(address, opts.mtls, "stage", CHANNEL_OPTIONS),
             backend=opts.backend,
             max_batch=opts.max_batch,
             max_streams=opts.max_streams,
             record_plan=opts.record_plan,
             on_ready_change=self._on_ready,
         )
-        servicer = CoordinatorServicer(self.registry, self.engine)
+        servicer = CoordinatorServicer(self.registry, self.engine, opts.mtls)
         self.server, self.health, self.port = make_server(
-            opts.port, [(pb_grpc.add_CoordinatorServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+            opts.port,
+            [
+                (pb_grpc.add_CoordinatorServiceServicer_to_server, servicer, SERVICE_NAME),
+                (rpb_grpc.add_RendezvousServiceServicer_to_server, self.store, rendezvous.SERVICE_NAME),
+            ],
+            host=opts.host,
+            # Stages block in the store's Get/Wait while a group forms: room for them beside the streams.
+            max_workers=64 + 2 * opts.stages,
+            credentials=opts.mtls.server_credentials() if opts.mtls else None,
+            interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
         )
+        self.probe = None
         self.address = f"{opts.advertise_host or opts.host}:{self.port}"
         servicer.address = self.address
         self.metrics = telemetry.MetricsServer()
@@ -223,14 +243,18 @@ class Coordinator:
     def start(self) -> None:
         self.engine.start()
         self.server.start()
+        self.probe = serve_health(self.health, self.opts.host, self.opts.health_port)
         registry = self.engine.telemetry.registry
-        self.metrics = telemetry.serve_metrics(self.opts.metrics_port, registry, what="coordinator")
-        set_serving(self.health, [], True)  # the process is alive; the pipeline service follows readiness
-        logger.info("coordinator on %s, rendezvous store on port %d", self.address, self.store.port)
+        host = self.opts.metrics_host or self.opts.host
+        self.metrics = telemetry.serve_metrics(self.opts.metrics_port, registry, host=host, what="coordinator")
+        set_serving(self.health, [rendezvous.SERVICE_NAME], True)  # alive; the pipeline service follows readiness
+        logger.info("coordinator on %s (%s)", self.address, "mTLS" if self.opts.mtls else "plaintext")
 
     def stop(self) -> None:
         self.engine.shutdown()
         self.server.stop(grace=2).wait()
+        if self.probe is not None:
+            self.probe.stop(0)
         self.metrics.close()
 
 
@@ -238,7 +262,7 @@ def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None
     telemetry.init("coordinator")
     coord = Coordinator(opts)
     coord.start()
-    announce_ready("coordinator", address=coord.address, store_port=coord.store.port)
+    announce_ready("coordinator", address=coord.address)
     stop = stop or threading.Event()
     try:
         stop.wait()

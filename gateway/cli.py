@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from stagecast.names import DTYPE_NAMES
-from stagecast.service import csv_list, run_service
+from stagecast.service import add_security_flags, csv_list, run_service
 
 DTYPES = list(DTYPE_NAMES)
 
@@ -88,17 +88,45 @@ def add_parser(sub) -> None:
         default=None,
         help="decoder units where VAE slices 1.. start, e.g. 4 (default: balanced by multiply-accumulates)",
     )
+    p.add_argument("--tls-cert", default=None, help="public TLS certificate chain (PEM); with --tls-key")
+    p.add_argument("--tls-key", default=None, help="public TLS private key (PEM)")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="bearer-token file, one 'token tenant [user|admin|status]' per line (e.g. a mounted Secret)",
+    )
+    p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
+    )
+    add_security_flags(p, health=False)  # --health-port is the gateway's own, above
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from gateway.service import GatewayOptions, serve
+    from gateway.service import serve
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    options = GatewayOptions(
+
+    def start(stop) -> None:
+        serve(_gateway_options(args), stop=stop)
+
+    return run_service("gateway", start)
+
+
+def _gateway_options(args: argparse.Namespace):
+    from gateway.service import GatewayOptions
+    from stagecast.security import is_loopback, mtls_from_flags
+
+    if not args.tokens and not args.allow_anonymous and not is_loopback(args.host):
+        raise ValueError(
+            f"--host {args.host} is reachable from other machines: give --tokens FILE (or --allow-anonymous)"
+        )
+    return GatewayOptions(
         coordinator=args.coordinator,
         checkpoint=args.checkpoint,
         host=args.host,
@@ -124,8 +152,12 @@ def main(args: argparse.Namespace) -> int:
         vae_stage=args.vae_stage,
         vae_devices=args.vae_devices,
         vae_split=args.vae_split,
+        mtls=mtls_from_flags(args.mtls, args.insecure_internal, "stagecast gateway"),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tokens=args.tokens,
+        metrics_host=args.metrics_host,
     )
-    return run_service("gateway", lambda stop: serve(options, stop=stop))
 
 
 def add_vae_stage_parser(sub) -> None:
@@ -142,13 +174,24 @@ def add_vae_stage_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
+    add_security_flags(p, metrics=False)
     p.set_defaults(run=vae_stage_main)
 
 
 def vae_stage_main(args: argparse.Namespace) -> int:
-    from gateway.vae_stage import VAEStageOptions, serve
+    from gateway.vae_stage import serve
+    from stagecast.security import mtls_from_flags
 
-    options = VAEStageOptions(
+    def start(stop) -> None:
+        serve(_vae_options(args, mtls_from_flags(args.mtls, args.insecure_internal, "stagecast vae-stage")), stop=stop)
+
+    return run_service("vae-stage", start)
+
+
+def _vae_options(args: argparse.Namespace, mtls):
+    from gateway.vae_stage import VAEStageOptions
+
+    return VAEStageOptions(
         checkpoint=args.checkpoint,
         index=args.index,
         num_slices=args.num_slices,
@@ -157,5 +200,6 @@ def vae_stage_main(args: argparse.Namespace) -> int:
         port=args.port,
         device=args.device,
         dtype=args.dtype,
+        mtls=mtls,
+        health_port=args.health_port,
     )
-    return run_service("vae-stage", lambda stop: serve(options, stop=stop))

@@ -37,6 +37,7 @@ from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
+from stagecast.security import MTLS, connect
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +193,13 @@ class LocalSession:
 class RemoteDecoder:
     """The first of a chain of ``stagecast vae-stage`` processes."""
 
-    def __init__(self, address: str, drain_timeout: float = 30.0, timers: Timers | None = None):
+    def __init__(
+        self, address: str, drain_timeout: float = 30.0, timers: Timers | None = None, mtls: MTLS | None = None
+    ):
         self.address = address
         self.drain_timeout = drain_timeout
         self.timers = timers or Timers("vae-drain")
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = connect(address, mtls, "vae-stage", CHANNEL_OPTIONS)
         self.stub = vpb_grpc.VAEStageServiceStub(self.channel)
 
     def open(self, capacity: int) -> RemoteSession:

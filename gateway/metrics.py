@@ -3,7 +3,7 @@
 Usage::
 
     metrics = GatewayMetrics(active=lambda: n_streams, vae_bytes=lambda: held_bytes)
-    metrics.serve(9100)                  # /metrics on 0.0.0.0:9100; port 0 leaves it off
+    metrics.serve(9100, host)            # /metrics on host:9100; port 0 leaves it off
     metrics.stream_ended("completed"); metrics.first_frame(0.42); metrics.chunk_decoded(0.05)
     metrics.frame_sent(late=False, encode_seconds=0.002); metrics.stream_fps(15.8)
     metrics.frames_dropped("cancelled", 3)
@@ -134,10 +134,10 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
         if port:
-            self._server, _ = start_http_server(port, registry=self.registry)
-            logger.info("gateway metrics on :%d/metrics", port)
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+            logger.info("gateway metrics on %s:%d/metrics", host, port)
 
     def close(self) -> None:
         if self._server is not None:

@@ -20,6 +20,12 @@ decode), requests over the largest legal message are refused before parsing, eve
 slot from a bounded budget (streams, calls waiting for their config, status watchers, health watchers, reflection)
 and the thread pool is larger than all budgets together, so health checks and new streams always find a thread.
 With ``--health-port`` grpc.health.v1 is also served by a server of its own (what Kubernetes probes call).
+
+Security: ``--tls-cert``/``--tls-key`` serve the public API over TLS; ``--tokens FILE`` requires a bearer token on
+every call but health (``stagecast.security.TokenAuth``: UNAUTHENTICATED without a valid one).  Each token is a
+tenant: ``GetStatus``/``WatchStatus`` show a tenant only its own streams (an admin or status token sees all), and a
+stream's stop and prompt updates travel only on its own ``Generate`` call.  Inside the deployment the gateway
+reaches the coordinator and VAE stages over mTLS (``--mtls``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from stagecast.grpc_util import (
 )
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.names import DTYPES, STREAM_SERVICE
+from stagecast.security import MTLS, Principal, TokenAuth, connect, principal_of, server_tls
 from stagecast.service import announce_ready
 from stagecast.v1 import stream_pb2 as pb
 
@@ -106,6 +113,11 @@ class GatewayOptions:
     health_port: int | None = None  # grpc.health.v1 also on a server of its own (0: any free port); None: off
     max_frame_pixels: int = 0  # per-stream cost budget (gateway.admission); 0: stagecast.json's, else derived
     max_stream_cost: float = 0
+    mtls: MTLS | None = None  # deployment credentials (role "gateway") towards the coordinator and VAE stages
+    tls_cert: str | None = None  # public TLS certificate (PEM file); None with tls_key: plaintext
+    tls_key: str | None = None
+    tokens: str | None = None  # bearer-token file (``token tenant [role]`` lines); None: no tokens asked
+    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
 
 
 class Gateway:
@@ -126,7 +138,9 @@ class Gateway:
             dtype=text_dtype(opts.text_dtype, text_device),
         )
         if opts.vae_stage:
-            self.decoder = RemoteDecoder(opts.vae_stage, drain_timeout=opts.drain_timeout, timers=self.timers)
+            self.decoder = RemoteDecoder(
+                opts.vae_stage, drain_timeout=opts.drain_timeout, timers=self.timers, mtls=opts.mtls
+            )
         else:
             self.decoder = LocalDecoder.from_folder(
                 root / "vae",
@@ -138,7 +152,7 @@ class Gateway:
         self.warmup_s = 0.0
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
-        self.channel = grpc.insecure_channel(opts.coordinator, options=CHANNEL_OPTIONS)
+        self.channel = connect(opts.coordinator, opts.mtls, "coordinator", CHANNEL_OPTIONS)
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
 
         self.cond = threading.Condition()
@@ -166,6 +180,7 @@ class Gateway:
             waiting_calls=lambda: self.pending,
         )
 
+        self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
         servicer = StreamServicer(self)
         streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
         streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
@@ -179,8 +194,10 @@ class Gateway:
             host=opts.host,
             max_workers=workers,
             options=PUBLIC_OPTIONS,
-            interceptors=[self.limits],
+            # Tokens first: a call without a valid one is refused before it takes a slot of any budget.
+            interceptors=[*([self.auth] if self.auth else []), self.limits],
             maximum_concurrent_rpcs=workers,
+            credentials=server_tls(opts.tls_cert, opts.tls_key),
         )
         host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
         self.address = f"{host}:{self.port}"
@@ -220,7 +237,7 @@ class Gateway:
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
-        self.metrics.serve(self.opts.metrics_port)
+        self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
         set_serving(self.health, [SERVICE_NAME], True)
         logger.info(
             "gateway on %s -> coordinator %s (text_len=%d, VAE %s, cost budget %d pixels/frame and %.4g "
@@ -334,18 +351,19 @@ class Gateway:
     def vae_state_bytes(self) -> int:
         return sum(_vae_bytes(run) for run in self._runs())
 
-    def status(self) -> pb.GatewayStatus:
+    def status(self, who: Principal | None = None) -> pb.GatewayStatus:
+        """The gateway's state as ``who`` may see it: a tenant sees only its own streams (and no totals or
+        internal addresses); an admin or status token, or anyone on a gateway without tokens, sees everything."""
+        everything = who is None or who.sees_all
         with self.cond:
-            runs = list(self.streams.values())
-            msg = pb.GatewayStatus(
-                active_streams=len(runs),
-                max_streams=self.opts.max_streams,
-                streams_started=self.started,
-                streams_finished=self.finished,
-                ended_by_reason=dict(self.ended_by_reason),
-                coordinator=self.opts.coordinator,
-                waiting_calls=self.pending,
-            )
+            runs = [run for run in self.streams.values() if everything or getattr(run, "tenant", None) == who.tenant]
+            msg = pb.GatewayStatus(active_streams=len(runs), max_streams=self.opts.max_streams)
+            if everything:
+                msg.streams_started = self.started
+                msg.streams_finished = self.finished
+                msg.ended_by_reason.update(self.ended_by_reason)
+                msg.coordinator = self.opts.coordinator
+                msg.waiting_calls = self.pending
         for run in runs:
             msg.streams.add(
                 stream_id=run.id,
@@ -470,6 +488,7 @@ class StreamServicer:
         except Refused as exc:
             self._abort(context, exc.code, exc.message)
         run = self._open(cfg, context, t0, rpc_span, release)
+        run.tenant = principal_of(gw.auth, context).tenant  # whose stream: status shows it to its tenant only
         gw.register(run, release)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening
@@ -516,7 +535,7 @@ class StreamServicer:
             parse_status_request(request)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return self.gw.status()
+        return self.gw.status(principal_of(self.gw.auth, context))
 
     def WatchStatus(self, request: bytes, context):
         gw = self.gw
@@ -524,6 +543,7 @@ class StreamServicer:
             parse_status_request(request)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        who = principal_of(gw.auth, context)
         done = threading.Event()
 
         def on_done():
@@ -538,7 +558,7 @@ class StreamServicer:
                 if done.is_set():
                     return
                 seen[0] = gw.version
-            yield gw.status()
+            yield gw.status(who)
 
 
 def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:

@@ -25,15 +25,17 @@ import torch
 
 from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
 from stagecast import wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, set_serving
+from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
 from stagecast.names import DTYPES, VAE_STAGE_SERVICE
+from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import announce_ready
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = VAE_STAGE_SERVICE
+ROLE_RULES = {f"/{SERVICE_NAME}/": ["gateway", "vae-stage"]}  # the gateway, or the previous slice of the chain
 
 
 @dataclass
@@ -46,6 +48,8 @@ class VAEStageOptions:
     port: int = 50070
     device: str = "cpu"
     dtype: str = "float32"
+    mtls: MTLS | None = None  # deployment credentials (role "vae-stage"); None: plaintext (--insecure-internal)
+    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
 
 
 class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
@@ -63,7 +67,7 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
             raise ValueError(f"stage {opts.index} of {opts.num_slices}: --next is needed by every stage but the last")
         self.next_stub = None
         if opts.next:
-            self.next_channel = grpc.insecure_channel(opts.next, options=CHANNEL_OPTIONS)
+            self.next_channel = connect(opts.next, opts.mtls, "vae-stage", CHANNEL_OPTIONS)
             self.next_stub = vpb_grpc.VAEStageServiceStub(self.next_channel)
         self.lock = threading.Lock()
         self.states: dict[int, object] = {}
@@ -121,9 +125,14 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
 def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
     servicer = VAEStageServicer(opts)
     server, health, port = make_server(
-        opts.port, [(vpb_grpc.add_VAEStageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+        opts.port,
+        [(vpb_grpc.add_VAEStageServiceServicer_to_server, servicer, SERVICE_NAME)],
+        host=opts.host,
+        credentials=opts.mtls.server_credentials() if opts.mtls else None,
+        interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
     )
     server.start()
+    probe = serve_health(health, opts.host, opts.health_port)
     set_serving(health, [SERVICE_NAME], True)
     host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
     announce_ready(vae_stage=opts.index, address=f"{host}:{port}")
@@ -132,3 +141,5 @@ def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
         stop.wait()
     finally:
         server.stop(2).wait()
+        if probe is not None:
+            probe.stop(0)

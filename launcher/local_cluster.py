@@ -36,6 +36,7 @@ def stage_args(
     host: str,
     cuda_graphs: bool = False,
     loras: Sequence[str] = (),
+    metrics_port: int = 0,
 ) -> list[str]:
     args = [
         "stage",
@@ -56,6 +57,8 @@ def stage_args(
     ]
     for lora in loras:
         args += ["--lora", lora]
+    if metrics_port:
+        args += ["--metrics-port", str(metrics_port)]
     return args + (["--cuda-graphs"] if cuda_graphs else [])
 
 
@@ -75,8 +78,12 @@ def start_pipeline(
     ready_timeout: float = 600.0,
     cuda_graphs: bool = False,
     loras: Sequence[str] = (),
+    metrics_port: int = 0,
 ) -> LocalPipeline:
+    """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage i's on N+2+i (N+1 is the gateway's)."""
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
+    if metrics_port:
+        args += ["--metrics-port", str(metrics_port)]
     args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
     args += ["--backend", "nccl" if device.startswith("cuda") else "gloo"]
     if partition:
@@ -89,11 +96,14 @@ def start_pipeline(
     again = [*args[: args.index("--port") + 1], bound, *args[args.index("--port") + 2 :]]
     pipe = LocalPipeline(address, coord, again)
     for i in range(stages):
-        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs, loras)
+        stage_metrics = metrics_port + 2 + i if metrics_port else 0
+        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics)
         pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])
     for child in pipe.stage_children.values():
         launcher.wait_ready(child, timeout=ready_timeout)
-    wait_healthy(address, ready_timeout, service=COORDINATOR_SERVICE)
+    wait_healthy(
+        address, ready_timeout, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
+    )
     return pipe
 
 

@@ -18,22 +18,38 @@ launcher even if it is killed with SIGKILL: no orphans.
     sup = Supervisor(launcher, stop)                 # stop: a threading.Event (SIGTERM / Ctrl-C)
     sup.watch(coord, args)                           # restart with ``args`` when it dies, with backoff
     failure = sup.wait()                             # None once ``stop`` is set; else why it gave up
+
+Local clusters are authenticated with no set-up: the launcher makes a throwaway deployment CA and one certificate
+per role in a private temporary folder (``stagecast.security.write_deployment``), hands each service child its
+role's folder (``$STAGECAST_MTLS``), keeps an ``operator`` certificate for its own clients
+(``launcher.channel(address, "coordinator")``), and deletes the folder when it exits.  ``Launcher(mtls=False)``
+runs the services with ``--insecure-internal`` instead.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
+
+from stagecast.grpc_util import CHANNEL_OPTIONS
+from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
 from stagecast.service import PARENT_PID_ENV, READY_PREFIX
+
+# The certificate each service command runs with.
+SERVICE_ROLES = {"coordinator": "coordinator", "stage": "stage", "gateway": "gateway", "vae-stage": "vae-stage"}
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +72,71 @@ class LaunchError(RuntimeError):
 
 
 class Launcher:
-    def __init__(self, env: dict[str, str] | None = None, echo: bool = False):
+    def __init__(
+        self, env: dict[str, str] | None = None, echo: bool = False, mtls: bool = True, credentials: str | None = None
+    ):
+        """``credentials``: an existing deployment folder (``ca.crt`` and one folder per role, as
+        ``write_deployment`` makes) to use instead of a throwaway one; it is left in place."""
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.echo = echo
+        self.secure = mtls
+        self._credentials: str | None = credentials
+        self._owns_credentials = credentials is None
+        self._operator: MTLS | None = None
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
 
-    def start(self, name: str, args: list[str]) -> Child:
-        """Start a child without waiting for it; pair with ``wait_ready`` (lets several start at once)."""
+    # ---- credentials ----------------------------------------------------------------------------------------
+
+    @property
+    def credentials(self) -> str | None:
+        """The folder of this launcher's throwaway deployment CA and role certificates (made on first use)."""
+        if self.secure and self._credentials is None:
+            folder = tempfile.mkdtemp(prefix="stagecast-mtls-")  # 0700
+            write_deployment(folder)
+            self._credentials = folder
+            self._owns_credentials = True
+        return self._credentials
+
+    def mtls(self, role: str = "operator") -> MTLS | None:
+        """Credentials of ``role`` (None when the services run without mTLS)."""
+        if not self.secure:
+            return None
+        if role == "operator":
+            if self._operator is None:
+                self._operator = MTLS.load(os.path.join(self.credentials, "operator"))
+            return self._operator
+        return MTLS.load(os.path.join(self.credentials, role))
+
+    def channel(self, target: str, peer: str, options=CHANNEL_OPTIONS) -> grpc.Channel:
+        """An operator's channel to the internal service ``peer`` (``coordinator``, ``stage``, ``vae-stage``)."""
+        return connect(target, self.mtls(), peer, options)
+
+    def _service_env(self, args: list[str]) -> dict[str, str]:
+        role = SERVICE_ROLES.get(args[0]) if args else None
+        if role is None or "--mtls" in args or "--insecure-internal" in args:
+            return {}
+        if not self.secure:
+            args.append("--insecure-internal")
+            return {}
+        return {MTLS_ENV: os.path.join(self.credentials, role)}
+
+    def start(self, name: str, args: list[str], prefix: Sequence[str] = ()) -> Child:
+        """Start a child without waiting for it; pair with ``wait_ready`` (lets several start at once).  ``prefix``
+        runs it through a command that ``exec``s it, e.g. ``["ip", "netns", "exec", "ns1"]``."""
+        args = list(args)
+        extra = self._service_env(args)
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child is forked from
         # the launcher's own long-lived thread, whichever thread calls start().
         proc = self._spawner.submit(
             subprocess.Popen,
-            [sys.executable, "-m", "launcher.cli", *args],
+            [*prefix, sys.executable, "-m", "launcher.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             # No preexec_fn: it would make subprocess fork rather than spawn, and gRPC's fork handlers abort
             # such a child (grpc/grpc#43055).  The child sets PR_SET_PDEATHSIG itself (die_with_parent).
-            env={**self.env, PARENT_PID_ENV: str(os.getpid())},
+            env={**self.env, **extra, PARENT_PID_ENV: str(os.getpid())},
         ).result()
         child = Child(name, proc)
         self.children.append(child)
@@ -106,8 +168,8 @@ class Launcher:
             raise LaunchError(f"{child.name} did not become ready (exit code {child.proc.poll()}):\n{tail}")
         return child
 
-    def spawn(self, name: str, args: list[str], timeout: float = 300.0) -> Child:
-        return self.wait_ready(self.start(name, args), timeout)
+    def spawn(self, name: str, args: list[str], timeout: float = 300.0, prefix: Sequence[str] = ()) -> Child:
+        return self.wait_ready(self.start(name, args, prefix), timeout)
 
     def stop(self, child: Child, grace: float = 10.0) -> int | None:
         if child.proc.poll() is None:
@@ -136,6 +198,10 @@ class Launcher:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+        if self._credentials is not None and self._owns_credentials:
+            shutil.rmtree(self._credentials, ignore_errors=True)
+            self._credentials = None
+            self._operator = None
 
 
 def describe_exit(code: int | None) -> str:

@@ -18,6 +18,7 @@ import argparse
 import logging
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,6 @@ from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stagecast import wire
 from stagecast.generate import ladder_arg
-from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
@@ -110,15 +110,18 @@ def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
     return [wire.event_from_proto(ev) for ev in events]
 
 
-def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
-    """Open the streams in order, each once its predecessor has started; collect every chunk."""
+def run_streams(
+    connect: Callable[[], grpc.Channel], specs: list[StreamSpec], texts: list[torch.Tensor]
+) -> dict[int, list[torch.Tensor]]:
+    """Open the streams in order, each once its predecessor has started; collect every chunk.  ``connect`` makes
+    a channel to the coordinator (an operator's, over mTLS: ``launcher.channel(address, "coordinator")``)."""
     results: dict[int, list[torch.Tensor]] = {}
     errors: list[str] = []
     started = [threading.Event() for _ in specs]
     threads = []
 
     def consume(i: int) -> None:
-        with grpc.insecure_channel(coordinator, options=CHANNEL_OPTIONS) as ch:
+        with connect() as ch:
             stub = pb_grpc.CoordinatorServiceStub(ch)
             req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
             sid = None
@@ -154,8 +157,10 @@ def run_streams(coordinator: str, specs: list[StreamSpec], texts: list[torch.Ten
     return results
 
 
-def compare(cfg: SelftestConfig, transformer: str, coordinator: str, texts_by_order, chunks) -> SelftestResult:
-    with grpc.insecure_channel(coordinator, options=CHANNEL_OPTIONS) as ch:
+def compare(
+    cfg: SelftestConfig, transformer: str, connect: Callable[[], grpc.Channel], texts_by_order, chunks
+) -> SelftestResult:
+    with connect() as ch:
         dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
     plan = plan_from_proto(list(dump.events))
     opened = [ev.spec.stream_id for ev in plan if ev.kind == "open" and ev.spec is not None]
@@ -228,8 +233,9 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
         texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
-        chunks = run_streams(pipe.coordinator, specs, texts)
-        return compare(cfg, transformer, pipe.coordinator, texts, chunks)
+        connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
+        chunks = run_streams(connect, specs, texts)
+        return compare(cfg, transformer, connect, texts, chunks)
 
 
 def run_selftest(cfg: SelftestConfig) -> int:

@@ -29,9 +29,24 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus ports from here: coordinator N, gateway N+1, stage i N+2+i, all on --host (0: off)",
+    )
     p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
+    p.add_argument(
+        "--credentials",
+        default=None,
+        help="deployment credentials folder (ca.crt and one folder per role, e.g. made for a test) instead of a"
+        " throwaway CA in a private temporary folder",
+    )
+    p.add_argument("--tokens", default=None, help="the gateway's bearer-token file ('token tenant [role]' lines)")
+    p.add_argument("--tls-cert", default=None, help="the gateway's public TLS certificate (PEM), with --tls-key")
+    p.add_argument("--tls-key", default=None, help="the gateway's public TLS key (PEM)")
     p.add_argument(
         "--vae-devices",
         type=csv_list(str),
@@ -67,7 +82,9 @@ def main(args: argparse.Namespace) -> int:
             return 2
     stop = stop_event()
     placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices)
-    with Launcher(echo=True) as launcher:
+    # Every internal connection is mTLS: the launcher makes a throwaway CA and one certificate per role in a private
+    # temporary folder (or uses --credentials), and deletes it on the way out.
+    with Launcher(echo=True, credentials=args.credentials) as launcher:
         supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts)
         try:
             pipe = start_pipeline(
@@ -82,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
                 port=args.port,
                 cuda_graphs=args.cuda_graphs,
                 loras=args.lora,
+                metrics_port=args.metrics_port,
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
@@ -97,6 +115,15 @@ def main(args: argparse.Namespace) -> int:
                     gw_args += ["--vae-dtype", args.dtype]
                 if args.vae_compile:
                     gw_args.append("--vae-compile")
+                if args.metrics_port:
+                    gw_args += ["--metrics-port", str(args.metrics_port + 1)]
+                for flag, value in (
+                    ("--tokens", args.tokens),
+                    ("--tls-cert", args.tls_cert),
+                    ("--tls-key", args.tls_key),
+                ):
+                    if value:
+                        gw_args += [flag, value]
                 gateway = launcher.spawn("gateway", [*gw_args, "--port", str(args.gateway_port)])
                 ready["gateway"] = gateway.info["address"]
                 bound = ready["gateway"].rsplit(":", 1)[1]

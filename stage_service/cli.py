@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from stagecast.names import DTYPE_NAMES
-from stagecast.service import resolve_transformer, run_service
+from stagecast.service import add_security_flags, resolve_transformer, run_service
 
 
 def add_parser(sub) -> None:
@@ -32,12 +33,14 @@ def add_parser(sub) -> None:
         help="a LoRA safetensors file (diffusers, PEFT or kohya keys) merged into this stage's layers at load; "
         "repeatable, applied in order",
     )
+    add_security_flags(p)
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
     from stage_service.lora import MAX_LORAS, parse_lora
     from stage_service.server import StageOptions, serve
+    from stagecast.security import mtls_from_flags
 
     index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
     if index is None:
@@ -56,6 +59,11 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         device = f"cuda:{index % max(torch.cuda.device_count(), 1)}"
+    try:
+        mtls = mtls_from_flags(args.mtls, args.insecure_internal, "stagecast stage")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"stagecast stage: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     options = StageOptions(
         index=index,
         coordinator=args.coordinator,
@@ -69,5 +77,8 @@ def main(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         cuda_graphs=args.cuda_graphs,
         loras=loras,
+        mtls=mtls,
+        metrics_host=args.metrics_host,
+        health_port=args.health_port,
     )
     return run_service("stage", lambda stop: serve(options, stop=stop))

@@ -37,20 +37,24 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
+from stage_service.rendezvous import GrpcStore
 from stage_service.runner import SliceRunner, validate_batch
-from stage_service.transport import PipeTransport
+from stage_service.transport import PipeTransport, bind_data_plane
 from stagecast import telemetry, wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, NOT_SERVING, SERVING, make_server, set_serving
+from stagecast.grpc_util import CHANNEL_OPTIONS, NOT_SERVING, SERVING, make_server, serve_health, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
 from stagecast.names import DTYPES, STAGE_SERVICE
+from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import announce_ready, process_age
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = STAGE_SERVICE
+# Only the coordinator drives a stage (and an operator's tools, which RoleGuard always admits).
+ROLE_RULES = {f"/{SERVICE_NAME}/": ["coordinator"]}
 
 
 @dataclass
@@ -67,6 +71,9 @@ class StageOptions:
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     cuda_graphs: bool = False  # run the blocks as CUDA graphs (``stage_service.graphs``); ignored on CPU
     loras: tuple = ()  # ``stage_service.lora.LoraSpec`` s merged into the slice at load, in order
+    mtls: MTLS | None = None  # deployment credentials (role "stage"); None: plaintext (--insecure-internal)
+    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
+    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
 
 
 class _Generation:
@@ -103,13 +110,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.address = ""
         self.health = None  # the server's grpc.health.v1 servicer, once serving
         self.telemetry = StageTelemetry(opts.index, state=lambda: self.gen)
+        # Registration and the rendezvous store both go to the coordinator this stage was started with (a plan
+        # cannot point a stage at another address), over mTLS.
+        self.control = connect(opts.coordinator, opts.mtls, "coordinator", CHANNEL_OPTIONS)
 
     # ---- setup ----------------------------------------------------------------------------------------
 
     def register(self, address: str, timeout: float = 120.0) -> None:
         self.address = address
-        with grpc.insecure_channel(self.opts.coordinator, options=CHANNEL_OPTIONS) as ch:
-            self._register(pb_grpc.CoordinatorServiceStub(ch), timeout, wait_for_ready=True)
+        self._register(pb_grpc.CoordinatorServiceStub(self.control), timeout, wait_for_ready=True)
 
     def _register(self, stub, timeout: float, wait_for_ready: bool = False) -> None:
         reply = stub.Register(
@@ -135,7 +144,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def membership(self, stop: threading.Event, interval: float = 0.5, max_backoff: float = 2.0) -> None:
         """Heartbeat until ``stop``; leave and register again whenever this stage is outside the current
         generation (see the module docstring).  Runs in its own thread."""
-        channel = grpc.insecure_channel(self.opts.coordinator, options=CHANNEL_OPTIONS)
+        channel = connect(self.opts.coordinator, self.opts.mtls, "coordinator", CHANNEL_OPTIONS)
         stub = pb_grpc.CoordinatorServiceStub(channel)
         registered, misses, delay = True, 0, interval
         try:
@@ -238,8 +247,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 transport = PipeTransport.join(
                     rank=request.rank,
                     world_size=request.world_size,
-                    store_host=request.store_host,
-                    store_port=request.store_port,
+                    store=GrpcStore(self.control),
                     generation=request.generation,
                     backend=request.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
                     device=self.device,
@@ -428,12 +436,20 @@ def _ignore(_event) -> None:
 def serve(opts: StageOptions, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     telemetry.init("stage", {"stagecast.stage.index": opts.index})
     servicer = StageServicer(opts)
-    metrics = telemetry.serve_metrics(opts.metrics_port, servicer.telemetry.registry, what=f"stage {opts.index}")
+    metrics = telemetry.serve_metrics(
+        opts.metrics_port, servicer.telemetry.registry, host=opts.metrics_host or opts.host, what=f"stage {opts.index}"
+    )
     server, health, port = make_server(
-        opts.port, [(pb_grpc.add_StageServiceServicer_to_server, servicer, SERVICE_NAME)], host=opts.host
+        opts.port,
+        [(pb_grpc.add_StageServiceServicer_to_server, servicer, SERVICE_NAME)],
+        host=opts.host,
+        credentials=opts.mtls.server_credentials() if opts.mtls else None,
+        interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
     )
     servicer.health = health
     server.start()
+    probe = serve_health(health, opts.host, opts.health_port)
+    bind_data_plane(opts.host if opts.host not in ("0.0.0.0", "::") else (opts.advertise_host or opts.host))
     address = f"{opts.advertise_host or opts.host}:{port}"
     logger.info("stage %d listening on %s", opts.index, address)
     stop = stop or threading.Event()
@@ -458,6 +474,8 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
             finally:
                 servicer.lock.release()
         server.stop(grace=2).wait()
+        if probe is not None:
+            probe.stop(0)
         metrics.close()
         telemetry.shutdown()  # flush queued spans before the process ends
         if not clean:

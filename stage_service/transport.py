@@ -2,7 +2,8 @@
 
 Usage::
 
-    tp = PipeTransport.join(rank=r, world_size=n, store_host=h, store_port=p, generation=g, backend="gloo")
+    bind_data_plane("10.0.0.2")           # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: the interface holding --host
+    tp = PipeTransport.join(rank=r, world_size=n, store=GrpcStore(channel), generation=g, backend="gloo")
     tp.send_hidden(hs)                    # rank r -> r+1, asynchronous; the tensor is kept alive until sent
     hs = tp.recv_hidden(shape, dtype)     # rank r <- r-1
     tp.send_latent(x)                     # last -> first (the next level's input)
@@ -12,9 +13,12 @@ Usage::
 
 Only hidden states (B, L, D) and small latents cross.  Both ends derive every shape from the plan, so
 no per-message handshake is needed.  The process group lives in a ``PrefixStore`` named after the
-generation, on a TCPStore the coordinator hosts: a new generation after a failure never sees the old
-one's keys.  A receive blocked on a peer that died raises at once (the connection closes).  On NCCL, sends
-and receives are enqueued on the GPU and ordered per peer pair; the host does not block.
+generation, on the store the coordinator serves over mTLS gRPC (``stage_service.rendezvous``): a new
+generation after a failure never sees the old one's keys, and only stages holding a deployment certificate
+can publish or read a peer's address.  gloo and NCCL sockets cannot be authenticated, so they bind to the
+interface that holds the stage's own address (``bind_data_plane``).  A receive blocked on a peer that died
+raises at once (the connection closes).  On NCCL, sends and receives are enqueued on the GPU and ordered per
+peer pair; the host does not block.
 
 gloo cannot interrupt a wait, and a gloo send completes only once the receiver has posted its receive
 (``is_completed()`` stays false until ``wait()``).  So:
@@ -30,10 +34,13 @@ gloo cannot interrupt a wait, and a gloo send completes only once the receiver h
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
 import logging
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 
@@ -48,6 +55,44 @@ LATENT_TAG = 2
 
 class TransportAborted(RuntimeError):
     pass
+
+
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _ipv4_of(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_for(host: str) -> str | None:
+    """The name of the network interface holding the (IPv4) address ``host`` resolves to; None if none does."""
+    try:
+        address = socket.gethostbyname(host)
+        if ipaddress.ip_address(address).is_unspecified:
+            return None
+    except (OSError, ValueError):
+        return None
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == address:
+            return name
+    return None
+
+
+def bind_data_plane(host: str) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface holding ``host``, so the data
+    plane listens and connects only there (values already set by the operator are kept).  Returns the name."""
+    name = interface_for(host)
+    if name is None:
+        logger.warning("no interface holds %s: the data plane binds where gloo / NCCL choose", host)
+        return None
+    for variable in IFNAME_VARIABLES:
+        os.environ.setdefault(variable, name)
+    return os.environ["GLOO_SOCKET_IFNAME"]
 
 
 class PipeTransport:
@@ -72,15 +117,13 @@ class PipeTransport:
         *,
         rank: int,
         world_size: int,
-        store_host: str,
-        store_port: int,
+        store: dist.Store,
         generation: int,
         backend: str,
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
     ) -> PipeTransport:
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"stagecast/gen{generation}", store)
         device = torch.device(device)
         if backend == "nccl":

@@ -25,6 +25,14 @@ Usage::
 failed call raises the ``stagecast.errors`` class for its status code (``InvalidArgumentError``,
 ``ResourceExhaustedError``, ``UnavailableError``, ...; all ``StagecastError``).  Leave ``seconds`` out to stream
 until ``stop()``.
+
+A gateway started with ``--tokens`` wants a bearer token, and one with ``--tls-cert`` speaks TLS::
+
+    stagecast.Client("gw.example.com:443", token=os.environ["STAGECAST_TOKEN"], tls=True)   # system roots
+    stagecast.Client("10.0.0.5:50051", token=token, root_certificates="ca.pem")             # TLS with this CA
+
+A token is only ever sent over TLS, or in the clear to a loopback address (``UnauthenticatedError`` without a
+valid token, ``PermissionDeniedError`` when the token may not do what was asked).
 """
 
 from __future__ import annotations
@@ -339,12 +347,53 @@ class AsyncGeneration(_StreamState):
             self.cancel()
 
 
-class Client:
-    """A connection to one gateway (``host:port``).  Thread-safe; one client can run many streams."""
+def _read_roots(root_certificates: bytes | str | os.PathLike | None) -> bytes | None:
+    if root_certificates is None or isinstance(root_certificates, bytes):
+        return root_certificates
+    with open(root_certificates, "rb") as f:
+        return f.read()
 
-    def __init__(self, target: str, *, options: Sequence[tuple[str, object]] = ()):
+
+def channel_credentials(
+    token: str | None = None, tls: bool | None = None, root_certificates: bytes | str | os.PathLike | None = None
+) -> grpc.ChannelCredentials | None:
+    """What a channel to a gateway needs: TLS (``tls`` or ``root_certificates``, a PEM path or bytes; system roots
+    without them) and the token as ``authorization: Bearer``.  A token without TLS may only reach loopback (gRPC's
+    local credentials refuse anything else, so a token is never sent in the clear over a network).  None: plaintext."""
+    roots = _read_roots(root_certificates)
+    secure = bool(tls) or roots is not None
+    if token is not None and not token.strip():
+        raise ValueError("token: empty")
+    if not secure and token is None:
+        return None
+    base = grpc.ssl_channel_credentials(root_certificates=roots) if secure else grpc.local_channel_credentials()
+    if token is None:
+        return base
+    return grpc.composite_channel_credentials(base, grpc.access_token_call_credentials(token.strip()))
+
+
+class Client:
+    """A connection to one gateway (``host:port``).  Thread-safe; one client can run many streams.
+
+    ``token``: the bearer token of a gateway started with ``--tokens``; ``tls`` / ``root_certificates`` (PEM bytes
+    or a file): TLS to a gateway started with ``--tls-cert``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | str | os.PathLike | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ):
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=[*DEFAULT_OPTIONS, *options])
+        creds = channel_credentials(token, tls, root_certificates)
+        opts = [*DEFAULT_OPTIONS, *options]
+        if creds:
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.StreamServiceStub(self._channel)
 
     def generate(self, prompt: str, *, timeout: float | None = None, **config) -> Generation:
@@ -388,9 +437,22 @@ class Client:
 class AsyncClient:
     """The asyncio twin of ``Client``; create it inside a running event loop."""
 
-    def __init__(self, target: str, *, options: Sequence[tuple[str, object]] = ()):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | str | os.PathLike | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ):
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=[*DEFAULT_OPTIONS, *options])
+        creds = channel_credentials(token, tls, root_certificates)
+        opts = [*DEFAULT_OPTIONS, *options]
+        if creds:
+            self._channel = grpc.aio.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
         self._stub = pb_grpc.StreamServiceStub(self._channel)
 
     def generate(self, prompt: str, *, timeout: float | None = None, **config) -> AsyncGeneration:

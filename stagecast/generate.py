@@ -53,10 +53,20 @@ class GenerateReport:
 
 
 def generate_clip(
-    target: str, out: str | os.PathLike, *, prompt: str, progress: bool = True, timeout: float | None = None, **config
+    target: str,
+    out: str | os.PathLike,
+    *,
+    prompt: str,
+    progress: bool = True,
+    timeout: float | None = None,
+    token: str | None = None,
+    tls: bool | None = None,
+    root_certificates: str | None = None,
+    **config,
 ) -> GenerateReport:
-    """Stream a clip from the gateway at ``target`` into ``out``; ``config`` as for ``Client.generate``."""
-    with Client(target) as client:
+    """Stream a clip from the gateway at ``target`` into ``out``; ``config`` as for ``Client.generate``; ``token``,
+    ``tls`` and ``root_certificates`` as for ``Client``."""
+    with Client(target, token=token, tls=tls, root_certificates=root_certificates) as client:
         gen = client.generate(prompt, timeout=timeout, **config)
         info = gen.info
         bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
@@ -133,18 +143,43 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
     p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
     p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
+    p.add_argument("--token", default=None, help="bearer token (default: $STAGECAST_TOKEN; prefer --token-file)")
+    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=None, help="TLS, trusting this CA certificate (PEM) for the gateway")
     p.set_defaults(run=main)
+
+
+def token_from(args: argparse.Namespace) -> str | None:
+    """--token, else the first line of --token-file, else $STAGECAST_TOKEN; None when none is given."""
+    if args.token and args.token_file:
+        raise ValueError("--token and --token-file exclude each other")
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.readline().strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file}: the first line is empty")
+        return token
+    return args.token or os.environ.get("STAGECAST_TOKEN") or None
 
 
 def main(args: argparse.Namespace) -> int:
     from stagecast.errors import StagecastError
 
     try:
+        token = token_from(args)
+    except (OSError, ValueError) as exc:
+        print(f"stagecast generate: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         report = generate_clip(
             args.target,
             args.out,
             prompt=args.prompt,
             timeout=args.timeout,
+            token=token,
+            tls=args.tls or None,
+            root_certificates=args.tls_ca,
             seconds=args.seconds,
             width=args.width,
             height=args.height,

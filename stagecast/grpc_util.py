@@ -2,14 +2,19 @@
 
 Usage::
 
-    server, health = make_server(port, [(add_FooServicer_to_server, servicer, "pkg.Foo")], host="0.0.0.0")
+    server, health, port = make_server(port, [(add_FooServicer_to_server, servicer, "pkg.Foo")], host="10.0.0.1",
+                                       credentials=mtls.server_credentials(), interceptors=[RoleGuard(rules)])
     server.start(); health.set("pkg.Foo", SERVING)
-    channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    channel = stagecast.security.connect(target, mtls, peer="coordinator", options=CHANNEL_OPTIONS)
 
     # A public server: bounded calls per streaming method, and health also on a server of its own.
     limits = ConcurrencyLimits({HEALTH_WATCH: 16, "/pkg.Foo/Watch": 8})
     server, health, port = make_server(port, services, interceptors=[limits], max_workers=limits.total() + 32)
     probe_server, probe_port = make_health_server(health, probe_port)
+    probe = serve_health(health, "10.0.0.1", 8081)   # the same, started; port 0: None
+
+``credentials`` None serves plaintext (tests and ``--insecure-internal``); ``stagecast.security`` makes the
+credentials (mTLS, public TLS) and interceptors (``RoleGuard``, ``TokenAuth``).
 """
 
 from __future__ import annotations
@@ -111,10 +116,12 @@ def make_server(
     options: Sequence[tuple[str, object]] = CHANNEL_OPTIONS,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     maximum_concurrent_rpcs: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
-    """Build a server with the given servicers, grpc.health.v1 and reflection.  Returns the bound port
-    (useful with ``port=0``).  ``add(servicer, server)`` registers a servicer (a generated ``add_*_to_server`` or a
-    function adding generic handlers).  A taken port raises ``AddressInUseError`` ("address already in use")."""
+    """Build a server with the given servicers, grpc.health.v1 and reflection, on ``host`` only (TLS with
+    ``credentials``).  Returns the bound port (useful with ``port=0``).  ``add(servicer, server)`` registers a
+    servicer (a generated ``add_*_to_server`` or a function adding generic handlers).  A taken port raises
+    ``AddressInUseError`` ("address already in use")."""
     check_port_free(host, port)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -131,13 +138,14 @@ def make_server(
     health_servicer.set("", NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
+    address = _join(host, port)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # "Failed to bind to address": taken between the check and now, or not ours
         check_port_free(host, port)
-        raise OSError(f"could not bind gRPC server to {host}:{port}") from exc
+        raise OSError(f"could not bind gRPC server to {address}") from exc
     if bound == 0:
-        raise OSError(f"could not bind gRPC server to {host}:{port}")
+        raise OSError(f"could not bind gRPC server to {address}")
     return server, health_servicer, bound
 
 
@@ -145,7 +153,8 @@ def make_health_server(
     health_servicer: health.HealthServicer, port: int, *, host: str = "127.0.0.1", max_watchers: int = 4
 ) -> tuple[grpc.Server, int]:
     """grpc.health.v1 alone on its own port and threads, sharing ``health_servicer``'s statuses: what liveness and
-    readiness probes should call, since nothing the main server's clients do can take its threads.  Not started."""
+    readiness probes should call, since nothing the main server's clients do can take its threads.  Plaintext:
+    probes cannot present a certificate, and it tells nothing but SERVING / NOT_SERVING.  Not started."""
     check_port_free(host, port)
     limits = ConcurrencyLimits({HEALTH_WATCH: max_watchers})
     server = grpc.server(
@@ -155,7 +164,7 @@ def make_health_server(
         maximum_concurrent_rpcs=max_watchers + 4,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(_join(host, port))
     if bound == 0:
         raise OSError(f"could not bind the health server to {host}:{port}")
     return server, bound
@@ -184,15 +193,31 @@ def check_port_free(host: str, port: int) -> None:
                     raise AddressInUseError(host, port) from None
 
 
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve_health(health_servicer: health.HealthServicer, host: str, port: int) -> grpc.Server | None:
+    """``make_health_server`` on ``host``, started (for the services' ``--health-port``); port 0 leaves it off."""
+    if not port:
+        return None
+    server, _ = make_health_server(health_servicer, port, host=host)
+    server.start()
+    return server
+
+
 def set_serving(health_servicer: health.HealthServicer, names: Sequence[str], serving: bool) -> None:
     status = SERVING if serving else NOT_SERVING
     for name in ["", *names]:
         health_servicer.set(name, status)
 
 
-def wait_healthy(target: str, timeout: float, service: str = "") -> None:
-    """Block until ``target`` reports SERVING (uses the health service's Watch stream, not polling)."""
-    with grpc.insecure_channel(target) as channel:
+def wait_healthy(
+    target: str, timeout: float, service: str = "", channel: Callable[[], grpc.Channel] | None = None
+) -> None:
+    """Block until ``target`` reports SERVING (uses the health service's Watch stream, not polling).  ``channel``
+    makes the channel (e.g. ``lambda: connect(target, mtls, "coordinator")``); default plaintext."""
+    with channel() if channel else grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             for resp in stub.Watch(

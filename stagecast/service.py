@@ -95,6 +95,23 @@ def csv_list(kind):
     return parse
 
 
+def add_security_flags(parser, *, metrics: bool = True, health: bool = True) -> None:
+    """The flags every service shares: ``--mtls DIR`` / ``--insecure-internal`` (deployment credentials),
+    ``--metrics-host`` (where /metrics binds; default ``--host``) and ``--health-port`` (plaintext health only)."""
+    from stagecast.security import add_mtls_flags
+
+    add_mtls_flags(parser)
+    if metrics:
+        parser.add_argument("--metrics-host", default=None, help="address /metrics binds (default: --host)")
+    if health:
+        parser.add_argument(
+            "--health-port",
+            type=int,
+            default=0,
+            help="plaintext port serving only grpc.health.v1, for probes that cannot present a certificate (0: off)",
+        )
+
+
 def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
     """Run ``serve(stop)`` until SIGTERM/SIGINT; a start-up error in the flags is one line and exit status 2.
     Does not return: the process exits with that status."""

@@ -388,14 +388,14 @@ class MetricsServer:
             self.httpd = None
 
 
-def serve_metrics(port: int, registry, host: str = "0.0.0.0", what: str = "metrics") -> MetricsServer:
+def serve_metrics(port: int, registry, host: str = "127.0.0.1", what: str = "metrics") -> MetricsServer:
     """Serve ``registry`` on http://host:port/metrics; port 0 leaves it off."""
     if not port:
         return MetricsServer()
     from prometheus_client import start_http_server
 
     httpd, thread = start_http_server(port, addr=host, registry=registry)
-    logger.info("%s on :%d/metrics", what, port)
+    logger.info("%s on %s:%d/metrics", what, host, port)
     return MetricsServer(httpd, thread)
 
 

@@ -1,6 +1,5 @@
 """Helpers for tests that drive a running pipeline over gRPC."""
 
-import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -12,8 +11,9 @@ from stagecast.microstep import StreamSpec
 from stagecast.names import COORDINATOR_SERVICE
 
 
-def coordinator_stub(address):
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def coordinator_stub(address, launcher):
+    """An operator's channel and stub to the coordinator of a pipeline ``launcher`` started (mTLS)."""
+    channel = launcher.channel(address, "coordinator", CHANNEL_OPTIONS)
     return channel, pb_grpc.CoordinatorServiceStub(channel)
 
 
@@ -37,9 +37,9 @@ def open_request(spec, text_dim=32, seed=0):
     return pb.OpenStreamRequest(spec=wire.spec_to_proto(spec), text=wire.tensor_to_proto(text))
 
 
-def wait_for_generation(address, minimum, timeout=120.0):
+def wait_for_generation(address, minimum, launcher, timeout=120.0):
     """Block until the coordinator serves a formed generation >= ``minimum`` (health Watch, no polling)."""
-    with grpc.insecure_channel(address) as ch:
+    with launcher.channel(address, "coordinator") as ch:
         health = health_pb2_grpc.HealthStub(ch)
         stub = pb_grpc.CoordinatorServiceStub(ch)
         watch = health.Watch(health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE), timeout=timeout)

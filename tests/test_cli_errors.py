@@ -27,13 +27,15 @@ def run_cli(*args):
     ],
 )
 def test_gateway_with_bad_vae_flags_exits_2_with_the_reason(checkpoint, flags, message):
-    proc = run_cli("gateway", "--coordinator", "127.0.0.1:1", "--checkpoint", str(checkpoint), "--port", "0", *flags)
+    args = ["gateway", "--coordinator", "127.0.0.1:1", "--checkpoint", str(checkpoint), "--port", "0"]
+    proc = run_cli(*args, "--insecure-internal", *flags)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_stage_with_a_missing_checkpoint_exits_2_naming_it(tmp_path):
     missing = tmp_path / "nowhere"
-    proc = run_cli("stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(missing))
+    args = ["stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(missing)]
+    proc = run_cli(*args, "--insecure-internal")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "stagecast stage: error:" in proc.stderr and "nowhere" in proc.stderr and "Traceback" not in proc.stderr

@@ -36,7 +36,6 @@ from launcher.reference import ReferenceExecutor
 from launcher.selftest import plan_from_proto
 from stage_service.checkpoint import load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
-from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
@@ -68,6 +67,7 @@ class Cluster:
     metrics_port: int
     stage_addresses: list[str]
     vae_stage_addresses: list[str]
+    launcher: Launcher  # holds the operator's certificate for the internal services
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def cluster(tmp_path_factory):
             metrics_port=metrics_port,
             stage_addresses=stage_addresses,
             vae_stage_addresses=[vae_first.info["address"], vae_last.info["address"]],
+            launcher=launcher,
         )
 
 
@@ -120,10 +121,11 @@ class Reference:
         self.encoder = TextEncoder(cluster.root, max_len=DEMO_SERVING["text_len"])
         self.vae_folder = cluster.root / "vae"
         self.coordinator = cluster.coordinator
+        self.launcher = cluster.launcher
 
     def plan_of(self, pipeline_stream_id: int):
         """The recorded plan events of one stream; it must have run alone, so its batches replay in isolation."""
-        with grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS) as ch:
+        with self.launcher.channel(self.coordinator, "coordinator") as ch:
             dump = ipb_grpc.CoordinatorServiceStub(ch).GetPlan(ipb.PlanRequest(), timeout=30)
         events = []
         for ev in plan_from_proto(list(dump.events)):
@@ -157,7 +159,7 @@ def wait_idle(cluster: Cluster) -> None:
     for target in (cluster.main, cluster.tight):
         with stagecast.Client(target) as client:
             client.wait_for_status(lambda s: s.active_streams == 0 and s.vae_state_bytes == 0, timeout=TIMEOUT)
-    with grpc.insecure_channel(cluster.coordinator) as ch:
+    with cluster.launcher.channel(cluster.coordinator, "coordinator") as ch:
         assert ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).active_streams == 0
 
 
@@ -207,8 +209,8 @@ def test_a_streams_own_ladder_reaches_every_stage_and_started_echoes_it(main, cl
     assert _raw(frames).tobytes() != _raw(default_frames).tobytes()
 
 
-def _vae_stage_streams(address: str) -> tuple[int, int]:
-    with grpc.insecure_channel(address) as ch:
+def _vae_stage_streams(cluster: Cluster, address: str) -> tuple[int, int]:
+    with cluster.launcher.channel(address, "vae-stage") as ch:
         d = vpb_grpc.VAEStageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
     return d.open_streams, d.state_bytes
 
@@ -222,7 +224,7 @@ def test_vae_stage_processes_decode_exactly_what_the_in_process_vae_decodes(main
     assert remote.end.reason == "completed" and len(frames) == len(local) == 16
     assert [f.data for f in frames] == [f.data for f in local]
     # The call to the VAE chain ends only after every stage released the stream's cache.
-    assert [_vae_stage_streams(a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
+    assert [_vae_stage_streams(cluster, a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize("codec", ["h264", "jpeg"])
@@ -384,8 +386,8 @@ def test_the_coordinators_stream_limit_passes_through_as_resource_exhausted(main
         gen.cancel()
 
 
-def _stage_state(address: str) -> tuple[int, int]:
-    with grpc.insecure_channel(address) as ch:
+def _stage_state(cluster: Cluster, address: str) -> tuple[int, int]:
+    with cluster.launcher.channel(address, "stage") as ch:
         d = ipb_grpc.StageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
     return d.open_streams, d.kv_bytes
 
@@ -395,21 +397,21 @@ def test_cancel_stops_the_pipeline_stream_and_frees_kv_and_vae_state(main, clust
     next(gen)  # chunk 0 is decoded: the stream's VAE cache is filled
     seen = main.status()
     assert seen.active_streams == 1 and seen.streams[0].vae_state_bytes > 0 and seen.vae_state_bytes > 0
-    assert any(_stage_state(a)[1] > 0 for a in cluster.stage_addresses)  # the stages hold its KV cache
+    assert any(_stage_state(cluster, a)[1] > 0 for a in cluster.stage_addresses)  # the stages hold its KV cache
     cancelled = seen.ended_by_reason["cancelled"]
 
     gen.cancel()
     assert list(gen) == []  # iteration ends quietly after cancel()
     done = main.wait_for_status(lambda s: s.active_streams == 0, timeout=TIMEOUT)
     assert done.vae_state_bytes == 0 and done.ended_by_reason["cancelled"] == cancelled + 1
-    with grpc.insecure_channel(cluster.coordinator) as ch:
+    with cluster.launcher.channel(cluster.coordinator, "coordinator") as ch:
         assert ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).active_streams == 0
     # The coordinator ended the stream after its last chunk; the stages run the close event right after it, so
     # allow them a moment (bounded) to get there.
     deadline = time.monotonic() + 10
-    while any(_stage_state(a) != (0, 0) for a in cluster.stage_addresses) and time.monotonic() < deadline:
+    while any(_stage_state(cluster, a) != (0, 0) for a in cluster.stage_addresses) and time.monotonic() < deadline:
         threading.Event().wait(0.05)
-    assert [_stage_state(a) for a in cluster.stage_addresses] == [(0, 0)] * len(cluster.stage_addresses)
+    assert [_stage_state(cluster, a) for a in cluster.stage_addresses] == [(0, 0)] * len(cluster.stage_addresses)
 
 
 def test_a_client_that_stops_reading_gets_resource_exhausted_and_its_stream_is_freed(cluster):
@@ -426,7 +428,7 @@ def test_a_client_that_stops_reading_gets_resource_exhausted_and_its_stream_is_f
             lambda s: s.ended_by_reason["client_too_slow"] == before + 1 and s.active_streams == 0, timeout=TIMEOUT
         )
         assert status.vae_state_bytes == 0
-        assert [_vae_stage_streams(a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
+        assert [_vae_stage_streams(cluster, a) for a in cluster.vae_stage_addresses] == [(0, 0), (0, 0)]
         with pytest.raises(stagecast.ResourceExhaustedError, match="client too slow"):
             for _ in gen:
                 pass

@@ -184,8 +184,9 @@ def test_manifests_validate_against_kubernetes_schemas(helm, kv, name):
         assert body["metadata"]["name"], obj["_template"]
         if not body["metadata"]["annotations"]:
             del body["metadata"]["annotations"]
-        if body["apiVersion"].startswith("monitoring.coreos.com/"):
-            # CRD: no schema in kubernetes-validate; structural check in test_service_monitor_and_dashboard.
+        if body["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
+            # CRDs: no schema in kubernetes-validate; structural checks in test_service_monitor_and_dashboard and
+            # test_cert_manager_signs_the_internal_certificates.
             continue
         for version in KUBE_VERSIONS:
             try:
@@ -257,11 +258,14 @@ def test_stage_pods_get_index_and_rendezvous(helm, name):
     assert len(hosts) == v["stages"]["count"]
     assert "--dist-port" not in args
     assert arg_value(args, "--port") == str(v["stages"]["port"])
-    assert arg_value(args, "--host") == "0.0.0.0"
+    # The pod's own address only: gRPC, metrics and the data plane's interface (NCCL/GLOO_SOCKET_IFNAME) follow it.
+    assert arg_value(args, "--host") == "$(POD_IP)"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert arg_value(args, "--device") == v["device"]
     assert arg_value(args, "--metrics-port") == str(v["metrics"]["port"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": v["stages"]["port"], "metrics": v["metrics"]["port"]}
+    health = v["stages"]["healthPort"]
+    assert ports == {"grpc": v["stages"]["port"], "metrics": v["metrics"]["port"], "health": health}
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))
@@ -457,14 +461,16 @@ def test_probes_use_grpc_health(helm, name):
         component = wl["metadata"]["labels"]["app.kubernetes.io/component"]
         c = main_container(wl)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        # The gateway serves health on a server of its own, so client load on the public port cannot fail a probe.
-        probe_port = ports["health"] if component == "gateway" else ports["grpc"]
-        if component == "gateway":
-            assert probe_port != ports["grpc"] and arg_value(c["args"], "--health-port") == str(probe_port)
+        # The gRPC ports ask for a client certificate (mTLS) or speak TLS, and client load on the public port must not
+        # fail a probe: every probe calls a health-only port of its own.
+        values_key = {"stage": "stages"}.get(component, component)
+        health_port = ports["health"]
+        assert health_port == r.values[values_key]["healthPort"] and health_port != ports["grpc"]
+        assert arg_value(c["args"], "--health-port") == str(health_port)
         for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[probe_name]
             assert set(probe) & {"httpGet", "exec", "tcpSocket"} == set(), (component, probe)
-            assert probe["grpc"]["port"] == probe_port, (component, probe_name)
+            assert probe["grpc"]["port"] == health_port, (component, probe_name)
             assert isinstance(probe["grpc"]["service"], str)
         startup = c["startupProbe"]
         budget = startup["failureThreshold"] * startup["periodSeconds"]
@@ -490,7 +496,7 @@ def test_stage_readiness_means_serving_in_a_generation_and_liveness_means_alive(
 def test_probe_service_name_is_configurable(helm):
     r = render(helm, stages={"probes": {"readiness": {"service": "stagecast.v1.Stage"}}})
     c = main_container(r.component("StatefulSet", "stage"))
-    assert c["readinessProbe"]["grpc"] == {"port": 50060, "service": "stagecast.v1.Stage"}
+    assert c["readinessProbe"]["grpc"] == {"port": 8081, "service": "stagecast.v1.Stage"}
     assert c["livenessProbe"]["grpc"]["service"] == ""
 
 
@@ -572,38 +578,31 @@ def test_network_policies_restrict_to_release(helm, name):
     release_peer = {
         "podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}}
     }
-    stage_peer = {"podSelector": {"matchLabels": {**release_peer["podSelector"]["matchLabels"]}}}
-    stage_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "stage"
+
+    def peer(component):
+        labels = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}
+        return {"podSelector": {"matchLabels": {**labels, "app.kubernetes.io/component": component}}}
+
     metrics_peers = v["networkPolicy"]["metrics"]["from"]
     assert metrics_peers, "the shipped values let a monitoring namespace scrape"
-    for component in ("coordinator", "stage"):
+    expected = {
+        # The coordinator's gRPC port (control plane and the stages' rendezvous) only from stages and gateways.
+        "coordinator": [([peer("stage"), peer("gateway")], [{"port": "grpc", "protocol": "TCP"}])],
+        # A stage's gRPC port only from the coordinator; its data plane (ephemeral ports) only from stages.
+        "stage": [
+            ([peer("coordinator")], [{"port": "grpc", "protocol": "TCP"}]),
+            ([peer("stage")], [{"port": 1024, "endPort": 65535, "protocol": "TCP"}]),
+        ],
+    }
+    for component, rules in expected.items():
         np = r.component("NetworkPolicy", component)
         wl = r.component("StatefulSet" if component == "stage" else "Deployment", component)
         assert np["spec"]["podSelector"]["matchLabels"].items() <= wl["spec"]["template"]["metadata"]["labels"].items()
         assert np["spec"]["policyTypes"] == ["Ingress"]
-        for rule in np["spec"]["ingress"]:
-            assert rule.get("from"), f"{component}: a rule without 'from' admits every source"
-            for peer in rule["from"]:
-                assert "ipBlock" not in peer
-                if peer == release_peer:
-                    # Release pods reach named ports only.
-                    assert rule.get("ports"), (component, rule)
-                    continue
-                if peer == stage_peer and component == "stage":
-                    # The data plane: only other stages, on any port (NCCL's ports are ephemeral).
-                    assert rule["from"] == [stage_peer] and "ports" not in rule
-                    continue
-                # Anything else may only reach the metrics port.
-                assert peer in metrics_peers, (component, peer)
-                assert [p["port"] for p in rule["ports"]] == ["metrics"], (component, rule)
-        assert any(rule["from"] == [release_peer] for rule in np["spec"]["ingress"])
-    stage_np = r.component("NetworkPolicy", "stage")
-    release_rule = next(rule for rule in stage_np["spec"]["ingress"] if rule["from"] == [release_peer])
-    assert [p["port"] for p in release_rule["ports"]] == ["grpc", "metrics"]
-    assert stage_peer["podSelector"]["matchLabels"].items() <= (
-        r.component("StatefulSet", "stage")["spec"]["template"]["metadata"]["labels"].items()
-    )
-    # Release pods carry the labels the peer selects on.
+        metrics = [([release_peer, *metrics_peers], [{"port": "metrics", "protocol": "TCP"}])]
+        got = [(rule["from"], rule["ports"]) for rule in np["spec"]["ingress"]]
+        assert got == rules + metrics, component
+    # Release pods carry the labels the peers select on.
     for wl in r.workloads() + r.of_kind("Pod"):
         labels = (
             wl["spec"]["template"]["metadata"]["labels"] if wl["kind"] in WORKLOAD_KINDS else wl["metadata"]["labels"]
@@ -632,7 +631,9 @@ def test_metrics_scrapers_are_configurable(helm):
         # The list replaces the default peer, it is not merged into it.
         assert "monitoring" not in json.dumps(rules)
     r = render(helm, networkPolicy={"metrics": {"from": []}})
-    assert len(r.component("NetworkPolicy", "stage")["spec"]["ingress"]) == 2  # release ports, stage data plane
+    rules = r.component("NetworkPolicy", "stage")["spec"]["ingress"]
+    metrics_rules = [rule for rule in rules if rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]]
+    assert len(metrics_rules) == 1 and len(metrics_rules[0]["from"]) == 1  # the release only
     assert not render(helm, networkPolicy={"enabled": False}).of_kind("NetworkPolicy")
 
 
@@ -687,6 +688,15 @@ def test_helm_test_pod_generates_through_gateway(helm, name):
     assert arg_value(args, "--target") == fqdn(gw["metadata"]["name"], gw["spec"]["ports"][0]["port"])
     assert arg_value(args, "--prompt") and arg_value(args, "--seconds") == str(r.values["tests"]["seconds"])
     assert arg_value(args, "--out") == "/tmp/clip.mp4"
+    # A tenant's token from the tokens Secret, TLS trusting the CA the chart made for the gateway.
+    mounts = {m["mountPath"]: m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    volumes = {vol["name"]: vol for vol in pod["spec"]["volumes"]}
+    token_file = arg_value(args, "--token-file")
+    token_volume = volumes[mounts[token_file.rsplit("/", 1)[0]]]["secret"]
+    assert token_volume["secretName"] == f"{RELEASE}-stagecast-tokens"
+    assert token_volume["items"] == [{"key": "test-token", "path": "test-token"}]
+    ca = arg_value(args, "--tls-ca")
+    assert volumes[mounts[ca.rsplit("/", 1)[0]]]["secret"]["secretName"] == f"{RELEASE}-stagecast-gateway-tls"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -823,3 +833,101 @@ def test_long_release_name_keeps_names_valid(helm):
                 if doc["kind"] == "StatefulSet":
                     # Pod hostnames <sts>-<ordinal> and the controller-revision-hash label value.
                     assert len(doc["metadata"]["name"]) + 1 + 11 <= 63
+
+
+# ----------------------------------------------------------------------------------------------
+# Security: mTLS inside, tokens and TLS at the gateway, secure by default.
+
+
+def _secret_data(secret: dict) -> dict[str, bytes]:
+    import base64
+
+    return {k: base64.b64decode(v) for k, v in secret["data"].items()}
+
+
+def _mounted_secret(wl: dict, path: str) -> str:
+    c = main_container(wl)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {vol["name"]: vol for vol in wl["spec"]["template"]["spec"]["volumes"]}
+    return volumes[mounts[path]]["secret"]["secretName"]
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_defaults_are_secure(helm, name):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    r = render(helm, name)
+    cas = set()
+    for wl in r.workloads():
+        component = wl["metadata"]["labels"]["app.kubernetes.io/component"]
+        args = main_container(wl)["args"]
+        # Every service runs with its own role's certificate of the deployment CA; none runs without mTLS.
+        assert arg_value(args, "--mtls") == "/etc/stagecast/mtls" and "--insecure-internal" not in args
+        secret = r.get("Secret", _mounted_secret(wl, "/etc/stagecast/mtls"))
+        assert secret["type"] == "kubernetes.io/tls"
+        data = _secret_data(secret)
+        cert = x509.load_pem_x509_certificate(data["tls.crt"])
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == component
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+        assert f"{component}.stagecast.internal" in names
+        cas.add(data["ca.crt"])
+        assert b"PRIVATE KEY" in data["tls.key"]
+        assert "--store-port" not in args  # no open rendezvous store: stages rendezvous over mTLS gRPC
+    assert len(cas) == 1, "one deployment CA"
+    # The public API asks for a token and speaks TLS.
+    gw = r.component("Deployment", "gateway")
+    args = main_container(gw)["args"]
+    assert arg_value(args, "--tokens") == "/etc/stagecast/tokens/tokens"
+    assert "--allow-anonymous" not in args
+    tokens = _secret_data(r.get("Secret", _mounted_secret(gw, "/etc/stagecast/tokens")))
+    lines = tokens["tokens"].decode().splitlines()
+    assert [line.split()[1:] for line in lines] == [["admin", "admin"], ["helm-test", "user"]]
+    assert {tokens["admin-token"], tokens["test-token"]} == {line.split()[0].encode() for line in lines}
+    assert all(len(t) >= 32 for t in (tokens["admin-token"], tokens["test-token"]))
+    assert arg_value(args, "--tls-cert") == "/etc/stagecast/gateway-tls/tls.crt"
+    tls = _secret_data(r.get("Secret", _mounted_secret(gw, "/etc/stagecast/gateway-tls")))
+    cert = x509.load_pem_x509_certificate(tls["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert fqdn(f"{RELEASE}-stagecast-gateway") in names
+    # No port of the rendezvous store anywhere.
+    for svc in r.of_kind("Service"):
+        assert {p["name"] for p in svc["spec"]["ports"]} <= {"grpc", "metrics"}, svc["metadata"]["name"]
+
+
+def test_operators_bring_their_own_tokens_and_gateway_certificate(helm):
+    r = render(helm, security={"tokens": {"existingSecret": "my-tokens"}, "gatewayTLS": {"secretName": "my-tls"}})
+    gw = r.component("Deployment", "gateway")
+    assert _mounted_secret(gw, "/etc/stagecast/tokens") == "my-tokens"
+    assert _mounted_secret(gw, "/etc/stagecast/gateway-tls") == "my-tls"
+    names = {s["metadata"]["name"] for s in r.of_kind("Secret")}
+    assert f"{RELEASE}-stagecast-tokens" not in names and f"{RELEASE}-stagecast-gateway-tls" not in names
+    (pod,) = r.of_kind("Pod")
+    args = pod["spec"]["containers"][0]["args"]
+    assert "--tls" in args and "--tls-ca" not in args  # a public certificate: the system's roots
+    plain = render(helm, security={"gatewayTLS": {"enabled": False}})
+    args = main_container(plain.component("Deployment", "gateway"))["args"]
+    assert "--tls-cert" not in args and arg_value(args, "--tokens")  # behind a TLS proxy, tokens still asked
+
+
+def test_cert_manager_signs_the_internal_certificates(helm):
+    issuer = {"name": "stagecast-ca", "kind": "ClusterIssuer"}
+    r = render(helm, security={"mtls": {"source": "certManager", "certManager": {"issuerRef": issuer}}})
+    certs = {c["metadata"]["name"]: c for c in r.of_kind("Certificate")}
+    assert set(certs) == {f"{RELEASE}-stagecast-mtls-{role}" for role in ("coordinator", "stage", "gateway")}
+    for name, cert in certs.items():
+        role = name.rsplit("-", 1)[1]
+        spec = cert["spec"]
+        assert cert["apiVersion"] == "cert-manager.io/v1"
+        assert spec["secretName"] == name and spec["commonName"] == role
+        assert spec["dnsNames"] == [f"{role}.stagecast.internal"]
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        assert spec["issuerRef"] == {**issuer, "group": "cert-manager.io"}
+    assert not [s for s in r.of_kind("Secret") if "-mtls-" in s["metadata"]["name"]]
+    for wl in r.workloads():
+        component = wl["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert _mounted_secret(wl, "/etc/stagecast/mtls") == f"{RELEASE}-stagecast-mtls-{component}"
+    err = render_error(helm, security={"mtls": {"source": "certManager"}})
+    assert "security.mtls.certManager.issuerRef.name is empty" in err

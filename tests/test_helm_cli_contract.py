@@ -43,12 +43,15 @@ def test_every_container_command_parses_with_the_real_cli(helm, name):  # noqa: 
 
 
 @pytest.mark.parametrize("name", VALUES)
-def test_stages_can_reach_the_rendezvous_store(helm, name):  # noqa: F811
+def test_stages_rendezvous_through_the_coordinators_grpc_service(helm, name):  # noqa: F811
+    """No open rendezvous store: stages reach the store over the coordinator's mTLS gRPC Service port."""
     rendered = render(helm, name)
-    coord = rendered.component("Deployment", "coordinator")
-    args = coord["spec"]["template"]["spec"]["containers"][0]["args"]
-    ns = parse(args)
+    coord = parse(rendered.component("Deployment", "coordinator")["spec"]["template"]["spec"]["containers"][0]["args"])
     service = rendered.component("Service", "coordinator")
-    assert ns.advertise_host == fqdn(service["metadata"]["name"])
+    assert coord.advertise_host == fqdn(service["metadata"]["name"])
+    assert coord.mtls and not coord.insecure_internal
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-    assert ports["rendezvous"] == ns.store_port == int(arg_value(args, "--store-port"))
+    assert set(ports) == {"grpc", "metrics"} and ports["grpc"] == coord.port
+    stage = rendered.component("StatefulSet", "stage")["spec"]["template"]["spec"]["containers"][0]["args"]
+    ns = parse(stage)
+    assert ns.coordinator == fqdn(service["metadata"]["name"], coord.port) and ns.mtls

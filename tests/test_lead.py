@@ -35,7 +35,7 @@ def cluster(tmp_path_factory):
             # A client that stops reading is not ended for a minute; its frames wait in two messages.
             + ["--buffer-messages", "2", "--slow-client-timeout", "60"],
         )
-        yield pipe.coordinator, gateway.info["address"]
+        yield pipe.coordinator, gateway.info["address"], launcher
 
 
 def _progress(stub, stream_id: int) -> pb.StreamProgress:
@@ -45,8 +45,8 @@ def _progress(stub, stream_id: int) -> pb.StreamProgress:
 
 
 def test_a_consumer_that_does_not_acknowledge_holds_the_dit_to_one_wavefront_plus_its_depth(cluster):
-    coordinator, _ = cluster
-    channel, stub = coordinator_stub(coordinator)
+    coordinator, _, launcher = cluster
+    channel, stub = coordinator_stub(coordinator, launcher)
     spec = tiny_spec(num_chunks=None)  # unbounded, 2 levels
     depth = 1
     bound = spec.levels * STAGES + depth
@@ -93,8 +93,8 @@ def test_a_consumer_that_does_not_acknowledge_holds_the_dit_to_one_wavefront_plu
 
 
 def test_a_stream_without_acknowledgements_is_refused_an_acknowledgement_and_a_bad_depth_is_named(cluster):
-    coordinator, _ = cluster
-    channel, stub = coordinator_stub(coordinator)
+    coordinator, _, launcher = cluster
+    channel, stub = coordinator_stub(coordinator, launcher)
     with channel:
         call = stub.OpenStream(open_request(tiny_spec(num_chunks=2)), timeout=TIMEOUT)
         sid = next(call).started.stream_id
@@ -111,8 +111,8 @@ def test_a_stream_without_acknowledgements_is_refused_an_acknowledgement_and_a_b
 
 
 def test_a_client_that_stops_reading_holds_the_dit_through_the_gateway(cluster):
-    coordinator, gateway = cluster
-    channel, stub = coordinator_stub(coordinator)
+    coordinator, gateway, launcher = cluster
+    channel, stub = coordinator_stub(coordinator, launcher)
     # Without BDP probing the client's flow-control window stays at 64 KiB: 5 raw 64x64 frames.
     with channel, stagecast.Client(gateway, options=[("grpc.http2.bdp_probe", 0)]) as client:
         gen = client.generate("a fox", width=64, height=64, codec="raw", steps=2, timeout=TIMEOUT)

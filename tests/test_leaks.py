@@ -41,6 +41,7 @@ class System:
     gateway: str
     stages: list[str]
     children: dict[str, Child]
+    launcher: Launcher  # holds the operator's certificate for the internal services (mTLS)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def system(tmp_path_factory):
             gateway=gateway.info["address"],
             stages=[child.info["address"] for child in pipe.stage_children.values()],
             children=children,
+            launcher=launcher,
         )
 
 
@@ -82,12 +84,12 @@ def held(system: System) -> dict[str, int]:
     """What the pipeline and the gateway still hold for streams."""
     with grpc.insecure_channel(system.gateway) as ch:
         gw = pb_grpc.StreamServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=10)
-    with grpc.insecure_channel(system.coordinator, options=CHANNEL_OPTIONS) as ch:
+    with system.launcher.channel(system.coordinator, "coordinator", CHANNEL_OPTIONS) as ch:
         coord = ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10)
     out = {"gateway_streams": gw.active_streams, "gateway_vae_bytes": gw.vae_state_bytes}
     out["coordinator_streams"] = coord.active_streams
     for i, address in enumerate(system.stages):
-        with grpc.insecure_channel(address) as ch:
+        with system.launcher.channel(address, "stage") as ch:
             desc = ipb_grpc.StageServiceStub(ch).Describe(ipb.Empty(), timeout=10)
         out[f"stage{i}_streams"] = desc.open_streams
         out[f"stage{i}_kv_bytes"] = desc.kv_bytes
@@ -124,7 +126,7 @@ def counts(stats: dict[str, int]) -> dict[str, int]:
 
 def change_generation(system: System) -> None:
     """Pause stage 1 until the coordinator ends the generation, then resume it: it rejoins a new one."""
-    with grpc.insecure_channel(system.coordinator, options=CHANNEL_OPTIONS) as ch:
+    with system.launcher.channel(system.coordinator, "coordinator", CHANNEL_OPTIONS) as ch:
         before = ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).generation
         stage = system.children["stage-1"]
         os.kill(stage.pid, signal.SIGSTOP)
@@ -136,7 +138,7 @@ def change_generation(system: System) -> None:
             )
         finally:
             os.kill(stage.pid, signal.SIGCONT)
-    wait_for_generation(system.coordinator, minimum=before + 1, timeout=60)
+    wait_for_generation(system.coordinator, before + 1, system.launcher, timeout=60)
 
 
 def check_generation_changes(system: System, changes: int) -> None:

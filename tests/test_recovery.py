@@ -37,7 +37,7 @@ def checkpoint():
 def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoint):
     with Launcher() as launcher:
         pipe = start_pipeline(launcher, checkpoint=checkpoint, stages=3)
-        channel, stub = coordinator_stub(pipe.coordinator)
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
         assert stub.Status(pb.Empty()).generation == 1
         # A long stream: it is still running when the stage dies.
         events = stub.OpenStream(open_request(tiny_spec(num_chunks=100_000)), timeout=60)
@@ -61,11 +61,11 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
         assert "not ready" in refused.value.details()
         # The surviving stage is alive, waiting to join: its process health says SERVING, its stage service not.
         survivor = pipe.stage_children[0].info["address"]
-        wait_until(lambda: health(survivor, STAGE_HEALTH) == NOT_SERVING, timeout=30, what="stage 0 leaving")
-        assert health(survivor, "") == SERVING
+        wait_until(lambda: health(launcher, survivor, STAGE_HEALTH) == NOT_SERVING, timeout=30, what="stage 0 leaving")
+        assert health(launcher, survivor, "") == SERVING
 
         launcher.spawn("stage-1-restarted", pipe.stage_args[1])
-        status = wait_for_generation(pipe.coordinator, minimum=2)
+        status = wait_for_generation(pipe.coordinator, 2, launcher)
         assert status.ready and status.generation >= 2
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=3))
         assert reason == "completed" and len(chunks) == 3
@@ -74,8 +74,8 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
     assert all(child.proc.poll() is not None for child in [pipe.coordinator_child, *pipe.stage_children.values()])
 
 
-def health(address, service):
-    with grpc.insecure_channel(address) as ch:
+def health(launcher, address, service):
+    with launcher.channel(address, "stage") as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
 
@@ -87,7 +87,7 @@ def _ready(stub):
 def test_a_paused_stage_rejoins_by_itself_and_a_new_stream_succeeds_within_10s(checkpoint, pause):
     with Launcher() as launcher:
         pipe = start_pipeline(launcher, checkpoint=checkpoint, stages=2)
-        channel, stub = coordinator_stub(pipe.coordinator)
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
         stage = pipe.stage_children[1]
         # A stream is running when the stage stops: the survivor is blocked on it in the data plane.
         events = stub.OpenStream(open_request(tiny_spec(num_chunks=100_000)), timeout=120)
@@ -106,11 +106,11 @@ def test_a_paused_stage_rejoins_by_itself_and_a_new_stream_succeeds_within_10s(c
         finally:
             os.kill(stage.pid, signal.SIGCONT)
         resumed = time.monotonic()
-        wait_for_generation(pipe.coordinator, minimum=2, timeout=30)
+        wait_for_generation(pipe.coordinator, 2, launcher, timeout=30)
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=3), timeout=30)
         took = time.monotonic() - resumed
         assert reason == "completed" and len(chunks) == 3
         assert took < 10.0, f"a new stream succeeded {took:.1f}s after SIGCONT"
         assert stage.proc.poll() is None  # the same process (no restart by anyone)
-        assert health(stage.info["address"], STAGE_HEALTH) == SERVING  # serving in the new generation
+        assert health(launcher, stage.info["address"], STAGE_HEALTH) == SERVING  # serving in the new generation
         channel.close()

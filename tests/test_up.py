@@ -43,8 +43,9 @@ def test_up_serves_and_sigterm_stops_every_process():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
         args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        args += ["--credentials", launcher.credentials]  # the deployment CA this test holds an operator's cert of
         up = launcher.spawn("up", [*args, "--vae-devices", "cpu,cpu"])  # the gateway's VAE cut in two parts
-        channel, stub = coordinator_stub(up.info["coordinator"])
+        channel, stub = coordinator_stub(up.info["coordinator"], launcher)
         assert stub.Status(pb.Empty()).ready
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=2))
         assert reason == "completed" and len(chunks) == 2

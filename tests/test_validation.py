@@ -12,7 +12,6 @@ from launcher.demo_checkpoint import write_transformer
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
 from stagecast import wire
-from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.model.config import read_config
@@ -26,7 +25,8 @@ def pipeline():
         write_transformer(ckpt, seed=0)
         with Launcher() as launcher:
             pipe = start_pipeline(launcher, checkpoint=str(ckpt), stages=2)
-            channel, stub = coordinator_stub(pipe.coordinator)
+            channel, stub = coordinator_stub(pipe.coordinator, launcher)
+            pipe.launcher = launcher  # the operator's credentials, for channels to the stages
             yield pipe, stub, read_config(ckpt)
             channel.close()
 
@@ -68,7 +68,7 @@ def test_invalid_plans_are_rejected_and_the_stage_keeps_working(pipeline):
     status = stub.Status(pb.Empty())
     gen = status.generation
     stage0 = next(s for s in status.stages if s.index == 0)
-    with grpc.insecure_channel(stage0.address, options=CHANNEL_OPTIONS) as ch:
+    with pipe.launcher.channel(stage0.address, "stage") as ch:
         stage = pb_grpc.StageServiceStub(ch)
         step = pb.MicroStep(stream=999, chunk=0, level=0)
         # Learn the stage's next expected seq from the out-of-order rejection, which names it.

@@ -99,6 +99,10 @@ configuration (standard OTEL_* variables only). Call with (dict "ctx" $ "compone
 */}}
 {{- define "stagecast.commonEnv" -}}
 {{- $ := .ctx -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -311,4 +315,66 @@ podAntiAffinity:
           matchLabels:
             {{- include "stagecast.componentSelectorLabels" (dict "ctx" . "component" "stage") | nindent 12 }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+Security flags of a service container: its role's mTLS Secret (mounted by stagecast.securityVolumes) and, with
+"healthPort", the plaintext health-only port the probes use. Call with (dict "ctx" $ "healthPort" 8081).
+*/}}
+{{- define "stagecast.securityArgs" -}}
+- --mtls
+- /etc/stagecast/mtls
+{{- with .healthPort }}
+- --health-port
+- {{ . | int | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Mounts of stagecast.securityVolumes. Call with (dict "ctx" $ "component" "gateway"). */}}
+{{- define "stagecast.securityMounts" -}}
+- name: mtls
+  mountPath: /etc/stagecast/mtls
+  readOnly: true
+{{- if eq .component "gateway" }}
+- name: tokens
+  mountPath: /etc/stagecast/tokens
+  readOnly: true
+{{- if .ctx.Values.security.gatewayTLS.enabled }}
+- name: gateway-tls
+  mountPath: /etc/stagecast/gateway-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secrets a component reads: its mTLS certificate; the gateway also its tokens and public TLS. */}}
+{{- define "stagecast.securityVolumes" -}}
+{{- $ := .ctx -}}
+- name: mtls
+  secret:
+    secretName: {{ printf "%s-mtls-%s" (include "stagecast.fullname" $) .component }}
+    defaultMode: 0440
+{{- if eq .component "gateway" }}
+- name: tokens
+  secret:
+    secretName: {{ include "stagecast.tokensSecret" $ }}
+    defaultMode: 0440
+    items:
+      - key: tokens
+        path: tokens
+{{- if $.Values.security.gatewayTLS.enabled }}
+- name: gateway-tls
+  secret:
+    secretName: {{ include "stagecast.gatewayTLSSecret" $ }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "stagecast.tokensSecret" -}}
+{{- default (printf "%s-tokens" (include "stagecast.fullname" .)) .Values.security.tokens.existingSecret -}}
+{{- end -}}
+
+{{- define "stagecast.gatewayTLSSecret" -}}
+{{- default (printf "%s-gateway-tls" (include "stagecast.fullname" .)) .Values.security.gatewayTLS.secretName -}}
 {{- end -}}
