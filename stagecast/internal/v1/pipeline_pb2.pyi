@@ -167,24 +167,20 @@ class ResultsRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "store_host", "store_port", "backend", "layer_start", "layer_stop")
+    __slots__ = ("generation", "rank", "world_size", "backend", "layer_start", "layer_stop")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
-    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
     backend: str
     layer_start: int
     layer_stop: int
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
     __slots__ = ("rank", "load_seconds")
