@@ -18,8 +18,9 @@ import grpc
 
 from stagecast.internal.v1 import rendezvous_pb2 as pb
 from stagecast.internal.v1 import rendezvous_pb2_grpc as pb_grpc
+from stagecast.names import RENDEZVOUS_SERVICE
 
-SERVICE_NAME = "stagecast.internal.v1.RendezvousService"
+SERVICE_NAME = RENDEZVOUS_SERVICE
 MAX_KEY_CHARS = 512
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_KEYS = 16384

@@ -9,13 +9,14 @@ Usage::
 
 from __future__ import annotations
 
-from stagecast.internal.v1 import pipeline_pb2, vae_pb2
+from stagecast.internal.v1 import pipeline_pb2, rendezvous_pb2, vae_pb2
 from stagecast.v1 import stream_pb2
 
 # Read from the compiled protos, so a renamed service cannot leave a stale string behind.
 COORDINATOR_SERVICE = pipeline_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 STAGE_SERVICE = pipeline_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
 VAE_STAGE_SERVICE = vae_pb2.DESCRIPTOR.services_by_name["VAEStageService"].full_name
+RENDEZVOUS_SERVICE = rendezvous_pb2.DESCRIPTOR.services_by_name["RendezvousService"].full_name
 STREAM_SERVICE = stream_pb2.DESCRIPTOR.services_by_name["StreamService"].full_name
 
 # The dtypes weights and activations may have (``--dtype``, ``--vae-dtype``), by their flag names.  ``DTYPES``
