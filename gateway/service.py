@@ -48,7 +48,7 @@ from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import MAX_REQUEST_BYTES, ConfigError, parse_client_message, parse_status_request, resolve_config
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
-from gateway.stream import StreamFailed, StreamRun
+from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
@@ -178,6 +178,27 @@ class Gateway:
             queued_chunks=lambda: sum(run.session.queued for run in self._runs() if run.session is not None),
             queued_messages=lambda: sum(len(run.out) for run in self._runs()),
             waiting_calls=lambda: self.pending,
+        )
+        # Everything a stream needs from this gateway, and nothing more (gateway.stream).
+        self.stream_host = StreamHost(
+            coordinator=self.coordinator,
+            coordinator_target=opts.coordinator,
+            decoder=self.decoder,
+            metrics=self.metrics,
+            timers=self.timers,
+            limits=StreamLimits(
+                buffer_chunks=opts.buffer_chunks,
+                buffer_messages=opts.buffer_messages,
+                slow_client_timeout=opts.slow_client_timeout,
+                drain_timeout=opts.drain_timeout,
+                abandon_timeout=opts.abandon_timeout,
+            ),
+            latent_channels=self.model.latent_channels,
+            text_len=self.text_len,
+            model_name=self.model_name,
+            encode_prompt=self.encode_prompt,
+            touch=self.touch,
+            forget=self.forget,
         )
 
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
@@ -511,9 +532,8 @@ class StreamServicer:
         """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
         gw = self.gw
         try:
-            run = StreamRun(
-                gw, cfg, gw.encode_prompt(cfg.prompt, parent_span=rpc_span), context, t0, parent_span=rpc_span
-            )
+            text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span)
+            run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span)
             run.open_pipeline()
             return run
         except ConfigError as exc:

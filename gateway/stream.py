@@ -2,7 +2,7 @@
 
 Usage (the servicer in ``gateway.service`` does this per ``Generate`` call)::
 
-    run = StreamRun(gateway, cfg, text, context, t0)
+    run = StreamRun(gateway.stream_host, cfg, text, context, t0)   # StreamHost: what a stream needs
     run.open_pipeline()                  # coordinator OpenStream; raises grpc.RpcError as the coordinator says
     run.start(request_iterator)          # threads: pipeline reader, decoder, client-message reader
     for msg in run.messages(): yield msg # Started, Frames, PromptUpdated, End; raises StreamFailed
@@ -28,10 +28,12 @@ plus gRPC's flow-control window, whatever the client does.
 Cleanup: when the client asks to stop, the pipeline stream is stopped with StopStream (no new chunks; the chunks in
 flight still reach the client).  Whenever the call ends otherwise (failed, cancelled or disconnected), the pipeline
 call is cancelled: the coordinator plans nothing more for the stream, and its close frees the KV cache on every stage
-once the batches already planned have run.  The decode session releases the stream's VAE cache (in every VAE stage,
-when they are remote).  The stream stays in the gateway's status (state "draining") until both happened, so
-``GatewayStatus`` shows what the gateway and the pipeline still hold.  Deadlines (a stopped stream's drain, a failed
-stream's unread error) run on the gateway's one timer thread (``gateway.timers``), not on a thread per stream.
+once the batches already planned have run (``gateway.pipeline.PipelineCall`` holds those calls, and
+``gateway.stream_trace.StreamTrace`` the stream's spans).  The decode session releases the stream's VAE cache (in
+every VAE stage, when they are remote).  The stream stays in the gateway's status (state "draining") until both
+happened, so ``GatewayStatus`` shows what the gateway and the pipeline still hold.  Deadlines (a stopped stream's
+drain, a failed stream's unread error) run on the gateway's one timer thread (``gateway.timers``), not on a thread
+per stream.
 """
 
 from __future__ import annotations
@@ -40,31 +42,52 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import grpc
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig, check_prompt
-from stagecast import api, telemetry, wire
-from stagecast.grpc_util import StatusError
+from gateway.pipeline import PipelineCall, StreamFailed
+from gateway.stream_trace import StreamTrace
+from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
-from stagecast.names import COORDINATOR_SERVICE
 from stagecast.v1 import stream_pb2 as pb
-
-if TYPE_CHECKING:
-    from gateway.service import Gateway
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun"]
 
-class StreamFailed(StatusError):
-    """Ends the client's call with ``code``."""
+
+@dataclass(frozen=True)
+class StreamLimits:
+    buffer_chunks: int  # latent chunks queued between the pipeline and the VAE
+    buffer_messages: int  # encoded messages queued between the encoder and the client
+    slow_client_timeout: float  # how long a full buffer may stay full before the stream ends
+    drain_timeout: float  # how long a stopped pipeline stream may take to finish its cooldown
+    abandon_timeout: float  # how long a failed stream's client may take to read its error before cancelling
+
+
+@dataclass(frozen=True)
+class StreamHost:
+    """What a stream needs from its gateway, and nothing more: the gateway builds one and hands it to every run."""
+
+    coordinator: Any  # the CoordinatorService stub
+    coordinator_target: str
+    decoder: Any  # gateway.decoder.LocalDecoder or RemoteDecoder
+    metrics: Any  # gateway.metrics.GatewayMetrics
+    timers: Any  # gateway.timers.Timers
+    limits: StreamLimits
+    latent_channels: int
+    text_len: int
+    model_name: str
+    encode_prompt: Callable[..., torch.Tensor]  # (prompt, parent_span=...) -> text embeddings
+    touch: Callable[[], None]  # the stream's state changed (status watchers)
+    forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
 
 
 @dataclass(frozen=True)
@@ -77,140 +100,66 @@ class _ChunkTag:
     span: object = None  # the chunk's span, when the stream is traced
 
 
-_OPEN_METHOD = f"{COORDINATOR_SERVICE}/OpenStream"
-_FINE_OUTCOMES = {"completed", "stopped", "cancelled"}
-
-
 class StreamRun:
-    def __init__(self, gw: Gateway, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float, parent_span=None):
-        self.gw = gw
+    def __init__(
+        self, host: StreamHost, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float, parent_span=None
+    ):
+        self.host = host
+        self.limits = host.limits
         self.cfg = cfg
         self.text = text
         self.context = context
         self.t0 = t0
         self.id = uuid.uuid4().hex[:16]
-        self.pipeline_id = 0
         self.state = "starting"
         self.outcome: str | None = None  # why the stream ended: "completed", "stopped", "cancelled", ...
         self.chunks_received = 0
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.frames_sent = 0  # frames handed to gRPC
         self.first_frame_ms: float | None = None
+        self.last_frame_ms: float | None = None
         self.session = None  # the decode session (gateway.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
-        self.out = BoundedChannel(gw.opts.buffer_messages)
+        self.out = BoundedChannel(self.limits.buffer_messages)
         self._lock = threading.Lock()
-        self._call = None
-        self._pipeline_ended = False
-        self._stop_sent = False
-        self._cancelled_pipeline = False
         self._deadlines: list = []  # timer entries of this stream, cancelled when the stream is gone
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
-        self.last_frame_ms: float | None = None
-        self._ack_future = None  # the latest acknowledgement in flight
-        # Tracing (stagecast.telemetry): the stream's span and the coordinator call's client span; None when off.
-        self.span = self._start_stream_span(parent_span) if telemetry.enabled() else None
-        self._open_span = None
+        self.trace = StreamTrace(cfg, host.model_name, self.id, parent_span)
+        self.pipeline = PipelineCall(host.coordinator, host.coordinator_target, self.trace)
+
+    @property
+    def pipeline_id(self) -> int:
+        return self.pipeline.pipeline_id
+
+    @property
+    def span(self):
+        return self.trace.span
 
     def ms(self) -> float:
         return (time.monotonic() - self.t0) * 1000.0
 
     # ---- opening (the handler thread) ----------------------------------------------------------------
 
-    def _start_stream_span(self, parent):
-        cfg, model = self.cfg, self.gw.model_name
-        attrs = {
-            "gen_ai.operation.name": "generate_content",
-            "gen_ai.provider.name": "stagecast",
-            "gen_ai.request.model": model,
-            "gen_ai.request.seed": cfg.seed,
-            "gen_ai.output.type": "video",
-            "stagecast.gateway.stream_id": self.id,
-            "stagecast.stream.width": cfg.width,
-            "stagecast.stream.height": cfg.height,
-            "stagecast.stream.fps": cfg.fps,
-            "stagecast.stream.steps": cfg.steps,
-            "stagecast.stream.timesteps": list(cfg.timesteps),
-            "stagecast.stream.shift": cfg.shift,
-            "stagecast.stream.chunk_frames": cfg.chunk_frames,
-            "stagecast.stream.codec": cfg.codec,
-            "stagecast.stream.policy": cfg.policy,
-            "stagecast.stream.total_frames": cfg.total_frames or 0,
-            "stagecast.stream.num_chunks": cfg.num_chunks or 0,
-            "stagecast.stream.window": cfg.window or 0,
-            "stagecast.stream.sink": cfg.sink,
-        }
-        ctx = trace.set_span_in_context(parent) if parent is not None else None
-        return telemetry.tracer().start_span(f"generate_content {model}", context=ctx, attributes=attrs)
-
-    def _child_context(self):
-        return trace.set_span_in_context(self.span)
-
-    def _end_trace(self) -> None:
-        """The stream is gone from the pipeline and the VAE: its span ends with the outcome."""
-        outcome = self.outcome or "unknown"
-        first, last = self.first_frame_ms, self.last_frame_ms
-        if first is not None and last is not None and last > first and self.frames_emitted >= 2:
-            self.gw.metrics.stream_fps((self.frames_emitted - 1) * 1000.0 / (last - first))
-        span = self.span
-        if span is None:
-            return
-        span.set_attribute("stagecast.stream.outcome", outcome)
-        span.set_attribute("stagecast.stream.frames", self.frames_emitted)
-        span.set_attribute("stagecast.stream.chunks", self.chunks_received)
-        if self.first_frame_ms is not None:
-            span.set_attribute("stagecast.stream.ttff_ms", self.first_frame_ms)
-        if outcome not in _FINE_OUTCOMES:
-            span.set_status(Status(StatusCode.ERROR, outcome))
-        span.end()
-
     def open_pipeline(self) -> None:
-        try:
-            self._open_pipeline()
-        except BaseException as exc:
-            code = exc.code if isinstance(exc, StreamFailed) else exc.code() if isinstance(exc, grpc.RpcError) else None
-            telemetry.end_rpc_span(self._open_span, code or grpc.StatusCode.UNKNOWN)
-            if self.span is not None:
-                self.span.set_status(Status(StatusCode.ERROR, f"opening the pipeline stream failed: {exc}"))
-                self.span.end()
-            raise
-
-    def _open_pipeline(self) -> None:
-        spec = self.cfg.stream_spec(latent_channels=self.gw.model.latent_channels, text_len=self.gw.text_len)
+        spec = self.cfg.stream_spec(latent_channels=self.host.latent_channels, text_len=self.host.text_len)
         # The stream's lead is held to one wavefront plus our VAE depth: we acknowledge each chunk once decoded.
-        req = ipb.OpenStreamRequest(
-            spec=wire.spec_to_proto(spec),
-            text=wire.tensor_to_proto(self.text),
-            acknowledges=True,
-            consumer_depth=self.gw.decoder.depth(self.gw.opts.buffer_chunks),
-        )
-        if self.span is not None:
-            # The coordinator's stream span is this call's child; the context also rides in the request.
-            self._open_span = telemetry.start_rpc_span(
-                _OPEN_METHOD, SpanKind.CLIENT, context=self._child_context(), target=self.gw.opts.coordinator
+        self.pipeline.open(
+            ipb.OpenStreamRequest(
+                spec=wire.spec_to_proto(spec),
+                text=wire.tensor_to_proto(self.text),
+                acknowledges=True,
+                consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
             )
-            req.traceparent = telemetry.traceparent_of(self._open_span)
-        self._call = self.gw.coordinator.OpenStream(req, metadata=telemetry.metadata_for(self._open_span) or None)
-        try:
-            first = next(self._call)
-        except StopIteration:
-            raise StreamFailed(grpc.StatusCode.UNAVAILABLE, "pipeline: the coordinator closed the stream") from None
-        if first.WhichOneof("event") != "started":
-            self._call.cancel()
-            raise StreamFailed(grpc.StatusCode.INTERNAL, f"pipeline: expected started, got {first}")
-        self.pipeline_id = first.started.stream_id
-        if self.span is not None:
-            self.span.set_attribute("stagecast.stream.id", self.pipeline_id)
-            self._open_span.set_attribute("stagecast.stream.id", self.pipeline_id)
+        )
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"
         with self._lock:
-            self.session = self.gw.decoder.open(self.gw.opts.buffer_chunks)
+            self.session = self.host.decoder.open(self.limits.buffer_chunks)
             ended = self.outcome is not None  # the client left while we were opening
         if ended:
             self.session.abort()
-            self._cancel_pipeline()
+            self.pipeline.cancel()
         for target, args in ((self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))):
             name = f"{target.__name__.strip('_')}-{self.id[:6]}"
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
@@ -254,13 +203,13 @@ class StreamRun:
             self.outcome = outcome
         self.state = "draining"
         logger.warning("stream %s: %s (%s)", self.id, message, code.name)
-        self.gw.metrics.frames_dropped(outcome, len(self.out))  # queued frames are discarded (approximately: a
+        self.host.metrics.frames_dropped(outcome, len(self.out))  # queued frames are discarded (approximately: a
         self.out.put_final(StreamFailed(code, message), drop=True)  # prompt-updated message counts as one)
         self._abort_decoding()
-        self._cancel_pipeline()
-        self.gw.touch()
+        self.pipeline.cancel()
+        self.host.touch()
         # A client that never reads never takes the error either; cancel its call rather than hold it forever.
-        self._after(self.gw.opts.abandon_timeout, self.context.cancel)
+        self._after(self.limits.abandon_timeout, self.context.cancel)
 
     def on_rpc_done(self) -> None:
         """gRPC callback: the call ended (normally, with an error, or the client cancelled/disconnected)."""
@@ -269,12 +218,12 @@ class StreamRun:
             if self.outcome is None:
                 self.outcome = "cancelled"
                 logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
-        self.gw.metrics.frames_dropped(self.outcome, len(self.out))
+        self.host.metrics.frames_dropped(self.outcome, len(self.out))
         self.out.close(drop=True)
         self._abort_decoding()
-        self._cancel_pipeline()  # nobody reads any more: plan nothing more, free the stream everywhere
+        self.pipeline.cancel()  # nobody reads any more: plan nothing more, free the stream everywhere
         self._clear_deadlines()
-        self.gw.touch()
+        self.host.touch()
 
     def _abort_decoding(self) -> None:
         with self._lock:
@@ -283,66 +232,13 @@ class StreamRun:
             session.abort()
 
     def stop_pipeline(self) -> None:
-        """StopStream (no new chunks) once; the reader keeps draining until the coordinator ends the stream."""
-        with self._lock:
-            if self._stop_sent or self._pipeline_ended or self._call is None:
-                return
-            self._stop_sent = True
-        request = ipb.StopRequest(stream_id=self.pipeline_id)
-        span, metadata = self._client_span("StopStream")
-        future = self.gw.coordinator.StopStream.future(request, timeout=10, metadata=metadata)
-        future.add_done_callback(lambda f: self._stop_sent_done(f, span))  # no thread waits on it
-
-    def _stop_sent_done(self, future, span) -> None:
-        exc = future.exception()
-        if span is not None:
-            code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.OK
-            telemetry.end_rpc_span(span, code, exc.details() if isinstance(exc, grpc.RpcError) else "")
-        if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it ended
-            logger.warning("stream %s: StopStream failed (%s); cancelling", self.id, exc.code().name)
-            self._cancel_pipeline()
-            return
-        self._after(self.gw.opts.drain_timeout, self._cancel_pipeline)
-
-    def _client_span(self, method: str):
-        """A client span of the stream for a coordinator call, and the metadata carrying it (None, None: off)."""
-        if self.span is None:
-            return None, None
-        span = telemetry.start_rpc_span(
-            f"{COORDINATOR_SERVICE}/{method}",
-            SpanKind.CLIENT,
-            context=self._child_context(),
-            target=self.gw.opts.coordinator,
-        )
-        span.set_attribute("stagecast.stream.id", self.pipeline_id)
-        return span, telemetry.metadata_for(span)
-
-    def _call_coordinator(self, method: str, request, timeout: float):
-        """A unary coordinator call; a client span of the stream (its context in the metadata) when traced."""
-        rpc = getattr(self.gw.coordinator, method)
-        span, metadata = self._client_span(method)
-        if span is None:
-            return rpc(request, timeout=timeout)
-        try:
-            reply = rpc(request, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            telemetry.end_rpc_span(span, exc.code(), exc.details() or "")
-            raise
-        telemetry.end_rpc_span(span, grpc.StatusCode.OK)
-        return reply
-
-    def _cancel_pipeline(self) -> None:
-        """Cancel the pipeline call: the coordinator plans nothing more for the stream and ends it."""
-        with self._lock:
-            if self._pipeline_ended or self._call is None or self._cancelled_pipeline:
-                return
-            self._cancelled_pipeline = True
-        logger.debug("stream %s: cancelling the pipeline call", self.id)
-        self._call.cancel()
+        """StopStream (no new chunks) once; the reader keeps draining until the coordinator ends the stream,
+        within the drain timeout (then the pipeline call is cancelled)."""
+        self.pipeline.stop(lambda ok: ok and self._after(self.limits.drain_timeout, self.pipeline.cancel))
 
     def _after(self, seconds: float, fn) -> None:
         # Deadlines that fire after the fact are harmless: cancelling a finished call is a no-op.
-        entry = self.gw.timers.call_later(seconds, fn)
+        entry = self.host.timers.call_later(seconds, fn)
         with self._lock:
             self._deadlines.append(entry)
 
@@ -350,7 +246,7 @@ class StreamRun:
         with self._lock:
             entries, self._deadlines = self._deadlines, []
         for entry in entries:
-            self.gw.timers.cancel(entry)
+            self.host.timers.cancel(entry)
 
     def _part_done(self) -> None:
         with self._lock:
@@ -359,34 +255,39 @@ class StreamRun:
         if last:
             self._clear_deadlines()
             self._end_trace()
-            self.gw.forget(self)
+            self.host.forget(self)
+
+    def _end_trace(self) -> None:
+        first, last = self.first_frame_ms, self.last_frame_ms
+        if first is not None and last is not None and last > first and self.frames_emitted >= 2:
+            self.host.metrics.stream_fps((self.frames_emitted - 1) * 1000.0 / (last - first))
+        self.trace.end(
+            self.outcome or "unknown",
+            frames=self.frames_emitted,
+            chunks=self.chunks_received,
+            ttff_ms=self.first_frame_ms,
+        )
 
     # ---- threads -------------------------------------------------------------------------------------
 
     def _read_pipeline(self) -> None:
         try:
-            for ev in self._call:
+            for ev in self.pipeline.events():
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
                     self.chunks_received += 1
-                    self.gw.metrics.chunk_received()
-                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self._chunk_span(ev.chunk.chunk))
+                    self.host.metrics.chunk_received()
+                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self.trace.chunk_span(ev.chunk.chunk))
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
                         tag.span.set_attribute("stagecast.chunk.dropped", True)
                         tag.span.end()
                 elif kind == "ended":
-                    with self._lock:
-                        self._pipeline_ended = True  # nothing left to stop
                     self.end_reason = ev.ended.reason
-            telemetry.end_rpc_span(self._open_span, grpc.StatusCode.OK)
         except grpc.RpcError as exc:
-            telemetry.end_rpc_span(self._open_span, exc.code(), exc.details() or "")
-            if not self._cancelled_pipeline:
+            if not self.pipeline.cancelled:
                 self.fail(exc.code(), f"pipeline: {exc.details()}", "pipeline_error")
         finally:
-            with self._lock:
-                self._pipeline_ended = True
             self.session.finish()  # the decoder's results end after the last chunk
             self._part_done()
 
@@ -402,13 +303,13 @@ class StreamRun:
                 if tag.span is not None:
                     if when is None:  # VAE stage processes: from when it both had arrived and the last one was out
                         when = (max(resumed_ns, tag.arrived_ns), time.time_ns())
-                    self._post_hoc_span("vae.decode", tag, *when)
+                    self.trace.post_hoc("vae.decode", tag.index, tag.span, *when)
                 emitted = self._emit(tag, frames, encoder)
                 if tag.span is not None:
                     tag.span.end()
                 if not emitted:
                     return
-                self._acknowledge(tag.index + 1)
+                self.pipeline.acknowledge(tag.index + 1)
                 resumed_ns = time.time_ns()
             if self.end_reason is not None:
                 self._finish(self.end_reason, encoder.flush() if cfg.codec == "h264" else b"")
@@ -424,7 +325,7 @@ class StreamRun:
             self._part_done()
 
     def _emit(self, chunk: _ChunkTag, frames, encoder) -> bool:
-        cfg = self.cfg
+        cfg, metrics = self.cfg, self.host.metrics
         decoded_ms = self.ms()
         if cfg.total_frames is not None:
             frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
@@ -433,8 +334,9 @@ class StreamRun:
             data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
             encode_s = time.perf_counter() - encode_start
             index = self.frames_emitted
-            if chunk.span is not None:
-                self._post_hoc_span("frame.encode", chunk, encode_start_ns, time.time_ns(), {"stagecast.frame": index})
+            self.trace.post_hoc(
+                "frame.encode", chunk.index, chunk.span, encode_start_ns, time.time_ns(), {"stagecast.frame": index}
+            )
             msg = pb.ServerMessage(
                 frame=pb.Frame(
                     data=data,
@@ -450,46 +352,22 @@ class StreamRun:
                 )
             )
             if not self._send(msg):
-                self.gw.metrics.frames_dropped(self.outcome or "unknown", len(frames) - position)
+                metrics.frames_dropped(self.outcome or "unknown", len(frames) - position)
                 return False  # the call ended or the stream failed
             if index == 0:
                 self.first_frame_ms = msg.frame.encoded_ms
-                self.gw.metrics.first_frame(msg.frame.encoded_ms / 1000.0)
+                metrics.first_frame(msg.frame.encoded_ms / 1000.0)
             # Late: encoded after its presentation time on a clock that starts with the first frame.
             late = msg.frame.encoded_ms > self.first_frame_ms + 1000.0 * msg.frame.pts
-            self.gw.metrics.frame_sent(late=late, encode_seconds=encode_s)
+            metrics.frame_sent(late=late, encode_seconds=encode_s)
             self.last_frame_ms = msg.frame.encoded_ms
             self.frames_emitted += 1
-        self.gw.metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
+        metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
         return True
-
-    def _acknowledge(self, chunks: int) -> None:
-        """Tell the coordinator the first ``chunks`` chunks are consumed, without waiting for its answer: the stream
-        may start further chunks (its lead stays one wavefront plus the VAE depth)."""
-        req = ipb.ChunksConsumed(stream_id=self.pipeline_id, chunks=chunks)
-        future = self.gw.coordinator.Consumed.future(req, timeout=10)
-        future.add_done_callback(self._acknowledged)
-        self._ack_future = future  # the latest is kept alive; acknowledgements are cumulative
-
-    def _acknowledged(self, future) -> None:
-        exc = future.exception()
-        if exc is not None and exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
-            logger.warning("stream %s: acknowledging chunks failed (%s)", self.id, exc.code().name)
-
-    def _chunk_span(self, chunk: int):
-        if self.span is None:
-            return None
-        attrs = {"stagecast.stream.id": self.pipeline_id, "stagecast.chunk": chunk}
-        return telemetry.tracer().start_span("chunk", context=self._child_context(), attributes=attrs)
-
-    def _post_hoc_span(self, name: str, chunk: _ChunkTag, start_ns: int, end_ns: int, extra=None) -> None:
-        attrs = {"stagecast.stream.id": self.pipeline_id, "stagecast.chunk": chunk.index, **(extra or {})}
-        ctx = trace.set_span_in_context(chunk.span)
-        telemetry.tracer().start_span(name, context=ctx, attributes=attrs, start_time=start_ns).end(end_ns)
 
     def _send(self, msg: pb.ServerMessage) -> bool:
         """Queue a message for the client; a client that leaves the queue full too long ends the stream."""
-        timeout = self.gw.opts.slow_client_timeout
+        timeout = self.limits.slow_client_timeout
         try:
             return self.out.put(msg, timeout=timeout)
         except TimeoutError:
@@ -541,15 +419,13 @@ class StreamRun:
 
     def _update_prompt(self, prompt: str) -> bool:
         try:
-            text = self.gw.encode_prompt(
-                check_prompt(prompt), parent_span=self.span
-            )  # the config's limits, before tokenising
+            # The config's limits, before tokenising.
+            text = self.host.encode_prompt(check_prompt(prompt), parent_span=self.span)
         except ConfigError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
             return False
         try:
-            req = ipb.PromptUpdate(stream_id=self.pipeline_id, text=wire.tensor_to_proto(text))
-            self._call_coordinator("UpdatePrompt", req, timeout=30)
+            self.pipeline.update_prompt(text)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return True  # the pipeline stream already finished its last chunk: nothing left to change
