@@ -71,7 +71,7 @@ def serve_and_compare(root, *, seed: int = 7) -> tuple[np.ndarray, object]:
         with stagecast.Client(gateway.info["address"]) as client:
             gen = client.generate(PROMPT, width=48, height=32, seconds=0.5, codec="raw", seed=seed, timeout=120)
             frames = gen.collect()
-        reference = Reference(SimpleNamespace(root=root, coordinator=pipe.coordinator))
+        reference = Reference(SimpleNamespace(root=root, coordinator=pipe.coordinator, launcher=launcher))
         sid = gen.info.pipeline_stream_id
         events = reference.plan_of(sid)
         want = np.concatenate(reference.frames(reference.latents(events, sid, PROMPT)))[: len(frames)]
