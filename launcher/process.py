@@ -46,6 +46,7 @@ import grpc
 
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
+from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.service import PARENT_PID_ENV, READY_PREFIX
 
 # The certificate each service command runs with.
@@ -79,6 +80,8 @@ class Launcher:
         ``write_deployment`` makes) to use instead of a throwaway one; it is left in place."""
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Stacks of exited threads are unmapped rather than cached (stagecast.diagnostics says why).
+        self.env.setdefault("GLIBC_TUNABLES", STACK_CACHE_OFF)
         self.echo = echo
         self.secure = mtls
         self._credentials: str | None = credentials

@@ -193,6 +193,9 @@ class StageTelemetry:
         end = time.monotonic()
         with self._window_lock:
             self._window.append((end - (t.end_ns - t.start_ns) / 1e9, end, compute_s))
+            # Pruned here too, not only when the gauge is read: unscraped, the window would grow with every batch.
+            while self._window[0][1] < end - BUBBLE_WINDOW_S:
+                self._window.popleft()
         if item.traceparent and telemetry.enabled():
             self._spans(item, t)
 

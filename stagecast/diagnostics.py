@@ -11,7 +11,10 @@ glibc's heap (``tune_malloc``): with its defaults, a process that frees tensors 
 threads (the gateway decodes each stream's VAE in threads of its own) keeps hundreds of MB of freed memory in
 per-thread arenas, because the mmap threshold rises to the largest size ever freed.  A fixed threshold and two
 arenas keep RSS flat across thousands of streams; ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the
-environment still win.
+environment still win.  Likewise glibc caches up to 40 MB of dead threads' stacks, resident, so a process that
+starts threads per stream drifts by MBs with the number of streams in flight; launchers and images start services
+with ``GLIBC_TUNABLES=glibc.pthread.stack_cache_size=0`` (``STACK_CACHE_OFF``; it must be set before the
+process starts).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import signal
 import threading
 
 PREFIX = "STAGECAST_RESOURCES"
+STACK_CACHE_OFF = "glibc.pthread.stack_cache_size=0"
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 

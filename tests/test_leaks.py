@@ -187,21 +187,20 @@ def test_500_streams_grow_no_process_by_2kb_per_stream_and_generation_changes_le
     run_streams(system, 0, 100)  # warm-up
     wait_idle(system)
     points = {name: [] for name in system.children}
-    for done in range(100, 501, 100):
+    for done in range(100, 501, 25):  # 17 points: the fit is not at the mercy of one noisy report
         if done > 100:
-            run_streams(system, done - 100, 100)
+            run_streams(system, done - 25, 25)
             wait_idle(system)
         for name, stats in reports(system).items():
             points[name].append((done, stats))
-    lines = []
+    slopes, lines = {}, []
     for name, series in points.items():
         xs = [x for x, _ in series]
         ys = [stats["rss_kb"] * 1024 for _, stats in series]
         mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-        lines.append(f"{name}: {slope:.0f} B/stream over streams 100-500 (RSS {[y // 1024 for y in ys]} KB)")
+        slopes[name] = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        lines.append(f"{name}: {slopes[name]:.0f} B/stream over streams 100-500 (RSS KB {[y // 1024 for y in ys]})")
         assert counts(series[-1][1]) == counts(series[0][1]), name
     print("\n" + "\n".join(lines))
-    for line in lines:
-        assert float(line.split(": ")[1].split(" ")[0]) < 2048, line
+    assert all(slope < 2048 for slope in slopes.values()), lines
     check_generation_changes(system, changes=3)
