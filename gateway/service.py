@@ -53,9 +53,9 @@ from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
 from stagecast.grpc_util import (
-    CHANNEL_OPTIONS,
     HEALTH_WATCH,
     MAX_MESSAGE_BYTES,
+    RECONNECT_OPTIONS,
     REFLECTION_STREAMS,
     ConcurrencyLimits,
     make_health_server,
@@ -152,7 +152,7 @@ class Gateway:
         self.warmup_s = 0.0
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
-        self.channel = connect(opts.coordinator, opts.mtls, "coordinator", CHANNEL_OPTIONS)
+        self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
 
         self.cond = threading.Condition()

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
-from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.service import PARENT_PID_ENV, READY_PREFIX
 
 # The certificate each service command runs with.

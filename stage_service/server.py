@@ -41,7 +41,15 @@ from stage_service.rendezvous import GrpcStore
 from stage_service.runner import SliceRunner, validate_batch
 from stage_service.transport import PipeTransport, bind_data_plane
 from stagecast import telemetry, wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, NOT_SERVING, SERVING, make_server, serve_health, set_serving
+from stagecast.grpc_util import (
+    CHANNEL_OPTIONS,
+    NOT_SERVING,
+    RECONNECT_OPTIONS,
+    SERVING,
+    make_server,
+    serve_health,
+    set_serving,
+)
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
@@ -141,10 +149,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
         gen = self.gen
         return gen.number if gen is not None else 0
 
-    def membership(self, stop: threading.Event, interval: float = 0.5, max_backoff: float = 2.0) -> None:
+    def membership(self, stop: threading.Event, interval: float = 0.5, max_backoff: float = 1.0) -> None:
         """Heartbeat until ``stop``; leave and register again whenever this stage is outside the current
         generation (see the module docstring).  Runs in its own thread."""
-        channel = connect(self.opts.coordinator, self.opts.mtls, "coordinator", CHANNEL_OPTIONS)
+        channel = connect(self.opts.coordinator, self.opts.mtls, "coordinator", RECONNECT_OPTIONS)
         stub = pb_grpc.CoordinatorServiceStub(channel)
         registered, misses, delay = True, 0, interval
         try:

@@ -36,6 +36,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# For a channel to a service that may restart (the coordinator): gRPC's reconnect backoff grows to 120 s, so a
+# channel that saw the service down for a while would notice its return only seconds (or minutes) later.
+RECONNECT_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # A server owns its port: with gRPC's default SO_REUSEPORT, a second server on a taken port starts
 # "successfully" and the kernel splits the clients between two unrelated processes.
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
