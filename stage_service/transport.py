@@ -107,6 +107,7 @@ class PipeTransport:
         self.sockets: list[tuple[int, int]] = []  # (fd, inode) of this generation's gloo connections
         self._sends: queue.Queue = queue.Queue()  # (work, tensor) until delivered; None ends the reaper
         self._reaper: threading.Thread | None = None
+        self._nccl_sends: list[tuple[dist.Work, torch.Tensor]] = []
         if backend != "nccl" and world_size > 1:
             self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="send-reaper")
             self._reaper.start()
@@ -157,6 +158,10 @@ class PipeTransport:
         work = dist.isend(tensor, dst=dst, tag=tag)
         if self._reaper is not None:
             self._sends.put((work, tensor))  # kept alive until delivered
+        else:
+            # NCCL: a send completes on the GPU by itself and ``is_completed`` sees it without blocking.
+            self._nccl_sends = [(w, t) for w, t in self._nccl_sends if not w.is_completed()]
+            self._nccl_sends.append((work, tensor))
 
     def _reap_loop(self) -> None:
         # Sends to one peer complete in order, so waiting on them in order never waits on a later one.
@@ -172,7 +177,7 @@ class PipeTransport:
 
     @property
     def pending_sends(self) -> int:
-        return self._sends.qsize()
+        return self._sends.qsize() + len(self._nccl_sends)
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self._isend(hidden, self.rank + 1, HIDDEN_TAG)
@@ -226,6 +231,7 @@ class PipeTransport:
             self._reaper.join(timeout)
             released = not self._reaper.is_alive()
             self._reaper = None
+        self._nccl_sends.clear()
         self.group = None
         if not dist.is_initialized():
             return released
