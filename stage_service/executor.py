@@ -34,7 +34,7 @@ import torch
 
 from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
-from stage_service.transport import PipeTransport
+from stage_service.transport import PeerLost, PipeTransport
 from stagecast.microstep import MicroStep, PlanEvent
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,10 @@ class StageExecutor:
                     logger.info("stage executor stopped during event %d (%s): %s", item.seq, item.kind, exc)
                     return
                 self.failed = f"stage event {item.seq} ({item.kind}) failed: {type(exc).__name__}: {exc}"
-                logger.exception("stage executor failed")
+                if isinstance(exc, PeerLost):  # a peer left the generation: expected while one ends, no traceback
+                    logger.error("stage executor stopped: %s", self.failed)
+                else:
+                    logger.exception("stage executor failed")
                 self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
                 return
 

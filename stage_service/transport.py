@@ -95,6 +95,10 @@ def bind_data_plane(host: str) -> str | None:
     return os.environ["GLOO_SOCKET_IFNAME"]
 
 
+class PeerLost(RuntimeError):
+    """A wait failed because a peer (or this stage, leaving) closed the generation's connections."""
+
+
 class PipeTransport:
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device, backend: str):
         self.group = group
@@ -194,7 +198,10 @@ class PipeTransport:
         # gloo cannot interrupt a blocking receive (a timed-out wait even breaks the pair), so a stage
         # blocked on a live peer is freed by that peer leaving the group, which closes the connection.
         # On NCCL this enqueues a stream dependency and returns at once.
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise PeerLost(f"data plane: {str(exc).splitlines()[0][:200]}") from None
         self.wait_seconds += time.perf_counter() - start
 
     def _recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:

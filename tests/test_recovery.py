@@ -110,7 +110,8 @@ def test_a_paused_stage_rejoins_by_itself_and_a_new_stream_succeeds_within_10s(c
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=3), timeout=30)
         took = time.monotonic() - resumed
         assert reason == "completed" and len(chunks) == 3
-        assert took < 10.0, f"a new stream succeeded {took:.1f}s after SIGCONT"
+        logs = "\n".join(f"[{child.name}] {line}" for child in launcher.children for line in child.log[-40:])
+        assert took < 10.0, f"a new stream succeeded {took:.1f}s after SIGCONT; logs:\n{logs}"
         print(f"paused {pause}: a new stream completed {took:.2f}s after SIGCONT")
         assert stage.proc.poll() is None  # the same process (no restart by anyone)
         assert health(launcher, stage.info["address"], STAGE_HEALTH) == SERVING  # serving in the new generation
