@@ -34,7 +34,7 @@ PARITY_MODULES = {
     "test_convert",
     "test_sampling",
 }
-_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(")
+_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(", ".Process(")
 _kinds: dict[str, set[str]] = {}
 
 

@@ -22,9 +22,7 @@ def _peer(rank: int, port: int, scenario: str, out) -> None:
     try:
         held = []
         for generation in (1, 2):  # the first generation builds what a process builds once (thread pools)
-            tp = PipeTransport.join(
-                rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, generation=generation, backend="gloo"
-            )
+            tp = PipeTransport.join(rank=rank, world_size=2, store=store, generation=generation, backend="gloo")
             if scenario == "reap":
                 if rank == 0:
                     for _ in range(50):
