@@ -91,7 +91,8 @@ def _service_pid(up_pid, command):
 def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
-        up = launcher.spawn("up", ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"])
+        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        up = launcher.spawn("up", [*args, "--credentials", launcher.credentials])  # our operator cert is valid there
         old = _service_pid(up.pid, "coordinator")
         os.kill(old, signal.SIGKILL)
         line = wait_until(
@@ -104,7 +105,7 @@ def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s()
         new = _service_pid(up.pid, "coordinator")
         assert new is not None and new != old and f"pid {new}" in line
         # The stages rejoin the new coordinator by themselves; the gateway keeps its address.
-        wait_for_generation(up.info["coordinator"], minimum=1, timeout=60)
+        wait_for_generation(up.info["coordinator"], 1, launcher, timeout=60)
         formed = time.monotonic() - restarted
         with stagecast.Client(up.info["gateway"]) as client:
             while True:
