@@ -18,6 +18,10 @@ queuing unboundedly.  Any stage failure ends the generation: every active stream
 surviving stages are reset, and a new generation forms once all stages are registered again.  A stage
 that finds itself outside the current generation (it was paused and marked lost, the coordinator restarted,
 its generation failed while it could not be reset) learns so from ``heartbeat`` and registers again.
+
+The engine is three parts by job: ``coordinator.generations`` (forming, failing and re-forming generations, the
+rendezvous, stage health and results), ``coordinator.admission`` (which streams may open) and this module (the
+streams and the plan loop).
 """
 
 from __future__ import annotations
@@ -28,38 +32,25 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.admission import AdmissionError, AdmissionState, admit
+from coordinator.generations import Generations, StageLink, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
-from coordinator.registry import StageRecord, StageRegistry
+from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
-from stagecast.grpc_util import CHANNEL_OPTIONS, StatusError
+from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
-from stagecast.model.config import DiTConfig, check_spec
 
 logger = logging.getLogger(__name__)
 
 
-class AdmissionError(StatusError):
-    """A stream the coordinator will not open, with the status its caller gets."""
-
-
-@dataclass
-class StreamFailure:
-    code: grpc.StatusCode
-    message: str
-
-
 _END = object()
-MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 
 
 @dataclass
@@ -92,41 +83,7 @@ class StreamSession:
                 return
 
 
-class _StageLink:
-    """Channel, stubs and an ordered submit queue for one stage of one generation."""
-
-    def __init__(
-        self, record: StageRecord, on_error: Callable[[int, str], None], connect: Callable[[str], grpc.Channel]
-    ):
-        self.record = record
-        self.channel = connect(record.address)
-        self.stub = pb_grpc.StageServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.outbox: queue.Queue = queue.Queue()
-        self.on_error = on_error
-        self.results_call = None
-        self._sender = threading.Thread(target=self._send_loop, daemon=True, name=f"submit-{record.index}")
-        self._sender.start()
-
-    def _send_loop(self) -> None:
-        while True:
-            ev = self.outbox.get()
-            if ev is None:
-                return
-            try:
-                self.stub.Submit(ev, timeout=60)
-            except grpc.RpcError as exc:
-                self.on_error(self.record.index, f"submit to stage {self.record.index} failed: {exc.details()}")
-                return
-
-    def close(self) -> None:
-        self.outbox.put(None)
-        if self.results_call is not None:
-            self.results_call.cancel()
-        self.channel.close()
-
-
-class PipelineEngine:
+class PipelineEngine(Generations):
     def __init__(
         self,
         registry: StageRegistry,
@@ -159,7 +116,7 @@ class PipelineEngine:
         self.generation = 0
         self.ready = False
         self.forming = False
-        self.links: list[_StageLink] = []
+        self.links: list[StageLink] = []
         self.sched: StreamBatchScheduler | None = None
         self.sessions: dict[int, StreamSession] = {}
         self.pending_opens: deque[StreamSession] = deque()
@@ -225,207 +182,6 @@ class PipelineEngine:
             with self.cond:
                 self._workers.discard(threading.current_thread())
 
-    # ---- generations ----------------------------------------------------------------------------------
-
-    def on_registered(self, record: StageRecord) -> None:
-        with self.cond:
-            in_current = any(link.record.index == record.index for link in self.links)
-        if in_current:
-            # A stage of the running generation came back as a new process: that generation is gone.
-            self.fail(f"stage {record.index} restarted", lost=None)
-        self._maybe_form()
-
-    def _maybe_form(self) -> None:
-        with self.cond:
-            if self.ready or self.forming or self.resetting or self._stopped or not self.registry.complete:
-                return
-            self.forming = True
-            self.generation += 1
-            gen = self.generation
-        self._spawn(self._form, gen, name=f"form-{gen}")
-
-    def _form(self, gen: int) -> None:
-        records = self.registry.records()
-        links = [_StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg), self.connect) for r in records]
-        world = len(records)
-
-        def form_one(link: _StageLink) -> None:
-            rec = link.record
-            link.stub.Form(
-                pb.Rendezvous(
-                    generation=gen,
-                    rank=rec.index,
-                    world_size=world,
-                    backend=self.backend,
-                    layer_start=rec.layers.start,
-                    layer_stop=rec.layers.stop,
-                ),
-                timeout=self.form_timeout,
-            )
-
-        pool = ThreadPoolExecutor(max_workers=world)
-        futures = [pool.submit(form_one, link) for link in links]
-        done, _ = wait(futures, timeout=self.form_timeout, return_when=FIRST_EXCEPTION)
-        pool.shutdown(wait=False)
-        errors = [f.exception() for f in done if f.exception() is not None]
-        if errors or len(done) < len(futures):
-            detail = (
-                errors[0].details() if errors and isinstance(errors[0], grpc.RpcError) else str(errors or "timeout")
-            )
-            logger.error("forming generation %d failed: %s", gen, detail)
-            for link in links:
-                link.close()
-            with self.cond:
-                self.forming = False
-                self.resetting += 1  # counted before forming is cleared for anyone else to see
-                self.last_error = f"forming generation {gen} failed: {detail}"
-            # Stages still waiting in the rendezvous are released by Reset (leaving shuts their connections).
-            self._reset_then_reform(records, f"forming generation {gen} failed", gen)
-            return
-        with self.cond:
-            if self.generation != gen or self._stopped:
-                for link in links:
-                    link.close()
-                return
-            self.links = links
-            self.sched = StreamBatchScheduler(num_stages=world, max_batch=self.max_batch)
-            self.seq = 0
-            self.batches_planned = self.batches_done = 0
-            self.stage_stats = {}
-            self.forming = False
-            self.ready = True
-            self._monitor_stop = threading.Event()
-            self.cond.notify_all()
-        for link in links:
-            threading.Thread(target=self._results_loop, args=(gen, link), daemon=True).start()
-        threading.Thread(target=self._monitor, args=(gen, links, self._monitor_stop), daemon=True).start()
-        logger.info("generation %d formed with %d stages", gen, world)
-        self.on_ready_change(True)
-
-    def _link_error(self, gen: int, index: int, message: str) -> None:
-        with self.cond:
-            if gen != self.generation:
-                return
-        self.fail(message, lost=None)
-
-    def fail(self, reason: str, lost: int | None, lost_address: str | None = None) -> None:
-        """End the current generation: fail its streams, reset survivors, re-form when possible."""
-        with self.cond:
-            if not self.ready:
-                if lost is not None:
-                    self.registry.mark_lost(lost, lost_address)
-                return
-            logger.error("generation %d failed: %s", self.generation, reason)
-            self.ready = False
-            self.last_error = reason
-            self.sched = None
-            self.telemetry.generation_ended(reason, failed=True)
-            msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
-            self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
-            links, self.links = self.links, []
-            self._monitor_stop.set()
-            if lost is not None:
-                self.registry.mark_lost(lost, lost_address)
-            self.cond.notify_all()
-        self.on_ready_change(False)
-        for link in links:
-            link.close()
-        gen = self.generation
-        self._spawn(self._reset_then_reform, [link.record for link in links], reason, gen, name=f"reset-{gen}")
-
-    def _reset_then_reform(self, records: list[StageRecord], reason: str, generation: int) -> None:
-        """Runs in a ``_spawn``ed thread, which counted itself in ``resetting`` (no generation forms meanwhile)."""
-        try:
-            self._reset_stages(records, reason, generation)
-        finally:
-            with self.cond:
-                self.resetting -= 1
-        self._maybe_form()
-
-    def _reset_stages(self, records: list[StageRecord], reason: str, generation: int) -> None:
-        """Reset every stage at once: leaving shuts a stage's connections, which releases its peers."""
-
-        def reset(rec: StageRecord) -> None:
-            try:
-                with self.connect(rec.address) as ch:
-                    request = pb.ResetRequest(generation=generation, reason=reason)
-                    pb_grpc.StageServiceStub(ch).Reset(request, timeout=15)
-            except grpc.RpcError as exc:
-                logger.warning("stage %d did not answer Reset (%s): marking it lost", rec.index, exc.code().name)
-                self.registry.mark_lost(rec.index, rec.address)
-
-        threads = [threading.Thread(target=reset, args=(rec,), daemon=True) for rec in records]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    def heartbeat(self, index: int, address: str, generation: int) -> tuple[bool, str]:
-        """A stage says it is alive and holds ``generation`` (0: none).  Returns (rejoin, reason): whether it
-        is outside the current generation, so that it must drop its state and register again."""
-        rec = self.registry.get(index)
-        if rec is None or rec.address != address:
-            return True, f"stage {index} at {address} is not registered with this coordinator"
-        if rec.lost:
-            return True, f"stage {index} was marked lost"
-        if generation == 0:
-            return False, ""  # alive, waiting to join: the next generation forms once every stage is here
-        with self.cond:
-            if generation == self.generation and (self.ready or self.forming):
-                return False, ""
-            if self.resetting:
-                return False, ""  # a Reset is on its way to it
-            return True, f"generation {generation} is over (the coordinator is at {self.generation})"
-
-    def _results_loop(self, gen: int, link: _StageLink) -> None:
-        last = link.record.index == self.registry.world_size - 1
-        try:
-            call = link.stub.Results(pb.ResultsRequest(generation=gen))
-            link.results_call = call
-            for ev in call:
-                kind = ev.WhichOneof("event")
-                if kind == "chunk":
-                    self._on_chunk(gen, ev.chunk)
-                elif kind == "done":
-                    self._on_done(gen, link.record.index, ev.done, last)
-                elif kind == "error":
-                    self.fail(f"stage {ev.error.stage_index}: {ev.error.message}", lost=None)
-                    return
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                return
-            with self.cond:
-                current = gen == self.generation and self.ready
-            if current:
-                self.fail(
-                    f"lost contact with stage {link.record.index} ({exc.code().name})",
-                    lost=link.record.index,
-                    lost_address=link.record.address,
-                )
-            return
-        with self.cond:
-            current = gen == self.generation and self.ready
-        if current:
-            self.fail(f"stage {link.record.index} closed its results stream", lost=None)
-
-    def _monitor(self, gen: int, links: list[_StageLink], stop: threading.Event) -> None:
-        """Catch stages that hang without dropping their connections."""
-        misses = {link.record.index: 0 for link in links}
-        while not stop.wait(0.5):
-            for link in links:
-                try:
-                    link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                    misses[link.record.index] = 0
-                except grpc.RpcError:
-                    misses[link.record.index] += 1
-                    if misses[link.record.index] >= 2:
-                        self.fail(
-                            f"stage {link.record.index} stopped answering health checks",
-                            lost=link.record.index,
-                            lost_address=link.record.address,
-                        )
-                        return
-
     # ---- streams --------------------------------------------------------------------------------------
 
     def model_config(self) -> dict | None:
@@ -441,29 +197,21 @@ class PipelineEngine:
         acknowledges: bool = False,
         consumer_depth: int = 0,
     ) -> StreamSession:
-        if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
-            raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
         cfg = self.model_config()
         with self.cond:
-            if not self.ready:
-                registered = len([r for r in self.registry.records() if not r.lost])
-                detail = f"; last error: {self.last_error}" if self.last_error else ""
-                raise AdmissionError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"pipeline is not ready ({registered}/{self.registry.world_size} stages registered{detail})",
-                )
-            active = len(self.sessions)
-            if active >= self.max_streams:
-                raise AdmissionError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many streams: {active} of {self.max_streams} are active"
-                )
-            if cfg is not None:
-                _check_against_model(spec, text, cfg)
+            state = AdmissionState(
+                ready=self.ready,
+                registered=len([r for r in self.registry.records() if not r.lost]),
+                world_size=self.registry.world_size,
+                active=len(self.sessions),
+                max_streams=self.max_streams,
+                model=cfg,
+                last_error=self.last_error,
+            )
+            admit(spec, text, state, consumer_depth=consumer_depth)
             sid = spec.stream_id or next(self._ids)
             if sid in self.sessions:
                 raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already active")
-            from dataclasses import replace
-
             spec = replace(spec, stream_id=sid)
             session = StreamSession(
                 sid,
@@ -733,10 +481,3 @@ class PipelineEngine:
                     for s in sorted(self.sessions.values(), key=lambda s: s.id)
                 ],
             )
-
-
-def _check_against_model(spec: StreamSpec, text: torch.Tensor, cfg: dict) -> None:
-    try:
-        check_spec(spec, DiTConfig.from_kwargs(cfg), tuple(text.shape))
-    except ValueError as exc:
-        raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -1,0 +1,60 @@
+"""Which streams the coordinator opens: one function, its checks in a stated order, each refusal naming its limit.
+
+Usage (``PipelineEngine.open`` calls it under the engine's lock)::
+
+    admit(spec, text, AdmissionState(ready=..., registered=2, world_size=2, active=3, max_streams=16, model=cfg))
+
+The order: the pipeline is formed (UNAVAILABLE), the stream-count cap (RESOURCE_EXHAUSTED), then the stream
+against the model (INVALID_ARGUMENT, ``stagecast.model.config.check_spec``).  Capacity-based admission appends its
+check after the count cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from stagecast.grpc_util import StatusError
+from stagecast.microstep import StreamSpec
+from stagecast.model.config import DiTConfig, check_spec
+
+MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
+
+
+class AdmissionError(StatusError):
+    """A stream the coordinator will not open, with the status its caller gets."""
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    ready: bool  # a generation is formed
+    registered: int  # stages registered and not lost
+    world_size: int
+    active: int  # streams open now
+    max_streams: int
+    model: dict | None  # the stages' model config (None before any stage registered)
+    last_error: str = ""
+
+
+def admit(spec: StreamSpec, text: torch.Tensor, state: AdmissionState, *, consumer_depth: int = 0) -> None:
+    """Raise ``AdmissionError`` (or ``ValueError`` for a malformed request) unless the stream may open now."""
+    if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
+        raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
+    if not state.ready:
+        detail = f"; last error: {state.last_error}" if state.last_error else ""
+        raise AdmissionError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"pipeline is not ready ({state.registered}/{state.world_size} stages registered{detail})",
+        )
+    if state.active >= state.max_streams:
+        raise AdmissionError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"too many streams: {state.active} of {state.max_streams} are active (the coordinator's stream limit)",
+        )
+    if state.model is not None:
+        try:
+            check_spec(spec, DiTConfig.from_kwargs(state.model), tuple(text.shape))
+        except ValueError as exc:
+            raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -1,0 +1,276 @@
+"""Generations, rendezvous and stage health: the half of the coordinator's engine that forms the pipeline.
+
+``Generations`` is the base of ``coordinator.engine.PipelineEngine``: it forms a generation once every stage is
+registered (each stage joins the process group through the rendezvous the coordinator serves), reads every stage's
+results, health-checks the stages, and when one is lost ends the generation, resets the survivors and forms the
+next one.  The plan loop (``engine``) and admission (``admission``) are the other two parts; they share the
+engine's one lock (``cond``) and hand work to each other only through these calls:
+
+- ``_on_chunk`` / ``_on_done`` (plan loop): a stage's results of the current generation;
+- ``_end_all`` (plan loop): every active stream ends with a failure when a generation does;
+- ``heartbeat`` / ``on_registered`` (coordinator.server): a stage says where it stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.registry import StageRecord
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("coordinator.engine")
+
+
+@dataclass
+class StreamFailure:
+    """How a stream ended when it did not complete: the status its consumer gets."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class StageLink:
+    """Channel, stubs and an ordered submit queue for one stage of one generation."""
+
+    def __init__(
+        self, record: StageRecord, on_error: Callable[[int, str], None], connect: Callable[[str], grpc.Channel]
+    ):
+        self.record = record
+        self.channel = connect(record.address)
+        self.stub = pb_grpc.StageServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.outbox: queue.Queue = queue.Queue()
+        self.on_error = on_error
+        self.results_call = None
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name=f"submit-{record.index}")
+        self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            ev = self.outbox.get()
+            if ev is None:
+                return
+            try:
+                self.stub.Submit(ev, timeout=60)
+            except grpc.RpcError as exc:
+                self.on_error(self.record.index, f"submit to stage {self.record.index} failed: {exc.details()}")
+                return
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        if self.results_call is not None:
+            self.results_call.cancel()
+        self.channel.close()
+
+
+class Generations:
+    """Forming, failing and re-forming generations (see the module docstring); state lives on the engine."""
+
+    def on_registered(self, record: StageRecord) -> None:
+        with self.cond:
+            in_current = any(link.record.index == record.index for link in self.links)
+        if in_current:
+            # A stage of the running generation came back as a new process: that generation is gone.
+            self.fail(f"stage {record.index} restarted", lost=None)
+        self._maybe_form()
+
+    def _maybe_form(self) -> None:
+        with self.cond:
+            if self.ready or self.forming or self.resetting or self._stopped or not self.registry.complete:
+                return
+            self.forming = True
+            self.generation += 1
+            gen = self.generation
+        self._spawn(self._form, gen, name=f"form-{gen}")
+
+    def _form(self, gen: int) -> None:
+        records = self.registry.records()
+        links = [StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg), self.connect) for r in records]
+        world = len(records)
+
+        def form_one(link: StageLink) -> None:
+            rec = link.record
+            link.stub.Form(
+                pb.Rendezvous(
+                    generation=gen,
+                    rank=rec.index,
+                    world_size=world,
+                    backend=self.backend,
+                    layer_start=rec.layers.start,
+                    layer_stop=rec.layers.stop,
+                ),
+                timeout=self.form_timeout,
+            )
+
+        pool = ThreadPoolExecutor(max_workers=world)
+        futures = [pool.submit(form_one, link) for link in links]
+        done, _ = wait(futures, timeout=self.form_timeout, return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors or len(done) < len(futures):
+            detail = (
+                errors[0].details() if errors and isinstance(errors[0], grpc.RpcError) else str(errors or "timeout")
+            )
+            logger.error("forming generation %d failed: %s", gen, detail)
+            for link in links:
+                link.close()
+            with self.cond:
+                self.forming = False
+                self.resetting += 1  # counted before forming is cleared for anyone else to see
+                self.last_error = f"forming generation {gen} failed: {detail}"
+            # Stages still waiting in the rendezvous are released by Reset (leaving shuts their connections).
+            self._reset_then_reform(records, f"forming generation {gen} failed", gen)
+            return
+        with self.cond:
+            if self.generation != gen or self._stopped:
+                for link in links:
+                    link.close()
+                return
+            self.links = links
+            self.sched = StreamBatchScheduler(num_stages=world, max_batch=self.max_batch)
+            self.seq = 0
+            self.batches_planned = self.batches_done = 0
+            self.stage_stats = {}
+            self.forming = False
+            self.ready = True
+            self._monitor_stop = threading.Event()
+            self.cond.notify_all()
+        for link in links:
+            threading.Thread(target=self._results_loop, args=(gen, link), daemon=True).start()
+        threading.Thread(target=self._monitor, args=(gen, links, self._monitor_stop), daemon=True).start()
+        logger.info("generation %d formed with %d stages", gen, world)
+        self.on_ready_change(True)
+
+    def _link_error(self, gen: int, index: int, message: str) -> None:
+        with self.cond:
+            if gen != self.generation:
+                return
+        self.fail(message, lost=None)
+
+    def fail(self, reason: str, lost: int | None, lost_address: str | None = None) -> None:
+        """End the current generation: fail its streams, reset survivors, re-form when possible."""
+        with self.cond:
+            if not self.ready:
+                if lost is not None:
+                    self.registry.mark_lost(lost, lost_address)
+                return
+            logger.error("generation %d failed: %s", self.generation, reason)
+            self.ready = False
+            self.last_error = reason
+            self.sched = None
+            self.telemetry.generation_ended(reason, failed=True)
+            msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
+            self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
+            links, self.links = self.links, []
+            self._monitor_stop.set()
+            if lost is not None:
+                self.registry.mark_lost(lost, lost_address)
+            self.cond.notify_all()
+        self.on_ready_change(False)
+        for link in links:
+            link.close()
+        gen = self.generation
+        self._spawn(self._reset_then_reform, [link.record for link in links], reason, gen, name=f"reset-{gen}")
+
+    def _reset_then_reform(self, records: list[StageRecord], reason: str, generation: int) -> None:
+        """Runs in a ``_spawn``ed thread, which counted itself in ``resetting`` (no generation forms meanwhile)."""
+        try:
+            self._reset_stages(records, reason, generation)
+        finally:
+            with self.cond:
+                self.resetting -= 1
+        self._maybe_form()
+
+    def _reset_stages(self, records: list[StageRecord], reason: str, generation: int) -> None:
+        """Reset every stage at once: leaving shuts a stage's connections, which releases its peers."""
+
+        def reset(rec: StageRecord) -> None:
+            try:
+                with self.connect(rec.address) as ch:
+                    request = pb.ResetRequest(generation=generation, reason=reason)
+                    pb_grpc.StageServiceStub(ch).Reset(request, timeout=15)
+            except grpc.RpcError as exc:
+                logger.warning("stage %d did not answer Reset (%s): marking it lost", rec.index, exc.code().name)
+                self.registry.mark_lost(rec.index, rec.address)
+
+        threads = [threading.Thread(target=reset, args=(rec,), daemon=True) for rec in records]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def heartbeat(self, index: int, address: str, generation: int) -> tuple[bool, str]:
+        """A stage says it is alive and holds ``generation`` (0: none).  Returns (rejoin, reason): whether it
+        is outside the current generation, so that it must drop its state and register again."""
+        rec = self.registry.get(index)
+        if rec is None or rec.address != address:
+            return True, f"stage {index} at {address} is not registered with this coordinator"
+        if rec.lost:
+            return True, f"stage {index} was marked lost"
+        if generation == 0:
+            return False, ""  # alive, waiting to join: the next generation forms once every stage is here
+        with self.cond:
+            if generation == self.generation and (self.ready or self.forming):
+                return False, ""
+            if self.resetting:
+                return False, ""  # a Reset is on its way to it
+            return True, f"generation {generation} is over (the coordinator is at {self.generation})"
+
+    def _results_loop(self, gen: int, link: StageLink) -> None:
+        last = link.record.index == self.registry.world_size - 1
+        try:
+            call = link.stub.Results(pb.ResultsRequest(generation=gen))
+            link.results_call = call
+            for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "chunk":
+                    self._on_chunk(gen, ev.chunk)
+                elif kind == "done":
+                    self._on_done(gen, link.record.index, ev.done, last)
+                elif kind == "error":
+                    self.fail(f"stage {ev.error.stage_index}: {ev.error.message}", lost=None)
+                    return
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            with self.cond:
+                current = gen == self.generation and self.ready
+            if current:
+                self.fail(
+                    f"lost contact with stage {link.record.index} ({exc.code().name})",
+                    lost=link.record.index,
+                    lost_address=link.record.address,
+                )
+            return
+        with self.cond:
+            current = gen == self.generation and self.ready
+        if current:
+            self.fail(f"stage {link.record.index} closed its results stream", lost=None)
+
+    def _monitor(self, gen: int, links: list[StageLink], stop: threading.Event) -> None:
+        """Catch stages that hang without dropping their connections."""
+        misses = {link.record.index: 0 for link in links}
+        while not stop.wait(0.5):
+            for link in links:
+                try:
+                    link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    misses[link.record.index] = 0
+                except grpc.RpcError:
+                    misses[link.record.index] += 1
+                    if misses[link.record.index] >= 2:
+                        self.fail(
+                            f"stage {link.record.index} stopped answering health checks",
+                            lost=link.record.index,
+                            lost_address=link.record.address,
+                        )
+                        return
