@@ -173,7 +173,9 @@ def run(tmp_path_factory) -> Run:
             for i in range(STAGES):
                 args = stage_args(i, address, str(root / "transformer"), "cpu", "float32", "127.0.0.1")
                 launcher.spawn(f"stage-{i}", args + ["--metrics-port", str(ports[f"stage-{i}"])])
-            wait_healthy(address, TIMEOUT, service=COORDINATOR_SERVICE)
+            wait_healthy(
+                address, TIMEOUT, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
+            )
             gw = launcher.spawn(
                 "gateway",
                 ["gateway", "--coordinator", address, "--checkpoint", str(root), "--port", "0"]
