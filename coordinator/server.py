@@ -26,7 +26,7 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.internal.v1 import rendezvous_pb2_grpc as rpb_grpc
 from stagecast.names import COORDINATOR_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
-from stagecast.service import announce_ready
+from stagecast.service import serve_lifecycle
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = COORDINATOR_SERVICE
@@ -259,16 +259,14 @@ class Coordinator:
 
 
 def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None:
-    telemetry.init("coordinator")
+    telemetry.init("coordinator")  # before the Coordinator, as its construction may trace (init is idempotent)
     coord = Coordinator(opts)
-    coord.start()
-    announce_ready("coordinator", address=coord.address)
-    stop = stop or threading.Event()
-    try:
-        stop.wait()
-    finally:
-        coord.stop()
-        telemetry.shutdown()  # flush queued spans before the process ends
+
+    def start() -> dict:
+        coord.start()
+        return {"address": coord.address}
+
+    serve_lifecycle("coordinator", start, coord.stop, stop, role="coordinator")
 
 
 __all__ = ["CHANNEL_OPTIONS", "Coordinator", "CoordinatorOptions", "serve"]

@@ -65,7 +65,7 @@ from stagecast.grpc_util import (
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.names import DTYPES, STREAM_SERVICE
 from stagecast.security import MTLS, Principal, TokenAuth, connect, principal_of, server_tls
-from stagecast.service import announce_ready
+from stagecast.service import serve_lifecycle
 from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -582,14 +582,11 @@ class StreamServicer:
 
 
 def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:
-    telemetry.init("gateway")
+    telemetry.init("gateway")  # before the Gateway: loading the models is traced too (init is idempotent)
     gw = Gateway(opts)
-    gw.start()
-    extra = {"health_address": gw.health_address} if gw.health_address else {}
-    announce_ready("gateway", address=gw.address, **extra)
-    stop = stop or threading.Event()
-    try:
-        stop.wait()
-    finally:
-        gw.stop()
-        telemetry.shutdown()  # flush queued spans before the process ends
+
+    def start() -> dict:
+        gw.start()
+        return {"address": gw.address, **({"health_address": gw.health_address} if gw.health_address else {})}
+
+    serve_lifecycle("gateway", start, gw.stop, stop, role="gateway")

@@ -30,7 +30,7 @@ from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
 from stagecast.names import DTYPES, VAE_STAGE_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
-from stagecast.service import announce_ready
+from stagecast.service import serve_lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +131,19 @@ def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
         credentials=opts.mtls.server_credentials() if opts.mtls else None,
         interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
     )
-    server.start()
-    probe = serve_health(health, opts.host, opts.health_port)
-    set_serving(health, [SERVICE_NAME], True)
-    host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
-    announce_ready(vae_stage=opts.index, address=f"{host}:{port}")
-    stop = stop or threading.Event()
-    try:
-        stop.wait()
-    finally:
+    probes = []
+
+    def start() -> dict:
+        server.start()
+        probes.append(serve_health(health, opts.host, opts.health_port))
+        set_serving(health, [SERVICE_NAME], True)
+        host = "127.0.0.1" if opts.host == "0.0.0.0" else opts.host
+        return {"vae_stage": opts.index, "address": f"{host}:{port}"}
+
+    def shutdown() -> None:
         server.stop(2).wait()
-        if probe is not None:
-            probe.stop(0)
+        for probe in probes:
+            if probe is not None:
+                probe.stop(0)
+
+    serve_lifecycle("vae-stage", start, shutdown, stop)

@@ -27,9 +27,6 @@ import torch
 
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
-from launcher.reference import ReferenceExecutor
-from stage_service.checkpoint import load_slice_state_dict
-from stage_service.dit_slice import DiTSlice
 from stagecast import wire
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -168,6 +165,10 @@ def compare(
     device = torch.device("cuda:0" if cfg.device.startswith("cuda") else cfg.device)
     model_cfg = read_config(transformer)
     n = model_cfg["num_layers"]
+    # The reference and the model code load only when a selftest runs, so the CLI table stays quick to build.
+    from launcher.reference import ReferenceExecutor
+    from stage_service.checkpoint import load_slice_state_dict
+    from stage_service.dit_slice import DiTSlice
     from stage_service.lora import parse_lora
 
     loras = [parse_lora(text) for text in cfg.loras]

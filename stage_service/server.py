@@ -57,7 +57,7 @@ from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
 from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
-from stagecast.service import announce_ready, process_age
+from stagecast.service import process_age, serve_lifecycle
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = STAGE_SERVICE
@@ -461,20 +461,22 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
     address = f"{opts.advertise_host or opts.host}:{port}"
     logger.info("stage %d listening on %s", opts.index, address)
     stop = stop or threading.Event()
-    try:
+    member = threading.Thread(target=servicer.membership, args=(stop,), daemon=True, name="membership")
+
+    def start() -> dict:
         servicer.register(address)
         set_serving(health, [], True)  # alive; StageService follows membership of a formed generation
         ready_s = process_age()
         servicer.telemetry.startup("ready", ready_s)
         logger.info("stage %d READY %.2fs after process start", opts.index, ready_s)
-        announce_ready(stage=opts.index, address=address, ready_s=f"{ready_s:.3f}")
+        member.start()
         if ready is not None:
             ready.set()
-        member = threading.Thread(target=servicer.membership, args=(stop,), daemon=True, name="membership")
-        member.start()
-        stop.wait()
-        member.join(5.0)
-    finally:
+        return {"stage": opts.index, "address": address, "ready_s": f"{ready_s:.3f}"}
+
+    def shutdown() -> None:
+        if member.is_alive():
+            member.join(5.0)
         clean = False
         if servicer.lock.acquire(timeout=5.0):
             try:
@@ -485,9 +487,11 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
         if probe is not None:
             probe.stop(0)
         metrics.close()
-        telemetry.shutdown()  # flush queued spans before the process ends
         if not clean:
+            telemetry.shutdown()  # os._exit below skips the lifecycle's flush
             # A thread stuck in a data-plane wait would keep the interpreter alive: exit regardless.
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os._exit(0)
+
+    serve_lifecycle("stage", start, shutdown, stop, attributes={"stagecast.stage.index": opts.index})

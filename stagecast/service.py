@@ -139,3 +139,29 @@ def resolve_transformer(path: str) -> str:
         return path
     sub = os.path.join(path, "transformer")
     return sub if os.path.isdir(sub) else path
+
+
+def serve_lifecycle(
+    component: str,
+    start: Callable[[], dict],
+    shutdown: Callable[[], None],
+    stop: threading.Event | None = None,
+    *,
+    role: str | None = None,
+    attributes: dict | None = None,
+) -> None:
+    """The one lifecycle of every service: tracing on, ``start()`` (its READY fields), the READY line, serve until
+    ``stop``, then ``shutdown()`` and flush the queued spans, also when starting failed half-way.
+
+    ``stop`` None serves until the process is killed (tests pass their own event)."""
+    from stagecast import telemetry
+
+    telemetry.init(component, attributes)
+    try:
+        announce_ready(role, **start())
+        (stop or threading.Event()).wait()
+    finally:
+        try:
+            shutdown()
+        finally:
+            telemetry.shutdown()  # flush queued spans before the process ends
