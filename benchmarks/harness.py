@@ -7,7 +7,7 @@ Usage (on a machine with GPUs; one command per configuration)::
     python -m benchmarks.harness --smoke          # CPU, tiny model, a few seconds (CI runs this)
     python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
-What one run does (DESIGN.md section 4):
+What one run does (the benchmark protocol, BENCHMARKS.md):
 
 1. writes a checkpoint folder holding the real VAE / DiT *configs* (stages build their own random slices on their
    GPUs: ``--checkpoint random:<model>``) and the real-size UMT5-XXL text encoder, built with random weights on the
@@ -56,7 +56,7 @@ VAE_FOR_MODEL = {
     "wan2.2-ti2v-5b": "wan2.2",
     "tiny-wan2.1": "tiny-wan2.1",
 }
-# StreamDiffusionV2's configs: timesteps truncated to the step count (DESIGN.md section 4).
+# StreamDiffusionV2's configs: timesteps truncated to the step count (the protocol in BENCHMARKS.md).
 LADDER = (700.0, 500.0, 400.0, 200.0)
 
 
