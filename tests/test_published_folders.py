@@ -67,7 +67,9 @@ def serve_and_compare(root, *, seed: int = 7) -> tuple[np.ndarray, object]:
         pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2, record_plan=True)
         for child in pipe.stage_children.values():  # time-to-READY is on each stage's READY line
             assert 0 < float(child.info["ready_s"]) < 600
-        gateway = launcher.spawn("gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root)])
+        gateway = launcher.spawn(
+            "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
+        )
         with stagecast.Client(gateway.info["address"]) as client:
             gen = client.generate(PROMPT, width=48, height=32, seconds=0.5, codec="raw", seed=seed, timeout=120)
             frames = gen.collect()

@@ -56,7 +56,9 @@ def deployment(tmp_path_factory):
     (tmp / "public-ca.crt").write_bytes(public_ca)
     with Launcher() as launcher:
         pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2)
-        vae = launcher.spawn("vae", ["vae-stage", "--checkpoint", str(root), "--index", "0", "--num-slices", "1"])
+        vae = launcher.spawn(
+            "vae", ["vae-stage", "--checkpoint", str(root), "--index", "0", "--num-slices", "1", "--port", "0"]
+        )
         gateway = launcher.spawn(
             "gateway",
             ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
