@@ -62,6 +62,8 @@ class StageLink:
                 return
             try:
                 self.stub.Submit(ev, timeout=60)
+            except ValueError:
+                return  # close() closed the channel under a submit in flight: the link is gone, nothing to report
             except grpc.RpcError as exc:
                 self.on_error(self.record.index, f"submit to stage {self.record.index} failed: {exc.details()}")
                 return
