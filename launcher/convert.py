@@ -57,6 +57,7 @@ from safetensors.torch import save_file
 from stagecast.model import wan_keys
 from stagecast.model.config import CONFIG_NAME, CheckpointError, read_vae_config
 from stagecast.model.dit_configs import CONFIGS
+from stagecast.names import DTYPES as NAMED_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -583,7 +584,7 @@ def _check_sampler(sampler: dict, where: str) -> None:
 
 # --- the command ------------------------------------------------------------------------------------------------
 
-DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"keep": None, **NAMED_DTYPES}  # "keep": as stored; the rest are the shared dtype table
 
 
 def add_parser(sub) -> None:
