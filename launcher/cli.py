@@ -21,7 +21,7 @@ import importlib
 import sys
 
 from stagecast.log import setup_logging
-from stagecast.service import die_with_parent
+from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent
 
 # (module, function adding the subcommand's parser): each parser sets ``run`` to its entry point.  The services
 # own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
@@ -60,8 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # A second Ctrl-C (the first one stops gracefully where a command supports it) ends without a traceback.
         print(f"\nstagecast {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+
+
+def run() -> None:
+    """The console entry point: ``main``, and an interrupted command ends the way shells expect of Ctrl-C.
+
+    Killed by SIGINT rather than ``exit(130)``: a calling shell or script then sees an interrupt (bash stops a loop
+    running it), and the status no longer depends on whether an interrupt was still pending at exit.
+    """
+    code = main()
+    if code == INTERRUPTED:
+        die_of_sigint()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

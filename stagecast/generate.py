@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from stagecast.client import Client
+from stagecast.service import INTERRUPTED
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,6 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # A second Ctrl-C aborts at once: one line, no traceback (130 as shells report SIGINT).
         print("stagecast generate: aborted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(report.summary())
     return 0

@@ -70,6 +70,19 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+INTERRUPTED = 130  # a command's status after Ctrl-C, as shells report SIGINT (128 + 2)
+
+
+def die_of_sigint() -> None:
+    """End this process as killed by SIGINT, after flushing output (the Unix convention for an interrupted
+    program, so a calling shell sees the interrupt); exit status 130 where the signal cannot be raised."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(INTERRUPTED)
+
+
 def stop_event() -> threading.Event:
     """An event set by SIGTERM/SIGINT, so services shut down cleanly."""
     stop = threading.Event()
@@ -126,7 +139,7 @@ def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
         print(f"stagecast {name}: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:  # Ctrl-C before the stop event was set up
-        code = 130
+        code = INTERRUPTED
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -130,7 +130,8 @@ def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s()
         assert any("stopping" in line for line in gen.stdout)  # the first Ctrl-C was handled (no EOF first)
         gen.send_signal(signal.SIGINT)
         out, err = gen.communicate(timeout=60)
-        assert gen.returncode in (130, 0), err  # 0: the graceful stop had already finished
+        # Killed by SIGINT, as shells expect of an interrupted program (0: the graceful stop had already finished).
+        assert gen.returncode in (-signal.SIGINT, 0), err
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
         # SIGTERM under load: every process ends cleanly (no traceback, no stuck executor).
