@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanResample, unpatchify
+from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T, WanCausalConv3d, WanResample, patchify, unpatchify
 from torch import nn
 
 from stagecast.model import vae_configs
@@ -454,6 +454,98 @@ def decoder_cut(vae: AutoencoderKLWan, num_slices: int, boundaries: list[int] | 
     if boundaries and not 1 <= boundaries[0] <= boundaries[-1] < n:
         raise ValueError(f"boundaries {boundaries} must lie in [1, {n - 1}]: the decoder has {n} units")
     return [0, *boundaries, n]
+
+
+@dataclass
+class VAEEncodeState:
+    """One stream's encode state: the encoder's causal-conv cache, the frames waiting to fill a group of
+    ``temporal_factor``, and how many latent frames the stream has produced."""
+
+    feat_cache: list
+    pending: list[torch.Tensor]  # (1, 3, 1, H, W) frames in [-1, 1] not yet encoded (fewer than a group)
+    latent_frames: int = 0
+    frame_hw: tuple[int, int] | None = None  # fixed by the first frame
+    released: bool = False
+
+    @property
+    def approx_bytes(self) -> int:
+        cached = sum(t.numel() * t.element_size() for t in self.feat_cache if isinstance(t, torch.Tensor))
+        return cached + sum(t.numel() * t.element_size() for t in self.pending)
+
+
+class StreamVAEEncoder:
+    """Streaming Wan VAE encode: video frames in, normalised latent frames out, one causal-conv cache per stream.
+
+    ``AutoencoderKLWan._encode`` runs the encoder on frame 0 alone and then on each group of ``temporal_factor``
+    (4) frames, carrying its own cache (``_enc_feat_map``) between calls; this drives the encoder the same way with
+    the cache kept per stream, so a live input can be encoded as it arrives::
+
+        enc = StreamVAEEncoder(vae)
+        state = enc.new_state()
+        z = enc.encode_frames(state, video)   # video (1, 3, n, H, W) in [-1, 1]; z (1, z_dim, k, h, w) or None
+        enc.release(state)
+
+    ``encode_frames`` returns the latent frames completed by the frames given so far (frame 0 completes latent frame
+    0; every further 4 frames complete one more), normalised as ``WanVideoToVideoPipeline.prepare_latents`` does
+    (``(mean - latents_mean) * (1 / latents_std)``, the distribution's mean, i.e. ``sample_mode="argmax"``). The
+    concatenation over a stream equals the one-shot ``vae.encode(video).latent_dist.mode()`` so normalised, bit for
+    bit where the backend's 1x1x1 ``quant_conv`` gives the same bits for k frames at once as one at a time (it runs
+    per latent frame here, so the result never depends on how the input was split).
+    """
+
+    def __init__(self, vae: AutoencoderKLWan):
+        if vae.use_tiling:
+            logger.warning("vae tiling is on; streaming encode ignores it and encodes untiled")
+        self.vae = vae
+        self.device = next(vae.parameters()).device
+        self.dtype = vae.dtype
+        self.temporal_factor = vae_configs.temporal_factor(vae.config)
+        self.spatial_factor = vae_configs.spatial_factor(vae.config)
+        self.num_slots = sum(isinstance(m, WanCausalConv3d) for m in vae.encoder.modules())
+        z_dim = vae.config.z_dim
+        stats = dict(device=self.device, dtype=self.dtype)
+        self._mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(**stats)
+        self._inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(**stats)
+
+    def new_state(self) -> VAEEncodeState:
+        return VAEEncodeState(feat_cache=[None] * self.num_slots, pending=[])
+
+    def release(self, state: VAEEncodeState) -> None:
+        state.feat_cache = []
+        state.pending = []
+        state.released = True
+
+    @torch.no_grad()
+    def encode_frames(self, state: VAEEncodeState, video: torch.Tensor) -> torch.Tensor | None:
+        """Add ``video`` (1, 3, n, H, W) in [-1, 1] to the stream; return the latent frames it completes
+        ``(1, z_dim, k, H/s, W/s)``, or None when it completes none (frames wait for a whole group)."""
+        if state.released:
+            raise ValueError("this VAE encode state was released")
+        if video.dim() != 5 or video.shape[0] != 1 or video.shape[1] != 3 or video.shape[2] < 1:
+            raise ValueError(f"expected video of shape (1, 3, n, H, W), got {tuple(video.shape)}")
+        hw = (video.shape[3], video.shape[4])
+        if hw[0] % self.spatial_factor or hw[1] % self.spatial_factor:
+            raise ValueError(f"frame size {hw[1]}x{hw[0]} is not a multiple of the VAE's {self.spatial_factor}")
+        if state.frame_hw is None:
+            state.frame_hw = hw
+        elif state.frame_hw != hw:
+            raise ValueError(f"stream frames are {state.frame_hw[1]}x{state.frame_hw[0]}, got {hw[1]}x{hw[0]}")
+        state.pending.extend(video.to(self.device, self.dtype).split(1, dim=2))
+        outs = []
+        while state.pending:
+            group = 1 if state.latent_frames == 0 else self.temporal_factor
+            if len(state.pending) < group:
+                break
+            x = torch.cat(state.pending[:group], dim=2)
+            del state.pending[:group]
+            if self.vae.config.patch_size is not None:
+                x = patchify(x, patch_size=self.vae.config.patch_size)
+            # A fresh feat_idx per call: the encoder mutates it in place.
+            h = self.vae.encoder(x, feat_cache=state.feat_cache, feat_idx=[0])
+            mean = self.vae.quant_conv(h)[:, : self.vae.config.z_dim]
+            outs.append((mean - self._mean) * self._inv_std)
+            state.latent_frames += 1
+        return torch.cat(outs, dim=2) if outs else None
 
 
 def write_tiny_vae(folder: str | PathLike, *, name: str = "tiny-wan2.1", seed: int = 0) -> Path:
