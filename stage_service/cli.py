@@ -44,15 +44,22 @@ def main(args: argparse.Namespace) -> int:
 
     index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
     if index is None:
-        print("stagecast stage: error: stage needs --index or STAGECAST_STAGE_INDEX", flush=True)
+        print("stagecast stage: error: stage needs --index or STAGECAST_STAGE_INDEX", file=sys.stderr)
         return 2
-    index = int(index)
+    try:
+        index = int(index)
+    except ValueError:
+        print(f"stagecast stage: error: STAGECAST_STAGE_INDEX: not an integer: {index!r}", file=sys.stderr)
+        return 2
+    if index < 0:
+        print(f"stagecast stage: error: --index: must be >= 0, got {index}", file=sys.stderr)
+        return 2
     try:
         if len(args.lora) > MAX_LORAS:
             raise ValueError(f"--lora: at most {MAX_LORAS} LoRAs, got {len(args.lora)}")
         loras = tuple(parse_lora(text) for text in args.lora)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"stagecast stage: error: {exc}", flush=True)
+        print(f"stagecast stage: error: {exc}", file=sys.stderr)
         return 2
     device = args.device
     if device == "cuda":

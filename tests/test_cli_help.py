@@ -32,3 +32,23 @@ def test_the_gateway_help_names_its_limits():
     for flag in ("--config-timeout", "--max-pending", "--max-watchers", "--health-port", "--max-frame-pixels"):
         assert flag in text
     assert "(default: 10.0)" in text and "(default: 128)" in text
+
+
+@pytest.mark.parametrize(
+    ("index_flag", "env_index", "names"),
+    [
+        ([], None, "--index or STAGECAST_STAGE_INDEX"),
+        ([], "one", "STAGECAST_STAGE_INDEX"),
+        (["--index", "-1"], None, "--index"),
+    ],
+)
+def test_a_stage_without_a_usable_index_says_which_field_on_stderr(capsys, monkeypatch, index_flag, env_index, names):
+    from launcher.cli import main
+
+    monkeypatch.delenv("STAGECAST_STAGE_INDEX", raising=False)
+    if env_index is not None:
+        monkeypatch.setenv("STAGECAST_STAGE_INDEX", env_index)
+    assert main(["stage", "--coordinator", "127.0.0.1:1", "--checkpoint", "random:tiny", *index_flag]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("stagecast stage: error:") and names in err, err
