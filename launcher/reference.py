@@ -8,19 +8,25 @@ Usage::
     out.plan                         # the exact batches run, replayable with ref.replay(...)
 
 It runs the same ``StreamBatchScheduler`` and the same ``SliceRunner`` a stage uses, over one slice that
-holds the whole model.  ``replay`` executes a recorded plan (a list of events) so a distributed run whose
-batches depended on arrival timing can still be compared exactly.
+holds the whole model.  ``sp=S`` runs the sequence-parallel shard layout of ``--sp S`` in this process: S
+runners over the one slice, each in its own thread with a ``ThreadSequenceGroup`` handle, computing on the same
+shards with the same ops as S stage ranks do (their all-to-alls move the same data through memory).
+
+``replay`` executes a recorded plan (a list of events) so a distributed run whose batches depended on arrival
+timing can still be compared exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from coordinator.scheduler import StreamBatchScheduler
 from stage_service.dit_slice import DiTSlice
+from stage_service.parallel_state import LOCAL, ThreadSequenceGroup
 from stage_service.runner import SliceRunner, StepResult
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 
@@ -43,18 +49,45 @@ Trace = Callable[[list[MicroStep], torch.Tensor, list[StepResult]], None]
 
 
 class ReferenceExecutor:
-    def __init__(self, full_slice: DiTSlice, trace: Trace | None = None):
+    def __init__(self, full_slice: DiTSlice, trace: Trace | None = None, *, sp: int = 1):
         if not (full_slice.first and full_slice.last):
             raise ValueError("the reference executor needs a slice that holds the whole model")
-        self.runner = SliceRunner(full_slice)
+        if sp < 1:
+            raise ValueError(f"sp must be >= 1, got {sp}")
+        groups = ThreadSequenceGroup.create(sp) if sp > 1 else [LOCAL]
+        self.runners = [SliceRunner(full_slice, sp=g) for g in groups]
+        self.runner = self.runners[0]  # sequence rank 0: the one whose results are reported
+        self._pool = ThreadPoolExecutor(max_workers=sp, thread_name_prefix="reference-sp") if sp > 1 else None
         self.trace = trace
 
+    def _each(self, fn: Callable[[SliceRunner], object]) -> list:
+        """Run ``fn`` on every sequence rank's runner (concurrently: their all-to-alls meet); results by rank."""
+        if self._pool is None:
+            return [fn(self.runner)]
+
+        def guarded(runner: SliceRunner):
+            try:
+                return fn(runner)
+            except BaseException:
+                runner.sp.abort()  # release the ranks waiting for this one in an exchange
+                raise
+
+        futures = [self._pool.submit(guarded, r) for r in self.runners]
+        return [f.result() for f in futures]
+
     def run_batch(self, steps: list[MicroStep]) -> list[StepResult]:
-        flow = self.runner.forward(steps)
-        results = self.runner.finish(steps, flow)
+        def one(runner: SliceRunner):
+            flow = runner.forward(steps)
+            return flow, runner.finish(steps, flow)
+
+        flow, results = self._each(one)[0]
         if self.trace is not None:
             self.trace(steps, flow, results)
         return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def replay(
         self,
@@ -68,14 +101,17 @@ class ReferenceExecutor:
         for ev in plan:
             if ev.kind == "open":
                 assert ev.spec is not None
-                self.runner.open_stream(ev.spec, texts[ev.spec.stream_id])
+                spec = ev.spec
+                self._each(lambda r, spec=spec: r.open_stream(spec, texts[spec.stream_id]))
                 chunks[ev.spec.stream_id] = []
             elif ev.kind == "prompt":
                 assert ev.stream_id is not None and prompt_texts is not None
-                self.runner.set_prompt(ev.stream_id, ev.from_chunk, prompt_texts[(ev.stream_id, ev.from_chunk)])
+                sid, first = ev.stream_id, ev.from_chunk
+                self._each(lambda r, sid=sid, first=first: r.set_prompt(sid, first, prompt_texts[(sid, first)]))
             elif ev.kind == "close":
                 assert ev.stream_id is not None
-                self.runner.close_stream(ev.stream_id)
+                sid = ev.stream_id
+                self._each(lambda r, sid=sid: r.close_stream(sid))
             else:
                 for res in self.run_batch(list(ev.steps)):
                     if res.finished is not None:

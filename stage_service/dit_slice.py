@@ -27,6 +27,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
+from stage_service.parallel_state import LOCAL, SequenceGroup
 from stagecast.model.dit_configs import expands_timesteps
 
 
@@ -45,12 +46,17 @@ class AttentionContext:
     ``self_kv[b]`` may be None (plain bidirectional attention over the item's own tokens).
     ``cross_kv[b][layer]`` is the cached ``(k, v)`` of that item's text for the slice-local layer.
     ``self_mask`` (oracle only) is an attention mask for full-sequence reference forwards.
+    ``sp`` is the stage's sequence-parallel group: with more than one rank, the hidden states handed to the
+    blocks are this rank's sequence shard, and self-attention runs Ulysses-style (an all-to-all gives each rank
+    the whole sequence for ``heads / sp`` heads, another brings the output back to sequence shards), so the KV
+    cache of a rank holds its heads only.  ``rotary`` always covers the whole sequence.
     """
 
     rotary: tuple[torch.Tensor, torch.Tensor]
     cross_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
     self_kv: list[SelfAttentionKV | None] = field(default_factory=list)
     self_mask: torch.Tensor | None = None
+    sp: SequenceGroup = LOCAL
 
 
 @dataclass
@@ -78,6 +84,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.permute(0, 2, 1, 3)
 
 
+def _sequence_to_heads(sp: SequenceGroup, *qkv: torch.Tensor) -> list[torch.Tensor]:
+    """Ulysses' first all-to-all: (B, L/sp, H, Dh) sequence shards -> (B, L, H/sp, Dh) head groups, q, k and v
+    in one exchange.  Rank j receives head group j; shards are concatenated in rank (= sequence) order."""
+    stacked = torch.stack(qkv)  # (3, B, Ls, H, Dh)
+    heads = stacked.shape[3] // sp.size
+    parts = sp.all_to_all([stacked[:, :, :, j * heads : (j + 1) * heads] for j in range(sp.size)])
+    return list(torch.cat(parts, dim=2).unbind(0))
+
+
+def _heads_to_sequence(sp: SequenceGroup, out: torch.Tensor) -> torch.Tensor:
+    """Ulysses' second all-to-all: (B, L, H/sp, Dh) -> (B, L/sp, H, Dh), heads concatenated in rank order."""
+    tokens = out.shape[1] // sp.size
+    parts = sp.all_to_all([out[:, j * tokens : (j + 1) * tokens] for j in range(sp.size)])
+    return torch.cat(parts, dim=2)
+
+
 class _SliceAttnProcessor:
     """Attention processor bound to one slice-local layer; reads its inputs from the slice's context."""
 
@@ -102,6 +124,12 @@ class _SliceAttnProcessor:
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if ctx.sp.size > 1:
+            query, key, value = _sequence_to_heads(ctx.sp, query, key, value)
+            return _heads_to_sequence(ctx.sp, self._attend(query, key, value, ctx))
+        return self._attend(query, key, value, ctx)
+
+    def _attend(self, query, key, value, ctx: AttentionContext):
         query = apply_rotary_emb(query, *ctx.rotary)
         key = apply_rotary_emb(key, *ctx.rotary)
         if ctx.self_mask is not None or not ctx.self_kv:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stage_service.dit_slice import AttentionContext, DiTSlice
+from stage_service.dit_slice import AttentionContext, Conditioning, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
+from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec, rope_offset
 from stagecast.model.config import DiTConfig, check_spec
@@ -78,10 +79,28 @@ def validate_batch(steps: list[MicroStep], spec_of: Callable[[int], StreamSpec])
         raise ValueError("a batch holds the same micro-step twice")
 
 
+def check_sequence_split(spec: StreamSpec, tokens_per_frame: int, sp: int) -> None:
+    """A chunk's tokens are cut into ``sp`` equal sequence shards: refuse a stream whose chunk does not split."""
+    tokens = tokens_per_frame * spec.chunk_frames
+    if sp > 1 and tokens % sp:
+        raise ValueError(
+            f"stream {spec.stream_id}: a chunk of {spec.chunk_frames} latent frame(s) at "
+            f"{spec.latent_height}x{spec.latent_width} is {tokens} tokens, which do not split into {sp} "
+            "sequence shards (--sp)"
+        )
+
+
 class SliceRunner:
-    def __init__(self, dit_slice: DiTSlice, *, graphs: GraphedBlocks | None = None):
+    """``sp``: this rank's sequence-parallel group (``stage_service.parallel_state``).  With more than one rank,
+    blocks run on this rank's sequence shard: the first slice embeds the whole chunk and keeps its shard, the
+    last gathers the shards before the head, and every rank runs the sampler step (all hold every latent)."""
+
+    def __init__(self, dit_slice: DiTSlice, *, graphs: GraphedBlocks | None = None, sp: SequenceGroup = LOCAL):
+        if graphs is not None and sp.size > 1:
+            raise ValueError("CUDA graphs (--cuda-graphs) do not support sequence parallelism (--sp) yet")
         self.slice = dit_slice
         self.graphs = graphs  # run the blocks as CUDA graphs (``stage_service.graphs``); None: eager
+        self.sp = sp
         self.streams: dict[int, _Stream] = {}
         self.rope_limit = dit_slice.model.rope.max_seq_len
         self.model = DiTConfig.from_kwargs({**dit_slice.config, "rope_max_seq_len": self.rope_limit})
@@ -93,6 +112,7 @@ class SliceRunner:
             raise ValueError(f"stream {spec.stream_id} is already open on this stage")
         check_spec(spec, self.model, tuple(text.shape))
         tpf = self.slice.tokens_per_frame(spec.latent_height, spec.latent_width)
+        check_sequence_split(spec, tpf, self.sp.size)
         kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
         stream = _Stream(spec=spec, sampler=FlowSampler(spec), kv=kv)
         self.streams[spec.stream_id] = stream
@@ -173,25 +193,39 @@ class SliceRunner:
                 # One process owns both ends: remember each input for the sampler step in finish().
                 self._inputs = latents
             hidden = sl.embed(torch.cat(latents, dim=0).to(sl.device))
+            hidden = self._shard(hidden)
         else:
             if inputs is None:
                 raise ValueError("a slice after the first needs the previous slice's hidden states")
             hidden = inputs
         timesteps = torch.tensor([s.sampler.model_timestep(st.level) for s, st in zip(streams, steps)])
-        cond = sl.condition(timesteps.to(sl.device), tokens=hidden.shape[1])
+        cond = sl.condition(timesteps.to(sl.device), tokens=hidden.shape[1] * self.sp.size)
+        block_cond = cond
+        if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
+            block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
         offsets = [rope_offset(s.spec, st.chunk, self.rope_limit) for s, st in zip(streams, steps)]
         views = [s.kv.view(st) for s, st in zip(streams, steps)]
         ctx = AttentionContext(
             rotary=sl.rotary(f, h, w, offsets),
             cross_kv=[s.cross_kv(st.chunk) for s, st in zip(streams, steps)],
             self_kv=list(views),
+            sp=self.sp,
         )
-        hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, cond, ctx)
+        hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, block_cond, ctx)
         for s, view in zip(streams, views):
             s.kv.commit(view)
         if sl.last:
+            if self.sp.size > 1:
+                hidden = torch.cat(self.sp.all_gather(hidden), dim=1)
             return sl.head(hidden, cond, (len(steps), *spec0.latent_shape[1:]))
         return hidden
+
+    def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence shard of a (B, L, ...) tensor."""
+        if self.sp.size == 1:
+            return tensor
+        tokens = tensor.shape[1] // self.sp.size
+        return tensor[:, self.sp.rank * tokens : (self.sp.rank + 1) * tokens].contiguous()
 
     @torch.no_grad()
     def finish(self, steps: list[MicroStep], flow: torch.Tensor) -> list[StepResult]:

@@ -1,0 +1,167 @@
+"""Sequence-parallel groups: the ranks of one pipeline stage that share its layers (Ulysses).
+
+Modelled on vLLM's ``parallel_state``: the world is laid out as ``pipeline × sequence``, global rank
+``stage * sp + sp_rank``; each stage's ``sp`` ranks form their own process group (``SequenceGroup``), beside the
+pipeline's point-to-point links, which join rank ``(k, r)`` to ``(k + 1, r)``.  Every rank creates every group in
+the same order, as ``torch.distributed.new_group`` requires.
+
+Usage::
+
+    layout = ParallelLayout(pipeline=2, sp=2)        # stagecast.model.parallel: 4 ranks
+    group = init_sequence_groups(layout, rank=3)     # after init_process_group: this rank's SequenceGroup
+    group.all_to_all([t0, t1])                       # send t_j to sp rank j; returns what each rank sent us
+    group.all_gather(t)                              # [t from rank 0, t from rank 1]
+
+    groups = ThreadSequenceGroup.create(2)           # the same layout inside one process (the reference):
+                                                     # one handle per thread, exchanging through memory
+
+Both kinds move data only (no arithmetic), so a run over processes and a run over threads of one process give
+the same bits for the same shard layout.  ``LOCAL`` is the group of one: no sharding, no communication.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from stagecast.model.parallel import ParallelLayout
+
+
+class SequenceGroup:
+    """One rank's handle on its stage's sequence-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``chunks[j]`` to rank j; return the chunks every rank sent here, by source rank."""
+        raise NotImplementedError
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        pass
+
+    @property
+    def comm_seconds(self) -> float:
+        return 0.0
+
+
+class _Local(SequenceGroup):
+    def all_to_all(self, chunks):
+        return list(chunks)
+
+    def all_gather(self, tensor):
+        return [tensor]
+
+
+LOCAL: SequenceGroup = _Local()
+
+
+class DistSequenceGroup(SequenceGroup):
+    """A torch.distributed subgroup (gloo on CPU, NCCL on GPU); every chunk has the same shape and dtype."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self._seconds = 0.0
+
+    @property
+    def comm_seconds(self) -> float:
+        return self._seconds
+
+    def all_to_all(self, chunks):
+        if len(chunks) != self.size:
+            raise ValueError(f"all_to_all needs {self.size} chunks, got {len(chunks)}")
+        start = time.perf_counter()
+        send = torch.stack([c.contiguous() for c in chunks])
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self._seconds += time.perf_counter() - start
+        return list(recv.unbind(0))
+
+    def all_gather(self, tensor):
+        start = time.perf_counter()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous(), group=self.group)
+        self._seconds += time.perf_counter() - start
+        return out
+
+
+def init_sequence_groups(layout: ParallelLayout, rank: int, backend: str | None = None) -> SequenceGroup:
+    """Create every stage's sequence group (all ranks, same order) and return this rank's; LOCAL when sp is 1."""
+    if layout.sp == 1:
+        return LOCAL
+    mine = None
+    for stage in range(layout.pipeline):
+        ranks = layout.sequence_ranks(stage)
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine = DistSequenceGroup(group, layout.sp_rank_of(rank), layout.sp)
+    assert mine is not None
+    return mine
+
+
+class SequenceGroupAborted(RuntimeError):
+    pass
+
+
+class _Exchange:
+    """Shared state of the threads that emulate one sequence group."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots: list[list[torch.Tensor] | None] = [None] * size
+
+
+class ThreadSequenceGroup(SequenceGroup):
+    """One thread's handle on a sequence group whose ranks are threads of this process (the reference)."""
+
+    def __init__(self, exchange: _Exchange, rank: int):
+        self._x = exchange
+        self.rank = rank
+        self.size = exchange.size
+
+    @classmethod
+    def create(cls, size: int) -> list[ThreadSequenceGroup]:
+        exchange = _Exchange(size)
+        return [cls(exchange, r) for r in range(size)]
+
+    def _swap(self, payload: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        x = self._x
+        try:
+            x.slots[self.rank] = payload
+            x.barrier.wait()
+            everyone = list(x.slots)
+            x.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        except threading.BrokenBarrierError:
+            raise SequenceGroupAborted("another rank of the sequence group failed") from None
+        return everyone  # type: ignore[return-value]
+
+    def all_to_all(self, chunks):
+        if len(chunks) != self.size:
+            raise ValueError(f"all_to_all needs {self.size} chunks, got {len(chunks)}")
+        everyone = self._swap(list(chunks))
+        return [everyone[src][self.rank].clone() for src in range(self.size)]
+
+    def all_gather(self, tensor):
+        everyone = self._swap([tensor])
+        return [everyone[src][0].clone() for src in range(self.size)]
+
+    def abort(self) -> None:
+        self._x.barrier.abort()
+
+
+__all__ = [
+    "LOCAL",
+    "DistSequenceGroup",
+    "SequenceGroup",
+    "ThreadSequenceGroup",
+    "init_sequence_groups",
+]
