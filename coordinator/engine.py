@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 _END = object()
 
+# A video-to-video stream's input chunks that may wait at the coordinator for the pipeline to start them; the
+# consumer learns it is ahead from SubmitInput's RESOURCE_EXHAUSTED and either drops the chunk or waits.
+MAX_PENDING_INPUTS = 2
+
 
 @dataclass
 class StreamSession:
@@ -72,6 +76,8 @@ class StreamSession:
     cancelled: bool = False
     ended: bool = False
     generation: int = 0
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # video-to-video: input chunks not yet planned
+    inputs_received: int = 0
 
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
         while True:
@@ -266,10 +272,52 @@ class PipelineEngine(Generations):
             self.pending_prompts.append((stream_id, text))
             self._wake()
 
+    def submit_input(self, stream_id: int, chunk: int, latents: torch.Tensor) -> None:
+        """A video-to-video stream's input latents for its next chunk (chunks in order from 0).  At most
+        ``MAX_PENDING_INPUTS`` wait for the pipeline: beyond that RESOURCE_EXHAUSTED, and the consumer drops the
+        chunk or waits for one to start."""
+        with self.cond:
+            session = self.sessions.get(stream_id)
+            if session is None:
+                raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            spec = session.spec
+            if not spec.input_latents:
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"stream {stream_id} was not opened with input_latents"
+                )
+            if session.stopped or session.cancelled:
+                raise AdmissionError(grpc.StatusCode.FAILED_PRECONDITION, f"stream {stream_id} is stopping")
+            if chunk != session.inputs_received:
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunk: input for chunk {chunk}, expected chunk {session.inputs_received} (inputs come in order)",
+                )
+            if spec.num_chunks is not None and chunk >= spec.num_chunks:
+                raise AdmissionError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"chunk: the stream has {spec.num_chunks} chunks, got input for {chunk}",
+                )
+            if tuple(latents.shape) != spec.latent_shape or latents.dtype != torch.float32:
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"latents: must be float32 {spec.latent_shape}, got {latents.dtype} {tuple(latents.shape)}",
+                )
+            if not bool(torch.isfinite(latents).all()):
+                raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, "latents: must be finite")
+            if session.inputs_received - session.started >= MAX_PENDING_INPUTS:
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"input: {MAX_PENDING_INPUTS} chunks already wait for the pipeline to start them",
+                )
+            session.inputs[chunk] = latents
+            session.inputs_received += 1
+            self._wake()
+
     def _end(self, session: StreamSession, final) -> None:
         if session.ended:
             return
         session.ended = True
+        session.inputs.clear()
         self.telemetry.stream_ended(final.ended.reason if isinstance(final, pb.StreamEvent) else final.code.name)
         session.events.put(final)
         session.events.put(_END)
@@ -391,7 +439,7 @@ class PipelineEngine(Generations):
         event = PlanEvent(kind, seq=self.seq, **kw)
         if self.record_plan:
             # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
-            self.plan.append(wire.event_to_proto(replace(event, text=None), self.generation))
+            self.plan.append(wire.event_to_proto(replace(event, text=None, latents=None), self.generation))
         return wire.event_to_proto(event, self.generation)
 
     def _plan_tick(self) -> list[pb.PlanEvent]:
@@ -426,6 +474,8 @@ class PipelineEngine(Generations):
             session = self.sessions.get(sid)
             if session is not None:
                 sched.set_credit(sid, self._credit(session))
+                if session.spec.input_latents:
+                    sched.set_inputs(sid, session.inputs_received)
         if sched.active and self.batches_planned - self.batches_done < self.lookahead:
             batch = sched.tick()
             self._idle_ticks = 0 if batch else self._idle_ticks + 1
@@ -436,6 +486,11 @@ class PipelineEngine(Generations):
                     session.max_lead = max(session.max_lead, session.started - session.delivered)
             if batch:
                 self.batches_planned += 1
+                for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
+                    session = self.sessions.get(st.stream)
+                    if st.level == 0 and session is not None and session.spec.input_latents:
+                        latents = session.inputs.pop(st.chunk)
+                        events.append(self._next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
                 events.append(self._next_event("batch", steps=tuple(batch)))
                 self.telemetry.batch_planned(events[-1], batch, self.sessions)
             else:

@@ -17,6 +17,8 @@ reference executor can replay it exactly.
 Readiness rules for micro-step (s, c, i):
   * level 0 starts chunks in order, at most one new chunk per stream per tick, while the stream is running
     and has fewer than ``max_inflight`` chunks in flight;
+  * video-to-video (``spec.input_latents``): chunk c starts only once its input has arrived (``set_inputs``);
+    such a stream's clock is its input, so a stop still starts every chunk whose input arrived before it;
   * ``per_level``: (s, c-1, i) entered in an earlier tick (it writes the KV row that (s, c, i) reads);
   * ``clean``: the clean pass of (s, c-1) entered in an earlier tick before any level of chunk c;
   * i > 0: (s, c, i-1) entered at least P ticks ago (its latent has come back from the last stage).
@@ -51,10 +53,13 @@ class _StreamState:
     first_finished_tick: int | None = None
     credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
+    inputs: int = 0  # video-to-video: chunks whose input latents have arrived
 
     @property
     def finished(self) -> bool:
         limit_hit = self.spec.num_chunks is not None and self.next_chunk >= self.spec.num_chunks
+        if self.spec.input_latents and self.stopping and not limit_hit:
+            return self.next_chunk >= self.inputs and not self.inflight
         return (self.stopping or limit_hit) and not self.inflight
 
 
@@ -94,6 +99,13 @@ class StreamBatchScheduler:
         reaches the scheduler, so a slow consumer never makes finished chunks pile up."""
         self._state(stream_id).credit = credit
 
+    def set_inputs(self, stream_id: int, inputs: int) -> None:
+        """A video-to-video stream has the input latents of its first ``inputs`` chunks: it may start those."""
+        st = self._state(stream_id)
+        if not st.spec.input_latents:
+            raise ValueError(f"stream {stream_id} takes no input latents")
+        st.inputs = max(st.inputs, inputs)
+
     def cancel_stream(self, stream_id: int) -> None:
         """Drop a stream at once (a failure): nothing more of it is scheduled."""
         self.streams.pop(stream_id, None)
@@ -126,6 +138,9 @@ class StreamBatchScheduler:
                 continue
             out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
         can_start = not st.stopping and len(st.inflight) < st.max_inflight
+        if spec.input_latents:
+            # The input is the clock: a stop ends the stream after the chunks whose input has arrived.
+            can_start = st.next_chunk < st.inputs and len(st.inflight) < st.max_inflight
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
             can_start = False
         if st.credit is not None and st.next_chunk >= st.credit:
@@ -147,7 +162,7 @@ class StreamBatchScheduler:
         # Smooth the work over the pipeline: every micro-step in flight comes back once per P ticks, so
         # taking more than 1/P of them now would leave the next ticks empty (a bubble on every stage).
         demand = sum(
-            sum(1 for ch in st.inflight.values() if ch.level + 1 < st.spec.levels) + (0 if st.stopping else 1)
+            sum(1 for ch in st.inflight.values() if ch.level + 1 < st.spec.levels) + (0 if self._idle(st) else 1)
             for st in self.streams.values()
         )
         limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
@@ -169,6 +184,13 @@ class StreamBatchScheduler:
         for sid in [sid for sid, st in self.streams.items() if st.finished]:
             del self.streams[sid]
         return batch
+
+    @staticmethod
+    def _idle(st: _StreamState) -> bool:
+        """No new chunk can come from this stream now: it is stopping, or it waits for its input."""
+        if st.spec.input_latents:
+            return st.next_chunk >= st.inputs
+        return st.stopping
 
     def _issue(self, step: MicroStep) -> None:
         st = self.streams[step.stream]

@@ -38,6 +38,7 @@ ROLE_RULES = {
     f"/{SERVICE_NAME}/StopStream": _STREAMS,
     f"/{SERVICE_NAME}/UpdatePrompt": _STREAMS,
     f"/{SERVICE_NAME}/Consumed": _STREAMS,
+    f"/{SERVICE_NAME}/SubmitInput": _STREAMS,
     f"/{SERVICE_NAME}/Status": _STREAMS,
     f"/{SERVICE_NAME}/GetPlan": [],
     f"/{rendezvous.SERVICE_NAME}/": ["stage"],
@@ -189,6 +190,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def Consumed(self, request: pb.ChunksConsumed, context):
         try:
             self.engine.consumed(request.stream_id, request.chunks)
+        except AdmissionError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.Empty()
+
+    def SubmitInput(self, request: pb.InputLatents, context):
+        try:
+            latents = wire.tensor_from_proto(request.latents)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latents: {exc}")
+        try:
+            self.engine.submit_input(request.stream_id, request.chunk, latents)
         except AdmissionError as exc:
             context.abort(exc.code, str(exc))
         return pb.Empty()

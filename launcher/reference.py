@@ -37,6 +37,9 @@ class StreamRequest:
     text: torch.Tensor  # (1, text_len, text_dim)
     arrival_tick: int = 0
     stop_tick: int | None = None  # for unbounded streams: the tick a stop arrives
+    # Video-to-video (``spec.input_latents``): each chunk's level-0 latents, all here at the arrival tick; the
+    # stream ends after the last (its input is its clock).
+    inputs: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -94,9 +97,11 @@ class ReferenceExecutor:
         plan: list[PlanEvent],
         texts: dict[int, torch.Tensor],
         prompt_texts: dict[tuple[int, int], torch.Tensor] | None = None,
+        inputs: dict[tuple[int, int], torch.Tensor] | None = None,
     ) -> dict[int, list[torch.Tensor]]:
         """Run a recorded plan.  ``texts[stream]`` is each stream's first prompt; ``prompt_texts[(stream,
-        from_chunk)]`` the text of each prompt update event."""
+        from_chunk)]`` the text of each prompt update event; ``inputs[(stream, chunk)]`` the latents of each input
+        event (video-to-video), where the event does not carry them."""
         chunks: dict[int, list[torch.Tensor]] = {}
         for ev in plan:
             if ev.kind == "open":
@@ -108,6 +113,11 @@ class ReferenceExecutor:
                 assert ev.stream_id is not None and prompt_texts is not None
                 sid, first = ev.stream_id, ev.from_chunk
                 self._each(lambda r, sid=sid, first=first: r.set_prompt(sid, first, prompt_texts[(sid, first)]))
+            elif ev.kind == "input":
+                assert ev.stream_id is not None
+                sid, chunk = ev.stream_id, ev.chunk
+                latents = ev.latents if ev.latents is not None else (inputs or {})[(sid, chunk)]
+                self._each(lambda r, sid=sid, chunk=chunk, x=latents: r.put_input(sid, chunk, x))
             elif ev.kind == "close":
                 assert ev.stream_id is not None
                 sid = ev.stream_id
@@ -122,7 +132,8 @@ class ReferenceExecutor:
         """Schedule and run ``requests`` exactly as a ``num_stages`` pipeline would order them."""
         plan = build_plan(requests, num_stages=num_stages, max_batch=max_batch)
         texts = {r.spec.stream_id: r.text for r in requests}
-        return GenerationResult(chunks=self.replay(plan, texts), plan=plan)
+        inputs = {(r.spec.stream_id, c): x for r in requests for c, x in enumerate(r.inputs or [])}
+        return GenerationResult(chunks=self.replay(plan, texts, inputs=inputs), plan=plan)
 
 
 def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int) -> list[PlanEvent]:
@@ -130,7 +141,9 @@ def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int
     sched = StreamBatchScheduler(num_stages=num_stages, max_batch=max_batch)
     pending = sorted(requests, key=lambda r: r.arrival_tick)
     for r in requests:
-        if r.spec.num_chunks is None and r.stop_tick is None:
+        if r.spec.input_latents != (r.inputs is not None):
+            raise ValueError(f"stream {r.spec.stream_id}: inputs are given exactly for input_latents streams")
+        if r.spec.num_chunks is None and r.stop_tick is None and r.inputs is None:
             raise ValueError(f"stream {r.spec.stream_id} is unbounded and has no stop tick")
     plan: list[PlanEvent] = []
     open_ids: set[int] = set()
@@ -140,11 +153,19 @@ def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int
             sched.add_stream(req.spec)
             plan.append(PlanEvent("open", spec=req.spec))
             open_ids.add(req.spec.stream_id)
+            if req.inputs is not None:
+                sched.set_inputs(req.spec.stream_id, len(req.inputs))
+                sched.stop_stream(req.spec.stream_id)  # its input is all here: it ends after the last chunk
         for r in requests:
             if r.stop_tick == sched.now and r.spec.stream_id in sched.streams:
                 sched.stop_stream(r.spec.stream_id)
         batch = sched.tick()
         if batch:
+            # A video-to-video chunk's input is planned right before the batch that starts it.
+            v2v = {r.spec.stream_id for r in requests if r.inputs is not None}
+            for st in batch:
+                if st.level == 0 and st.stream in v2v:
+                    plan.append(PlanEvent("input", stream_id=st.stream, chunk=st.chunk))
             plan.append(PlanEvent("batch", steps=tuple(batch)))
         for sid in sorted(open_ids - set(sched.streams)):
             plan.append(PlanEvent("close", stream_id=sid))

@@ -67,6 +67,10 @@ class SelftestConfig:
     ladders: list[tuple[float, ...]] | None = None
     shifts: list[float] = field(default_factory=lambda: [1.0])
     updates: list[str] = field(default_factory=lambda: ["x0"])
+    # Video-to-video: even-numbered streams take their level-0 latents from SubmitInput (random latents standing
+    # for the gateway's noised VAE encodings), end by a stop after their last input, and share batches with the
+    # text streams between them.
+    v2v: bool = False
 
 
 @dataclass
@@ -77,6 +81,7 @@ class SelftestResult:
     ok: bool = False
     plan: list[PlanEvent] = field(default_factory=list)
     texts: dict[int, torch.Tensor] = field(default_factory=dict)  # each stream's text, to replay with other weights
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # video-to-video (stream, chunk) inputs
 
 
 def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
@@ -95,10 +100,20 @@ def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
             policy=cfg.policy,
             window=cfg.window,
             sink=cfg.sink,
-            num_chunks=cfg.chunks + i,
+            num_chunks=None if cfg.v2v and i % 2 == 0 else cfg.chunks + i,
             text_len=16 if model_cfg["text_dim"] < 512 else 512,
+            input_latents=cfg.v2v and i % 2 == 0,
         )
         for i in range(cfg.streams)
+    ]
+
+
+def stream_inputs(cfg: SelftestConfig, specs: list[StreamSpec]) -> list[list[torch.Tensor] | None]:
+    """The input latents of each video-to-video stream (``cfg.chunks + i`` chunks for stream i), None for the others."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return [
+        [torch.randn(spec.latent_shape, generator=g) for _ in range(cfg.chunks + i)] if spec.input_latents else None
+        for i, spec in enumerate(specs)
     ]
 
 
@@ -108,20 +123,48 @@ def plan_from_proto(events: list[pb.PlanEvent]) -> list[PlanEvent]:
 
 
 def run_streams(
-    connect: Callable[[], grpc.Channel], specs: list[StreamSpec], texts: list[torch.Tensor]
+    connect: Callable[[], grpc.Channel],
+    specs: list[StreamSpec],
+    texts: list[torch.Tensor],
+    inputs: list[list[torch.Tensor] | None] | None = None,
 ) -> dict[int, list[torch.Tensor]]:
     """Open the streams in order, each once its predecessor has started; collect every chunk.  ``connect`` makes
-    a channel to the coordinator (an operator's, over mTLS: ``launcher.channel(address, "coordinator")``)."""
+    a channel to the coordinator (an operator's, over mTLS: ``launcher.channel(address, "coordinator")``).
+    A video-to-video stream is fed ``inputs[i]`` through SubmitInput (waiting for a chunk to come back whenever the
+    coordinator says enough wait already) and stopped after its last input."""
     results: dict[int, list[torch.Tensor]] = {}
     errors: list[str] = []
     started = [threading.Event() for _ in specs]
     threads = []
+    inputs = inputs or [None] * len(specs)
+
+    def feed(stub, sid: int, latents: list[torch.Tensor], progress: threading.Condition) -> None:
+        try:
+            for chunk, x in enumerate(latents):
+                req = pb.InputLatents(stream_id=sid, chunk=chunk, latents=wire.tensor_to_proto(x))
+                while True:
+                    with progress:
+                        seen = len(results[sid])
+                    try:
+                        stub.SubmitInput(req, timeout=60)
+                        break
+                    except grpc.RpcError as exc:
+                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            raise
+                    with progress:  # the pipeline is full: wait until a chunk comes back, then offer it again
+                        progress.wait_for(lambda seen=seen: len(results[sid]) > seen, timeout=60)
+            stub.StopStream(pb.StopRequest(stream_id=sid), timeout=60)
+        except grpc.RpcError as exc:
+            errors.append(f"stream {sid} input: {exc.code().name}: {exc.details()}")
 
     def consume(i: int) -> None:
         with connect() as ch:
             stub = pb_grpc.CoordinatorServiceStub(ch)
             req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
             sid = None
+            progress = threading.Condition()
+            feeder = None
+            want = "stopped" if inputs[i] is not None else "completed"
             try:
                 for ev in stub.OpenStream(req, timeout=600):
                     kind = ev.WhichOneof("event")
@@ -129,17 +172,24 @@ def run_streams(
                         sid = ev.started.stream_id
                         results[sid] = []
                         started[i].set()
+                        if inputs[i] is not None:
+                            feeder = threading.Thread(target=feed, args=(stub, sid, inputs[i], progress), daemon=True)
+                            feeder.start()
                     elif kind == "chunk":
                         assert sid is not None
                         if ev.chunk.chunk != len(results[sid]):
                             errors.append(f"stream {sid}: chunk {ev.chunk.chunk} arrived out of order")
-                        results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
-                    elif kind == "ended" and ev.ended.reason != "completed":
+                        with progress:
+                            results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
+                            progress.notify_all()
+                    elif kind == "ended" and ev.ended.reason != want:
                         errors.append(f"stream {sid} ended early: {ev.ended.reason}")
             except grpc.RpcError as exc:
                 errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
             finally:
                 started[i].set()
+                if feeder is not None:
+                    feeder.join()
 
     for i in range(len(specs)):
         if i > 0:
@@ -155,13 +205,20 @@ def run_streams(
 
 
 def compare(
-    cfg: SelftestConfig, transformer: str, connect: Callable[[], grpc.Channel], texts_by_order, chunks
+    cfg: SelftestConfig,
+    transformer: str,
+    connect: Callable[[], grpc.Channel],
+    texts_by_order,
+    chunks,
+    inputs_by_order: list[list[torch.Tensor] | None] | None = None,
 ) -> SelftestResult:
     with connect() as ch:
         dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
     plan = plan_from_proto(list(dump.events))
     opened = [ev.spec.stream_id for ev in plan if ev.kind == "open" and ev.spec is not None]
     texts = {sid: texts_by_order[i] for i, sid in enumerate(opened)}
+    by_order = inputs_by_order or [None] * len(opened)
+    inputs = {(sid, c): x for i, sid in enumerate(opened) for c, x in enumerate(by_order[i] or [])}
     device = torch.device("cuda:0" if cfg.device.startswith("cuda") else cfg.device)
     model_cfg = read_config(transformer)
     n = model_cfg["num_layers"]
@@ -176,8 +233,8 @@ def compare(
         transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device, loras=loras
     )
     full = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device=device)
-    reference = ReferenceExecutor(full).replay(plan, texts)
-    result = SelftestResult(chunks=chunks, reference=reference, plan=plan, texts=texts)
+    reference = ReferenceExecutor(full).replay(plan, texts, inputs=inputs)
+    result = SelftestResult(chunks=chunks, reference=reference, plan=plan, texts=texts, inputs=inputs)
     tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
     result.ok, result.max_diff = judge(chunks, reference, tolerance)
     return result
@@ -234,9 +291,10 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
         texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
+        inputs = stream_inputs(cfg, specs)
         connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
-        chunks = run_streams(connect, specs, texts)
-        return compare(cfg, transformer, connect, texts, chunks)
+        chunks = run_streams(connect, specs, texts, inputs)
+        return compare(cfg, transformer, connect, texts, chunks, inputs)
 
 
 def run_selftest(cfg: SelftestConfig) -> int:
@@ -246,7 +304,7 @@ def run_selftest(cfg: SelftestConfig) -> int:
     verdict = "PASS" if result.ok else "FAIL"
     print(
         f"selftest {verdict}: stages={cfg.stages} partition={cfg.partition or 'even'} policy={cfg.policy} "
-        f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
+        f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} v2v={cfg.v2v} "
         f"max_diff={result.max_diff:.3e}"
     )
     return 0 if result.ok else 1
@@ -311,6 +369,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--shift", type=_shifts_arg, default=[1.0], help="shifts, stream i taking the (i mod n)-th: 5,1")
     p.add_argument("--update", type=_updates_arg, default=["x0"], help="update rules (x0 | euler), cycled the same way")
+    p.add_argument(
+        "--v2v", action="store_true", help="even-numbered streams are video-to-video: level 0 from submitted latents"
+    )
     p.set_defaults(run=main)
 
 
@@ -339,5 +400,6 @@ def main(args: argparse.Namespace) -> int:
             ladders=args.timesteps,
             shifts=args.shift,
             updates=args.update,
+            v2v=args.v2v,
         )
     )

@@ -148,6 +148,9 @@ class StageExecutor:
         elif item.kind == "prompt":
             assert item.stream_id is not None and item.text is not None
             self.runner.set_prompt(item.stream_id, item.from_chunk, item.text)
+        elif item.kind == "input":
+            assert item.stream_id is not None and item.latents is not None
+            self.runner.put_input(item.stream_id, item.chunk, item.latents)
         elif item.kind == "batch":
             self._run_batch(item)
         else:

@@ -51,6 +51,8 @@ class _Stream:
     # Prompt versions: (first chunk it applies to, per-layer text K/V); sorted by chunk.
     prompts: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     latents: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Video-to-video (``spec.input_latents``): each chunk's level-0 input, from an "input" plan event.
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def cross_kv(self, chunk: int):
         current = self.prompts[0][1]
@@ -134,6 +136,7 @@ class SliceRunner:
             raise UnknownStreamError(stream_id)
         stream.kv.clear()
         stream.latents.clear()
+        stream.inputs.clear()
         if self.graphs is not None:
             self.graphs.forget_text([kv for _, kv in stream.prompts])
         stream.prompts.clear()
@@ -151,6 +154,7 @@ class SliceRunner:
         kv = sum(s.kv.nbytes for s in self.streams.values())
         text = sum(k.numel() * k.element_size() * 2 for s in self.streams.values() for _, p in s.prompts for k, _ in p)
         lat = sum(t.numel() * t.element_size() for s in self.streams.values() for _, t in s.latents.values())
+        lat += sum(t.numel() * t.element_size() for s in self.streams.values() for t in s.inputs.values())
         graphs = self.graphs.nbytes if self.graphs is not None else 0
         return {"kv": kv, "text_kv": text, "latents": lat, "graph_buffers": graphs}
 
@@ -160,10 +164,31 @@ class SliceRunner:
         """Record the input latent of ``step`` (a level > 0, or the clean pass)."""
         self._stream(step.stream).latents[step.chunk] = (step.level, latent)
 
+    def put_input(self, stream_id: int, chunk: int, latents: torch.Tensor) -> None:
+        """Record a video-to-video chunk's level-0 input.  Only the first slice (it embeds it) and the last (its
+        sampler step starts from it) keep it; a slice between them has no use for it."""
+        stream = self._stream(stream_id)
+        if not stream.spec.input_latents:
+            raise ValueError(f"stream {stream_id} takes no input latents (it is not a video-to-video stream)")
+        if tuple(latents.shape) != stream.spec.latent_shape:
+            raise ValueError(
+                f"stream {stream_id} chunk {chunk}: input latents have shape {tuple(latents.shape)}, "
+                f"expected {stream.spec.latent_shape}"
+            )
+        if chunk in stream.inputs:
+            raise ValueError(f"stream {stream_id} chunk {chunk}: input latents arrived twice")
+        if self.slice.first or self.slice.last:
+            stream.inputs[chunk] = latents.float()
+
     def take_latent(self, step: MicroStep) -> torch.Tensor:
         stream = self._stream(step.stream)
         if step.level == 0:
-            return chunk_noise(stream.spec, step.chunk, 0)
+            if not stream.spec.input_latents:
+                return chunk_noise(stream.spec, step.chunk, 0)
+            latent = stream.inputs.pop(step.chunk, None)
+            if latent is None:
+                raise KVOrderError(f"{step}: its input latents have not arrived; plan out of order")
+            return latent
         held = stream.latents.pop(step.chunk, None)
         if held is None or held[0] != step.level:
             have = None if held is None else held[0]
@@ -236,6 +261,7 @@ class SliceRunner:
             inputs = self._inputs
             self._inputs = []
         else:
+            # Level 0 of a text stream is noise the last slice regenerates; of a video-to-video stream, the input.
             inputs = [self.take_latent(st) for st in steps]
         results = []
         for i, st in enumerate(steps):

@@ -375,6 +375,17 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if ev.text is None or tuple(ev.text.shape) != (1, spec.text_len, self.config["text_dim"]):
                 shape = None if ev.text is None else tuple(ev.text.shape)
                 raise ValueError(f"stream {spec.stream_id}: prompt update text has shape {shape}")
+        elif ev.kind == "input":
+            spec = self._known(gen, ev.stream_id)
+            if not spec.input_latents:
+                raise ValueError(f"stream {spec.stream_id} takes no input latents (it is not a video-to-video stream)")
+            if ev.chunk < 0 or (spec.num_chunks is not None and ev.chunk >= spec.num_chunks):
+                raise ValueError(f"stream {spec.stream_id}: input for chunk {ev.chunk} is out of range")
+            if ev.latents is None or tuple(ev.latents.shape) != spec.latent_shape or ev.latents.dtype != torch.float32:
+                got = None if ev.latents is None else (tuple(ev.latents.shape), ev.latents.dtype)
+                raise ValueError(
+                    f"stream {spec.stream_id}: input latents must be float32 {spec.latent_shape}, got {got}"
+                )
         else:
             validate_batch(list(ev.steps), lambda sid: self._known(gen, sid))
         return ev

@@ -56,6 +56,9 @@ class StreamSpec:
     sampler: str = "x0"  # "x0": predict x0, re-noise with fresh noise (CausVid / Self-Forcing); "euler"
     num_chunks: int | None = None  # None: unbounded, ends when stopped
     text_len: int = 512
+    # Video-to-video: level 0 of chunk c starts from latents the consumer sends for it (already noised to
+    # ``timesteps[0]``: the stream's strength), not from noise; chunk c starts only once they are here.
+    input_latents: bool = False
 
     def __post_init__(self):
         errors = []
@@ -145,16 +148,18 @@ def rope_offset(spec: StreamSpec, chunk: int, rope_limit: int) -> int:
     return f0 % spec.epoch_frames(rope_limit)
 
 
-PLAN_EVENT_KINDS = ("open", "batch", "close", "prompt")
+PLAN_EVENT_KINDS = ("open", "batch", "close", "prompt", "input")
 
 
 @dataclass(frozen=True)
 class PlanEvent:
-    """One entry of a plan, in execution order: open a stream, run a batch, change a prompt, or close a stream.
+    """One entry of a plan, in execution order: open a stream, run a batch, change a prompt, hand a video-to-video
+    stream the input latents of a chunk (``chunk``, ``latents``; planned before the batch that starts it), or close
+    a stream.
 
     The coordinator makes them, the wire carries them (``stagecast.wire.event_to_proto`` / ``event_from_proto``),
     every stage executes them in ``seq`` order, and the reference executor replays them.  ``text`` (open, prompt)
-    is None in a recorded plan, which keeps only what the schedule was.
+    and ``latents`` (input) are None in a recorded plan, which keeps only what the schedule was.
     """
 
     kind: str
@@ -165,6 +170,8 @@ class PlanEvent:
     stream_id: int | None = None
     from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
     traceparent: str = ""
+    chunk: int = 0  # "input": the chunk whose level-0 latents these are
+    latents: torch.Tensor | None = None  # "input": (1, C, F, h, w); None in a recorded plan
 
     def __post_init__(self) -> None:
         if self.kind not in PLAN_EVENT_KINDS:

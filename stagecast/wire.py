@@ -69,6 +69,7 @@ def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
         sampler=spec.sampler,
         num_chunks=spec.num_chunks or 0,
         text_len=spec.text_len,
+        input_latents=spec.input_latents,
     )
 
 
@@ -90,6 +91,7 @@ def spec_from_proto(msg: pb.StreamSpec) -> StreamSpec:
         sampler=msg.sampler or "x0",
         num_chunks=msg.num_chunks or None,
         text_len=msg.text_len or 512,
+        input_latents=msg.input_latents,
     )
 
 
@@ -113,6 +115,11 @@ def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
         msg.batch.steps.extend(step_to_proto(s) for s in event.steps)
     elif event.kind == "close":
         msg.close.stream_id = event.stream_id or 0
+    elif event.kind == "input":
+        msg.input.stream_id = event.stream_id or 0
+        msg.input.chunk = event.chunk
+        if event.latents is not None:
+            msg.input.latents.CopyFrom(tensor_to_proto(event.latents))
     else:
         msg.prompt.stream_id = event.stream_id or 0
         msg.prompt.from_chunk = event.from_chunk
@@ -137,4 +144,7 @@ def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
         return PlanEvent(
             "prompt", stream_id=msg.prompt.stream_id, from_chunk=msg.prompt.from_chunk, text=text, **common
         )
+    if kind == "input":
+        latents = tensor_from_proto(msg.input.latents) if msg.input.HasField("latents") else None
+        return PlanEvent("input", stream_id=msg.input.stream_id, chunk=msg.input.chunk, latents=latents, **common)
     raise ValueError("plan event carries no event")

@@ -78,3 +78,32 @@ def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for
         for g, w in zip(got, want):
             assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
     assert result.ok and result.max_diff == 0.0
+
+
+@pytest.mark.parametrize("stages,partition,policy", [(2, "1,3", "per_level"), (3, "1,2,1", "clean")])
+def test_video_to_video_streams_equal_the_reference_fed_the_same_latents(stages, partition, policy):
+    """Video-to-video streams (level 0 from submitted input latents, fed against the coordinator's pending bound and
+    stopped after their last input) share batches with a text stream; every chunk equals the reference executor
+    replaying the recorded plan with the same input latents, bit for bit.  The first and last stages keep the
+    inputs (embedding, sampler step); a middle stage drops them."""
+    cfg = SelftestConfig(stages=stages, partition=partition, policy=policy, streams=3, chunks=4, steps=2, v2v=True)
+    with Launcher() as launcher:
+        result = execute_selftest(cfg, launcher)
+    specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
+    v2v = sorted(sid for sid, spec in specs.items() if spec.input_latents)
+    assert len(v2v) == 2 and len(specs) == 3
+    for sid in v2v:  # every input reached the stages, right before the batch that started its chunk
+        inputs = [i for i, ev in enumerate(result.plan) if ev.kind == "input" and ev.stream_id == sid]
+        assert [result.plan[i].chunk for i in inputs] == list(range(len(result.chunks[sid])))
+        for i in inputs:
+            nxt = result.plan[i + 1]
+            while nxt.kind == "input":
+                nxt = result.plan[result.plan.index(nxt) + 1]
+            assert nxt.kind == "batch" and any(s.stream == sid and s.level == 0 for s in nxt.steps)
+    assert [len(result.chunks[sid]) for sid in v2v] == [4, 6]  # every input chunk came back: none was lost
+    for sid, want in result.reference.items():
+        got = result.chunks[sid]
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
+    assert result.ok and result.max_diff == 0.0

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len")
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class StreamSpec(_message.Message):
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LATENTS_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     latent_channels: int
     chunk_frames: int
@@ -48,7 +49,8 @@ class StreamSpec(_message.Message):
     sampler: str
     num_chunks: int
     text_len: int
-    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ...) -> None: ...
+    input_latents: bool
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
@@ -74,6 +76,16 @@ class MicroBatch(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[MicroStep]
     def __init__(self, steps: _Optional[_Iterable[_Union[MicroStep, _Mapping]]] = ...) -> None: ...
 
+class InputLatents(_message.Message):
+    __slots__ = ("stream_id", "chunk", "latents")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: int
+    latents: Tensor
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class CloseStream(_message.Message):
     __slots__ = ("stream_id",)
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -91,13 +103,14 @@ class PromptUpdate(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PlanEvent(_message.Message):
-    __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "traceparent")
+    __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "input", "traceparent")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     seq: int
@@ -105,8 +118,9 @@ class PlanEvent(_message.Message):
     batch: MicroBatch
     close: CloseStream
     prompt: PromptUpdate
+    input: InputLatents
     traceparent: str
-    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., close: _Optional[_Union[CloseStream, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., close: _Optional[_Union[CloseStream, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., input: _Optional[_Union[InputLatents, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted_seq",)
