@@ -5,6 +5,7 @@ stagecast coordinator --stages K ...            one coordinator process
 stagecast stage --index I --coordinator H:P ... one stage process
 stagecast gateway --coordinator H:P --checkpoint DIR   the public streaming API (stagecast.v1)
 stagecast vae-stage --checkpoint DIR --index I --num-slices N [--next H:P]   one VAE decoder slice
+stagecast web --gateway H:P [--port 8080]       the live browser page: WebRTC, WebSocket fallback
 stagecast selftest --stages K ...               distributed run vs the reference executor, exit 1 on mismatch
 stagecast simulate --stages P --steps S ...     scheduler simulator: utilization and bubble fraction
 stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
@@ -34,6 +35,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("launcher.convert", "add_parser"),
     ("gateway.cli", "add_parser"),
     ("gateway.cli", "add_vae_stage_parser"),
+    ("web.cli", "add_parser"),
     ("stagecast.generate", "add_parser"),
     ("launcher.demo", "add_parser"),
     ("coordinator.cli", "add_simulate_parser"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("stage_service", "coordinator", "gateway")
+SERVICES = ("stage_service", "coordinator", "gateway", "web")
 TOP = ("launcher",)
 
 

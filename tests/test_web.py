@@ -1,0 +1,228 @@
+"""The web process against a demo-sized system, driven by an aiortc peer and a WebSocket client speaking the page's
+protocol: frames over WebRTC and over the fMP4 fallback, live prompt switches, and the edge's refusals (garbage and
+oversized SDP, data-channel junk, too many peers, a peer that vanishes) while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import aiohttp
+import pytest
+
+import stagecast
+from launcher.demo_checkpoint import DEMO_SERVING
+from stagecast.media import read_mp4_frames
+from tests.web_cluster import MAX_PEERS, PEER_TIMEOUT, web_cluster
+from web.rtc import MAX_SDP_BYTES, use_ice_hosts
+from web.viewer import OfferRefused, RtcViewer, post_offer
+
+pytestmark = pytest.mark.multiprocess
+
+PROMPT = "a red fox running through snow"
+OTHER = "a blue bird flying over the ocean"
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    use_ice_hosts(["127.0.0.1"])  # this test process's own peers offer loopback only
+    with web_cluster(tmp_path_factory.mktemp("ckpt")) as cluster:
+        yield cluster
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 180))
+
+
+def active_streams(system) -> int:
+    with stagecast.Client(system.gateway) as client:
+        return client.status().active_streams
+
+
+def wait_streams(system, predicate, timeout=60.0) -> float:
+    """Seconds until the gateway's stream count satisfies ``predicate`` (event-driven: WatchStatus)."""
+    t0 = time.monotonic()
+    with stagecast.Client(system.gateway) as client:
+        client.wait_for_status(lambda s: predicate(s.active_streams), timeout=timeout)
+    return time.monotonic() - t0
+
+
+def test_webrtc_peer_gets_paced_frames_and_a_live_prompt_switch(system):
+    async def scenario():
+        async with RtcViewer(system.url) as viewer:
+            viewer.send({"type": "config", "prompt": PROMPT, "seconds": 3, "seed": 1})
+            started = await viewer.wait_for("started")
+            assert started["config"]["width"] == DEMO_SERVING["width"]
+            first = await viewer.next_frame()
+            assert (first.width, first.height) == (DEMO_SERVING["width"], DEMO_SERVING["height"])
+            viewer.send({"type": "prompt", "prompt": OTHER})
+            updated = await viewer.wait_for("prompt_updated")
+            assert updated["prompt"] == OTHER
+            end = await viewer.wait_for("end")
+            stats = [m for m in viewer.log if m["type"] == "frame"]
+            return end, stats
+
+    end, stats = run(scenario())
+    assert end["reason"] == "completed" and end["frames"] == 48  # 3 s at 16 fps
+    assert [m["index"] for m in stats] == list(range(48))  # every frame was sent, in order
+    # Paced at target_fps: frame i leaves no earlier than first + i/16 s.
+    sent = [m["sent_s"] for m in stats]
+    for i, t in enumerate(sent):
+        assert t >= sent[0] + i / 16.0 - 0.005, (i, t, sent[0])
+
+
+async def _socket_stream(url: str, messages: list[dict], switch: str | None = None) -> tuple[list[dict], bytes]:
+    """Run one WebSocket session: send ``messages``, switch the prompt after the first frame; until ``end``."""
+    texts: list[dict] = []
+    media = bytearray()
+    ws_url = urllib.parse.urljoin(url.replace("http", "ws", 1), "api/ws")
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url) as ws:
+        for msg in messages:
+            await ws.send_str(msg if isinstance(msg, str) else json.dumps(msg))
+        async for raw in ws:
+            if raw.type == aiohttp.WSMsgType.BINARY:
+                media += raw.data
+                continue
+            if raw.type != aiohttp.WSMsgType.TEXT:
+                break
+            msg = json.loads(raw.data)
+            texts.append(msg)
+            if msg["type"] == "frame" and switch and msg["index"] == 0:
+                await ws.send_str(json.dumps({"type": "prompt", "prompt": switch}))
+            if msg["type"] == "end" or (msg["type"] == "error" and msg["code"] == "UNAUTHENTICATED"):
+                break
+    return texts, bytes(media)
+
+
+def test_websocket_fallback_streams_fmp4_that_plays_and_switches_prompts(system):
+    texts, media = run(_socket_stream(system.url, [{"type": "config", "prompt": PROMPT, "seconds": 2}], switch=OTHER))
+    kinds = [m["type"] for m in texts]
+    assert kinds[0] == "started" and kinds[-1] == "end", kinds
+    init = next(m for m in texts if m["type"] == "init")
+    assert init["mime"].startswith('video/mp4; codecs="avc1.')
+    assert [m["prompt"] for m in texts if m["type"] == "prompt_updated"] == [OTHER]
+    frames = read_mp4_frames(media)  # the binary messages, concatenated, are one playable MP4
+    assert len(frames) == 32 and frames[0].shape == (DEMO_SERVING["height"], DEMO_SERVING["width"], 3)
+    assert texts[-1] == {"type": "end", "reason": "completed", "frames": 32}
+
+
+def test_garbage_oversized_and_non_offer_bodies_are_refused_naming_the_field(system):
+    async def refusals():
+        out = []
+        for body, raw in (
+            ({"sdp": "hello", "type": "offer"}, None),
+            ({"sdp": "v=0\r\nm=nonsense 9 X 0\r\n", "type": "offer"}, None),
+            ({"sdp": 5, "type": "offer"}, None),
+            ({"sdp": "v=0", "type": "answer"}, None),
+            (None, b"\xff\x00 not json"),
+            (None, json.dumps({"sdp": "v=0\r\n" + "a=x\r\n" * MAX_SDP_BYTES, "type": "offer"}).encode()),
+        ):
+            try:
+                await post_offer(system.url, body, raw=raw)
+            except OfferRefused as exc:
+                out.append((exc.status, exc.error))
+        return out
+
+    refused = run(refusals())
+    assert [status for status, _ in refused] == [400, 400, 400, 400, 400, 413], refused
+    assert [error.split(":")[0] for _, error in refused] == ["sdp", "sdp", "sdp", "type", "body", "sdp"], refused
+    assert "cannot be used" in refused[1][1]
+
+
+def test_data_channel_junk_is_answered_with_errors_and_the_peer_still_streams(system):
+    junk = [
+        "not json",
+        b"\xff\xfe\x00",
+        json.dumps([1, 2]),
+        json.dumps({"type": "launch"}),
+        json.dumps({"type": "config", "prompt": 5}),
+        json.dumps({"type": "config", "prompt": PROMPT, "width": "wide"}),
+        json.dumps({"type": "config", "prompt": PROMPT, "bogus": 1}),
+        json.dumps({"type": "prompt", "prompt": OTHER}),  # no stream yet
+        "x" * (100 * 1024),
+    ]
+
+    async def scenario():
+        async with RtcViewer(system.url) as viewer:
+            for item in junk:
+                viewer.send(item)
+            errors = [await viewer.wait_for("error") for _ in junk]
+            viewer.send({"type": "config", "prompt": PROMPT, "width": 50})  # the gateway's own check
+            errors.append(await viewer.wait_for("error"))
+            viewer.send({"type": "config", "prompt": PROMPT, "seconds": 1})
+            await viewer.wait_for("started")
+            end = await viewer.wait_for("end")
+            return errors, end
+
+    errors, end = run(scenario())
+    fields = [e["message"].split(":")[0] for e in errors]
+    assert fields == ["message", "message", "message", "type", "prompt", "width", "bogus", "prompt", "message", "width"]
+    assert errors[-1]["code"] == "INVALID_ARGUMENT"
+    assert end == {"type": "end", "reason": "completed", "frames": 16}
+
+
+def test_too_many_peers_get_503_and_a_closed_peer_frees_its_slot(system):
+    async def scenario():
+        viewers = [RtcViewer(system.url) for _ in range(MAX_PEERS)]
+        for viewer in viewers:
+            await viewer.connect()
+        with pytest.raises(OfferRefused) as refused:
+            await RtcViewer(system.url).connect()
+        await viewers[0].close()  # a goodbye: DTLS close and SCTP abort reach the server at once
+        health = urllib.parse.urljoin(system.url, "healthz")
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 10
+            while (await (await http.get(health)).json())["peers"] >= MAX_PEERS:
+                assert time.monotonic() < deadline, "the closed peer kept its slot"
+                await asyncio.sleep(0.05)
+        async with RtcViewer(system.url) as again:
+            again.send({"type": "config", "prompt": PROMPT, "seconds": 0.5})
+            await again.wait_for("end")
+        for viewer in viewers[1:]:
+            await viewer.close()
+        return refused.value
+
+    refused = run(scenario())
+    assert refused.status == 503 and f"the limit is {MAX_PEERS}" in refused.error
+
+
+VANISHING_PEER = """
+import asyncio, sys
+from web.rtc import use_ice_hosts
+from web.viewer import RtcViewer
+use_ice_hosts(["127.0.0.1"])
+async def main():
+    viewer = RtcViewer(sys.argv[1])
+    await viewer.connect()
+    viewer.send({"type": "config", "prompt": "a fox"})
+    await viewer.next_frame()
+    print("FRAME", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def test_a_peer_that_vanishes_without_goodbye_has_its_stream_freed_within_seconds(system):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VANISHING_PEER, system.url], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        assert proc.stdout.readline().strip() == "FRAME"
+        assert active_streams(system) == 1
+        t_kill = time.monotonic()
+        proc.send_signal(signal.SIGKILL)  # no DTLS close, no SCTP abort: the peer just goes silent
+        proc.wait()
+        wait_streams(system, lambda n: n == 0, timeout=30)
+        freed = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"vanished peer's stream freed {freed:.2f} s after the kill (peer timeout {PEER_TIMEOUT} s)")
+    assert freed < PEER_TIMEOUT + 3.0

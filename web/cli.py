@@ -1,0 +1,124 @@
+"""``stagecast web``: the browser page, WebRTC and the WebSocket fallback in front of a gateway.
+
+Usage::
+
+    stagecast web --gateway 127.0.0.1:50051 --port 8080                 # http://127.0.0.1:8080/
+    stagecast web --gateway gw:50051 --host 0.0.0.0 --tokens tokens --tls-cert page.crt --tls-key page.key \\
+        --ice-host 10.0.0.7 --turn turn:turn.example.com:3478 --turn-username u --turn-credential-file cred
+
+It prints ``STAGECAST_READY web url=... address=...`` once it serves; SIGTERM or Ctrl-C closes every peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import ssl
+
+from stagecast.service import announce_ready, csv_list
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "web",
+        help="serve the live browser page (WebRTC, WebSocket fallback) in front of a gateway",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--gateway", required=True, help="host:port of the gateway's public API")
+    p.add_argument("--host", default="127.0.0.1", help="address the page (HTTP) binds")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    p.add_argument(
+        "--ice-host",
+        type=csv_list(str),
+        default=None,
+        help="addresses offered as WebRTC host candidates, where media sockets bind (default: --host unless it is"
+        " a wildcard, then every interface but loopback)",
+    )
+    p.add_argument("--turn", default=None, help="TURN server for peers that cannot reach --ice-host (turn:HOST:PORT)")
+    p.add_argument("--turn-username", default=None, help="TURN username")
+    p.add_argument("--turn-credential-file", default=None, help="file holding the TURN credential")
+    p.add_argument("--tokens", default=None, help="bearer-token file (the gateway's): a browser must send one")
+    p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
+    )
+    p.add_argument("--tls-cert", default=None, help="the page TLS certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="the page's TLS key (PEM)")
+    p.add_argument("--gateway-tls", action="store_true", help="the gateway speaks TLS (system roots)")
+    p.add_argument("--gateway-ca", default=None, help="PEM file of the CA of the gateway's TLS certificate")
+    p.add_argument("--max-peers", type=int, default=4, help="browsers connected at once (WebRTC and WebSocket)")
+    p.add_argument("--peer-timeout", type=float, default=5.0, help="seconds of silence after which a peer is gone")
+    p.set_defaults(run=main)
+
+
+def ice_hosts(host: str, explicit: list[str] | None) -> list[str]:
+    if explicit is not None:
+        return explicit
+    return [] if host in ("0.0.0.0", "::", "") else [host]
+
+
+def main(args: argparse.Namespace) -> int:
+    from aiortc import RTCIceServer
+
+    from stagecast.security import is_loopback
+    from web.server import WebApp, WebConfig
+
+    if not args.tokens and not args.allow_anonymous and not is_loopback(args.host):
+        print(
+            f"stagecast web: --host {args.host} is reachable from other machines: give --tokens FILE "
+            "(or --allow-anonymous)",
+            flush=True,
+        )
+        return 2
+    if args.max_peers < 1 or args.peer_timeout <= 0:
+        print("stagecast web: --max-peers must be >= 1 and --peer-timeout > 0", flush=True)
+        return 2
+    servers = []
+    if args.turn:
+        credential = None
+        if args.turn_credential_file:
+            with open(args.turn_credential_file) as f:
+                credential = f.read().strip()
+        servers.append(RTCIceServer(urls=args.turn, username=args.turn_username, credential=credential))
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            print("stagecast web: --tls-cert and --tls-key go together", flush=True)
+            return 2
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    cfg = WebConfig(
+        gateway=args.gateway,
+        tokens=args.tokens,
+        gateway_tls=args.gateway_tls,
+        gateway_ca=args.gateway_ca,
+        ice_hosts=ice_hosts(args.host, args.ice_host),
+        ice_servers=servers,
+        max_peers=args.max_peers,
+        peer_timeout=args.peer_timeout,
+    )
+
+    async def serve() -> None:
+        app = WebApp(cfg)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            url = await app.start(args.host, args.port, tls)
+        except OSError as exc:
+            print(f"stagecast web: port {args.port}: {exc.strerror}", flush=True)
+            raise SystemExit(1) from None
+        address = url.split("://", 1)[1].rstrip("/")
+        print(f"stagecast web: open {url}", flush=True)
+        announce_ready("web", url=url, address=address)
+        await stop.wait()
+        await app.stop()
+
+    asyncio.run(serve())
+    return 0

@@ -1,0 +1,114 @@
+"""Control messages between a browser and the web process: one JSON schema for the data channel and the WebSocket.
+
+Usage::
+
+    msg = parse_message(text)          # -> ControlMessage, or raises BadMessage naming the field
+    if msg.kind == "config": gen = client.generate(**msg.config, codec="raw")
+
+From the browser (one JSON object per message, at most ``MAX_MESSAGE_BYTES``):
+
+    {"type": "config", "prompt": "...", "steps": 2, "width": 64, "height": 64, "seed": 0, ...}   # (re)start a stream
+    {"type": "prompt", "prompt": "..."}                                                            # PromptUpdate
+    {"type": "stop"}                                                                               # graceful Stop
+    {"type": "ping"}                                                                               # keep-alive
+
+To the browser: ``started`` (the effective config), ``frame`` (per-frame stats), ``prompt_updated``, ``end``,
+``error`` (``{"type": "error", "message": "width: ..."}``).  The fields of ``config`` are the public
+``StreamConfig``'s; their ranges are checked by the gateway, in one place, and its errors are passed on as they are.
+Here only the shape is checked: the type of every field, and no unknown field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# The gateway's own bound on a request (a config with a 20,000-character prompt fits in 96 KiB).
+MAX_MESSAGE_BYTES = 96 * 1024
+
+# StreamConfig fields a browser may set, with the JSON type each must have.  The codec is the web process's choice
+# (raw frames for WebRTC, H.264 fMP4 for the WebSocket), so it is not among them.
+CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
+    "prompt": (str,),
+    "width": (int,),
+    "height": (int,),
+    "seconds": (int, float),
+    "chunk_frames": (int,),
+    "steps": (int,),
+    "seed": (int,),
+    "target_fps": (int, float),
+    "policy": (str,),
+    "window": (int,),
+    "sink": (int,),
+    "quality": (int,),
+    "timesteps": (list,),
+}
+KINDS = ("config", "prompt", "stop", "ping")
+
+
+class BadMessage(ValueError):
+    """A control message that is not one of ours; the text names the field."""
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    kind: str
+    config: dict = field(default_factory=dict)  # kind "config": StreamConfig keyword arguments
+    prompt: str = ""  # kind "prompt"
+    token: str | None = None  # the WebSocket's config carries the bearer token (browsers cannot set its headers)
+
+
+def _check_type(name: str, value: object, kinds: tuple[type, ...]) -> None:
+    # bool is an int in Python; a JSON true is never a number here.
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        want = " or ".join("number" if k is float else {int: "integer", str: "string", list: "list"}[k] for k in kinds)
+        raise BadMessage(f"{name}: must be {want}, got {type(value).__name__}")
+
+
+def parse_message(data: str | bytes) -> ControlMessage:
+    if isinstance(data, bytes):
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise BadMessage(f"message: {len(data)} bytes, the limit is {MAX_MESSAGE_BYTES}")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadMessage("message: not UTF-8 JSON") from None
+    if len(data.encode("utf-8", errors="replace")) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"message: over {MAX_MESSAGE_BYTES} bytes")
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadMessage("message: not JSON") from None
+    if not isinstance(obj, dict):
+        raise BadMessage("message: must be a JSON object")
+    kind = obj.get("type")
+    if kind not in KINDS:
+        raise BadMessage(f"type: must be one of {', '.join(KINDS)}, got {str(kind)[:40]!r}")
+    token = obj.get("token")
+    if token is not None:
+        _check_type("token", token, (str,))
+    if kind == "config":
+        config = {k: v for k, v in obj.items() if k not in ("type", "token")}
+        for name, value in config.items():
+            if name not in CONFIG_FIELDS:
+                raise BadMessage(f"{name[:40]}: not a config field (one of {', '.join(CONFIG_FIELDS)})")
+            _check_type(name, value, CONFIG_FIELDS[name])
+        if "prompt" not in config:
+            raise BadMessage("prompt: required")
+        for i, t in enumerate(config.get("timesteps", ())):
+            _check_type(f"timesteps[{i}]", t, (int, float))
+        return ControlMessage("config", config=config, token=token)
+    extra = set(obj) - {"type", "token", "prompt"}
+    if extra:
+        raise BadMessage(f"{sorted(extra)[0][:40]}: not a field of a {kind} message")
+    if kind == "prompt":
+        prompt = obj.get("prompt")
+        if prompt is None:
+            raise BadMessage("prompt: required")
+        _check_type("prompt", prompt, (str,))
+        return ControlMessage("prompt", prompt=prompt, token=token)
+    return ControlMessage(kind, token=token)
+
+
+def dumps(msg: dict) -> str:
+    return json.dumps(msg, separators=(",", ":"))

@@ -1,0 +1,231 @@
+"""The web process: the live page, WebRTC offer/answer and the WebSocket fallback, in front of one gateway.
+
+Usage::
+
+    app = WebApp(WebConfig(gateway="127.0.0.1:50051", ice_hosts=["127.0.0.1"]))
+    url = await app.start("127.0.0.1", 8080)      # -> "http://127.0.0.1:8080/"
+    await app.stop()                              # closes every peer: their streams end at the gateway
+
+Routes:
+
+    GET  /                 the page (``web/static``: one HTML file, one script, one stylesheet; no build step)
+    GET  /api/info         what the page needs: ICE servers, limits, whether a token is needed
+    POST /api/offer        {"sdp": "<offer>", "type": "offer"} -> {"sdp": "<answer>", "type": "answer", "peer": id}
+    GET  /api/ws           the WebSocket fallback (``web.fallback``)
+    GET  /healthz          200 while serving
+
+It talks to the gateway only through the public SDK (``stagecast.AsyncClient``), one channel per peer, with the
+peer's own bearer token, so tenants and the gateway's limits apply to browser streams as to any other.  With
+``tokens`` the web process checks the token itself first (the same file and ``TokenAuth`` as the gateway), so a
+stranger costs no WebRTC set-up.  Every refusal is a JSON ``{"error": "..."}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from aiortc import RTCIceServer
+
+from stagecast.client import AsyncClient
+from stagecast.security import TokenAuth
+from web.control import MAX_MESSAGE_BYTES
+from web.fallback import FIRST_MESSAGE_S, serve_socket
+from web.rtc import MAX_SDP_BYTES, BadOffer, RtcPeer, use_ice_hosts
+from web.session import Session
+
+logger = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent / "static"
+PAGES = {
+    "/": ("index.html", "text/html"),
+    "/app.js": ("app.js", "text/javascript"),
+    "/app.css": ("app.css", "text/css"),
+}
+# The page loads nothing from elsewhere (no CDN: the machine may be offline) and runs no inline script.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; media-src 'self' blob:; "
+    "connect-src 'self' ws: wss:; frame-ancestors 'none'"
+)
+
+
+@dataclass
+class WebConfig:
+    gateway: str  # host:port of the gateway's public API
+    tokens: str | None = None  # bearer-token file (the gateway's), or None: anyone may use the page
+    gateway_tls: bool = False
+    gateway_ca: str | None = None  # PEM file of the gateway's CA
+    ice_hosts: list[str] = field(default_factory=list)  # host candidates to offer (empty: aioice's choice)
+    ice_servers: list[RTCIceServer] = field(default_factory=list)  # TURN (or STUN) for peers behind NAT
+    max_peers: int = 4  # WebRTC and WebSocket peers together
+    peer_timeout: float = 5.0  # a peer silent this long is gone
+    connect_timeout: float = 15.0  # an answered peer must connect within this
+
+
+def _refuse(status: int, text: str) -> web.Response:
+    return web.json_response({"error": text}, status=status)
+
+
+class WebApp:
+    def __init__(self, cfg: WebConfig):
+        self.cfg = cfg
+        self.auth = TokenAuth(cfg.tokens) if cfg.tokens else None
+        use_ice_hosts(cfg.ice_hosts)
+        self.peers: dict[str, object] = {}  # id -> RtcPeer or WebSocketResponse
+        self._ids = itertools.count(1)
+        self.served = {"rtc": 0, "ws": 0, "refused": 0}
+        self.app = web.Application(client_max_size=MAX_SDP_BYTES + 4096)
+        for path in PAGES:
+            self.app.router.add_get(path, self.page)
+        self.app.router.add_get("/api/info", self.info)
+        self.app.router.add_post("/api/offer", self.offer)
+        self.app.router.add_get("/api/ws", self.socket)
+        self.app.router.add_get("/healthz", self.health)
+        self._runner: web.AppRunner | None = None
+
+    # ---- auth ----------------------------------------------------------------------------------------------
+
+    def check_token(self, token: str | None) -> str | None:
+        """None when ``token`` may generate; else what is wrong (the gateway's wording)."""
+        if self.auth is None:
+            return None
+        who = self.auth.principal([("authorization", f"Bearer {token}")]) if token and token.strip() else None
+        if who is None:
+            return "a valid bearer token is required (Authorization: Bearer <token>)"
+        if not who.may_generate:
+            return f"token of tenant {who.tenant!r} may not generate"
+        return None
+
+    def client_for(self, token: str | None):
+        def open_client() -> AsyncClient:
+            return AsyncClient(
+                self.cfg.gateway,
+                token=token if self.auth is not None else None,
+                tls=self.cfg.gateway_tls or None,
+                root_certificates=self.cfg.gateway_ca,
+            )
+
+        return open_client
+
+    def _full(self) -> web.Response | None:
+        if len(self.peers) >= self.cfg.max_peers:
+            self.served["refused"] += 1
+            return _refuse(503, f"too many peers: {len(self.peers)} connected, the limit is {self.cfg.max_peers}")
+        return None
+
+    # ---- routes --------------------------------------------------------------------------------------------
+
+    async def page(self, request: web.Request) -> web.Response:
+        name, kind = PAGES[request.path]
+        return web.Response(
+            body=(STATIC / name).read_bytes(),
+            content_type=kind,
+            headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"},
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"peers": len(self.peers), **self.served})
+
+    async def info(self, request: web.Request) -> web.Response:
+        servers = [
+            {k: v for k, v in (("urls", s.urls), ("username", s.username), ("credential", s.credential)) if v}
+            for s in self.cfg.ice_servers
+        ]
+        return web.json_response(
+            {
+                "ice_servers": servers,
+                "token_required": self.auth is not None,
+                "max_peers": self.cfg.max_peers,
+                "peers": len(self.peers),
+                "peer_timeout_s": self.cfg.peer_timeout,
+                "max_message_bytes": MAX_MESSAGE_BYTES,
+            }
+        )
+
+    async def offer(self, request: web.Request) -> web.Response:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        problem = self.check_token(token.strip() if scheme.lower() == "bearer" else None)
+        if problem is not None:
+            return _refuse(403 if "may not" in problem else 401, problem)
+        if (full := self._full()) is not None:
+            return full
+        if request.content_length is not None and request.content_length > MAX_SDP_BYTES + 4096:
+            return _refuse(413, f"sdp: over {MAX_SDP_BYTES} bytes")
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _refuse(413, f"sdp: over {MAX_SDP_BYTES} bytes")
+        except ValueError:
+            return _refuse(400, 'body: not JSON (send {"sdp": ..., "type": "offer"})')
+        if not isinstance(body, dict) or body.get("type") != "offer":
+            return _refuse(400, 'type: must be "offer"')
+        peer_id = f"rtc-{next(self._ids)}"
+        peer = RtcPeer(
+            lambda sink, send, fatal: Session(self.client_for(token.strip()), sink, send, codec="raw", on_fatal=fatal),
+            ice_servers=self.cfg.ice_servers,
+            peer_timeout=self.cfg.peer_timeout,
+            connect_timeout=self.cfg.connect_timeout,
+            on_closed=lambda p: self.peers.pop(peer_id, None),
+        )
+        self.peers[peer_id] = peer
+        try:
+            answer = await peer.answer(body.get("sdp"))
+        except BadOffer as exc:
+            await peer.close(f"bad offer: {exc}")
+            return _refuse(400, str(exc))
+        self.served["rtc"] += 1
+        return web.json_response({"sdp": answer, "type": "answer", "peer": peer_id})
+
+    async def socket(self, request: web.Request) -> web.StreamResponse:
+        if (full := self._full()) is not None:
+            return full
+        ws = web.WebSocketResponse(heartbeat=self.cfg.peer_timeout / 2, max_msg_size=MAX_MESSAGE_BYTES)
+        await ws.prepare(request)
+        peer_id = f"ws-{next(self._ids)}"
+        self.peers[peer_id] = ws
+        self.served["ws"] += 1
+        token_holder: list[str | None] = [None]
+
+        def authorize(token: str | None) -> str | None:
+            token_holder[0] = token
+            timer.cancel()
+            return self.check_token(token)
+
+        def make_session(sink, send, fatal):
+            return Session(lambda: self.client_for(token_holder[0])(), sink, send, codec="h264", on_fatal=fatal)
+
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=b"no config within 10 s")))
+        try:
+            why = await serve_socket(ws, make_session, authorize)
+            logger.info("socket %s closed: %s", peer_id, why)
+        finally:
+            timer.cancel()
+            self.peers.pop(peer_id, None)
+        return ws
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # noqa: SLF001 - the port chosen for port 0
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        return f"{'https' if tls else 'http'}://{shown}:{bound[1]}/"
+
+    async def stop(self) -> None:
+        for peer in list(self.peers.values()):
+            if isinstance(peer, RtcPeer):
+                await peer.close("shutting down")
+            else:
+                await peer.close(message=b"shutting down")
+        if self._runner is not None:
+            await self._runner.cleanup()
