@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -116,13 +117,17 @@ class Generations:
 
         pool = ThreadPoolExecutor(max_workers=world)
         futures = [pool.submit(form_one, link) for link in links]
-        done, _ = wait(futures, timeout=self.form_timeout, return_when=FIRST_EXCEPTION)
+        done, silent = self._wait_forming(futures, links)
         pool.shutdown(wait=False)
         errors = [f.exception() for f in done if f.exception() is not None]
-        if errors or len(done) < len(futures):
-            detail = (
-                errors[0].details() if errors and isinstance(errors[0], grpc.RpcError) else str(errors or "timeout")
-            )
+        if silent is not None or errors or len(done) < len(futures):
+            if silent is not None:
+                detail = f"stage {silent.index} stopped answering health checks while forming"
+                self.registry.mark_lost(silent.index, silent.address)
+            elif errors and isinstance(errors[0], grpc.RpcError):
+                detail = errors[0].details()
+            else:
+                detail = str(errors or f"no answer within the form timeout ({self.form_timeout:g}s)")
             logger.error("forming generation %d failed: %s", gen, detail)
             for link in links:
                 link.close()
@@ -152,6 +157,28 @@ class Generations:
         threading.Thread(target=self._monitor, args=(gen, links, self._monitor_stop), daemon=True).start()
         logger.info("generation %d formed with %d stages", gen, world)
         self.on_ready_change(True)
+
+    def _wait_forming(self, futures: list, links: list[StageLink]) -> tuple[set, StageRecord | None]:
+        """Wait for every stage's Form, health-checking them meanwhile: a stage that hangs without dropping its
+        connection (paused, wedged) is caught in about two seconds, not at the form timeout.  Returns the done
+        futures and the record of a silent stage (None when all answered)."""
+        deadline = time.monotonic() + self.form_timeout
+        misses = {link.record.index: 0 for link in links}
+        while True:
+            left = deadline - time.monotonic()
+            done, pending = wait(futures, timeout=min(0.5, max(left, 0.0)), return_when=FIRST_EXCEPTION)
+            if not pending or any(f.exception() is not None for f in done) or left <= 0 or self._stopped:
+                return done, None
+            for link, future in zip(links, futures, strict=True):
+                if future.done():
+                    continue  # formed: it waits for the others
+                try:
+                    link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    misses[link.record.index] = 0
+                except grpc.RpcError:
+                    misses[link.record.index] += 1
+                    if misses[link.record.index] >= 2:
+                        return done, link.record
 
     def _link_error(self, gen: int, index: int, message: str) -> None:
         with self.cond:

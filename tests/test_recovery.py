@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher.demo_checkpoint import write_transformer
-from launcher.local_cluster import start_pipeline
+from launcher.local_cluster import stage_args, start_pipeline
 from launcher.process import Launcher
 from stage_service.server import SERVICE_NAME as STAGE_HEALTH
 from stagecast.grpc_util import NOT_SERVING, SERVING
@@ -115,4 +115,35 @@ def test_a_paused_stage_rejoins_by_itself_and_a_new_stream_succeeds_within_10s(c
         print(f"paused {pause}: a new stream completed {took:.2f}s after SIGCONT")
         assert stage.proc.poll() is None  # the same process (no restart by anyone)
         assert health(launcher, stage.info["address"], STAGE_HEALTH) == SERVING  # serving in the new generation
+        channel.close()
+
+
+def test_a_stage_paused_while_the_pipeline_forms_is_caught_in_seconds_and_rejoins_after_sigcont(checkpoint):
+    with Launcher() as launcher:
+        coord_args = ["coordinator", "--stages", "2", "--host", "127.0.0.1", "--port", "0", "--backend", "gloo"]
+        address = launcher.spawn("coordinator", coord_args).info["address"]
+        channel, stub = coordinator_stub(address, launcher)
+        first = launcher.spawn("stage-0", stage_args(0, address, checkpoint, "cpu", "float32", "127.0.0.1"))
+        os.kill(first.pid, signal.SIGSTOP)  # registered, then silent: its Form call will hang
+        try:
+            launcher.spawn("stage-1", stage_args(1, address, checkpoint, "cpu", "float32", "127.0.0.1"))
+            formed_from = time.monotonic()  # stage 1 registered: the registry is complete, forming starts
+
+            def forming_failed():
+                try:
+                    run_stream(stub, tiny_spec(), timeout=10)
+                except grpc.RpcError as exc:
+                    return exc.details() if "while forming" in exc.details() else None
+                raise AssertionError("a stream was served with a paused stage")
+
+            detail = wait_until(forming_failed, timeout=60, interval=0.2, what="forming to fail")
+            caught = time.monotonic() - formed_from
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert "stage 0 stopped answering health checks while forming" in detail, detail
+        wait_for_generation(address, 2, launcher, timeout=60)
+        chunks, reason = run_stream(stub, tiny_spec(num_chunks=3), timeout=30)
+        assert reason == "completed" and len(chunks) == 3
+        assert first.proc.poll() is None  # the same process rejoined
+        print(f"a stage paused while forming was caught {caught:.2f}s after forming began")
         channel.close()
