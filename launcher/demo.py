@@ -4,13 +4,15 @@ Usage::
 
     stagecast demo                                  # 2 s of video from 2 stages into demo.mp4
     stagecast demo --seconds 1 --out clip.mp4 --stages 3
+    stagecast demo --serve                          # then keep serving the live page until Ctrl-C
     run_demo(DemoConfig(seconds=1, out="clip.mp4"))   # -> exit code
 
 It writes the demo checkpoint once into ``$STAGECAST_CACHE/demo`` (default ``~/.cache/stagecast/demo``), starts a
 coordinator, K stages and a gateway as separate processes (real gRPC, real gloo data plane), streams the clip
 through the public API with the client SDK, prints TTFF and FPS, and stops every process it started, also on
-Ctrl-C (children die with the demo even if it is killed).  The weights are random, so the video is noise: the demo
-shows the system working end to end, not image quality.
+Ctrl-C (children die with the demo even if it is killed).  It also starts ``stagecast web`` and prints the live page's
+URL; ``--serve`` keeps everything up after the clip, for the browser, until Ctrl-C.  The weights are random, so the
+video is noise: the demo shows the system working end to end, not image quality.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.demo_checkpoint import write_demo_checkpoint
-from launcher.local_cluster import start_pipeline
+from launcher.local_cluster import start_pipeline, web_args
 from launcher.process import Launcher
 from stagecast.generate import generate_clip
+from stagecast.service import stop_event
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class DemoConfig:
     seed: int = 0
     cache: str | None = None
     progress: bool = True
+    web_port: int = 0  # the live page (0: any free port; -1: none)
+    serve: bool = False  # keep serving the page after the clip, until Ctrl-C
 
 
 def run_demo(cfg: DemoConfig) -> int:
@@ -62,6 +67,9 @@ def run_demo(cfg: DemoConfig) -> int:
         )
         address = gateway.info["address"]  # the READY line comes once it serves
         print(f"up in {time.monotonic() - t0:.1f} s: gateway {address}, coordinator {pipe.coordinator}", flush=True)
+        if cfg.web_port >= 0:
+            page = launcher.spawn("web", web_args(address, "127.0.0.1", cfg.web_port))
+            print(f"live page: {page.info['url']}", flush=True)
         report = generate_clip(
             address,
             cfg.out,
@@ -72,6 +80,9 @@ def run_demo(cfg: DemoConfig) -> int:
             progress=cfg.progress,
         )
         print(report.summary(), flush=True)
+        if cfg.serve and cfg.web_port >= 0:
+            print(f"serving the live page at {page.info['url']} until Ctrl-C", flush=True)
+            stop_event().wait()
     print(f"demo finished in {time.monotonic() - t0:.1f} s; every process stopped", flush=True)
     return 0
 
@@ -90,6 +101,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="stream seed")
     p.add_argument("--cache", default=None, help="checkpoint cache (default: $STAGECAST_CACHE/demo or ~/.cache/...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--web-port", type=int, default=0, help="the live browser page's port (0: any free one; -1: none)")
+    p.add_argument("--serve", action="store_true", help="after the clip, keep serving the live page until Ctrl-C")
     p.set_defaults(run=main)
 
 
@@ -104,5 +117,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             cache=args.cache,
             progress=not args.no_progress,
+            web_port=args.web_port,
+            serve=args.serve,
         )
     )

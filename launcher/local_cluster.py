@@ -130,3 +130,14 @@ class Placement:
         if vae_devices is None:
             vae_devices = [f"cuda:{i}" for i in range(min(stages, gpus))]
         return cls(stage_devices, stage_devices[-1], vae_devices)
+
+
+def web_args(gateway: str, host: str, port: int, tokens: str | None = None, gateway_ca: str | None = None) -> list[str]:
+    """``stagecast web`` in front of ``gateway``: the page on ``host:port``, offering WebRTC media on ``host`` too
+    (every socket binds ``--host``; on a wildcard, every interface)."""
+    args = ["web", "--gateway", gateway, "--host", host, "--port", str(port)]
+    if tokens:
+        args += ["--tokens", tokens]
+    if gateway_ca:
+        args += ["--gateway-ca", gateway_ca]
+    return args

@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
     p.add_argument(
+        "--web-port", type=int, default=8080, help="the live browser page (stagecast web) on --host (none: -1)"
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -70,11 +73,11 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from launcher.local_cluster import Placement, start_pipeline
+    from launcher.local_cluster import Placement, start_pipeline, web_args
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
-    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port)):
+    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port), ("web", args.web_port)):
         try:
             check_port_free(args.host, max(port, 0))  # before anything starts: fail at once
         except AddressInUseError as exc:
@@ -128,11 +131,19 @@ def main(args: argparse.Namespace) -> int:
                 ready["gateway"] = gateway.info["address"]
                 bound = ready["gateway"].rsplit(":", 1)[1]
                 supervisor.watch(gateway, [*gw_args, "--port", bound])  # a restart keeps the port
+                if args.web_port >= 0:
+                    page_args = web_args(ready["gateway"], args.host, args.web_port, args.tokens, args.tls_cert)
+                    page = launcher.spawn("web", page_args)
+                    ready["web"] = page.info["url"]
+                    page_port = page.info["address"].rsplit(":", 1)[1]
+                    supervisor.watch(page, [*page_args[:-1], page_port])
         except LaunchError as exc:
             print(f"stagecast up: {exc}", file=sys.stderr)
             return 1
         where = ", ".join(f"{role} {address}" for role, address in ready.items())
         print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
+        if "web" in ready:
+            print(f"watch and steer it in a browser: {ready['web']}", flush=True)
         announce_ready(**ready)
         failure = supervisor.wait()
         if failure is not None:

@@ -40,6 +40,7 @@ def test_demo_writes_a_one_second_mp4_and_stops_every_process(tmp_path):
             proc.kill()
     assert proc.returncode == 0, log
     assert "TTFF" in log and "FPS" in log, log
+    assert "live page: http://127.0.0.1:" in log, log  # the browser page's URL
     frames = read_mp4_frames(out)
     # 1 s at the demo's 16 fps is exactly 16 frames, at the demo checkpoint's default size.
     assert len(frames) == 16

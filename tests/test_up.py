@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def alive(pid):
 def test_up_serves_and_sigterm_stops_every_process():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
-        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "0"]
         args += ["--credentials", launcher.credentials]  # the deployment CA this test holds an operator's cert of
         up = launcher.spawn("up", [*args, "--vae-devices", "cpu,cpu"])  # the gateway's VAE cut in two parts
         channel, stub = coordinator_stub(up.info["coordinator"], launcher)
@@ -53,8 +54,10 @@ def test_up_serves_and_sigterm_stops_every_process():
         with stagecast.Client(up.info["gateway"]) as client:
             frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
         assert len(frames) == 8
+        with urllib.request.urlopen(up.info["web"], timeout=30) as page:  # the live page's URL, printed by up
+            assert b"stagecast live" in page.read()
         children = descendants(up.pid)
-        assert len(children) >= 4  # coordinator + 2 stages + gateway
+        assert len(children) >= 5  # coordinator + 2 stages + gateway + web
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
         assert not [pid for pid in children if alive(pid)]
@@ -70,6 +73,7 @@ def test_up_serves_a_checkpoint_whose_transformer_has_original_wan_keys_and_conf
     assert '"dim"' in config and "in_channels" not in config
     with Launcher() as launcher:
         args = ["up", "--checkpoint", str(root), "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        args += ["--web-port", "0"]
         up = launcher.spawn("up", args)
         with stagecast.Client(up.info["gateway"]) as client:
             frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
@@ -91,7 +95,7 @@ def _service_pid(up_pid, command):
 def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
-        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0"]
+        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "0"]
         up = launcher.spawn("up", [*args, "--credentials", launcher.credentials])  # our operator cert is valid there
         old = _service_pid(up.pid, "coordinator")
         os.kill(old, signal.SIGKILL)
@@ -176,7 +180,7 @@ def test_a_second_up_on_a_taken_port_fails_at_once_with_address_already_in_use()
     with tempfile.TemporaryDirectory() as tmp:
         for flag in ("--port", "--gateway-port"):
             other = "--gateway-port" if flag == "--port" else "--port"
-            args = ["up", "--checkpoint", tmp, "--stages", "2", flag, str(port), other, "0"]
+            args = ["up", "--checkpoint", tmp, "--stages", "2", flag, str(port), other, "0", "--web-port", "0"]
             start = time.monotonic()
             done = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True)
             assert done.returncode == 2

@@ -1,0 +1,157 @@
+"""The live page in a real browser: Debian's headless chromium, driven through /usr/bin/chromedriver (Selenium never
+downloads a driver), against a demo-sized system with the web process in front.  Over WebRTC and over the WebSocket
+fallback, the page receives frames it can draw, switches the prompt live and sees ``prompt_updated``, and a
+screenshot is taken with the video playing.
+
+Traffic stays on loopback: the web process offers 127.0.0.1 only, the browser may use loopback candidates
+(``--allow-loopback-in-peer-connection``, mDNS hiding off), resolves no host name but 127.0.0.1, and its background
+services (updates, sync, safe browsing) are off.  ``.ci/run`` installs ``chromium`` and ``chromium-driver``; the tests
+skip only where they are not installed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from launcher.demo_checkpoint import DEMO_SERVING
+from tests.web_cluster import web_cluster
+
+pytestmark = pytest.mark.multiprocess
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+OTHER = "a blue bird flying over the ocean"
+TIMEOUT = 180
+
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    pytest.skip(
+        f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium"
+        " chromium-driver (.ci/run does)",
+        allow_module_level=True,
+    )
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+BROWSER_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",  # CI runs as root
+    "--disable-dev-shm-usage",
+    "--window-size=1100,800",
+    "--allow-loopback-in-peer-connection",
+    "--disable-features=WebRtcHideLocalIpsWithMdns",
+    "--autoplay-policy=no-user-gesture-required",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    # Nothing leaves the machine: no name resolves except to loopback, no background traffic.
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-domain-reliability",
+    "--safebrowsing-disable-auto-update",
+]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    with web_cluster(tmp_path_factory.mktemp("ckpt")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def browser(tmp_path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in BROWSER_FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"]:
+        options.add_argument(flag)
+    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+def until(driver, script: str, timeout: float = TIMEOUT):
+    """Wait until the page's ``script`` (an expression over ``window.stagecast``) is truthy; returns its value."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(
+        lambda d: d.execute_script(f"return {script};"),
+        message=lambda d: f"{script} never held; page events: {d.execute_script('return window.stagecast.events;')}",
+    )
+
+
+# The video element's current picture, drawn into a canvas: (H, W, 3) pixels the browser decoded.
+PIXELS = """
+const v = document.getElementById('video');
+const c = document.createElement('canvas'); c.width = v.videoWidth; c.height = v.videoHeight;
+const g = c.getContext('2d'); g.drawImage(v, 0, 0);
+return Array.from(g.getImageData(0, 0, c.width, c.height).data);
+"""
+
+
+def decoded_picture(driver) -> np.ndarray:
+    w, h = driver.execute_script("const v = document.getElementById('video'); return [v.videoWidth, v.videoHeight];")
+    rgba = np.array(driver.execute_script(PIXELS), dtype=np.uint8).reshape(h, w, 4)
+    return rgba[..., :3]
+
+
+def run_page(driver, url: str, transport: str, shot) -> dict:
+    driver.get(url)
+    until(driver, "window.stagecast && window.stagecast.ready")
+    driver.find_element(By.CSS_SELECTOR, f"input[name=transport][value={transport}]").click()
+    driver.find_element(By.ID, "start").click()  # no seconds: streams until stopped
+    until(driver, "window.stagecast.frames >= 8")
+    # The browser decodes and plays the stream: the picture has the stream's size and advances.
+    until(driver, "document.getElementById('video').videoWidth > 0")
+    played = driver.execute_script("return document.getElementById('video').currentTime;")
+    until(driver, f"document.getElementById('video').currentTime > {played}")
+    picture = decoded_picture(driver)
+    prompt = driver.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(OTHER)
+    driver.find_element(By.ID, "update").click()
+    until(driver, f"window.stagecast.promptUpdates.includes({OTHER!r})")
+    frames_before = driver.execute_script("return window.stagecast.frames;")
+    until(driver, f"window.stagecast.frames >= {frames_before + 8}")  # still streaming after the switch
+    until(driver, "document.getElementById('ttff').textContent.endsWith(' s')")
+    png = driver.get_screenshot_as_png()
+    shot.write_bytes(png)
+    driver.find_element(By.ID, "stop").click()
+    end = until(driver, "window.stagecast.ends.length && window.stagecast.ends[0]")
+    state = driver.execute_script("return window.stagecast;")
+    return {"picture": picture, "png": png, "end": end, "state": state}
+
+
+def check_run(result: dict) -> None:
+    picture = result["picture"]
+    assert picture.shape == (DEMO_SERVING["height"], DEMO_SERVING["width"], 3)
+    assert picture.std() > 5.0  # generated content, not a blank or black frame
+    assert result["end"]["reason"] == "stopped"
+    assert result["state"]["errors"] == []
+    screenshot = np.asarray(Image.open(io.BytesIO(result["png"])).convert("RGB"))
+    assert screenshot.shape[0] > 300 and screenshot.std() > 5.0
+
+
+def test_the_page_plays_webrtc_frames_switches_the_prompt_and_is_screenshotted(system, browser, tmp_path):
+    result = run_page(browser, system.url, "webrtc", tmp_path / "webrtc.png")
+    check_run(result)
+    assert result["state"]["transport"] == "webrtc"
+
+
+def test_the_page_plays_the_websocket_fallback_through_media_source(system, browser, tmp_path):
+    result = run_page(browser, system.url, "ws", tmp_path / "websocket.png")
+    check_run(result)
+    assert result["state"]["transport"] == "ws"
