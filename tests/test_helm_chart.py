@@ -146,7 +146,8 @@ def arg_value(args: list[str], flag: str) -> str | None:
 
 
 def main_container(workload: dict) -> dict:
-    containers = workload["spec"]["template"]["spec"]["containers"]
+    """The workload's own container (a gateway pod also runs the ``web`` container beside it)."""
+    containers = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] != "web"]
     assert len(containers) == 1, containers
     return containers[0]
 
@@ -549,7 +550,8 @@ def test_only_gateway_service_is_exposed(helm, name):
     v = r.values
     gw_public = r.get("Service", f"{RELEASE}-stagecast-gateway")
     assert gw_public["spec"]["type"] == v["gateway"]["service"]["type"]
-    assert [p["name"] for p in gw_public["spec"]["ports"]] == ["grpc"], "metrics must not be on the public Service"
+    # gRPC and the live page (stagecast web); metrics must not be on the public Service.
+    assert [p["name"] for p in gw_public["spec"]["ports"]] == ["grpc", "http"]
     for svc in r.of_kind("Service"):
         if svc is gw_public:
             continue
@@ -610,12 +612,16 @@ def test_network_policies_restrict_to_release(helm, name):
         assert release_peer["podSelector"]["matchLabels"].items() <= labels.items()
     # Gateway: gRPC open (networkPolicy.gateway.from is empty), metrics not.
     gw = r.component("NetworkPolicy", "gateway")
-    grpc_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "grpc")
+    grpc_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") == "grpc")
     assert "from" not in grpc_rule and [p["port"] for p in grpc_rule["ports"]] == ["grpc", "health"]
-    gw_ports = {p["name"] for p in main_container(r.component("Deployment", "gateway"))["ports"]}
-    assert gw_ports == {"grpc", "health", "metrics"}  # every port the policies name exists
-    metrics_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0]["port"] == "metrics")
+    gw_pod = r.component("Deployment", "gateway")["spec"]["template"]["spec"]
+    gw_ports = {p["name"] for c in gw_pod["containers"] for p in c["ports"]}
+    assert gw_ports == {"grpc", "health", "metrics", "http"}  # every port the policies name exists
+    metrics_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") == "metrics")
     assert metrics_rule["from"]
+    # The page from where the API may be reached; WebRTC media on UDP (aiortc's ports are random).
+    web_rules = [rule["ports"] for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") in (None, "http")]
+    assert web_rules == [[{"port": "http", "protocol": "TCP"}], [{"protocol": "UDP"}]]
 
 
 def test_metrics_scrapers_are_configurable(helm):
@@ -894,7 +900,7 @@ def test_defaults_are_secure(helm, name):
     assert fqdn(f"{RELEASE}-stagecast-gateway") in names
     # No port of the rendezvous store anywhere.
     for svc in r.of_kind("Service"):
-        assert {p["name"] for p in svc["spec"]["ports"]} <= {"grpc", "metrics"}, svc["metadata"]["name"]
+        assert {p["name"] for p in svc["spec"]["ports"]} <= {"grpc", "metrics", "http"}, svc["metadata"]["name"]
 
 
 def test_operators_bring_their_own_tokens_and_gateway_certificate(helm):

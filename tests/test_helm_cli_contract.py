@@ -9,6 +9,7 @@ from launcher import cli
 from tests.test_helm_chart import arg_value, fqdn, helm, render  # noqa: F401 - helm is a fixture
 
 VALUES = ["default", "multinode", "cpu"]
+COMMANDS = {"coordinator", "stage", "gateway", "generate", "demo-checkpoint", "vae-stage", "web"}
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -35,9 +36,9 @@ def test_every_container_command_parses_with_the_real_cli(helm, name):  # noqa: 
         spec = workload["spec"]["template"]["spec"] if "template" in workload["spec"] else workload["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
             args = container.get("args") or []
-            if args and args[0] in {"coordinator", "stage", "gateway", "generate", "demo-checkpoint", "vae-stage"}:
+            if args and args[0] in COMMANDS:
                 commands.append(args)
-    assert {a[0] for a in commands} >= {"coordinator", "stage", "gateway", "generate"}
+    assert {a[0] for a in commands} >= {"coordinator", "stage", "gateway", "generate", "web"}
     for args in commands:
         parse(args)
 
@@ -55,3 +56,46 @@ def test_stages_rendezvous_through_the_coordinators_grpc_service(helm, name):  #
     stage = rendered.component("StatefulSet", "stage")["spec"]["template"]["spec"]["containers"][0]["args"]
     ns = parse(stage)
     assert ns.coordinator == fqdn(service["metadata"]["name"], coord.port) and ns.mtls
+
+
+@pytest.mark.parametrize(
+    "media",
+    [
+        {"mode": "direct"},
+        {"mode": "turn", "turn": {"url": "turn:turn.example.com:3478", "username": "u", "credentialSecret": "t"}},
+        {"mode": "hostNetwork"},
+    ],
+)
+def test_the_web_container_reaches_the_gateway_with_its_tls_and_offers_the_media_path(helm, media):  # noqa: F811
+    rendered = render(helm, web={"media": media})
+    pod = rendered.component("Deployment", "gateway")["spec"]["template"]["spec"]
+    web = next(c for c in pod["containers"] if c["name"] == "web")
+    ns = parse(web["args"])
+    gateway = rendered.get("Service", "sc-stagecast-gateway")
+    grpc_port = next(p["port"] for p in gateway["spec"]["ports"] if p["name"] == "grpc")
+    # TLS is on by default: the gateway is reached by the Service name its certificate holds, with its CA.
+    assert ns.gateway == fqdn(gateway["metadata"]["name"], grpc_port)
+    assert ns.gateway_ca == "/etc/stagecast/gateway-tls/ca.crt" and ns.tokens == "/etc/stagecast/tokens/tokens"
+    assert ns.host == "0.0.0.0" and next(p for p in gateway["spec"]["ports"] if p["name"] == "http")
+    if media["mode"] == "turn":
+        assert ns.turn == "turn:turn.example.com:3478" and ns.turn_credential_file == "/etc/stagecast/turn/credential"
+        assert any(v.get("secret", {}).get("secretName") == "t" for v in pod["volumes"])
+    else:
+        assert ns.turn is None
+    assert pod.get("hostNetwork", False) == (media["mode"] == "hostNetwork")
+    assert (ns.ice_host == ["$(HOST_IP)"]) == (media["mode"] == "hostNetwork")
+
+
+def test_web_values_that_cannot_work_are_refused_and_web_can_be_left_out(helm):  # noqa: F811
+    from tests.test_helm_chart import render_error
+
+    assert "web.media.turn.url is empty" in render_error(helm, web={"media": {"mode": "turn"}})
+    off = render(helm, web={"enabled": False, "ingress": {"enabled": True}})
+    pod = off.component("Deployment", "gateway")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["gateway"]
+    assert [p["name"] for p in off.get("Service", "sc-stagecast-gateway")["spec"]["ports"]] == ["grpc"]
+    assert not off.of_kind("Ingress")
+    ingress = render(helm, web={"ingress": {"enabled": True, "host": "live.example.com"}}).of_kind("Ingress")
+    rule = ingress[0]["spec"]["rules"][0]
+    assert rule["host"] == "live.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "http"}

@@ -273,6 +273,9 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- fail (printf "stagecast: stages.partition %v sums to %d but model.numLayers is %d: the stages must cover every transformer block exactly once" . $sum $numLayers) -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.web.enabled (eq $v.web.media.mode "turn") (not $v.web.media.turn.url) -}}
+{{- fail "stagecast: web.media.mode is turn but web.media.turn.url is empty: give the TURN server's URL (turn:HOST:PORT), or use mode direct or hostNetwork" -}}
+{{- end -}}
 {{- if not (has $v.device (list "cuda" "cpu")) -}}
 {{- fail (printf "stagecast: device must be \"cuda\" or \"cpu\" (got %q)" (toString $v.device)) -}}
 {{- end -}}
