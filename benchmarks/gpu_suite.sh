@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_suite.sh 1.3b-4   # 1.3B 4 steps
 #   bash benchmarks/gpu_suite.sh 14b      # 14B 1 step
 #   bash benchmarks/gpu_suite.sh 5b       # 5B 704x1280 4 steps
+#   bash benchmarks/gpu_suite.sh sp-check # SP=2 parity on 2 GPUs (fp32, bf16) + the all-to-all timing (~3 min)
+#   bash benchmarks/gpu_suite.sh sp-1.3b pp-1.3b-eager   # 1.3B 1 step: SP=2 against PP=2, both eager (SP has
+#   bash benchmarks/gpu_suite.sh sp-14b pp-14b-eager     # 14B 1 step        no CUDA graphs yet); ~5 min per part
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -45,8 +48,23 @@ for part in "$@"; do
       timeout 360 "${harness[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 4 --stages 2 \
         --peer-chunks 4 --ttff-runs 3 --no-compiled-peer --json "$out/v2_5b_4step_2gpu.json"
       ;;
+    sp-check)
+      s=(timeout 150 python -m launcher.cli selftest --device cuda --stages 1 --sp 2)
+      "${s[@]}" --dtype float32 --window 3 --sink 1 --chunks 5
+      "${s[@]}" --dtype bfloat16 --model wan2.1-1.3b --layers 4 --height 60 --width 104 --window 3 --sink 1 --chunks 5
+      timeout 200 python -m benchmarks.sp_bench --gpus 2 --json "$out/sp_a2a_2gpu.json"
+      ;;
+    sp-1.3b|sp-14b|pp-1.3b-eager|pp-14b-eager)
+      model=wan2.1-1.3b; tag=13b; extra=()
+      case "$part" in *14b*) model=wan2.1-14b; tag=14b; extra=(--ttff-runs 3) ;; esac
+      topo=(--stages 1 --sp 2); name=sp2
+      case "$part" in pp-*) topo=(--stages 2); name=pp2 ;; esac
+      timeout 290 python -m benchmarks.harness --vae-compile --model "$model" --steps 1 --peer-chunks 4 \
+        --no-compiled-peer --load 1 --load-seconds 5 "${extra[@]}" "${topo[@]}" \
+        --json "$out/v2_${tag}_1step_${name}_eager.json"
+      ;;
     *)
-      sed -n '2,13p' "$0"
+      sed -n '2,16p' "$0"
       exit 2
       ;;
   esac

@@ -374,6 +374,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         launcher,
         checkpoint=f"random:{args.model}",
         stages=args.stages,
+        sp=args.sp,
         partition=args.partition,
         device=stage_device,
         dtype=args.dtype,
@@ -382,14 +383,15 @@ def start_system(launcher, root: Path, args, device_kind: str):
         record_plan=True,  # the interactive-latency measurement reads each prompt update's first chunk from it
         cuda_graphs=args.cuda_graphs and device_kind == "cuda",
     )
-    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else args.stages - 1}"
+    ranks = args.stages * args.sp  # one GPU per stage rank
+    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
     gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
     gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
     if device_kind == "cuda":
-        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(args.stages))
+        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(ranks))
         gw_args += ["--vae-devices", ",".join(f"cuda:{g}" for g in vae_gpus.split(","))]
     else:  # CPU smoke: the same pipelined path, two slices on the CPU
         gw_args += ["--vae-devices", "cpu,cpu"]
@@ -663,11 +665,17 @@ def tree_dirty() -> bool | None:
 # ---- report ---------------------------------------------------------------------------------------------
 
 
+def topology(a: dict) -> str:
+    """ "2" for a pipeline of 2 stages, "PP=2×SP=2" with sequence-parallel stages."""
+    sp = a.get("sp", 1)
+    return str(a["stages"]) if sp == 1 else f"PP={a['stages']}×SP={sp}"
+
+
 def markdown_row(r: dict) -> str:
     s, a = r["system"], r["args"]
     first = s["first_stream"]
     return (
-        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s) | {a['stages']} | "
+        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s) | {topology(a)} | "
         f"{s['steady_fps']:.1f} | {s['whole_fps']:.1f} | {s['main']['on_time']:.1%} | "
         f"{s['main']['max_gap_ms']:.0f} | {s['main']['gaps_over_250ms']} | "
         f"{first['on_time']:.1%} / {first['max_gap_ms']:.0f} | "
@@ -683,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--partition", default=None)
+    ap.add_argument(
+        "--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses); stages × sp GPUs, one per rank"
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
     ap.add_argument("--sink", type=int, default=3, help="sink frames (protocol: 3)")
@@ -719,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
         args.no_compiled_peer = True
     args.load = [int(x) for x in args.load.split(",")] if args.load else []
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device_kind == "cuda" and args.sp > 1:
+        from stagecast.model.parallel import check_gpus
+
+        check_gpus(args.stages, args.sp, torch.cuda.device_count())  # LayoutError names the flags, before any work
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
     device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
@@ -732,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         dit, vae = build_peer(args, device, dtype)
         flops = flops_per_frame(args, dit, vae, device, dtype, text_len)
         peak = matmul_peak_tflops(device, 8192 if device_kind == "cuda" else 512)
-        floor_fps = args.stages * peak / flops["tflop_per_video_frame"]
+        floor_fps = args.stages * args.sp * peak / flops["tflop_per_video_frame"]
         log("floor")
         peer = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks)
         log("peer")

@@ -62,7 +62,7 @@ def tables(runs: list[dict]) -> str:
         s, m, pc = r["system"], r["system"]["main"], r.get("peer_compiled")
         peer, floor = r.get("peer") or {}, r.get("floor") or {}
         out.append(
-            f"| {config_name(r)} | {r['args']['stages']} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
+            f"| {config_name(r)} | {_gpus(r['args'])} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
             f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
             f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(peer.get('fps'))} | "
             f"{_f(pc['fps'] if pc else None)} | {_f(floor.get('fps'), '.0f')} | "
@@ -148,3 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _gpus(a: dict) -> str:
+    """The GPU column: the stage count, or "PP=2×SP=2" for sequence-parallel stages (one GPU per rank)."""
+    sp = a.get("sp", 1)
+    return str(a["stages"]) if sp == 1 else f"PP={a['stages']}×SP={sp}"

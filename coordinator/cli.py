@@ -15,6 +15,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--stages", type=int, required=True, help="number of DiT stages")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence-parallel ranks per stage (Ulysses): stages × sp stage processes register, as ranks",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address stages use to reach this coordinator")
@@ -46,6 +52,7 @@ def _options(args: argparse.Namespace, mtls):
     return CoordinatorOptions(
         stages=args.stages,
         partition=args.partition,
+        sp=args.sp,
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,

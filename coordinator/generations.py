@@ -111,6 +111,7 @@ class Generations:
                     backend=self.backend,
                     layer_start=rec.layers.start,
                     layer_stop=rec.layers.stop,
+                    sp=self.registry.sp,
                 ),
                 timeout=self.form_timeout,
             )
@@ -144,7 +145,8 @@ class Generations:
                     link.close()
                 return
             self.links = links
-            self.sched = StreamBatchScheduler(num_stages=world, max_batch=self.max_batch)
+            # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together.
+            self.sched = StreamBatchScheduler(num_stages=self.registry.world_size, max_batch=self.max_batch)
             self.seq = 0
             self.batches_planned = self.batches_done = 0
             self.stage_stats = {}
@@ -256,7 +258,7 @@ class Generations:
             return True, f"generation {generation} is over (the coordinator is at {self.generation})"
 
     def _results_loop(self, gen: int, link: StageLink) -> None:
-        last = link.record.index == self.registry.world_size - 1
+        last = link.record.index == self.registry.ranks - 1
         try:
             call = link.stub.Results(pb.ResultsRequest(generation=gen))
             link.results_call = call

@@ -5,6 +5,8 @@ Usage::
     reg = StageRegistry(world_size=4, partition="8,12,12,8")
     rec = reg.register(index=1, address="10.0.0.2:50060", config_json=..., expected_world_size=4)
     rec.layers                       # range(8, 20)
+    StageRegistry(world_size=2, sp=2)   # 2 stages of 2 sequence-parallel ranks: indices are ranks 0..3,
+                                        # rank r serves stage r // 2's layers
     reg.complete                     # every index has a live registration
     reg.mark_lost(1)                 # a lost stage may register again (a restart)
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from stagecast.grpc_util import StatusError
+from stagecast.model.parallel import LayoutError, ParallelLayout, check_sp
 from stagecast.model.partition import parse_partition, partition_ranges
 
 # Keys that must agree between stages for their slices to form one model.
@@ -55,33 +58,54 @@ class StageRecord:
 
 
 class StageRegistry:
-    def __init__(self, world_size: int, partition: str | None = None):
+    """``world_size`` is the pipeline's stage count; with ``sp`` > 1 each stage is ``sp`` ranks, registered under
+    their global rank ``stage * sp + sp_rank`` (``ranks`` in all)."""
+
+    def __init__(self, world_size: int, partition: str | None = None, sp: int = 1):
         if world_size < 1:
             raise ValueError(f"stage count must be >= 1, got {world_size}")
+        self.layout = ParallelLayout(world_size, sp)
         self.world_size = world_size
+        self.sp = sp
         self.partition_spec = partition
         self.partition: list[range] | None = None
         self.model: dict | None = None
         self.stages: dict[int, StageRecord] = {}
         self.lock = threading.Lock()
 
-    def register(self, *, index: int, address: str, config_json: str, expected_world_size: int, device: str):
+    @property
+    def ranks(self) -> int:
+        return self.layout.world_size
+
+    def register(
+        self, *, index: int, address: str, config_json: str, expected_world_size: int, device: str, sp: int = 1
+    ):
         with self.lock:
+            if max(sp, 1) != self.sp:
+                raise RegistrationError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stage {index} runs --sp {max(sp, 1)} but this coordinator runs --sp {self.sp}",
+                )
             if expected_world_size and expected_world_size != self.world_size:
                 raise RegistrationError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"stage {index} expects {expected_world_size} stages but this coordinator runs {self.world_size}",
                 )
-            if not 0 <= index < self.world_size:
+            if not 0 <= index < self.ranks:
+                what = f"{self.world_size} stages" if self.sp == 1 else f"{self.world_size} stages × --sp {self.sp}"
                 raise RegistrationError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"stage index {index} is out of range for {self.world_size} stages (0..{self.world_size - 1})",
+                    f"stage index {index} is out of range for {what} (0..{self.ranks - 1})",
                 )
             try:
                 config = json.loads(config_json)
             except json.JSONDecodeError as exc:
                 raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, f"model config is not JSON: {exc}") from exc
             model = {k: config.get(k) for k in _MODEL_KEYS}
+            try:
+                check_sp(self.sp, int(model["num_attention_heads"] or 0))
+            except LayoutError as exc:
+                raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
             if self.model is not None and model != self.model:
                 diff = sorted(k for k in _MODEL_KEYS if model[k] != self.model[k])
                 detail = ", ".join(f"{k}: {model[k]!r} != {self.model[k]!r}" for k in diff)
@@ -102,14 +126,14 @@ class StageRegistry:
                     raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
                 self.partition = partition_ranges(counts)
                 self.model = model
-            rec = StageRecord(index, address, config, device, self.partition[index])
+            rec = StageRecord(index, address, config, device, self.partition[self.layout.stage_of(index)])
             self.stages[index] = rec
             return rec
 
     @property
     def complete(self) -> bool:
         with self.lock:
-            return len(self.stages) == self.world_size and not any(r.lost for r in self.stages.values())
+            return len(self.stages) == self.ranks and not any(r.lost for r in self.stages.values())
 
     def mark_lost(self, index: int, address: str | None = None) -> None:
         """Mark a stage lost; with ``address``, only if that incarnation still holds the index (a newer

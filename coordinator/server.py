@@ -49,6 +49,7 @@ ROLE_RULES = {
 class CoordinatorOptions:
     stages: int
     partition: str | None = None
+    sp: int = 1  # sequence-parallel ranks per stage (``--sp``): the pipeline has stages × sp stage processes
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
@@ -103,6 +104,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             config_json=request.model_config_json,
             expected_world_size=request.expected_world_size,
             device=request.device,
+            sp=request.sp,
         )
 
     def _holder_is_gone(self, index: int) -> bool:
@@ -221,7 +223,7 @@ class Coordinator:
     def __init__(self, opts: CoordinatorOptions):
         self.opts = opts
         self.store = rendezvous.RendezvousServicer()
-        self.registry = StageRegistry(opts.stages, opts.partition)
+        self.registry = StageRegistry(opts.stages, opts.partition, sp=opts.sp)
         self.engine = PipelineEngine(
             self.registry,
             connect=lambda address: connect(address, opts.mtls, "stage", CHANNEL_OPTIONS),
@@ -240,7 +242,7 @@ class Coordinator:
             ],
             host=opts.host,
             # Stages block in the store's Get/Wait while a group forms: room for them beside the streams.
-            max_workers=64 + 2 * opts.stages,
+            max_workers=64 + 2 * opts.stages * opts.sp,
             credentials=opts.mtls.server_credentials() if opts.mtls else None,
             interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
         )

@@ -11,6 +11,15 @@ stage p-1 has sent its output; on stage 0 it also waits for the latents its item
 stage.  A batch of b micro-steps costs ``stage_ms[p] * (1 + growth * (b - 1))`` (small batches are
 launch-bound, so ``growth`` is well below 1 on GPUs; measured on an H200).
 
+Sequence parallelism (``--sp S``): each stage is S ranks that run every batch together.  Only the part of a
+forward that grows with tokens shrinks: a rank holds 1/S of each item's tokens, so a batch of b costs
+``stage_ms[p] * ((1 - growth) + growth * b / S)`` (the same ``growth`` that prices a bigger batch).  Each layer
+adds Ulysses' two all-to-alls (q/k/v in, the attention output back), each rank sending
+``(S-1)/S`` of its shard, ``4 * b * tokens * dim * bytes * (S-1) / S**2`` bytes per layer, priced at
+``a2a_latency_ms`` per collective plus bytes over ``a2a_gbps`` (measure both with ``benchmarks/sp_bench.py``; the
+defaults fit the NCCL point-to-point times between two H200s in the design notes: 4.8 MB in 0.06 ms, 48 MB in
+0.17 ms).  The last stage gathers the shards once before its head.
+
 Utilization and bubble fraction are measured in steady state: from the moment the first chunk leaves the
 pipeline until the last chunk starts (warmup and cooldown excluded).  The report also says why a
 configuration cannot keep every stage busy.
@@ -20,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.model.parallel import check_gpus
+from stagecast.model.partition import even_partition
 
 
 @dataclass
@@ -37,11 +49,19 @@ class SimConfig:
     stage_ms: list[float] | None = None  # per stage, batch of one; default 10 ms each
     growth: float = 0.05
     comm_ms: float = 0.06
+    sp: int = 1  # sequence-parallel ranks per stage
+    a2a_gbps: float = 393.0  # all-to-all bandwidth per rank, GB/s (= bytes per microsecond / 1000)
+    a2a_latency_ms: float = 0.048  # fixed cost of one collective
+    tokens: int = 1560  # per micro-step (one latent frame at 480x832)
+    dim: int = 1536  # hidden size (1.3B: 1536, 14B: 5120)
+    layers: int = 30  # of the whole model (1.3B: 30, 14B: 40)
+    dtype_bytes: int = 2
 
 
 @dataclass
 class SimReport:
     config: dict
+    a2a_ms_per_forward: list[float]  # per stage, batch of one: the all-to-alls (and the last stage's gather)
     batches: int
     makespan_ms: float
     steady_window_ms: float
@@ -75,6 +95,25 @@ def simulate(cfg: SimConfig) -> SimReport:
     stage_ms = cfg.stage_ms or [10.0] * p_count
     if len(stage_ms) != p_count:
         raise ValueError(f"stage_ms has {len(stage_ms)} entries for {p_count} stages")
+    if cfg.sp < 1:
+        raise ValueError(f"sp must be >= 1, got {cfg.sp}")
+    layers = even_partition(cfg.layers, p_count)
+
+    def cost(p: int, b: int) -> float:
+        if cfg.sp == 1:
+            return stage_ms[p] * (1 + cfg.growth * (b - 1))
+        return stage_ms[p] * ((1 - cfg.growth) + cfg.growth * b / cfg.sp) + a2a_ms(p, b)
+
+    def a2a_ms(p: int, b: int) -> float:
+        if cfg.sp == 1:
+            return 0.0
+        shard_bytes = b * cfg.tokens * cfg.dim * cfg.dtype_bytes / cfg.sp
+        per_layer = 2 * cfg.a2a_latency_ms + 4 * shard_bytes * (cfg.sp - 1) / cfg.sp / (cfg.a2a_gbps * 1e6)
+        total = layers[p] * per_layer
+        if p == p_count - 1:  # the shards gathered before the head
+            total += cfg.a2a_latency_ms + shard_bytes * (cfg.sp - 1) / (cfg.a2a_gbps * 1e6)
+        return total
+
     sched = StreamBatchScheduler(num_stages=p_count, max_batch=cfg.batch)
     specs = _specs(cfg)
     for spec in specs:
@@ -97,9 +136,8 @@ def simulate(cfg: SimConfig) -> SimReport:
         ready = max((produced[st] for st in batch if st.level > 0), default=0.0)
         t_prev = ready
         for p in range(p_count):
-            cost = stage_ms[p] * (1 + cfg.growth * (len(batch) - 1))
             start = max(free[p], t_prev + (cfg.comm_ms if p > 0 else 0.0))
-            end = start + cost
+            end = start + cost(p, len(batch))
             busy[p].append((start, end))
             free[p] = end
             t_prev = end
@@ -154,8 +192,16 @@ def simulate(cfg: SimConfig) -> SimReport:
         )
     if window <= 0:
         notes.append("no steady state was reached")
+    a2a = [a2a_ms(p, 1) for p in range(p_count)]
+    if cfg.sp > 1:
+        notes.append(
+            f"sequence parallel: each stage's {cfg.sp} ranks spend {max(a2a):.2f} ms per forward of one micro-step "
+            f"in all-to-alls ({max(layers)} layers × 2), and only the token-proportional {cfg.growth:.0%} of a "
+            "forward shrinks with the shard"
+        )
     return SimReport(
         config=asdict(cfg) | {"stage_ms": stage_ms},
+        a2a_ms_per_forward=a2a,
         batches=len(plan),
         makespan_ms=makespan,
         steady_window_ms=window,
@@ -183,6 +229,13 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--stage-ms", default=None, help="per-stage ms for a batch of one, e.g. 10,10,12")
     p.add_argument("--growth", type=float, default=0.05, help="extra cost per extra micro-step in a batch")
     p.add_argument("--comm-ms", type=float, default=0.06, help="ms to send a batch's hidden states between stages")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses)")
+    p.add_argument("--a2a-gbps", type=float, default=393.0, help="measured all-to-all bandwidth per rank (GB/s)")
+    p.add_argument("--a2a-latency-us", type=float, default=48.0, help="measured fixed cost of one collective (µs)")
+    p.add_argument("--tokens", type=int, default=1560, help="tokens per micro-step (480x832, one latent frame: 1560)")
+    p.add_argument("--dim", type=int, default=1536, help="hidden size (1.3B 1536, 14B 5120)")
+    p.add_argument("--layers", type=int, default=30, help="layers of the whole model (1.3B 30, 14B 40)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs the topology must fill exactly (stages × sp)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -198,16 +251,32 @@ def main(args: argparse.Namespace) -> int:
         stage_ms=stage_ms,
         growth=args.growth,
         comm_ms=args.comm_ms,
+        sp=args.sp,
+        a2a_gbps=args.a2a_gbps,
+        a2a_latency_ms=args.a2a_latency_us / 1e3,
+        tokens=args.tokens,
+        dim=args.dim,
+        layers=args.layers,
     )
-    rep = simulate(cfg)
+    try:
+        if args.gpus is not None:
+            check_gpus(args.stages, args.sp, args.gpus)
+        rep = simulate(cfg)
+    except ValueError as exc:
+        print(f"stagecast simulate: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(asdict(rep), indent=2))
         return 0
-    print(f"stages={cfg.stages} steps={cfg.steps} streams={cfg.streams} batch={cfg.batch} policy={cfg.policy}")
+    print(
+        f"stages={cfg.stages} sp={cfg.sp} steps={cfg.steps} streams={cfg.streams} batch={cfg.batch} policy={cfg.policy}"
+    )
     print(f"batches={rep.batches} mean batch={rep.mean_batch:.2f} makespan={rep.makespan_ms:.1f} ms")
     print("utilization per stage: " + " ".join(f"{u:.1%}" for u in rep.utilization))
     print(f"steady-state bubble fraction: {rep.bubble_fraction:.1%}")
     print(f"throughput: {rep.chunks_per_second:.1f} chunks/s, mean chunk latency {rep.chunk_latency_ms:.1f} ms")
+    if cfg.sp > 1:
+        print("all-to-all per forward (batch of one): " + " ".join(f"{a:.2f} ms" for a in rep.a2a_ms_per_forward))
     for note in rep.notes:
         print(f"note: {note}")
     return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from launcher.process import Child, Launcher
 from stagecast.grpc_util import wait_healthy
+from stagecast.model.parallel import ParallelLayout, check_gpus, check_sp
 from stagecast.names import COORDINATOR_SERVICE
 
 
@@ -37,6 +38,8 @@ def stage_args(
     cuda_graphs: bool = False,
     loras: Sequence[str] = (),
     metrics_port: int = 0,
+    sp: int = 1,
+    sp_rank: int = 0,
 ) -> list[str]:
     args = [
         "stage",
@@ -59,6 +62,8 @@ def stage_args(
         args += ["--lora", lora]
     if metrics_port:
         args += ["--metrics-port", str(metrics_port)]
+    if sp > 1:
+        args += ["--sp", str(sp), "--sp-rank", str(sp_rank)]
     return args + (["--cuda-graphs"] if cuda_graphs else [])
 
 
@@ -79,9 +84,13 @@ def start_pipeline(
     cuda_graphs: bool = False,
     loras: Sequence[str] = (),
     metrics_port: int = 0,
+    sp: int = 1,
 ) -> LocalPipeline:
-    """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage i's on N+2+i (N+1 is the gateway's)."""
+    """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
+    ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``."""
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
+    if sp > 1:
+        args += ["--sp", str(sp)]
     if metrics_port:
         args += ["--metrics-port", str(metrics_port)]
     args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
@@ -96,9 +105,14 @@ def start_pipeline(
     again = [*args[: args.index("--port") + 1], bound, *args[args.index("--port") + 2 :]]
     pipe = LocalPipeline(address, coord, again)
     for i in range(stages):
-        stage_metrics = metrics_port + 2 + i if metrics_port else 0
-        pipe.stage_args[i] = stage_args(i, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics)
-        pipe.stage_children[i] = launcher.start(f"stage-{i}", pipe.stage_args[i])
+        for r in range(sp):
+            rank = i * sp + r
+            stage_metrics = metrics_port + 2 + rank if metrics_port else 0
+            pipe.stage_args[rank] = stage_args(
+                i, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r
+            )
+            name = f"stage-{i}" if sp == 1 else f"stage-{i}-sp{r}"
+            pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
     for child in pipe.stage_children.values():
         launcher.wait_ready(child, timeout=ready_timeout)
     wait_healthy(
@@ -116,19 +130,24 @@ class Placement:
     vae_devices: list[str] | None
 
     @classmethod
-    def plan(cls, device: str, stages: int, gpus: int | None = None, vae_devices: list[str] | None = None):
+    def plan(cls, device: str, stages: int, gpus: int | None = None, vae_devices: list[str] | None = None, sp: int = 1):
         """``device`` "cuda": stage i on ``cuda:(i % gpus)``, the gateway (text encoder, VAE tail) on the last
-        stage's GPU, and the VAE cut over every GPU a stage uses.  Any other device: everything on it."""
+        stage's GPU, and the VAE cut over every GPU a stage uses.  Any other device: everything on it.  With ``sp``
+        > 1 the stages × sp ranks take one GPU each, rank r on ``cuda:r``: stages × sp must equal ``gpus``
+        (``LayoutError`` otherwise, naming the flags)."""
+        ranks = ParallelLayout(stages, sp).world_size
         if device != "cuda":
-            return cls([device] * stages, device, vae_devices)
+            return cls([device] * ranks, device, vae_devices)
         if gpus is None:
             import torch
 
             gpus = torch.cuda.device_count()
+        if sp > 1:
+            check_gpus(stages, sp, gpus)
         gpus = max(gpus, 1)
-        stage_devices = [f"cuda:{i % gpus}" for i in range(stages)]
+        stage_devices = [f"cuda:{i % gpus}" for i in range(ranks)]
         if vae_devices is None:
-            vae_devices = [f"cuda:{i}" for i in range(min(stages, gpus))]
+            vae_devices = [f"cuda:{i}" for i in range(min(ranks, gpus))]
         return cls(stage_devices, stage_devices[-1], vae_devices)
 
 
@@ -141,3 +160,19 @@ def web_args(gateway: str, host: str, port: int, tokens: str | None = None, gate
     if gateway_ca:
         args += ["--gateway-ca", gateway_ca]
     return args
+
+
+def check_layout(checkpoint: str, stages: int, sp: int) -> None:
+    """Refuse, before anything starts, a layout the model cannot take: ``LayoutError`` names the flag."""
+    ParallelLayout(stages, sp)
+    if sp == 1:
+        return
+    if checkpoint.startswith("random:"):
+        from stagecast.model.dit_configs import model_config
+
+        config = model_config(checkpoint[len("random:") :])
+    else:
+        from stagecast.model.config import read_config
+
+        config = read_config(checkpoint)
+    check_sp(sp, config["num_attention_heads"])

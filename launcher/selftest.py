@@ -45,6 +45,7 @@ LADDER = (1000.0, 750.0, 500.0, 250.0, 125.0, 60.0)
 class SelftestConfig:
     stages: int = 2
     partition: str | None = None
+    sp: int = 1  # sequence-parallel ranks per stage; the reference runs the same shard layout in one process
     policy: str = "per_level"
     streams: int = 2
     chunks: int = 4
@@ -233,7 +234,11 @@ def compare(
         transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device, loras=loras
     )
     full = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device=device)
-    reference = ReferenceExecutor(full).replay(plan, texts, inputs=inputs)
+    executor = ReferenceExecutor(full, sp=cfg.sp)
+    try:
+        reference = executor.replay(plan, texts, inputs=inputs)
+    finally:
+        executor.close()
     result = SelftestResult(chunks=chunks, reference=reference, plan=plan, texts=texts, inputs=inputs)
     tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
     result.ok, result.max_diff = judge(chunks, reference, tolerance)
@@ -287,6 +292,7 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             record_plan=True,
             cuda_graphs=cfg.cuda_graphs,
             loras=cfg.loras,
+            sp=cfg.sp,
         )
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
@@ -303,8 +309,9 @@ def run_selftest(cfg: SelftestConfig) -> int:
         result = execute_selftest(cfg, launcher)
     verdict = "PASS" if result.ok else "FAIL"
     print(
-        f"selftest {verdict}: stages={cfg.stages} partition={cfg.partition or 'even'} policy={cfg.policy} "
-        f"streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} v2v={cfg.v2v} "
+        f"selftest {verdict}: stages={cfg.stages} sp={cfg.sp} partition={cfg.partition or 'even'} "
+        f"policy={cfg.policy} streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
+        f"v2v={cfg.v2v} "
         f"max_diff={result.max_diff:.3e}"
     )
     return 0 if result.ok else 1
@@ -343,6 +350,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--stages", type=int, default=2, help="DiT stage processes")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 1,3 (default: even)")
+    p.add_argument(
+        "--sp", type=int, default=1, help="sequence-parallel ranks per stage (the reference runs the same shards)"
+    )
     p.add_argument("--policy", choices=["clean", "per_level"], default="per_level", help="KV policy of every stream")
     p.add_argument("--streams", type=int, default=2, help="concurrent streams")
     p.add_argument("--chunks", type=int, default=4, help="chunks per stream")
@@ -380,6 +390,7 @@ def main(args: argparse.Namespace) -> int:
         SelftestConfig(
             stages=args.stages,
             partition=args.partition,
+            sp=args.sp,
             policy=args.policy,
             streams=args.streams,
             chunks=args.chunks,

@@ -24,6 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (transformer/, vae/, text_encoder/, ...)")
     p.add_argument("--stages", type=int, default=2, help="DiT stages (one process each)")
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence-parallel ranks per stage (Ulysses): stages × sp processes; with --device cuda, one GPU each "
+        "(stages × sp must equal the GPUs)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
@@ -73,7 +80,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from launcher.local_cluster import Placement, start_pipeline, web_args
+    from launcher.local_cluster import Placement, check_layout, start_pipeline, web_args
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
@@ -84,7 +91,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"stagecast up: {role} port: {exc.strerror}", file=sys.stderr)
             return 2
     stop = stop_event()
-    placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices)
+    try:
+        check_layout(resolve_transformer(args.checkpoint), args.stages, args.sp)
+        placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp)
+    except (ValueError, OSError) as exc:
+        print(f"stagecast up: error: {exc}", file=sys.stderr)
+        return 2
     # Every internal connection is mTLS: the launcher makes a throwaway CA and one certificate per role in a private
     # temporary folder (or uses --credentials), and deletes it on the way out.
     with Launcher(echo=True, credentials=args.credentials) as launcher:
@@ -103,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
                 cuda_graphs=args.cuda_graphs,
                 loras=args.lora,
                 metrics_port=args.metrics_port,
+                sp=args.sp,
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
@@ -141,7 +154,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"stagecast up: {exc}", file=sys.stderr)
             return 1
         where = ", ".join(f"{role} {address}" for role, address in ready.items())
-        print(f"stagecast is up: {where}, {args.stages} stages", flush=True)
+        shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
+        print(f"stagecast is up: {where}, {shape}", flush=True)
         if "web" in ready:
             print(f"watch and steer it in a browser: {ready['web']}", flush=True)
         announce_ready(**ready)

@@ -23,6 +23,14 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50060, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address the coordinator and peers use for this stage")
     p.add_argument("--expected-stages", type=int, default=0, help="refuse to join a coordinator of another size")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence-parallel ranks of this stage (Ulysses; the coordinator runs the same --sp); this process is "
+        "rank --sp-rank of them and registers as rank index * sp + sp-rank",
+    )
+    p.add_argument("--sp-rank", type=int, default=0, help="this process's rank within its stage's --sp ranks")
     p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
@@ -54,6 +62,16 @@ def main(args: argparse.Namespace) -> int:
     if index < 0:
         print(f"stagecast stage: error: --index: must be >= 0, got {index}", file=sys.stderr)
         return 2
+    if args.sp < 1:
+        print(f"stagecast stage: error: --sp: must be >= 1, got {args.sp}", file=sys.stderr)
+        return 2
+    if not 0 <= args.sp_rank < args.sp:
+        print(f"stagecast stage: error: --sp-rank: must be in [0, {args.sp}), got {args.sp_rank}", file=sys.stderr)
+        return 2
+    if args.sp > 1 and args.cuda_graphs:
+        print("stagecast stage: error: --cuda-graphs: not supported with --sp > 1 yet", file=sys.stderr)
+        return 2
+    index = index * args.sp + args.sp_rank  # the rank this process registers as
     try:
         if len(args.lora) > MAX_LORAS:
             raise ValueError(f"--lora: at most {MAX_LORAS} LoRAs, got {len(args.lora)}")
@@ -73,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = StageOptions(
         index=index,
+        sp=args.sp,
         coordinator=args.coordinator,
         checkpoint=resolve_transformer(args.checkpoint),
         device=device,

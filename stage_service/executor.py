@@ -175,7 +175,9 @@ class StageExecutor:
         runner.check_batch(steps)
         t_start = time.time_ns()
         wait_before = tp.wait_seconds if tp else 0.0
-        distributed = tp is not None and tp.world_size > 1
+        # Latents travel between the last stage and the first only when they are different stages.
+        distributed = tp is not None and tp.pipeline > 1
+        sp = runner.sp.size
         if self.first and distributed:
             self._receive_owed([st for st in steps if st.level > 0])
         inputs = None
@@ -183,7 +185,7 @@ class StageExecutor:
             assert tp is not None
             spec = runner.spec(steps[0].stream)
             tokens = runner.slice.tokens_per_frame(spec.latent_height, spec.latent_width) * spec.chunk_frames
-            inputs = tp.recv_hidden((len(steps), tokens, runner.slice.inner_dim), runner.slice.dtype)
+            inputs = tp.recv_hidden((len(steps), tokens // sp, runner.slice.inner_dim), runner.slice.dtype)
         t_recv = time.time_ns()
         start = time.perf_counter()
         if self._cuda:
@@ -204,7 +206,7 @@ class StageExecutor:
             for res in results:
                 if res.next_latent is not None and distributed:
                     tp.send_latent(res.next_latent)
-                if res.finished is not None:
+                if res.finished is not None and runner.sp.rank == 0:  # one report per stage, not per rank
                     self.on_event(
                         ExecutorEvent(
                             "chunk", item.seq, stream_id=res.step.stream, chunk=res.step.chunk, latents=res.finished

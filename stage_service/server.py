@@ -37,8 +37,9 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
+from stage_service.parallel_state import LOCAL
 from stage_service.rendezvous import GrpcStore
-from stage_service.runner import SliceRunner, validate_batch
+from stage_service.runner import SliceRunner, check_sequence_split, validate_batch
 from stage_service.transport import PipeTransport, bind_data_plane
 from stagecast import telemetry, wire
 from stagecast.grpc_util import (
@@ -55,6 +56,7 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
 from stagecast.model.config import DiTConfig, check_spec, read_config
 from stagecast.model.dit_configs import model_config
+from stagecast.model.parallel import check_sp
 from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import process_age, serve_lifecycle
@@ -82,6 +84,7 @@ class StageOptions:
     mtls: MTLS | None = None  # deployment credentials (role "stage"); None: plaintext (--insecure-internal)
     metrics_host: str | None = None  # where /metrics binds (None: ``host``)
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
+    sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
 
 
 class _Generation:
@@ -110,6 +113,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             self.config = model_config(opts.checkpoint[len(RANDOM_PREFIX) :])
         else:
             self.config = read_config(opts.checkpoint)
+        check_sp(opts.sp, self.config["num_attention_heads"])  # at start-up, before registering
         self.layers: range | None = None
         self.world_size = 0
         self.slice: DiTSlice | None = None
@@ -136,6 +140,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 model_config_json=json.dumps(self.config, sort_keys=True, default=list),
                 expected_world_size=self.opts.expected_world_size,
                 device=self.opts.device,
+                sp=self.opts.sp,
             ),
             timeout=timeout,
             wait_for_ready=wait_for_ready,
@@ -250,6 +255,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 took = self._load(range(request.layer_start, request.layer_stop))
             except Exception as exc:  # noqa: BLE001
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"loading layers failed: {exc}")
+            if max(request.sp, 1) != self.opts.sp:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the coordinator forms --sp {max(request.sp, 1)} but this stage runs --sp {self.opts.sp}",
+                )
             transport = None
             if request.world_size > 1:
                 transport = PipeTransport.join(
@@ -259,13 +269,14 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     generation=request.generation,
                     backend=request.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
                     device=self.device,
+                    sp=self.opts.sp,
                 )
             assert self.slice is not None
             graphs = None
             if self.opts.cuda_graphs and self.device.type == "cuda":
                 # A signature first seen while serving runs eagerly while its graph is captured off the serving path.
                 graphs = GraphedBlocks(self.slice, background=True)
-            runner = SliceRunner(self.slice, graphs=graphs)
+            runner = SliceRunner(self.slice, graphs=graphs, sp=transport.sequence if transport else LOCAL)
             gen_holder: list[_Generation] = []
             executor = StageExecutor(
                 runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=self.telemetry
@@ -366,6 +377,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if ev.text is None:
                 raise ValueError(f"stream {spec.stream_id}: open carries no text embeddings")
             check_spec(spec, DiTConfig.from_kwargs(self.config), tuple(ev.text.shape))
+            check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), self.opts.sp)
             gen.specs[spec.stream_id] = spec
         elif ev.kind == "close":
             self._known(gen, ev.stream_id)

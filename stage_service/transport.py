@@ -8,8 +8,13 @@ Usage::
     hs = tp.recv_hidden(shape, dtype)     # rank r <- r-1
     tp.send_latent(x)                     # last -> first (the next level's input)
     x = tp.recv_latent(shape)             # first <- last
+    tp.sequence                           # this rank's sequence-parallel group (--sp; LOCAL when 1)
     tp.abort()                            # from any thread: blocked sends and receives raise at once
     tp.close()                            # leaves the group: its sockets, fds and threads are gone
+
+With ``sp`` > 1 the world is ``stages × sp`` ranks (``stagecast.model.parallel.ParallelLayout``): rank
+``(k, r)`` sends its sequence shard to ``(k + 1, r)``, the last stage's rank r sends latents to stage 0's rank r,
+and each stage's ranks share a ``SequenceGroup`` (``stage_service.parallel_state``) for Ulysses' all-to-alls.
 
 Only hidden states (B, L, D) and small latents cross.  Both ends derive every shape from the plan, so
 no per-message handshake is needed.  The process group lives in a ``PrefixStore`` named after the
@@ -46,6 +51,9 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from stage_service.parallel_state import LOCAL, SequenceGroup, init_sequence_groups
+from stagecast.model.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +108,23 @@ class PeerLost(RuntimeError):
 
 
 class PipeTransport:
-    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device, backend: str):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        backend: str,
+        sequence: SequenceGroup = LOCAL,
+    ):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.backend = backend
+        self.sequence = sequence
+        self.layout = ParallelLayout(world_size // sequence.size, sequence.size)
+        self.pipeline = self.layout.pipeline  # pipeline stages (world_size / sp)
         self._aborted = threading.Event()
         self.wait_seconds = 0.0  # time spent blocked in receives, for bubble accounting
         self.sockets: list[tuple[int, int]] = []  # (fd, inode) of this generation's gloo connections
@@ -127,6 +146,7 @@ class PipeTransport:
         backend: str,
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
+        sp: int = 1,
     ) -> PipeTransport:
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(f"stagecast/gen{generation}", store)
@@ -138,7 +158,11 @@ class PipeTransport:
         before = _socket_fds()
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
         group = dist.group.WORLD
-        tp = cls(group, rank, world_size, device, backend)
+        layout = ParallelLayout(world_size // sp, sp)
+        if layout.world_size != world_size:
+            raise ValueError(f"world size {world_size} is not a multiple of --sp {sp}")
+        sequence = init_sequence_groups(layout, rank, backend)  # every rank creates every stage's group
+        tp = cls(group, rank, world_size, device, backend, sequence)
         if backend == "gloo" and world_size > 1:
             tp.sockets = _gloo_connections(before, prefixed, rank, world_size)
         tp._warmup()
@@ -146,14 +170,17 @@ class PipeTransport:
         return tp
 
     def _warmup(self) -> None:
-        # Create every communicator now, not on the first real chunk.
-        if self.world_size == 1:
-            return
+        # Create every communicator now, not on the first real chunk: the pipeline ring (rank (k, r) to (k+1, r),
+        # the last stage back to the first) and the sequence group.
         probe = torch.zeros(1, device=self.device)
-        nxt, prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        ops = [dist.P2POp(dist.isend, probe, nxt), dist.P2POp(dist.irecv, torch.zeros_like(probe), prev)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        if self.pipeline > 1:
+            sp = self.sequence.size
+            nxt, prev = (self.rank + sp) % self.world_size, (self.rank - sp) % self.world_size
+            ops = [dist.P2POp(dist.isend, probe, nxt), dist.P2POp(dist.irecv, torch.zeros_like(probe), prev)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        if self.sequence.size > 1:
+            self.sequence.all_gather(probe)
 
     # ---- sends ----------------------------------------------------------------------------------------
 
@@ -184,10 +211,10 @@ class PipeTransport:
         return self._sends.qsize() + len(self._nccl_sends)
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
-        self._isend(hidden, self.rank + 1, HIDDEN_TAG)
+        self._isend(hidden, self.rank + self.sequence.size, HIDDEN_TAG)
 
     def send_latent(self, latent: torch.Tensor) -> None:
-        self._isend(latent.to(self.device, torch.float32), 0, LATENT_TAG)
+        self._isend(latent.to(self.device, torch.float32), self.sequence.rank, LATENT_TAG)
 
     # ---- receives -------------------------------------------------------------------------------------
 
@@ -210,10 +237,10 @@ class PipeTransport:
         return buf
 
     def recv_hidden(self, shape, dtype) -> torch.Tensor:
-        return self._recv(shape, dtype, self.rank - 1, HIDDEN_TAG)
+        return self._recv(shape, dtype, self.rank - self.sequence.size, HIDDEN_TAG)
 
     def recv_latent(self, shape) -> torch.Tensor:
-        return self._recv(shape, torch.float32, self.world_size - 1, LATENT_TAG)
+        return self._recv(shape, torch.float32, self.layout.rank(self.pipeline - 1, self.sequence.rank), LATENT_TAG)
 
     # ---- teardown -------------------------------------------------------------------------------------
 
@@ -221,10 +248,12 @@ class PipeTransport:
         """Release every wait on this generation's data plane, in this process and at its peers."""
         self._aborted.set()
         if self.backend == "nccl":
-            try:
-                self.group.abort()
-            except Exception:  # noqa: BLE001 - best effort: the group is being abandoned anyway
-                logger.exception("NCCL abort failed")
+            groups = [self.group, getattr(self.sequence, "group", None)]
+            for group in [g for g in groups if g is not None]:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001 - best effort: the group is being abandoned anyway
+                    logger.exception("NCCL abort failed")
             return
         for fd, inode in self.sockets:
             _shutdown_socket(fd, inode)
@@ -240,6 +269,7 @@ class PipeTransport:
             self._reaper = None
         self._nccl_sends.clear()
         self.group = None
+        self.sequence = LOCAL  # destroyed below with every other group
         if not dist.is_initialized():
             return released
         try:

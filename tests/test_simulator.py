@@ -37,3 +37,27 @@ def test_simulate_command_prints_the_report(capsys):
     assert main(["simulate", "--stages", "2", "--steps", "4", "--chunks", "64"]) == 0
     out = capsys.readouterr().out
     assert "steady-state bubble fraction: 0." in out and "utilization per stage" in out
+
+
+def test_sequence_parallel_prices_the_all_to_alls_and_shrinks_only_the_token_share():
+    base = dict(steps=1, chunks=64, batch=1, growth=0.5, tokens=1000, dim=100, layers=10, dtype_bytes=2)
+    pp = simulate(SimConfig(stages=2, stage_ms=[10.0, 10.0], **base))
+    hybrid = simulate(SimConfig(stages=2, sp=2, stage_ms=[10.0, 10.0], a2a_gbps=1.0, a2a_latency_ms=0.01, **base))
+    # Per layer, each rank sends half of its q/k/v and output shards: 4 * 1000 * 100 * 2 / 2 / 2 bytes at 1 GB/s,
+    # plus two collectives' latency; 5 layers per stage; the last stage also gathers the other half of the hidden.
+    per_layer = 2 * 0.01 + 4 * (1000 * 100 * 2 / 2) * (1 / 2) / 1e6
+    gather = 0.01 + (1000 * 100 * 2 / 2) / 1e6
+    assert hybrid.a2a_ms_per_forward == pytest.approx([5 * per_layer, 5 * per_layer + gather])
+    assert pp.a2a_ms_per_forward == [0.0, 0.0]
+    # Compute: the fixed half stays, the token half halves: 10 * (0.5 + 0.25) ms, plus the exchanges.
+    slowest = 7.5 + 5 * per_layer + gather
+    assert hybrid.chunks_per_second == pytest.approx(1e3 / slowest, rel=0.02)
+    assert pp.chunks_per_second == pytest.approx(1e3 / 10.0, rel=0.02)
+    assert any("sequence parallel" in n for n in hybrid.notes)
+
+
+def test_simulate_refuses_a_topology_that_does_not_fill_the_gpus(capsys):
+    assert main(["simulate", "--stages", "2", "--sp", "2", "--gpus", "2"]) == 2
+    assert "--stages 2 × --sp 2 = 4 ranks, but 2 GPU(s) were given" in capsys.readouterr().err
+    assert main(["simulate", "--stages", "2", "--sp", "2", "--gpus", "4", "--steps", "1", "--chunks", "32"]) == 0
+    assert "all-to-all per forward" in capsys.readouterr().out

@@ -181,20 +181,22 @@ class ResultsRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "backend", "layer_start", "layer_stop")
+    __slots__ = ("generation", "rank", "world_size", "backend", "layer_start", "layer_stop", "sp")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
+    SP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
     backend: str
     layer_start: int
     layer_stop: int
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ...) -> None: ...
+    sp: int
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
     __slots__ = ("rank", "load_seconds")
@@ -241,18 +243,20 @@ class StageDescription(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ..., open_streams: _Optional[int] = ..., device: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., formed: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("index", "address", "model_config_json", "expected_world_size", "device")
+    __slots__ = ("index", "address", "model_config_json", "expected_world_size", "device", "sp")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SP_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     model_config_json: str
     expected_world_size: int
     device: str
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., expected_world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    sp: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., expected_world_size: _Optional[int] = ..., device: _Optional[str] = ..., sp: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("world_size", "layer_start", "layer_stop", "generation")
