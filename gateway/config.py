@@ -38,6 +38,8 @@ MAX_FPS = 240.0
 # Every encoder takes the rate as a fraction with a denominator <= 1001 (the MP4 time base), so 1e-4 fps rounds to 0
 # and fails in the encoder; the API's range starts at 1 frame per second for every codec alike.
 MIN_FPS = 1.0
+MAX_INPUT_TIMEOUT = 3600.0  # seconds a video-to-video stream may wait for its next input frame
+DEFAULT_INPUT_TIMEOUT = 10.0
 MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
 # The largest legal request: a config whose prompt is MAX_PROMPT_CHARS characters of 4 UTF-8 bytes each, plus the
 # other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server refuses bigger messages
@@ -56,6 +58,10 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class RequestTooLarge(ConfigError):
+    """A message other than an input frame over ``MAX_REQUEST_BYTES`` (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,22 @@ class EffectiveConfig:
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)  # the ladder, one timestep per step (float32)
     shift: float = 1.0  # the checkpoint's flow-matching shift
     update: str = "x0"  # the checkpoint's update rule: "x0" (re-noise) or "euler"
+    # Video-to-video: the ladder timestep the input is noised to (None: a text stream), what the gateway does when
+    # input comes faster than the pipeline serves it, and how long it waits for the next input frame.
+    strength: float | None = None
+    input_pacing: str = "live"
+    input_timeout: float = DEFAULT_INPUT_TIMEOUT
+
+    @property
+    def v2v(self) -> bool:
+        return self.strength is not None
+
+    @property
+    def pipeline_timesteps(self) -> tuple[float, ...]:
+        """The levels the pipeline runs: the ladder, or for video-to-video its entries from ``strength`` down."""
+        if self.strength is None:
+            return self.timesteps
+        return self.timesteps[self.timesteps.index(self.strength) :]
 
     def stream_spec(self, *, latent_channels: int, text_len: int) -> StreamSpec:
         return StreamSpec(
@@ -89,7 +111,7 @@ class EffectiveConfig:
             chunk_frames=self.chunk_frames,
             latent_height=self.latent_height,
             latent_width=self.latent_width,
-            timesteps=self.timesteps,
+            timesteps=self.pipeline_timesteps,
             shift=self.shift,
             sampler=self.update,
             seed=self.seed,
@@ -98,6 +120,7 @@ class EffectiveConfig:
             sink=self.sink,
             num_chunks=self.num_chunks,
             text_len=text_len,
+            input_latents=self.v2v,
         )
 
     def to_proto(self) -> pb.StreamConfig:
@@ -120,6 +143,10 @@ class EffectiveConfig:
         )
         if self.seconds is not None:
             msg.seconds = self.seconds
+        if self.strength is not None:
+            msg.strength = self.strength
+            msg.input_pacing = api.input_pacing_value(self.input_pacing)
+            msg.input_timeout = self.input_timeout
         return msg
 
 
@@ -254,6 +281,32 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
     quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]
     _int_in("quality", quality, 1, 100)
 
+    strength = None
+    input_pacing, input_timeout = api.DEFAULT_INPUT_PACING, DEFAULT_INPUT_TIMEOUT
+    if msg.HasField("strength"):
+        strength = as_f32(msg.strength)
+        if strength not in timesteps:  # NaN is never in it
+            raise ConfigError(
+                "strength",
+                f"must be one of the stream's ladder timesteps {[f'{t:g}' for t in timesteps]} (the level the input "
+                f"is noised to), got {msg.strength:g}",
+            )
+        if seconds is not None:
+            raise ConfigError(
+                "seconds", "a video-to-video stream (strength) runs as long as its input: leave seconds out"
+            )
+        input_pacing = _enum("input_pacing", msg.input_pacing, api.INPUT_PACINGS, api.DEFAULT_INPUT_PACING)
+        if msg.HasField("input_timeout"):
+            input_timeout = msg.input_timeout
+            if not (0 < input_timeout <= MAX_INPUT_TIMEOUT) or math.isnan(input_timeout):
+                raise ConfigError(
+                    "input_timeout", f"must be in (0, {MAX_INPUT_TIMEOUT:g}] seconds, got {input_timeout:.6g}"
+                )
+    else:
+        for name in ("input_pacing", "input_timeout"):
+            if msg.HasField(name) if name == "input_timeout" else msg.input_pacing:
+                raise ConfigError(name, "applies to video-to-video streams only: set strength")
+
     return EffectiveConfig(
         prompt=prompt,
         width=width,
@@ -276,4 +329,7 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         timesteps=timesteps,
         shift=sampler.shift,
         update=sampler.update,
+        strength=strength,
+        input_pacing=input_pacing,
+        input_timeout=input_timeout,
     )

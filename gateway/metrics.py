@@ -114,6 +114,24 @@ class GatewayMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self._input = Counter(
+            "stagecast_gateway_input_frames",
+            "Video-to-video input frames accepted from clients",
+            registry=self.registry,
+        )
+        self._input_dropped = Counter(
+            "stagecast_gateway_input_frames_dropped",
+            "Video-to-video input frames never restyled: 'behind' (a LIVE stream's input came faster than the "
+            "pipeline served it), 'partial_chunk' (the input ended inside a chunk)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._input_encode = Histogram(
+            "stagecast_gateway_input_encode_seconds",
+            "VAE-encoding one input chunk (video-to-video)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._encode = Histogram(
             "stagecast_gateway_frame_encode_seconds",
             "Encoding one frame (JPEG, H.264 or raw)",
@@ -172,6 +190,16 @@ class GatewayMetrics:
     def frames_dropped(self, reason: str, frames: int) -> None:
         if frames > 0:
             self._dropped.labels(reason=reason).inc(frames)
+
+    def input_frame(self) -> None:
+        self._input.inc()
+
+    def input_frames_dropped(self, reason: str, frames: int) -> None:
+        if frames > 0:
+            self._input_dropped.labels(reason=reason).inc(frames)
+
+    def input_encoded(self, seconds: float) -> None:
+        self._input_encode.observe(seconds)
 
     def stream_fps(self, fps: float) -> None:
         self._fps.observe(fps)

@@ -10,6 +10,7 @@ Usage::
     call.cancel()                           # the coordinator plans nothing more and ends the stream
     call.acknowledge(chunks)                # the first ``chunks`` chunks are consumed (bounded lead)
     call.update_prompt(text)                # raises grpc.RpcError
+    call.submit_input(chunk, latents)       # video-to-video: False when enough chunks already wait; else RpcError
 """
 
 from __future__ import annotations
@@ -139,6 +140,18 @@ class PipelineCall:
         exc = future.exception()
         if exc is not None and exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
             logger.warning("pipeline stream %d: acknowledging chunks failed (%s)", self.pipeline_id, exc.code().name)
+
+    def submit_input(self, chunk: int, latents) -> bool:
+        """A video-to-video chunk's noised input latents.  True: taken; False: the coordinator holds enough of this
+        stream's chunks already (RESOURCE_EXHAUSTED); other answers raise ``grpc.RpcError``."""
+        req = ipb.InputLatents(stream_id=self.pipeline_id, chunk=chunk, latents=wire.tensor_to_proto(latents))
+        try:
+            self.coordinator.SubmitInput(req, timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return False
+            raise
+        return True
 
     def update_prompt(self, text) -> None:
         """PromptUpdate for the stream's next chunk; raises ``grpc.RpcError`` as the coordinator answers."""

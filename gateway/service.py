@@ -45,10 +45,18 @@ from opentelemetry import trace
 
 from gateway.admission import Admission, CostBudget, Refused
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import MAX_REQUEST_BYTES, ConfigError, parse_client_message, parse_status_request, resolve_config
+from gateway.config import (
+    MAX_REQUEST_BYTES,
+    ConfigError,
+    RequestTooLarge,
+    parse_client_message,
+    parse_status_request,
+    resolve_config,
+)
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
+from gateway.stream_vae import StreamVAE, StreamVAEEncoder
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
@@ -72,12 +80,22 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = STREAM_SERVICE
 WATCH_STATUS = f"/{SERVICE_NAME}/WatchStatus"
-# The public server's options: requests are refused above the largest legal one before they are parsed; responses
-# (raw frames, H.264 fragments of a whole GOP) may be large.
-PUBLIC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+
+
+def public_options(max_frame_pixels: int) -> list[tuple[str, int]]:
+    """The public server's options: requests are refused above the largest legal one before they are parsed (a
+    config, or a video-to-video input frame: a raw RGB frame of the largest size the cost budget admits); responses
+    (raw frames, H.264 fragments of a whole GOP) may be large."""
+    return [
+        ("grpc.max_receive_message_length", max_request_bytes(max_frame_pixels)),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def max_request_bytes(max_frame_pixels: int) -> int:
+    return MAX_REQUEST_BYTES + 3 * max_frame_pixels + 64
+
+
 HEADROOM_THREADS = 16  # beyond every bounded kind of call: health checks, GetStatus, refusals in flight
 
 
@@ -149,6 +167,8 @@ class Gateway:
                 boundaries=opts.vae_split,
                 compile=opts.vae_compile,
             )
+        self._encoder_lock = threading.Lock()
+        self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
@@ -197,6 +217,8 @@ class Gateway:
             text_len=self.text_len,
             model_name=self.model_name,
             encode_prompt=self.encode_prompt,
+            input_encoder=self.input_encoder,
+            temporal_factor=self.model.temporal_factor,
             touch=self.touch,
             forget=self.forget,
         )
@@ -214,7 +236,7 @@ class Gateway:
             [(_add_stream_service, servicer, SERVICE_NAME)],
             host=opts.host,
             max_workers=workers,
-            options=PUBLIC_OPTIONS,
+            options=public_options(self.budget.max_frame_pixels),
             # Tokens first: a call without a valid one is refused before it takes a slot of any budget.
             interceptors=[*([self.auth] if self.auth else []), self.limits],
             maximum_concurrent_rpcs=workers,
@@ -283,6 +305,20 @@ class Gateway:
         self.metrics.close()
 
     # ---- used by the streams -------------------------------------------------------------------------
+
+    def input_encoder(self) -> StreamVAEEncoder:
+        """The VAE encoder video-to-video streams share (each holds its own cache): the in-process decoder's VAE, or,
+        when decoding happens in VAE stages, the checkpoint's VAE loaded here on first use."""
+        with self._encoder_lock:
+            if self._input_encoder is None:
+                if isinstance(self.decoder, LocalDecoder):
+                    vae = self.decoder.parts[0].vae
+                else:
+                    vae = StreamVAE.from_folder(
+                        Path(self.opts.checkpoint) / "vae", dtype=DTYPES[self.opts.vae_dtype], device=self.opts.device
+                    ).vae
+                self._input_encoder = StreamVAEEncoder(vae)
+            return self._input_encoder
 
     def encode_prompt(self, prompt: str, parent_span=None) -> torch.Tensor:
         """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span
@@ -395,6 +431,8 @@ class Gateway:
                 vae_state_bytes=_vae_bytes(run),
                 queued_chunks=run.session.queued if run.session is not None else 0,
                 queued_messages=len(run.out),
+                input_frames_received=run.input.received if run.input is not None else 0,
+                input_frames_dropped=run.input.dropped if run.input is not None else 0,
             )
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
         return msg
@@ -420,9 +458,16 @@ def _read_first(request_iterator, box: queue.SimpleQueue) -> None:
 
 
 def _parsed(request_iterator):
-    """The call's later requests as ClientMessages; raises ``ConfigError`` at bytes that are not one."""
+    """The call's later requests as ClientMessages; raises ``ConfigError`` at bytes that are not one and
+    ``RequestTooLarge`` at a message other than an input frame over ``MAX_REQUEST_BYTES`` (the server's own limit
+    leaves room for a raw frame)."""
     for data in request_iterator:
-        yield parse_client_message(data)
+        msg = parse_client_message(data)
+        if len(data) > MAX_REQUEST_BYTES and msg.WhichOneof("msg") != "frame":
+            raise RequestTooLarge(
+                "request", f"{len(data)} bytes; a message other than an input frame is at most {MAX_REQUEST_BYTES}"
+            )
+        yield msg
 
 
 def _add_stream_service(servicer: StreamServicer, server: grpc.Server) -> None:
@@ -482,6 +527,12 @@ class StreamServicer:
         if isinstance(first, Exception):
             logger.debug("call ended before its config: %s", first)
             return None
+        if len(first) > MAX_REQUEST_BYTES:
+            self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request: {len(first)} bytes; a config is at most {MAX_REQUEST_BYTES}",
+            )
         try:
             return parse_client_message(first)
         except ConfigError as exc:

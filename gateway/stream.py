@@ -50,9 +50,10 @@ import grpc
 import torch
 
 from gateway.channel import CLOSED, BoundedChannel
-from gateway.config import ConfigError, EffectiveConfig, check_prompt
+from gateway.config import ConfigError, EffectiveConfig, RequestTooLarge, check_prompt
 from gateway.pipeline import PipelineCall, StreamFailed
 from gateway.stream_trace import StreamTrace
+from gateway.video_input import InputPath
 from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
@@ -86,6 +87,8 @@ class StreamHost:
     text_len: int
     model_name: str
     encode_prompt: Callable[..., torch.Tensor]  # (prompt, parent_span=...) -> text embeddings
+    input_encoder: Callable[[], Any]  # the VAE encoder video-to-video streams share (gateway.stream_vae)
+    temporal_factor: int
     touch: Callable[[], None]  # the stream's state changed (status watchers)
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
 
@@ -117,9 +120,12 @@ class StreamRun:
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.frames_sent = 0  # frames handed to gRPC
         self.first_frame_ms: float | None = None
+        self.first_pts = 0.0
         self.last_frame_ms: float | None = None
         self.session = None  # the decode session (gateway.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
+        self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
+        self.input_end: str | None = None  # why the input ended ("stopped", "input_stalled"), once it did
         self.out = BoundedChannel(self.limits.buffer_messages)
         self._lock = threading.Lock()
         self._deadlines: list = []  # timer entries of this stream, cancelled when the stream is gone
@@ -154,13 +160,27 @@ class StreamRun:
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"
+        if self.cfg.v2v:
+            self.input = InputPath(
+                self.cfg,
+                self.host.input_encoder(),
+                submit=self.pipeline.submit_input,
+                metrics=self.host.metrics,
+                now_ms=self.ms,
+                temporal_factor=self.host.temporal_factor,
+            )
         with self._lock:
             self.session = self.host.decoder.open(self.limits.buffer_chunks)
             ended = self.outcome is not None  # the client left while we were opening
         if ended:
             self.session.abort()
+            if self.input is not None:
+                self.input.abort()
             self.pipeline.cancel()
-        for target, args in ((self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))):
+        threads = [(self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))]
+        if self.input is not None:
+            threads.append((self._feed_input, ()))
+        for target, args in threads:
             name = f"{target.__name__.strip('_')}-{self.id[:6]}"
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
@@ -230,6 +250,8 @@ class StreamRun:
             session = self.session
         if session is not None:
             session.abort()
+        if self.input is not None:
+            self.input.abort()
 
     def stop_pipeline(self) -> None:
         """StopStream (no new chunks) once; the reader keeps draining until the coordinator ends the stream,
@@ -277,6 +299,8 @@ class StreamRun:
                 if kind == "chunk":
                     self.chunks_received += 1
                     self.host.metrics.chunk_received()
+                    if self.input is not None:
+                        self.input.progress()
                     tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self.trace.chunk_span(ev.chunk.chunk))
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
@@ -312,7 +336,8 @@ class StreamRun:
                 self.pipeline.acknowledge(tag.index + 1)
                 resumed_ns = time.time_ns()
             if self.end_reason is not None:
-                self._finish(self.end_reason, encoder.flush() if cfg.codec == "h264" else b"")
+                reason = self.input_end if self.input_end == "input_stalled" else self.end_reason
+                self._finish(reason, encoder.flush() if cfg.codec == "h264" else b"")
             elif self.outcome is None:  # the reader ends with an end reason or a failure; this guards against bugs
                 self.fail(grpc.StatusCode.INTERNAL, "pipeline stream ended without an end event", "error")
         except Exception as exc:
@@ -329,11 +354,14 @@ class StreamRun:
         decoded_ms = self.ms()
         if cfg.total_frames is not None:
             frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
+        # Video-to-video: output frame i of a chunk is made from the chunk's input frame i and carries its pts.
+        inputs = self.input.frames_of(chunk.index) if self.input is not None else []
         for position, frame in enumerate(frames):
             encode_start, encode_start_ns = time.perf_counter(), time.time_ns()
             data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
             encode_s = time.perf_counter() - encode_start
             index = self.frames_emitted
+            pts, input_ms = inputs[position] if position < len(inputs) else (index / cfg.fps, 0.0)
             self.trace.post_hoc(
                 "frame.encode", chunk.index, chunk.span, encode_start_ns, time.time_ns(), {"stagecast.frame": index}
             )
@@ -342,13 +370,14 @@ class StreamRun:
                     data=data,
                     codec=api.codec_value(cfg.codec),
                     index=index,
-                    pts=index / cfg.fps,
+                    pts=pts,
                     chunk=chunk.index,
                     latents_ms=chunk.arrived_ms,
                     decoded_ms=decoded_ms,
                     encoded_ms=self.ms(),
                     width=cfg.width,
                     height=cfg.height,
+                    input_ms=input_ms,
                 )
             )
             if not self._send(msg):
@@ -356,9 +385,10 @@ class StreamRun:
                 return False  # the call ended or the stream failed
             if index == 0:
                 self.first_frame_ms = msg.frame.encoded_ms
+                self.first_pts = pts
                 metrics.first_frame(msg.frame.encoded_ms / 1000.0)
             # Late: encoded after its presentation time on a clock that starts with the first frame.
-            late = msg.frame.encoded_ms > self.first_frame_ms + 1000.0 * msg.frame.pts
+            late = msg.frame.encoded_ms > self.first_frame_ms + 1000.0 * (pts - self.first_pts)
             metrics.frame_sent(late=late, encode_seconds=encode_s)
             self.last_frame_ms = msg.frame.encoded_ms
             self.frames_emitted += 1
@@ -401,7 +431,20 @@ class StreamRun:
                         return
                 elif kind == "stop":
                     logger.info("stream %s: client asked to stop", self.id)
-                    self.stop_pipeline()
+                    if self.input is not None:
+                        self.input.end()  # the input thread stops the pipeline after the input already here
+                    else:
+                        self.stop_pipeline()
+                elif kind == "frame":
+                    if self.input is None:
+                        self.fail(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "frame: this stream takes no input frames (set strength in its config for video-to-video)",
+                            "invalid_argument",
+                        )
+                        return
+                    if not self.input.offer(msg.frame):
+                        return  # the stream ended
                 elif kind == "config":
                     self.fail(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -412,10 +455,32 @@ class StreamRun:
                 else:
                     self.fail(grpc.StatusCode.INVALID_ARGUMENT, "msg: empty ClientMessage", "invalid_argument")
                     return
+            if self.input is not None:
+                self.input.end()  # the client closed its side: its input is over
+        except RequestTooLarge as exc:
+            self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "invalid_argument")
         except ConfigError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument")
         except Exception as exc:  # the call ended while we were waiting for the next message
             logger.debug("stream %s: request stream ended: %s", self.id, exc)
+
+    def _feed_input(self) -> None:
+        """Video-to-video: encode, noise and submit the input until it ends, then stop the pipeline stream (the chunks
+        already submitted finish and are delivered)."""
+        try:
+            reason = self.input.run()
+        except grpc.RpcError as exc:
+            self.fail(exc.code(), f"pipeline: submitting input failed: {exc.details()}", "pipeline_error")
+            return
+        except Exception as exc:
+            logger.exception("stream %s: input encoding failed", self.id)
+            self.fail(grpc.StatusCode.INTERNAL, f"gateway: encoding the input failed: {exc}", "error")
+            return
+        if reason is None:
+            return  # aborted: the stream ended otherwise
+        logger.info("stream %s: input ended (%s) after %d frames", self.id, reason, self.input.received)
+        self.input_end = reason
+        self.stop_pipeline()
 
     def _update_prompt(self, prompt: str) -> bool:
         try:

@@ -11,6 +11,7 @@ stagecast simulate --stages P --steps S ...     scheduler simulator: utilization
 stagecast demo-checkpoint --out DIR             write the tiny random demo checkpoint
 stagecast convert SRC.pt --source S --out DIR [--base DIR]   a CausVid / Self-Forcing / SDV2 file to a checkpoint
 stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
+stagecast transform --target H:P --input in.mp4 --prompt P --out out.mp4   restyle a video file (video-to-video)
 stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
 stagecast trace-summary FILE                    per-stage span latencies (p50/p95/max) of an OTLP JSON trace file
 """
@@ -37,6 +38,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("gateway.cli", "add_vae_stage_parser"),
     ("web.cli", "add_parser"),
     ("stagecast.generate", "add_parser"),
+    ("stagecast.transform", "add_parser"),
     ("launcher.demo", "add_parser"),
     ("coordinator.cli", "add_simulate_parser"),
     ("stagecast.trace_summary", "add_parser"),

@@ -19,6 +19,7 @@ _SDK = {
     "Client": "stagecast.client",
     "AsyncClient": "stagecast.client",
     "Generation": "stagecast.client",
+    "Transform": "stagecast.client",
     "AsyncGeneration": "stagecast.client",
     "Frame": "stagecast.frames",
     "FrameTiming": "stagecast.frames",

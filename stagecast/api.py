@@ -21,7 +21,14 @@ from stagecast.v1 import stream_pb2 as pb
 
 CODECS = {"jpeg": pb.CODEC_JPEG, "h264": pb.CODEC_H264, "raw": pb.CODEC_RAW}
 POLICIES = {"per_level": pb.KV_POLICY_PER_LEVEL, "clean": pb.KV_POLICY_CLEAN}
-END_REASONS = {"completed": pb.END_REASON_COMPLETED, "stopped": pb.END_REASON_STOPPED}
+END_REASONS = {
+    "completed": pb.END_REASON_COMPLETED,
+    "stopped": pb.END_REASON_STOPPED,
+    "input_stalled": pb.END_REASON_INPUT_STALLED,
+}
+INPUT_FORMATS = {"jpeg": pb.INPUT_FORMAT_JPEG, "raw": pb.INPUT_FORMAT_RAW}
+INPUT_PACINGS = {"live": pb.INPUT_PACING_LIVE, "backpressure": pb.INPUT_PACING_BACKPRESSURE}
+DEFAULT_INPUT_PACING = "live"
 STATES = {
     "starting": pb.STREAM_STATE_STARTING,
     "streaming": pb.STREAM_STATE_STREAMING,
@@ -66,6 +73,20 @@ def policy_value(name: str | int | None) -> pb.KvPolicy:
 
 def policy_name(value: int) -> str:
     return _name("policy", POLICIES, value, DEFAULT_POLICY)
+
+
+def input_format_value(name: str | int | None) -> pb.InputFormat:
+    """The wire value of an input frame format name (``"jpeg"`` or ``"raw"``)."""
+    return _value("format", INPUT_FORMATS, name, None)  # type: ignore[return-value]
+
+
+def input_pacing_value(name: str | int | None) -> pb.InputPacing:
+    """The wire value of an input pacing name; ``None`` or ``""`` stay UNSPECIFIED (LIVE)."""
+    return _value("input_pacing", INPUT_PACINGS, name, None)  # type: ignore[return-value]
+
+
+def input_pacing_name(value: int) -> str:
+    return _name("input_pacing", INPUT_PACINGS, value, DEFAULT_INPUT_PACING)
 
 
 def end_reason_value(name: str) -> int:

@@ -16,6 +16,11 @@ Usage::
 
     client.generate(prompt="...", seconds=2).write_mp4("clip.mp4")  # consume the stream into an MP4
 
+    # Video-to-video: restyle input frames (an iterator of (H, W, 3) uint8 arrays, or a video file's path).
+    tr = client.transform("in.mp4", prompt="a watercolor painting", strength=700, steps=2)
+    tr.write_mp4("out.mp4")                   # frame i is made from input frame i and carries its pts
+    tr.frames_sent, tr.ttff, tr.fps
+
     async with stagecast.AsyncClient("localhost:50051") as client:
         gen = client.generate(prompt="...", seconds=2)
         async for frame in gen: ...
@@ -41,6 +46,7 @@ import asyncio
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
@@ -71,6 +77,24 @@ async def _adrain(outbox: asyncio.Queue) -> AsyncIterator[pb.ClientMessage]:
         yield msg
 
 
+def _input_frame(rgb, pts: float, fmt: str, quality: int) -> pb.InputFrame:
+    """One input frame on the wire: JPEG (Pillow) or raw RGB24."""
+    import numpy as np
+
+    arr = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"frames: an input frame must be (H, W, 3) uint8 RGB, got shape {arr.shape}")
+    if fmt == "raw":
+        return pb.InputFrame(data=arr.tobytes(), format=pb.INPUT_FORMAT_RAW, pts=pts)
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
+    return pb.InputFrame(data=buf.getvalue(), format=pb.INPUT_FORMAT_JPEG, pts=pts)
+
+
 def stream_config(
     prompt: str,
     *,
@@ -89,6 +113,9 @@ def stream_config(
     quality: int | None = None,
     timesteps: Sequence[float] | None = None,
     shift: float | None = None,
+    strength: float | None = None,
+    input_pacing: str | int | None = None,
+    input_timeout: float | None = None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
@@ -98,12 +125,17 @@ def stream_config(
     ``timesteps`` is the stream's own timestep ladder (e.g. ``[700, 500, 400, 200]``, strictly descending, one per
     step); left out, the checkpoint's ladder for ``steps`` is used.  ``shift`` is the checkpoint's: sending it only
     asserts it (another value is INVALID_ARGUMENT).  ``gen.info.timesteps`` / ``gen.info.shift`` say which ladder and
-    shift the stream runs."""
+    shift the stream runs.
+
+    ``strength`` makes a video-to-video stream (``Client.transform``): one of the ladder's timesteps, the level the
+    input is noised to; ``input_pacing`` is "live" (drop input the pipeline cannot take yet) or "backpressure" (hold
+    the sender back instead); ``input_timeout`` the seconds without input after which the stream ends."""
     msg = pb.StreamConfig(
         prompt=prompt,
         codec=api.codec_value(codec),
         policy=api.policy_value(policy),
         timesteps=list(timesteps or ()),
+        input_pacing=api.input_pacing_value(input_pacing),
     )
     optional = dict(
         width=width,
@@ -118,6 +150,8 @@ def stream_config(
         sink=sink,
         quality=quality,
         shift=shift,
+        strength=strength,
+        input_timeout=input_timeout,
     )
     for name, value in optional.items():
         if value is not None:
@@ -184,10 +218,10 @@ class Generation(_StreamState):
         try:
             return next(self._call)
         except StopIteration:
-            self._outbox.put(_DONE)
+            _put_done(self._outbox)
             return None
         except grpc.RpcError as exc:
-            self._outbox.put(_DONE)
+            _put_done(self._outbox)
             if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                 return None
             raise from_rpc_error(exc) from None
@@ -258,6 +292,98 @@ class Generation(_StreamState):
         if self.end is None and not self._cancelled and hasattr(self, "_call"):
             self._call.cancel()
             self._outbox.put(_DONE)
+
+
+class Transform(Generation):
+    """A video-to-video stream: a thread sends the input frames (bounded: at most ``window`` frames wait to be sent,
+    so a file is read as fast as the gateway takes it), then Stop; iterate it like a ``Generation``.
+
+    ``frames_sent`` counts input frames handed to gRPC; ``input_error`` holds what stopped the sender early (an
+    unreadable file, a bad frame), and is raised when iteration ends."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.StreamServiceStub,
+        config: pb.StreamConfig,
+        frames,
+        *,
+        input_format: str = "jpeg",
+        input_quality: int = 95,
+        window: int = 8,
+        timeout: float | None = None,
+    ):
+        _StreamState.__init__(self)
+        if input_format not in ("jpeg", "raw"):
+            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        self.frames_sent = 0
+        self.input_error: BaseException | None = None
+        self._outbox = queue.Queue(maxsize=window)
+        self._outbox.put(pb.ClientMessage(config=config))
+        self._call = stub.Generate(_drain(self._outbox), timeout=timeout)
+        fps = config.target_fps if config.HasField("target_fps") else 16.0
+        self._sender = threading.Thread(
+            target=self._send_frames, args=(frames, fps, input_format, input_quality), daemon=True, name="transform"
+        )
+        self._sender.start()
+
+    def _send_frames(self, frames, fps: float, fmt: str, quality: int) -> None:
+        try:
+            for i, item in enumerate(frames):
+                rgb, pts = item if isinstance(item, tuple) else (item, i / fps)
+                msg = pb.ClientMessage(frame=_input_frame(rgb, pts, fmt, quality))
+                if not self._put(msg):
+                    return
+                self.frames_sent += 1
+            self._put(pb.ClientMessage(stop=pb.Stop()))  # the input is over: the frames already sent still come
+        except Exception as exc:  # noqa: BLE001 - reported to the reader, which raises it
+            self.input_error = exc
+            self.cancel()
+
+    def _put(self, msg) -> bool:
+        """Blocks while ``window`` messages wait; False once the call is over."""
+        while not self._cancelled and self.end is None:
+            try:
+                self._outbox.put(msg, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> pb.ServerMessage | None:
+        msg = super()._read()
+        if msg is None and self.input_error is not None:
+            raise StagecastError(f"input: {self.input_error}") from self.input_error
+        return msg
+
+    def update_prompt(self, prompt: str) -> None:
+        self._put(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+
+    def stop(self) -> None:
+        self._put(pb.ClientMessage(stop=pb.Stop()))
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+        _put_done(self._outbox)
+
+    def __del__(self) -> None:
+        if self.end is None and not self._cancelled and hasattr(self, "_call"):
+            self._cancelled = True
+            self._call.cancel()
+            _put_done(self._outbox)
+
+
+def _put_done(outbox: queue.Queue) -> None:
+    """End a request iterator whose bounded queue may be full (its reader has stopped): make room, then _DONE."""
+    while True:
+        try:
+            outbox.put_nowait(_DONE)
+            return
+        except queue.Full:
+            try:
+                outbox.get_nowait()
+            except queue.Empty:
+                pass
 
 
 class AsyncGeneration(_StreamState):
@@ -400,6 +526,37 @@ class Client:
         """Start a stream; keyword arguments are those of ``stream_config``.  Returns at once: errors surface when
         the stream is read (``info``, iteration)."""
         return Generation(self._stub, stream_config(prompt, **config), timeout=timeout)
+
+    def transform(
+        self,
+        frames,
+        prompt: str,
+        *,
+        strength: float,
+        input_format: str = "jpeg",
+        input_quality: int = 95,
+        timeout: float | None = None,
+        **config,
+    ) -> Transform:
+        """Start a video-to-video stream.  ``frames`` is an iterable of ``(H, W, 3)`` uint8 RGB arrays (or ``(array,
+        pts)`` pairs; without pts frame i is at ``i / target_fps``) or a video file's path (decoded with PyAV, scaled
+        to ``width`` x ``height`` when given, else sent at its own size; its frame rate is the default
+        ``target_fps``).  ``strength`` is the ladder timestep the input is noised to; ``config`` as for
+        ``stream_config`` (``input_pacing`` defaults to "backpressure" for a file, the gateway's "live" otherwise).
+        Frames travel as JPEG (``input_quality``) or raw RGB (``input_format="raw"``, lossless)."""
+        if isinstance(frames, (str, os.PathLike)):
+            from stagecast.media import iter_video_frames, video_info
+
+            width, height, fps, _ = video_info(frames)
+            config.setdefault("target_fps", fps)
+            config.setdefault("input_pacing", "backpressure")
+            if config.get("width") is None or config.get("height") is None:
+                config["width"], config["height"] = width, height
+            frames = iter_video_frames(frames, width=config["width"], height=config["height"])
+        cfg = stream_config(prompt, strength=strength, **config)
+        return Transform(
+            self._stub, cfg, frames, input_format=input_format, input_quality=input_quality, timeout=timeout
+        )
 
     def status(self, timeout: float = 10.0) -> pb.GatewayStatus:
         try:

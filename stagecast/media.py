@@ -405,3 +405,31 @@ def read_mp4_frames(source: str | os.PathLike | bytes | io.IOBase) -> list[np.nd
         source = os.fspath(source)
     with av.open(source, mode="r") as container:
         return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def video_info(path: str | os.PathLike) -> tuple[int, int, float, int]:
+    """``(width, height, fps, frames)`` of a video file's first video stream (frames 0 when the container does not
+    say)."""
+    import av
+
+    with av.open(os.fspath(path), mode="r") as container:
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or DEFAULT_FPS
+        return stream.codec_context.width, stream.codec_context.height, float(rate), int(stream.frames or 0)
+
+
+def iter_video_frames(
+    path: str | os.PathLike, *, width: int | None = None, height: int | None = None
+) -> Iterable[tuple[np.ndarray, float]]:
+    """Decode a video file frame by frame (constant memory): ``(rgb (H, W, 3) uint8, pts seconds)``, scaled to
+    ``width`` x ``height`` when given.  Frames without a timestamp get ``index / fps``."""
+    import av
+
+    with av.open(os.fspath(path), mode="r") as container:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate or stream.guessed_rate or DEFAULT_FPS)
+        for index, frame in enumerate(container.decode(stream)):
+            pts = float(frame.time) if frame.time is not None else index / fps
+            if width is not None and height is not None and (frame.width, frame.height) != (width, height):
+                frame = frame.reformat(width=width, height=height)
+            yield frame.to_ndarray(format="rgb24"), pts

@@ -41,9 +41,9 @@ def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_fi
     assert (cfg.timesteps, cfg.shift, cfg.update) == ((1000.0, 750.0, 500.0, 250.0), 1.0, "x0")
     echo = cfg.to_proto()
     # Every field is written out, the unbounded window as 0 and the codec's default quality; only seconds stays
-    # absent for a stream that runs until stopped.
+    # absent for a stream that runs until stopped, and the video-to-video fields for a text stream.
     optional = [f.name for f in echo.DESCRIPTOR.fields if f.has_presence]
-    assert [name for name in optional if not echo.HasField(name)] == ["seconds"]
+    assert [name for name in optional if not echo.HasField(name)] == ["seconds", "strength", "input_timeout"]
     assert (echo.window, echo.quality, echo.codec, echo.policy) == (0, 90, pb.CODEC_JPEG, pb.KV_POLICY_PER_LEVEL)
     assert list(echo.timesteps) == [1000.0, 750.0, 500.0, 250.0] and echo.shift == 1.0
     spec = cfg.stream_spec(latent_channels=16, text_len=32)

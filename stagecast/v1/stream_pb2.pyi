@@ -25,6 +25,19 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_UNSPECIFIED: _ClassVar[EndReason]
     END_REASON_COMPLETED: _ClassVar[EndReason]
     END_REASON_STOPPED: _ClassVar[EndReason]
+    END_REASON_INPUT_STALLED: _ClassVar[EndReason]
+
+class InputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INPUT_FORMAT_UNSPECIFIED: _ClassVar[InputFormat]
+    INPUT_FORMAT_JPEG: _ClassVar[InputFormat]
+    INPUT_FORMAT_RAW: _ClassVar[InputFormat]
+
+class InputPacing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INPUT_PACING_UNSPECIFIED: _ClassVar[InputPacing]
+    INPUT_PACING_LIVE: _ClassVar[InputPacing]
+    INPUT_PACING_BACKPRESSURE: _ClassVar[InputPacing]
 
 class StreamState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,13 +55,20 @@ KV_POLICY_CLEAN: KvPolicy
 END_REASON_UNSPECIFIED: EndReason
 END_REASON_COMPLETED: EndReason
 END_REASON_STOPPED: EndReason
+END_REASON_INPUT_STALLED: EndReason
+INPUT_FORMAT_UNSPECIFIED: InputFormat
+INPUT_FORMAT_JPEG: InputFormat
+INPUT_FORMAT_RAW: InputFormat
+INPUT_PACING_UNSPECIFIED: InputPacing
+INPUT_PACING_LIVE: InputPacing
+INPUT_PACING_BACKPRESSURE: InputPacing
 STREAM_STATE_UNSPECIFIED: StreamState
 STREAM_STATE_STARTING: StreamState
 STREAM_STATE_STREAMING: StreamState
 STREAM_STATE_DRAINING: StreamState
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +85,9 @@ class StreamConfig(_message.Message):
     QUALITY_FIELD_NUMBER: _ClassVar[int]
     TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
     SHIFT_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_PACING_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -81,7 +104,20 @@ class StreamConfig(_message.Message):
     quality: int
     timesteps: _containers.RepeatedScalarFieldContainer[float]
     shift: float
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ...) -> None: ...
+    strength: float
+    input_pacing: InputPacing
+    input_timeout: float
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ...) -> None: ...
+
+class InputFrame(_message.Message):
+    __slots__ = ("data", "format", "pts")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PTS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: InputFormat
+    pts: float
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[_Union[InputFormat, str]] = ..., pts: _Optional[float] = ...) -> None: ...
 
 class PromptUpdate(_message.Message):
     __slots__ = ("prompt",)
@@ -94,14 +130,16 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("config", "prompt", "stop")
+    __slots__ = ("config", "prompt", "stop", "frame")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
     config: StreamConfig
     prompt: PromptUpdate
     stop: Stop
-    def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    frame: InputFrame
+    def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., frame: _Optional[_Union[InputFrame, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id")
@@ -122,7 +160,7 @@ class Started(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height")
+    __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height", "input_ms")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +171,7 @@ class Frame(_message.Message):
     ENCODED_MS_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_MS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     codec: Codec
     index: int
@@ -143,7 +182,8 @@ class Frame(_message.Message):
     encoded_ms: float
     width: int
     height: int
-    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    input_ms: float
+    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., input_ms: _Optional[float] = ...) -> None: ...
 
 class PromptUpdated(_message.Message):
     __slots__ = ("prompt",)
@@ -178,7 +218,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamStatus(_message.Message):
-    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages")
+    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages", "input_frames_received", "input_frames_dropped")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +227,8 @@ class StreamStatus(_message.Message):
     VAE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     pipeline_stream_id: int
     state: StreamState
@@ -195,7 +237,9 @@ class StreamStatus(_message.Message):
     vae_state_bytes: int
     queued_chunks: int
     queued_messages: int
-    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ...) -> None: ...
+    input_frames_received: int
+    input_frames_dropped: int
+    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ..., input_frames_received: _Optional[int] = ..., input_frames_dropped: _Optional[int] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
     __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls")

@@ -1,0 +1,180 @@
+"""``stagecast transform``: restyle a video file through a gateway (video-to-video) into an MP4, with a progress bar,
+TTFF and FPS.
+
+Usage::
+
+    stagecast transform --target localhost:50051 --input in.mp4 --prompt "a watercolor painting" --out out.mp4
+    report = transform_clip("localhost:50051", "in.mp4", "out.mp4", prompt="...", strength=700, steps=2)
+    report.frames, report.ttff, report.fps
+
+The input is decoded with PyAV and sent as fast as the gateway takes it (``input_pacing="backpressure"``: nothing is
+dropped, gRPC flow control holds the sender back); output frame i is made from input frame i.  ``--strength`` is the
+ladder timestep the input is noised to (default: the ladder's first, i.e. every step runs).  A clip's last frames that
+do not fill a chunk (after frame 0, the VAE takes frames in groups of 4) are not restyled.  TTFF is measured from
+sending the config to receiving the first frame; FPS over the frames after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from stagecast.client import Client
+from stagecast.generate import ladder_arg, token_from
+from stagecast.media import video_info
+from stagecast.service import INTERRUPTED
+
+
+@dataclass
+class TransformReport:
+    out: str
+    frames_in: int
+    frames: int
+    width: int
+    height: int
+    strength: float
+    end_reason: str
+    ttff: float | None
+    fps: float | None
+
+    def summary(self) -> str:
+        ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
+        fps = f"{self.fps:.1f}" if self.fps is not None else "n/a"
+        return (
+            f"wrote {self.out}: {self.frames} of {self.frames_in} input frames restyled, {self.width}x{self.height} "
+            f"(strength {self.strength:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}"
+        )
+
+
+def transform_clip(
+    target: str,
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    prompt: str,
+    strength: float | None = None,
+    progress: bool = True,
+    timeout: float | None = None,
+    token: str | None = None,
+    tls: bool | None = None,
+    root_certificates: str | None = None,
+    **config,
+) -> TransformReport:
+    """Restyle the video file ``source`` through the gateway at ``target`` into ``out``.  ``strength`` None: the
+    first timestep of the stream's ladder (asked from the gateway with a config the stream then repeats)."""
+    _, _, _, count = video_info(source)
+    with Client(target, token=token, tls=tls, root_certificates=root_certificates) as client:
+        if strength is None:
+            strength = _first_timestep(client, prompt, config)
+        tr = client.transform(os.fspath(source), prompt, strength=strength, timeout=timeout, **config)
+        info = tr.info
+        bar = tqdm(total=count or None, unit="frame", disable=not progress, desc="transforming")
+        try:
+            frames = tr.write_mp4(out, on_frame=lambda _frame: bar.update(1))
+        finally:
+            bar.close()
+        return TransformReport(
+            out=os.fspath(out),
+            frames_in=tr.frames_sent,
+            frames=frames,
+            width=info.width,
+            height=info.height,
+            strength=info.config.strength,
+            end_reason=tr.end.reason if tr.end else "unknown",
+            ttff=tr.ttff,
+            fps=tr.fps,
+        )
+
+
+def _first_timestep(client: Client, prompt: str, config: dict) -> float:
+    """The first timestep of the ladder the gateway would run for ``config``: from the timesteps given, else from
+    a short text stream's Started (cancelled at once)."""
+    if config.get("timesteps"):
+        return float(config["timesteps"][0])
+    probe = {k: v for k, v in config.items() if k in ("steps", "width", "height")}
+    gen = client.generate(prompt, seconds=0.1, **probe)
+    try:
+        return gen.info.timesteps[0]
+    finally:
+        gen.cancel()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "transform",
+        help="restyle a video file through a gateway into an MP4 (video-to-video; progress bar, TTFF, FPS)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="localhost:50051", help="gateway host:port")
+    p.add_argument("--input", required=True, help="the video file to restyle (anything PyAV reads)")
+    p.add_argument("--prompt", required=True, help="what the video should look like")
+    p.add_argument("--out", default="out.mp4", help="the MP4 file to write")
+    p.add_argument(
+        "--strength", type=float, default=None, help="ladder timestep the input is noised to (default: the first)"
+    )
+    p.add_argument("--steps", type=int, default=None, help="ladder length (default: the gateway's)")
+    p.add_argument("--timesteps", type=ladder_arg, default=None, help="the stream's own ladder, e.g. 700,500")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the input's; it is scaled)")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the input's)")
+    p.add_argument("--seed", type=int, default=None, help="default: random")
+    p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels back on the wire")
+    p.add_argument("--input-format", choices=["jpeg", "raw"], default="jpeg", help="what input frames travel as")
+    p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
+    p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
+    p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
+    p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
+    p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
+    p.add_argument("--token", default=None, help="bearer token (default: $STAGECAST_TOKEN; prefer --token-file)")
+    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=None, help="TLS, trusting this CA certificate (PEM) for the gateway")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from stagecast.errors import StagecastError
+
+    try:
+        token = token_from(args)
+        video_info(args.input)
+    except (OSError, ValueError) as exc:
+        print(f"stagecast transform: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # PyAV's errors for a file it cannot read
+        print(f"stagecast transform: error: --input {args.input}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = transform_clip(
+            args.target,
+            args.input,
+            args.out,
+            prompt=args.prompt,
+            strength=args.strength,
+            timeout=args.timeout,
+            token=token,
+            tls=args.tls or None,
+            root_certificates=args.tls_ca,
+            input_format=args.input_format,
+            width=args.width,
+            height=args.height,
+            steps=args.steps,
+            timesteps=args.timesteps,
+            seed=args.seed,
+            codec=args.codec,
+            chunk_frames=args.chunk_frames,
+            policy=args.policy,
+            window=args.window,
+            sink=args.sink,
+        )
+    except StagecastError as exc:
+        print(f"stagecast transform: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stagecast transform: aborted", file=sys.stderr)
+        return INTERRUPTED
+    print(report.summary())
+    return 0
