@@ -27,10 +27,16 @@ def add_parser(sub) -> None:
         "--sp",
         type=int,
         default=1,
-        help="sequence-parallel ranks of this stage (Ulysses; the coordinator runs the same --sp); this process is "
-        "rank --sp-rank of them and registers as rank index * sp + sp-rank",
+        help="sequence-parallel ranks of this stage (Ulysses; the coordinator runs the same --sp); this process "
+        "registers as rank index * sp + sp-rank",
     )
-    p.add_argument("--sp-rank", type=int, default=0, help="this process's rank within its stage's --sp ranks")
+    p.add_argument(
+        "--sp-rank",
+        type=int,
+        default=None,
+        help="this process's rank within its stage's --sp ranks (default: the index is the global rank "
+        "stage * sp + sp-rank, as a StatefulSet's pod index is)",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
@@ -65,13 +71,14 @@ def main(args: argparse.Namespace) -> int:
     if args.sp < 1:
         print(f"stagecast stage: error: --sp: must be >= 1, got {args.sp}", file=sys.stderr)
         return 2
-    if not 0 <= args.sp_rank < args.sp:
+    if args.sp_rank is not None and not 0 <= args.sp_rank < args.sp:
         print(f"stagecast stage: error: --sp-rank: must be in [0, {args.sp}), got {args.sp_rank}", file=sys.stderr)
         return 2
     if args.sp > 1 and args.cuda_graphs:
         print("stagecast stage: error: --cuda-graphs: not supported with --sp > 1 yet", file=sys.stderr)
         return 2
-    index = index * args.sp + args.sp_rank  # the rank this process registers as
+    if args.sp_rank is not None:
+        index = index * args.sp + args.sp_rank  # the rank this process registers as
     try:
         if len(args.lora) > MAX_LORAS:
             raise ValueError(f"--lora: at most {MAX_LORAS} LoRAs, got {len(args.lora)}")

@@ -937,3 +937,18 @@ def test_cert_manager_signs_the_internal_certificates(helm):
         assert _mounted_secret(wl, "/etc/stagecast/mtls") == f"{RELEASE}-stagecast-mtls-{component}"
     err = render_error(helm, security={"mtls": {"source": "certManager"}})
     assert "security.mtls.certManager.issuerRef.name is empty" in err
+
+
+def test_sequence_parallel_stages_run_count_times_sp_ranks(helm):
+    r = render(helm, "default", stages={"count": 2, "sp": 2, "cudaGraphs": False})
+    sts = r.component("StatefulSet", "stage")
+    assert sts["spec"]["replicas"] == 4  # pod N is rank N: its index comes from the pod-index label
+    args = main_container(sts)["args"]
+    assert arg_value(args, "--sp") == "2" and "--sp-rank" not in args and "--cuda-graphs" not in args
+    coord = main_container(r.component("Deployment", "coordinator"))["args"]
+    assert arg_value(coord, "--stages") == "2" and arg_value(coord, "--sp") == "2"
+    plain = render(helm, "default")
+    assert "--sp" not in main_container(plain.component("StatefulSet", "stage"))["args"]
+    assert "--sp" not in main_container(plain.component("Deployment", "coordinator"))["args"]
+    err = render_error(helm, "default", stages={"sp": 2, "cudaGraphs": True})
+    assert "stages.cudaGraphs is not supported with stages.sp > 1" in err

@@ -255,6 +255,9 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if lt $numLayers 1 -}}
 {{- fail (printf "stagecast: model.numLayers must be >= 1 (got %d)" $numLayers) -}}
 {{- end -}}
+{{- if and (gt (int ($v.stages.sp | default 1)) 1) $v.stages.cudaGraphs (eq $v.device "cuda") -}}
+{{- fail "stagecast: stages.cudaGraphs is not supported with stages.sp > 1 yet: turn one of them off" -}}
+{{- end -}}
 {{- if gt $count $numLayers -}}
 {{- fail (printf "stagecast: stages.count (%d) cannot exceed model.numLayers (%d): every stage needs at least one transformer block" $count $numLayers) -}}
 {{- end -}}
