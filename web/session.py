@@ -68,6 +68,8 @@ class Session:
         self.bad_messages = 0
         self.streams = 0
         self.closed = False
+        # Messages are handled one at a time, in order: two configs in a row must not both start a stream.
+        self._lock = asyncio.Lock()
 
     def refuse(self, exc: BadMessage) -> None:
         """Junk from the browser: say what was wrong and keep serving; close a peer that only sends junk."""
@@ -77,6 +79,10 @@ class Session:
             self.on_fatal(f"{self.bad_messages} malformed control messages")
 
     async def handle(self, msg: ControlMessage) -> None:
+        async with self._lock:
+            await self._handle(msg)
+
+    async def _handle(self, msg: ControlMessage) -> None:
         if self.closed:
             return
         if msg.kind == "config":
@@ -92,6 +98,8 @@ class Session:
 
     async def _start(self, config: dict) -> None:
         await self._cancel()
+        if self.closed:  # closed while the previous stream was being cancelled
+            return
         if self._client is None:
             self._client = self._open_client()
         self.streams += 1
@@ -142,6 +150,7 @@ class Session:
                 "pts": frame.pts,
                 "received_s": round(frame.timing.received_s, 4),
                 "sent_s": round(time.monotonic() - t0, 4),
+                "sent_at": round(time.time(), 4),  # wall clock, for one-way delays on one machine
                 "late_ms": round(late_s * 1000.0, 1),
                 "latents_ms": frame.timing.latents_ms,
                 "decoded_ms": frame.timing.decoded_ms,
@@ -164,7 +173,7 @@ class Session:
     async def close(self) -> None:
         if self.closed:
             return
-        self.closed = True
+        self.closed = True  # a message still waiting for the lock finds the session closed
         await self._cancel()
         if self._client is not None:
             await self._client.close()

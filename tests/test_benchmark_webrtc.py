@@ -1,0 +1,28 @@
+"""The WebRTC benchmark runs end to end on CPU (tiny model), so it cannot rot between GPU runs: the same streams over
+gRPC and over WebRTC, with TTFF, pacing and the web-to-peer delay."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_webrtc_benchmark_smoke_reports_both_transports(tmp_path):
+    out = tmp_path / "webrtc.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.webrtc", "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    grpc, rtc = r["grpc"], r["webrtc"]
+    assert grpc["frames"] == [16]  # 1 s at 16 fps over gRPC
+    assert rtc["frames_expected"] == 16 and rtc["frames"][0] >= 15  # the peer holds all but the last (see module)
+    assert 0 < grpc["ttff_p50_s"] and 0 < rtc["ttff_p50_s"] and 0 < rtc["connect_p50_s"]
+    assert 0 < rtc["delay_p50_ms"] <= rtc["delay_p95_ms"]
+    assert 0 <= rtc["on_time"] <= 1 and rtc["steady_fps"] > 0
