@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_suite.sh sp-check # SP=2 parity on 2 GPUs (fp32, bf16) + the all-to-all timing (~3 min)
 #   bash benchmarks/gpu_suite.sh sp-1.3b pp-1.3b-eager   # 1.3B 1 step: SP=2 against PP=2, both eager (SP has
 #   bash benchmarks/gpu_suite.sh sp-14b pp-14b-eager     # 14B 1 step        no CUDA graphs yet); ~5 min per part
+#   bash benchmarks/gpu_suite.sh v2v      # video-to-video 1.3B 480x832, 2 steps from strength: throughput + live rows
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -63,8 +64,12 @@ for part in "$@"; do
         --no-compiled-peer --load 1 --load-seconds 5 "${extra[@]}" "${topo[@]}" \
         --json "$out/v2_${tag}_1step_${name}_eager.json"
       ;;
+    v2v)
+      timeout 570 python -m benchmarks.v2v_bench --cuda-graphs --vae-compile --model wan2.1-1.3b --width 832 \
+        --height 480 --steps 2 --stages 2 --json "$out/v2v_13b_2step_2gpu.json"
+      ;;
     *)
-      sed -n '2,16p' "$0"
+      sed -n '2,17p' "$0"
       exit 2
       ;;
   esac

@@ -60,3 +60,25 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nprose\n\n") and text.endswith(f"{END}\n\nmore prose\n")
     assert "stale table" not in text and "| tiny @ 64×64, 2 steps | 2 | **" in text and "| 2 | " in text
+
+
+def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
+    out = tmp_path / "v2v_smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.v2v_bench", "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "v2v" and r["timesteps"] == [700.0, 500.0]
+    for name in ("throughput", "live"):
+        row = r["system"][name]
+        # 16 input frames (1 s at 16 FPS): 1 + 4 * 3 of them fill chunks and come back restyled, in pts order.
+        assert row["error"] is None and row["end"] == "stopped", row
+        assert row["input_frames"] == 16 and row["output_frames"] == 13
+        lat = row["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p95"] <= lat["max"]
+    assert r["system"]["throughput"]["input_dropped"] == 0  # backpressure drops nothing
+    assert "| v2v throughput |" in proc.stdout and "| v2v live 16 FPS in |" in proc.stdout
