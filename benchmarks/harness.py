@@ -412,7 +412,13 @@ def coordinator_status(coordinator: str, launcher):
 
 def stage_stats(coordinator: str, launcher) -> list[dict]:
     return [
-        {"index": s.index, "batches": s.batches, "forward_ms": s.forward_ms_total, "micro_steps": s.micro_steps}
+        {
+            "index": s.index,
+            "batches": s.batches,
+            "forward_ms": s.forward_ms_total,
+            "micro_steps": s.micro_steps,
+            "exchange_ms": s.exchange_ms_total,
+        }
         for s in coordinator_status(coordinator, launcher).stage_stats
     ]
 
@@ -555,6 +561,8 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 "index": a["index"],
                 "batches": a["batches"] - b["batches"],
                 "mean_forward_ms": (a["forward_ms"] - b["forward_ms"]) / n,
+                # --sp: the all-to-alls (and the gather before the head) inside those forwards, per batch.
+                "mean_exchange_ms": (a.get("exchange_ms", 0.0) - b.get("exchange_ms", 0.0)) / n,
                 "mean_batch": (a["micro_steps"] - b["micro_steps"]) / n,
                 # Forward time over the frames' span. CUDA events time the GPU stream, so where the gateway's VAE
                 # shares the GPU its kernels count in (time-slicing).

@@ -357,6 +357,7 @@ class PipelineEngine(Generations):
             st.forward_ms_total += done.forward_ms
             st.wait_ms_total += done.wait_ms
             st.micro_steps += done.micro_steps
+            st.exchange_ms_total += done.exchange_ms
             if last:
                 self.batches_done += 1
                 self.telemetry.batch_done(done.seq)

@@ -51,6 +51,7 @@ class ExecutorEvent:
     forward_ms: float = 0.0
     wait_ms: float = 0.0
     micro_steps: int = 0
+    exchange_ms: float = 0.0  # sequence-parallel collectives (``--sp``) among the forwards reported
 
 
 _STOP = object()
@@ -233,6 +234,10 @@ class StageExecutor:
             sent = distributed and (not self.last or any(st.level + 1 < runner.spec(st.stream).levels for st in steps))
             end = time.time_ns()
             timing = BatchTiming(t_start, t_recv, t_compute, end, received, sent, forward_ms, forward_samples)
-        self.on_event(ExecutorEvent("done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps))
+        exchange_ms = runner.sp.take_ms()
+        done = ExecutorEvent(
+            "done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps, exchange_ms=exchange_ms
+        )
+        self.on_event(done)
         if self.telemetry is not None:
             self.telemetry.batch(item, timing)  # after the done report: spans are off the critical path

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,8 @@ class SequenceGroup:
     def abort(self) -> None:
         pass
 
-    @property
-    def comm_seconds(self) -> float:
+    def take_ms(self) -> float:
+        """Milliseconds spent in this group's collectives since the last call (on GPU: those finished so far)."""
         return 0.0
 
 
@@ -69,27 +70,39 @@ class DistSequenceGroup(SequenceGroup):
         self.group = group
         self.rank = rank
         self.size = size
-        self._seconds = 0.0
+        self._ms = 0.0  # host-timed collectives (gloo: they block)
+        self._events: deque = deque()  # CUDA event pairs around NCCL collectives, read once finished
 
-    @property
-    def comm_seconds(self) -> float:
-        return self._seconds
+    def _timed(self, tensor: torch.Tensor, run) -> None:
+        if tensor.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        run()
+        self._ms += (time.perf_counter() - t0) * 1e3
+
+    def take_ms(self) -> float:
+        ms, self._ms = self._ms, 0.0
+        while self._events and self._events[0][1].query():
+            start, end = self._events.popleft()
+            ms += start.elapsed_time(end)
+        return ms
 
     def all_to_all(self, chunks):
         if len(chunks) != self.size:
             raise ValueError(f"all_to_all needs {self.size} chunks, got {len(chunks)}")
-        start = time.perf_counter()
         send = torch.stack([c.contiguous() for c in chunks])
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        self._seconds += time.perf_counter() - start
+        self._timed(send, lambda: dist.all_to_all_single(recv, send, group=self.group))
         return list(recv.unbind(0))
 
     def all_gather(self, tensor):
-        start = time.perf_counter()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor.contiguous(), group=self.group)
-        self._seconds += time.perf_counter() - start
+        self._timed(tensor, lambda: dist.all_gather(out, tensor.contiguous(), group=self.group))
         return out
 
 

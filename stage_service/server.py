@@ -430,7 +430,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
             )
         if ev.kind == "done":
             return pb.StageEvent(
-                done=pb.BatchDone(seq=ev.seq, forward_ms=ev.forward_ms, wait_ms=ev.wait_ms, micro_steps=ev.micro_steps)
+                done=pb.BatchDone(
+                    seq=ev.seq,
+                    forward_ms=ev.forward_ms,
+                    wait_ms=ev.wait_ms,
+                    micro_steps=ev.micro_steps,
+                    exchange_ms=ev.exchange_ms,
+                )
             )
         return pb.StageEvent(
             error=pb.StageError(generation=generation, seq=ev.seq, message=ev.message, stage_index=self.opts.index)

@@ -120,3 +120,42 @@ def test_all_to_all_benchmark_runs_on_gloo_and_predicts_both_4_gpu_topologies(tm
     topologies = {(p["model"], p["topology"]) for p in result["predictions_4gpu"]}
     assert topologies == {(m, t) for m in ("wan2.1-1.3b", "wan2.1-14b") for t in ("PP=4", "PP=2×SP=2")}
     assert "all_to_all_single fit" in proc.stdout
+
+
+def test_losing_one_rank_of_a_sequence_group_fails_the_stream_and_the_next_generation_serves(tmp_path):
+    """PP=2 × SP=2: SIGKILL stage 1's sequence rank 0 mid-stream.  Its sequence peer (blocked in an all-to-all) and
+    stage 0's ranks (blocked on the pipeline's links, their peers alive) are all released: the stream ends
+    UNAVAILABLE promptly, and once the rank is back a new generation serves a stream to completion."""
+    from launcher.demo_checkpoint import write_transformer
+    from launcher.local_cluster import start_pipeline
+    from stagecast.internal.v1 import pipeline_pb2 as pb
+    from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec, wait_for_generation
+
+    write_transformer(tmp_path / "transformer", seed=0)
+    with Launcher() as launcher:
+        pipe = start_pipeline(launcher, checkpoint=str(tmp_path / "transformer"), stages=2, sp=2)
+        assert sorted(pipe.stage_children) == [0, 1, 2, 3]
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
+        assert stub.Status(pb.Empty()).generation == 1
+        events = stub.OpenStream(open_request(tiny_spec(num_chunks=100_000)), timeout=120)
+        with pytest.raises(grpc.RpcError) as info:
+            for ev in events:
+                if ev.WhichOneof("event") == "chunk":
+                    pipe.stage_children[2].proc.kill()
+                    break
+            for _ in events:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "generation 1" in info.value.details()
+        launcher.spawn("stage-1-sp0-restarted", pipe.stage_args[2])
+        status = wait_for_generation(pipe.coordinator, 2, launcher)
+        assert status.ready and status.generation >= 2
+        chunks, reason = run_stream(stub, tiny_spec(num_chunks=3))
+        assert reason == "completed" and len(chunks) == 3
+        # Every rank reports the time its forwards spent in the sequence group's exchanges (part of the forward).
+        stats = {st.index: st for st in stub.Status(pb.Empty(), timeout=10).stage_stats}
+        assert sorted(stats) == [0, 1, 2, 3]
+        for st in stats.values():
+            assert st.batches > 0 and 0 < st.exchange_ms_total < st.forward_ms_total
+        channel.close()
+    assert all(child.proc.poll() is not None for child in [pipe.coordinator_child, *pipe.stage_children.values()])
