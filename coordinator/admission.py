@@ -18,7 +18,8 @@ import torch
 
 from stagecast.grpc_util import StatusError
 from stagecast.microstep import StreamSpec
-from stagecast.model.config import DiTConfig, check_spec
+from stagecast.model.config import DiTConfig, check_image, check_spec
+from stagecast.model.dit_configs import expands_timesteps
 
 MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 
@@ -38,7 +39,14 @@ class AdmissionState:
     last_error: str = ""
 
 
-def admit(spec: StreamSpec, text: torch.Tensor, state: AdmissionState, *, consumer_depth: int = 0) -> None:
+def admit(
+    spec: StreamSpec,
+    text: torch.Tensor,
+    state: AdmissionState,
+    *,
+    consumer_depth: int = 0,
+    image: torch.Tensor | None = None,
+) -> None:
     """Raise ``AdmissionError`` (or ``ValueError`` for a malformed request) unless the stream may open now."""
     if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
         raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
@@ -56,5 +64,7 @@ def admit(spec: StreamSpec, text: torch.Tensor, state: AdmissionState, *, consum
     if state.model is not None:
         try:
             check_spec(spec, DiTConfig.from_kwargs(state.model), tuple(text.shape))
+            shape = None if image is None else tuple(image.shape)
+            check_image(spec, shape, per_token=expands_timesteps(state.model))
         except ValueError as exc:
             raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -77,6 +77,7 @@ class StreamSession:
     ended: bool = False
     generation: int = 0
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # video-to-video: input chunks not yet planned
+    image: torch.Tensor | None = None  # image-to-video: the image latent the open event carries
     inputs_received: int = 0
 
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
@@ -202,6 +203,7 @@ class PipelineEngine(Generations):
         *,
         acknowledges: bool = False,
         consumer_depth: int = 0,
+        image: torch.Tensor | None = None,
     ) -> StreamSession:
         cfg = self.model_config()
         with self.cond:
@@ -214,7 +216,7 @@ class PipelineEngine(Generations):
                 model=cfg,
                 last_error=self.last_error,
             )
-            admit(spec, text, state, consumer_depth=consumer_depth)
+            admit(spec, text, state, consumer_depth=consumer_depth, image=image)
             sid = spec.stream_id or next(self._ids)
             if sid in self.sessions:
                 raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already active")
@@ -227,6 +229,7 @@ class PipelineEngine(Generations):
                 generation=self.generation,
                 acknowledges=acknowledges,
                 consumer_depth=consumer_depth,
+                image=image,
             )
             self.sessions[sid] = session
             self.pending_opens.append(session)
@@ -451,7 +454,9 @@ class PipelineEngine(Generations):
             session = self.pending_opens.popleft()
             sched.add_stream(session.spec)
             events.append(
-                self._next_event("open", spec=session.spec, text=session.text, traceparent=session.traceparent)
+                self._next_event(
+                    "open", spec=session.spec, text=session.text, latents=session.image, traceparent=session.traceparent
+                )
             )
             session.events.put(
                 pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.generation))

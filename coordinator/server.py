@@ -129,6 +129,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         try:
             spec = wire.spec_from_proto(request.spec)
             text = wire.tensor_from_proto(request.text)
+            image = wire.tensor_from_proto(request.image) if request.HasField("image") else None
             # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
             traceparent = telemetry.traceparent_of(span) or request.traceparent
             session = self.engine.open(
@@ -137,6 +138,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 traceparent=traceparent,
                 acknowledges=request.acknowledges,
                 consumer_depth=request.consumer_depth,
+                image=image,
             )
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)

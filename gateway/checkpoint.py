@@ -26,6 +26,7 @@ from pathlib import Path
 
 from stagecast.model import vae_configs
 from stagecast.model.config import read_config, read_vae_config
+from stagecast.model.dit_configs import expands_timesteps
 from stagecast.sampling import SamplerConfig, SamplerError
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ModelInfo:
     patch_hw: tuple[int, int]
     spatial_factor: int  # video pixels per latent pixel
     temporal_factor: int  # video frames per latent frame after the first
+    per_token_timesteps: bool = False  # Wan2.2-TI2V: can condition on a first-frame image (StreamConfig.image)
 
     @property
     def height_multiple(self) -> int:
@@ -118,4 +120,5 @@ class ModelInfo:
             patch_hw=(p_h, p_w),
             spatial_factor=vae_configs.spatial_factor(vae),
             temporal_factor=vae_configs.temporal_factor(vae),
+            per_token_timesteps=expands_timesteps(dit),
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from stagecast import api
@@ -92,6 +92,8 @@ class EffectiveConfig:
     strength: float | None = None
     input_pacing: str = "live"
     input_timeout: float = DEFAULT_INPUT_TIMEOUT
+    # Image-to-video: the first frame, (height, width, 3) uint8 RGB (None: no image).
+    image: object = field(default=None, compare=False, repr=False)
 
     @property
     def v2v(self) -> bool:
@@ -121,6 +123,7 @@ class EffectiveConfig:
             num_chunks=self.num_chunks,
             text_len=text_len,
             input_latents=self.v2v,
+            image_latents=self.image is not None,
         )
 
     def to_proto(self) -> pb.StreamConfig:
@@ -194,6 +197,25 @@ def _parse(cls, data: bytes):
     except Exception as exc:  # DecodeError; anything else the parser raises is the same verdict
         name = cls.DESCRIPTOR.full_name
         raise ConfigError("request", f"{len(data)} bytes that are not a {name} ({exc})") from None
+
+
+def decode_image(data: bytes, width: int, height: int):
+    """A first-frame image (JPEG or PNG) as (height, width, 3) uint8 RGB, or ``ConfigError("image", ...)``."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data), formats=["JPEG", "PNG"])  # the header only
+    except Exception as exc:
+        raise ConfigError("image", f"{len(data)} bytes that are not a JPEG or PNG ({type(exc).__name__})") from None
+    if img.size != (width, height):  # before the pixels are decoded
+        raise ConfigError("image", f"is {img.size[0]}x{img.size[1]}; this stream is {width}x{height}")
+    try:
+        return np.asarray(img.convert("RGB"))
+    except Exception as exc:
+        raise ConfigError("image", f"does not decode ({type(exc).__name__}: {exc})") from None
 
 
 def check_prompt(prompt: str, field: str = "prompt") -> str:
@@ -302,7 +324,18 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
                 raise ConfigError(
                     "input_timeout", f"must be in (0, {MAX_INPUT_TIMEOUT:g}] seconds, got {input_timeout:.6g}"
                 )
-    else:
+    image = None
+    if msg.image:
+        image = decode_image(msg.image, width, height)
+        if strength is not None:
+            raise ConfigError("image", "a video-to-video stream (strength) takes its first frame from its input")
+        if not model.per_token_timesteps:
+            raise ConfigError(
+                "image",
+                "this checkpoint cannot condition on an image: its first frame would need timestep 0 beside noisy "
+                "frames, and its transformer takes one timestep per item (Wan2.2-TI2V takes one per token)",
+            )
+    if strength is None:
         for name in ("input_pacing", "input_timeout"):
             if msg.HasField(name) if name == "input_timeout" else msg.input_pacing:
                 raise ConfigError(name, "applies to video-to-video streams only: set strength")
@@ -332,4 +365,5 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         strength=strength,
         input_pacing=input_pacing,
         input_timeout=input_timeout,
+        image=image,
     )

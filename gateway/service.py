@@ -527,16 +527,22 @@ class StreamServicer:
         if isinstance(first, Exception):
             logger.debug("call ended before its config: %s", first)
             return None
-        if len(first) > MAX_REQUEST_BYTES:
+        try:
+            msg = parse_client_message(first)
+        except ConfigError as exc:
+            if len(first) > MAX_REQUEST_BYTES:
+                self._abort(
+                    context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"request: {len(first)} bytes that are not a config"
+                )
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # A config is at most MAX_REQUEST_BYTES besides its first-frame image (bounded by the server's own limit).
+        if len(first) - len(msg.config.image) > MAX_REQUEST_BYTES:
             self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request: {len(first)} bytes; a config is at most {MAX_REQUEST_BYTES}",
+                f"request: {len(first)} bytes; a config is at most {MAX_REQUEST_BYTES} besides its image",
             )
-        try:
-            return parse_client_message(first)
-        except ConfigError as exc:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return msg
 
     def _generate(self, request_iterator, context, rpc_span):
         t0 = time.monotonic()

@@ -53,7 +53,7 @@ from gateway.channel import CLOSED, BoundedChannel
 from gateway.config import ConfigError, EffectiveConfig, RequestTooLarge, check_prompt
 from gateway.pipeline import PipelineCall, StreamFailed
 from gateway.stream_trace import StreamTrace
-from gateway.video_input import InputPath
+from gateway.video_input import InputPath, encode_image
 from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
@@ -149,14 +149,15 @@ class StreamRun:
     def open_pipeline(self) -> None:
         spec = self.cfg.stream_spec(latent_channels=self.host.latent_channels, text_len=self.host.text_len)
         # The stream's lead is held to one wavefront plus our VAE depth: we acknowledge each chunk once decoded.
-        self.pipeline.open(
-            ipb.OpenStreamRequest(
-                spec=wire.spec_to_proto(spec),
-                text=wire.tensor_to_proto(self.text),
-                acknowledges=True,
-                consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
-            )
+        request = ipb.OpenStreamRequest(
+            spec=wire.spec_to_proto(spec),
+            text=wire.tensor_to_proto(self.text),
+            acknowledges=True,
+            consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
         )
+        if self.cfg.image is not None:  # image-to-video: the first frame's latent, encoded as the pipeline does
+            request.image.CopyFrom(wire.tensor_to_proto(encode_image(self.host.input_encoder(), self.cfg.image)))
+        self.pipeline.open(request)
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"

@@ -86,6 +86,18 @@ def decode_frame(frame: pb.InputFrame, width: int, height: int) -> np.ndarray:
     return rgb
 
 
+def encode_image(encoder: StreamVAEEncoder, rgb: np.ndarray) -> torch.Tensor:
+    """An image-to-video stream's first frame as its normalised latent (1, C, 1, h, w) float32: the VAE encode of one
+    frame, as ``WanImageToVideoPipeline.prepare_latents`` computes its condition."""
+    video = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None, :, None]
+    video = video.to(encoder.device).float() / 255.0 * 2.0 - 1.0
+    state = encoder.new_state()
+    try:
+        return encoder.encode_frames(state, video).float().cpu()
+    finally:
+        encoder.release(state)
+
+
 def input_noise(seed: int, chunk: int, shape: tuple[int, ...]) -> torch.Tensor:
     """The noise a video-to-video chunk's input is mixed with: deterministic by (stream seed, chunk), on the CPU.
 

@@ -40,6 +40,7 @@ class StreamRequest:
     # Video-to-video (``spec.input_latents``): each chunk's level-0 latents, all here at the arrival tick; the
     # stream ends after the last (its input is its clock).
     inputs: list[torch.Tensor] | None = None
+    image: torch.Tensor | None = None  # image-to-video (``spec.image_latents``): the image latent (1, C, 1, h, w)
 
 
 @dataclass
@@ -98,16 +99,19 @@ class ReferenceExecutor:
         texts: dict[int, torch.Tensor],
         prompt_texts: dict[tuple[int, int], torch.Tensor] | None = None,
         inputs: dict[tuple[int, int], torch.Tensor] | None = None,
+        images: dict[int, torch.Tensor] | None = None,
     ) -> dict[int, list[torch.Tensor]]:
         """Run a recorded plan.  ``texts[stream]`` is each stream's first prompt; ``prompt_texts[(stream,
         from_chunk)]`` the text of each prompt update event; ``inputs[(stream, chunk)]`` the latents of each input
-        event (video-to-video), where the event does not carry them."""
+        event (video-to-video), where the event does not carry them; ``images[stream]`` the image latent of an
+        image-to-video stream's open event, where it does not carry it."""
         chunks: dict[int, list[torch.Tensor]] = {}
         for ev in plan:
             if ev.kind == "open":
                 assert ev.spec is not None
                 spec = ev.spec
-                self._each(lambda r, spec=spec: r.open_stream(spec, texts[spec.stream_id]))
+                image = ev.latents if ev.latents is not None else (images or {}).get(spec.stream_id)
+                self._each(lambda r, spec=spec, image=image: r.open_stream(spec, texts[spec.stream_id], image))
                 chunks[ev.spec.stream_id] = []
             elif ev.kind == "prompt":
                 assert ev.stream_id is not None and prompt_texts is not None
@@ -133,7 +137,8 @@ class ReferenceExecutor:
         plan = build_plan(requests, num_stages=num_stages, max_batch=max_batch)
         texts = {r.spec.stream_id: r.text for r in requests}
         inputs = {(r.spec.stream_id, c): x for r in requests for c, x in enumerate(r.inputs or [])}
-        return GenerationResult(chunks=self.replay(plan, texts, inputs=inputs), plan=plan)
+        images = {r.spec.stream_id: r.image for r in requests if r.image is not None}
+        return GenerationResult(chunks=self.replay(plan, texts, inputs=inputs, images=images), plan=plan)
 
 
 def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int) -> list[PlanEvent]:

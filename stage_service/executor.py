@@ -139,7 +139,7 @@ class StageExecutor:
     def _run(self, item: PlanEvent) -> None:
         if item.kind == "open":
             assert item.spec is not None and item.text is not None
-            self.runner.open_stream(item.spec, item.text)
+            self.runner.open_stream(item.spec, item.text, item.latents)
             if item.traceparent:
                 self.stream_traceparents[item.spec.stream_id] = item.traceparent
         elif item.kind == "close":

@@ -28,7 +28,7 @@ from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec, rope_offset
-from stagecast.model.config import DiTConfig, check_spec
+from stagecast.model.config import DiTConfig, check_image, check_spec
 
 
 class UnknownStreamError(KeyError):
@@ -53,6 +53,17 @@ class _Stream:
     latents: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # Video-to-video (``spec.input_latents``): each chunk's level-0 input, from an "input" plan event.
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Image-to-video (``spec.image_latents``): the clean latent of the stream's frame 0, (1, C, 1, h, w).
+    image: torch.Tensor | None = None
+
+    def with_image(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the stream's frame 0 set to the image latent: ``(1 - mask) * condition + mask * latents`` of
+        WanImageToVideoPipeline, which with a 0/1 mask is exactly this replacement."""
+        if self.image is None or chunk != 0:
+            return x
+        x = x.clone()
+        x[:, :, 0:1] = self.image.to(x.device, x.dtype)
+        return x
 
     def cross_kv(self, chunk: int):
         current = self.prompts[0][1]
@@ -109,14 +120,17 @@ class SliceRunner:
 
     # ---- stream lifecycle ------------------------------------------------------------------------------
 
-    def open_stream(self, spec: StreamSpec, text: torch.Tensor) -> None:
+    def open_stream(self, spec: StreamSpec, text: torch.Tensor, image: torch.Tensor | None = None) -> None:
         if spec.stream_id in self.streams:
             raise ValueError(f"stream {spec.stream_id} is already open on this stage")
         check_spec(spec, self.model, tuple(text.shape))
+        check_image(spec, None if image is None else tuple(image.shape), per_token=self.slice.per_token_timesteps)
         tpf = self.slice.tokens_per_frame(spec.latent_height, spec.latent_width)
         check_sequence_split(spec, tpf, self.sp.size)
         kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
         stream = _Stream(spec=spec, sampler=FlowSampler(spec), kv=kv)
+        if image is not None:
+            stream.image = image.float()
         self.streams[spec.stream_id] = stream
         self.set_prompt(spec.stream_id, 0, text)
 
@@ -184,11 +198,11 @@ class SliceRunner:
         stream = self._stream(step.stream)
         if step.level == 0:
             if not stream.spec.input_latents:
-                return chunk_noise(stream.spec, step.chunk, 0)
+                return stream.with_image(step.chunk, chunk_noise(stream.spec, step.chunk, 0))
             latent = stream.inputs.pop(step.chunk, None)
             if latent is None:
                 raise KVOrderError(f"{step}: its input latents have not arrived; plan out of order")
-            return latent
+            return stream.with_image(step.chunk, latent)
         held = stream.latents.pop(step.chunk, None)
         if held is None or held[0] != step.level:
             have = None if held is None else held[0]
@@ -223,8 +237,16 @@ class SliceRunner:
             if inputs is None:
                 raise ValueError("a slice after the first needs the previous slice's hidden states")
             hidden = inputs
+        tokens = hidden.shape[1] * self.sp.size
         timesteps = torch.tensor([s.sampler.model_timestep(st.level) for s, st in zip(streams, steps)])
-        cond = sl.condition(timesteps.to(sl.device), tokens=hidden.shape[1] * self.sp.size)
+        if any(s.image is not None and st.chunk == 0 for s, st in zip(streams, steps)):
+            # Image-to-video: the image frame's tokens are at timestep 0, the others at the level's (per token).
+            timesteps = timesteps[:, None].expand(-1, tokens).clone()
+            tpf = tokens // f
+            for i, (s, st) in enumerate(zip(streams, steps)):
+                if s.image is not None and st.chunk == 0:
+                    timesteps[i, :tpf] = 0.0
+        cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
             block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
@@ -274,6 +296,7 @@ class SliceRunner:
             nxt = stream.sampler.step(
                 x, flow[i : i + 1], st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
             )
+            nxt = stream.with_image(st.chunk, nxt)  # the image frame stays the image, as the pipeline's output
             finished = nxt if st.level == spec.steps - 1 else None
             has_next = st.level + 1 < spec.levels
             if has_next:

@@ -54,8 +54,8 @@ from stagecast.grpc_util import (
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import PlanEvent, StreamSpec
-from stagecast.model.config import DiTConfig, check_spec, read_config
-from stagecast.model.dit_configs import model_config
+from stagecast.model.config import DiTConfig, check_image, check_spec, read_config
+from stagecast.model.dit_configs import expands_timesteps, model_config
 from stagecast.model.parallel import check_sp
 from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
@@ -377,6 +377,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if ev.text is None:
                 raise ValueError(f"stream {spec.stream_id}: open carries no text embeddings")
             check_spec(spec, DiTConfig.from_kwargs(self.config), tuple(ev.text.shape))
+            image_shape = None if ev.latents is None else tuple(ev.latents.shape)
+            check_image(spec, image_shape, per_token=expands_timesteps(self.config))
             check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), self.opts.sp)
             gen.specs[spec.stream_id] = spec
         elif ev.kind == "close":

@@ -95,6 +95,24 @@ def _input_frame(rgb, pts: float, fmt: str, quality: int) -> pb.InputFrame:
     return pb.InputFrame(data=buf.getvalue(), format=pb.INPUT_FORMAT_JPEG, pts=pts)
 
 
+def _image_bytes(image) -> bytes:
+    if image is None:
+        return b""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        with open(image, "rb") as f:
+            return f.read()
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(np.asarray(image, dtype=np.uint8))).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def stream_config(
     prompt: str,
     *,
@@ -116,6 +134,7 @@ def stream_config(
     strength: float | None = None,
     input_pacing: str | int | None = None,
     input_timeout: float | None = None,
+    image=None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
@@ -129,13 +148,17 @@ def stream_config(
 
     ``strength`` makes a video-to-video stream (``Client.transform``): one of the ladder's timesteps, the level the
     input is noised to; ``input_pacing`` is "live" (drop input the pipeline cannot take yet) or "backpressure" (hold
-    the sender back instead); ``input_timeout`` the seconds without input after which the stream ends."""
+    the sender back instead); ``input_timeout`` the seconds without input after which the stream ends.
+
+    ``image`` is an image-to-video stream's first frame (Wan2.2-TI2V checkpoints): a path to a JPEG or PNG, its
+    bytes, or an (H, W, 3) uint8 array (sent as PNG, lossless); it must be ``width`` x ``height``."""
     msg = pb.StreamConfig(
         prompt=prompt,
         codec=api.codec_value(codec),
         policy=api.policy_value(policy),
         timesteps=list(timesteps or ()),
         input_pacing=api.input_pacing_value(input_pacing),
+        image=_image_bytes(image),
     )
     optional = dict(
         width=width,

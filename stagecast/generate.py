@@ -137,6 +137,9 @@ def add_parser(sub) -> None:
         help="the stream's own timestep ladder, e.g. 700,500,400,200 (default: the checkpoint's for --steps)",
     )
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    p.add_argument(
+        "--image", default=None, help="first frame, a JPEG or PNG at the stream's size (image-to-video: Wan2.2-TI2V)"
+    )
     p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
     p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
     p.add_argument("--fps", type=float, default=None, help="target fps (default: the gateway's)")
@@ -187,6 +190,7 @@ def main(args: argparse.Namespace) -> int:
             steps=args.steps,
             timesteps=args.timesteps,
             seed=args.seed,
+            image=args.image,
             codec=args.codec,
             chunk_frames=args.chunk_frames,
             target_fps=args.fps,
@@ -197,6 +201,9 @@ def main(args: argparse.Namespace) -> int:
     except StagecastError as exc:
         print(f"stagecast generate: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # --image or --out
+        print(f"stagecast generate: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # A second Ctrl-C aborts at once: one line, no traceback (130 as shells report SIGINT).
         print("stagecast generate: aborted", file=sys.stderr)

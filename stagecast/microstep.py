@@ -59,6 +59,9 @@ class StreamSpec:
     # Video-to-video: level 0 of chunk c starts from latents the consumer sends for it (already noised to
     # ``timesteps[0]``: the stream's strength), not from noise; chunk c starts only once they are here.
     input_latents: bool = False
+    # Image-to-video (per-token-timestep models): latent frame 0 of the stream is a clean image latent, given at open,
+    # at timestep 0 in every forward (WanImageToVideoPipeline with expand_timesteps).
+    image_latents: bool = False
 
     def __post_init__(self):
         errors = []
@@ -171,7 +174,9 @@ class PlanEvent:
     from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
     traceparent: str = ""
     chunk: int = 0  # "input": the chunk whose level-0 latents these are
-    latents: torch.Tensor | None = None  # "input": (1, C, F, h, w); None in a recorded plan
+    # "input": (1, C, F, h, w); "open" of an image_latents stream: the image latent (1, C, 1, h, w); None in a
+    # recorded plan.
+    latents: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in PLAN_EVENT_KINDS:

@@ -70,6 +70,7 @@ def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
         num_chunks=spec.num_chunks or 0,
         text_len=spec.text_len,
         input_latents=spec.input_latents,
+        image_latents=spec.image_latents,
     )
 
 
@@ -92,6 +93,7 @@ def spec_from_proto(msg: pb.StreamSpec) -> StreamSpec:
         num_chunks=msg.num_chunks or None,
         text_len=msg.text_len or 512,
         input_latents=msg.input_latents,
+        image_latents=msg.image_latents,
     )
 
 
@@ -111,6 +113,8 @@ def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
         msg.open.spec.CopyFrom(spec_to_proto(event.spec))
         if event.text is not None:
             msg.open.text.CopyFrom(tensor_to_proto(event.text))
+        if event.latents is not None:
+            msg.open.image.CopyFrom(tensor_to_proto(event.latents))
     elif event.kind == "batch":
         msg.batch.steps.extend(step_to_proto(s) for s in event.steps)
     elif event.kind == "close":
@@ -134,7 +138,8 @@ def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
     common = dict(seq=msg.seq, traceparent=msg.traceparent)
     if kind == "open":
         text = tensor_from_proto(msg.open.text) if msg.open.HasField("text") else None
-        return PlanEvent("open", spec=spec_from_proto(msg.open.spec), text=text, **common)
+        image = tensor_from_proto(msg.open.image) if msg.open.HasField("image") else None
+        return PlanEvent("open", spec=spec_from_proto(msg.open.spec), text=text, latents=image, **common)
     if kind == "batch":
         return PlanEvent("batch", steps=tuple(step_from_proto(s) for s in msg.batch.steps), **common)
     if kind == "close":

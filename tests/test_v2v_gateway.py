@@ -194,3 +194,67 @@ def test_transform_cli_restyles_a_file_with_progress_ttff_and_fps(cluster, tmp_p
         [sys.executable, "-m", "launcher.cli", *args, "--strength", "600"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 1 and "strength: must be one of" in bad.stderr, bad.stderr
+
+
+# ---- image-to-video ---------------------------------------------------------------------------------------------
+
+
+def test_an_image_on_a_checkpoint_that_cannot_condition_on_one_is_invalid_argument(client):
+    (frame,) = video(1)
+    with pytest.raises(stagecast.InvalidArgumentError, match="image: this checkpoint cannot condition on an image"):
+        client.generate(PROMPT, width=W, height=H, seconds=0.5, image=frame, timeout=TIMEOUT).wait_started()
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory):
+    """A Wan2.2-TI2V-style tiny checkpoint (48 latent channels, per-token timesteps, the 16x Wan2.2 VAE)."""
+    import shutil
+
+    from gateway.stream_vae import write_tiny_vae
+    from launcher.demo_checkpoint import write_transformer
+
+    root = write_demo_checkpoint(tmp_path_factory.mktemp("ti2v"))
+    shutil.rmtree(root / "transformer")
+    shutil.rmtree(root / "vae")
+    write_transformer(root / "transformer", seed=0, name="tiny-wan2.2-ti2v")
+    write_tiny_vae(root / "vae", name="tiny-wan2.2")
+    with Launcher() as launcher:
+        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2, record_plan=True)
+        gateway = launcher.spawn(
+            "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
+        )
+        yield dict(root=root, coordinator=pipe.coordinator, gateway=gateway.info["address"], launcher=launcher)
+
+
+def test_image_to_video_first_frame_equals_the_reference_bit_for_bit(ti2v):
+    from gateway.video_input import encode_image
+
+    side = 64  # the tiny Wan2.2 VAE is 16x: 4x4 latents
+    rgb = np.random.default_rng(9).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    with stagecast.Client(ti2v["gateway"]) as client:
+        with pytest.raises(stagecast.InvalidArgumentError, match="^INVALID_ARGUMENT: image: is 64x32"):
+            bad = client.generate(PROMPT, width=side, height=side, seconds=0.5, image=rgb[:32], timeout=TIMEOUT)
+            bad.wait_started()
+        gen = client.generate(PROMPT, width=side, height=side, seconds=0.5, image=rgb, codec="raw", seed=4)
+        frames = gen.collect()
+        info = gen.info
+    assert gen.end.reason == "completed" and len(frames) == 8  # 0.5 s at 16 fps: chunks of 1 + 4 + 4 frames
+    root = ti2v["root"]
+    with ti2v["launcher"].channel(ti2v["coordinator"], "coordinator") as ch:
+        dump = ipb_grpc.CoordinatorServiceStub(ch).GetPlan(ipb.PlanRequest(), timeout=30)
+    plan = plan_from_proto(list(dump.events))
+    sid = info.pipeline_stream_id
+    assert any(ev.kind == "open" and ev.spec.stream_id == sid and ev.spec.image_latents for ev in plan)
+    vae = StreamVAE.from_folder(root / "vae")
+    latent = encode_image(StreamVAEEncoder(vae.vae), rgb)
+    transformer = str(root / "transformer")
+    n = read_config(transformer)["num_layers"]
+    config, sd = load_slice_state_dict(transformer, layers=range(n), first=True, last=True, dtype=torch.float32)
+    dit = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device="cpu")
+    text = TextEncoder(root, max_len=DEMO_SERVING["text_len"]).encode(PROMPT)
+    chunks = ReferenceExecutor(dit).replay(plan, {sid: text}, images={sid: latent})[sid]
+    assert torch.equal(chunks[0], latent)  # latent frame 0 is the image's, held clean
+    state = vae.new_state()
+    want = np.concatenate([to_uint8_frames(vae.decode_chunk(state, c)).numpy() for c in chunks])[:8]
+    got = np.stack([f.to_array() for f in frames])
+    assert got.tobytes() == want.tobytes()

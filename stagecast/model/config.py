@@ -137,6 +137,25 @@ class DiTConfig:
         return self.patch_size[1], self.patch_size[2]
 
 
+def check_image(spec: StreamSpec, image_shape: tuple[int, ...] | None, *, per_token: bool) -> None:
+    """An image-to-video stream (``spec.image_latents``) needs a per-token-timestep model (its image frame runs at
+    timestep 0 beside noisy frames: Wan2.2-TI2V) and one image latent frame at the stream's latent size; other
+    streams take no image.  Raises ``ValueError`` starting with ``image:``."""
+    if not spec.image_latents:
+        if image_shape is not None:
+            raise ValueError(f"image: stream {spec.stream_id} takes no image (spec.image_latents is not set)")
+        return
+    if not per_token:
+        raise ValueError(
+            "image: this model cannot condition on an image: its first frame would need timestep 0 beside noisy "
+            "frames, and it takes one timestep per item (Wan2.2-TI2V takes one per token)"
+        )
+    want = (1, spec.latent_channels, 1, spec.latent_height, spec.latent_width)
+    if image_shape is None or tuple(image_shape) != want:
+        got = None if image_shape is None else tuple(image_shape)
+        raise ValueError(f"image: the image latent must have shape {want}, got {got}")
+
+
 def check_spec(spec: StreamSpec, model: DiTConfig, text_shape: tuple[int, ...] | None = None) -> None:
     """The one check of a stream against a model: the coordinator admits by it, every stage opens by it.
 

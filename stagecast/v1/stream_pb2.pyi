@@ -68,7 +68,7 @@ STREAM_STATE_STREAMING: StreamState
 STREAM_STATE_DRAINING: StreamState
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class StreamConfig(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     INPUT_PACING_FIELD_NUMBER: _ClassVar[int]
     INPUT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -107,7 +108,8 @@ class StreamConfig(_message.Message):
     strength: float
     input_pacing: InputPacing
     input_timeout: float
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ...) -> None: ...
+    image: bytes
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class InputFrame(_message.Message):
     __slots__ = ("data", "format", "pts")

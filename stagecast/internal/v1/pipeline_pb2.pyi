@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents")
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents", "image_latents")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class StreamSpec(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     INPUT_LATENTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_LATENTS_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     latent_channels: int
     chunk_frames: int
@@ -50,7 +51,8 @@ class StreamSpec(_message.Message):
     num_chunks: int
     text_len: int
     input_latents: bool
-    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ...) -> None: ...
+    image_latents: bool
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ..., image_latents: _Optional[bool] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
@@ -63,12 +65,14 @@ class MicroStep(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., chunk: _Optional[int] = ..., level: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("spec", "text")
+    __slots__ = ("spec", "text", "image")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    image: Tensor
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("steps",)
@@ -293,18 +297,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "traceparent", "acknowledges", "consumer_depth")
+    __slots__ = ("spec", "text", "image", "traceparent", "acknowledges", "consumer_depth")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGES_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
+    image: Tensor
     traceparent: str
     acknowledges: bool
     consumer_depth: int
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ...) -> None: ...
 
 class ChunksConsumed(_message.Message):
     __slots__ = ("stream_id", "chunks")
