@@ -469,6 +469,18 @@ class AsyncGeneration(_StreamState):
     def stop(self) -> None:
         self._outbox.put_nowait(pb.ClientMessage(stop=pb.Stop()))
 
+    def send_frame(self, rgb, pts: float, *, input_format: str = "raw", quality: int = 95) -> None:
+        """Video-to-video (a config with ``strength``): queue one ``(H, W, 3)`` uint8 input frame with its pts
+        (seconds, strictly increasing).  A live source checks ``frames_queued`` and drops rather than queue up."""
+        if input_format not in ("jpeg", "raw"):
+            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        self._outbox.put_nowait(pb.ClientMessage(frame=_input_frame(rgb, pts, input_format, quality)))
+
+    @property
+    def frames_queued(self) -> int:
+        """Messages queued here that gRPC has not taken yet."""
+        return self._outbox.qsize()
+
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()

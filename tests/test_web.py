@@ -21,7 +21,7 @@ from launcher.demo_checkpoint import DEMO_SERVING
 from stagecast.media import read_mp4_frames
 from tests.web_cluster import MAX_PEERS, PEER_TIMEOUT, web_cluster
 from web.rtc import MAX_SDP_BYTES, use_ice_hosts
-from web.viewer import OfferRefused, RtcViewer, post_offer
+from web.viewer import OfferRefused, PatternCamera, RtcViewer, post_offer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -226,3 +226,24 @@ def test_a_peer_that_vanishes_without_goodbye_has_its_stream_freed_within_second
             proc.wait()
     print(f"vanished peer's stream freed {freed:.2f} s after the kill (peer timeout {PEER_TIMEOUT} s)")
     assert freed < PEER_TIMEOUT + 3.0
+
+
+def test_a_camera_track_is_restyled_through_video_to_video_and_comes_back_with_its_pts(system):
+    async def scenario():
+        camera = PatternCamera(DEMO_SERVING["width"], DEMO_SERVING["height"], fps=16)  # a track binds to its loop
+        async with RtcViewer(system.url, camera=camera) as viewer:
+            viewer.send({"type": "config", "prompt": PROMPT, "strength": 500, "steps": 2})
+            started = await viewer.wait_for("started")
+            frames = [await viewer.next_frame() for _ in range(8)]
+            viewer.send({"type": "stop"})
+            end = await viewer.wait_for("end")
+            stats = [m for m in viewer.log if m["type"] == "frame"]
+            return camera, started, frames, end, stats
+
+    camera, started, frames, end, stats = run(scenario())
+    assert started["config"]["strength"] == 500
+    assert all((f.width, f.height) == (DEMO_SERVING["width"], DEMO_SERVING["height"]) for f in frames)
+    assert end["reason"] == "stopped" and end["frames"] == len(stats) >= 8, (end, system.web.log[-20:])
+    # Output frame i carries the pts of the camera frame it was made from, on the camera's own clock.
+    pts = [m["pts"] for m in stats]
+    assert pts == sorted(set(pts)) and set(pts) <= set(camera.sent_at), (pts, sorted(camera.sent_at)[:20])

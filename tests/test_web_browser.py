@@ -155,3 +155,26 @@ def test_the_page_plays_the_websocket_fallback_through_media_source(system, brow
     result = run_page(browser, system.url, "ws", tmp_path / "websocket.png")
     check_run(result)
     assert result["state"]["transport"] == "ws"
+
+
+def test_the_fake_webcam_is_restyled_through_video_to_video_and_played(system, browser, tmp_path):
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready")
+    browser.find_element(By.ID, "webcam").click()  # chromium's fake camera (--use-fake-device-for-media-stream)
+    browser.find_element(By.ID, "steps").send_keys("2")
+    browser.find_element(By.ID, "strength").send_keys("500")  # the demo's 2-step ladder is [1000, 500]
+    browser.find_element(By.ID, "start").click()
+    started = until(browser, "window.stagecast.started")
+    assert started["config"]["strength"] == 500 and "seconds" not in started["config"]
+    until(browser, "window.stagecast.frames >= 8")
+    until(browser, "document.getElementById('camera').videoWidth > 0")  # the local preview of what is sent
+    until(browser, "document.getElementById('video').videoWidth > 0")
+    played = browser.execute_script("return document.getElementById('video').currentTime;")
+    until(browser, f"document.getElementById('video').currentTime > {played}")
+    picture = decoded_picture(browser)
+    (tmp_path / "webcam.png").write_bytes(browser.get_screenshot_as_png())
+    browser.find_element(By.ID, "stop").click()
+    end = until(browser, "window.stagecast.ends.length && window.stagecast.ends[0]")
+    assert picture.shape == (DEMO_SERVING["height"], DEMO_SERVING["width"], 3) and picture.std() > 5.0
+    assert end["reason"] == "stopped" and end["frames"] >= 8
+    assert browser.execute_script("return window.stagecast.errors;") == []

@@ -42,6 +42,9 @@ CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
     "sink": (int,),
     "quality": (int,),
     "timesteps": (list,),
+    # Video-to-video (the webcam): the ladder timestep the input is noised to, and when a silent input ends it.
+    "strength": (int, float),
+    "input_timeout": (int, float),
 }
 KINDS = ("config", "prompt", "stop", "ping")
 

@@ -8,9 +8,13 @@ Usage::
     await peer.close()
 
 The browser's offer must receive video and open a data channel (any label); control messages travel on it
-(``web.control``).  Frames go from the SDK's raw RGB straight into an ``av.VideoFrame`` and the RTP encoder (VP8 or
-H.264, whichever the browser prefers), with no JPEG in between, paced at the stream's ``target_fps``: frame i leaves
-at (first frame's send time + i / fps), or as soon as it exists if it is late (its stats say by how much).
+(``web.control``).  An offer that also sends video (the webcam) feeds a video-to-video stream (a config with
+``strength``): each camera frame is scaled to the stream's size and sent as a raw input frame with the camera's
+timing as pts; while gRPC has not taken the previous few, a frame is dropped (a live source).
+
+Frames go from the SDK's raw RGB straight into an ``av.VideoFrame`` and the RTP encoder (VP8 or H.264, whichever
+the browser prefers), with no JPEG in between, paced at the stream's ``target_fps``: frame i leaves at (first
+frame's send time + i / fps), or as soon as it exists if it is late (its stats say by how much).
 
 A peer that vanishes without a goodbye is noticed by silence: the page pings on the data channel every second, and
 a peer quiet for ``peer_timeout`` seconds (or not connected within ``connect_timeout``) is closed, which cancels its
@@ -153,6 +157,7 @@ class RtcPeer:
         self.track = PacedTrack()
         self.channel = None
         self.session = make_session(TrackSink(self.track), self._send, self._fatal)
+        self._camera: asyncio.Task | None = None
         self.peer_timeout = peer_timeout
         self.on_closed = on_closed
         self.closed = asyncio.Event()
@@ -179,10 +184,27 @@ class RtcPeer:
                 if msg.kind != "ping":
                     loop.create_task(self.session.handle(msg))
 
+        @self.pc.on("track")
+        def on_track(track) -> None:
+            # The browser's camera, for video-to-video: one video track in (a second one is ignored).
+            if track.kind == "video" and self._camera is None:
+                self._camera = loop.create_task(self._read_camera(track))
+
         @self.pc.on("connectionstatechange")
         async def on_state() -> None:
             if self.pc.connectionState in ("failed", "closed"):
                 await self.close(f"connection {self.pc.connectionState}")
+
+    async def _read_camera(self, track) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            try:
+                self.session.input_frame(frame)
+            except Exception as exc:  # noqa: BLE001 - a frame that cannot be converted is dropped, not fatal
+                logger.warning("camera frame dropped: %s", exc)
 
     def _alive(self) -> None:
         self._deadline.cancel()
@@ -225,6 +247,8 @@ class RtcPeer:
         self.closed.set()
         self.reason = reason
         self._deadline.cancel()
+        if self._camera is not None:
+            self._camera.cancel()
         logger.info("peer closed: %s", reason)
         try:
             await self.session.close()

@@ -29,6 +29,7 @@ from web.control import BadMessage, ControlMessage
 logger = logging.getLogger(__name__)
 
 MAX_BAD_MESSAGES = 50  # a peer that keeps sending junk is closed after this many
+MAX_QUEUED_INPUT = 4  # webcam frames waiting for gRPC; a live source drops beyond this rather than fall behind
 
 
 class FrameSink:
@@ -66,6 +67,13 @@ class Session:
         self.gen: AsyncGeneration | None = None
         self._task: asyncio.Task | None = None
         self.bad_messages = 0
+        self.info: StreamInfo | None = None  # the running stream's, once started
+        self.stopping = False
+        self.input_sent = 0
+        self.input_dropped = 0
+        # The camera's clock from its first frame on this peer: every stream's input pts are on it.
+        self._input_t0: float | None = None
+        self._input_last: float | None = None
         self.streams = 0
         self.closed = False
         # Messages are handled one at a time, in order: two configs in a row must not both start a stream.
@@ -94,6 +102,7 @@ class Session:
                 self.gen.update_prompt(msg.prompt)
         elif msg.kind == "stop":
             if self.gen is not None:
+                self.stopping = True  # for video-to-video, Stop says the input is over: no camera frame follows it
                 self.gen.stop()
 
     async def _start(self, config: dict) -> None:
@@ -103,12 +112,14 @@ class Session:
         if self._client is None:
             self._client = self._open_client()
         self.streams += 1
+        self.stopping = False
         self.gen = self._client.generate(codec=self.codec, **config)
         self._task = asyncio.get_running_loop().create_task(self._run(self.gen))
 
     async def _run(self, gen: AsyncGeneration) -> None:
         try:
             info = await gen.wait_started()
+            self.info = info
             self.sink.restart(info)
             self.send(
                 {
@@ -132,6 +143,25 @@ class Session:
             self.send({"type": "error", "code": exc.code.name, "message": exc.details})
         except (ValueError, TypeError) as exc:  # the SDK's own checks (e.g. an unknown policy name)
             self.send({"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)})
+
+    def input_frame(self, frame) -> None:
+        """A frame of the browser's camera (an ``av.VideoFrame``) for the running video-to-video stream, scaled to
+        its size, with the camera's own timing as pts.  Dropped (and counted) while no such stream has started, and
+        while gRPC has not taken the previous ones: the camera is live, so the newest frames matter."""
+        t = float(frame.pts * frame.time_base) if frame.pts is not None and frame.time_base else time.monotonic()
+        if self._input_t0 is None:
+            self._input_t0 = t
+        pts = round(t - self._input_t0, 6)
+        gen, info = self.gen, self.info
+        if gen is None or info is None or gen.end is not None or self.stopping or not info.config.HasField("strength"):
+            self.input_dropped += 1
+            return
+        if gen.frames_queued >= MAX_QUEUED_INPUT or (self._input_last is not None and pts <= self._input_last):
+            self.input_dropped += 1  # gRPC is behind (a live source drops), or pts did not increase
+            return
+        self._input_last = pts
+        gen.send_frame(frame.to_ndarray(format="rgb24", width=info.width, height=info.height), pts)
+        self.input_sent += 1
 
     def _prompt_updates(self, gen: AsyncGeneration, seen: int) -> int:
         for prompt in gen.prompt_updates[seen:]:
@@ -161,6 +191,7 @@ class Session:
     async def _cancel(self) -> None:
         gen, task = self.gen, self._task
         self.gen = self._task = None
+        self.info = None
         if gen is not None and gen.end is None:
             gen.cancel()
         if task is not None:

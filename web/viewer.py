@@ -9,6 +9,10 @@ Usage::
         viewer.send({"type": "prompt", "prompt": "a blue bird"})
         await viewer.wait_for("prompt_updated")
 
+    camera = PatternCamera(64, 64, fps=16)                     # a moving test pattern, as the browser's webcam
+    async with RtcViewer(url, camera=camera) as viewer:         # sends it: video-to-video
+        viewer.send({"type": "config", "prompt": "a watercolor", "strength": 500, "steps": 2})
+
 It offers host candidates only where ``web.rtc.use_ice_hosts`` says (a test calls ``use_ice_hosts(["127.0.0.1"])``)
 and no ICE servers, so nothing leaves the machine.  It pings every second, as the page does.
 """
@@ -16,11 +20,48 @@ and no ICE servers, so nothing leaves the machine.  It pings every second, as th
 from __future__ import annotations
 
 import asyncio
+import fractions
 import json
+import time
 import urllib.parse
 
 import aiohttp
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+import av
+import numpy as np
+from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+VIDEO_CLOCK = 90000
+
+
+class PatternCamera(MediaStreamTrack):
+    """A synthetic webcam: a moving colour pattern at ``fps``.  ``sent_at[pts_seconds]`` is when each frame left
+    (``time.time()``), where pts counts from the first frame (as the web process turns camera timing into pts)."""
+
+    kind = "video"
+
+    def __init__(self, width: int, height: int, fps: float = 16.0):
+        super().__init__()
+        self.width, self.height, self.fps = width, height, fps
+        self.sent_at: dict[float, float] = {}
+        self._n = 0
+        self._t0: float | None = None
+
+    async def recv(self) -> av.VideoFrame:
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
+        due = self._t0 + self._n / self.fps
+        if due > now:
+            await asyncio.sleep(due - now)
+        y, x = np.mgrid[0 : self.height, 0 : self.width]
+        rgb = np.stack([(x * 4 + self._n * 8) % 256, (y * 4) % 256, ((x + y) * 2 + self._n * 16) % 256], axis=-1)
+        frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
+        step = round(VIDEO_CLOCK / self.fps)
+        frame.pts = self._n * step
+        frame.time_base = fractions.Fraction(1, VIDEO_CLOCK)
+        self.sent_at[round(self._n * step / VIDEO_CLOCK, 6)] = time.time()
+        self._n += 1
+        return frame
 
 
 class OfferRefused(RuntimeError):
@@ -45,8 +86,9 @@ async def post_offer(url: str, body: object, token: str | None = None, raw: byte
 
 
 class RtcViewer:
-    def __init__(self, url: str, token: str | None = None, ping: bool = True):
+    def __init__(self, url: str, token: str | None = None, ping: bool = True, camera: MediaStreamTrack | None = None):
         self.url = url
+        self.camera = camera
         self.token = token
         self.ping = ping
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -65,7 +107,10 @@ class RtcViewer:
         await self.close()
 
     async def connect(self) -> None:
-        self.pc.addTransceiver("video", direction="recvonly")
+        if self.camera is not None:
+            self.pc.addTrack(self.camera)  # sendrecv: the camera out, the generated video back
+        else:
+            self.pc.addTransceiver("video", direction="recvonly")
         self.channel = self.pc.createDataChannel("control")
         opened = asyncio.get_running_loop().create_future()
 

@@ -37,6 +37,10 @@ function config() {
   if (size) { const [w, h] = size.split("x").map(Number); cfg.width = w; cfg.height = h; }
   const seed = $("seed").value; if (seed) cfg.seed = parseInt(seed, 10);
   const seconds = $("seconds").value; if (seconds && Number(seconds) > 0) cfg.seconds = Number(seconds);
+  if ($("webcam").checked) {  // video-to-video: the input is the clock, so no seconds
+    delete cfg.seconds;
+    if ($("strength").value) cfg.strength = Number($("strength").value);
+  }
   return cfg;
 }
 
@@ -76,9 +80,17 @@ function onMessage(msg) {
 
 // ---- WebRTC -------------------------------------------------------------------------------------------------
 
+let camera = null; // the webcam's MediaStream while the toggle is on
+
 async function startWebRTC() {
   const pc = new RTCPeerConnection({ iceServers: info.ice_servers || [] });
-  pc.addTransceiver("video", { direction: "recvonly" });
+  if ($("webcam").checked) {
+    camera = camera || await navigator.mediaDevices.getUserMedia({ video: { width: 640, height: 480 }, audio: false });
+    $("camera").srcObject = camera; $("camera").hidden = false;
+    camera.getVideoTracks().forEach((t) => pc.addTrack(t, camera)); // sendrecv: the webcam out, the result back
+  } else {
+    pc.addTransceiver("video", { direction: "recvonly" });
+  }
   const dc = pc.createDataChannel("control");
   let ping = null;
   pc.ontrack = (e) => { $("video").srcObject = e.streams[0] || new MediaStream([e.track]); };
@@ -167,6 +179,12 @@ async function start() {
   if (conn) { conn.close(); conn = null; }
   const transport = document.querySelector("input[name=transport]:checked").value;
   state.transport = transport;
+  if ($("webcam").checked && transport !== "webrtc") {
+    log("error", "the webcam needs WebRTC (the WebSocket fallback carries the output only)"); return;
+  }
+  if ($("webcam").checked && !$("strength").value) {
+    log("error", "strength: required with the webcam (one of the stream's timesteps, e.g. 500)"); return;
+  }
   setStatus(`connecting (${transport}) ...`);
   try {
     conn = transport === "ws" ? await startWebSocket() : await startWebRTC();
@@ -212,6 +230,11 @@ async function init() {
   $("start").onclick = start;
   $("update").onclick = () => conn && conn.send({ type: "prompt", prompt: $("prompt").value });
   $("stop").onclick = () => conn && conn.send({ type: "stop" });
+  $("webcam").onchange = () => {
+    if (!$("webcam").checked && camera) {
+      camera.getTracks().forEach((t) => t.stop()); camera = null; $("camera").hidden = true;
+    }
+  };
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !$("update").disabled) { e.preventDefault(); $("update").click(); }
   });
