@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_suite.sh sp-1.3b pp-1.3b-eager   # 1.3B 1 step: SP=2 against PP=2, both eager (SP has
 #   bash benchmarks/gpu_suite.sh sp-14b pp-14b-eager     # 14B 1 step        no CUDA graphs yet); ~5 min per part
 #   bash benchmarks/gpu_suite.sh v2v      # video-to-video 1.3B 480x832, 2 steps from strength: throughput + live rows
+#   bash benchmarks/gpu_suite.sh slo      # 1.3B paced, SLO-adaptive load rows (steps 1..4): capacity at 16 FPS
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -68,8 +69,15 @@ for part in "$@"; do
       timeout 570 python -m benchmarks.v2v_bench --cuda-graphs --vae-compile --model wan2.1-1.3b --width 832 \
         --height 480 --steps 2 --stages 2 --json "$out/v2v_13b_2step_2gpu.json"
       ;;
+    slo)
+      # Load rows paced at 16 FPS with the SLO controller choosing 1..4 steps; 10 streams is past the expected
+      # capacity, so its row shows refusals (RESOURCE_EXHAUSTED) and capacity_streams the most streams held.
+      timeout 540 "${harness[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 --stages 2 --seconds 20 \
+        --first-seconds 4 --ttff-runs 3 --interactive-updates 2 --load 2,4,6,8,10 --load-seconds 20 \
+        --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_2gpu.json"
+      ;;
     *)
-      sed -n '2,17p' "$0"
+      sed -n '2,18p' "$0"
       exit 2
       ;;
   esac

@@ -263,8 +263,14 @@ def decodable(codec: str, seen: bytes) -> bool:
     return codec != "h264" or b"moof" in seen
 
 
-def config_kwargs(args) -> dict:
+def config_kwargs(args, pace: bool = False) -> dict:
+    """The streams' config.  Throughput streams run unpaced (as fast as the pipeline allows); load rows run paced at
+    ``--target-fps`` (what a viewer gets), unless ``--load-unpaced``."""
     kw = dict(
+        pace=pace,
+        target_fps=args.target_fps,
+        # Load rows with --load-min-steps: SLO-adaptive streams, the controller picks min..--steps per chunk.
+        **(dict(min_steps=args.load_min_steps, max_steps=args.steps) if pace and args.load_min_steps else {}),
         width=args.width,
         height=args.height,
         steps=args.steps,
@@ -291,10 +297,11 @@ class StreamRecord:
         prompt: str,
         updates: dict[int, str] | None = None,
         stop_at: int | None = None,
+        pace: bool = False,
     ):
         self.args = args
         self.stop_at = stop_at  # frame index after which an unbounded stream is stopped
-        self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config_kwargs(args))
+        self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config_kwargs(args, pace))
         self.updates = dict(updates or {})
         self.arrivals: list[float] = []
         self.chunks: dict[int, dict] = {}
@@ -303,6 +310,9 @@ class StreamRecord:
         self.ttff_s: float | None = None
         self.first = None
         self.error: str | None = None
+        self.refused = False  # RESOURCE_EXHAUSTED at admission (capacity, count cap or cost budget)
+        self.retry_after: float | None = None
+        self.steps: dict[int, int] = {}  # denoising steps -> frames of chunks that ran them
 
     def run(self) -> StreamRecord:
         seen = b""
@@ -311,6 +321,7 @@ class StreamRecord:
                 now = frame.timing.received_s  # the SDK's clock, from just before the call sent its config
                 self.arrivals.append(now)
                 self.frame_chunk.append(frame.chunk)
+                self.steps[frame.steps] = self.steps.get(frame.steps, 0) + 1
                 if frame.chunk not in self.chunks:
                     t = frame.timing
                     self.chunks[frame.chunk] = {
@@ -332,6 +343,8 @@ class StreamRecord:
                     self.gen.stop()
         except Exception as exc:  # noqa: BLE001 - recorded; a load row reports failed streams
             self.error = f"{type(exc).__name__}: {exc}"
+            self.refused = not self.arrivals and "RESOURCE_EXHAUSTED" in str(exc)
+            self.retry_after = getattr(exc, "retry_after", None)
         return self
 
     def stats(self) -> dict:
@@ -342,6 +355,9 @@ class StreamRecord:
             "pipeline_stream_id": self.gen.info.pipeline_stream_id if self.arrivals else None,
             "ttff_s": self.ttff_s,
             **self.stats(),
+            "steps": {str(k): v for k, v in sorted(self.steps.items())},
+            "refused": self.refused,
+            "retry_after_s": self.retry_after,
             "error": self.error,
             "arrivals_s": [round(x, 5) for x in self.arrivals],
             "gateway_chunks": [self.chunks[c] for c in sorted(self.chunks)],
@@ -538,7 +554,10 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             done("interactive", interactive_sent=inter.update_sent, prompt_chunks=prompt_chunks)
             load_rows = []
             for n in args.load or []:
-                recs = [StreamRecord(client, args, args.load_seconds, f"load {nonce} {n} {i}") for i in range(n)]
+                recs = [
+                    StreamRecord(client, args, args.load_seconds, f"load {nonce} {n} {i}", pace=not args.load_unpaced)
+                    for i in range(n)
+                ]
                 threads = [threading.Thread(target=r.run) for r in recs]
                 for th in threads:
                     th.start()
@@ -594,6 +613,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
             "p95_ms": percentile(latencies, 0.95) if latencies else None,
         },
         "load": load_rows,
+        "capacity_streams": capacity_of(load_rows),
         "stages": stages,
         "gpu_memory_used_mib": mem,
     }
@@ -611,6 +631,7 @@ def interactive_latencies(rec: StreamRecord, from_chunks: list[int]) -> list[flo
 
 def load_row(n: int, recs: list[StreamRecord]) -> dict:
     ok = [r for r in recs if not r.error and len(r.arrivals) > 2]
+    on_time = [r.stats()["on_time"] or 0.0 for r in ok]
     streams = [r.json() for r in recs]
     for s in streams:
         s.pop("arrivals_s")  # per-frame arrivals are kept for the single streams; a load row keeps the summaries
@@ -628,7 +649,18 @@ def load_row(n: int, recs: list[StreamRecord]) -> dict:
         "ttff_p50_s": statistics.median(ttffs) if ttffs else None,
         "ttff_p95_s": percentile(ttffs, 0.95) if ttffs else None,
         "aggregate_fps": sum(len(r.arrivals) - 1 for r in ok) / (last - first) if last > first else None,
+        # Streams held: admitted and >= 99% of frames on time; refused: RESOURCE_EXHAUSTED at once (capacity).
+        "held": sum(x >= 0.99 for x in on_time),
+        "refused": sum(r.refused for r in recs),
+        "all_held": bool(ok) and all(x >= 0.99 for x in on_time),
+        "steps": [{str(k): v for k, v in sorted(r.steps.items())} for r in ok],
     }
+
+
+def capacity_of(rows: list[dict]) -> int | None:
+    """The most concurrent streams a load row held with every admitted stream >= 99% on time."""
+    held = [r["streams"] - r["refused"] for r in rows if r["all_held"] and not r["failed"] - r["refused"]]
+    return max(held) if held else None
 
 
 # ---- versions -------------------------------------------------------------------------------------------
@@ -713,6 +745,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttff-runs", type=int, default=5)
     ap.add_argument("--interactive-updates", type=int, default=5, help="prompt updates in the interactive stream")
     ap.add_argument("--load", default=None, help="concurrent-stream counts for load rows, e.g. 1,2,4,8")
+    ap.add_argument(
+        "--load-unpaced", action="store_true", help="load rows' streams run as fast as possible (default: paced)"
+    )
+    ap.add_argument(
+        "--load-min-steps",
+        type=int,
+        default=None,
+        help="load rows' streams are SLO-adaptive: min_steps this, max_steps --steps (default: fixed --steps)",
+    )
     ap.add_argument("--load-seconds", type=float, default=20.0, help="video per stream in a load row")
     ap.add_argument("--peer-chunks", type=int, default=8)
     ap.add_argument("--no-compiled-peer", action="store_true", help="skip the torch.compile peer")

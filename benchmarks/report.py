@@ -39,6 +39,17 @@ def config_name(r: dict) -> str:
     return name + (f" ({r['label']})" if r.get("label") else "") + (" ¹" if r.get("partial") else "")
 
 
+def _steps(per_stream: list[dict] | None) -> str:
+    """Frames per step count over a row's streams, e.g. "4: 640, 3: 120"."""
+    if not per_stream:
+        return "–"
+    total: dict[str, int] = {}
+    for counts in per_stream:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+    return ", ".join(f"{k}: {v}" for k, v in sorted(total.items(), key=lambda kv: -int(kv[0])))
+
+
 def load(results: Path) -> list[dict]:
     runs = []
     for path in sorted(results.glob("v2_*.json")):
@@ -96,17 +107,21 @@ def tables(runs: list[dict]) -> str:
         out.append("\n### Load: concurrent streams\n")
         out.append(
             "| config | streams | per-stream steady FPS min / mean | on time min | TTFF p50 / p95 (ms) | aggregate FPS "
-            "| failed |"
+            "| failed | held (≥ 99% on time) | refused | steps run (frames) |"
         )
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in loaded:
             for row in r["system"]["load"]:
                 out.append(
                     f"| {config_name(r)} | {row['streams']} | "
                     f"{_f(row['steady_fps_min'])} / {_f(row['steady_fps_mean'])} "
                     f"| {_f(row['on_time_min'], '.1%')} | {_ms(row['ttff_p50_s'])} / {_ms(row['ttff_p95_s'])} | "
-                    f"{_f(row['aggregate_fps'])} | {row['failed']} |"
+                    f"{_f(row['aggregate_fps'])} | {row['failed']} | {row.get('held', '–')} "
+                    f"| {row.get('refused', '–')} "
+                    f"| {_steps(row.get('steps'))} |"
                 )
+            if r["system"].get("capacity_streams") is not None:
+                out.append(f"| {config_name(r)} | capacity: {r['system']['capacity_streams']} streams held |||||||||")
     notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
     if notes:
         out.append("\n" + "\n".join(notes))

@@ -4,9 +4,11 @@ Usage (``PipelineEngine.open`` calls it under the engine's lock)::
 
     admit(spec, text, AdmissionState(ready=..., registered=2, world_size=2, active=3, max_streams=16, model=cfg))
 
-The order: the pipeline is formed (UNAVAILABLE), the stream-count cap (RESOURCE_EXHAUSTED), then the stream
-against the model (INVALID_ARGUMENT, ``stagecast.model.config.check_spec``).  Capacity-based admission appends its
-check after the count cap.
+The order: the pipeline is formed (UNAVAILABLE), the stream-count cap (RESOURCE_EXHAUSTED), the stream against the
+model (INVALID_ARGUMENT, ``stagecast.model.config.check_spec``), then capacity (RESOURCE_EXHAUSTED with a retry
+delay): the SLO controller's verdict on whether the admitted streams at their min_steps and this one at its
+min_steps are held at their frame rates by the measured stage times (``coordinator.slo``).  The gateway checks its
+own count cap and the per-stream cost budget before it opens a coordinator stream.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ class AdmissionState:
     max_streams: int
     model: dict | None  # the stages' model config (None before any stage registered)
     last_error: str = ""
+    capacity: Capacity | None = None  # None: not checked (an unpaced stream, or no stage times known yet)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The SLO controller's verdict on one more stream."""
+
+    fits: bool
+    detail: str = ""  # what the refusal says: the utilization it would need
+    retry_after_s: float = 0.0  # when capacity is likely back (the soonest end of a bounded stream)
 
 
 def admit(
@@ -68,3 +80,10 @@ def admit(
             check_image(spec, shape, per_token=expands_timesteps(state.model))
         except ValueError as exc:
             raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    if state.capacity is not None and not state.capacity.fits:
+        raise AdmissionError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"over capacity: {state.capacity.detail} (the measured capacity; retry after "
+            f"{state.capacity.retry_after_s:.1f} s)",
+            retry_after_s=state.capacity.retry_after_s,
+        )

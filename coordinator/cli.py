@@ -29,6 +29,24 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--max-streams", type=int, default=16, help="admission limit on concurrent streams")
+    p.add_argument(
+        "--playout-s",
+        type=float,
+        default=0.5,
+        help="pacing: a stream with a frame rate starts each chunk at most this many seconds before its real-time slot",
+    )
+    p.add_argument(
+        "--stage-ms",
+        default=None,
+        help="SLO controller calibration: ms per stage forward of one micro-step, per stage, e.g. 20,21 (from "
+        "`stagecast simulate` or a harness run); default: learnt from the first batches (admission by capacity "
+        "starts once they are measured)",
+    )
+    p.add_argument(
+        "--slo-fixed",
+        action="store_true",
+        help="the SLO controller keeps the --stage-ms calibration and ignores measured batches (tests, what-ifs)",
+    )
     p.add_argument("--record-plan", action="store_true", help="keep the plan for GetPlan (selftest)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     add_security_flags(p)
@@ -49,6 +67,9 @@ def main(args: argparse.Namespace) -> int:
 def _options(args: argparse.Namespace, mtls):
     from coordinator.server import CoordinatorOptions
 
+    if args.slo_fixed and not args.stage_ms:
+        raise SystemExit("--slo-fixed keeps the --stage-ms calibration: give --stage-ms too")
+
     return CoordinatorOptions(
         stages=args.stages,
         partition=args.partition,
@@ -60,11 +81,26 @@ def _options(args: argparse.Namespace, mtls):
         max_batch=args.max_batch,
         max_streams=args.max_streams,
         record_plan=args.record_plan,
+        playout_s=args.playout_s,
+        stage_ms=_stage_ms(args.stage_ms, args.stages),
+        slo_learn=not args.slo_fixed,
         metrics_port=args.metrics_port,
         mtls=mtls,
         metrics_host=args.metrics_host,
         health_port=args.health_port,
     )
+
+
+def _stage_ms(text: str | None, stages: int) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--stage-ms: a comma-separated list of milliseconds, got {text!r}") from None
+    if len(values) != stages or not all(0 < v < 1e5 for v in values):
+        raise SystemExit(f"--stage-ms: {stages} values in (0, 100000) ms, one per stage, got {text!r}")
+    return values
 
 
 def add_simulate_parser(sub) -> None:

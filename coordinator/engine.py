@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -37,17 +39,29 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from coordinator.admission import AdmissionError, AdmissionState, admit
+from coordinator.admission import AdmissionError, AdmissionState, Capacity, admit
 from coordinator.generations import Generations, StageLink, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
+from coordinator.slo import CostModel, Demand, SloController
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import PlanEvent, StreamSpec
+from stagecast.sampling import MAX_STEPS
 
 logger = logging.getLogger(__name__)
+
+# Pacing (``OpenStreamRequest.chunk_rate``): a paced stream starts chunk c up to PLAYOUT_S before its real-time
+# slot, so the viewer's playout buffer holds about that much video while the pipeline serves other streams.
+PLAYOUT_S = 0.5
+MAX_PLAYOUT_S = 10.0
+MAX_CHUNK_RATE = 1000.0
+# GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
+CAPACITY_CHUNK_RATE = 4.0
+CAPACITY_STEPS = (1, 2, 3, 4)
+RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
 
 
 _END = object()
@@ -69,6 +83,11 @@ class StreamSession:
     delivered: int = 0
     acknowledges: bool = False
     consumer_depth: int = 0  # chunks the consumer holds between receiving and acknowledging (its VAE depth)
+    chunk_rate: float = 0.0  # pacing: real-time chunks per second; 0: unpaced
+    ladders: dict[int, tuple[float, ...]] = field(default_factory=dict)  # steps -> ladder (SLO controller)
+    latency_first: bool = False
+    steps: int = 0  # what its next chunk runs
+    paced_since: float | None = None  # clock time the stream's first chunk could start (its open was planned)
     started: int = 0  # chunks started by the scheduler
     max_lead: int = 0  # the largest started - delivered seen
     expected: int | None = None  # known once the scheduler has finished the stream
@@ -90,6 +109,29 @@ class StreamSession:
                 return
 
 
+def _ladders(spec: StreamSpec, ladders: list[tuple[float, ...]] | None) -> dict[int, tuple[float, ...]]:
+    """The ladder for each step count a stream may run, validated; the spec's own when none are given."""
+    if not ladders:
+        return {spec.steps: spec.timesteps}
+    if len(ladders) > MAX_STEPS:
+        raise ValueError(f"ladders: at most {MAX_STEPS} (one per step count), got {len(ladders)}")
+    out: dict[int, tuple[float, ...]] = {}
+    for i, ladder in enumerate(ladders):
+        try:
+            checked = replace(spec, timesteps=tuple(ladder)).timesteps
+        except ValueError as exc:
+            raise ValueError(f"ladders[{i}]: {exc}") from None
+        if len(checked) in out:
+            raise ValueError(f"ladders[{i}]: a second ladder of {len(checked)} steps")
+        out[len(checked)] = checked
+    if out.get(spec.steps) != spec.timesteps:
+        raise ValueError(f"ladders: none is the stream's own ladder {list(spec.timesteps)}")
+    if spec.input_latents and any(ladder[0] != spec.timesteps[0] for ladder in out.values()):
+        # Its input latents are noised to timesteps[0] (the stream's strength): every ladder must start there.
+        raise ValueError(f"ladders: a video-to-video stream's ladders must all start at {spec.timesteps[0]:g}")
+    return dict(sorted(out.items()))
+
+
 class PipelineEngine(Generations):
     def __init__(
         self,
@@ -104,6 +146,11 @@ class PipelineEngine(Generations):
         on_ready_change: Callable[[bool], None] | None = None,
         form_timeout: float = 600.0,
         max_ahead: int | None = None,
+        playout_s: float = PLAYOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        stage_ms: list[float] | None = None,
+        slo_interval_s: float = 1.0,
+        slo_learn: bool = True,
     ):
         self.registry = registry
         # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
@@ -117,7 +164,18 @@ class PipelineEngine(Generations):
         self.form_timeout = form_timeout
         # Chunks a stream may run ahead of its consumer: enough for the full wavefront plus a little slack.
         self.max_ahead = max_ahead
+        if not 0 <= playout_s <= MAX_PLAYOUT_S:
+            raise ValueError(f"playout_s must be in [0, {MAX_PLAYOUT_S}], got {playout_s}")
+        self.playout_s = playout_s  # how far ahead of its real-time slot a paced stream may start a chunk
+        self.clock = clock
         self._idle_ticks = 0
+        # The SLO controller's model of stage time per batch: the --stage-ms calibration, then measured batches.
+        self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms)
+        self.controller = SloController(self.cost)
+        self.slo_interval_s = slo_interval_s
+        self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
+        self._kicked = -1  # chunks started when the plan loop last woke for a paced chunk
+        self._decided_at: float | None = None  # clock time of the last controller decision (None: decide now)
 
         self.cond = threading.Condition()
         self.generation = 0
@@ -204,9 +262,16 @@ class PipelineEngine(Generations):
         acknowledges: bool = False,
         consumer_depth: int = 0,
         image: torch.Tensor | None = None,
+        chunk_rate: float = 0.0,
+        ladders: list[tuple[float, ...]] | None = None,
+        latency_first: bool = False,
     ) -> StreamSession:
+        if not (chunk_rate == 0 or 0 < chunk_rate <= MAX_CHUNK_RATE):  # also catches NaN
+            raise ValueError(f"chunk_rate must be 0 (unpaced) or in (0, {MAX_CHUNK_RATE}] chunks/s, got {chunk_rate}")
+        by_steps = _ladders(spec, ladders)
         cfg = self.model_config()
         with self.cond:
+            newcomer = Demand(0, chunk_rate, tuple(by_steps), clean=spec.policy == "clean", latency_first=latency_first)
             state = AdmissionState(
                 ready=self.ready,
                 registered=len([r for r in self.registry.records() if not r.lost]),
@@ -215,8 +280,14 @@ class PipelineEngine(Generations):
                 max_streams=self.max_streams,
                 model=cfg,
                 last_error=self.last_error,
+                capacity=self._capacity_verdict(newcomer),
             )
-            admit(spec, text, state, consumer_depth=consumer_depth, image=image)
+            try:
+                admit(spec, text, state, consumer_depth=consumer_depth, image=image)
+            except AdmissionError as exc:
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.telemetry.refused("capacity" if exc.retry_after_s else "streams")
+                raise
             sid = spec.stream_id or next(self._ids)
             if sid in self.sessions:
                 raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already active")
@@ -230,8 +301,13 @@ class PipelineEngine(Generations):
                 acknowledges=acknowledges,
                 consumer_depth=consumer_depth,
                 image=image,
+                chunk_rate=chunk_rate,
+                ladders=by_steps,
+                latency_first=latency_first,
+                steps=spec.steps,
             )
             self.sessions[sid] = session
+            self._decided_at = None  # the set of streams changed: decide steps at the next tick
             self.pending_opens.append(session)
             self.telemetry.stream_opened()
             self._wake()
@@ -344,10 +420,11 @@ class PipelineEngine(Generations):
             if gen != self.generation:
                 return
             session = self.sessions.get(chunk.stream_id)
-            self.telemetry.chunk(routed=session is not None)
             if session is None:
+                self.telemetry.chunk(routed=False)
                 return
             session.received += 1
+            self.telemetry.chunk(routed=True, steps=chunk.steps)
             session.events.put(pb.StreamEvent(chunk=chunk))
             self._maybe_complete(session)
 
@@ -361,6 +438,9 @@ class PipelineEngine(Generations):
             st.wait_ms_total += done.wait_ms
             st.micro_steps += done.micro_steps
             st.exchange_ms_total += done.exchange_ms
+            if done.batches > 0 and self.slo_learn:  # the SLO controller's model: mean ms per batch at the mean size
+                size = max(1, round(done.micro_steps / done.batches))
+                self.cost.observe(index, size, done.forward_ms / done.batches)
             if last:
                 self.batches_done += 1
                 self.telemetry.batch_done(done.seq)
@@ -420,16 +500,128 @@ class PipelineEngine(Generations):
         if self.max_ahead:
             return self.max_ahead
         depth = session.consumer_depth if session.acknowledges else 2
-        return session.spec.levels * self.registry.world_size + depth
+        levels = max(session.ladders) + (1 if session.spec.policy == "clean" else 0)
+        return levels * self.registry.world_size + depth
+
+    # ---- the SLO controller ----------------------------------------------------------------------------
+
+    def _demand(self, session: StreamSession) -> Demand:
+        return Demand(
+            session.id,
+            session.chunk_rate,
+            tuple(session.ladders),
+            steps=session.steps,
+            clean=session.spec.policy == "clean",
+            latency_first=session.latency_first,
+        )
+
+    def _demands(self) -> list[Demand]:
+        return [self._demand(s) for s in sorted(self.sessions.values(), key=lambda s: s.id) if not s.ended]
+
+    def _capacity_verdict(self, newcomer: Demand) -> Capacity | None:
+        """Whether the pipeline holds one more stream (every stream at its min_steps); None when not checked."""
+        if newcomer.chunk_rate <= 0 or self.cost.micro_step_ms() is None:
+            return None
+        admitted = self._demands()
+        if self.controller.admits(newcomer, admitted):
+            return Capacity(True)
+        need = self.controller.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted}) or 0.0
+        # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
+        ends = [
+            (s.spec.num_chunks - s.delivered) / s.chunk_rate
+            for s in self.sessions.values()
+            if s.spec.num_chunks is not None and s.chunk_rate > 0
+        ]
+        retry = max(0.1, min(ends)) if ends else RETRY_AFTER_S
+        detail = (
+            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps would need "
+            f"{need:.0%} of the slowest stage (the limit is {self.controller.target:.0%})"
+        )
+        return Capacity(False, detail, retry)
+
+    def capacity(self) -> list[tuple[int, float]]:
+        """(steps, streams): more streams at 16 FPS, one latent frame per chunk, the pipeline holds now."""
+        with self.cond:
+            admitted = self._demands()
+            out = []
+            for steps in CAPACITY_STEPS:
+                n = self.controller.capacity_streams(admitted, CAPACITY_CHUNK_RATE, steps)
+                if n is not None:
+                    out.append((steps, n))
+            return out
+
+    def utilization(self) -> float | None:
+        with self.cond:
+            return self.controller.utilization([d for d in self._demands() if d.chunk_rate > 0])
+
+    def _control(self, sched: StreamBatchScheduler, events: list) -> None:
+        """Let the SLO controller pick steps; a change applies from each stream's next chunk (a ``steps`` event)."""
+        now = self.clock()
+        if self._decided_at is not None and now - self._decided_at < self.slo_interval_s:
+            return
+        self._decided_at = now
+        demands = [self._demand(self.sessions[sid]) for sid in sorted(sched.streams) if sid in self.sessions]
+        if not any(len(d.allowed) > 1 for d in demands):
+            return
+        decision = self.controller.decide(demands)
+        for d in demands:
+            session, want = self.sessions[d.stream_id], decision[d.stream_id]
+            if want == session.steps or sched.streams[d.stream_id].stopping:
+                continue
+            ladder = session.ladders[want]
+            first = sched.set_steps(session.id, ladder)
+            self.telemetry.steps_changed(session.steps, want)
+            session.steps = want
+            if first is not None:
+                events.append(self._next_event("steps", stream_id=session.id, from_chunk=first, timesteps=ladder))
+
+    def paced_credit(self, session: StreamSession, now: float) -> int | None:
+        """Chunks a paced stream may have started by ``now``: chunk c starts no earlier than its real-time slot
+        ``paced_since + c / chunk_rate`` less the playout buffer.  None for an unpaced stream."""
+        if session.chunk_rate <= 0 or session.paced_since is None:
+            return None
+        return max(0, math.floor((now - session.paced_since + self.playout_s) * session.chunk_rate)) + 1
 
     def _credit(self, session: StreamSession) -> int:
-        return session.delivered + self.lead_bound(session)
+        credit = session.delivered + self.lead_bound(session)
+        paced = self.paced_credit(session, self.clock())
+        return credit if paced is None else min(credit, paced)
+
+    def _pace_timeout(self) -> float | None:
+        """Seconds until a paced stream may start its next chunk (0 when one may now), for streams whose consumer
+        has room for it (a stream held by its consumer is woken by the consumer's acknowledgement)."""
+        if self.sched is None:
+            return None
+        now = self.clock()
+        soonest = None
+        for sid, st in self.sched.streams.items():
+            session = self.sessions.get(sid)
+            if session is None or session.chunk_rate <= 0 or session.paced_since is None or st.stopping:
+                continue
+            started = self.sched.started_chunks.get(sid, 0)
+            if started >= session.delivered + self.lead_bound(session):
+                continue  # held by its consumer
+            if st.spec.num_chunks is not None and started >= st.spec.num_chunks:
+                continue
+            due = session.paced_since + started / session.chunk_rate - self.playout_s
+            soonest = due if soonest is None else min(soonest, due)
+        return None if soonest is None else max(0.0, soonest - now)
 
     def _loop(self) -> None:
         while True:
             with self.cond:
                 while not self._stopped and not self._has_work():
-                    self.cond.wait()
+                    timeout = self._pace_timeout()
+                    started = sum(self.sched.started_chunks.values()) if self.sched is not None else 0
+                    if timeout is not None and timeout <= 1e-3 and self._idle_ticks and started != self._kicked:
+                        # A paced stream's next chunk is due: tick again (once per chunk started, so a stream that
+                        # cannot start for another reason is not ticked in a busy loop).
+                        self._kicked = started
+                        self._idle_ticks = 0
+                        continue
+                    if timeout is not None and timeout <= 1e-3:
+                        timeout = 0.005 if self._idle_ticks else None
+                    self.cond.wait(timeout)
                 if self._stopped:
                     return
                 events = self._plan_tick()
@@ -453,6 +645,7 @@ class PipelineEngine(Generations):
         while self.pending_opens:
             session = self.pending_opens.popleft()
             sched.add_stream(session.spec)
+            session.paced_since = self.clock()
             events.append(
                 self._next_event(
                     "open", spec=session.spec, text=session.text, latents=session.image, traceparent=session.traceparent
@@ -476,6 +669,7 @@ class PipelineEngine(Generations):
                 continue
             # Effective from the next chunk not yet started: chunks in flight keep their prompt.
             events.append(self._next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
+        self._control(sched, events)
         for sid in sched.streams:
             session = self.sessions.get(sid)
             if session is not None:
@@ -498,7 +692,11 @@ class PipelineEngine(Generations):
                         latents = session.inputs.pop(st.chunk)
                         events.append(self._next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
                 events.append(self._next_event("batch", steps=tuple(batch)))
-                self.telemetry.batch_planned(events[-1], batch, self.sessions)
+                steps = [
+                    sched.streams[st.stream].specs.at(st.chunk).steps if st.stream in sched.streams else 0
+                    for st in batch
+                ]
+                self.telemetry.batch_planned(events[-1], batch, self.sessions, steps)
             else:
                 self.telemetry.empty_tick()
         for sid in sorted(before - set(sched.streams)):
@@ -538,7 +736,10 @@ class PipelineEngine(Generations):
                         consumed=s.delivered,
                         bound=self.lead_bound(s),
                         max_lead=s.max_lead,
+                        steps=s.steps,
+                        chunk_rate=s.chunk_rate,
                     )
                     for s in sorted(self.sessions.values(), key=lambda s: s.id)
                 ],
+                capacity=[pb.Capacity(steps=n, streams=c) for n, c in self.capacity()],
             )

@@ -53,6 +53,28 @@ class _OutboxCollector:
         yield fam
 
 
+class _CapacityCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "stagecast_coordinator_capacity_streams",
+            "More streams at 16 FPS (one latent frame per chunk) the pipeline holds beside the admitted ones",
+            labels=["steps"],
+        )
+        for steps, streams in self.engine.capacity():
+            fam.add_metric([str(steps)], streams)
+        yield fam
+        util = self.engine.utilization()
+        if util is not None:
+            yield GaugeMetricFamily(
+                "stagecast_coordinator_slo_utilization",
+                "Bottleneck stage busy share the paced streams need at their current steps (SLO model)",
+                value=util,
+            )
+
+
 class CoordinatorTelemetry:
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -82,6 +104,21 @@ class CoordinatorTelemetry:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._step_changes = Counter(
+            "stagecast_coordinator_step_changes",
+            "SLO controller step changes, by direction (down: capacity short; up: capacity back)",
+            ["direction"],
+            registry=r,
+        )
+        self._chunk_steps = Histogram(
+            "stagecast_coordinator_chunk_steps",
+            "Denoising steps of each chunk routed to its stream (the SLO controller's choice)",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 25, 50),
+            registry=r,
+        )
+        self._refused = Counter(
+            "stagecast_coordinator_streams_refused", "Streams refused at admission, by limit", ["limit"], registry=r
+        )
         self._inflight: dict[int, tuple[float, object]] = {}  # seq -> (planned at, span or None)
 
     def bind(self, engine) -> None:
@@ -104,13 +141,14 @@ class CoordinatorTelemetry:
         ):
             Gauge(name, doc, registry=r).set_function(fn)
         r.register(_OutboxCollector(engine))
+        r.register(_CapacityCollector(engine))
 
     # ---- called by the engine, under its lock -----------------------------------------------------------------
 
     def empty_tick(self) -> None:
         self._empty.inc()
 
-    def batch_planned(self, ev, batch, sessions: dict) -> None:
+    def batch_planned(self, ev, batch, sessions: dict, steps: list[int] | None = None) -> None:
         """``ev`` is the batch's plan event; sets ``ev.traceparent`` when the batch is traced."""
         self._planned.inc()
         self._steps.inc(len(batch))
@@ -128,6 +166,8 @@ class CoordinatorTelemetry:
                         "stagecast.generation": ev.generation,
                         "stagecast.batch.seq": ev.seq,
                         **telemetry.batch_attributes(batch),
+                        # The denoising steps of each item's chunk (parallel to stagecast.levels).
+                        **({"stagecast.steps": steps} if steps else {}),
                     },
                 )
                 ev.traceparent = telemetry.traceparent_of(span)
@@ -157,5 +197,13 @@ class CoordinatorTelemetry:
     def stream_ended(self, reason: str) -> None:
         self._ended.labels(reason=reason).inc()
 
-    def chunk(self, routed: bool) -> None:
+    def chunk(self, routed: bool, steps: int = 0) -> None:
         (self._routed if routed else self._dropped).inc()
+        if routed and steps:
+            self._chunk_steps.observe(steps)
+
+    def steps_changed(self, old: int, new: int) -> None:
+        self._step_changes.labels(direction="down" if new < old else "up").inc()
+
+    def refused(self, limit: str) -> None:
+        self._refused.labels(limit=limit).inc()

@@ -21,7 +21,10 @@ Readiness rules for micro-step (s, c, i):
     such a stream's clock is its input, so a stop still starts every chunk whose input arrived before it;
   * ``per_level``: (s, c-1, i) entered in an earlier tick (it writes the KV row that (s, c, i) reads);
   * ``clean``: the clean pass of (s, c-1) entered in an earlier tick before any level of chunk c;
-  * i > 0: (s, c, i-1) entered at least P ticks ago (its latent has come back from the last stage).
+  * i > 0: (s, c, i-1) entered at least P ticks ago (its latent has come back from the last stage);
+  * a step change (``set_steps``) applies from the next chunk not yet started; under ``per_level`` that chunk
+    starts a new KV segment and waits until every earlier chunk of the stream has left the pipeline
+    (``stagecast.microstep.ChunkSpecs``).
 Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
 up to ``max_batch`` that share a latent shape form the batch.
 """
@@ -30,13 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec
 
 
 @dataclass
 class _Chunk:
     index: int
     started: int  # tick its level 0 entered
+    levels: int  # micro-steps of this chunk (its ladder, plus the clean pass under ``clean``)
     level: int = -1  # highest level issued so far
     issued_at: int = -1  # tick the highest level entered
 
@@ -46,7 +50,8 @@ class _StreamState:
     spec: StreamSpec
     order: int
     joined: int
-    max_inflight: int
+    max_inflight: int | None  # None: one wavefront of the next chunk's ladder (levels x stages)
+    specs: ChunkSpecs = field(init=False)
     next_chunk: int = 0
     stopping: bool = False
     inflight: dict[int, _Chunk] = field(default_factory=dict)
@@ -54,6 +59,9 @@ class _StreamState:
     credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
     inputs: int = 0  # video-to-video: chunks whose input latents have arrived
+
+    def __post_init__(self) -> None:
+        self.specs = ChunkSpecs(self.spec)
 
     @property
     def finished(self) -> bool:
@@ -86,7 +94,7 @@ class StreamBatchScheduler:
         if spec.policy == "clean":
             cap = 1  # the next chunk waits for this one's clean pass: a single stream is serial
         else:
-            cap = self.max_inflight or spec.levels * self.num_stages
+            cap = self.max_inflight  # None: levels x stages of the chunk to start
         self.streams[spec.stream_id] = _StreamState(spec, self._arrivals, self.now, cap)
         self._arrivals += 1
 
@@ -105,6 +113,17 @@ class StreamBatchScheduler:
         if not st.spec.input_latents:
             raise ValueError(f"stream {stream_id} takes no input latents")
         st.inputs = max(st.inputs, inputs)
+
+    def set_steps(self, stream_id: int, timesteps) -> int | None:
+        """Run ``timesteps`` from the stream's next chunk not yet started; returns that chunk, or None when the
+        stream already runs this ladder there.  Raises ValueError for an invalid ladder."""
+        st = self._state(stream_id)
+        return st.next_chunk if st.specs.change(st.next_chunk, timesteps) else None
+
+    def steps_of(self, stream_id: int) -> int:
+        """The steps the stream's next chunk will run."""
+        st = self._state(stream_id)
+        return st.specs.at(st.next_chunk).steps
 
     def cancel_stream(self, stream_id: int) -> None:
         """Drop a stream at once (a failure): nothing more of it is scheduled."""
@@ -129,7 +148,7 @@ class StreamBatchScheduler:
         out = []
         for ch in st.inflight.values():
             nxt = ch.level + 1
-            if nxt >= spec.levels or now - ch.issued_at < p:
+            if nxt >= ch.levels or now - ch.issued_at < p:
                 continue
             prev = st.inflight.get(ch.index - 1)
             # (s, c-1, nxt) must have entered in an earlier tick; this tick's picks are issued only after
@@ -137,15 +156,19 @@ class StreamBatchScheduler:
             if spec.policy == "per_level" and prev is not None and prev.level < nxt:
                 continue
             out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
-        can_start = not st.stopping and len(st.inflight) < st.max_inflight
+        c = st.next_chunk
+        nxt_spec = st.specs.at(c)
+        cap = st.max_inflight or nxt_spec.levels * p
+        can_start = not st.stopping and len(st.inflight) < cap
         if spec.input_latents:
             # The input is the clock: a stop ends the stream after the chunks whose input has arrived.
-            can_start = st.next_chunk < st.inputs and len(st.inflight) < st.max_inflight
+            can_start = st.next_chunk < st.inputs and len(st.inflight) < cap
+        if st.inflight and st.specs.starts_segment(c):
+            can_start = False  # a new per_level KV segment: the earlier chunks leave the pipeline first
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
             can_start = False
         if st.credit is not None and st.next_chunk >= st.credit:
             can_start = False
-        c = st.next_chunk
         # per_level: chunk c-1 started in an earlier tick (at most one start per stream and tick).
         if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
             can_start = False
@@ -162,7 +185,7 @@ class StreamBatchScheduler:
         # Smooth the work over the pipeline: every micro-step in flight comes back once per P ticks, so
         # taking more than 1/P of them now would leave the next ticks empty (a bubble on every stage).
         demand = sum(
-            sum(1 for ch in st.inflight.values() if ch.level + 1 < st.spec.levels) + (0 if self._idle(st) else 1)
+            sum(1 for ch in st.inflight.values() if ch.level + 1 < ch.levels) + (0 if self._idle(st) else 1)
             for st in self.streams.values()
         )
         limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
@@ -194,9 +217,9 @@ class StreamBatchScheduler:
 
     def _issue(self, step: MicroStep) -> None:
         st = self.streams[step.stream]
-        spec = st.spec
+        spec = st.specs.at(step.chunk)
         if step.level == 0:
-            st.inflight[step.chunk] = _Chunk(step.chunk, started=self.now)
+            st.inflight[step.chunk] = _Chunk(step.chunk, started=self.now, levels=spec.levels)
             st.next_chunk = step.chunk + 1
             self.started_chunks[step.stream] = st.next_chunk
         ch = st.inflight[step.chunk]
@@ -205,5 +228,6 @@ class StreamBatchScheduler:
             st.clean_issued = {step.chunk: self.now}
         if step.level == spec.levels - 1:
             del st.inflight[step.chunk]
+            st.specs.prune(step.chunk + 1)  # chunks of a stream finish in order
         if step.level == spec.steps - 1 and st.first_finished_tick is None:
             st.first_finished_tick = self.now + self.num_stages - 1

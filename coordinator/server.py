@@ -61,6 +61,9 @@ class CoordinatorOptions:
     mtls: MTLS | None = None  # deployment credentials (role "coordinator"); None: plaintext (--insecure-internal)
     metrics_host: str | None = None  # where /metrics binds (None: ``host``)
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
+    playout_s: float = 0.5  # how far ahead of its real-time slot a paced stream may start a chunk
+    stage_ms: list[float] | None = None  # SLO controller calibration: ms per batch of one per stage (None: measure)
+    slo_learn: bool = True  # False: the controller keeps the calibration instead of learning from measured batches
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -139,13 +142,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 acknowledges=request.acknowledges,
                 consumer_depth=request.consumer_depth,
                 image=image,
+                chunk_rate=request.chunk_rate,
+                ladders=[tuple(ladder.timesteps) for ladder in request.ladders],
+                latency_first=request.latency_first,
             )
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except AdmissionError as exc:
-            context.abort(exc.code, str(exc))
+            exc.abort(context)  # a capacity refusal carries its retry delay in the status details
 
         def on_done():
             if not session.ended:
@@ -234,6 +240,9 @@ class Coordinator:
             max_streams=opts.max_streams,
             record_plan=opts.record_plan,
             on_ready_change=self._on_ready,
+            playout_s=opts.playout_s,
+            stage_ms=opts.stage_ms,
+            slo_learn=opts.slo_learn,
         )
         servicer = CoordinatorServicer(self.registry, self.engine, opts.mtls)
         self.server, self.health, self.port = make_server(

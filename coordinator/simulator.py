@@ -23,6 +23,14 @@ defaults fit the NCCL point-to-point times between two H200s in the design notes
 Utilization and bubble fraction are measured in steady state: from the moment the first chunk leaves the
 pipeline until the last chunk starts (warmup and cooldown excluded).  The report also says why a
 configuration cannot keep every stage busy.
+
+``--controller`` asks the SLO controller (``coordinator.slo``) instead: with these stage times, how many streams
+at ``--fps`` (one latent frame per chunk) the topology holds and at which steps, as streams arrive one by one
+(each may run ``--min-steps`` .. ``--steps``), and where admission refuses.  Each row is checked against this
+simulator: the real scheduler, run at that load and those steps, must produce the chunks the streams need
+(``simulated`` column)::
+
+    stagecast simulate --controller --stages 2 --stage-ms 20,20 --steps 4 --min-steps 1 --streams 12
 """
 
 from __future__ import annotations
@@ -214,6 +222,70 @@ def simulate(cfg: SimConfig) -> SimReport:
     )
 
 
+@dataclass
+class ControllerRow:
+    streams: int
+    admitted: bool
+    steps: list[int]
+    utilization: float
+    needed_chunks_per_second: float
+    simulated_chunks_per_second: float
+
+
+def simulate_controller(
+    cfg: SimConfig, *, min_steps: int = 1, fps: float = 16.0, frames_per_chunk: int = 4
+) -> tuple[list[ControllerRow], dict[int, float]]:
+    """Streams arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks steps.
+    Returns the rows and the capacity (streams at ``fps``) of an empty pipeline per step count."""
+    from coordinator.slo import CostModel, Demand, SloController
+
+    stage_ms = cfg.stage_ms or [10.0] * cfg.stages
+    cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth)
+    ctl = SloController(cost)
+    rate = fps / frames_per_chunk
+    allowed = tuple(range(min_steps, cfg.steps + 1))
+    clean = cfg.policy == "clean"
+    admitted: list[Demand] = []
+    rows = []
+    for i in range(1, cfg.streams + 1):
+        newcomer = Demand(i, rate, allowed, clean=clean)
+        ok = ctl.admits(newcomer, admitted)
+        if ok:
+            admitted.append(newcomer)
+            decision = ctl.decide(admitted)
+            for d in admitted:
+                d.steps = decision[d.stream_id]
+        steps = [d.steps for d in admitted]
+        # The real scheduler at this load: every stream at the fewest steps chosen (a lower bound on its rate).
+        sim = simulate(
+            SimConfig(
+                stages=cfg.stages,
+                steps=min(steps),
+                streams=len(admitted),
+                chunks=cfg.chunks,
+                batch=cfg.batch,
+                policy=cfg.policy,
+                stage_ms=stage_ms,
+                growth=cfg.growth,
+                comm_ms=cfg.comm_ms,
+            )
+        )
+        rows.append(
+            ControllerRow(
+                streams=len(admitted),
+                admitted=ok,
+                steps=steps,
+                utilization=ctl.utilization(admitted) or 0.0,
+                needed_chunks_per_second=rate * len(admitted),
+                simulated_chunks_per_second=sim.chunks_per_second,
+            )
+        )
+        if not ok:
+            break
+    capacity = {s: ctl.capacity_streams([], rate, s, clean) or 0.0 for s in allowed}
+    return rows, capacity
+
+
 def add_simulate_parser(sub) -> None:
     p = sub.add_parser(
         "simulate",
@@ -237,6 +309,13 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=30, help="layers of the whole model (1.3B 30, 14B 40)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs the topology must fill exactly (stages × sp)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--controller",
+        action="store_true",
+        help="the SLO controller: streams at --fps arrive until admission refuses; steps in --min-steps..--steps",
+    )
+    p.add_argument("--min-steps", type=int, default=1, help="--controller: the fewest steps a stream may run")
+    p.add_argument("--fps", type=float, default=16.0, help="--controller: each stream's frame rate (4 frames/chunk)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -258,6 +337,8 @@ def main(args: argparse.Namespace) -> int:
         dim=args.dim,
         layers=args.layers,
     )
+    if args.controller:
+        return _controller_main(cfg, args)
     try:
         if args.gpus is not None:
             check_gpus(args.stages, args.sp, args.gpus)
@@ -279,4 +360,35 @@ def main(args: argparse.Namespace) -> int:
         print("all-to-all per forward (batch of one): " + " ".join(f"{a:.2f} ms" for a in rep.a2a_ms_per_forward))
     for note in rep.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _controller_main(cfg: SimConfig, args: argparse.Namespace) -> int:
+    if not 1 <= args.min_steps <= cfg.steps:
+        print(f"stagecast simulate: error: --min-steps must be in [1, --steps={cfg.steps}]")
+        return 2
+    if not 0 < args.fps <= 240:
+        print("stagecast simulate: error: --fps must be in (0, 240]")
+        return 2
+    rows, capacity = simulate_controller(cfg, min_steps=args.min_steps, fps=args.fps)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "capacity": capacity}, indent=2))
+        return 0
+    stage_ms = cfg.stage_ms or [10.0] * cfg.stages
+    print(
+        f"stages={cfg.stages} stage_ms={','.join(f'{m:g}' for m in stage_ms)} batch={cfg.batch} "
+        f"policy={cfg.policy} fps={args.fps:g} steps={args.min_steps}..{cfg.steps}"
+    )
+    print(
+        "capacity of an empty pipeline (streams held at the fps): "
+        + ", ".join(f"{n:.1f} at {s} step{'s' if s > 1 else ''}" for s, n in capacity.items())
+    )
+    print(f"{'streams':>7}  {'admitted':>8}  {'utilization':>11}  {'chunks/s needed':>15}  {'simulated':>9}  steps")
+    for r in rows:
+        held = "" if r.simulated_chunks_per_second >= r.needed_chunks_per_second else "  (scheduler falls short)"
+        print(
+            f"{r.streams + (0 if r.admitted else 1):>7}  {'yes' if r.admitted else 'REFUSED':>8}  "
+            f"{r.utilization:>11.0%}  {r.needed_chunks_per_second:>15.1f}  {r.simulated_chunks_per_second:>9.1f}  "
+            f"{','.join(map(str, r.steps))}{held}"
+        )
     return 0

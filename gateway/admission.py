@@ -51,8 +51,10 @@ Check = Callable[[EffectiveConfig], "Release | None"]
 
 
 def passes(cfg: EffectiveConfig) -> int:
-    """DiT passes per chunk: one per step, plus the clean pass under the ``clean`` policy."""
-    return cfg.steps + (1 if cfg.policy == "clean" else 0)
+    """DiT passes per chunk: one per step, plus the clean pass under the ``clean`` policy.  An SLO-adaptive stream
+    counts at its ``min_steps``, as capacity admission counts it: the controller raises steps only into spare
+    capacity."""
+    return cfg.min_steps + (1 if cfg.policy == "clean" else 0)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,29 @@ class EffectiveConfig:
             return self.timesteps
         return self.timesteps[self.timesteps.index(self.strength) :]
 
+    pace: bool = True  # generate at ``fps`` (plus the coordinator's playout buffer), not as fast as possible
+    min_steps: int = 0  # SLO-adaptive bounds (0: ``steps``, a fixed step count)
+    max_steps: int = 0
+    steps_preference: str = "steps_first"
+    ladders: tuple[tuple[float, ...], ...] = ()  # the sampler's ladder for each offered count in the bounds
+    temporal_factor: int = 4  # video frames per latent frame after the first (the VAE's)
+
+    def __post_init__(self) -> None:
+        if not self.min_steps:
+            object.__setattr__(self, "min_steps", self.steps)
+        if not self.max_steps:
+            object.__setattr__(self, "max_steps", self.steps)
+        if not self.ladders:
+            object.__setattr__(self, "ladders", (self.pipeline_timesteps,))
+
+    @property
+    def chunk_rate(self) -> float:
+        """Pacing: chunks per second at ``fps`` in steady state (a chunk is ``temporal_factor * chunk_frames``
+        frames); 0 for an unpaced stream or a video-to-video one (its input is its clock)."""
+        if not self.pace or self.v2v:  # a video-to-video stream's clock is its input
+            return 0.0
+        return self.fps / (self.temporal_factor * self.chunk_frames)
+
     def stream_spec(self, *, latent_channels: int, text_len: int) -> StreamSpec:
         return StreamSpec(
             stream_id=0,  # the coordinator assigns it
@@ -143,6 +166,10 @@ class EffectiveConfig:
             quality=self.quality,
             timesteps=self.timesteps,
             shift=self.shift,
+            pace=self.pace,
+            min_steps=self.min_steps,
+            max_steps=self.max_steps,
+            steps_preference=api.steps_preference_value(self.steps_preference),
         )
         if self.seconds is not None:
             msg.seconds = self.seconds
@@ -239,6 +266,55 @@ def _enum(field: str, value: int, names: dict[str, int], default: str) -> str:
     raise ConfigError(field, f"must be one of {allowed} (UNSPECIFIED: {default}), got {value}")
 
 
+def _sampler_ladder(sampler, steps: int) -> tuple[float, ...] | None:
+    try:
+        return sampler.ladder_for(steps)
+    except SamplerError:
+        return None
+
+
+def _step_bounds(msg: pb.StreamConfig, sampler, steps: int, timesteps: tuple[float, ...]):
+    """(min_steps, max_steps, ladders, timesteps) of an SLO-adaptive stream: the bounds checked against the stream's
+    steps and the sampler's offered counts, and the sampler's ladder for every offered count between them."""
+    has_min, has_max = msg.HasField("min_steps"), msg.HasField("max_steps")
+    if not (has_min or has_max):
+        return steps, steps, (), timesteps
+    if msg.HasField("strength"):
+        for name, present in (("min_steps", has_min), ("max_steps", has_max)):
+            if present and getattr(msg, name) != steps:
+                raise ConfigError(
+                    name, "a video-to-video stream runs its ladder from its strength; leave min_steps and max_steps out"
+                )
+        return steps, steps, (), timesteps
+    # A ladder that is the sampler's own for its count (as Started.config echoes it) is not a stream's own ladder.
+    own = bool(msg.timesteps) and timesteps != _sampler_ladder(sampler, steps)
+    for name, present in (("min_steps", has_min), ("max_steps", has_max)):
+        if present:
+            _int_in(name, getattr(msg, name), 1, MAX_STEPS)
+            if own and getattr(msg, name) != steps:
+                raise ConfigError(
+                    name,
+                    f"a stream with its own timesteps runs them ({steps} steps); leave min_steps and max_steps out",
+                )
+    lo = msg.min_steps if has_min else min(steps, msg.max_steps)
+    hi = msg.max_steps if has_max else max(steps, msg.min_steps)
+    if own:
+        return steps, steps, (), timesteps
+    if lo > hi:
+        raise ConfigError("min_steps", f"must be <= max_steps ({hi}), got {lo}")
+    if msg.HasField("steps") and not lo <= steps <= hi:
+        raise ConfigError("steps", f"must lie in [min_steps, max_steps] = [{lo}, {hi}], got {steps}")
+    offered = [n for n in sampler.supported_steps() if lo <= n <= hi]
+    if not offered:
+        raise ConfigError(
+            "min_steps", f"the sampler offers none of {lo}..{hi} steps ({list(sampler.supported_steps())})"
+        )
+    if steps not in offered:  # steps left out: start at the most the bounds allow
+        steps = offered[-1]
+        timesteps = sampler.ladder_for(steps)
+    return lo, hi, tuple(sampler.ladder_for(n) for n in offered), timesteps
+
+
 def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo) -> EffectiveConfig:
     """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults."""
     prompt = check_prompt(msg.prompt)
@@ -264,6 +340,11 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
             f"{sampler.shift:g}, got {msg.shift:g}",
         )
     steps = len(timesteps)
+    min_steps, max_steps, ladders, timesteps = _step_bounds(msg, sampler, steps, timesteps)
+    steps = len(timesteps)
+    steps_preference = _enum(
+        "steps_preference", msg.steps_preference, api.STEPS_PREFERENCES, api.DEFAULT_STEPS_PREFERENCE
+    )
     seed = msg.seed if msg.HasField("seed") else random.randrange(2**31)
 
     guidance = msg.guidance_scale if msg.HasField("guidance_scale") else 1.0
@@ -366,4 +447,10 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         input_pacing=input_pacing,
         input_timeout=input_timeout,
         image=image,
+        pace=msg.pace if msg.HasField("pace") else True,
+        min_steps=min_steps,
+        max_steps=max_steps,
+        steps_preference=steps_preference,
+        ladders=ladders,
+        temporal_factor=model.temporal_factor,
     )

@@ -66,10 +66,13 @@ from stagecast.grpc_util import (
     RECONNECT_OPTIONS,
     REFLECTION_STREAMS,
     ConcurrencyLimits,
+    abort_with_retry,
     make_health_server,
     make_server,
+    retry_after_of,
     set_serving,
 )
+from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.names import DTYPES, STREAM_SERVICE
 from stagecast.security import MTLS, Principal, TokenAuth, connect, principal_of, server_tls
@@ -408,6 +411,23 @@ class Gateway:
     def vae_state_bytes(self) -> int:
         return sum(_vae_bytes(run) for run in self._runs())
 
+    def capacity(self) -> list[pb.Capacity]:
+        """The coordinator's remaining capacity (streams at 16 FPS per step count), asked at most once a second;
+        empty when it does not know stage times yet or cannot be reached in time."""
+        now = time.monotonic()
+        with self.cond:
+            cached = getattr(self, "_capacity", None)
+            if cached is not None and now - cached[0] < 1.0:
+                return list(cached[1])
+        try:
+            status = self.coordinator.Status(ipb.Empty(), timeout=1.0)
+            out = [pb.Capacity(steps=c.steps, streams=c.streams) for c in status.capacity]
+        except grpc.RpcError:
+            out = []
+        with self.cond:
+            self._capacity = (now, out)
+        return list(out)
+
     def status(self, who: Principal | None = None) -> pb.GatewayStatus:
         """The gateway's state as ``who`` may see it: a tenant sees only its own streams (and no totals or
         internal addresses); an admin or status token, or anyone on a gateway without tokens, sees everything."""
@@ -428,6 +448,7 @@ class Gateway:
                 state=api.state_value(run.state),
                 frames_sent=run.frames_sent,
                 chunks_received=run.chunks_received,
+                steps=run.last_steps,
                 vae_state_bytes=_vae_bytes(run),
                 queued_chunks=run.session.queued if run.session is not None else 0,
                 queued_messages=len(run.out),
@@ -597,22 +618,25 @@ class StreamServicer:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except grpc.RpcError as exc:
             code, message = exc.code(), f"pipeline (coordinator {gw.opts.coordinator}): {exc.details()}"
+            retry_after = retry_after_of(exc)  # a capacity refusal's retry delay reaches the client
         except StreamFailed as exc:
             code, message = exc.code, exc.message
         release()
-        self._abort(context, code, message)
+        self._abort(context, code, message, retry_after)
 
-    def _abort(self, context, code: grpc.StatusCode, message: str):
+    def _abort(self, context, code: grpc.StatusCode, message: str, retry_after: float | None = None):
         self.gw.metrics.rejected(code.name)
         logger.info("call ended with %s: %s", code.name, message)
-        context.abort(code, message)
+        abort_with_retry(context, code, message, retry_after or 0.0)
 
     def GetStatus(self, request: bytes, context):
         try:
             parse_status_request(request)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return self.gw.status(principal_of(self.gw.auth, context))
+        msg = self.gw.status(principal_of(self.gw.auth, context))
+        msg.capacity.extend(self.gw.capacity())
+        return msg
 
     def WatchStatus(self, request: bytes, context):
         gw = self.gw

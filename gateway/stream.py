@@ -101,6 +101,7 @@ class _ChunkTag:
     arrived_ms: float
     arrived_ns: int = 0  # wall clock, for the VAE decode span
     span: object = None  # the chunk's span, when the stream is traced
+    steps: int = 0  # the denoising steps the chunk ran (the SLO controller's choice)
 
 
 class StreamRun:
@@ -117,6 +118,7 @@ class StreamRun:
         self.state = "starting"
         self.outcome: str | None = None  # why the stream ended: "completed", "stopped", "cancelled", ...
         self.chunks_received = 0
+        self.last_steps = cfg.steps  # the steps of the last chunk received
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.frames_sent = 0  # frames handed to gRPC
         self.first_frame_ms: float | None = None
@@ -154,6 +156,9 @@ class StreamRun:
             text=wire.tensor_to_proto(self.text),
             acknowledges=True,
             consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
+            chunk_rate=self.cfg.chunk_rate,
+            ladders=[ipb.Ladder(timesteps=ladder) for ladder in self.cfg.ladders],
+            latency_first=self.cfg.steps_preference == "latency_first",
         )
         if self.cfg.image is not None:  # image-to-video: the first frame's latent, encoded as the pipeline does
             request.image.CopyFrom(wire.tensor_to_proto(encode_image(self.host.input_encoder(), self.cfg.image)))
@@ -299,10 +304,12 @@ class StreamRun:
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
                     self.chunks_received += 1
+                    self.last_steps = ev.chunk.steps or self.cfg.steps
                     self.host.metrics.chunk_received()
                     if self.input is not None:
                         self.input.progress()
-                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), self.trace.chunk_span(ev.chunk.chunk))
+                    span = self.trace.chunk_span(ev.chunk.chunk, self.last_steps)
+                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), span, self.last_steps)
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
                         tag.span.set_attribute("stagecast.chunk.dropped", True)
@@ -379,6 +386,7 @@ class StreamRun:
                     width=cfg.width,
                     height=cfg.height,
                     input_ms=input_ms,
+                    steps=chunk.steps or cfg.steps,
                 )
             )
             if not self._send(msg):

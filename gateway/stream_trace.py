@@ -76,10 +76,12 @@ class StreamTrace:
             span.set_attribute("stagecast.stream.id", self.pipeline_id)
         return span
 
-    def chunk_span(self, chunk: int):
+    def chunk_span(self, chunk: int, steps: int = 0):
         if self.span is None:
             return None
         attrs = {"stagecast.stream.id": self.pipeline_id, "stagecast.chunk": chunk}
+        if steps:
+            attrs["stagecast.chunk.steps"] = steps
         return telemetry.tracer().start_span("chunk", context=trace.set_span_in_context(self.span), attributes=attrs)
 
     def post_hoc(self, name: str, chunk: int, chunk_span, start_ns: int, end_ns: int, extra=None) -> None:

@@ -85,6 +85,7 @@ def start_pipeline(
     loras: Sequence[str] = (),
     metrics_port: int = 0,
     sp: int = 1,
+    coordinator_args: Sequence[str] = (),
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
     ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``."""
@@ -99,6 +100,7 @@ def start_pipeline(
         args += ["--partition", partition]
     if record_plan:
         args.append("--record-plan")
+    args += list(coordinator_args)
     coord = launcher.spawn("coordinator", args)
     address = coord.info["address"]
     bound = address.rsplit(":", 1)[1]

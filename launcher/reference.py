@@ -41,6 +41,9 @@ class StreamRequest:
     # stream ends after the last (its input is its clock).
     inputs: list[torch.Tensor] | None = None
     image: torch.Tensor | None = None  # image-to-video (``spec.image_latents``): the image latent (1, C, 1, h, w)
+    # Step changes: at tick T the stream runs this ladder from its next chunk not yet started (the SLO
+    # controller's decisions, as the coordinator plans them).
+    step_changes: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +125,10 @@ class ReferenceExecutor:
                 sid, chunk = ev.stream_id, ev.chunk
                 latents = ev.latents if ev.latents is not None else (inputs or {})[(sid, chunk)]
                 self._each(lambda r, sid=sid, chunk=chunk, x=latents: r.put_input(sid, chunk, x))
+            elif ev.kind == "steps":
+                assert ev.stream_id is not None
+                sid, first, ladder = ev.stream_id, ev.from_chunk, ev.timesteps
+                self._each(lambda r, sid=sid, first=first, ladder=ladder: r.set_steps(sid, first, ladder))
             elif ev.kind == "close":
                 assert ev.stream_id is not None
                 sid = ev.stream_id
@@ -164,6 +171,11 @@ def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int
         for r in requests:
             if r.stop_tick == sched.now and r.spec.stream_id in sched.streams:
                 sched.stop_stream(r.spec.stream_id)
+            ladder = r.step_changes.get(sched.now)
+            if ladder is not None and r.spec.stream_id in sched.streams:
+                first = sched.set_steps(r.spec.stream_id, ladder)
+                if first is not None:
+                    plan.append(PlanEvent("steps", stream_id=r.spec.stream_id, from_chunk=first, timesteps=ladder))
         batch = sched.tick()
         if batch:
             # A video-to-video chunk's input is planned right before the batch that starts it.

@@ -72,6 +72,12 @@ class SelftestConfig:
     # for the gateway's noised VAE encodings), end by a stop after their last input, and share batches with the
     # text streams between them.
     v2v: bool = False
+    # SLO-adaptive steps: streams may run 1..steps steps (LADDER truncations), paced at chunk_rate, under a coordinator
+    # whose controller keeps the stage_ms calibration (--stage-ms, --slo-fixed): its step changes are recorded in the
+    # plan and replayed by the reference.
+    adaptive: bool = False
+    chunk_rate: float = 4.0
+    stage_ms: float = 174.0
 
 
 @dataclass
@@ -128,6 +134,7 @@ def run_streams(
     specs: list[StreamSpec],
     texts: list[torch.Tensor],
     inputs: list[list[torch.Tensor] | None] | None = None,
+    configure: Callable[[pb.OpenStreamRequest], None] = lambda req: None,
 ) -> dict[int, list[torch.Tensor]]:
     """Open the streams in order, each once its predecessor has started; collect every chunk.  ``connect`` makes
     a channel to the coordinator (an operator's, over mTLS: ``launcher.channel(address, "coordinator")``).
@@ -162,6 +169,7 @@ def run_streams(
         with connect() as ch:
             stub = pb_grpc.CoordinatorServiceStub(ch)
             req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
+            configure(req)
             sid = None
             progress = threading.Condition()
             feeder = None
@@ -293,14 +301,31 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             cuda_graphs=cfg.cuda_graphs,
             loras=cfg.loras,
             sp=cfg.sp,
+            coordinator_args=adaptive_args(cfg),
         )
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
         texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
         inputs = stream_inputs(cfg, specs)
         connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
-        chunks = run_streams(connect, specs, texts, inputs)
+        chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req))
         return compare(cfg, transformer, connect, texts, chunks, inputs)
+
+
+def adaptive_args(cfg: SelftestConfig) -> list[str]:
+    if not cfg.adaptive:
+        return []
+    return ["--stage-ms", ",".join([f"{cfg.stage_ms:g}"] * cfg.stages), "--slo-fixed"]
+
+
+def adaptive_request(cfg: SelftestConfig, req: pb.OpenStreamRequest) -> None:
+    """An adaptive stream may run every truncation of its ladder, and is paced (the controller counts paced
+    streams)."""
+    if not cfg.adaptive:
+        return
+    ladder = tuple(req.spec.timesteps)
+    req.ladders.extend(pb.Ladder(timesteps=ladder[:n]) for n in range(1, len(ladder) + 1))
+    req.chunk_rate = cfg.chunk_rate
 
 
 def run_selftest(cfg: SelftestConfig) -> int:
@@ -382,6 +407,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--v2v", action="store_true", help="even-numbered streams are video-to-video: level 0 from submitted latents"
     )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="SLO-adaptive streams (1..--steps steps, paced at 4 chunks/s) under a controller calibrated so that "
+        "concurrent streams lower their steps: the plan's step changes are replayed by the reference",
+    )
     p.set_defaults(run=main)
 
 
@@ -403,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
             checkpoint=args.checkpoint,
             height=args.height,
             width=args.width,
+            adaptive=args.adaptive,
             tolerance=args.tolerance,
             model=args.model,
             layers=args.layers,

@@ -52,6 +52,8 @@ class ExecutorEvent:
     wait_ms: float = 0.0
     micro_steps: int = 0
     exchange_ms: float = 0.0  # sequence-parallel collectives (``--sp``) among the forwards reported
+    steps: int = 0  # "chunk": the denoising steps the chunk ran
+    batches: int = 0  # "done": batches whose times forward_ms sums
 
 
 _STOP = object()
@@ -152,6 +154,9 @@ class StageExecutor:
         elif item.kind == "input":
             assert item.stream_id is not None and item.latents is not None
             self.runner.put_input(item.stream_id, item.chunk, item.latents)
+        elif item.kind == "steps":
+            assert item.stream_id is not None
+            self.runner.set_steps(item.stream_id, item.from_chunk, item.timesteps)
         elif item.kind == "batch":
             self._run_batch(item)
         else:
@@ -210,33 +215,47 @@ class StageExecutor:
                 if res.finished is not None and runner.sp.rank == 0:  # one report per stage, not per rank
                     self.on_event(
                         ExecutorEvent(
-                            "chunk", item.seq, stream_id=res.step.stream, chunk=res.step.chunk, latents=res.finished
+                            "chunk",
+                            item.seq,
+                            stream_id=res.step.stream,
+                            chunk=res.step.chunk,
+                            latents=res.finished,
+                            steps=runner.spec_at(res.step.stream, res.step.chunk).steps,
                         )
                     )
         if self.first and distributed:
             # The last stage will send, in this order, the next-level input of every item that has one.
             for st in steps:
-                spec = runner.spec(st.stream)
+                spec = runner.spec_at(st.stream, st.chunk)
                 if st.level + 1 < spec.levels:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
-        forward_ms, micro_steps = (time.perf_counter() - start) * 1e3, len(steps)
+        forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(steps), 1
         forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
         if self._cuda:
-            forward_ms, micro_steps, forward_samples = 0.0, 0, []
+            forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
             while self._timings and self._timings[0][2].query():
                 n, a, b = self._timings.popleft()
                 forward_samples.append(a.elapsed_time(b))
                 forward_ms += forward_samples[-1]
                 micro_steps += n
+                batches += 1
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
         if self.telemetry is not None:
             received = distributed and (not self.first or any(st.level > 0 for st in steps))
-            sent = distributed and (not self.last or any(st.level + 1 < runner.spec(st.stream).levels for st in steps))
+            sent = distributed and (
+                not self.last or any(st.level + 1 < runner.spec_at(st.stream, st.chunk).levels for st in steps)
+            )
             end = time.time_ns()
             timing = BatchTiming(t_start, t_recv, t_compute, end, received, sent, forward_ms, forward_samples)
         exchange_ms = runner.sp.take_ms()
         done = ExecutorEvent(
-            "done", item.seq, forward_ms=forward_ms, wait_ms=wait_ms, micro_steps=micro_steps, exchange_ms=exchange_ms
+            "done",
+            item.seq,
+            forward_ms=forward_ms,
+            wait_ms=wait_ms,
+            micro_steps=micro_steps,
+            exchange_ms=exchange_ms,
+            batches=batches,
         )
         self.on_event(done)
         if self.telemetry is not None:

@@ -28,18 +28,20 @@ class KVOrderError(RuntimeError):
 
 
 class _Row:
-    def __init__(self):
+    def __init__(self, first_chunk: int = 0):
         self.frames: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.next_chunk = 0
+        self.next_chunk = first_chunk
 
 
 class KVView:
     """One micro-step's window onto its row, plus the writes it makes during the forward."""
 
-    def __init__(self, cache: StreamKVCache, step: MicroStep):
+    def __init__(self, cache: StreamKVCache, step: MicroStep, spec: StreamSpec | None = None):
         self.cache = cache
         self.step = step
-        spec = cache.spec
+        spec = spec or cache.spec  # the chunk's spec (``ChunkSpecs.at``): its ladder and KV segment
+        self.spec = spec
+        cache.enter_segment(spec.segment_start)
         self.row_id = spec.kv_row(step.level)
         self.frames = context_frames(spec, step.chunk, cache.rope_limit)
         self.writes = spec.writes_kv(step.level)
@@ -88,9 +90,20 @@ class StreamKVCache:
         self.tokens_per_frame = tokens_per_frame
         self.rope_limit = rope_limit
         self.rows: dict[int, _Row] = {}
+        self.segment = 0  # the first chunk of the KV segment the rows hold (``StreamSpec.segment_start``)
 
-    def view(self, step: MicroStep) -> KVView:
-        return KVView(self, step)
+    def view(self, step: MicroStep, spec: StreamSpec | None = None) -> KVView:
+        """``spec``: the chunk's spec when the stream's steps changed (default: the stream's)."""
+        return KVView(self, step, spec)
+
+    def enter_segment(self, segment_start: int) -> None:
+        """A step change started a new per_level KV segment: every earlier chunk has left the pipeline (the
+        scheduler waits for that), so the cache starts empty."""
+        if segment_start > self.segment:
+            self.rows.clear()
+            self.segment = segment_start
+        elif segment_start < self.segment:
+            raise KVOrderError(f"KV segment from chunk {segment_start} is over (the cache holds {self.segment} on)")
 
     def commit(self, view: KVView) -> None:
         if not view.writes:
@@ -98,10 +111,10 @@ class StreamKVCache:
         if any(p is None for p in view.pending):
             raise KVOrderError(f"{view.step}: forward did not produce K/V for every layer")
         chunk = view.step.chunk
-        row = self.rows.setdefault(view.row_id, _Row())
+        row = self.rows.setdefault(view.row_id, _Row(self.segment))
         if chunk != row.next_chunk:
             raise KVOrderError(f"{view.step}: KV row {view.row_id} expected chunk {row.next_chunk} next, got {chunk}")
-        spec, tpf = self.spec, self.tokens_per_frame
+        spec, tpf = view.spec, self.tokens_per_frame
         f0 = chunk * spec.chunk_frames
         for j in range(spec.chunk_frames):
             sl = slice(j * tpf, (j + 1) * tpf)

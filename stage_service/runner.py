@@ -27,7 +27,7 @@ from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
-from stagecast.microstep import MicroStep, StreamSpec, rope_offset
+from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec, rope_offset
 from stagecast.model.config import DiTConfig, check_image, check_spec
 
 
@@ -46,8 +46,8 @@ class StepResult:
 @dataclass
 class _Stream:
     spec: StreamSpec
-    sampler: FlowSampler
     kv: StreamKVCache
+    specs: ChunkSpecs  # the spec of each chunk (step changes)
     # Prompt versions: (first chunk it applies to, per-layer text K/V); sorted by chunk.
     prompts: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     latents: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -65,6 +65,20 @@ class _Stream:
         x[:, :, 0:1] = self.image.to(x.device, x.dtype)
         return x
 
+    samplers: dict[tuple[float, ...], FlowSampler] = field(default_factory=dict)
+    done_chunks: int = 0  # chunks < this have run their last level (chunks of a stream finish in order)
+
+    def spec_at(self, chunk: int) -> StreamSpec:
+        return self.specs.at(chunk)
+
+    def sampler(self, spec: StreamSpec) -> FlowSampler:
+        sampler = self.samplers.get(spec.timesteps)
+        if sampler is None:
+            if len(self.samplers) >= 8:  # a few ladders are in use at once; keep the cache bounded
+                self.samplers.clear()
+            sampler = self.samplers[spec.timesteps] = FlowSampler(spec)
+        return sampler
+
     def cross_kv(self, chunk: int):
         current = self.prompts[0][1]
         for first, kv in self.prompts:
@@ -73,14 +87,15 @@ class _Stream:
         return current
 
 
-def validate_batch(steps: list[MicroStep], spec_of: Callable[[int], StreamSpec]) -> None:
+def validate_batch(steps: list[MicroStep], spec_of: Callable[[MicroStep], StreamSpec]) -> None:
     """Raise ValueError (KeyError from ``spec_of`` for unknown streams) unless ``steps`` is a runnable batch:
-    levels and chunks in range, one latent shape and text length, no micro-step twice."""
+    levels and chunks in range, one latent shape and text length, no micro-step twice.  ``spec_of(step)`` is the
+    spec of the step's chunk."""
     if not steps:
         raise ValueError("a batch must hold at least one micro-step")
     shapes = set()
     for st in steps:
-        spec = spec_of(st.stream)
+        spec = spec_of(st)
         if not 0 <= st.level < spec.levels:
             raise ValueError(f"{st}: level {st.level} out of range [0, {spec.levels})")
         if st.chunk < 0 or (spec.num_chunks is not None and st.chunk >= spec.num_chunks):
@@ -128,7 +143,7 @@ class SliceRunner:
         tpf = self.slice.tokens_per_frame(spec.latent_height, spec.latent_width)
         check_sequence_split(spec, tpf, self.sp.size)
         kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
-        stream = _Stream(spec=spec, sampler=FlowSampler(spec), kv=kv)
+        stream = _Stream(spec=spec, kv=kv, specs=ChunkSpecs(spec))
         if image is not None:
             stream.image = image.float()
         self.streams[spec.stream_id] = stream
@@ -143,6 +158,14 @@ class SliceRunner:
         with torch.no_grad():
             kv = self.slice.cross_kv(self.slice.embed_text(text.to(self.slice.device)))
         stream.prompts = [p for p in stream.prompts if p[0] < from_chunk] + [(from_chunk, kv)]
+
+    def set_steps(self, stream_id: int, from_chunk: int, timesteps) -> None:
+        """Chunks >= ``from_chunk`` run ``timesteps`` (a step change; ``ChunkSpecs`` says what it means)."""
+        stream = self._stream(stream_id)
+        started = max([stream.done_chunks - 1, *stream.latents]) if stream.latents or stream.done_chunks else -1
+        if from_chunk <= started:
+            raise ValueError(f"stream {stream_id}: steps change from chunk {from_chunk}, which has already started")
+        stream.specs.change(from_chunk, timesteps)
 
     def close_stream(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
@@ -163,6 +186,10 @@ class SliceRunner:
 
     def spec(self, stream_id: int) -> StreamSpec:
         return self._stream(stream_id).spec
+
+    def spec_at(self, stream_id: int, chunk: int) -> StreamSpec:
+        """The spec of one chunk of the stream: its ladder after any step change."""
+        return self._stream(stream_id).spec_at(chunk)
 
     def memory_bytes(self) -> dict[str, int]:
         kv = sum(s.kv.nbytes for s in self.streams.values())
@@ -212,7 +239,7 @@ class SliceRunner:
     # ---- execution ------------------------------------------------------------------------------------
 
     def check_batch(self, steps: list[MicroStep]) -> None:
-        validate_batch(steps, lambda sid: self._stream(sid).spec)
+        validate_batch(steps, lambda st: self._stream(st.stream).spec_at(st.chunk))
 
     @torch.no_grad()
     def forward(self, steps: list[MicroStep], inputs: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,7 +249,10 @@ class SliceRunner:
         self.check_batch(steps)
         sl = self.slice
         streams = [self._stream(st.stream) for st in steps]
-        spec0 = streams[0].spec
+        for s in streams:
+            s.specs.prune(s.done_chunks)
+        specs = [s.spec_at(st.chunk) for s, st in zip(streams, steps)]
+        spec0 = specs[0]
         _, _, f, h, w = spec0.latent_shape
         if sl.first:
             if inputs is not None:
@@ -238,7 +268,9 @@ class SliceRunner:
                 raise ValueError("a slice after the first needs the previous slice's hidden states")
             hidden = inputs
         tokens = hidden.shape[1] * self.sp.size
-        timesteps = torch.tensor([s.sampler.model_timestep(st.level) for s, st in zip(streams, steps)])
+        timesteps = torch.tensor(
+            [s.sampler(spec).model_timestep(st.level) for s, spec, st in zip(streams, specs, steps)]
+        )
         if any(s.image is not None and st.chunk == 0 for s, st in zip(streams, steps)):
             # Image-to-video: the image frame's tokens are at timestep 0, the others at the level's (per token).
             timesteps = timesteps[:, None].expand(-1, tokens).clone()
@@ -250,8 +282,8 @@ class SliceRunner:
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
             block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
-        offsets = [rope_offset(s.spec, st.chunk, self.rope_limit) for s, st in zip(streams, steps)]
-        views = [s.kv.view(st) for s, st in zip(streams, steps)]
+        offsets = [rope_offset(spec, st.chunk, self.rope_limit) for spec, st in zip(specs, steps)]
+        views = [s.kv.view(st, spec) for s, spec, st in zip(streams, specs, steps)]
         ctx = AttentionContext(
             rotary=sl.rotary(f, h, w, offsets),
             cross_kv=[s.cross_kv(st.chunk) for s, st in zip(streams, steps)],
@@ -261,6 +293,9 @@ class SliceRunner:
         hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, block_cond, ctx)
         for s, view in zip(streams, views):
             s.kv.commit(view)
+        for s, spec, st in zip(streams, specs, steps):
+            if st.level == spec.levels - 1:
+                s.done_chunks = max(s.done_chunks, st.chunk + 1)
         if sl.last:
             if self.sp.size > 1:
                 hidden = torch.cat(self.sp.all_gather(hidden), dim=1)
@@ -288,12 +323,12 @@ class SliceRunner:
         results = []
         for i, st in enumerate(steps):
             stream = self._stream(st.stream)
-            spec = stream.spec
+            spec = stream.spec_at(st.chunk)
             if spec.is_clean_pass(st.level):
                 results.append(StepResult(st, None, None))
                 continue
             x = inputs[i].to(flow.device)
-            nxt = stream.sampler.step(
+            nxt = stream.sampler(spec).step(
                 x, flow[i : i + 1], st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
             )
             nxt = stream.with_image(st.chunk, nxt)  # the image frame stays the image, as the pipeline's output

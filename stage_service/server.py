@@ -53,7 +53,7 @@ from stagecast.grpc_util import (
 )
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import PlanEvent, StreamSpec
+from stagecast.microstep import ChunkSpecs, PlanEvent
 from stagecast.model.config import DiTConfig, check_image, check_spec, read_config
 from stagecast.model.dit_configs import expands_timesteps, model_config
 from stagecast.model.parallel import check_sp
@@ -96,7 +96,7 @@ class _Generation:
         self.transport = transport
         self.events: queue.Queue = queue.Queue()
         self.next_seq = 1
-        self.specs: dict[int, StreamSpec] = {}  # streams open as of the last accepted event
+        self.specs: dict[int, ChunkSpecs] = {}  # streams open as of the last accepted event
 
 
 class StageServicer(pb_grpc.StageServiceServicer):
@@ -380,17 +380,17 @@ class StageServicer(pb_grpc.StageServiceServicer):
             image_shape = None if ev.latents is None else tuple(ev.latents.shape)
             check_image(spec, image_shape, per_token=expands_timesteps(self.config))
             check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), self.opts.sp)
-            gen.specs[spec.stream_id] = spec
+            gen.specs[spec.stream_id] = ChunkSpecs(spec)
         elif ev.kind == "close":
             self._known(gen, ev.stream_id)
             del gen.specs[ev.stream_id]
         elif ev.kind == "prompt":
             spec = self._known(gen, ev.stream_id)
-            if ev.text is None or tuple(ev.text.shape) != (1, spec.text_len, self.config["text_dim"]):
+            if ev.text is None or tuple(ev.text.shape) != (1, spec.spec.text_len, self.config["text_dim"]):
                 shape = None if ev.text is None else tuple(ev.text.shape)
-                raise ValueError(f"stream {spec.stream_id}: prompt update text has shape {shape}")
+                raise ValueError(f"stream {spec.spec.stream_id}: prompt update text has shape {shape}")
         elif ev.kind == "input":
-            spec = self._known(gen, ev.stream_id)
+            spec = self._known(gen, ev.stream_id).spec
             if not spec.input_latents:
                 raise ValueError(f"stream {spec.stream_id} takes no input latents (it is not a video-to-video stream)")
             if ev.chunk < 0 or (spec.num_chunks is not None and ev.chunk >= spec.num_chunks):
@@ -400,12 +400,20 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 raise ValueError(
                     f"stream {spec.stream_id}: input latents must be float32 {spec.latent_shape}, got {got}"
                 )
+        elif ev.kind == "steps":
+            # Validated here (a bad ladder is INVALID_ARGUMENT, never an executor failure); the executor's runner
+            # applies the same change in plan order.
+            self._known(gen, ev.stream_id).change(ev.from_chunk, ev.timesteps)
         else:
-            validate_batch(list(ev.steps), lambda sid: self._known(gen, sid))
+            validate_batch(list(ev.steps), lambda st: self._known(gen, st.stream).at(st.chunk))
+            for st in ev.steps:
+                specs = gen.specs[st.stream]
+                if st.level == specs.at(st.chunk).levels - 1:
+                    specs.prune(st.chunk + 1)  # chunks of a stream finish in order: earlier specs are done
         return ev
 
     @staticmethod
-    def _known(gen: _Generation, stream_id: int) -> StreamSpec:
+    def _known(gen: _Generation, stream_id: int) -> ChunkSpecs:
         if stream_id not in gen.specs:
             raise KeyError(f"unknown stream {stream_id}: never opened on this stage, or already closed")
         return gen.specs[stream_id]
@@ -427,7 +435,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
             assert ev.latents is not None
             return pb.StageEvent(
                 chunk=pb.ChunkResult(
-                    stream_id=ev.stream_id, chunk=ev.chunk, latents=wire.tensor_to_proto(ev.latents), seq=ev.seq
+                    stream_id=ev.stream_id,
+                    chunk=ev.chunk,
+                    latents=wire.tensor_to_proto(ev.latents),
+                    seq=ev.seq,
+                    steps=ev.steps,
                 )
             )
         if ev.kind == "done":
@@ -438,6 +450,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     wait_ms=ev.wait_ms,
                     micro_steps=ev.micro_steps,
                     exchange_ms=ev.exchange_ms,
+                    batches=ev.batches,
                 )
             )
         return pb.StageEvent(

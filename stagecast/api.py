@@ -34,6 +34,11 @@ STATES = {
     "streaming": pb.STREAM_STATE_STREAMING,
     "draining": pb.STREAM_STATE_DRAINING,
 }
+STEPS_PREFERENCES = {
+    "steps_first": pb.STEPS_PREFERENCE_STEPS_FIRST,
+    "latency_first": pb.STEPS_PREFERENCE_LATENCY_FIRST,
+}
+DEFAULT_STEPS_PREFERENCE = "steps_first"
 DEFAULT_CODEC = "jpeg"
 DEFAULT_POLICY = "per_level"
 
@@ -87,6 +92,15 @@ def input_pacing_value(name: str | int | None) -> pb.InputPacing:
 
 def input_pacing_name(value: int) -> str:
     return _name("input_pacing", INPUT_PACINGS, value, DEFAULT_INPUT_PACING)
+
+
+def steps_preference_value(name: str | int | None) -> pb.StepsPreference:
+    """The wire value of a steps preference ("steps_first" | "latency_first"); None stays UNSPECIFIED."""
+    return _value("steps_preference", STEPS_PREFERENCES, name, None)  # type: ignore[return-value]
+
+
+def steps_preference_name(value: int) -> str:
+    return _name("steps_preference", STEPS_PREFERENCES, value, DEFAULT_STEPS_PREFERENCE)
 
 
 def end_reason_value(name: str) -> int:

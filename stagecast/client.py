@@ -135,6 +135,10 @@ def stream_config(
     input_pacing: str | int | None = None,
     input_timeout: float | None = None,
     image=None,
+    pace: bool | None = None,
+    min_steps: int | None = None,
+    max_steps: int | None = None,
+    steps_preference: str | int | None = None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
@@ -151,7 +155,14 @@ def stream_config(
     the sender back instead); ``input_timeout`` the seconds without input after which the stream ends.
 
     ``image`` is an image-to-video stream's first frame (Wan2.2-TI2V checkpoints): a path to a JPEG or PNG, its
-    bytes, or an (H, W, 3) uint8 array (sent as PNG, lossless); it must be ``width`` x ``height``."""
+    bytes, or an (H, W, 3) uint8 array (sent as PNG, lossless); it must be ``width`` x ``height``.
+
+    ``pace`` (default True) generates the stream at ``target_fps``; ``pace=False`` runs it as fast as the pipeline
+    allows (offline renders).
+
+    ``min_steps`` / ``max_steps`` make the stream SLO-adaptive: the coordinator picks each chunk's steps in that range
+    from measured capacity (``Frame.steps`` says what each chunk ran); ``steps_preference`` is "steps_first" (the
+    default: as many steps as capacity allows) or "latency_first" (``min_steps`` always)."""
     msg = pb.StreamConfig(
         prompt=prompt,
         codec=api.codec_value(codec),
@@ -159,6 +170,7 @@ def stream_config(
         timesteps=list(timesteps or ()),
         input_pacing=api.input_pacing_value(input_pacing),
         image=_image_bytes(image),
+        steps_preference=api.steps_preference_value(steps_preference),
     )
     optional = dict(
         width=width,
@@ -175,6 +187,9 @@ def stream_config(
         shift=shift,
         strength=strength,
         input_timeout=input_timeout,
+        pace=pace,
+        min_steps=min_steps,
+        max_steps=max_steps,
     )
     for name, value in optional.items():
         if value is not None:

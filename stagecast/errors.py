@@ -20,11 +20,14 @@ class StagecastError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None):
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, retry_after: float | None = None):
         super().__init__(details)
         self.details = details
         if code is not None:
             self.code = code
+        # Seconds after which a retry may succeed (google.rpc.RetryInfo in the status details), e.g. when the
+        # pipeline cannot hold another stream in real time now; None: the server gave no hint.
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}"
@@ -121,7 +124,9 @@ def from_rpc_error(exc: grpc.RpcError) -> StagecastError:
     """The SDK exception for a failed call (works for sync and ``grpc.aio`` errors)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    return _BY_CODE.get(code, StagecastError)(details, code)
+    from stagecast.grpc_util import retry_after_of
+
+    return _BY_CODE.get(code, StagecastError)(details, code, retry_after_of(exc))
 
 
 __all__ = ["StagecastError", "from_rpc_error", *(cls.__name__ for cls in _BY_CODE.values())]

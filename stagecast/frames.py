@@ -51,6 +51,7 @@ class Frame:
     width: int
     height: int
     timing: FrameTiming
+    steps: int = 0  # the denoising steps this frame's chunk ran
 
     @classmethod
     def from_proto(cls, msg: pb.Frame, received_s: float) -> Frame:
@@ -63,6 +64,7 @@ class Frame:
             width=msg.width,
             height=msg.height,
             timing=FrameTiming(msg.latents_ms, msg.decoded_ms, msg.encoded_ms, received_s),
+            steps=msg.steps,
         )
 
     def to_array(self) -> np.ndarray:
@@ -143,6 +145,20 @@ class StreamInfo:
     @property
     def seed(self) -> int:
         return self.config.seed
+
+    @property
+    def min_steps(self) -> int:
+        """The fewest steps the SLO controller may run a chunk at (``steps`` for a fixed step count)."""
+        return self.config.min_steps
+
+    @property
+    def max_steps(self) -> int:
+        return self.config.max_steps
+
+    @property
+    def pace(self) -> bool:
+        """True: generated at ``fps``; False: as fast as the pipeline allows."""
+        return self.config.pace
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -40,16 +40,20 @@ class GenerateReport:
     end_reason: str
     ttff: float | None
     fps: float | None
-    timesteps: tuple[float, ...] = ()  # the ladder the stream ran
+    timesteps: tuple[float, ...] = ()  # the ladder the stream started with
     shift: float = 1.0
+    steps: dict[int, int] = field(default_factory=dict)  # denoising steps -> frames whose chunk ran them
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
         fps = f"{self.fps:.1f}" if self.fps is not None else "n/a"
         ladder = ", ".join(f"{t:g}" for t in self.timesteps)
+        adaptive = ""
+        if len(self.steps) > 1:  # the SLO controller changed the steps during the stream
+            adaptive = "; steps " + ", ".join(f"{s}: {n} frames" for s, n in sorted(self.steps.items(), reverse=True))
         return (
             f"wrote {self.out}: {self.frames} frames {self.width}x{self.height} ({self.codec}, seed {self.seed}, "
-            f"timesteps [{ladder}] shift {self.shift:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}"
+            f"timesteps [{ladder}] shift {self.shift:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}{adaptive}"
         )
 
 
@@ -72,8 +76,14 @@ def generate_clip(
         info = gen.info
         bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
         restore = _stop_on_interrupt(gen.stop) if info.total_frames is None else None
+        steps: dict[int, int] = {}
+
+        def on_frame(frame) -> None:
+            bar.update(1)
+            steps[frame.steps] = steps.get(frame.steps, 0) + 1
+
         try:
-            frames = gen.write_mp4(out, on_frame=lambda _frame: bar.update(1))
+            frames = gen.write_mp4(out, on_frame=on_frame)
         finally:
             bar.close()
             if restore is not None:
@@ -90,6 +100,7 @@ def generate_clip(
             fps=gen.fps,
             timesteps=info.timesteps,
             shift=info.shift,
+            steps=steps,
         )
 
 
@@ -143,6 +154,21 @@ def add_parser(sub) -> None:
     p.add_argument("--codec", choices=["h264", "jpeg", "raw"], default="h264", help="what travels on the wire")
     p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
     p.add_argument("--fps", type=float, default=None, help="target fps (default: the gateway's)")
+    p.add_argument("--min-steps", type=int, default=None, help="SLO-adaptive: the fewest steps a chunk may run")
+    p.add_argument("--max-steps", type=int, default=None, help="SLO-adaptive: the most steps a chunk may run")
+    p.add_argument(
+        "--steps-preference",
+        choices=["steps_first", "latency_first"],
+        default=None,
+        help="SLO-adaptive: spend spare capacity on steps (quality) or hold --min-steps (latency)",
+    )
+    p.add_argument(
+        "--no-pace",
+        dest="pace",
+        action="store_false",
+        default=None,
+        help="generate as fast as the pipeline allows, not at --fps (offline renders)",
+    )
     p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
     p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
     p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
@@ -197,6 +223,10 @@ def main(args: argparse.Namespace) -> int:
             policy=args.policy,
             window=args.window,
             sink=args.sink,
+            pace=args.pace,
+            min_steps=args.min_steps,
+            max_steps=args.max_steps,
+            steps_preference=args.steps_preference,
         )
     except StagecastError as exc:
         print(f"stagecast generate: {exc}", file=sys.stderr)

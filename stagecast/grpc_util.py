@@ -245,10 +245,56 @@ class StatusError(Exception):
     ``except StatusError as e: e.abort(context)``.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # > 0: a google.rpc.RetryInfo delay travels in the status details
 
     def abort(self, context: grpc.ServicerContext):
-        context.abort(self.code, self.message)
+        abort_with_retry(context, self.code, self.message, self.retry_after_s)
+
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+MAX_RETRY_AFTER_S = 3600.0
+
+
+def abort_with_retry(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0):
+    """Abort the call with ``code``; with ``retry_after_s`` > 0 the status details (google.rpc.Status) carry a
+    google.rpc.RetryInfo saying when to try again, as gRPC's richer error model does."""
+    if retry_after_s > 0:
+        from google.protobuf import any_pb2, duration_pb2
+        from google.rpc import error_details_pb2, status_pb2
+
+        delay = min(float(retry_after_s), MAX_RETRY_AFTER_S)
+        info = error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=int(delay), nanos=int((delay % 1) * 1e9))
+        )
+        detail = any_pb2.Any()
+        detail.Pack(info)
+        status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+        context.set_trailing_metadata(((STATUS_DETAILS_KEY, status.SerializeToString()),))
+    context.abort(code, message)
+
+
+def retry_after_of(exc) -> float | None:
+    """The RetryInfo delay in a failed call's status details (seconds), or None when it has none."""
+    try:
+        trailing = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - not a call error, or one without metadata
+        return None
+    for key, value in trailing:
+        if key != STATUS_DETAILS_KEY:
+            continue
+        from google.rpc import error_details_pb2, status_pb2
+
+        status = status_pb2.Status()
+        try:
+            status.ParseFromString(value)
+        except Exception:  # noqa: BLE001 - malformed details: no hint
+            return None
+        for detail in status.details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None

@@ -9,7 +9,7 @@ the reference executor and every stage agree without asking each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ class StreamSpec:
     # Image-to-video (per-token-timestep models): latent frame 0 of the stream is a clean image latent, given at open,
     # at timestep 0 in every forward (WanImageToVideoPipeline with expand_timesteps).
     image_latents: bool = False
+    # The first chunk of this spec's KV segment (``ChunkSpecs``): under ``per_level`` a step change starts a new
+    # segment, where the cache starts empty and RoPE positions restart (a window reset).  0 in an open event.
+    segment_start: int = 0
 
     def __post_init__(self):
         errors = []
@@ -96,6 +99,8 @@ class StreamSpec:
             errors.append(f"sampler must be 'x0' or 'euler', got {self.sampler!r}")
         if self.num_chunks is not None and self.num_chunks < 1:
             errors.append(f"num_chunks must be >= 1 or None, got {self.num_chunks}")
+        if self.segment_start < 0:
+            errors.append(f"segment_start must be >= 0, got {self.segment_start}")
         if errors:
             raise ValueError("invalid stream spec: " + "; ".join(errors))
 
@@ -136,7 +141,8 @@ def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
     """
     f0 = chunk * spec.chunk_frames
     epoch = spec.epoch_frames(rope_limit)
-    start = (f0 // epoch) * epoch
+    seg = spec.segment_start * spec.chunk_frames
+    start = seg + ((f0 - seg) // epoch) * epoch
     earlier = list(range(start, f0))
     if spec.window is None or len(earlier) <= spec.window:
         return earlier
@@ -148,10 +154,75 @@ def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
 
 def rope_offset(spec: StreamSpec, chunk: int, rope_limit: int) -> int:
     f0 = chunk * spec.chunk_frames
-    return f0 % spec.epoch_frames(rope_limit)
+    return (f0 - spec.segment_start * spec.chunk_frames) % spec.epoch_frames(rope_limit)
 
 
-PLAN_EVENT_KINDS = ("open", "batch", "close", "prompt", "input")
+class ChunkSpecs:
+    """A stream's spec for each chunk: the open spec, then each step change (a ``steps`` plan event) from its
+    first chunk on.  The scheduler, every stage and the reference executor hold one per stream and derive a
+    micro-step's timestep, level count and KV context from ``at(chunk)``.
+
+    What a step change means:
+      * ``clean``: the KV holds clean (t=0) context whatever ladder wrote it, so chunk c simply runs its own ladder
+        and attends to the clean K/V of earlier chunks as before.
+      * ``per_level``: KV row i holds level-i K/V, and level i is a different timestep on another ladder.  So a
+        change is a window reset: its first chunk starts a new KV segment (``StreamSpec.segment_start``) with an
+        empty cache and RoPE positions from 0, exactly as an epoch reset, and the scheduler starts it only once
+        every earlier chunk of the stream has left the pipeline.  The oracle is the per_level full-sequence
+        forward over each segment on its own.
+
+    Usage::
+
+        specs = ChunkSpecs(spec)
+        specs.change(from_chunk=8, timesteps=(1000.0, 500.0))   # chunks >= 8 run 2 steps
+        specs.at(9).steps                                        # 2
+        specs.prune(before=8)                                    # chunks < 8 are done: forget their specs
+    """
+
+    def __init__(self, spec: StreamSpec):
+        self.spec = spec
+        self.changes: list[tuple[int, StreamSpec]] = [(0, spec)]
+
+    def at(self, chunk: int) -> StreamSpec:
+        current = self.changes[0][1]
+        for first, spec in self.changes:
+            if first > chunk:
+                break
+            current = spec
+        return current
+
+    def change(self, from_chunk: int, timesteps) -> bool:
+        """Run ``timesteps`` from chunk ``from_chunk`` on; False (nothing changes) when that is the ladder already.
+        Raises ValueError for an invalid ladder or a chunk before the last change."""
+        last = self.changes[-1][0]
+        if from_chunk < last:
+            raise ValueError(f"steps change from chunk {from_chunk}: chunks from {last} on were already changed")
+        timesteps = tuple(float(t) for t in timesteps)
+        current = self.at(from_chunk)
+        derived = replace(
+            self.spec,
+            timesteps=timesteps,
+            segment_start=from_chunk if self.spec.policy == "per_level" else 0,
+        )
+        if derived.timesteps == current.timesteps:
+            return False
+        if from_chunk == last:
+            self.changes[-1] = (from_chunk, derived)
+        else:
+            self.changes.append((from_chunk, derived))
+        return True
+
+    def prune(self, before: int) -> None:
+        """Chunks below ``before`` are done: drop the specs only they used (the list stays bounded)."""
+        while len(self.changes) > 1 and self.changes[1][0] <= before:
+            self.changes.pop(0)
+
+    def starts_segment(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the first of a new per_level KV segment (after a step change)."""
+        return chunk > 0 and self.at(chunk).segment_start == chunk
+
+
+PLAN_EVENT_KINDS = ("open", "batch", "close", "prompt", "input", "steps")
 
 
 @dataclass(frozen=True)
@@ -171,7 +242,8 @@ class PlanEvent:
     text: torch.Tensor | None = None
     steps: tuple[MicroStep, ...] = ()
     stream_id: int | None = None
-    from_chunk: int = 0  # "prompt": the first chunk the new prompt applies to
+    from_chunk: int = 0  # "prompt", "steps": the first chunk the change applies to
+    timesteps: tuple[float, ...] = ()  # "steps": the ladder chunks >= from_chunk run
     traceparent: str = ""
     chunk: int = 0  # "input": the chunk whose level-0 latents these are
     # "input": (1, C, F, h, w); "open" of an image_latents stream: the image latent (1, C, 1, h, w); None in a

@@ -124,6 +124,10 @@ def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
         msg.input.chunk = event.chunk
         if event.latents is not None:
             msg.input.latents.CopyFrom(tensor_to_proto(event.latents))
+    elif event.kind == "steps":
+        msg.steps.stream_id = event.stream_id or 0
+        msg.steps.from_chunk = event.from_chunk
+        msg.steps.timesteps.extend(event.timesteps)
     else:
         msg.prompt.stream_id = event.stream_id or 0
         msg.prompt.from_chunk = event.from_chunk
@@ -152,4 +156,14 @@ def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
     if kind == "input":
         latents = tensor_from_proto(msg.input.latents) if msg.input.HasField("latents") else None
         return PlanEvent("input", stream_id=msg.input.stream_id, chunk=msg.input.chunk, latents=latents, **common)
+    if kind == "steps":
+        if msg.steps.from_chunk < 0:
+            raise ValueError(f"steps.from_chunk must be >= 0, got {msg.steps.from_chunk}")
+        return PlanEvent(
+            "steps",
+            stream_id=msg.steps.stream_id,
+            from_chunk=msg.steps.from_chunk,
+            timesteps=tuple(msg.steps.timesteps),
+            **common,
+        )
     raise ValueError("plan event carries no event")

@@ -127,3 +127,35 @@ def test_serving_defaults_reject_unknown_keys(tmp_path):
     with pytest.raises(ValueError, match="widht"):
         ServingDefaults.load(tmp_path)
     assert ServingDefaults.load(tmp_path / "missing") == ServingDefaults()
+
+
+def test_step_bounds_make_a_stream_slo_adaptive_with_the_samplers_ladders():
+    cfg = resolve(min_steps=2, max_steps=4)
+    assert (cfg.min_steps, cfg.steps, cfg.max_steps) == (2, 4, 4)  # starts at the most the bounds allow
+    assert [len(ladder) for ladder in cfg.ladders] == [2, 3, 4] and cfg.ladders[-1] == cfg.timesteps
+    assert cfg.steps_preference == "steps_first"
+    echo = cfg.to_proto()
+    assert (echo.min_steps, echo.max_steps, echo.steps_preference) == (2, 4, pb.STEPS_PREFERENCE_STEPS_FIRST)
+    assert resolve_config(echo, defaults=DEFAULTS, model=WAN21) == cfg  # the echo resolves to the same stream
+    fixed = resolve(steps=3)
+    assert (fixed.min_steps, fixed.max_steps, fixed.ladders) == (3, 3, (fixed.timesteps,))
+    low = resolve(steps=2, min_steps=1, max_steps=3, steps_preference="latency_first")
+    assert (low.steps, low.steps_preference) == (2, "latency_first") and len(low.ladders) == 3
+    assert resolve(max_steps=2).steps == 2 and resolve(min_steps=1).max_steps == 4
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("min_steps", dict(min_steps=0)),
+        ("max_steps", dict(max_steps=51)),
+        ("min_steps", dict(min_steps=4, max_steps=2)),
+        ("steps", dict(steps=4, max_steps=3)),
+        ("min_steps", dict(timesteps=[700.0, 500.0], min_steps=1)),
+        ("steps_preference", dict(steps_preference=7)),
+    ],
+)
+def test_bad_step_bounds_name_their_field(field, kwargs):
+    with pytest.raises(ConfigError) as info:
+        resolve(**kwargs)
+    assert info.value.field == field

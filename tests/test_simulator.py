@@ -61,3 +61,21 @@ def test_simulate_refuses_a_topology_that_does_not_fill_the_gpus(capsys):
     assert "--stages 2 × --sp 2 = 4 ranks, but 2 GPU(s) were given" in capsys.readouterr().err
     assert main(["simulate", "--stages", "2", "--sp", "2", "--gpus", "4", "--steps", "1", "--chunks", "32"]) == 0
     assert "all-to-all per forward" in capsys.readouterr().out
+
+
+def test_controller_simulation_lowers_steps_as_streams_arrive_and_refuses_at_capacity():
+    from coordinator.simulator import simulate_controller
+
+    cfg = SimConfig(stages=2, steps=4, streams=40, chunks=24, batch=4, stage_ms=[20.0, 20.0])
+    rows, capacity = simulate_controller(cfg, min_steps=2, fps=16.0)
+    admitted = [r for r in rows if r.admitted]
+    assert not rows[-1].admitted  # the first stream past capacity is refused
+    # 20 ms x 1.15 / 4 = 5.75 ms per micro-step; 90% of the slowest stage holds 156.5 micro-steps/s: 19 streams at
+    # 2 steps (4 chunks/s x 2), not 20.
+    assert len(admitted) == 19 == int(capacity[2])
+    means = [sum(r.steps) / len(r.steps) for r in admitted]
+    assert all(a >= b for a, b in zip(means, means[1:]))  # load rises, steps fall
+    assert admitted[0].steps == [4] and min(admitted[-1].steps) == 2 and max(admitted[-1].steps) <= 3
+    assert all(r.utilization <= 0.9 + 1e-9 for r in admitted)
+    # The real scheduler at each admitted load produces at least the chunks the streams need.
+    assert all(r.simulated_chunks_per_second >= r.needed_chunks_per_second for r in admitted)

@@ -45,6 +45,12 @@ class StreamState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STREAM_STATE_STARTING: _ClassVar[StreamState]
     STREAM_STATE_STREAMING: _ClassVar[StreamState]
     STREAM_STATE_DRAINING: _ClassVar[StreamState]
+
+class StepsPreference(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEPS_PREFERENCE_UNSPECIFIED: _ClassVar[StepsPreference]
+    STEPS_PREFERENCE_STEPS_FIRST: _ClassVar[StepsPreference]
+    STEPS_PREFERENCE_LATENCY_FIRST: _ClassVar[StepsPreference]
 CODEC_UNSPECIFIED: Codec
 CODEC_JPEG: Codec
 CODEC_H264: Codec
@@ -66,9 +72,12 @@ STREAM_STATE_UNSPECIFIED: StreamState
 STREAM_STATE_STARTING: StreamState
 STREAM_STATE_STREAMING: StreamState
 STREAM_STATE_DRAINING: StreamState
+STEPS_PREFERENCE_UNSPECIFIED: StepsPreference
+STEPS_PREFERENCE_STEPS_FIRST: StepsPreference
+STEPS_PREFERENCE_LATENCY_FIRST: StepsPreference
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +98,10 @@ class StreamConfig(_message.Message):
     INPUT_PACING_FIELD_NUMBER: _ClassVar[int]
     INPUT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -109,7 +122,11 @@ class StreamConfig(_message.Message):
     input_pacing: InputPacing
     input_timeout: float
     image: bytes
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ...) -> None: ...
+    pace: bool
+    min_steps: int
+    max_steps: int
+    steps_preference: StepsPreference
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ..., pace: _Optional[bool] = ..., min_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., steps_preference: _Optional[_Union[StepsPreference, str]] = ...) -> None: ...
 
 class InputFrame(_message.Message):
     __slots__ = ("data", "format", "pts")
@@ -162,7 +179,7 @@ class Started(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height", "input_ms")
+    __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height", "input_ms", "steps")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +191,7 @@ class Frame(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     INPUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     codec: Codec
     index: int
@@ -185,7 +203,8 @@ class Frame(_message.Message):
     width: int
     height: int
     input_ms: float
-    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., input_ms: _Optional[float] = ...) -> None: ...
+    steps: int
+    def __init__(self, data: _Optional[bytes] = ..., codec: _Optional[_Union[Codec, str]] = ..., index: _Optional[int] = ..., pts: _Optional[float] = ..., chunk: _Optional[int] = ..., latents_ms: _Optional[float] = ..., decoded_ms: _Optional[float] = ..., encoded_ms: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., input_ms: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class PromptUpdated(_message.Message):
     __slots__ = ("prompt",)
@@ -220,7 +239,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamStatus(_message.Message):
-    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages", "input_frames_received", "input_frames_dropped")
+    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages", "input_frames_received", "input_frames_dropped", "steps")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +250,7 @@ class StreamStatus(_message.Message):
     QUEUED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     INPUT_FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     INPUT_FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     pipeline_stream_id: int
     state: StreamState
@@ -241,10 +261,19 @@ class StreamStatus(_message.Message):
     queued_messages: int
     input_frames_received: int
     input_frames_dropped: int
-    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ..., input_frames_received: _Optional[int] = ..., input_frames_dropped: _Optional[int] = ...) -> None: ...
+    steps: int
+    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ..., input_frames_received: _Optional[int] = ..., input_frames_dropped: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("steps", "streams")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    streams: float
+    def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +290,7 @@ class GatewayStatus(_message.Message):
     ENDED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -270,4 +300,5 @@ class GatewayStatus(_message.Message):
     ended_by_reason: _containers.ScalarMap[str, int]
     coordinator: str
     waiting_calls: int
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ...) -> None: ...
+    capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...

@@ -106,8 +106,18 @@ class PromptUpdate(_message.Message):
     text: Tensor
     def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class StepsUpdate(_message.Message):
+    __slots__ = ("stream_id", "from_chunk", "timesteps")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    from_chunk: int
+    timesteps: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class PlanEvent(_message.Message):
-    __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "input", "traceparent")
+    __slots__ = ("generation", "seq", "open", "batch", "close", "prompt", "input", "steps", "traceparent")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +125,7 @@ class PlanEvent(_message.Message):
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     seq: int
@@ -123,8 +134,9 @@ class PlanEvent(_message.Message):
     close: CloseStream
     prompt: PromptUpdate
     input: InputLatents
+    steps: StepsUpdate
     traceparent: str
-    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., close: _Optional[_Union[CloseStream, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., input: _Optional[_Union[InputLatents, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., seq: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., close: _Optional[_Union[CloseStream, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., input: _Optional[_Union[InputLatents, _Mapping]] = ..., steps: _Optional[_Union[StepsUpdate, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted_seq",)
@@ -133,30 +145,34 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted_seq: _Optional[int] = ...) -> None: ...
 
 class ChunkResult(_message.Message):
-    __slots__ = ("stream_id", "chunk", "latents", "seq")
+    __slots__ = ("stream_id", "chunk", "latents", "seq", "steps")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LATENTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     chunk: int
     latents: Tensor
     seq: int
-    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+    steps: int
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
-    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms")
+    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     forward_ms: float
     wait_ms: float
     micro_steps: int
     exchange_ms: float
-    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ...) -> None: ...
+    batches: int
+    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ..., batches: _Optional[int] = ...) -> None: ...
 
 class StageError(_message.Message):
     __slots__ = ("generation", "seq", "message", "stage_index")
@@ -297,20 +313,32 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "image", "traceparent", "acknowledges", "consumer_depth")
+    __slots__ = ("spec", "text", "image", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGES_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_RATE_FIELD_NUMBER: _ClassVar[int]
+    LADDERS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIRST_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     image: Tensor
     traceparent: str
     acknowledges: bool
     consumer_depth: int
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ...) -> None: ...
+    chunk_rate: float
+    ladders: _containers.RepeatedCompositeFieldContainer[Ladder]
+    latency_first: bool
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ...) -> None: ...
+
+class Ladder(_message.Message):
+    __slots__ = ("timesteps",)
+    TIMESTEPS_FIELD_NUMBER: _ClassVar[int]
+    timesteps: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, timesteps: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ChunksConsumed(_message.Message):
     __slots__ = ("stream_id", "chunks")
@@ -321,20 +349,32 @@ class ChunksConsumed(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
-    __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead")
+    __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead", "steps", "chunk_rate")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
     MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_RATE_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     started: int
     received: int
     consumed: int
     bound: int
     max_lead: int
-    def __init__(self, stream_id: _Optional[int] = ..., started: _Optional[int] = ..., received: _Optional[int] = ..., consumed: _Optional[int] = ..., bound: _Optional[int] = ..., max_lead: _Optional[int] = ...) -> None: ...
+    steps: int
+    chunk_rate: float
+    def __init__(self, stream_id: _Optional[int] = ..., started: _Optional[int] = ..., received: _Optional[int] = ..., consumed: _Optional[int] = ..., bound: _Optional[int] = ..., max_lead: _Optional[int] = ..., steps: _Optional[int] = ..., chunk_rate: _Optional[float] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("steps", "streams")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    streams: float
+    def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("stream_id", "generation")
@@ -393,7 +433,7 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +441,7 @@ class ClusterStatus(_message.Message):
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -408,4 +449,5 @@ class ClusterStatus(_message.Message):
     active_streams: int
     stage_stats: _containers.RepeatedCompositeFieldContainer[StageStats]
     streams: _containers.RepeatedCompositeFieldContainer[StreamProgress]
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ...) -> None: ...
+    capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,208 @@
+"""The SLO controller: per-stream denoising steps chosen online from measured stage times, and capacity.
+
+Usage (the engine calls it under its lock; ``stagecast simulate --controller`` drives it with simulated times)::
+
+    cost = CostModel(stages=2, max_batch=4, seed_ms=[20.0, 20.0])      # seed: a calibration, or None
+    cost.observe(stage=0, micro_steps=4, forward_ms=41.0)               # every BatchDone
+    ctl = SloController(cost)
+    steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), steps=4), ...])   # {stream: steps}
+    ctl.admits(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)                       # capacity admission
+    ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1)                               # streams at 16 FPS left
+
+**The model.** A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
+are launch-bound, so g is well below a on GPUs).  The pipeline's rate is set by its slowest stage: at the
+batch size B the scheduler forms under load, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the
+bottleneck's time.  A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)`` micro-steps per
+second (levels: s, plus the clean pass under ``clean``), so a set of streams is held when
+``sum_s r_s levels_s * cost_ms / 1000 <= target_utilization`` (default 0.9, the headroom for jitter).  The fit is
+per stage: an exponential average of ms per batch for each batch size seen, from which a and g follow by least
+squares; until two batch sizes are seen the slope is taken as ``growth * a`` (``growth`` 0.05, the simulator's).
+
+**The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
+one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
+``min_steps``: quality falls evenly before anyone misses a deadline.  Steps rise again, one count at a time
+(oldest stream first), only while the set stays held at ``raise_utilization`` (default 0.8): the gap between the
+two thresholds keeps decisions from flapping.  ``latency_first`` streams stay at their ``min_steps``.  Unpaced
+streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their steps.
+
+**Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
+``min_steps`` would not be held.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and
+step count fit beside the admitted ones at their ``min_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+TARGET_UTILIZATION = 0.9
+RAISE_UTILIZATION = 0.8
+EWMA = 0.2  # weight of a new measurement in a batch size's average
+
+
+@dataclass
+class Demand:
+    """One stream as the controller sees it."""
+
+    stream_id: int
+    chunk_rate: float  # chunks per second it must be generated at; 0: unpaced (best-effort)
+    allowed: tuple[int, ...]  # step counts it may run (the sampler's offered counts in [min_steps, max_steps])
+    steps: int = 0  # what it runs now (0: not decided yet: its max)
+    clean: bool = False  # the clean KV policy adds one pass per chunk
+    latency_first: bool = False  # hold min_steps; spare capacity goes to latency, not steps
+
+    def __post_init__(self) -> None:
+        if not self.allowed or any(s < 1 for s in self.allowed):
+            raise ValueError(f"stream {self.stream_id}: allowed step counts must be >= 1, got {self.allowed}")
+        self.allowed = tuple(sorted(set(self.allowed)))
+        if not self.steps:
+            self.steps = self.min_steps if self.latency_first else self.max_steps
+
+    @property
+    def min_steps(self) -> int:
+        return self.allowed[0]
+
+    @property
+    def max_steps(self) -> int:
+        return self.allowed[-1]
+
+    def levels(self, steps: int) -> int:
+        return steps + (1 if self.clean else 0)
+
+    def load(self, steps: int) -> float:
+        """Micro-steps per second at ``steps``."""
+        return self.chunk_rate * self.levels(steps)
+
+
+@dataclass
+class _StageFit:
+    by_batch: dict[int, float] = field(default_factory=dict)  # batch size -> ms per batch (EWMA)
+    seed_ms: float | None = None  # ms for a batch of one, from a calibration
+
+    def observe(self, batch: int, ms: float) -> None:
+        old = self.by_batch.get(batch)
+        self.by_batch[batch] = ms if old is None else (1 - EWMA) * old + EWMA * ms
+
+    def ms(self, batch: int, growth: float) -> float | None:
+        pts = self.by_batch
+        if batch in pts:
+            return pts[batch]
+        if len(pts) >= 2:
+            n = len(pts)
+            mx = sum(pts) / n
+            my = sum(pts.values()) / n
+            var = sum((b - mx) ** 2 for b in pts)
+            slope = max(0.0, sum((b - mx) * (v - my) for b, v in pts.items()) / var)
+            base = my - slope * mx
+            return max(base + slope * batch, min(pts.values()))
+        if len(pts) == 1:
+            ((b0, v0),) = pts.items()
+            one = v0 / (1 + growth * (b0 - 1))
+            return one * (1 + growth * (batch - 1))
+        if self.seed_ms is not None:
+            return self.seed_ms * (1 + growth * (batch - 1))
+        return None
+
+
+class CostModel:
+    """Stage time per batch size, from a calibration (``seed_ms``) and the stages' measured batches."""
+
+    def __init__(self, stages: int, max_batch: int, seed_ms: list[float] | None = None, growth: float = 0.05):
+        if seed_ms is not None and len(seed_ms) != stages:
+            raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
+        self.stages = stages
+        self.max_batch = max_batch
+        self.growth = growth
+        self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
+
+    def observe(self, stage: int, micro_steps: int, forward_ms: float) -> None:
+        """One stage's measured batch (``BatchDone``); batches with no micro-steps (GPU timings not read yet) skip."""
+        if 0 <= stage < self.stages and micro_steps > 0 and forward_ms > 0 and math.isfinite(forward_ms):
+            self.fits[stage].observe(micro_steps, forward_ms)
+
+    @property
+    def known(self) -> bool:
+        return all(f.ms(1, self.growth) is not None for f in self.fits)
+
+    def micro_step_ms(self, batch: int | None = None) -> float | None:
+        """Bottleneck-stage ms per micro-step at ``batch`` (default: the largest batch); None before any data."""
+        b = batch or self.max_batch
+        per = [f.ms(b, self.growth) for f in self.fits]
+        if any(v is None for v in per):
+            return None
+        return max(per) / b  # type: ignore[type-var]
+
+    def stage_ms(self, batch: int) -> list[float | None]:
+        return [f.ms(batch, self.growth) for f in self.fits]
+
+
+class SloController:
+    def __init__(
+        self,
+        cost: CostModel,
+        target_utilization: float = TARGET_UTILIZATION,
+        raise_utilization: float = RAISE_UTILIZATION,
+    ):
+        if not 0 < raise_utilization <= target_utilization <= 1:
+            raise ValueError("need 0 < raise_utilization <= target_utilization <= 1")
+        self.cost = cost
+        self.target = target_utilization
+        self.raise_at = raise_utilization
+
+    def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
+        """The bottleneck stage's busy share for these streams at ``steps`` (default: their current)."""
+        ms = self.cost.micro_step_ms()
+        if ms is None:
+            return None
+        steps = steps or {}
+        return sum(d.load(steps.get(d.stream_id, d.steps)) for d in demands) * ms / 1000.0
+
+    def decide(self, demands: list[Demand]) -> dict[int, int]:
+        """The steps each stream should run now (``demands`` in arrival order)."""
+        steps = {d.stream_id: d.steps for d in demands}
+        paced = [d for d in demands if d.chunk_rate > 0 and not d.latency_first]
+        for d in demands:
+            if d.latency_first:
+                steps[d.stream_id] = d.min_steps
+            elif d.steps not in d.allowed:
+                steps[d.stream_id] = max([s for s in d.allowed if s <= d.steps] or [d.min_steps])
+        if self.cost.micro_step_ms() is None:
+            return steps  # nothing measured yet: keep what runs
+        # Lower, most steps first (the newest among equals), until the set is held.
+        while (self.utilization(demands, steps) or 0.0) > self.target:
+            lowerable = [d for d in paced if steps[d.stream_id] > d.min_steps]
+            if not lowerable:
+                break
+            order = {d.stream_id: i for i, d in enumerate(demands)}
+            d = max(lowerable, key=lambda d: (steps[d.stream_id], order[d.stream_id]))
+            steps[d.stream_id] = max(s for s in d.allowed if s < steps[d.stream_id])
+        # Raise, fewest steps first (the oldest among equals), while the set stays under the raise threshold.
+        while True:
+            raisable = [d for d in paced if steps[d.stream_id] < d.max_steps]
+            if not raisable:
+                break
+            d = min(raisable, key=lambda d: steps[d.stream_id])
+            trial = dict(steps)
+            trial[d.stream_id] = min(s for s in d.allowed if s > steps[d.stream_id])
+            if (self.utilization(demands, trial) or 0.0) > self.raise_at:
+                break
+            steps = trial
+        return steps
+
+    def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool:
+        """Whether ``newcomer`` fits beside ``admitted`` with everyone at min_steps (True while unmeasured)."""
+        if newcomer.chunk_rate <= 0:
+            return True  # best-effort
+        util = self.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted + [newcomer]})
+        return util is None or util <= self.target
+
+    def capacity_streams(
+        self, admitted: list[Demand], chunk_rate: float, steps: int, clean: bool = False
+    ) -> float | None:
+        """How many more streams at ``chunk_rate`` and ``steps`` fit beside ``admitted`` at their min_steps."""
+        ms = self.cost.micro_step_ms()
+        if ms is None or chunk_rate <= 0:
+            return None
+        used = sum(d.load(d.min_steps) for d in admitted) * ms / 1000.0
+        one = chunk_rate * (steps + (1 if clean else 0)) * ms / 1000.0
+        return max(0.0, (self.target - used) / one)

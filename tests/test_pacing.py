@@ -1,0 +1,117 @@
+"""Pacing: a stream with a chunk rate starts chunk c no earlier than its real-time slot less the playout buffer.
+
+The engine's plan loop is driven by hand here (no stages): ``_plan_tick`` under a fake clock, so the test sees
+exactly which chunks the scheduler was allowed to start at which time.
+"""
+
+import pytest
+import torch
+
+from coordinator.engine import PipelineEngine
+from coordinator.registry import StageRegistry
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast.microstep import StreamSpec
+from stagecast.model.dit_configs import model_config
+from tests.pipeline_helpers import wait_until
+
+pytestmark = pytest.mark.unit
+
+MODEL = model_config("tiny-wan2.1")
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
+    eng = PipelineEngine(StageRegistry(2), playout_s=playout_s, clock=clock, lookahead=10**6)
+    eng.ready = True
+    eng.sched = StreamBatchScheduler(num_stages=2, max_batch=8)
+    return eng
+
+
+def spec(**kw) -> StreamSpec:
+    return StreamSpec(
+        stream_id=0, latent_channels=16, chunk_frames=1, latent_height=4, latent_width=6, text_len=8, **kw
+    )
+
+
+def open_stream(eng: PipelineEngine, rate: float, depth: int = 64):
+    text = torch.zeros(1, 8, MODEL["text_dim"])
+    # acknowledges with a large consumer depth: the delivery credit does not bind, the pace does.
+    return eng.open(spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate)
+
+
+def run_ticks(eng: PipelineEngine, n: int) -> None:
+    for _ in range(n):
+        eng._plan_tick()
+        eng.batches_done = eng.batches_planned  # every batch completes at once
+
+
+def test_a_paced_stream_starts_chunks_at_its_rate_plus_the_playout_buffer():
+    clock = Clock()
+    eng = engine(clock, playout_s=0.5)
+    s = open_stream(eng, rate=4.0)  # 16 fps, 4 frames per chunk
+    run_ticks(eng, 50)
+    # At the open: chunks whose slot is within 0.5 s: 0, 0.25, 0.5 -> 3 chunks.
+    assert eng.sched.started_chunks[s.id] == 3
+    assert eng._pace_timeout() == pytest.approx(0.25, abs=1e-3)
+    clock.t += 0.25
+    run_ticks(eng, 50)
+    assert eng.sched.started_chunks[s.id] == 4
+    clock.t += 10.0  # 10 s later: 40 more slots
+    run_ticks(eng, 400)
+    assert eng.sched.started_chunks[s.id] == 44
+
+
+def test_an_unpaced_stream_runs_as_far_as_its_lead_allows():
+    clock = Clock()
+    eng = engine(clock)
+    s = open_stream(eng, rate=0.0, depth=0)
+    run_ticks(eng, 50)
+    assert eng.sched.started_chunks[s.id] == eng.lead_bound(s)  # the delivery bound, not the clock
+    assert eng._pace_timeout() is None
+
+
+def test_pacing_leaves_the_pipeline_to_other_streams():
+    # Two paced streams and one unpaced: the paced ones hold their rate, the unpaced one takes the rest.
+    clock = Clock()
+    eng = engine(clock, playout_s=0.0)
+    a, b = open_stream(eng, 2.0), open_stream(eng, 2.0)
+    run_ticks(eng, 20)
+    assert eng.sched.started_chunks[a.id] == eng.sched.started_chunks[b.id] == 1
+    clock.t += 1.0
+    run_ticks(eng, 20)
+    assert eng.sched.started_chunks[a.id] == eng.sched.started_chunks[b.id] == 3
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("nan"), 1001.0])
+def test_a_chunk_rate_out_of_range_is_refused_naming_it(rate):
+    eng = engine(Clock())
+    with pytest.raises(ValueError, match="chunk_rate"):
+        open_stream(eng, rate)
+
+
+def test_the_plan_loop_wakes_for_each_paced_chunk_without_spinning():
+    # The real plan-loop thread: it sleeps until the next paced chunk is due, and a chunk held by pace alone is
+    # started as soon as its slot comes (the loop was idle: no batch or acknowledgement woke it).
+    clock = Clock()
+    eng = engine(clock, playout_s=0.0)
+    eng.start()
+    try:
+        s = open_stream(eng, rate=4.0)
+        wait_until(lambda: eng.sched.started_chunks.get(s.id) == 1, 10, what="the first chunk")
+        ticks = eng.sched.now
+        clock.t += 1.0  # four more slots
+        wait_until(lambda: eng.sched.started_chunks.get(s.id) == 5, 10, what="four paced chunks")
+        assert eng._pace_timeout() == pytest.approx(0.25)
+        # Idle until the next slot: the loop does not tick in a busy loop meanwhile.
+        with eng.cond:
+            now = eng.sched.now
+        assert now - ticks < 200
+    finally:
+        eng.shutdown()

@@ -1,0 +1,161 @@
+"""The SLO controller, driven by simulated stage times: load rises, steps fall; load falls, steps rise; admission
+refuses exactly at capacity."""
+
+import pytest
+
+from coordinator.slo import CostModel, Demand, SloController
+
+pytestmark = pytest.mark.unit
+
+RATE = 4.0  # 16 fps, 4 frames per chunk
+
+
+def controller(stage_ms=10.0, batch=4, growth=1.0) -> SloController:
+    # growth 1: a batch of b costs b x stage_ms, so one micro-step costs exactly stage_ms of the bottleneck.
+    return SloController(CostModel(stages=2, max_batch=batch, seed_ms=[stage_ms, stage_ms * 0.5], growth=growth))
+
+
+def demand(i, **kw) -> Demand:
+    return Demand(i, chunk_rate=kw.pop("rate", RATE), allowed=kw.pop("allowed", (1, 2, 3, 4)), **kw)
+
+
+def test_load_rises_steps_fall_evenly_and_load_falls_steps_rise():
+    # 10 ms per micro-step at the bottleneck: 90 micro-steps/s at 90% -> 22.5 stream-steps at 4 chunks/s.
+    ctl = controller(stage_ms=10.0)
+    streams: list[Demand] = []
+    history = []
+    for i in range(1, 9):
+        streams.append(demand(i))
+        steps = ctl.decide(streams)
+        for d in streams:
+            d.steps = steps[d.stream_id]
+        history.append([d.steps for d in streams])
+        assert ctl.utilization(streams) <= 0.9 + 1e-9 or all(d.steps == 1 for d in streams)
+    assert history[:5] == [[4], [4, 4], [4, 4, 4], [4, 4, 4, 4], [4, 4, 4, 4, 4]]  # 20 stream-steps fit
+    assert history[5] == [4, 4, 4, 4, 3, 3]  # the newest streams gave up a step first
+    assert sum(history[5]) == 22 and max(history[5]) - min(history[5]) <= 1  # lowered evenly, newest first
+    assert sum(history[7]) <= 22 and max(history[7]) - min(history[7]) <= 1
+    # Load falls: steps come back, but only under the raise threshold (80%: 20 stream-steps).
+    while len(streams) > 2:
+        streams.pop()
+        steps = ctl.decide(streams)
+        for d in streams:
+            d.steps = steps[d.stream_id]
+    assert [d.steps for d in streams] == [4, 4]
+
+
+def test_steps_stay_within_each_streams_bounds_and_latency_first_holds_min_steps():
+    ctl = controller(stage_ms=30.0)  # 30 micro-steps/s at 100%: 27 at 90%
+    streams = [demand(1, allowed=(2, 3, 4)), demand(2, allowed=(1, 2)), demand(3, allowed=(1, 4), latency_first=True)]
+    steps = ctl.decide(streams)
+    assert steps[3] == 1  # latency first
+    assert 2 <= steps[1] <= 4 and 1 <= steps[2] <= 2
+    assert steps[1] in (2, 3, 4)
+    # Far over capacity: everyone at min_steps, nobody below.
+    crowd = [demand(i, allowed=(2, 4)) for i in range(1, 10)]
+    assert set(ctl.decide(crowd).values()) == {2}
+
+
+def test_no_measurement_keeps_what_runs_and_admits():
+    ctl = SloController(CostModel(stages=2, max_batch=4))
+    d = demand(1, steps=3)
+    assert ctl.decide([d]) == {1: 3}
+    assert ctl.admits(demand(2), [d]) and ctl.capacity_streams([d], RATE, 1) is None
+
+
+def test_admission_refuses_exactly_at_capacity():
+    # 10 ms per micro-step -> 90 micro-steps/s at 90%; a stream at min 2 steps needs 8/s: 11 fit (88), not 12 (96).
+    ctl = controller(stage_ms=10.0)
+    admitted: list[Demand] = []
+    for i in range(1, 20):
+        newcomer = demand(i, allowed=(2, 3, 4))
+        if not ctl.admits(newcomer, admitted):
+            break
+        admitted.append(newcomer)
+    assert len(admitted) == 11
+    assert ctl.capacity_streams(admitted, RATE, 2) == pytest.approx(0.25)
+    assert ctl.capacity_streams([], RATE, 1) == pytest.approx(22.5)
+    # An unpaced stream is best-effort: never refused for capacity.
+    assert ctl.admits(demand(99, rate=0.0), admitted)
+
+
+def test_the_cost_model_learns_from_measured_batches():
+    cost = CostModel(stages=2, max_batch=4)
+    assert cost.micro_step_ms() is None
+    for _ in range(50):
+        cost.observe(0, 1, 10.0)
+        cost.observe(0, 4, 16.0)
+        cost.observe(1, 1, 12.0)
+        cost.observe(1, 4, 24.0)
+    assert cost.micro_step_ms(4) == pytest.approx(6.0)  # stage 1 is the bottleneck: 24 ms / 4
+    assert cost.stage_ms(2)[0] == pytest.approx(12.0)  # the line through (1, 10) and (4, 16)
+    cost.observe(0, 0, 5.0)  # a report without a batch (GPU timings not read yet) is ignored
+    cost.observe(5, 1, 5.0)
+    assert cost.micro_step_ms(4) == pytest.approx(6.0)
+
+
+# ---- the controller inside the coordinator's engine (no stages: the plan loop driven by hand) ----------------
+
+LADDERS = [(1000.0,), (1000.0, 500.0), (1000.0, 667.0, 333.0)]
+
+
+def _engine(stage_ms: float):
+    import torch
+
+    from coordinator.engine import PipelineEngine
+    from coordinator.registry import StageRegistry
+    from coordinator.scheduler import StreamBatchScheduler
+    from stagecast.microstep import StreamSpec
+    from stagecast.model.dit_configs import model_config
+
+    text = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])
+    eng = PipelineEngine(
+        StageRegistry(2), lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=lambda: 0.0
+    )
+    eng.ready = True
+    eng.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
+
+    def open_stream(**kw):
+        spec = StreamSpec(
+            stream_id=0,
+            latent_channels=16,
+            chunk_frames=1,
+            latent_height=4,
+            latent_width=6,
+            text_len=8,
+            timesteps=LADDERS[-1],
+        )
+        return eng.open(spec, text, acknowledges=True, consumer_depth=8, chunk_rate=4.0, ladders=LADDERS, **kw)
+
+    return eng, open_stream
+
+
+def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_delay():
+    import grpc
+
+    from coordinator.admission import AdmissionError
+
+    # 174 ms x 1.15 / 4 = 50 ms per micro-step: one stream at 3 steps needs 60% of the slowest stage, two need 120%.
+    eng, open_stream = _engine(174.0)
+    a = open_stream()
+    events = eng._plan_tick()
+    assert not [e for e in events if e.WhichOneof("event") == "steps"] and a.steps == 3
+    b = open_stream()
+    events = eng._plan_tick()
+    changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
+    assert sorted(changes) == [(a.id, 2), (b.id, 2)]  # 2 x 4 chunks/s x 2 steps x 50 ms = 80%
+    status = eng.status()
+    assert [(s.stream_id, s.steps) for s in status.streams] == [(a.id, 2), (b.id, 2)]
+    # Beside two streams at min 1 step (40%), 50 ms x 4 chunks/s = 20% more per stream at 1 step: 2.5 streams.
+    assert [(c.steps, round(c.streams, 2)) for c in status.capacity] == [(1, 2.5), (2, 1.25), (3, 0.83), (4, 0.62)]
+    open_stream()
+    open_stream()
+    with pytest.raises(AdmissionError) as info:
+        open_stream()  # 5 x 20% > 90%
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "over capacity" in info.value.message
+    assert info.value.retry_after_s == 5.0  # no admitted stream has a known end
+    # A latency-first stream holds its min_steps.
+    eng2, open2 = _engine(174.0)
+    c = open2(latency_first=True)
+    eng2._plan_tick()
+    assert c.steps == 1
