@@ -460,8 +460,12 @@ class Gateway:
 
 
 def _vae_bytes(run: StreamRun) -> int:
+    """The stream's VAE caches: its decode session's, and a video-to-video stream's encoder cache and queued input."""
     session = run.session
-    return 0 if session is None else session.state_bytes
+    held = 0 if session is None else session.state_bytes
+    if run.input is not None:
+        held += run.input.state_bytes
+    return held
 
 
 _TIMED_OUT = object()

@@ -144,6 +144,13 @@ class InputPath:
         self._chunk_frames: dict[int, list[tuple[float, float]]] = {}  # accepted chunk -> its frames' (pts, ms)
         self.state = encoder.new_state()
 
+    @property
+    def state_bytes(self) -> int:
+        """The encoder cache and the frames waiting for it (what the stream's status counts as VAE state)."""
+        with self._cond:
+            queued = sum(item[0].nbytes for item in self._queue if item is not _END)
+        return self.state.approx_bytes + queued
+
     # ---- the request reader -------------------------------------------------------------------------------
 
     def offer(self, frame: pb.InputFrame) -> bool:
