@@ -12,6 +12,12 @@
 #   bash benchmarks/gpu_suite.sh sp-14b pp-14b-eager     # 14B 1 step        no CUDA graphs yet); ~5 min per part
 #   bash benchmarks/gpu_suite.sh v2v      # video-to-video 1.3B 480x832, 2 steps from strength: throughput + live rows
 #   bash benchmarks/gpu_suite.sh slo      # 1.3B paced, SLO-adaptive load rows (steps 1..4): capacity at 16 FPS
+#   bash benchmarks/gpu_suite.sh webrtc   # the browser edge: gRPC vs WebRTC (aiortc peer), text and video-to-video
+#                                         # (the device has no network: carry aiortc's wheels in wheels/py312, an
+#                                         # ignored folder, made
+#                                         # here by: pip download aiortc aiohttp --only-binary=:all: --python-version
+#                                         # 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
+#                                         # -d wheels/py312)
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -76,8 +82,13 @@ for part in "$@"; do
         --first-seconds 4 --ttff-runs 3 --interactive-updates 2 --load 2,4,6,8,10 --load-seconds 20 \
         --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_2gpu.json"
       ;;
+    webrtc)
+      python -c "import aiortc, aiohttp" 2>/dev/null || pip install -q --no-index --find-links wheels/py312 aiortc aiohttp
+      timeout 560 python -m benchmarks.webrtc --cuda-graphs --vae-compile --model wan2.1-1.3b --steps 1 --stages 2 \
+        --seconds 15 --runs 2 --strength 500 --v2v-steps 2 --json "$out/webrtc_13b_1step_2gpu.json"
+      ;;
     *)
-      sed -n '2,18p' "$0"
+      sed -n '2,23p' "$0"
       exit 2
       ;;
   esac

@@ -14,8 +14,12 @@ frame to the RTP encoder (its ``sent_at``) to the peer holding it decoded (encod
 buffer, decode; one machine, one clock), and the time to connect (offer to open data channel).  Everything runs on
 loopback: the web process and the peer offer 127.0.0.1 only, and no ICE server is configured.
 
-Video-to-video latency (an input frame's send time to its generated frame's arrival) needs input frames on the
-public API; it is not measured here yet.
+**Video-to-video latency**: a moving pattern at ``--target-fps`` goes in as the input of a stream with
+``--strength`` (``--v2v-steps`` steps), and each output frame, which carries its input's pts, is matched to the input
+frame's send time: over gRPC, the SDK sends raw input frames (dropping while gRPC has not taken 4, as the web
+process does) and the latency runs to the output frame's arrival; over WebRTC, the aiortc peer sends the pattern as
+its camera track and the latency runs to the output frame decoded from RTP (the web process's per-frame stats name
+each output frame's input pts).  p50 and p95 per transport, and how many output frames were matched.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from launcher.local_cluster import web_args
 from launcher.process import Launcher
 from stagecast.client import AsyncClient
 from web.rtc import VIDEO_CLOCK, use_ice_hosts
-from web.viewer import RtcViewer
+from web.viewer import PatternCamera, RtcViewer, pattern
 
 
 async def grpc_run(gateway: str, prompt: str, seconds: float, steps: int) -> dict:
@@ -79,6 +83,78 @@ async def rtc_run(url: str, prompt: str, seconds: float, steps: int, fps: float)
     }
 
 
+async def grpc_v2v(gateway: str, prompt: str, args) -> dict:
+    fps, sent, latencies = args.target_fps, {}, []
+    async with AsyncClient(gateway) as client:
+        gen = client.generate(
+            prompt, strength=args.strength, steps=args.v2v_steps, width=args.width, height=args.height, codec="raw"
+        )
+        await gen.wait_started()
+
+        async def feed() -> None:
+            t0 = time.monotonic()
+            for i in range(round(args.seconds * fps)):
+                await asyncio.sleep(max(0.0, t0 + i / fps - time.monotonic()))
+                if gen.frames_queued < 4:  # a live source drops rather than queue up
+                    sent[round(i / fps, 6)] = time.time()
+                    gen.send_frame(pattern(args.width, args.height, i), round(i / fps, 6))
+            gen.stop()
+
+        feeder = asyncio.get_running_loop().create_task(feed())
+        async for frame in gen:
+            t = sent.get(round(frame.pts, 6))
+            if t is not None:
+                latencies.append((time.time() - t) * 1e3)
+        await feeder
+    return {"sent": len(sent), "matched": len(latencies), "latencies_ms": latencies}
+
+
+async def rtc_v2v(url: str, prompt: str, args) -> dict:
+    fps = args.target_fps
+    camera = PatternCamera(args.width, args.height, fps)
+    held: dict[int, float] = {}
+    async with RtcViewer(url, camera=camera) as viewer:
+        viewer.send({"type": "config", "prompt": prompt, "strength": args.strength, "steps": args.v2v_steps})
+        await viewer.wait_for("started")
+        t_end = time.monotonic() + args.seconds
+        pts0 = None
+        while time.monotonic() < t_end:
+            try:
+                frame = await viewer.next_frame(timeout=max(1.0, t_end - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+            pts0 = frame.pts if pts0 is None else pts0
+            held[round((frame.pts - pts0) * fps / VIDEO_CLOCK)] = time.time()
+        viewer.send({"type": "stop"})
+        t_stop = time.monotonic()
+        # The output of input already sent still comes after Stop: keep taking it until the stream's end.
+        while not any(m["type"] == "end" for m in viewer.log) and time.monotonic() - t_stop < 120:
+            try:
+                frame = await viewer.next_frame(timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            pts0 = frame.pts if pts0 is None else pts0
+            held[round((frame.pts - pts0) * fps / VIDEO_CLOCK)] = time.time()
+        input_pts = {m["index"]: m["pts"] for m in viewer.log if m["type"] == "frame"}
+    latencies = [
+        (held[i] - camera.sent_at[round(input_pts[i], 6)]) * 1e3
+        for i in held
+        if i in input_pts and round(input_pts[i], 6) in camera.sent_at
+    ]
+    return {"sent": len(camera.sent_at), "matched": len(latencies), "latencies_ms": latencies}
+
+
+def v2v_summary(runs: list[dict]) -> dict:
+    lat = [x for r in runs for x in r["latencies_ms"]]
+    return {
+        "runs": len(runs),
+        "input_frames": sum(r["sent"] for r in runs),
+        "matched": len(lat),
+        "p50_ms": percentile(lat, 0.5) if lat else None,
+        "p95_ms": percentile(lat, 0.95) if lat else None,
+    }
+
+
 def summarize(runs: list[dict], fps: float) -> dict:
     stats = [frame_stats(r["arrivals_s"], fps) for r in runs]
     ttffs = [r["ttff_s"] for r in runs]
@@ -109,7 +185,21 @@ async def measure(gateway: str, url: str, args) -> dict:
             f"webrtc {rtc[-1]['ttff_s']:.3f} s, delay p50 {rtc[-1]['delay_ms']['p50']:.1f} ms",
             flush=True,
         )
-    return {"grpc": summarize(grpc, args.target_fps), "webrtc": summarize(rtc, args.target_fps)}
+    out = {"grpc": summarize(grpc, args.target_fps), "webrtc": summarize(rtc, args.target_fps)}
+    if args.strength:
+        g2, r2 = [], []
+        for run in range(args.runs):
+            g2.append(await grpc_v2v(gateway, f"a watercolor {uuid.uuid4().hex[:8]}", args))
+            r2.append(await rtc_v2v(url, f"a watercolor {uuid.uuid4().hex[:8]}", args))
+            matched = f"grpc {g2[-1]['matched']}, webrtc {r2[-1]['matched']}"
+            print(f"[webrtc] v2v run {run + 1}/{args.runs}: output frames matched to inputs: {matched}", flush=True)
+        out["v2v"] = {
+            "strength": args.strength,
+            "steps": args.v2v_steps,
+            "grpc": v2v_summary(g2),
+            "webrtc": v2v_summary(r2),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="video per stream")
     ap.add_argument("--runs", type=int, default=3, help="streams per transport")
     ap.add_argument("--target-fps", type=float, default=16.0)
+    ap.add_argument("--strength", type=float, default=500.0, help="video-to-video: input noised to (0: skip v2v)")
+    ap.add_argument("--v2v-steps", type=int, default=2, help="video-to-video steps (the ladder must hold strength)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves it runs")
     args = ap.parse_args(argv)
@@ -140,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
     # What harness.start_system reads.
-    args.load, args.gateway_gpu, args.vae_gpus, args.vae_split = [], None, None, None
+    args.load, args.gateway_gpu, args.vae_gpus, args.vae_split, args.sp = [], None, None, None, 1
     use_ice_hosts(["127.0.0.1"])
     env = {"OMP_NUM_THREADS": "1"} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="stagecast-webrtc-") as tmp, Launcher(env=env) as launcher:
@@ -150,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         web = launcher.spawn("web", [*web_args(gateway, "127.0.0.1", 0), "--max-peers", "2"])
         result = asyncio.run(measure(gateway, web.info["url"], args))
     result = {"benchmark": "webrtc", "device": device_kind, "args": vars(args), **result}
-    print(json.dumps({k: result[k] for k in ("grpc", "webrtc")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("grpc", "webrtc", "v2v") if k in result}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

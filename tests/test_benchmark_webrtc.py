@@ -26,3 +26,9 @@ def test_webrtc_benchmark_smoke_reports_both_transports(tmp_path):
     assert 0 < grpc["ttff_p50_s"] and 0 < rtc["ttff_p50_s"] and 0 < rtc["connect_p50_s"]
     assert 0 < rtc["delay_p50_ms"] <= rtc["delay_p95_ms"]
     assert 0 <= rtc["on_time"] <= 1 and rtc["steady_fps"] > 0
+    # Video-to-video: output frames matched to the input frames they were made from, on both transports.
+    v2v = r["v2v"]
+    for transport in ("grpc", "webrtc"):
+        row = v2v[transport]
+        assert 0 < row["matched"] <= row["input_frames"], (transport, row)
+        assert 0 < row["p50_ms"] <= row["p95_ms"], (transport, row)

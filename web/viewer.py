@@ -33,6 +33,13 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 VIDEO_CLOCK = 90000
 
 
+def pattern(width: int, height: int, n: int) -> np.ndarray:
+    """Frame ``n`` of a moving colour pattern, ``(height, width, 3)`` uint8."""
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([(x * 4 + n * 8) % 256, (y * 4) % 256, ((x + y) * 2 + n * 16) % 256], axis=-1)
+    return rgb.astype(np.uint8)
+
+
 class PatternCamera(MediaStreamTrack):
     """A synthetic webcam: a moving colour pattern at ``fps``.  ``sent_at[pts_seconds]`` is when each frame left
     (``time.time()``), where pts counts from the first frame (as the web process turns camera timing into pts)."""
@@ -53,9 +60,7 @@ class PatternCamera(MediaStreamTrack):
         due = self._t0 + self._n / self.fps
         if due > now:
             await asyncio.sleep(due - now)
-        y, x = np.mgrid[0 : self.height, 0 : self.width]
-        rgb = np.stack([(x * 4 + self._n * 8) % 256, (y * 4) % 256, ((x + y) * 2 + self._n * 16) % 256], axis=-1)
-        frame = av.VideoFrame.from_ndarray(rgb.astype(np.uint8), format="rgb24")
+        frame = av.VideoFrame.from_ndarray(pattern(self.width, self.height, self._n), format="rgb24")
         step = round(VIDEO_CLOCK / self.fps)
         frame.pts = self._n * step
         frame.time_base = fractions.Fraction(1, VIDEO_CLOCK)
