@@ -20,6 +20,7 @@ _SDK = {
     "AsyncClient": "stagecast.client",
     "Generation": "stagecast.client",
     "Transform": "stagecast.client",
+    "AsyncTransform": "stagecast.client",
     "AsyncGeneration": "stagecast.client",
     "Frame": "stagecast.frames",
     "FrameTiming": "stagecast.frames",

@@ -441,12 +441,12 @@ class AsyncGeneration(_StreamState):
                 return None
             raise
         except grpc.RpcError as exc:
-            self._outbox.put_nowait(_DONE)
+            _aput_done(self._outbox)
             if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                 return None
             raise from_rpc_error(exc) from None
         if msg is grpc.aio.EOF:
-            self._outbox.put_nowait(_DONE)
+            _aput_done(self._outbox)
             return None
         return msg
 
@@ -499,7 +499,7 @@ class AsyncGeneration(_StreamState):
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
-        self._outbox.put_nowait(_DONE)
+        _aput_done(self._outbox)
 
     async def collect(self) -> list[Frame]:
         return [frame async for frame in self]
@@ -521,6 +521,100 @@ class AsyncGeneration(_StreamState):
     async def __aexit__(self, *exc) -> None:
         if self.end is None:
             self.cancel()
+
+
+def _aput_done(outbox: asyncio.Queue) -> None:
+    """End an async request iterator whose queue may be bounded and full: make room, then _DONE."""
+    while True:
+        try:
+            outbox.put_nowait(_DONE)
+            return
+        except asyncio.QueueFull:
+            try:
+                outbox.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+
+
+class AsyncTransform(AsyncGeneration):
+    """The asyncio twin of ``Transform``: a task sends the input frames (an iterable, or an async iterable, of
+    arrays or ``(array, pts)`` pairs) with at most ``window`` waiting, then Stop; ``async for frame in tr``."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.StreamServiceStub,
+        config: pb.StreamConfig,
+        frames,
+        *,
+        input_format: str = "jpeg",
+        input_quality: int = 95,
+        window: int = 8,
+        timeout: float | None = None,
+    ):
+        _StreamState.__init__(self)
+        if input_format not in ("jpeg", "raw"):
+            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        self.frames_sent = 0
+        self.input_error: BaseException | None = None
+        self._outbox: asyncio.Queue = asyncio.Queue(maxsize=window)
+        self._outbox.put_nowait(pb.ClientMessage(config=config))
+        self._call = stub.Generate(_adrain(self._outbox), timeout=timeout)
+        fps = config.target_fps if config.HasField("target_fps") else 16.0
+        self._sender = asyncio.get_running_loop().create_task(
+            self._send_frames(frames, fps, input_format, input_quality)
+        )
+
+    async def _send_frames(self, frames, fps: float, fmt: str, quality: int) -> None:
+        async def items():
+            if hasattr(frames, "__aiter__"):
+                async for item in frames:
+                    yield item
+            else:
+                for item in frames:
+                    yield item
+
+        try:
+            i = 0
+            async for item in items():
+                rgb, pts = item if isinstance(item, tuple) else (item, i / fps)
+                await self._outbox.put(pb.ClientMessage(frame=_input_frame(rgb, pts, fmt, quality)))
+                self.frames_sent += 1
+                i += 1
+            await self._outbox.put(pb.ClientMessage(stop=pb.Stop()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the reader, which raises it
+            self.input_error = exc
+            self.cancel()
+
+    async def _read(self) -> pb.ServerMessage | None:
+        msg = await super()._read()
+        if msg is None:
+            self._sender.cancel()
+            if self.input_error is not None:
+                raise StagecastError(f"input: {self.input_error}") from self.input_error
+        return msg
+
+    def update_prompt(self, prompt: str) -> None:
+        """Like ``AsyncGeneration.update_prompt``; behind the frames already waiting to be sent."""
+        _aput_later(self._outbox, pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+
+    def stop(self) -> None:
+        """No more input: the frames already queued are sent, then Stop."""
+        self._sender.cancel()
+        _aput_later(self._outbox, pb.ClientMessage(stop=pb.Stop()))
+
+    def cancel(self) -> None:
+        self._sender.cancel()
+        super().cancel()
+
+
+def _aput_later(outbox: asyncio.Queue, msg: pb.ClientMessage) -> None:
+    """Queue ``msg`` now, or (frames still fill the bounded queue) as soon as there is room."""
+    try:
+        outbox.put_nowait(msg)
+    except asyncio.QueueFull:
+        asyncio.get_running_loop().create_task(outbox.put(msg))
 
 
 def _read_roots(root_certificates: bytes | str | os.PathLike | None) -> bytes | None:
@@ -664,6 +758,32 @@ class AsyncClient:
 
     def generate(self, prompt: str, *, timeout: float | None = None, **config) -> AsyncGeneration:
         return AsyncGeneration(self._stub, stream_config(prompt, **config), timeout=timeout)
+
+    def transform(
+        self,
+        frames,
+        prompt: str,
+        *,
+        strength: float,
+        input_format: str = "jpeg",
+        input_quality: int = 95,
+        timeout: float | None = None,
+        **config,
+    ) -> AsyncTransform:
+        """``Client.transform`` for asyncio; ``frames`` may also be an async iterable."""
+        if isinstance(frames, (str, os.PathLike)):
+            from stagecast.media import iter_video_frames, video_info
+
+            width, height, fps, _ = video_info(frames)
+            config.setdefault("target_fps", fps)
+            config.setdefault("input_pacing", "backpressure")
+            if config.get("width") is None or config.get("height") is None:
+                config["width"], config["height"] = width, height
+            frames = iter_video_frames(frames, width=config["width"], height=config["height"])
+        cfg = stream_config(prompt, strength=strength, **config)
+        return AsyncTransform(
+            self._stub, cfg, frames, input_format=input_format, input_quality=input_quality, timeout=timeout
+        )
 
     async def status(self, timeout: float = 10.0) -> pb.GatewayStatus:
         try:

@@ -258,3 +258,26 @@ def test_image_to_video_first_frame_equals_the_reference_bit_for_bit(ti2v):
     want = np.concatenate([to_uint8_frames(vae.decode_chunk(state, c)).numpy() for c in chunks])[:8]
     got = np.stack([f.to_array() for f in frames])
     assert got.tobytes() == want.tobytes()
+
+
+def test_the_async_client_restyles_the_same_frames_as_the_sync_client(client, cluster):
+    import asyncio
+
+    frames = video(5)
+    kwargs = dict(strength=1000, width=W, height=H, seed=21, codec="raw", input_format="raw", timeout=TIMEOUT)
+    sync = [f.to_array() for f in client.transform(frames, PROMPT, input_pacing="backpressure", **kwargs)]
+    client.wait_for_status(lambda s: s.active_streams == 0, timeout=TIMEOUT)
+
+    async def source():
+        for rgb in frames:
+            yield rgb
+
+    async def run():
+        async with stagecast.AsyncClient(cluster["gateway"]) as aclient:
+            tr = aclient.transform(source(), PROMPT, input_pacing="backpressure", **kwargs)
+            out = await tr.collect()
+            return tr, [f.to_array() for f in out]
+
+    tr, got = asyncio.run(run())
+    assert tr.end.reason == "stopped" and tr.frames_sent == 5 and len(got) == len(sync) == 5
+    assert all(np.array_equal(a, b) for a, b in zip(got, sync))
