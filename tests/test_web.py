@@ -247,3 +247,35 @@ def test_a_camera_track_is_restyled_through_video_to_video_and_comes_back_with_i
     # Output frame i carries the pts of the camera frame it was made from, on the camera's own clock.
     pts = [m["pts"] for m in stats]
     assert pts == sorted(set(pts)) and set(pts) <= set(camera.sent_at), (pts, sorted(camera.sent_at)[:20])
+
+
+ALICE = "alice-token-0123456789abcdef"
+WATCHER = "status-token-0123456789abcdef"
+
+
+def test_with_tokens_the_web_edge_refuses_strangers_before_any_webrtc_work(system, tmp_path):
+    """The gateway's token file and wording: no token or a wrong one is 401, a status token may not generate (403),
+    on the offer and on the WebSocket's config; a valid token streams (and is what the gateway sees)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALICE} alice\n{WATCHER} ops status\n")
+    args = ["web", "--gateway", system.gateway, "--port", "0", "--ice-host", "127.0.0.1", "--tokens", str(tokens)]
+    url = system.launcher.spawn("web-tokens", args).info["url"]
+
+    async def scenario():
+        refused = []
+        for token in (None, "not-a-token-at-all-0000", WATCHER):
+            try:
+                await post_offer(url, {"sdp": "v=0\r\nm=video 9 X 0\r\n", "type": "offer"}, token=token)
+            except OfferRefused as exc:
+                refused.append((exc.status, exc.error))
+        async with RtcViewer(url, token=ALICE) as viewer:
+            viewer.send({"type": "config", "prompt": PROMPT, "seconds": 0.5})
+            end = await viewer.wait_for("end")
+        socket, _ = await _socket_stream(url, [{"type": "config", "prompt": PROMPT, "seconds": 0.5}])
+        return refused, end, socket
+
+    refused, end, socket = run(scenario())
+    assert [status for status, _ in refused] == [401, 401, 403], refused
+    assert "a valid bearer token is required" in refused[0][1] and "'ops' may not generate" in refused[2][1]
+    assert end["reason"] == "completed" and end["frames"] == 8
+    assert socket == [{"type": "error", "code": "UNAUTHENTICATED", "message": refused[0][1]}]
