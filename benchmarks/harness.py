@@ -113,6 +113,9 @@ def write_assets(root: Path, args) -> None:
         )
     text_len = 512 if cfg["text_dim"] >= 512 else 16
     defaults = {"text_len": text_len, "width": args.width, "height": args.height, "steps": args.steps}
+    # The protocol's ladder as the checkpoint's sampler: n steps run its first n timesteps, which is also what an
+    # SLO-adaptive stream (--load-min-steps) switches between.
+    defaults["sampler"] = {"ladder": list(LADDER)}
     (root / "stagecast.json").write_text(json.dumps(defaults))
 
 
