@@ -18,6 +18,9 @@
 #                                         # here by: pip download aiortc aiohttp --only-binary=:all: --python-version
 #                                         # 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
 #                                         # -d wheels/py312)
+#   bash benchmarks/gpu_suite.sh cfg-check # CFG-parallel parity on 2 GPUs (fp32, guidance 5, prompt updates; ~2 min)
+#   bash benchmarks/gpu_suite.sh cfg-seq  # 1.3B 1 step, guidance 5: sequential CFG on PP=2
+#   bash benchmarks/gpu_suite.sh cfg-par  # 1.3B 1 step, guidance 5: CFG-parallel 2 x PP=1
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -87,8 +90,20 @@ for part in "$@"; do
       timeout 560 python -m benchmarks.webrtc --cuda-graphs --vae-compile --model wan2.1-1.3b --steps 1 --stages 2 \
         --seconds 15 --runs 2 --strength 500 --v2v-steps 2 --json "$out/webrtc_13b_1step_2gpu.json"
       ;;
+    cfg-check)
+      timeout 200 python -m launcher.cli selftest --device cuda --stages 1 --cfg-parallel 2 --guidance 5,1 \
+        --prompt-update --dtype float32 --steps 2 --chunks 6
+      ;;
+    cfg-seq)
+      timeout 290 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --guidance 5 --no-compiled-peer \
+        --ttff-runs 3 --json "$out/v2_13b_1step_cfg5_seq_pp2.json"
+      ;;
+    cfg-par)
+      timeout 290 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 1 --cfg-parallel 2 --guidance 5 \
+        --no-compiled-peer --ttff-runs 3 --json "$out/v2_13b_1step_cfg5_cfgpar2.json"
+      ;;
     *)
-      sed -n '2,23p' "$0"
+      sed -n '2,26p' "$0"
       exit 2
       ;;
   esac

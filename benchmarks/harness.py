@@ -5,6 +5,7 @@ Usage (on a machine with GPUs; one command per configuration)::
     python -m benchmarks.harness --model wan2.1-1.3b --steps 1 --stages 2 --cuda-graphs --vae-compile \
         --load 1,2,4,8 --json benchmarks/results/v2_13b_1step_2gpu.json
     python -m benchmarks.harness --smoke          # CPU, tiny model, a few seconds (CI runs this)
+    python -m benchmarks.harness --steps 1 --stages 1 --cfg-parallel 2 --guidance 5 ...   # CFG-parallel on 2 GPUs
     python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
 What one run does (the benchmark protocol, BENCHMARKS.md):
@@ -30,6 +31,13 @@ What one run does (the benchmark protocol, BENCHMARKS.md):
    aggregate;
 8. JSON with all of it, the versions (torch, CUDA, NCCL, diffusers, driver, GPU count), the commit and whether the
    tree was dirty.
+
+Classifier-free guidance (``--guidance 5``): every stream runs a conditional and an unconditional branch (the
+negative prompt, ``--negative-prompt``, empty by default), sequentially through one pipeline of ``--stages`` stages,
+or with ``--cfg-parallel 2`` on two pipelines of ``--stages`` stages each (``stages x 2`` GPUs).  The peers and the
+floor count both branches.  ``system.comm`` gives the communication per denoising step: each stage's host time
+blocked on data-plane receives per batch, the CFG-parallel exchange time per batch of the last stages, and the
+bytes a micro-step puts on the data plane.
 """
 
 from __future__ import annotations
@@ -179,7 +187,8 @@ def flops_per_frame(args, dit, vae, device, dtype, text_len) -> dict:
             sv.decode_chunk(state, torch.randn(1, c, 1, h, w, device=device, dtype=dtype))
     vae_flops = fc.get_total_flops()
     sv.release(state)
-    per_latent = args.steps * (dit_flops + window_flops) + vae_flops
+    # Guidance runs the DiT twice per step (conditional and unconditional branch).
+    per_latent = args.steps * branches_of(args) * (dit_flops + window_flops) + vae_flops
     return {
         "dit_tflop_per_forward": dit_flops / 1e12,
         "window_tflop_per_forward": window_flops / 1e12,
@@ -195,6 +204,7 @@ def run_peer(args, dit, vae, device, dtype, text_len, chunks: int, compiled: boo
 
     c, h, w = latent_geometry(args, vae)
     text = torch.randn(1, text_len, dit.config.text_dim, device=device, dtype=dtype)
+    negative = torch.randn(1, text_len, dit.config.text_dim, device=device, dtype=dtype)
     model = torch.compile(dit, dynamic=False) if compiled else dit
     sv = StreamVAE(vae, compile=compiled)
     state = sv.new_state()
@@ -209,6 +219,9 @@ def run_peer(args, dit, vae, device, dtype, text_len, chunks: int, compiled: boo
             x = torch.randn(1, c, 1, h, w, device=device, dtype=dtype)
             for t in timesteps:
                 v = model(x, torch.tensor([t], device=device), text, return_dict=False)[0]
+                if args.guidance > 1.0:  # diffusers' WanPipeline: a second call with the negative prompt
+                    u = model(x, torch.tensor([t], device=device), negative, return_dict=False)[0]
+                    v = u + args.guidance * (v - u)
                 x = x - (t / 1000.0) * v
             video = sv.decode_chunk(state, x)
             frames += video.shape[2]
@@ -266,6 +279,15 @@ def decodable(codec: str, seen: bytes) -> bool:
     return codec != "h264" or b"moof" in seen
 
 
+def gpus_of(args) -> int:
+    """Stage processes (one GPU each on a GPU machine): pipeline stages x sequence-parallel ranks x CFG groups."""
+    return args.stages * args.sp * args.cfg_parallel
+
+
+def branches_of(args) -> int:
+    return 2 if args.guidance > 1.0 else 1
+
+
 def config_kwargs(args, pace: bool = False) -> dict:
     """The streams' config.  Throughput streams run unpaced (as fast as the pipeline allows); load rows run paced at
     ``--target-fps`` (what a viewer gets), unless ``--load-unpaced``."""
@@ -285,6 +307,9 @@ def config_kwargs(args, pace: bool = False) -> dict:
     )
     if TIMESTEPS_FIELD:
         kw["timesteps"] = list(LADDER[: args.steps])
+    if args.guidance > 1.0:
+        kw["guidance_scale"] = args.guidance
+        kw["negative_prompt"] = args.negative_prompt
     return kw
 
 
@@ -394,6 +419,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         checkpoint=f"random:{args.model}",
         stages=args.stages,
         sp=args.sp,
+        cfg_parallel=args.cfg_parallel,
         partition=args.partition,
         device=stage_device,
         dtype=args.dtype,
@@ -402,7 +428,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         record_plan=True,  # the interactive-latency measurement reads each prompt update's first chunk from it
         cuda_graphs=args.cuda_graphs and device_kind == "cuda",
     )
-    ranks = args.stages * args.sp  # one GPU per stage rank
+    ranks = gpus_of(args)  # one GPU per stage rank
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
     gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
@@ -436,6 +462,7 @@ def stage_stats(coordinator: str, launcher) -> list[dict]:
             "batches": s.batches,
             "forward_ms": s.forward_ms_total,
             "micro_steps": s.micro_steps,
+            "wait_ms": s.wait_ms_total,
             "exchange_ms": s.exchange_ms_total,
         }
         for s in coordinator_status(coordinator, launcher).stage_stats
@@ -583,9 +610,12 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 "index": a["index"],
                 "batches": a["batches"] - b["batches"],
                 "mean_forward_ms": (a["forward_ms"] - b["forward_ms"]) / n,
-                # --sp: the all-to-alls (and the gather before the head) inside those forwards, per batch.
+                # Parallel exchanges per batch: --sp, the all-to-alls (and the gather before the head) inside those
+                # forwards; --cfg-parallel 2, the last stages' swap of guided predictions.
                 "mean_exchange_ms": (a.get("exchange_ms", 0.0) - b.get("exchange_ms", 0.0)) / n,
                 "mean_batch": (a["micro_steps"] - b["micro_steps"]) / n,
+                # Host time blocked on data-plane receives (hidden states, returned latents) per batch.
+                "mean_wait_ms": (a["wait_ms"] - b["wait_ms"]) / n,
                 # Forward time over the frames' span. CUDA events time the GPU stream, so where the gateway's VAE
                 # shares the GPU its kernels count in (time-slicing).
                 "utilization": busy / max(span["last_s"] - span["first_s"], 1e-9),
@@ -618,7 +648,32 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         "load": load_rows,
         "capacity_streams": capacity_of(load_rows),
         "stages": stages,
+        "comm": comm_summary(args, stages),
         "gpu_memory_used_mib": mem,
+    }
+
+
+def comm_summary(args, stages: list[dict]) -> dict:
+    """Communication per denoising step (one batch is one step of the micro-steps it holds): measured host waits and
+    exchange times, and the bytes one micro-step of a stream puts on the data plane (from the shapes)."""
+    cfg = model_config(args.model)
+    vae_factor = 16 if VAE_FOR_MODEL[args.model] == "wan2.2" else 8
+    h, w = args.height // vae_factor, args.width // vae_factor
+    tokens = (h // 2) * (w // 2)
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    hidden = tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"] * elem
+    latent = cfg["in_channels"] * h * w * 4  # fp32, last stage -> stage 0
+    flow = cfg["out_channels"] * h * w * elem  # a branch's prediction, swapped between CFG groups
+    rows = branches_of(args) if args.cfg_parallel == 1 else 1
+    per_group = (args.stages - 1) * rows * hidden + (latent if args.stages > 1 else 0)
+    exchange = 2 * flow if args.cfg_parallel == 2 and args.guidance > 1.0 else 0  # both directions
+    by_bytes = per_group * (args.cfg_parallel if args.guidance > 1.0 else 1) + exchange
+    lasts = [s for s in stages if (s["index"] + 1) % args.stages == 0]
+    return {
+        "data_plane_bytes_per_micro_step": by_bytes,
+        "exchange_bytes_per_micro_step": exchange,
+        "wait_ms_per_batch": {s["index"]: s["mean_wait_ms"] for s in stages},
+        "exchange_ms_per_batch": max((s["mean_exchange_ms"] for s in lasts), default=0.0),
     }
 
 
@@ -709,16 +764,25 @@ def tree_dirty() -> bool | None:
 
 
 def topology(a: dict) -> str:
-    """ "2" for a pipeline of 2 stages, "PP=2×SP=2" with sequence-parallel stages."""
+    """ "2" for a pipeline of 2 stages, "PP=2×SP=2" with sequence-parallel stages, "2" for CFG-parallel 2 x PP=1."""
     sp = a.get("sp", 1)
-    return str(a["stages"]) if sp == 1 else f"PP={a['stages']}×SP={sp}"
+    return str(a["stages"] * a.get("cfg_parallel", 1)) if sp == 1 else f"PP={a['stages']}×SP={sp}"
+
+
+def cfg_label(a: dict) -> str:
+    """ ", guidance 5, sequential CFG on PP=2" / ", guidance 5, CFG-parallel 2 x PP=1" (empty without guidance)."""
+    if a.get("guidance", 1.0) <= 1.0:
+        return ""
+    if a.get("cfg_parallel", 1) > 1:
+        return f", guidance {a['guidance']:g}, CFG-parallel {a['cfg_parallel']} x PP={a['stages']}"
+    return f", guidance {a['guidance']:g}, sequential CFG on PP={a['stages']}"
 
 
 def markdown_row(r: dict) -> str:
     s, a = r["system"], r["args"]
     first = s["first_stream"]
     return (
-        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s) | {topology(a)} | "
+        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s){cfg_label(a)} | {topology(a)} | "
         f"{s['steady_fps']:.1f} | {s['whole_fps']:.1f} | {s['main']['on_time']:.1%} | "
         f"{s['main']['max_gap_ms']:.0f} | {s['main']['gaps_over_250ms']} | "
         f"{first['on_time']:.1%} / {first['max_gap_ms']:.0f} | "
@@ -737,6 +801,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses); stages × sp GPUs, one per rank"
     )
+    ap.add_argument(
+        "--cfg-parallel", type=int, choices=[1, 2], default=1, help="2: two pipelines of --stages, one per CFG branch"
+    )
+    ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
+    ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
     ap.add_argument("--sink", type=int, default=3, help="sink frames (protocol: 3)")
@@ -781,11 +850,24 @@ def main(argv: list[str] | None = None) -> int:
         args.interactive_updates, args.load, args.load_seconds = 2, "1,2", 1.0
         args.no_compiled_peer = True
     args.load = [int(x) for x in args.load.split(",")] if args.load else []
+    if args.cfg_parallel > 1 and args.guidance <= 1.0:
+        ap.error("--cfg-parallel 2 runs the two branches of guidance: give --guidance > 1")
+    if args.cfg_parallel > 1 and args.smoke:
+        args.stages = 1  # smoke: two CFG groups of one stage each
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.cfg_parallel > 1 and args.sp > 1:
+        ap.error("--cfg-parallel 2 does not compose with --sp yet")
     if device_kind == "cuda" and args.sp > 1:
         from stagecast.model.parallel import check_gpus
 
         check_gpus(args.stages, args.sp, torch.cuda.device_count())  # LayoutError names the flags, before any work
+    if device_kind == "cuda":
+        from launcher.local_cluster import check_gpu_fit
+
+        try:
+            check_gpu_fit("cuda", args.stages, args.cfg_parallel)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
     device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
@@ -799,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
         dit, vae = build_peer(args, device, dtype)
         flops = flops_per_frame(args, dit, vae, device, dtype, text_len)
         peak = matmul_peak_tflops(device, 8192 if device_kind == "cuda" else 512)
-        floor_fps = args.stages * args.sp * peak / flops["tflop_per_video_frame"]
+        floor_fps = gpus_of(args) * peak / flops["tflop_per_video_frame"]
         log("floor")
         peer = run_peer(args, dit, vae, device, dtype, text_len, args.peer_chunks)
         log("peer")

@@ -36,6 +36,13 @@ def config_name(r: dict) -> str:
     a = r["args"]
     steps = f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
     name = f"{MODEL_NAMES.get(a['model'], a['model'])} @ {a['width']}×{a['height']}, {steps}"
+    if a.get("guidance", 1.0) > 1.0:
+        topology = (
+            f"CFG-parallel {a['cfg_parallel']} × PP={a['stages']}"
+            if a.get("cfg_parallel", 1) > 1
+            else f"sequential CFG on PP={a['stages']}"
+        )
+        name += f", guidance {a['guidance']:g}, {topology}"
     return name + (f" ({r['label']})" if r.get("label") else "") + (" ¹" if r.get("partial") else "")
 
 
@@ -122,6 +129,24 @@ def tables(runs: list[dict]) -> str:
                 )
             if r["system"].get("capacity_streams") is not None:
                 out.append(f"| {config_name(r)} | capacity: {r['system']['capacity_streams']} streams held |||||||||")
+    guided = [r for r in runs if r["args"].get("guidance", 1.0) > 1.0 and r["system"].get("comm")]
+    if guided:
+        out.append("\n### Classifier-free guidance: sequential CFG against CFG-parallel\n")
+        out.append(
+            "| config | GPUs | steady FPS | TTFF p50 (ms) | data-plane wait per step, by stage (ms) "
+            "| CFG exchange per step (ms) | data-plane bytes per micro-step |"
+        )
+        out.append("|---|---|---|---|---|---|---|")
+        for r in guided:
+            s, comm = r["system"], r["system"]["comm"]
+            waits = " / ".join(
+                _f(v, ".2f") for _, v in sorted(comm["wait_ms_per_batch"].items(), key=lambda x: int(x[0]))
+            )
+            out.append(
+                f"| {config_name(r)} | {_gpus(r['args'])} | **{_f(s['steady_fps'])}** | {_ms(s['ttff_p50_s'])} | "
+                f"{waits} | "
+                f"{_f(comm['exchange_ms_per_batch'], '.2f')} | {comm['data_plane_bytes_per_micro_step']:,} |"
+            )
     notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
     if notes:
         out.append("\n" + "\n".join(notes))
@@ -166,6 +191,9 @@ if __name__ == "__main__":
 
 
 def _gpus(a: dict) -> str:
-    """The GPU column: the stage count, or "PP=2×SP=2" for sequence-parallel stages (one GPU per rank)."""
+    """The GPU column: the stage count, "PP=2×SP=2" for sequence-parallel stages (one GPU per rank), or the stage
+    processes of CFG-parallel pipelines (stages × 2)."""
     sp = a.get("sp", 1)
-    return str(a["stages"]) if sp == 1 else f"PP={a['stages']}×SP={sp}"
+    if sp == 1:
+        return str(a["stages"] * a.get("cfg_parallel", 1))
+    return f"PP={a['stages']}×SP={sp}"

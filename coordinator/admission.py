@@ -58,10 +58,12 @@ def admit(
     *,
     consumer_depth: int = 0,
     image: torch.Tensor | None = None,
+    negative_text: torch.Tensor | None = None,
 ) -> None:
     """Raise ``AdmissionError`` (or ``ValueError`` for a malformed request) unless the stream may open now."""
     if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
         raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
+    check_negative_text(spec, text, negative_text)
     if not state.ready:
         detail = f"; last error: {state.last_error}" if state.last_error else ""
         raise AdmissionError(
@@ -87,3 +89,15 @@ def admit(
             f"{state.capacity.retry_after_s:.1f} s)",
             retry_after_s=state.capacity.retry_after_s,
         )
+
+
+def check_negative_text(spec: StreamSpec, text: torch.Tensor, negative_text: torch.Tensor | None) -> None:
+    """A guided stream (``guidance_scale > 1``) carries a negative prompt of the text's shape; no other stream does."""
+    if spec.cfg and negative_text is None:
+        raise ValueError(
+            f"negative_text: required with guidance_scale={spec.guidance_scale} (the unconditional branch)"
+        )
+    if not spec.cfg and negative_text is not None:
+        raise ValueError("negative_text: only a guided stream (guidance_scale > 1) takes a negative prompt")
+    if negative_text is not None and tuple(negative_text.shape) != tuple(text.shape):
+        raise ValueError(f"negative_text: has shape {tuple(negative_text.shape)}, expected {tuple(text.shape)}")

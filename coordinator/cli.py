@@ -13,7 +13,15 @@ def add_parser(sub) -> None:
         help="run the coordinator (registry, scheduler, the stages' rendezvous store)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--stages", type=int, required=True, help="number of DiT stages")
+    p.add_argument("--stages", type=int, required=True, help="number of DiT stages (of one pipeline)")
+    p.add_argument(
+        "--cfg-parallel",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="CFG-parallel groups: 2 runs two pipelines of --stages stages (indices 0..K-1 and K..2K-1), one per"
+        " classifier-free guidance branch, in lockstep",
+    )
     p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
     p.add_argument(
         "--sp",
@@ -54,8 +62,16 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import sys
+
     from coordinator.server import serve
     from stagecast.security import mtls_from_flags
+
+    if args.cfg_parallel > 1 and args.sp > 1:
+        print(
+            "stagecast coordinator: --cfg-parallel 2 does not compose with --sp yet (give one of them)", file=sys.stderr
+        )
+        return 2
 
     def start(stop) -> None:
         options = _options(args, mtls_from_flags(args.mtls, args.insecure_internal, "stagecast coordinator"))
@@ -72,6 +88,7 @@ def _options(args: argparse.Namespace, mtls):
 
     return CoordinatorOptions(
         stages=args.stages,
+        cfg_parallel=args.cfg_parallel,
         partition=args.partition,
         sp=args.sp,
         host=args.host,

@@ -76,6 +76,7 @@ class StreamSession:
     id: int
     spec: StreamSpec
     text: torch.Tensor
+    negative_text: torch.Tensor | None = None  # a guided stream's negative prompt
     traceparent: str = ""
     events: queue.Queue = field(default_factory=queue.Queue)
     received: int = 0
@@ -157,7 +158,7 @@ class PipelineEngine(Generations):
         self.connect = connect or (lambda address: grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self.backend = backend
         self.max_batch = max_batch
-        self.lookahead = lookahead or 2 * registry.world_size + 2
+        self.lookahead = lookahead or 2 * registry.pipeline_stages + 2
         self.max_streams = max_streams
         self.record_plan = record_plan
         self.on_ready_change = on_ready_change or (lambda ready: None)
@@ -265,6 +266,7 @@ class PipelineEngine(Generations):
         chunk_rate: float = 0.0,
         ladders: list[tuple[float, ...]] | None = None,
         latency_first: bool = False,
+        negative_text: torch.Tensor | None = None,
     ) -> StreamSession:
         if not (chunk_rate == 0 or 0 < chunk_rate <= MAX_CHUNK_RATE):  # also catches NaN
             raise ValueError(f"chunk_rate must be 0 (unpaced) or in (0, {MAX_CHUNK_RATE}] chunks/s, got {chunk_rate}")
@@ -283,7 +285,7 @@ class PipelineEngine(Generations):
                 capacity=self._capacity_verdict(newcomer),
             )
             try:
-                admit(spec, text, state, consumer_depth=consumer_depth, image=image)
+                admit(spec, text, state, consumer_depth=consumer_depth, image=image, negative_text=negative_text)
             except AdmissionError as exc:
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.telemetry.refused("capacity" if exc.retry_after_s else "streams")
@@ -296,6 +298,7 @@ class PipelineEngine(Generations):
                 sid,
                 spec,
                 text,
+                negative_text=negative_text,
                 traceparent=traceparent,
                 generation=self.generation,
                 acknowledges=acknowledges,
@@ -458,7 +461,7 @@ class PipelineEngine(Generations):
         return (
             self.sched.active
             and self.batches_planned - self.batches_done < self.lookahead
-            and self._idle_ticks < self.registry.world_size
+            and self._idle_ticks < self.registry.pipeline_stages
         )
 
     def _wake(self) -> None:
@@ -501,7 +504,7 @@ class PipelineEngine(Generations):
             return self.max_ahead
         depth = session.consumer_depth if session.acknowledges else 2
         levels = max(session.ladders) + (1 if session.spec.policy == "clean" else 0)
-        return levels * self.registry.world_size + depth
+        return levels * self.registry.pipeline_stages + depth
 
     # ---- the SLO controller ----------------------------------------------------------------------------
 
@@ -635,7 +638,9 @@ class PipelineEngine(Generations):
         event = PlanEvent(kind, seq=self.seq, **kw)
         if self.record_plan:
             # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
-            self.plan.append(wire.event_to_proto(replace(event, text=None, latents=None), self.generation))
+            self.plan.append(
+                wire.event_to_proto(replace(event, text=None, latents=None, negative_text=None), self.generation)
+            )
         return wire.event_to_proto(event, self.generation)
 
     def _plan_tick(self) -> list[pb.PlanEvent]:
@@ -648,7 +653,12 @@ class PipelineEngine(Generations):
             session.paced_since = self.clock()
             events.append(
                 self._next_event(
-                    "open", spec=session.spec, text=session.text, latents=session.image, traceparent=session.traceparent
+                    "open",
+                    spec=session.spec,
+                    text=session.text,
+                    latents=session.image,
+                    negative_text=session.negative_text,
+                    traceparent=session.traceparent,
                 )
             )
             session.events.put(
@@ -725,6 +735,7 @@ class PipelineEngine(Generations):
                 generation=self.generation,
                 ready=self.ready,
                 world_size=self.registry.world_size,
+                cfg_parallel=self.registry.cfg_parallel,
                 stages=stages,
                 active_streams=len(self.sessions),
                 stage_stats=[self.stage_stats[i] for i in sorted(self.stage_stats)],

@@ -112,6 +112,7 @@ class Generations:
                     layer_start=rec.layers.start,
                     layer_stop=rec.layers.stop,
                     sp=self.registry.sp,
+                    cfg_parallel=self.registry.cfg_parallel,
                 ),
                 timeout=self.form_timeout,
             )
@@ -145,8 +146,13 @@ class Generations:
                     link.close()
                 return
             self.links = links
-            # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together.
-            self.sched = StreamBatchScheduler(num_stages=self.registry.world_size, max_batch=self.max_batch)
+            # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together, and
+            # CFG-parallel groups run it side by side.
+            self.sched = StreamBatchScheduler(
+                num_stages=self.registry.pipeline_stages,
+                max_batch=self.max_batch,
+                cfg_parallel=self.registry.cfg_parallel,
+            )
             self.seq = 0
             self.batches_planned = self.batches_done = 0
             self.stage_stats = {}
@@ -258,7 +264,8 @@ class Generations:
             return True, f"generation {generation} is over (the coordinator is at {self.generation})"
 
     def _results_loop(self, gen: int, link: StageLink) -> None:
-        last = link.record.index == self.registry.ranks - 1
+        # Group 0's last rank runs every batch (CFG-parallel group 1 skips batches without guidance).
+        last = link.record.index == self.registry.layout.world_size - 1
         try:
             call = link.stub.Results(pb.ResultsRequest(generation=gen))
             link.results_call = call

@@ -8,6 +8,7 @@ Usage::
     StageRegistry(world_size=2, sp=2)   # 2 stages of 2 sequence-parallel ranks: indices are ranks 0..3,
                                         # rank r serves stage r // 2's layers
     reg.complete                     # every index has a live registration
+    StageRegistry(world_size=2, cfg_parallel=2)   # CFG-parallel: two pipelines of 2 stages, indices 0-1 and 2-3
     reg.mark_lost(1)                 # a lost stage may register again (a restart)
 
 Registration errors are ``RegistrationError`` with the gRPC status code to answer with.
@@ -61,12 +62,21 @@ class StageRegistry:
     """``world_size`` is the pipeline's stage count; with ``sp`` > 1 each stage is ``sp`` ranks, registered under
     their global rank ``stage * sp + sp_rank`` (``ranks`` in all)."""
 
-    def __init__(self, world_size: int, partition: str | None = None, sp: int = 1):
+    def __init__(self, world_size: int, partition: str | None = None, sp: int = 1, cfg_parallel: int = 1):
+        """With ``cfg_parallel`` 2 there are two pipelines (CFG groups) of ``world_size`` stages: index
+        ``g * world_size + k`` holds the layers of pipeline position ``k``."""
         if world_size < 1:
             raise ValueError(f"stage count must be >= 1, got {world_size}")
+        if cfg_parallel not in (1, 2):
+            raise ValueError(f"--cfg-parallel must be 1 or 2, got {cfg_parallel}")
+        if cfg_parallel > 1 and sp > 1:
+            raise ValueError(
+                f"--cfg-parallel {cfg_parallel} with --sp {sp}: CFG-parallel does not compose with --sp yet"
+            )
         self.layout = ParallelLayout(world_size, sp)
         self.world_size = world_size
         self.sp = sp
+        self.cfg_parallel = cfg_parallel
         self.partition_spec = partition
         self.partition: list[range] | None = None
         self.model: dict | None = None
@@ -74,8 +84,17 @@ class StageRegistry:
         self.lock = threading.Lock()
 
     @property
+    def pipeline_stages(self) -> int:
+        """Stages of one pipeline (one CFG group): the scheduler's depth."""
+        return self.world_size
+
+    @property
     def ranks(self) -> int:
-        return self.layout.world_size
+        return self.layout.world_size * self.cfg_parallel
+
+    def stage_of(self, index: int) -> int:
+        """The pipeline position of stage process ``index``."""
+        return self.layout.stage_of(index % self.layout.world_size)
 
     def register(
         self, *, index: int, address: str, config_json: str, expected_world_size: int, device: str, sp: int = 1
@@ -93,6 +112,8 @@ class StageRegistry:
                 )
             if not 0 <= index < self.ranks:
                 what = f"{self.world_size} stages" if self.sp == 1 else f"{self.world_size} stages × --sp {self.sp}"
+                if self.cfg_parallel > 1:
+                    what += f" × --cfg-parallel {self.cfg_parallel}"
                 raise RegistrationError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"stage index {index} is out of range for {what} (0..{self.ranks - 1})",
@@ -121,12 +142,12 @@ class StageRegistry:
                 )
             if self.partition is None:
                 try:
-                    counts = parse_partition(self.partition_spec, model["num_layers"], self.world_size)
+                    counts = parse_partition(self.partition_spec, model["num_layers"], self.pipeline_stages)
                 except ValueError as exc:
                     raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
                 self.partition = partition_ranges(counts)
                 self.model = model
-            rec = StageRecord(index, address, config, device, self.partition[self.layout.stage_of(index)])
+            rec = StageRecord(index, address, config, device, self.partition[self.stage_of(index)])
             self.stages[index] = rec
             return rec
 

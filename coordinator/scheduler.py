@@ -26,7 +26,10 @@ Readiness rules for micro-step (s, c, i):
     starts a new KV segment and waits until every earlier chunk of the stream has left the pipeline
     (``stagecast.microstep.ChunkSpecs``).
 Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
-up to ``max_batch`` that share a latent shape form the batch.
+up to ``max_batch`` rows that share a latent shape form the batch.  A micro-step of a guided stream
+(classifier-free guidance) is two rows in one pipeline (its conditional and unconditional branches) and one
+row per group under CFG-parallel (``cfg_parallel=2``, each group running one branch); a batch always takes
+at least its first micro-step.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ class _StreamState:
 
 
 class StreamBatchScheduler:
-    def __init__(self, num_stages: int, max_batch: int = 4, max_inflight: int | None = None):
+    def __init__(self, num_stages: int, max_batch: int = 4, max_inflight: int | None = None, cfg_parallel: int = 1):
+        if cfg_parallel not in (1, 2):
+            raise ValueError(f"cfg_parallel must be 1 or 2, got {cfg_parallel}")
+        self.cfg_parallel = cfg_parallel
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         if max_batch < 1:
@@ -141,6 +147,10 @@ class StreamBatchScheduler:
     def active(self) -> bool:
         return bool(self.streams)
 
+    def rows(self, spec: StreamSpec) -> int:
+        """Batch rows one micro-step of the stream takes on a stage."""
+        return 2 if spec.cfg and self.cfg_parallel == 1 else 1
+
     # ---- the tick -------------------------------------------------------------------------------------
 
     def _ready(self, st: _StreamState) -> list[tuple[tuple, MicroStep]]:
@@ -185,12 +195,14 @@ class StreamBatchScheduler:
         # Smooth the work over the pipeline: every micro-step in flight comes back once per P ticks, so
         # taking more than 1/P of them now would leave the next ticks empty (a bubble on every stage).
         demand = sum(
-            sum(1 for ch in st.inflight.values() if ch.level + 1 < ch.levels) + (0 if self._idle(st) else 1)
+            self.rows(st.spec)
+            * (sum(1 for ch in st.inflight.values() if ch.level + 1 < ch.levels) + (0 if self._idle(st) else 1))
             for st in self.streams.values()
         )
         limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
         batch: list[MicroStep] = []
         shape = None
+        rows = 0
         for _, step in ready:
             spec = self.streams[step.stream].spec
             key = (spec.latent_shape, spec.text_len)
@@ -198,8 +210,11 @@ class StreamBatchScheduler:
                 shape = key
             if key != shape:
                 continue
+            if batch and rows + self.rows(spec) > limit:
+                continue
             batch.append(step)
-            if len(batch) == limit:
+            rows += self.rows(spec)
+            if rows >= limit:
                 break
         for step in batch:
             self._issue(step)

@@ -47,7 +47,8 @@ ROLE_RULES = {
 
 @dataclass
 class CoordinatorOptions:
-    stages: int
+    stages: int  # pipeline stages; the stage processes are stages x cfg_parallel
+    cfg_parallel: int = 1  # CFG-parallel groups: 2 runs a guided stream's two branches on two pipelines
     partition: str | None = None
     sp: int = 1  # sequence-parallel ranks per stage (``--sp``): the pipeline has stages × sp stage processes
     host: str = "127.0.0.1"
@@ -133,6 +134,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             spec = wire.spec_from_proto(request.spec)
             text = wire.tensor_from_proto(request.text)
             image = wire.tensor_from_proto(request.image) if request.HasField("image") else None
+            negative = wire.tensor_from_proto(request.negative_text) if request.HasField("negative_text") else None
             # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
             traceparent = telemetry.traceparent_of(span) or request.traceparent
             session = self.engine.open(
@@ -145,6 +147,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 chunk_rate=request.chunk_rate,
                 ladders=[tuple(ladder.timesteps) for ladder in request.ladders],
                 latency_first=request.latency_first,
+                negative_text=negative,
             )
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
@@ -231,7 +234,7 @@ class Coordinator:
     def __init__(self, opts: CoordinatorOptions):
         self.opts = opts
         self.store = rendezvous.RendezvousServicer()
-        self.registry = StageRegistry(opts.stages, opts.partition, sp=opts.sp)
+        self.registry = StageRegistry(opts.stages, opts.partition, sp=opts.sp, cfg_parallel=opts.cfg_parallel)
         self.engine = PipelineEngine(
             self.registry,
             connect=lambda address: connect(address, opts.mtls, "stage", CHANNEL_OPTIONS),
@@ -253,7 +256,7 @@ class Coordinator:
             ],
             host=opts.host,
             # Stages block in the store's Get/Wait while a group forms: room for them beside the streams.
-            max_workers=64 + 2 * opts.stages * opts.sp,
+            max_workers=64 + 2 * opts.stages * opts.sp * opts.cfg_parallel,
             credentials=opts.mtls.server_credentials() if opts.mtls else None,
             interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
         )

@@ -32,6 +32,7 @@ from stagecast.sampling import SamplerConfig, SamplerError
 logger = logging.getLogger(__name__)
 
 SERVING_DEFAULTS_FILE = "stagecast.json"
+MAX_NEGATIVE_PROMPT_CHARS = 20_000  # the public API's prompt limit (gateway.config.MAX_PROMPT_CHARS)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,16 @@ class ServingDefaults:
     max_frame_pixels: int = 0
     max_stream_cost: float = 0
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # the ``sampler`` section
+    # Classifier-free guidance: the negative prompt a guided stream runs when its request names none, and whether
+    # the checkpoint is guidance-distilled (CausVid, Self-Forcing, StreamDiffusionV2: only guidance 1.0).
+    negative_prompt: str = ""
+    guidance_distilled: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.negative_prompt, str) or len(self.negative_prompt) > MAX_NEGATIVE_PROMPT_CHARS:
+            raise ValueError(f"negative_prompt: must be a string of at most {MAX_NEGATIVE_PROMPT_CHARS} characters")
+        if not isinstance(self.guidance_distilled, bool):
+            raise ValueError(f"guidance_distilled: must be true or false, got {self.guidance_distilled!r}")
         offered = self.sampler.supported_steps()
         if self.steps not in offered:
             raise SamplerError(
@@ -80,7 +89,7 @@ class ServingDefaults:
             if "sampler" in data:
                 data["sampler"] = SamplerConfig.from_json(data["sampler"])
             defaults = cls(**data)
-        except SamplerError as exc:
+        except (SamplerError, ValueError) as exc:
             raise ValueError(f"{path}: {exc}") from None
         logger.info("serving defaults from %s: %s", path, defaults)
         return defaults

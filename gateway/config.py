@@ -21,16 +21,16 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gateway.checkpoint import ModelInfo, ServingDefaults
+from gateway.checkpoint import MAX_NEGATIVE_PROMPT_CHARS, ModelInfo, ServingDefaults
 from stagecast import api
 from stagecast.media import CODECS, DEFAULT_CRF, DEFAULT_JPEG_QUALITY, quality_to_crf
-from stagecast.microstep import POLICIES, StreamSpec
+from stagecast.microstep import MAX_GUIDANCE, POLICIES, StreamSpec
 from stagecast.sampling import MAX_STEPS, SamplerError, as_f32
 from stagecast.v1 import stream_pb2 as pb
 
 # The hard limits of the public API (the ranges in proto/stagecast/v1/stream.proto say the same).  A gateway's cost
 # budget (gateway.admission) may refuse a stream inside them.
-MAX_PROMPT_CHARS = 20_000  # tokenising is the real limit; this stops absurd payloads before it runs
+MAX_PROMPT_CHARS = MAX_NEGATIVE_PROMPT_CHARS  # tokenising is the real limit; this stops absurd payloads before it runs
 MAX_SIDE = 4096
 MAX_CHUNK_FRAMES = 16
 MAX_SECONDS = 24 * 3600.0
@@ -41,10 +41,10 @@ MIN_FPS = 1.0
 MAX_INPUT_TIMEOUT = 3600.0  # seconds a video-to-video stream may wait for its next input frame
 DEFAULT_INPUT_TIMEOUT = 10.0
 MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
-# The largest legal request: a config whose prompt is MAX_PROMPT_CHARS characters of 4 UTF-8 bytes each, plus the
-# other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server refuses bigger messages
-# before parsing them.
-MAX_REQUEST_BYTES = 4 * MAX_PROMPT_CHARS + 16 * 1024
+# The largest legal request: a config whose prompt and negative prompt are MAX_PROMPT_CHARS characters of 4 UTF-8
+# bytes each, plus the other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server
+# refuses bigger messages before parsing them.
+MAX_REQUEST_BYTES = 2 * 4 * MAX_PROMPT_CHARS + 16 * 1024
 
 # Each codec's quality when the request leaves it out; Started.config writes it out.
 DEFAULT_H264_QUALITY = 55  # quality_to_crf(55) == 23, x264's own default CRF
@@ -72,7 +72,7 @@ class EffectiveConfig:
     chunk_frames: int
     steps: int
     seed: int
-    guidance_scale: float
+    guidance_scale: float  # 1.0: none
     codec: str
     fps: float
     seconds: float | None
@@ -94,6 +94,7 @@ class EffectiveConfig:
     input_timeout: float = DEFAULT_INPUT_TIMEOUT
     # Image-to-video: the first frame, (height, width, 3) uint8 RGB (None: no image).
     image: object = field(default=None, compare=False, repr=False)
+    negative_prompt: str = ""  # the unconditional branch's prompt (guidance_scale > 1 only)
 
     @property
     def v2v(self) -> bool:
@@ -147,6 +148,7 @@ class EffectiveConfig:
             text_len=text_len,
             input_latents=self.v2v,
             image_latents=self.image is not None,
+            guidance_scale=self.guidance_scale,
         )
 
     def to_proto(self) -> pb.StreamConfig:
@@ -177,6 +179,8 @@ class EffectiveConfig:
             msg.strength = self.strength
             msg.input_pacing = api.input_pacing_value(self.input_pacing)
             msg.input_timeout = self.input_timeout
+        if self.guidance_scale > 1.0:
+            msg.negative_prompt = self.negative_prompt
         return msg
 
 
@@ -347,12 +351,24 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
     )
     seed = msg.seed if msg.HasField("seed") else random.randrange(2**31)
 
-    guidance = msg.guidance_scale if msg.HasField("guidance_scale") else 1.0
-    if guidance != 1.0:
+    guidance = as_f32(msg.guidance_scale) if msg.HasField("guidance_scale") else 1.0
+    if not 1.0 <= guidance <= MAX_GUIDANCE:  # also NaN
+        raise ConfigError("guidance_scale", f"must be in [1, {MAX_GUIDANCE:g}] (1: no guidance), got {guidance:.6g}")
+    if guidance > 1.0 and defaults.guidance_distilled:
         raise ConfigError(
             "guidance_scale",
-            f"only 1.0 is supported (the served causal few-step models are guidance-distilled), got {guidance}",
+            f"this checkpoint is guidance-distilled (stagecast.json guidance_distilled: true) and runs only 1.0, got"
+            f" {guidance:g}",
         )
+    negative_prompt = defaults.negative_prompt
+    if msg.HasField("negative_prompt"):
+        if guidance == 1.0:
+            raise ConfigError("negative_prompt", "is used only with guidance_scale > 1 (leave it out)")
+        negative_prompt = msg.negative_prompt
+        if len(negative_prompt) > MAX_PROMPT_CHARS:
+            raise ConfigError(
+                "negative_prompt", f"is {len(negative_prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+            )
 
     codec = _enum("codec", msg.codec, api.CODECS, api.DEFAULT_CODEC)
     assert codec in CODECS
@@ -428,7 +444,7 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         chunk_frames=chunk_frames,
         steps=steps,
         seed=seed,
-        guidance_scale=1.0,
+        guidance_scale=guidance,
         codec=codec,
         fps=fps,
         seconds=seconds,
@@ -453,4 +469,5 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         steps_preference=steps_preference,
         ladders=ladders,
         temporal_factor=model.temporal_factor,
+        negative_prompt=negative_prompt,
     )

@@ -323,15 +323,15 @@ class Gateway:
                 self._input_encoder = StreamVAEEncoder(vae)
             return self._input_encoder
 
-    def encode_prompt(self, prompt: str, parent_span=None) -> torch.Tensor:
+    def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt") -> torch.Tensor:
         """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span
-        (under ``parent_span`` when tracing)."""
+        (under ``parent_span`` when tracing).  ``field`` "negative_prompt": it may be empty, and errors name it."""
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         try:
-            embeds, cached = self.encoder.encode_cached(prompt)
+            embeds, cached = self.encoder.encode_cached(prompt, allow_empty=field == "negative_prompt")
         except ValueError as exc:
-            raise ConfigError("prompt", str(exc).removeprefix("prompt ")) from None
+            raise ConfigError(field, str(exc).removeprefix("prompt ")) from None
         seconds = time.perf_counter() - t0
         self.metrics.prompt_encoded(seconds, cached=cached)
         if telemetry.enabled():
@@ -615,7 +615,10 @@ class StreamServicer:
         gw = self.gw
         try:
             text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span)
-            run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span)
+            negative = None
+            if cfg.guidance_scale > 1.0:
+                negative = gw.encode_prompt(cfg.negative_prompt, parent_span=rpc_span, field="negative_prompt")
+            run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span, negative_text=negative)
             run.open_pipeline()
             return run
         except ConfigError as exc:

@@ -106,12 +106,20 @@ class _ChunkTag:
 
 class StreamRun:
     def __init__(
-        self, host: StreamHost, cfg: EffectiveConfig, text: torch.Tensor, context, t0: float, parent_span=None
+        self,
+        host: StreamHost,
+        cfg: EffectiveConfig,
+        text: torch.Tensor,
+        context,
+        t0: float,
+        parent_span=None,
+        negative_text: torch.Tensor | None = None,  # a guided stream's negative prompt embeddings
     ):
         self.host = host
         self.limits = host.limits
         self.cfg = cfg
         self.text = text
+        self.negative_text = negative_text
         self.context = context
         self.t0 = t0
         self.id = uuid.uuid4().hex[:16]
@@ -162,6 +170,8 @@ class StreamRun:
         )
         if self.cfg.image is not None:  # image-to-video: the first frame's latent, encoded as the pipeline does
             request.image.CopyFrom(wire.tensor_to_proto(encode_image(self.host.input_encoder(), self.cfg.image)))
+        if self.negative_text is not None:
+            request.negative_text.CopyFrom(wire.tensor_to_proto(self.negative_text))
         self.pipeline.open(request)
 
     def start(self, request_iterator) -> None:

@@ -190,12 +190,13 @@ class TextEncoder:
         """
         return self.encode_cached(prompt)[0]
 
-    def encode_cached(self, prompt: str) -> tuple[torch.Tensor, bool]:
-        """``encode`` and whether the embeddings came from the cache (no forward pass)."""
+    def encode_cached(self, prompt: str, *, allow_empty: bool = False) -> tuple[torch.Tensor, bool]:
+        """``encode`` and whether the embeddings came from the cache (no forward pass).  ``allow_empty``: an empty
+        prompt is embedded as diffusers embeds one (a negative prompt may be empty)."""
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         cleaned = prompt_clean(prompt)
-        if not cleaned:
+        if not cleaned and not allow_empty:
             raise ValueError("prompt must not be empty (or only whitespace)")
 
         # Key on the cleaned text: prompts that clean to the same string tokenize identically.

@@ -550,7 +550,13 @@ def _convert(
     try:
         tmp.mkdir(parents=True)
         shards = write_transformer(tmp / "transformer", sd, names, config, dtype)
-        serving = {"steps": len(sampler["ladder"]), "chunk_frames": spec.chunk_frames, "sampler": sampler}
+        # Every source this converts is a guidance-distilled few-step model: guidance above 1 is refused.
+        serving = {
+            "steps": len(sampler["ladder"]),
+            "chunk_frames": spec.chunk_frames,
+            "sampler": sampler,
+            "guidance_distilled": True,
+        }
         (tmp / SERVING_FILE).write_text(json.dumps(serving, indent=2) + "\n")
         if base is not None:
             copy_base(Path(base), tmp, config)

@@ -86,12 +86,16 @@ def start_pipeline(
     metrics_port: int = 0,
     sp: int = 1,
     coordinator_args: Sequence[str] = (),
+    cfg_parallel: int = 1,
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
-    ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``."""
+    ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``.
+    ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1)."""
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
     if sp > 1:
         args += ["--sp", str(sp)]
+    if cfg_parallel != 1:
+        args += ["--cfg-parallel", str(cfg_parallel)]
     if metrics_port:
         args += ["--metrics-port", str(metrics_port)]
     args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
@@ -106,21 +110,44 @@ def start_pipeline(
     bound = address.rsplit(":", 1)[1]
     again = [*args[: args.index("--port") + 1], bound, *args[args.index("--port") + 2 :]]
     pipe = LocalPipeline(address, coord, again)
-    for i in range(stages):
-        for r in range(sp):
-            rank = i * sp + r
-            stage_metrics = metrics_port + 2 + rank if metrics_port else 0
-            pipe.stage_args[rank] = stage_args(
-                i, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r
-            )
-            name = f"stage-{i}" if sp == 1 else f"stage-{i}-sp{r}"
-            pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
+    for g in range(cfg_parallel):
+        for i in range(stages):
+            for r in range(sp):
+                rank = (g * stages + i) * sp + r
+                stage_metrics = metrics_port + 2 + rank if metrics_port else 0
+                index = i if sp > 1 else rank  # a sequence-parallel stage derives its rank from --sp-rank
+                pipe.stage_args[rank] = stage_args(
+                    index, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r
+                )
+                name = f"stage-{rank}" if sp == 1 else f"stage-{i}-sp{r}"
+                pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
     for child in pipe.stage_children.values():
         launcher.wait_ready(child, timeout=ready_timeout)
     wait_healthy(
         address, ready_timeout, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
     )
     return pipe
+
+
+def check_gpu_fit(device: str, stages: int, cfg_parallel: int, gpus: int | None = None) -> None:
+    """CFG-parallel on GPUs gives every stage process a GPU of its own: raise ValueError naming the flags when
+    ``stages x cfg_parallel`` GPUs are not there (one pipeline may share GPUs, as before)."""
+    if cfg_parallel < 1 or cfg_parallel > 2:
+        raise ValueError(f"--cfg-parallel: must be 1 or 2, got {cfg_parallel}")
+    if stages < 1:
+        raise ValueError(f"--stages: must be >= 1, got {stages}")
+    if cfg_parallel == 1 or not device.startswith("cuda"):
+        return
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    need = stages * cfg_parallel
+    if need > gpus:
+        raise ValueError(
+            f"--cfg-parallel {cfg_parallel} with --stages {stages} needs {need} GPUs (one per stage of each CFG group),"
+            f" this machine has {gpus}"
+        )
 
 
 @dataclass(frozen=True)
@@ -132,12 +159,21 @@ class Placement:
     vae_devices: list[str] | None
 
     @classmethod
-    def plan(cls, device: str, stages: int, gpus: int | None = None, vae_devices: list[str] | None = None, sp: int = 1):
+    def plan(
+        cls,
+        device: str,
+        stages: int,
+        gpus: int | None = None,
+        vae_devices: list[str] | None = None,
+        sp: int = 1,
+        cfg_parallel: int = 1,
+    ):
         """``device`` "cuda": stage i on ``cuda:(i % gpus)``, the gateway (text encoder, VAE tail) on the last
         stage's GPU, and the VAE cut over every GPU a stage uses.  Any other device: everything on it.  With ``sp``
         > 1 the stages × sp ranks take one GPU each, rank r on ``cuda:r``: stages × sp must equal ``gpus``
-        (``LayoutError`` otherwise, naming the flags)."""
-        ranks = ParallelLayout(stages, sp).world_size
+        (``LayoutError`` otherwise, naming the flags).  With ``cfg_parallel`` 2 there are two pipelines of
+        ``stages`` stages, one GPU each (``check_gpu_fit``)."""
+        ranks = ParallelLayout(stages, sp).world_size * cfg_parallel
         if device != "cuda":
             return cls([device] * ranks, device, vae_devices)
         if gpus is None:
@@ -146,6 +182,7 @@ class Placement:
             gpus = torch.cuda.device_count()
         if sp > 1:
             check_gpus(stages, sp, gpus)
+        check_gpu_fit(device, stages, cfg_parallel, gpus)
         gpus = max(gpus, 1)
         stage_devices = [f"cuda:{i % gpus}" for i in range(ranks)]
         if vae_devices is None:

@@ -14,6 +14,11 @@ shards with the same ops as S stage ranks do (their all-to-alls move the same da
 
 ``replay`` executes a recorded plan (a list of events) so a distributed run whose batches depended on arrival
 timing can still be compared exactly.
+
+Classifier-free guidance: with ``cfg_parallel=1`` a guided micro-step's two branches are two rows of one forward,
+as in one pipeline (sequential CFG).  With ``cfg_parallel=2`` the reference runs what two stage groups in lockstep
+run: branch 0's rows in one forward and branch 1's in another (a second runner), each runner then combining its
+own prediction with the other's, exactly as the groups' last stages do after exchanging them.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class StreamRequest:
     # Step changes: at tick T the stream runs this ladder from its next chunk not yet started (the SLO
     # controller's decisions, as the coordinator plans them).
     step_changes: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    negative_text: torch.Tensor | None = None  # a guided stream's negative prompt (1, text_len, text_dim)
 
 
 @dataclass
@@ -56,14 +62,18 @@ Trace = Callable[[list[MicroStep], torch.Tensor, list[StepResult]], None]
 
 
 class ReferenceExecutor:
-    def __init__(self, full_slice: DiTSlice, trace: Trace | None = None, *, sp: int = 1):
+    def __init__(self, full_slice: DiTSlice, trace: Trace | None = None, *, sp: int = 1, cfg_parallel: int = 1):
         if not (full_slice.first and full_slice.last):
             raise ValueError("the reference executor needs a slice that holds the whole model")
         if sp < 1:
             raise ValueError(f"sp must be >= 1, got {sp}")
+        if cfg_parallel not in (1, 2) or (cfg_parallel > 1 and sp > 1):
+            raise ValueError(f"cfg_parallel must be 1, or 2 without sp; got cfg_parallel={cfg_parallel} sp={sp}")
         groups = ThreadSequenceGroup.create(sp) if sp > 1 else [LOCAL]
-        self.runners = [SliceRunner(full_slice, sp=g) for g in groups]
+        self.runners = [SliceRunner(full_slice, sp=g, cfg_size=cfg_parallel) for g in groups]
         self.runner = self.runners[0]  # sequence rank 0: the one whose results are reported
+        # CFG-parallel: the second group's runner (branch 1 of guided streams); None for one pipeline.
+        self.peer = SliceRunner(full_slice, cfg_rank=1, cfg_size=2) if cfg_parallel == 2 else None
         self._pool = ThreadPoolExecutor(max_workers=sp, thread_name_prefix="reference-sp") if sp > 1 else None
         self.trace = trace
 
@@ -82,12 +92,28 @@ class ReferenceExecutor:
         futures = [self._pool.submit(guarded, r) for r in self.runners]
         return [f.result() for f in futures]
 
-    def run_batch(self, steps: list[MicroStep]) -> list[StepResult]:
-        def one(runner: SliceRunner):
-            flow = runner.forward(steps)
-            return flow, runner.finish(steps, flow)
+    def _all(self, fn: Callable[[SliceRunner], object]) -> None:
+        """``fn`` on every runner: each sequence rank's, and the second CFG group's."""
+        self._each(fn)
+        if self.peer is not None:
+            fn(self.peer)
 
-        flow, results = self._each(one)[0]
+    def run_batch(self, steps: list[MicroStep]) -> list[StepResult]:
+        if self.peer is not None:
+            flow = self.runner.forward(steps)
+            other = self.peer.forward(steps) if self.peer.rows(steps) else None
+            mine = self.runner.exchanged_rows(steps, flow)
+            theirs = self.peer.exchanged_rows(steps, other) if other is not None else None
+            results = self.runner.finish(steps, flow, peer=theirs)
+            if other is not None:
+                self.peer.finish(steps, other, peer=mine)
+        else:
+
+            def one(runner: SliceRunner):
+                flow = runner.forward(steps)
+                return flow, runner.finish(steps, flow)
+
+            flow, results = self._each(one)[0]
         if self.trace is not None:
             self.trace(steps, flow, results)
         return results
@@ -103,36 +129,44 @@ class ReferenceExecutor:
         prompt_texts: dict[tuple[int, int], torch.Tensor] | None = None,
         inputs: dict[tuple[int, int], torch.Tensor] | None = None,
         images: dict[int, torch.Tensor] | None = None,
+        negative_texts: dict[int, torch.Tensor] | None = None,
     ) -> dict[int, list[torch.Tensor]]:
         """Run a recorded plan.  ``texts[stream]`` is each stream's first prompt; ``prompt_texts[(stream,
         from_chunk)]`` the text of each prompt update event; ``inputs[(stream, chunk)]`` the latents of each input
         event (video-to-video), where the event does not carry them; ``images[stream]`` the image latent of an
-        image-to-video stream's open event, where it does not carry it."""
+        image-to-video stream's open event, where it does not carry it; ``negative_texts[stream]`` a guided
+        stream's negative prompt."""
         chunks: dict[int, list[torch.Tensor]] = {}
+        negative_texts = negative_texts or {}
         for ev in plan:
             if ev.kind == "open":
                 assert ev.spec is not None
                 spec = ev.spec
                 image = ev.latents if ev.latents is not None else (images or {}).get(spec.stream_id)
-                self._each(lambda r, spec=spec, image=image: r.open_stream(spec, texts[spec.stream_id], image))
+                negative = negative_texts.get(spec.stream_id) if spec.cfg else None
+                self._all(
+                    lambda r, spec=spec, image=image, neg=negative: r.open_stream(
+                        spec, texts[spec.stream_id], image, negative_text=neg
+                    )
+                )
                 chunks[ev.spec.stream_id] = []
             elif ev.kind == "prompt":
                 assert ev.stream_id is not None and prompt_texts is not None
                 sid, first = ev.stream_id, ev.from_chunk
-                self._each(lambda r, sid=sid, first=first: r.set_prompt(sid, first, prompt_texts[(sid, first)]))
+                self._all(lambda r, sid=sid, first=first: r.set_prompt(sid, first, prompt_texts[(sid, first)]))
             elif ev.kind == "input":
                 assert ev.stream_id is not None
                 sid, chunk = ev.stream_id, ev.chunk
                 latents = ev.latents if ev.latents is not None else (inputs or {})[(sid, chunk)]
-                self._each(lambda r, sid=sid, chunk=chunk, x=latents: r.put_input(sid, chunk, x))
+                self._all(lambda r, sid=sid, chunk=chunk, x=latents: r.put_input(sid, chunk, x))
             elif ev.kind == "steps":
                 assert ev.stream_id is not None
                 sid, first, ladder = ev.stream_id, ev.from_chunk, ev.timesteps
-                self._each(lambda r, sid=sid, first=first, ladder=ladder: r.set_steps(sid, first, ladder))
+                self._all(lambda r, sid=sid, first=first, ladder=ladder: r.set_steps(sid, first, ladder))
             elif ev.kind == "close":
                 assert ev.stream_id is not None
                 sid = ev.stream_id
-                self._each(lambda r, sid=sid: r.close_stream(sid))
+                self._all(lambda r, sid=sid: r.close_stream(sid))
             else:
                 for res in self.run_batch(list(ev.steps)):
                     if res.finished is not None:
@@ -141,16 +175,21 @@ class ReferenceExecutor:
 
     def generate(self, requests: list[StreamRequest], *, num_stages: int = 1, max_batch: int = 4) -> GenerationResult:
         """Schedule and run ``requests`` exactly as a ``num_stages`` pipeline would order them."""
-        plan = build_plan(requests, num_stages=num_stages, max_batch=max_batch)
+        cfg_parallel = 1 if self.peer is None else 2
+        plan = build_plan(requests, num_stages=num_stages, max_batch=max_batch, cfg_parallel=cfg_parallel)
         texts = {r.spec.stream_id: r.text for r in requests}
         inputs = {(r.spec.stream_id, c): x for r in requests for c, x in enumerate(r.inputs or [])}
         images = {r.spec.stream_id: r.image for r in requests if r.image is not None}
-        return GenerationResult(chunks=self.replay(plan, texts, inputs=inputs, images=images), plan=plan)
+        negative = {r.spec.stream_id: r.negative_text for r in requests if r.negative_text is not None}
+        chunks = self.replay(plan, texts, inputs=inputs, images=images, negative_texts=negative)
+        return GenerationResult(chunks=chunks, plan=plan)
 
 
-def build_plan(requests: list[StreamRequest], *, num_stages: int, max_batch: int) -> list[PlanEvent]:
+def build_plan(
+    requests: list[StreamRequest], *, num_stages: int, max_batch: int, cfg_parallel: int = 1
+) -> list[PlanEvent]:
     """Run the scheduler over logical arrival and stop ticks and record the resulting event list."""
-    sched = StreamBatchScheduler(num_stages=num_stages, max_batch=max_batch)
+    sched = StreamBatchScheduler(num_stages=num_stages, max_batch=max_batch, cfg_parallel=cfg_parallel)
     pending = sorted(requests, key=lambda r: r.arrival_tick)
     for r in requests:
         if r.spec.input_latents != (r.inputs is not None):

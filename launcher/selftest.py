@@ -3,6 +3,7 @@
 Usage::
 
     stagecast selftest --stages 3 --partition 1,2,1 --policy per_level --streams 3 --chunks 4
+    stagecast selftest --stages 1 --cfg-parallel 2 --guidance 5,1 --prompt-update   # two CFG groups in lockstep
     run_selftest(SelftestConfig(stages=2, ...)) -> exit code (0: every chunk matched)
 
 Streams open one after another: stream i+1 opens once stream i has started, and each stream is one
@@ -10,12 +11,19 @@ chunk longer than the previous one, so streams start and end at different times 
 coordinator records the plan it actually ran (batches depend on when streams arrived); the reference
 executor replays that plan over the whole model in this process and every chunk is compared.  fp32
 must match bit for bit.
+
+With ``--guidance`` streams run classifier-free guidance (each with its own random negative prompt), in one
+pipeline or, with ``--cfg-parallel 2``, on two stage groups that the reference models as such.  With
+``--prompt-update`` every stream changes its prompt once its first chunk has arrived, before acknowledging it
+(the stream is paced by acknowledgements, so the update lands on a chunk not yet started), and the reference
+replays the update where the plan put it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -31,7 +39,7 @@ from stagecast import wire
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import PlanEvent, StreamSpec
+from stagecast.microstep import MAX_GUIDANCE, PlanEvent, StreamSpec
 from stagecast.model.config import read_config
 from stagecast.names import DTYPES
 from stagecast.sampling import UPDATES, SamplerError, check_ladder, check_shift
@@ -78,6 +86,9 @@ class SelftestConfig:
     adaptive: bool = False
     chunk_rate: float = 4.0
     stage_ms: float = 174.0
+    guidance: list[float] = field(default_factory=lambda: [1.0])  # guidance scales, cycled like the ladders
+    cfg_parallel: int = 1  # 2: two pipelines of ``stages`` stages, one per CFG branch
+    prompt_update: bool = False  # every text stream changes its prompt after its first chunk
 
 
 @dataclass
@@ -89,6 +100,8 @@ class SelftestResult:
     plan: list[PlanEvent] = field(default_factory=list)
     texts: dict[int, torch.Tensor] = field(default_factory=dict)  # each stream's text, to replay with other weights
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # video-to-video (stream, chunk) inputs
+    negative_texts: dict[int, torch.Tensor] = field(default_factory=dict)  # guided streams' negative prompts
+    prompt_texts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stream, from_chunk) -> text
 
 
 def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
@@ -110,6 +123,7 @@ def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
             num_chunks=None if cfg.v2v and i % 2 == 0 else cfg.chunks + i,
             text_len=16 if model_cfg["text_dim"] < 512 else 512,
             input_latents=cfg.v2v and i % 2 == 0,
+            guidance_scale=cfg.guidance[i % len(cfg.guidance)],
         )
         for i in range(cfg.streams)
     ]
@@ -135,11 +149,16 @@ def run_streams(
     texts: list[torch.Tensor],
     inputs: list[list[torch.Tensor] | None] | None = None,
     configure: Callable[[pb.OpenStreamRequest], None] = lambda req: None,
+    negative_texts: list[torch.Tensor | None] | None = None,
+    updates: list[torch.Tensor | None] | None = None,
 ) -> dict[int, list[torch.Tensor]]:
     """Open the streams in order, each once its predecessor has started; collect every chunk.  ``connect`` makes
     a channel to the coordinator (an operator's, over mTLS: ``launcher.channel(address, "coordinator")``).
     A video-to-video stream is fed ``inputs[i]`` through SubmitInput (waiting for a chunk to come back whenever the
-    coordinator says enough wait already) and stopped after its last input."""
+    coordinator says enough wait already) and stopped after its last input.  ``negative_texts[i]``: stream i's
+    negative prompt (guided streams).  ``updates[i]``: a prompt stream i sends once its first chunk arrives; such a
+    stream acknowledges each chunk after receiving it (and the update), so the update lands on a chunk not yet
+    started."""
     results: dict[int, list[torch.Tensor]] = {}
     errors: list[str] = []
     started = [threading.Event() for _ in specs]
@@ -170,6 +189,11 @@ def run_streams(
             stub = pb_grpc.CoordinatorServiceStub(ch)
             req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
             configure(req)
+            negative = negative_texts[i] if negative_texts else None
+            if negative is not None:
+                req.negative_text.CopyFrom(wire.tensor_to_proto(negative))
+            update = updates[i] if updates else None
+            req.acknowledges = update is not None
             sid = None
             progress = threading.Condition()
             feeder = None
@@ -191,6 +215,13 @@ def run_streams(
                         with progress:
                             results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
                             progress.notify_all()
+                        if update is not None:
+                            if len(results[sid]) == 1:
+                                msg = pb.PromptUpdate(stream_id=sid, text=wire.tensor_to_proto(update))
+                                stub.UpdatePrompt(msg, timeout=60)
+                            if len(results[sid]) < (specs[i].num_chunks or 0):  # after the last, the stream is over
+                                consumed = pb.ChunksConsumed(stream_id=sid, chunks=len(results[sid]))
+                                stub.Consumed(consumed, timeout=60)
                     elif kind == "ended" and ev.ended.reason != want:
                         errors.append(f"stream {sid} ended early: {ev.ended.reason}")
             except grpc.RpcError as exc:
@@ -220,6 +251,8 @@ def compare(
     texts_by_order,
     chunks,
     inputs_by_order: list[list[torch.Tensor] | None] | None = None,
+    negative_by_order: list[torch.Tensor | None] | None = None,
+    updates_by_order: list[torch.Tensor | None] | None = None,
 ) -> SelftestResult:
     with connect() as ch:
         dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
@@ -228,6 +261,17 @@ def compare(
     texts = {sid: texts_by_order[i] for i, sid in enumerate(opened)}
     by_order = inputs_by_order or [None] * len(opened)
     inputs = {(sid, c): x for i, sid in enumerate(opened) for c, x in enumerate(by_order[i] or [])}
+    negative = {
+        sid: negative_by_order[i]
+        for i, sid in enumerate(opened)
+        if negative_by_order and negative_by_order[i] is not None
+    }
+    order = {sid: i for i, sid in enumerate(opened)}
+    prompt_texts = {
+        (ev.stream_id, ev.from_chunk): updates_by_order[order[ev.stream_id]]
+        for ev in plan
+        if ev.kind == "prompt" and updates_by_order
+    }
     device = torch.device("cuda:0" if cfg.device.startswith("cuda") else cfg.device)
     model_cfg = read_config(transformer)
     n = model_cfg["num_layers"]
@@ -242,14 +286,31 @@ def compare(
         transformer, layers=range(n), first=True, last=True, dtype=DTYPES[cfg.dtype], device=device, loras=loras
     )
     full = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device=device)
-    executor = ReferenceExecutor(full, sp=cfg.sp)
+    executor = ReferenceExecutor(full, sp=cfg.sp, cfg_parallel=cfg.cfg_parallel)
     try:
-        reference = executor.replay(plan, texts, inputs=inputs)
+        reference = executor.replay(plan, texts, prompt_texts, inputs=inputs, negative_texts=negative)
     finally:
         executor.close()
-    result = SelftestResult(chunks=chunks, reference=reference, plan=plan, texts=texts, inputs=inputs)
+    result = SelftestResult(
+        chunks=chunks,
+        reference=reference,
+        plan=plan,
+        texts=texts,
+        inputs=inputs,
+        negative_texts=negative,
+        prompt_texts=prompt_texts,
+    )
     tolerance = cfg.tolerance if cfg.tolerance is not None else 0.0
     result.ok, result.max_diff = judge(chunks, reference, tolerance)
+    if updates_by_order:
+        specs = {ev.spec.stream_id: ev.spec for ev in plan if ev.kind == "open" and ev.spec is not None}
+        for sid, spec in specs.items():
+            if updates_by_order[order[sid]] is None:
+                continue
+            landed = [c for s, c in prompt_texts if s == sid and c < (spec.num_chunks or c + 1)]
+            if not landed:
+                print(f"stream {sid}: its prompt update reached no chunk")
+                result.ok = False
     return result
 
 
@@ -302,14 +363,23 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             loras=cfg.loras,
             sp=cfg.sp,
             coordinator_args=adaptive_args(cfg),
+            cfg_parallel=cfg.cfg_parallel,
         )
         specs = stream_specs(cfg, model_cfg)
         g = torch.Generator().manual_seed(cfg.seed)
         texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
         inputs = stream_inputs(cfg, specs)
+        # Drawn after the texts, so that a run without guidance or updates keeps the texts it always had.
+        negative = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) if s.cfg else None for s in specs]
+        updates = None
+        if cfg.prompt_update:  # text streams only: a video-to-video stream's input paces it
+            updates = [
+                None if s.input_latents else torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g)
+                for s in specs
+            ]
         connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
-        chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req))
-        return compare(cfg, transformer, connect, texts, chunks, inputs)
+        chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req), negative, updates)
+        return compare(cfg, transformer, connect, texts, chunks, inputs, negative, updates)
 
 
 def adaptive_args(cfg: SelftestConfig) -> list[str]:
@@ -330,11 +400,22 @@ def adaptive_request(cfg: SelftestConfig, req: pb.OpenStreamRequest) -> None:
 
 def run_selftest(cfg: SelftestConfig) -> int:
     """The CLI entry point: prints a verdict and returns the exit code."""
+    from launcher.local_cluster import check_gpu_fit
+
+    try:
+        if cfg.cfg_parallel > 1 and cfg.sp > 1:
+            raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")
+        check_gpu_fit(cfg.device, cfg.stages, cfg.cfg_parallel)
+    except ValueError as exc:
+        print(f"stagecast selftest: {exc}", file=sys.stderr)
+        return 2
     with Launcher() as launcher:
         result = execute_selftest(cfg, launcher)
     verdict = "PASS" if result.ok else "FAIL"
     print(
-        f"selftest {verdict}: stages={cfg.stages} sp={cfg.sp} partition={cfg.partition or 'even'} "
+        f"selftest {verdict}: stages={cfg.stages} sp={cfg.sp} cfg_parallel={cfg.cfg_parallel} "
+        f"guidance={','.join(f'{g:g}' for g in cfg.guidance)} prompt_updates={len(result.prompt_texts)} "
+        f"partition={cfg.partition or 'even'} "
         f"policy={cfg.policy} streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
         f"v2v={cfg.v2v} "
         f"max_diff={result.max_diff:.3e}"
@@ -365,6 +446,16 @@ def _update(name: str) -> str:
 
 
 _updates_arg = _checked(lambda text: [_update(u) for u in text.split(",")])
+
+
+def _guidance(text: str) -> float:
+    value = float(text)
+    if not 1.0 <= value <= MAX_GUIDANCE:  # also NaN
+        raise ValueError(f"guidance: must be in [1, {MAX_GUIDANCE:g}], got {text}")
+    return value
+
+
+_guidance_arg = _checked(lambda text: [_guidance(x) for x in text.split(",")])
 
 
 def add_parser(sub) -> None:
@@ -413,6 +504,23 @@ def add_parser(sub) -> None:
         help="SLO-adaptive streams (1..--steps steps, paced at 4 chunks/s) under a controller calibrated so that "
         "concurrent streams lower their steps: the plan's step changes are replayed by the reference",
     )
+    p.add_argument(
+        "--guidance",
+        type=_guidance_arg,
+        default=[1.0],
+        help="classifier-free guidance scales in [1, 30], stream i taking the (i mod n)-th: 5,1 (each guided stream"
+        " gets a random negative prompt)",
+    )
+    p.add_argument(
+        "--cfg-parallel",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: two pipelines of --stages stages, one per guidance branch, in lockstep",
+    )
+    p.add_argument(
+        "--prompt-update", action="store_true", help="every text stream changes its prompt after its first chunk"
+    )
     p.set_defaults(run=main)
 
 
@@ -444,5 +552,8 @@ def main(args: argparse.Namespace) -> int:
             shifts=args.shift,
             updates=args.update,
             v2v=args.v2v,
+            guidance=args.guidance,
+            cfg_parallel=args.cfg_parallel,
+            prompt_update=args.prompt_update,
         )
     )

@@ -31,6 +31,14 @@ def add_parser(sub) -> None:
         help="sequence-parallel ranks per stage (Ulysses): stages × sp processes; with --device cuda, one GPU each "
         "(stages × sp must equal the GPUs)",
     )
+    p.add_argument(
+        "--cfg-parallel",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: two pipelines of --stages stages, one per classifier-free guidance branch (needs stages x 2 GPUs"
+        " on cuda)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
@@ -80,7 +88,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from launcher.local_cluster import Placement, check_layout, start_pipeline, web_args
+    from launcher.local_cluster import Placement, check_gpu_fit, check_layout, start_pipeline, web_args
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
@@ -92,8 +100,13 @@ def main(args: argparse.Namespace) -> int:
             return 2
     stop = stop_event()
     try:
+        if args.cfg_parallel > 1 and args.sp > 1:
+            raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")
+        check_gpu_fit(args.device, args.stages, args.cfg_parallel)
         check_layout(resolve_transformer(args.checkpoint), args.stages, args.sp)
-        placement = Placement.plan(args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp)
+        placement = Placement.plan(
+            args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel
+        )
     except (ValueError, OSError) as exc:
         print(f"stagecast up: error: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +129,7 @@ def main(args: argparse.Namespace) -> int:
                 loras=args.lora,
                 metrics_port=args.metrics_port,
                 sp=args.sp,
+                cfg_parallel=args.cfg_parallel,
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
@@ -155,6 +169,7 @@ def main(args: argparse.Namespace) -> int:
             return 1
         where = ", ".join(f"{role} {address}" for role, address in ready.items())
         shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
+        shape += f" × {args.cfg_parallel} CFG-parallel groups" if args.cfg_parallel > 1 else ""
         print(f"stagecast is up: {where}, {shape}", flush=True)
         if "web" in ready:
             print(f"watch and steer it in a browser: {ready['web']}", flush=True)

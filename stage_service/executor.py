@@ -18,6 +18,11 @@ Every stage executes the same events in the same order.  For a batch:
 
 The order in which the last stage sends latents is a pure function of the plan, so stage 0 tracks it
 in ``_owed`` without any handshake.
+
+CFG-parallel (``transport.cfg_parallel == 2``): the stage belongs to one of two groups, each a whole pipeline.
+A batch's rows on this stage are its runner's (``SliceRunner.rows``: group 1 runs only the guided streams'
+unconditional branch and skips a batch with none).  The two last stages swap their guided predictions before
+the sampler step, so both step identically; only group 0's last stage reports finished chunks.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ class ExecutorEvent:
     forward_ms: float = 0.0
     wait_ms: float = 0.0
     micro_steps: int = 0
-    exchange_ms: float = 0.0  # sequence-parallel collectives (``--sp``) among the forwards reported
+    # Parallel exchanges among the forwards reported: sequence-parallel collectives (``--sp``), or the CFG-parallel
+    # swap of guided predictions with the other group's last stage (``--cfg-parallel 2``).
+    exchange_ms: float = 0.0
     steps: int = 0  # "chunk": the denoising steps the chunk ran
     batches: int = 0  # "done": batches whose times forward_ms sums
 
@@ -141,7 +148,7 @@ class StageExecutor:
     def _run(self, item: PlanEvent) -> None:
         if item.kind == "open":
             assert item.spec is not None and item.text is not None
-            self.runner.open_stream(item.spec, item.text, item.latents)
+            self.runner.open_stream(item.spec, item.text, item.latents, negative_text=item.negative_text)
             if item.traceparent:
                 self.stream_traceparents[item.spec.stream_id] = item.traceparent
         elif item.kind == "close":
@@ -181,17 +188,23 @@ class StageExecutor:
         runner.check_batch(steps)
         t_start = time.time_ns()
         wait_before = tp.wait_seconds if tp else 0.0
+        exchange_before = tp.exchange_seconds if tp else 0.0
         # Latents travel between the last stage and the first only when they are different stages.
         distributed = tp is not None and tp.pipeline > 1
         sp = runner.sp.size
+        mine = [st for st in steps if runner.computes(st)]
+        rows = runner.rows(list(steps))
+        if not rows:  # CFG-parallel group 1: no guided stream in this batch
+            self.on_event(ExecutorEvent("done", item.seq))
+            return
         if self.first and distributed:
-            self._receive_owed([st for st in steps if st.level > 0])
+            self._receive_owed([st for st in mine if st.level > 0])
         inputs = None
         if not self.first:
             assert tp is not None
             spec = runner.spec(steps[0].stream)
             tokens = runner.slice.tokens_per_frame(spec.latent_height, spec.latent_width) * spec.chunk_frames
-            inputs = tp.recv_hidden((len(steps), tokens // sp, runner.slice.inner_dim), runner.slice.dtype)
+            inputs = tp.recv_hidden((len(rows), tokens // sp, runner.slice.inner_dim), runner.slice.dtype)
         t_recv = time.time_ns()
         start = time.perf_counter()
         if self._cuda:
@@ -201,18 +214,25 @@ class StageExecutor:
         if self._cuda:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
-            self._timings.append((len(steps), ev_start, ev_end))
+            self._timings.append((len(rows), ev_start, ev_end))
         if not self.last:
             t_compute = time.time_ns()
             assert tp is not None
             tp.send_hidden(out)
         else:
-            results = runner.finish(steps, out)
+            peer = None
+            if runner.cfg_size == 2:
+                own = runner.exchanged_rows(list(steps), out)
+                if own is not None:
+                    assert tp is not None
+                    peer = tp.exchange_guidance(own)
+            results = runner.finish(steps, out, peer)
             t_compute = time.time_ns()
             for res in results:
                 if res.next_latent is not None and distributed:
                     tp.send_latent(res.next_latent)
-                if res.finished is not None and runner.sp.rank == 0:  # one report per stage, not per rank
+                # One report per stage, not per rank, and only from CFG group 0.
+                if res.finished is not None and runner.sp.rank == 0 and runner.cfg_rank == 0:
                     self.on_event(
                         ExecutorEvent(
                             "chunk",
@@ -225,11 +245,11 @@ class StageExecutor:
                     )
         if self.first and distributed:
             # The last stage will send, in this order, the next-level input of every item that has one.
-            for st in steps:
+            for st in mine:
                 spec = runner.spec_at(st.stream, st.chunk)
                 if st.level + 1 < spec.levels:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
-        forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(steps), 1
+        forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(rows), 1
         forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
         if self._cuda:
             forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
@@ -247,7 +267,7 @@ class StageExecutor:
             )
             end = time.time_ns()
             timing = BatchTiming(t_start, t_recv, t_compute, end, received, sent, forward_ms, forward_samples)
-        exchange_ms = runner.sp.take_ms()
+        exchange_ms = runner.sp.take_ms() + ((tp.exchange_seconds if tp else 0.0) - exchange_before) * 1e3
         done = ExecutorEvent(
             "done",
             item.seq,

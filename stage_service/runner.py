@@ -13,6 +13,15 @@ next level's latent there after its sampler step, and the first slice takes its 
 one process runs both ends the store is shared; a stage process fills the first slice's store from the
 last stage over the data plane (``put_latent``).  Values are popped when used, so the store holds at most
 one latent per chunk in flight.
+
+Classifier-free guidance (``spec.guidance_scale > 1``): every micro-step of a guided stream runs two rows, the
+conditional branch (0: the prompt) and the unconditional one (1: the negative prompt), and each branch keeps its
+own KV rows.  The K/V a chunk writes depend on the text it was conditioned on, so sharing one branch's KV with
+the other would change what the other computes; no policy shares it.  Sequential CFG (``cfg_size=1``) runs both
+rows in one forward, one after the other in the batch; CFG-parallel (``cfg_size=2``) runs branch ``cfg_rank``
+only, and ``finish`` takes the other branch's predictions (``peer``) from the stage group that ran it.  Either
+way the guided prediction is ``u + g * (c - u)`` in fp32 with the same operands, so both groups step the
+sampler identically and stay in lockstep.  Under CFG-parallel, a stream without guidance runs on group 0 only.
 """
 
 from __future__ import annotations
@@ -46,11 +55,12 @@ class StepResult:
 @dataclass
 class _Stream:
     spec: StreamSpec
-    kv: StreamKVCache
+    kv: dict[int, StreamKVCache]  # per CFG branch this runner computes (0: conditional, 1: unconditional)
     specs: ChunkSpecs  # the spec of each chunk (step changes)
     # Prompt versions: (first chunk it applies to, per-layer text K/V); sorted by chunk.
     prompts: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     latents: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    negative: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the unconditional branch's text K/V
     # Video-to-video (``spec.input_latents``): each chunk's level-0 input, from an "input" plan event.
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     # Image-to-video (``spec.image_latents``): the clean latent of the stream's frame 0, (1, C, 1, h, w).
@@ -79,12 +89,33 @@ class _Stream:
             sampler = self.samplers[spec.timesteps] = FlowSampler(spec)
         return sampler
 
-    def cross_kv(self, chunk: int):
+    def cross_kv(self, chunk: int, branch: int = 0):
+        if branch == 1:
+            assert self.negative is not None
+            return self.negative
         current = self.prompts[0][1]
         for first, kv in self.prompts:
             if first <= chunk:
                 current = kv
         return current
+
+
+def guided(spec: StreamSpec, step: MicroStep) -> bool:
+    """Whether ``step``'s prediction is a guided combination of two branches (the clean pass has no sampler step)."""
+    return spec.cfg and not spec.is_clean_pass(step.level)
+
+
+def stream_branches(spec: StreamSpec, cfg_rank: int, cfg_size: int) -> tuple[int, ...]:
+    """The CFG branches a runner of CFG group ``cfg_rank`` (of ``cfg_size``) computes for a stream."""
+    if not spec.cfg:
+        return (0,) if cfg_rank == 0 else ()
+    return (0, 1) if cfg_size == 1 else (cfg_rank,)
+
+
+def combine_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """The guided flow prediction ``u + g * (c - u)`` in fp32: one expression for every executor."""
+    u = uncond.float()
+    return u + scale * (cond.float() - u)
 
 
 def validate_batch(steps: list[MicroStep], spec_of: Callable[[MicroStep], StreamSpec]) -> None:
@@ -123,9 +154,20 @@ class SliceRunner:
     blocks run on this rank's sequence shard: the first slice embeds the whole chunk and keeps its shard, the
     last gathers the shards before the head, and every rank runs the sampler step (all hold every latent)."""
 
-    def __init__(self, dit_slice: DiTSlice, *, graphs: GraphedBlocks | None = None, sp: SequenceGroup = LOCAL):
+    def __init__(
+        self,
+        dit_slice: DiTSlice,
+        *,
+        graphs: GraphedBlocks | None = None,
+        sp: SequenceGroup = LOCAL,
+        cfg_rank: int = 0,
+        cfg_size: int = 1,
+    ):
         if graphs is not None and sp.size > 1:
             raise ValueError("CUDA graphs (--cuda-graphs) do not support sequence parallelism (--sp) yet")
+        if cfg_size not in (1, 2) or not 0 <= cfg_rank < cfg_size:
+            raise ValueError(f"cfg_rank={cfg_rank} cfg_size={cfg_size}: CFG-parallel runs 1 or 2 groups")
+        self.cfg_rank, self.cfg_size = cfg_rank, cfg_size
         self.slice = dit_slice
         self.graphs = graphs  # run the blocks as CUDA graphs (``stage_service.graphs``); None: eager
         self.sp = sp
@@ -135,19 +177,52 @@ class SliceRunner:
 
     # ---- stream lifecycle ------------------------------------------------------------------------------
 
-    def open_stream(self, spec: StreamSpec, text: torch.Tensor, image: torch.Tensor | None = None) -> None:
+    def open_stream(
+        self,
+        spec: StreamSpec,
+        text: torch.Tensor,
+        image: torch.Tensor | None = None,
+        negative_text: torch.Tensor | None = None,
+    ) -> None:
+        """``negative_text`` (1, T, text_dim): the unconditional branch's text, required exactly when the stream is
+        guided (``spec.guidance_scale > 1``)."""
         if spec.stream_id in self.streams:
             raise ValueError(f"stream {spec.stream_id} is already open on this stage")
         check_spec(spec, self.model, tuple(text.shape))
+        if spec.cfg != (negative_text is not None):
+            need = "needs" if spec.cfg else "takes no"
+            raise ValueError(f"stream {spec.stream_id}: guidance_scale={spec.guidance_scale} {need} negative_text")
+        if negative_text is not None and tuple(negative_text.shape) != tuple(text.shape):
+            raise ValueError(
+                f"stream {spec.stream_id}: negative_text has shape {tuple(negative_text.shape)}, "
+                f"expected {tuple(text.shape)}"
+            )
         check_image(spec, None if image is None else tuple(image.shape), per_token=self.slice.per_token_timesteps)
         tpf = self.slice.tokens_per_frame(spec.latent_height, spec.latent_width)
         check_sequence_split(spec, tpf, self.sp.size)
-        kv = StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
+        kv = {
+            b: StreamKVCache(spec, num_layers=self.slice.num_layers, tokens_per_frame=tpf, rope_limit=self.rope_limit)
+            for b in self.branches(spec)
+        }
         stream = _Stream(spec=spec, kv=kv, specs=ChunkSpecs(spec))
         if image is not None:
             stream.image = image.float()
         self.streams[spec.stream_id] = stream
         self.set_prompt(spec.stream_id, 0, text)
+        if negative_text is not None and 1 in kv:
+            with torch.no_grad():
+                stream.negative = self.slice.cross_kv(self.slice.embed_text(negative_text.to(self.slice.device)))
+
+    def branches(self, spec: StreamSpec) -> tuple[int, ...]:
+        return stream_branches(spec, self.cfg_rank, self.cfg_size)
+
+    def computes(self, step: MicroStep) -> bool:
+        """Whether this runner computes any row of ``step`` (CFG group 1 skips streams without guidance)."""
+        return bool(self.branches(self._stream(step.stream).spec))
+
+    def rows(self, steps: list[MicroStep]) -> list[tuple[MicroStep, int]]:
+        """The batch rows this runner computes: (micro-step, CFG branch), a guided step's branches adjacent."""
+        return [(st, b) for st in steps for b in self.branches(self._stream(st.stream).spec)]
 
     def set_prompt(self, stream_id: int, from_chunk: int, text: torch.Tensor) -> None:
         """Use ``text`` (1, T, text_dim) for chunks >= ``from_chunk``."""
@@ -155,6 +230,8 @@ class SliceRunner:
         expected = (1, stream.spec.text_len, self.slice.config["text_dim"])
         if tuple(text.shape) != expected:
             raise ValueError(f"stream {stream_id}: text embeddings have shape {tuple(text.shape)}, expected {expected}")
+        if 0 not in self.branches(stream.spec):
+            return  # CFG-parallel group 1 runs a guided stream's unconditional branch only
         with torch.no_grad():
             kv = self.slice.cross_kv(self.slice.embed_text(text.to(self.slice.device)))
         stream.prompts = [p for p in stream.prompts if p[0] < from_chunk] + [(from_chunk, kv)]
@@ -171,12 +248,14 @@ class SliceRunner:
         stream = self.streams.pop(stream_id, None)
         if stream is None:
             raise UnknownStreamError(stream_id)
-        stream.kv.clear()
+        for kv in stream.kv.values():
+            kv.clear()
         stream.latents.clear()
         stream.inputs.clear()
         if self.graphs is not None:
-            self.graphs.forget_text([kv for _, kv in stream.prompts])
+            self.graphs.forget_text([kv for _, kv in stream.prompts] + ([stream.negative] if stream.negative else []))
         stream.prompts.clear()
+        stream.negative = None
 
     def _stream(self, stream_id: int) -> _Stream:
         try:
@@ -192,8 +271,9 @@ class SliceRunner:
         return self._stream(stream_id).spec_at(chunk)
 
     def memory_bytes(self) -> dict[str, int]:
-        kv = sum(s.kv.nbytes for s in self.streams.values())
-        text = sum(k.numel() * k.element_size() * 2 for s in self.streams.values() for _, p in s.prompts for k, _ in p)
+        kv = sum(c.nbytes for s in self.streams.values() for c in s.kv.values())
+        texts = [p for s in self.streams.values() for p in [kv for _, kv in s.prompts] + [s.negative or []]]
+        text = sum(k.numel() * k.element_size() * 2 for p in texts for k, _ in p)
         lat = sum(t.numel() * t.element_size() for s in self.streams.values() for _, t in s.latents.values())
         lat += sum(t.numel() * t.element_size() for s in self.streams.values() for t in s.inputs.values())
         graphs = self.graphs.nbytes if self.graphs is not None else 0
@@ -218,7 +298,7 @@ class SliceRunner:
             )
         if chunk in stream.inputs:
             raise ValueError(f"stream {stream_id} chunk {chunk}: input latents arrived twice")
-        if self.slice.first or self.slice.last:
+        if (self.slice.first or self.slice.last) and self.branches(stream.spec):  # (CFG group 1 skips unguided)
             stream.inputs[chunk] = latents.float()
 
     def take_latent(self, step: MicroStep) -> torch.Tensor:
@@ -243,25 +323,28 @@ class SliceRunner:
 
     @torch.no_grad()
     def forward(self, steps: list[MicroStep], inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the slice over a batch.  First slice: latents from the store (``inputs`` must be None).
-        Other slices: ``inputs`` are the previous slice's hidden states.  Returns hidden states, or the
-        flow prediction on the last slice."""
+        """Run the slice over a batch: one row per (micro-step, CFG branch) of ``rows(steps)``, which must not be
+        empty.  First slice: latents from the store (``inputs`` must be None).  Other slices: ``inputs`` are the
+        previous slice's hidden states.  Returns hidden states, or the flow prediction on the last slice."""
         self.check_batch(steps)
         sl = self.slice
-        streams = [self._stream(st.stream) for st in steps]
+        rows = self.rows(steps)
+        if not rows:
+            raise ValueError("no row of this batch runs on this runner (see rows())")
+        streams = [self._stream(st.stream) for st, _ in rows]
         for s in streams:
             s.specs.prune(s.done_chunks)
-        specs = [s.spec_at(st.chunk) for s, st in zip(streams, steps)]
+        specs = [s.spec_at(st.chunk) for s, (st, _) in zip(streams, rows)]
         spec0 = specs[0]
         _, _, f, h, w = spec0.latent_shape
         if sl.first:
             if inputs is not None:
                 raise ValueError("the first slice takes its latents from the store, not from inputs")
-            latents = [self.take_latent(st).to(sl.device) for st in steps]
+            latents = {st: self.take_latent(st).to(sl.device) for st in steps if self.computes(st)}
             if sl.last:
                 # One process owns both ends: remember each input for the sampler step in finish().
                 self._inputs = latents
-            hidden = sl.embed(torch.cat(latents, dim=0).to(sl.device))
+            hidden = sl.embed(torch.cat([latents[st] for st, _ in rows], dim=0).to(sl.device))
             hidden = self._shard(hidden)
         else:
             if inputs is None:
@@ -269,38 +352,48 @@ class SliceRunner:
             hidden = inputs
         tokens = hidden.shape[1] * self.sp.size
         timesteps = torch.tensor(
-            [s.sampler(spec).model_timestep(st.level) for s, spec, st in zip(streams, specs, steps)]
+            [s.sampler(spec).model_timestep(st.level) for s, spec, (st, _) in zip(streams, specs, rows)]
         )
-        if any(s.image is not None and st.chunk == 0 for s, st in zip(streams, steps)):
+        if any(s.image is not None and st.chunk == 0 for s, (st, _) in zip(streams, rows)):
             # Image-to-video: the image frame's tokens are at timestep 0, the others at the level's (per token).
             timesteps = timesteps[:, None].expand(-1, tokens).clone()
             tpf = tokens // f
-            for i, (s, st) in enumerate(zip(streams, steps)):
+            for i, (s, (st, _)) in enumerate(zip(streams, rows)):
                 if s.image is not None and st.chunk == 0:
                     timesteps[i, :tpf] = 0.0
         cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
             block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
-        offsets = [rope_offset(spec, st.chunk, self.rope_limit) for spec, st in zip(specs, steps)]
-        views = [s.kv.view(st, spec) for s, spec, st in zip(streams, specs, steps)]
+        offsets = [rope_offset(spec, st.chunk, self.rope_limit) for spec, (st, _) in zip(specs, rows)]
+        views = [s.kv[b].view(st, spec) for s, spec, (st, b) in zip(streams, specs, rows)]
         ctx = AttentionContext(
             rotary=sl.rotary(f, h, w, offsets),
-            cross_kv=[s.cross_kv(st.chunk) for s, st in zip(streams, steps)],
+            cross_kv=[s.cross_kv(st.chunk, b) for s, (st, b) in zip(streams, rows)],
             self_kv=list(views),
             sp=self.sp,
         )
         hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, block_cond, ctx)
-        for s, view in zip(streams, views):
-            s.kv.commit(view)
-        for s, spec, st in zip(streams, specs, steps):
+        for s, (_, b), view in zip(streams, rows, views):
+            s.kv[b].commit(view)
+        for s, spec, (st, _) in zip(streams, specs, rows):
             if st.level == spec.levels - 1:
                 s.done_chunks = max(s.done_chunks, st.chunk + 1)
         if sl.last:
             if self.sp.size > 1:
                 hidden = torch.cat(self.sp.all_gather(hidden), dim=1)
-            return sl.head(hidden, cond, (len(steps), *spec0.latent_shape[1:]))
+            return sl.head(hidden, cond, (len(rows), *spec0.latent_shape[1:]))
         return hidden
+
+    def exchanged_rows(self, steps: list[MicroStep], flow: torch.Tensor) -> torch.Tensor | None:
+        """CFG-parallel, last slice: this group's predictions of the guided steps, in step order, for the other
+        group (None when the batch has no guided step)."""
+        rows = self.rows(steps)
+        idx = [i for i, (st, _) in enumerate(rows) if guided(self._stream(st.stream).spec_at(st.chunk), st)]
+        return flow[idx] if idx else None
+
+    def guided_count(self, steps: list[MicroStep]) -> int:
+        return sum(1 for st in steps if self.computes(st) and guided(self._stream(st.stream).spec_at(st.chunk), st))
 
     def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard of a (B, L, ...) tensor."""
@@ -310,26 +403,44 @@ class SliceRunner:
         return tensor[:, self.sp.rank * tokens : (self.sp.rank + 1) * tokens].contiguous()
 
     @torch.no_grad()
-    def finish(self, steps: list[MicroStep], flow: torch.Tensor) -> list[StepResult]:
-        """Last slice: apply the sampler step to every item and route the results."""
+    def finish(self, steps: list[MicroStep], flow: torch.Tensor, peer: torch.Tensor | None = None) -> list[StepResult]:
+        """Last slice: apply the sampler step to every item this runner computes and route the results.
+        ``peer`` (CFG-parallel): the other group's predictions of the guided steps, as ``exchanged_rows``."""
         if not self.slice.last:
             raise RuntimeError("finish() belongs to the last slice")
+        mine = [st for st in steps if self.computes(st)]
         if self.slice.first:
             inputs = self._inputs
-            self._inputs = []
+            self._inputs = {}
         else:
             # Level 0 of a text stream is noise the last slice regenerates; of a video-to-video stream, the input.
-            inputs = [self.take_latent(st) for st in steps]
+            inputs = {st: self.take_latent(st) for st in mine}
+        rows = self.rows(steps)
+        expected_peer = self.guided_count(steps) if self.cfg_size == 2 else 0
+        have_peer = 0 if peer is None else peer.shape[0]
+        if have_peer != expected_peer:
+            raise ValueError(f"the other CFG group sent {have_peer} guided predictions, this batch has {expected_peer}")
         results = []
-        for i, st in enumerate(steps):
+        r = p = 0
+        for st in mine:
             stream = self._stream(st.stream)
             spec = stream.spec_at(st.chunk)
+            branches = self.branches(spec)
+            own = {b: flow[r + k : r + k + 1] for k, b in enumerate(branches)}
+            r += len(branches)
             if spec.is_clean_pass(st.level):
                 results.append(StepResult(st, None, None))
                 continue
-            x = inputs[i].to(flow.device)
+            if spec.cfg:
+                if len(branches) == 1:
+                    own[1 - branches[0]] = peer[p : p + 1]  # type: ignore[index]
+                    p += 1
+                v = combine_guidance(own[0], own[1].to(own[0].device), spec.guidance_scale)
+            else:
+                v = own[0]
+            x = inputs[st].to(flow.device)
             nxt = stream.sampler(spec).step(
-                x, flow[i : i + 1], st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
+                x, v, st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
             )
             nxt = stream.with_image(st.chunk, nxt)  # the image frame stays the image, as the pipeline's output
             finished = nxt if st.level == spec.steps - 1 else None
@@ -337,4 +448,5 @@ class SliceRunner:
             if has_next:
                 self.put_latent(MicroStep(st.stream, st.chunk, st.level + 1), nxt)
             results.append(StepResult(st, nxt if has_next else None, finished))
+        assert r == len(rows)
         return results

@@ -261,6 +261,17 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     f"the coordinator forms --sp {max(request.sp, 1)} but this stage runs --sp {self.opts.sp}",
                 )
             transport = None
+            cfg_parallel = request.cfg_parallel or 1
+            if (
+                cfg_parallel not in (1, 2)
+                or request.world_size % cfg_parallel
+                or (cfg_parallel > 1 and self.opts.sp > 1)
+            ):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"cfg_parallel={cfg_parallel} does not split {request.world_size} stages into CFG groups"
+                    f" (with --sp {self.opts.sp})",
+                )
             if request.world_size > 1:
                 transport = PipeTransport.join(
                     rank=request.rank,
@@ -270,13 +281,21 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     backend=request.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
                     device=self.device,
                     sp=self.opts.sp,
+                    cfg_parallel=cfg_parallel,
                 )
             assert self.slice is not None
             graphs = None
             if self.opts.cuda_graphs and self.device.type == "cuda":
                 # A signature first seen while serving runs eagerly while its graph is captured off the serving path.
                 graphs = GraphedBlocks(self.slice, background=True)
-            runner = SliceRunner(self.slice, graphs=graphs, sp=transport.sequence if transport else LOCAL)
+            group_size = request.world_size // cfg_parallel  # ranks of one CFG group
+            runner = SliceRunner(
+                self.slice,
+                graphs=graphs,
+                sp=transport.sequence if transport else LOCAL,
+                cfg_rank=request.rank // group_size,
+                cfg_size=cfg_parallel,
+            )
             gen_holder: list[_Generation] = []
             executor = StageExecutor(
                 runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=self.telemetry
@@ -380,6 +399,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
             image_shape = None if ev.latents is None else tuple(ev.latents.shape)
             check_image(spec, image_shape, per_token=expands_timesteps(self.config))
             check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), self.opts.sp)
+            if spec.cfg != (ev.negative_text is not None) or (
+                ev.negative_text is not None and ev.negative_text.shape != ev.text.shape
+            ):
+                shape = None if ev.negative_text is None else tuple(ev.negative_text.shape)
+                raise ValueError(
+                    f"stream {spec.stream_id}: guidance_scale={spec.guidance_scale} with negative_text of shape {shape}"
+                )
             gen.specs[spec.stream_id] = ChunkSpecs(spec)
         elif ev.kind == "close":
             self._known(gen, ev.stream_id)

@@ -9,12 +9,17 @@ Usage::
     tp.send_latent(x)                     # last -> first (the next level's input)
     x = tp.recv_latent(shape)             # first <- last
     tp.sequence                           # this rank's sequence-parallel group (--sp; LOCAL when 1)
+    peer = tp.exchange_guidance(flow)     # CFG-parallel: last stage <-> the other group's last stage
     tp.abort()                            # from any thread: blocked sends and receives raise at once
     tp.close()                            # leaves the group: its sockets, fds and threads are gone
 
 With ``sp`` > 1 the world is ``stages × sp`` ranks (``stagecast.model.parallel.ParallelLayout``): rank
 ``(k, r)`` sends its sequence shard to ``(k + 1, r)``, the last stage's rank r sends latents to stage 0's rank r,
 and each stage's ranks share a ``SequenceGroup`` (``stage_service.parallel_state``) for Ulysses' all-to-alls.
+
+With CFG-parallel (``cfg_parallel=2``, no ``sp``) the world is two pipelines of ``pipeline`` ranks each: group g
+holds ranks ``[g*pipeline, (g+1)*pipeline)``, hidden states and latents stay inside a group, and the two last
+stages swap their branch's flow predictions once per batch that has a guided micro-step.
 
 Only hidden states (B, L, D) and small latents cross.  Both ends derive every shape from the plan, so
 no per-message handshake is needed.  The process group lives in a ``PrefixStore`` named after the
@@ -59,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 HIDDEN_TAG = 1
 LATENT_TAG = 2
+GUIDANCE_TAG = 3
 
 
 class TransportAborted(RuntimeError):
@@ -116,15 +122,23 @@ class PipeTransport:
         device: torch.device,
         backend: str,
         sequence: SequenceGroup = LOCAL,
+        cfg_parallel: int = 1,
     ):
+        if cfg_parallel not in (1, 2) or world_size % cfg_parallel:
+            raise ValueError(f"cfg_parallel={cfg_parallel} does not divide world_size={world_size} into groups")
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.backend = backend
         self.sequence = sequence
-        self.layout = ParallelLayout(world_size // sequence.size, sequence.size)
-        self.pipeline = self.layout.pipeline  # pipeline stages (world_size / sp)
+        self.cfg_parallel = cfg_parallel
+        group_size = world_size // cfg_parallel  # ranks of one pipeline (one CFG group)
+        self.layout = ParallelLayout(group_size // sequence.size, sequence.size)
+        self.pipeline = self.layout.pipeline  # pipeline stages (world_size / sp / cfg_parallel)
+        self.cfg_rank = rank // group_size
+        self.base = self.cfg_rank * group_size  # this group's first rank
+        self.exchange_seconds = 0.0  # time in CFG-parallel exchanges (send posted, the peer's predictions received)
         self._aborted = threading.Event()
         self.wait_seconds = 0.0  # time spent blocked in receives, for bubble accounting
         self.sockets: list[tuple[int, int]] = []  # (fd, inode) of this generation's gloo connections
@@ -147,6 +161,7 @@ class PipeTransport:
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
         sp: int = 1,
+        cfg_parallel: int = 1,
     ) -> PipeTransport:
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(f"stagecast/gen{generation}", store)
@@ -158,11 +173,13 @@ class PipeTransport:
         before = _socket_fds()
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
         group = dist.group.WORLD
-        layout = ParallelLayout(world_size // sp, sp)
-        if layout.world_size != world_size:
-            raise ValueError(f"world size {world_size} is not a multiple of --sp {sp}")
+        if cfg_parallel > 1 and sp > 1:
+            raise ValueError(f"--cfg-parallel {cfg_parallel} does not compose with --sp {sp}")
+        layout = ParallelLayout(world_size // cfg_parallel // sp, sp)
+        if layout.world_size * cfg_parallel != world_size:
+            raise ValueError(f"world size {world_size} is not a multiple of --sp {sp} x --cfg-parallel {cfg_parallel}")
         sequence = init_sequence_groups(layout, rank, backend)  # every rank creates every stage's group
-        tp = cls(group, rank, world_size, device, backend, sequence)
+        tp = cls(group, rank, world_size, device, backend, sequence, cfg_parallel=cfg_parallel)
         if backend == "gloo" and world_size > 1:
             tp.sockets = _gloo_connections(before, prefixed, rank, world_size)
         tp._warmup()
@@ -174,13 +191,27 @@ class PipeTransport:
         # the last stage back to the first) and the sequence group.
         probe = torch.zeros(1, device=self.device)
         if self.pipeline > 1:
-            sp = self.sequence.size
-            nxt, prev = (self.rank + sp) % self.world_size, (self.rank - sp) % self.world_size
+            sp, size, local = self.sequence.size, self.layout.world_size, self.rank - self.base
+            nxt, prev = self.base + (local + sp) % size, self.base + (local - sp) % size
             ops = [dist.P2POp(dist.isend, probe, nxt), dist.P2POp(dist.irecv, torch.zeros_like(probe), prev)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
         if self.sequence.size > 1:
             self.sequence.all_gather(probe)
+        if self.cfg_parallel > 1 and self.last_in_pipe:
+            peer = self.guidance_peer
+            ops = [dist.P2POp(dist.isend, probe, peer), dist.P2POp(dist.irecv, torch.zeros_like(probe), peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    @property
+    def last_in_pipe(self) -> bool:
+        return self.rank - self.base >= self.layout.world_size - self.sequence.size
+
+    @property
+    def guidance_peer(self) -> int:
+        """The other CFG group's rank at this pipeline position."""
+        return (self.rank + self.layout.world_size) % self.world_size
 
     # ---- sends ----------------------------------------------------------------------------------------
 
@@ -214,7 +245,17 @@ class PipeTransport:
         self._isend(hidden, self.rank + self.sequence.size, HIDDEN_TAG)
 
     def send_latent(self, latent: torch.Tensor) -> None:
-        self._isend(latent.to(self.device, torch.float32), self.sequence.rank, LATENT_TAG)
+        self._isend(latent.to(self.device, torch.float32), self.base + self.sequence.rank, LATENT_TAG)
+
+    def exchange_guidance(self, flow: torch.Tensor) -> torch.Tensor:
+        """CFG-parallel, last stages: send this group's predictions of the batch's guided micro-steps to the other
+        group's last stage and receive its own (same shape and dtype: both derive it from the same plan)."""
+        start = time.perf_counter()
+        peer = self.guidance_peer
+        self._isend(flow, peer, GUIDANCE_TAG)
+        out = self._recv(tuple(flow.shape), flow.dtype, peer, GUIDANCE_TAG)
+        self.exchange_seconds += time.perf_counter() - start
+        return out
 
     # ---- receives -------------------------------------------------------------------------------------
 
@@ -240,7 +281,8 @@ class PipeTransport:
         return self._recv(shape, dtype, self.rank - self.sequence.size, HIDDEN_TAG)
 
     def recv_latent(self, shape) -> torch.Tensor:
-        return self._recv(shape, torch.float32, self.layout.rank(self.pipeline - 1, self.sequence.rank), LATENT_TAG)
+        last = self.base + self.layout.rank(self.pipeline - 1, self.sequence.rank)
+        return self._recv(shape, torch.float32, last, LATENT_TAG)
 
     # ---- teardown -------------------------------------------------------------------------------------
 

@@ -139,6 +139,7 @@ def stream_config(
     min_steps: int | None = None,
     max_steps: int | None = None,
     steps_preference: str | int | None = None,
+    negative_prompt: str | None = None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
@@ -162,7 +163,10 @@ def stream_config(
 
     ``min_steps`` / ``max_steps`` make the stream SLO-adaptive: the coordinator picks each chunk's steps in that range
     from measured capacity (``Frame.steps`` says what each chunk ran); ``steps_preference`` is "steps_first" (the
-    default: as many steps as capacity allows) or "latency_first" (``min_steps`` always)."""
+    default: as many steps as capacity allows) or "latency_first" (``min_steps`` always).
+
+    ``guidance_scale`` above 1 runs classifier-free guidance against ``negative_prompt`` (left out: the checkpoint's
+    default, else empty); a guidance-distilled checkpoint refuses it with INVALID_ARGUMENT naming the field."""
     msg = pb.StreamConfig(
         prompt=prompt,
         codec=api.codec_value(codec),
@@ -190,6 +194,7 @@ def stream_config(
         pace=pace,
         min_steps=min_steps,
         max_steps=max_steps,
+        negative_prompt=negative_prompt,
     )
     for name, value in optional.items():
         if value is not None:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 from stagecast.sampling import MAX_STEPS, UPDATES, as_f32
 
 POLICIES = ("clean", "per_level")
+MAX_GUIDANCE = 30.0  # classifier-free guidance scales a stream may ask for: [1, MAX_GUIDANCE]
+CFG_BRANCHES = 2  # classifier-free guidance runs a conditional (0) and an unconditional (1) branch
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class StreamSpec:
     # The first chunk of this spec's KV segment (``ChunkSpecs``): under ``per_level`` a step change starts a new
     # segment, where the cache starts empty and RoPE positions restart (a window reset).  0 in an open event.
     segment_start: int = 0
+    # Classifier-free guidance, float32: 1.0 is none.  Above 1 every level runs a conditional branch (the
+    # prompt) and an unconditional one (the negative prompt), combined as u + g * (c - u) before the sampler step.
+    guidance_scale: float = 1.0
 
     def __post_init__(self):
         errors = []
@@ -97,6 +102,10 @@ class StreamSpec:
             errors.append(f"reset_frames must be a positive multiple of chunk_frames, got {self.reset_frames}")
         if self.sampler not in UPDATES:
             errors.append(f"sampler must be 'x0' or 'euler', got {self.sampler!r}")
+        if not (1.0 <= self.guidance_scale <= MAX_GUIDANCE):  # also catches NaN
+            errors.append(f"guidance_scale must be in [1, {MAX_GUIDANCE:g}], got {self.guidance_scale}")
+        else:
+            object.__setattr__(self, "guidance_scale", as_f32(self.guidance_scale))
         if self.num_chunks is not None and self.num_chunks < 1:
             errors.append(f"num_chunks must be >= 1 or None, got {self.num_chunks}")
         if self.segment_start < 0:
@@ -107,6 +116,11 @@ class StreamSpec:
     @property
     def steps(self) -> int:
         return len(self.timesteps)
+
+    @property
+    def cfg(self) -> bool:
+        """Whether the stream runs classifier-free guidance (two branches per micro-step)."""
+        return self.guidance_scale != 1.0
 
     @property
     def levels(self) -> int:
@@ -231,6 +245,8 @@ class PlanEvent:
     stream the input latents of a chunk (``chunk``, ``latents``; planned before the batch that starts it), or close
     a stream.
 
+    A prompt update changes the conditional branch only; a guided stream's negative prompt is fixed at open.
+
     The coordinator makes them, the wire carries them (``stagecast.wire.event_to_proto`` / ``event_from_proto``),
     every stage executes them in ``seq`` order, and the reference executor replays them.  ``text`` (open, prompt)
     and ``latents`` (input) are None in a recorded plan, which keeps only what the schedule was.
@@ -240,6 +256,7 @@ class PlanEvent:
     seq: int = 0
     spec: StreamSpec | None = None
     text: torch.Tensor | None = None
+    negative_text: torch.Tensor | None = None  # "open" of a guided stream: the unconditional branch's text
     steps: tuple[MicroStep, ...] = ()
     stream_id: int | None = None
     from_chunk: int = 0  # "prompt", "steps": the first chunk the change applies to

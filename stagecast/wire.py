@@ -71,6 +71,7 @@ def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
         text_len=spec.text_len,
         input_latents=spec.input_latents,
         image_latents=spec.image_latents,
+        guidance_scale=spec.guidance_scale,
     )
 
 
@@ -94,6 +95,7 @@ def spec_from_proto(msg: pb.StreamSpec) -> StreamSpec:
         text_len=msg.text_len or 512,
         input_latents=msg.input_latents,
         image_latents=msg.image_latents,
+        guidance_scale=float(msg.guidance_scale) if msg.guidance_scale else 1.0,
     )
 
 
@@ -115,6 +117,8 @@ def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
             msg.open.text.CopyFrom(tensor_to_proto(event.text))
         if event.latents is not None:
             msg.open.image.CopyFrom(tensor_to_proto(event.latents))
+        if event.negative_text is not None:
+            msg.open.negative_text.CopyFrom(tensor_to_proto(event.negative_text))
     elif event.kind == "batch":
         msg.batch.steps.extend(step_to_proto(s) for s in event.steps)
     elif event.kind == "close":
@@ -143,7 +147,9 @@ def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
     if kind == "open":
         text = tensor_from_proto(msg.open.text) if msg.open.HasField("text") else None
         image = tensor_from_proto(msg.open.image) if msg.open.HasField("image") else None
-        return PlanEvent("open", spec=spec_from_proto(msg.open.spec), text=text, latents=image, **common)
+        negative = tensor_from_proto(msg.open.negative_text) if msg.open.HasField("negative_text") else None
+        spec = spec_from_proto(msg.open.spec)
+        return PlanEvent("open", spec=spec, text=text, latents=image, negative_text=negative, **common)
     if kind == "batch":
         return PlanEvent("batch", steps=tuple(step_from_proto(s) for s in msg.batch.steps), **common)
     if kind == "close":

@@ -33,6 +33,7 @@ PARITY_MODULES = {
     "test_lora",
     "test_convert",
     "test_sampling",
+    "test_cfg",
 }
 _STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(", ".Process(")
 _kinds: dict[str, set[str]] = {}

@@ -82,3 +82,58 @@ def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
         assert 0 < lat["p50"] <= lat["p95"] <= lat["max"]
     assert r["system"]["throughput"]["input_dropped"] == 0  # backpressure drops nothing
     assert "| v2v throughput |" in proc.stdout and "| v2v live 16 FPS in |" in proc.stdout
+
+
+def test_guidance_rows_count_both_branches_and_the_cfg_table_compares_the_topologies():
+    """The bytes a guided micro-step puts on the data plane: sequential CFG on PP=2 sends both rows' hidden states
+    across the boundary and the latent back; CFG-parallel with PP=1 only swaps one prediction each way.  The report's
+    guidance table names each topology and its GPUs."""
+    import argparse
+
+    from benchmarks.harness import cfg_label, comm_summary
+    from benchmarks.report import tables
+
+    def args(stages, cfg_parallel):
+        return argparse.Namespace(
+            model="wan2.1-1.3b",
+            height=480,
+            width=832,
+            dtype="bfloat16",
+            stages=stages,
+            cfg_parallel=cfg_parallel,
+            guidance=5.0,
+            steps=1,
+        )
+
+    stages = [{"index": i, "mean_wait_ms": 1.0 + i, "mean_exchange_ms": 0.5 * i} for i in range(2)]
+    seq, par = comm_summary(args(2, 1), stages), comm_summary(args(1, 2), stages)
+    hidden = 1560 * 1536 * 2  # 1.3B at 480x832: 1560 tokens of 1536 bf16 values
+    latent, flow = 16 * 60 * 104 * 4, 16 * 60 * 104 * 2
+    assert seq["data_plane_bytes_per_micro_step"] == 2 * hidden + latent and seq["exchange_bytes_per_micro_step"] == 0
+    assert par["data_plane_bytes_per_micro_step"] == par["exchange_bytes_per_micro_step"] == 2 * flow
+    assert seq["exchange_ms_per_batch"] == 0.5 and par["exchange_ms_per_batch"] == 0.5  # the last stages' swaps
+    assert cfg_label(vars(args(1, 2))) == ", guidance 5, CFG-parallel 2 x PP=1"
+
+    def run(a, comm):
+        system = {
+            "steady_fps": 20.0,
+            "whole_fps": 19.0,
+            "ttff_p50_s": 0.5,
+            "ttff_p95_s": 0.6,
+            "time_to_ready_s": 9.0,
+            "main": {"on_time": 1.0, "max_gap_ms": 90, "p99_gap_ms": 80, "gaps_over_250ms": 0, "frames": 960},
+            "lead": {"max": 3, "bound": 4},
+            "first_stream": {"steady_fps": 20.0, "on_time": 1.0, "max_gap_ms": 90, "gaps_over_250ms": 0, "ttff_s": 0.5},
+            "ttff_parts_p50_ms": {},
+            "interactive": {"p50_ms": 1, "p95_ms": 2},
+            "comm": comm,
+        }
+        versions = {k: "x" for k in ("torch", "cuda", "nccl", "diffusers", "driver", "gpu_count", "gpu")}
+        ratios = {"vs_peer": 1.0, "vs_peer_compiled": None, "of_floor": 0.1}
+        return {"args": vars(a), "system": system, "ratios": ratios, "versions": versions, "timesteps": [700.0],
+                "commit": "c", "dirty": False, "command": "cmd", "_file": "f.json"}  # fmt: skip
+
+    text = tables([run(args(2, 1), seq), run(args(1, 2), par)])
+    assert "### Classifier-free guidance: sequential CFG against CFG-parallel" in text
+    assert "| 1.3B @ 832×480, 1 step, guidance 5, sequential CFG on PP=2 | 2 | **20.0** | 500 | 1.00 / 2.00 |" in text
+    assert "| 1.3B @ 832×480, 1 step, guidance 5, CFG-parallel 2 × PP=1 | 2 | **20.0** |" in text

@@ -125,3 +125,46 @@ def test_adaptive_steps_replay_bit_for_bit(policy):
         for g, w in zip(got, want):
             assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
     assert result.ok and result.max_diff == 0.0
+
+
+CFG_CASES = [
+    # stages, partition, cfg_parallel, policy, steps, chunks (> levels x stages: the prompt update lands)
+    (2, "1,3", 1, "per_level", 2, 6),
+    (2, None, 1, "clean", 2, 7),
+    (1, None, 2, "per_level", 2, 6),
+    (2, "1,3", 2, "clean", 2, 7),
+]
+
+
+@pytest.mark.parametrize("stages,partition,cfg_parallel,policy,steps,chunks", CFG_CASES)
+def test_classifier_free_guidance_equals_reference_bit_for_bit(stages, partition, cfg_parallel, policy, steps, chunks):
+    """A guided stream (guidance 5, its own negative prompt) and an unguided one run together (whether they share a
+    batch depends on arrival timing; tests/test_cfg.py holds mixed batches), in one pipeline (sequential CFG: two
+    rows per guided micro-step) or on two stage groups in lockstep (CFG-parallel, where the second group skips the
+    unguided stream); each stream changes its prompt after its first chunk.  Every chunk equals the reference bit
+    for bit."""
+    cfg = SelftestConfig(
+        stages=stages,
+        partition=partition,
+        policy=policy,
+        streams=2,
+        chunks=chunks,
+        steps=steps,
+        batch=4,
+        guidance=[5.0, 1.0],
+        cfg_parallel=cfg_parallel,
+        prompt_update=True,
+    )
+    with Launcher() as launcher:
+        result = execute_selftest(cfg, launcher)
+    specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
+    assert sorted(s.guidance_scale for s in specs.values()) == [1.0, 5.0]
+    assert set(result.negative_texts) == {sid for sid, s in specs.items() if s.cfg}
+    # Each stream's update reached a chunk it still had to start.
+    assert sorted(sid for sid, c in result.prompt_texts if c < specs[sid].num_chunks) == sorted(specs)
+    for sid, want in result.reference.items():
+        got = result.chunks[sid]
+        assert len(got) == len(want) == specs[sid].num_chunks
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
+    assert result.ok and result.max_diff == 0.0

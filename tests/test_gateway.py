@@ -138,10 +138,15 @@ class Reference:
                 events.append(ev)
         return events
 
-    def latents(self, events, sid: int, prompt: str, updates: dict[int, str] | None = None) -> list[torch.Tensor]:
+    def latents(
+        self, events, sid: int, prompt: str, updates: dict[int, str] | None = None, negative: str | None = None
+    ) -> list[torch.Tensor]:
         texts = {sid: self.encoder.encode(prompt)}
         prompt_texts = {(sid, c): self.encoder.encode(p) for c, p in (updates or {}).items()}
-        return ReferenceExecutor(self.dit).replay(events, texts, prompt_texts)[sid]
+        negative_texts = None
+        if negative is not None:
+            negative_texts = {sid: self.encoder.encode_cached(negative, allow_empty=True)[0]}
+        return ReferenceExecutor(self.dit).replay(events, texts, prompt_texts, negative_texts=negative_texts)[sid]
 
     def frames(self, chunks: list[torch.Tensor]) -> list[np.ndarray]:
         """Per chunk, the uint8 frames a fresh StreamVAE decodes (the stream's VAE cache carried across chunks)."""
@@ -207,6 +212,22 @@ def test_a_streams_own_ladder_reaches_every_stage_and_started_echoes_it(main, cl
     want = np.concatenate(reference.frames(reference.latents(events, sid, PROMPT)))[: len(frames)]
     assert _raw(frames).tobytes() == want.tobytes()
     assert _raw(frames).tobytes() != _raw(default_frames).tobytes()
+
+
+def test_guidance_with_a_negative_prompt_equals_the_reference_and_started_echoes_it(main, cluster, reference):
+    """guidance_scale 5 runs a conditional and an unconditional branch per step (the negative prompt, empty when the
+    request sends none and the checkpoint has no default); the frames are the reference's, bit for bit."""
+    kwargs = dict(width=W, height=H, seconds=0.3, codec="raw", seed=5, timeout=TIMEOUT)
+    for negative in ("", OTHER_PROMPT):
+        gen = main.generate(PROMPT, guidance_scale=5.0, negative_prompt=negative or None, **kwargs)
+        frames = gen.collect()
+        assert (gen.info.config.guidance_scale, gen.info.config.negative_prompt) == (5.0, negative)
+        sid = gen.info.pipeline_stream_id
+        events = reference.plan_of(sid)
+        assert events[0].spec.guidance_scale == 5.0
+        want = np.concatenate(reference.frames(reference.latents(events, sid, PROMPT, negative=negative)))
+        assert _raw(frames).tobytes() == want[: len(frames)].tobytes()
+        wait_idle(cluster)
 
 
 def _vae_stage_streams(cluster: Cluster, address: str) -> tuple[int, int]:
@@ -313,7 +334,9 @@ BAD_CONFIGS = [
     ("prompt", dict(prompt="   ")),
     ("prompt", dict(prompt="snow " * 40)),  # 41 tokens; the demo encoder takes 32
     ("codec", dict(codec=99)),  # an enum number this gateway does not know
-    ("guidance_scale", dict(guidance_scale=7.5)),
+    ("guidance_scale", dict(guidance_scale=0.5)),
+    ("negative_prompt", dict(negative_prompt="blurry")),  # no guidance: it would do nothing
+    ("negative_prompt", dict(guidance_scale=5.0, negative_prompt="snow " * 40)),  # 41 tokens; the encoder takes 32
     ("chunk_frames", dict(chunk_frames=0)),
     ("timesteps", dict(timesteps=[400, 700])),  # not descending
     ("timesteps", dict(timesteps=[1500, 700])),  # out of range

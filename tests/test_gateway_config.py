@@ -41,9 +41,15 @@ def test_absent_fields_take_the_defaults_and_the_effective_config_fills_every_fi
     assert (cfg.timesteps, cfg.shift, cfg.update) == ((1000.0, 750.0, 500.0, 250.0), 1.0, "x0")
     echo = cfg.to_proto()
     # Every field is written out, the unbounded window as 0 and the codec's default quality; only seconds stays
-    # absent for a stream that runs until stopped, and the video-to-video fields for a text stream.
+    # absent for a stream that runs until stopped, the video-to-video fields for a text stream, and negative_prompt
+    # for a stream without guidance.
     optional = [f.name for f in echo.DESCRIPTOR.fields if f.has_presence]
-    assert [name for name in optional if not echo.HasField(name)] == ["seconds", "strength", "input_timeout"]
+    assert [name for name in optional if not echo.HasField(name)] == [
+        "seconds",
+        "strength",
+        "input_timeout",
+        "negative_prompt",
+    ]
     assert (echo.window, echo.quality, echo.codec, echo.policy) == (0, 90, pb.CODEC_JPEG, pb.KV_POLICY_PER_LEVEL)
     assert list(echo.timesteps) == [1000.0, 750.0, 500.0, 250.0] and echo.shift == 1.0
     spec = cfg.stream_spec(latent_channels=16, text_len=32)
@@ -70,7 +76,11 @@ def test_a_random_seed_is_chosen_when_none_is_given():
         ("steps", dict(steps=51)),
         ("chunk_frames", dict(chunk_frames=0)),
         ("codec", dict(codec=99)),  # an enum number this gateway does not know
-        ("guidance_scale", dict(guidance_scale=5.0)),
+        ("guidance_scale", dict(guidance_scale=0.5)),
+        ("guidance_scale", dict(guidance_scale=31.0)),
+        ("guidance_scale", dict(guidance_scale=float("nan"))),
+        ("negative_prompt", dict(guidance_scale=5.0, negative_prompt="x" * 20_001)),
+        ("negative_prompt", dict(negative_prompt="blurry")),  # without guidance it would do nothing
         ("target_fps", dict(target_fps=0)),
         ("policy", dict(policy=7)),
         ("window", dict(window=-1)),
@@ -159,3 +169,34 @@ def test_bad_step_bounds_name_their_field(field, kwargs):
     with pytest.raises(ConfigError) as info:
         resolve(**kwargs)
     assert info.value.field == field
+
+
+# ---- classifier-free guidance ---------------------------------------------------------------------------------
+
+
+def test_guidance_takes_the_requests_negative_prompt_or_the_checkpoints_default():
+    cfg = resolve(guidance_scale=5.0, negative_prompt="")
+    assert (cfg.guidance_scale, cfg.negative_prompt) == (5.0, "")
+    assert cfg.stream_spec(latent_channels=16, text_len=32).guidance_scale == 5.0
+    assert cfg.to_proto().negative_prompt == "" and cfg.to_proto().HasField("negative_prompt")
+    msg = stream_config("a cat", guidance_scale=4.5)
+    own = resolve_config(msg, defaults=ServingDefaults(text_len=32, negative_prompt="blurry, static"), model=WAN21)
+    assert (own.guidance_scale, own.negative_prompt) == (4.5, "blurry, static")
+    plain = resolve()
+    assert plain.guidance_scale == 1.0 and not plain.to_proto().HasField("negative_prompt")
+    assert plain.stream_spec(latent_channels=16, text_len=32).cfg is False
+
+
+def test_a_guidance_distilled_checkpoint_refuses_guidance_naming_the_field(tmp_path):
+    (tmp_path / "stagecast.json").write_text('{"guidance_distilled": true, "negative_prompt": "low quality"}')
+    defaults = ServingDefaults.load(tmp_path)
+    assert defaults.guidance_distilled and defaults.negative_prompt == "low quality"
+    with pytest.raises(ConfigError, match="guidance_scale: this checkpoint is guidance-distilled"):
+        resolve_config(stream_config("a cat", guidance_scale=5.0), defaults=defaults, model=WAN21)
+    assert resolve_config(stream_config("a cat", guidance_scale=1.0), defaults=defaults, model=WAN21).seed >= 0
+    (tmp_path / "stagecast.json").write_text('{"negative_prompt": ' + '"' + "x" * 20_001 + '"}')
+    with pytest.raises(ValueError, match="negative_prompt: must be a string of at most 20000 characters"):
+        ServingDefaults.load(tmp_path)
+    (tmp_path / "stagecast.json").write_text('{"guidance_distilled": "yes"}')
+    with pytest.raises(ValueError, match="guidance_distilled: must be true or false"):
+        ServingDefaults.load(tmp_path)

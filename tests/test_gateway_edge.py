@@ -264,7 +264,7 @@ def test_undecodable_bytes_get_invalid_argument_and_no_traceback(edge, data):
 
 
 def test_a_request_over_the_largest_legal_message_is_refused(edge):
-    # The largest legal request is about 96 KiB; 1 MiB (and far more before) used to be parsed.
+    # The largest legal request is about 172 KiB; 1 MiB (and far more before) used to be parsed.
     for size in (1 << 20, 16 << 20):
         err = _raw_generate(edge.address, [b"\x0a" + b"\xff" * 5 + b"\x0f" + os.urandom(size)])
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (size, err.code(), err.details())

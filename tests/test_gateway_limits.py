@@ -30,6 +30,7 @@ from stagecast import api
 from stagecast.client import stream_config
 from stagecast.frames import StreamInfo
 from stagecast.media import DEFAULT_CRF, make_encoder, quality_to_crf
+from stagecast.microstep import MAX_GUIDANCE
 from stagecast.v1 import stream_pb2 as pb
 
 WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
@@ -63,7 +64,7 @@ def test_the_largest_legal_request_fits_the_public_message_limit():
         chunk_frames=MAX_CHUNK_FRAMES,
         steps=MAX_STEPS,
         seed=-(2**63),
-        guidance_scale=1.0,
+        guidance_scale=MAX_GUIDANCE,
         target_fps=MAX_FPS,
         policy="clean",
         window=MAX_WINDOW,
@@ -71,9 +72,10 @@ def test_the_largest_legal_request_fits_the_public_message_limit():
         quality=100,
         timesteps=[1000.0 - 19.5 * i for i in range(MAX_STEPS)],
         shift=1.0,
+        negative_prompt=widest,
     )
     size = pb.ClientMessage(config=cfg).ByteSize()
-    assert 4 * MAX_PROMPT_CHARS < size <= MAX_REQUEST_BYTES < 2 * size  # sized to it, not far above it
+    assert 2 * 4 * MAX_PROMPT_CHARS < size <= MAX_REQUEST_BYTES < 2 * size  # sized to it, not far above it
     assert pb.ClientMessage(prompt=pb.PromptUpdate(prompt=widest)).ByteSize() <= MAX_REQUEST_BYTES
 
 

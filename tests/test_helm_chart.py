@@ -269,6 +269,16 @@ def test_stage_pods_get_index_and_rendezvous(helm, name):
     assert ports == {"grpc": v["stages"]["port"], "metrics": v["metrics"]["port"], "health": health}
 
 
+def test_cfg_parallel_runs_two_pipelines_of_stage_pods(helm):
+    r = render(helm, stages={"count": 2, "cfgParallel": 2})
+    assert r.component("StatefulSet", "stage")["spec"]["replicas"] == 4
+    args = main_container(r.component("Deployment", "coordinator"))["args"]
+    assert arg_value(args, "--stages") == "2" and arg_value(args, "--cfg-parallel") == "2"
+    plain = main_container(render(helm).component("Deployment", "coordinator"))["args"]
+    assert "--cfg-parallel" not in plain
+    assert "cfgParallel" in render_error(helm, stages={"count": 2, "cfgParallel": 3})
+
+
 @pytest.mark.parametrize("name", list(VALUES_FILES))
 def test_coordinator_and_gateway_arguments(helm, name):
     r = render(helm, name)

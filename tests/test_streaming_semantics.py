@@ -160,11 +160,11 @@ def test_kv_memory_is_bounded_by_the_window_and_freed_on_close(tiny_model):
         batch = sched.tick()
         if batch:
             ref.run_batch(batch)
-            sizes.append(ref.runner.streams[1].kv.nbytes)
+            sizes.append(ref.runner.streams[1].kv[0].nbytes)
     per_frame = 2 * 4 * TPF * model.config.num_attention_heads * model.config.attention_head_dim * 4  # k+v, layers
     assert max(sizes) <= spec.steps * spec.window * per_frame
     assert max(sizes) == spec.steps * spec.window * per_frame  # the window does fill up
-    kv = ref.runner.streams[1].kv
+    kv = ref.runner.streams[1].kv[0]
     assert all(kv.frames_held(r) == [0, 10, 11] for r in range(spec.steps))
     ref.runner.close_stream(1)
     assert ref.runner.streams == {}

@@ -77,7 +77,7 @@ STEPS_PREFERENCE_STEPS_FIRST: StepsPreference
 STEPS_PREFERENCE_LATENCY_FIRST: StepsPreference
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference", "negative_prompt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class StreamConfig(_message.Message):
     MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -126,7 +127,8 @@ class StreamConfig(_message.Message):
     min_steps: int
     max_steps: int
     steps_preference: StepsPreference
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ..., pace: _Optional[bool] = ..., min_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., steps_preference: _Optional[_Union[StepsPreference, str]] = ...) -> None: ...
+    negative_prompt: str
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ..., pace: _Optional[bool] = ..., min_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., steps_preference: _Optional[_Union[StepsPreference, str]] = ..., negative_prompt: _Optional[str] = ...) -> None: ...
 
 class InputFrame(_message.Message):
     __slots__ = ("data", "format", "pts")

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents", "image_latents")
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents", "image_latents", "guidance_scale")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class StreamSpec(_message.Message):
     TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     INPUT_LATENTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_LATENTS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     latent_channels: int
     chunk_frames: int
@@ -52,7 +53,8 @@ class StreamSpec(_message.Message):
     text_len: int
     input_latents: bool
     image_latents: bool
-    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ..., image_latents: _Optional[bool] = ...) -> None: ...
+    guidance_scale: float
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ..., image_latents: _Optional[bool] = ..., guidance_scale: _Optional[float] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
@@ -65,14 +67,16 @@ class MicroStep(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., chunk: _Optional[int] = ..., level: _Optional[int] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("spec", "text", "image")
+    __slots__ = ("spec", "text", "image", "negative_text")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_TEXT_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     image: Tensor
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    negative_text: Tensor
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("steps",)
@@ -203,7 +207,7 @@ class ResultsRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("generation", "rank", "world_size", "backend", "layer_start", "layer_stop", "sp")
+    __slots__ = ("generation", "rank", "world_size", "backend", "layer_start", "layer_stop", "sp", "cfg_parallel")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +215,7 @@ class Rendezvous(_message.Message):
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
     SP_FIELD_NUMBER: _ClassVar[int]
+    CFG_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
     world_size: int
@@ -218,7 +223,8 @@ class Rendezvous(_message.Message):
     layer_start: int
     layer_stop: int
     sp: int
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ...) -> None: ...
+    cfg_parallel: int
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
     __slots__ = ("rank", "load_seconds")
@@ -313,10 +319,11 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "image", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first")
+    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_TEXT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGES_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -326,13 +333,14 @@ class OpenStreamRequest(_message.Message):
     spec: StreamSpec
     text: Tensor
     image: Tensor
+    negative_text: Tensor
     traceparent: str
     acknowledges: bool
     consumer_depth: int
     chunk_rate: float
     ladders: _containers.RepeatedCompositeFieldContainer[Ladder]
     latency_first: bool
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ...) -> None: ...
 
 class Ladder(_message.Message):
     __slots__ = ("timesteps",)
@@ -433,7 +441,7 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +450,7 @@ class ClusterStatus(_message.Message):
     STAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CFG_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -450,4 +459,5 @@ class ClusterStatus(_message.Message):
     stage_stats: _containers.RepeatedCompositeFieldContainer[StageStats]
     streams: _containers.RepeatedCompositeFieldContainer[StreamProgress]
     capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
+    cfg_parallel: int
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
