@@ -273,7 +273,14 @@ class PipelineEngine(Generations):
         by_steps = _ladders(spec, ladders)
         cfg = self.model_config()
         with self.cond:
-            newcomer = Demand(0, chunk_rate, tuple(by_steps), clean=spec.policy == "clean", latency_first=latency_first)
+            newcomer = Demand(
+                0,
+                chunk_rate,
+                tuple(by_steps),
+                clean=spec.policy == "clean",
+                latency_first=latency_first,
+                rows=self._rows(spec),
+            )
             state = AdmissionState(
                 ready=self.ready,
                 registered=len([r for r in self.registry.records() if not r.lost]),
@@ -516,7 +523,13 @@ class PipelineEngine(Generations):
             steps=session.steps,
             clean=session.spec.policy == "clean",
             latency_first=session.latency_first,
+            rows=self._rows(session.spec),
         )
+
+    def _rows(self, spec: StreamSpec) -> int:
+        """Batch rows a micro-step of the stream takes on a stage: a guided stream's two branches in one pipeline
+        (under CFG-parallel each group runs one)."""
+        return 2 if spec.cfg and self.registry.cfg_parallel == 1 else 1
 
     def _demands(self) -> list[Demand]:
         return [self._demand(s) for s in sorted(self.sessions.values(), key=lambda s: s.id) if not s.ended]

@@ -50,6 +50,7 @@ class Demand:
     steps: int = 0  # what it runs now (0: not decided yet: its max)
     clean: bool = False  # the clean KV policy adds one pass per chunk
     latency_first: bool = False  # hold min_steps; spare capacity goes to latency, not steps
+    rows: int = 1  # batch rows per micro-step: 2 for a guided stream in one pipeline (sequential CFG)
 
     def __post_init__(self) -> None:
         if not self.allowed or any(s < 1 for s in self.allowed):
@@ -70,8 +71,8 @@ class Demand:
         return steps + (1 if self.clean else 0)
 
     def load(self, steps: int) -> float:
-        """Micro-steps per second at ``steps``."""
-        return self.chunk_rate * self.levels(steps)
+        """Batch rows per second at ``steps`` (micro-steps, twice for sequential CFG's two branches)."""
+        return self.chunk_rate * self.levels(steps) * self.rows
 
 
 @dataclass

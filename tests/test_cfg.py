@@ -178,3 +178,11 @@ def test_an_open_event_carries_the_guidance_scale_and_the_negative_text_over_the
     assert torch.equal(back.text, text) and torch.equal(back.negative_text, negative)
     plain = wire.event_from_proto(wire.event_to_proto(PlanEvent("open", seq=4, spec=make_spec(), text=text), 1))
     assert plain.negative_text is None and plain.spec.guidance_scale == 1.0
+
+
+def test_the_slo_controller_counts_a_guided_stream_in_one_pipeline_as_two_rows_per_micro_step():
+    from coordinator.slo import Demand
+
+    plain = Demand(1, chunk_rate=4.0, allowed=(2,))
+    guided = Demand(2, chunk_rate=4.0, allowed=(2,), rows=2)
+    assert plain.load(2) == 8.0 and guided.load(2) == 16.0

@@ -277,6 +277,8 @@ def test_cfg_parallel_runs_two_pipelines_of_stage_pods(helm):
     plain = main_container(render(helm).component("Deployment", "coordinator"))["args"]
     assert "--cfg-parallel" not in plain
     assert "cfgParallel" in render_error(helm, stages={"count": 2, "cfgParallel": 3})
+    both = {"count": 2, "cfgParallel": 2, "sp": 2, "cudaGraphs": False}
+    assert "does not compose with stages.sp" in render_error(helm, stages=both)
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))

@@ -258,6 +258,9 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and (gt (int ($v.stages.sp | default 1)) 1) $v.stages.cudaGraphs (eq $v.device "cuda") -}}
 {{- fail "stagecast: stages.cudaGraphs is not supported with stages.sp > 1 yet: turn one of them off" -}}
 {{- end -}}
+{{- if and (gt (int ($v.stages.sp | default 1)) 1) (gt (int ($v.stages.cfgParallel | default 1)) 1) -}}
+{{- fail "stagecast: stages.cfgParallel 2 does not compose with stages.sp > 1 yet: set one of them to 1" -}}
+{{- end -}}
 {{- if gt $count $numLayers -}}
 {{- fail (printf "stagecast: stages.count (%d) cannot exceed model.numLayers (%d): every stage needs at least one transformer block" $count $numLayers) -}}
 {{- end -}}
