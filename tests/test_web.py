@@ -21,6 +21,7 @@ from launcher.demo_checkpoint import DEMO_SERVING
 from stagecast.media import read_mp4_frames
 from tests.web_cluster import MAX_PEERS, PEER_TIMEOUT, web_cluster
 from web.rtc import MAX_SDP_BYTES, use_ice_hosts
+from web.session import MAX_MESSAGES_PER_S
 from web.viewer import OfferRefused, PatternCamera, RtcViewer, post_offer
 
 pytestmark = pytest.mark.multiprocess
@@ -279,3 +280,27 @@ def test_with_tokens_the_web_edge_refuses_strangers_before_any_webrtc_work(syste
     assert "a valid bearer token is required" in refused[0][1] and "'ops' may not generate" in refused[2][1]
     assert end["reason"] == "completed" and end["frames"] == 8
     assert socket == [{"type": "error", "code": "UNAUTHENTICATED", "message": refused[0][1]}]
+
+
+def test_a_flood_of_control_messages_is_refused_past_the_rate_and_the_peer_goes_on(system):
+    config = {"type": "config", "prompt": PROMPT, "seconds": 0.5}
+
+    async def scenario():
+        async with RtcViewer(system.url, ping=False) as viewer:
+            for _ in range(MAX_MESSAGES_PER_S + 10):
+                viewer.send({"type": "ping"})
+            seen = [await viewer.wait_for("error")]
+            viewer.send(config)
+            while not (seen[-1]["type"] == "end" and seen[-1]["reason"] == "completed"):  # a replaced one: cancelled
+                seen.append(await asyncio.wait_for(viewer.messages.get(), 120))
+                if seen[-1]["type"] == "error" and not any(m["type"] == "started" for m in seen):
+                    # The burst's tail and the config may share a second: the config is refused too, so it is
+                    # sent again in the next second (the rate is per second; this waits for it, not for an event).
+                    await asyncio.sleep(1.0)
+                    viewer.send(config)
+            return seen
+
+    seen = run(scenario())
+    errors = [m["message"] for m in seen if m["type"] == "error"]
+    assert set(errors) == {f"message: more than {MAX_MESSAGES_PER_S} control messages a second"}
+    assert seen[-1]["reason"] == "completed"

@@ -135,6 +135,8 @@ async def serve_socket(
                 return f"socket error: {ws.exception()}"
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 continue
+            if not session.admit():
+                continue
             try:
                 control = parse_message(msg.data)
             except BadMessage as exc:

@@ -176,6 +176,8 @@ class RtcPeer:
             @channel.on("message")
             def on_message(data) -> None:
                 self._alive()
+                if not self.session.admit():
+                    return
                 try:
                     msg = parse_message(data)
                 except BadMessage as exc:

@@ -90,15 +90,15 @@ class WebApp:
 
     # ---- auth ----------------------------------------------------------------------------------------------
 
-    def check_token(self, token: str | None) -> str | None:
-        """None when ``token`` may generate; else what is wrong (the gateway's wording)."""
+    def token_problem(self, token: str | None) -> tuple[int, str] | None:
+        """None when ``token`` may generate; else the HTTP status and what is wrong (the gateway's wording)."""
         if self.auth is None:
             return None
         who = self.auth.principal([("authorization", f"Bearer {token}")]) if token and token.strip() else None
         if who is None:
-            return "a valid bearer token is required (Authorization: Bearer <token>)"
+            return 401, "a valid bearer token is required (Authorization: Bearer <token>)"
         if not who.may_generate:
-            return f"token of tenant {who.tenant!r} may not generate"
+            return 403, f"token of tenant {who.tenant!r} may not generate"
         return None
 
     def client_for(self, token: str | None):
@@ -150,9 +150,9 @@ class WebApp:
     async def offer(self, request: web.Request) -> web.Response:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        problem = self.check_token(token.strip() if scheme.lower() == "bearer" else None)
+        problem = self.token_problem(token.strip() if scheme.lower() == "bearer" else None)
         if problem is not None:
-            return _refuse(403 if "may not" in problem else 401, problem)
+            return _refuse(*problem)
         if (full := self._full()) is not None:
             return full
         if request.content_length is not None and request.content_length > MAX_SDP_BYTES + 4096:
@@ -195,7 +195,8 @@ class WebApp:
         def authorize(token: str | None) -> str | None:
             token_holder[0] = token
             timer.cancel()
-            return self.check_token(token)
+            problem = self.token_problem(token)
+            return problem[1] if problem else None
 
         def make_session(sink, send, fatal):
             return Session(lambda: self.client_for(token_holder[0])(), sink, send, codec="h264", on_fatal=fatal)

@@ -29,6 +29,7 @@ from web.control import BadMessage, ControlMessage
 logger = logging.getLogger(__name__)
 
 MAX_BAD_MESSAGES = 50  # a peer that keeps sending junk is closed after this many
+MAX_MESSAGES_PER_S = 30  # control messages a peer may send per second (the page sends about one)
 MAX_QUEUED_INPUT = 4  # webcam frames waiting for gRPC; a live source drops beyond this rather than fall behind
 
 
@@ -69,6 +70,7 @@ class Session:
         self.bad_messages = 0
         self.info: StreamInfo | None = None  # the running stream's, once started
         self.stopping = False
+        self._window = (0.0, 0)  # (start of the current second, messages in it)
         self.input_sent = 0
         self.input_dropped = 0
         # The camera's clock from its first frame on this peer: every stream's input pts are on it.
@@ -85,6 +87,18 @@ class Session:
         self.send({"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)})
         if self.bad_messages >= MAX_BAD_MESSAGES and self.on_fatal is not None:
             self.on_fatal(f"{self.bad_messages} malformed control messages")
+
+    def admit(self) -> bool:
+        """Whether one more control message fits this second's budget; one that does not is refused as junk."""
+        now = time.monotonic()
+        start, count = self._window
+        if now - start >= 1.0:
+            start, count = now, 0
+        self._window = (start, count + 1)
+        if count < MAX_MESSAGES_PER_S:
+            return True
+        self.refuse(BadMessage(f"message: more than {MAX_MESSAGES_PER_S} control messages a second"))
+        return False
 
     async def handle(self, msg: ControlMessage) -> None:
         async with self._lock:
