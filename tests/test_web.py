@@ -304,3 +304,23 @@ def test_a_flood_of_control_messages_is_refused_past_the_rate_and_the_peer_goes_
     errors = [m["message"] for m in seen if m["type"] == "error"]
     assert set(errors) == {f"message: more than {MAX_MESSAGES_PER_S} control messages a second"}
     assert seen[-1]["reason"] == "completed"
+
+
+def test_a_websocket_peer_that_stops_answering_pings_has_its_stream_freed_within_seconds(system):
+    async def scenario():
+        ws_url = urllib.parse.urljoin(system.url.replace("http", "ws", 1), "api/ws")
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(ws_url, autoping=False)  # a peer gone silent: no pongs from here on
+            await ws.send_str(json.dumps({"type": "config", "prompt": PROMPT}))
+            while (await ws.receive()).type != aiohttp.WSMsgType.BINARY:  # until media flows
+                pass
+            assert await asyncio.to_thread(active_streams, system) == 1
+            t0 = time.monotonic()
+            await asyncio.to_thread(wait_streams, system, lambda n: n == 0, 30)
+            freed = time.monotonic() - t0
+            await ws.close()
+            return freed
+
+    freed = run(scenario())
+    print(f"silent WebSocket's stream freed {freed:.2f} s after its media began (peer timeout {PEER_TIMEOUT} s)")
+    assert freed < PEER_TIMEOUT + 3.0
