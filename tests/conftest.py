@@ -35,7 +35,7 @@ PARITY_MODULES = {
     "test_sampling",
     "test_cfg",
 }
-_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(", ".Process(")
+_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(", ".Process(", "web_cluster(")
 _kinds: dict[str, set[str]] = {}
 
 
