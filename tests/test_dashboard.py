@@ -77,6 +77,8 @@ def exported_metric_names() -> set[str]:
         ready=False,
         generation=0,
         links=[],
+        capacity=lambda: [(1, 3)],  # the SLO model's gauges are exported once it has stage times
+        utilization=lambda: 0.5,
     )
     coordinator = CoordinatorTelemetry()
     coordinator.bind(engine)
