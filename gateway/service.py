@@ -613,6 +613,7 @@ class StreamServicer:
     def _open(self, cfg, context, t0: float, rpc_span, release) -> StreamRun:
         """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
         gw = self.gw
+        retry_after = None  # a capacity refusal's retry delay, from the coordinator's status details
         try:
             text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span)
             negative = None
