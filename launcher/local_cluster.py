@@ -198,7 +198,24 @@ def web_args(gateway: str, host: str, port: int, tokens: str | None = None, gate
         args += ["--tokens", tokens]
     if gateway_ca:
         args += ["--gateway-ca", gateway_ca]
+        name = certificate_name(gateway_ca)
+        if name:
+            args += ["--gateway-tls-name", name]
     return args
+
+
+def certificate_name(pem_file: str) -> str | None:
+    """The first DNS name of a PEM certificate (None without one): what a client on 127.0.0.1 must expect."""
+    from cryptography import x509
+
+    with open(pem_file, "rb") as f:
+        cert = x509.load_pem_x509_certificate(f.read())
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    dns = names.get_values_for_type(x509.DNSName)
+    return dns[0] if dns else None
 
 
 def check_layout(checkpoint: str, stages: int, sp: int) -> None:

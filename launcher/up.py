@@ -92,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
-    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port), ("web", args.web_port)):
+    web_port = args.web_port if args.gateway_port >= 0 else -1  # the page needs the gateway
+    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port), ("web", web_port)):
         try:
             check_port_free(args.host, max(port, 0))  # before anything starts: fail at once
         except AddressInUseError as exc:

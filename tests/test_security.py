@@ -259,6 +259,33 @@ def test_one_tenant_cannot_see_stop_or_reprompt_another_tenants_stream(deploymen
             assert gen.end is not None and gen.end.reason == "stopped"
 
 
+def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deployment):
+    """``stagecast web`` in front of the TLS + tokens gateway: a browser's token is checked at the web edge and
+    carried to the gateway; no token is refused before any WebRTC work."""
+    import asyncio
+
+    from web.rtc import use_ice_hosts
+    from web.viewer import OfferRefused, RtcViewer
+
+    use_ice_hosts(["127.0.0.1"])
+    tokens = deployment["tmp"] / "tokens"
+    args = ["web", "--gateway", deployment["gateway"], "--gateway-ca", str(deployment["public_ca"])]
+    args += ["--tokens", str(tokens), "--port", "0"]
+    url = deployment["launcher"].spawn("web", args).info["url"]
+
+    async def scenario():
+        with pytest.raises(OfferRefused) as refused:
+            await RtcViewer(url).connect()
+        async with RtcViewer(url, token=TOKENS["alice"]) as viewer:
+            viewer.send({"type": "config", "prompt": "a red fox", "seconds": 0.5})
+            return refused.value, await viewer.wait_for("end", timeout=TIMEOUT)
+
+    refused, end = asyncio.run(scenario())
+    assert refused.status == 401
+    # The gateway wants TLS and a token for every call: the stream ran on alice's token, over TLS.
+    assert end == {"type": "end", "reason": "completed", "frames": 8}
+
+
 def test_the_rendezvous_store_implements_what_torch_distributed_asks():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     rpb_grpc.add_RendezvousServiceServicer_to_server(RendezvousServicer(), server)
@@ -324,11 +351,11 @@ def test_no_socket_of_stagecast_up_listens_outside_loopback():
         metrics = _free_port_block(5)
         args = ["up", "--checkpoint", tmp, "--stages", "2", "--host", "127.0.0.1", "--port", "0"]
         args += ["--gateway-port", "0", "--metrics-port", str(metrics), "--credentials", launcher.credentials]
-        up = launcher.spawn("up", args)
+        up = launcher.spawn("up", [*args, "--web-port", "0"])  # the live page's sockets are checked too
         with stagecast.Client(up.info["gateway"]) as client:  # the data plane has formed and carried a clip
             assert len(client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()) == 8
         tree = process_tree(up.pid)
-        assert len(tree) >= 5  # up, coordinator, 2 stages, gateway
+        assert len(tree) >= 6  # up, coordinator, 2 stages, gateway, web
         sockets = listening_sockets(tree)
         # gRPC (coordinator, stages, gateway), metrics (4) and the data plane's listeners are all there ...
         ports = {port for _, _, port in sockets}

@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key", default=None, help="the page's TLS key (PEM)")
     p.add_argument("--gateway-tls", action="store_true", help="the gateway speaks TLS (system roots)")
     p.add_argument("--gateway-ca", default=None, help="PEM file of the CA of the gateway's TLS certificate")
+    p.add_argument(
+        "--gateway-tls-name",
+        default=None,
+        help="the name the gateway's TLS certificate holds, when --gateway addresses it otherwise (e.g. 127.0.0.1)",
+    )
     p.add_argument("--max-peers", type=int, default=4, help="browsers connected at once (WebRTC and WebSocket)")
     p.add_argument("--peer-timeout", type=float, default=5.0, help="seconds of silence after which a peer is gone")
     p.set_defaults(run=main)
@@ -97,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         gateway_tls=args.gateway_tls,
         gateway_ca=args.gateway_ca,
+        gateway_tls_name=args.gateway_tls_name,
         ice_hosts=ice_hosts(args.host, args.ice_host),
         ice_servers=servers,
         max_peers=args.max_peers,

@@ -60,6 +60,7 @@ class WebConfig:
     tokens: str | None = None  # bearer-token file (the gateway's), or None: anyone may use the page
     gateway_tls: bool = False
     gateway_ca: str | None = None  # PEM file of the gateway's CA
+    gateway_tls_name: str | None = None  # the name in the gateway's certificate, when the address is another
     ice_hosts: list[str] = field(default_factory=list)  # host candidates to offer (empty: aioice's choice)
     ice_servers: list[RTCIceServer] = field(default_factory=list)  # TURN (or STUN) for peers behind NAT
     max_peers: int = 4  # WebRTC and WebSocket peers together
@@ -102,12 +103,16 @@ class WebApp:
         return None
 
     def client_for(self, token: str | None):
+        name = self.cfg.gateway_tls_name
+        options = [("grpc.ssl_target_name_override", name)] if name else []
+
         def open_client() -> AsyncClient:
             return AsyncClient(
                 self.cfg.gateway,
                 token=token if self.auth is not None else None,
                 tls=self.cfg.gateway_tls or None,
                 root_certificates=self.cfg.gateway_ca,
+                options=options,
             )
 
         return open_client
