@@ -848,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds, args.first_seconds, args.ttff_runs, args.peer_chunks = 2.0, 1.0, 2, 2
         args.steps, args.window, args.sink, args.codec = 2, 2, 1, "raw"
         args.interactive_updates, args.load, args.load_seconds = 2, "1,2", 1.0
+        args.load_min_steps = args.load_min_steps or 1  # the load rows' path: paced, SLO-adaptive (1..2 steps)
         args.no_compiled_peer = True
     args.load = [int(x) for x in args.load.split(",")] if args.load else []
     if args.cfg_parallel > 1 and args.guidance <= 1.0:

@@ -47,6 +47,11 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     assert len(s["interactive"]["latencies_ms"]) == 2 and all(x > 0 for x in s["interactive"]["latencies_ms"])
     assert [row["streams"] for row in s["load"]] == [1, 2]
     assert all(row["failed"] == 0 and row["aggregate_fps"] > 0 for row in s["load"])
+    # Load rows run paced and SLO-adaptive: each says the streams held and refused and the steps its frames ran.
+    for row in s["load"]:
+        assert row["refused"] == 0 and 0 <= row["held"] <= row["streams"]
+        assert len(row["steps"]) == row["streams"] and all(set(map(int, st)) <= {1, 2} for st in row["steps"])
+    assert "capacity_streams" in s
     assert len(s["stages"]) == 2 and all(x["batches"] > 0 for x in s["stages"])
     assert r["peer"]["fps"] > 0 and r["peer_compiled"] is None  # the compiled peer runs on GPUs only
     assert r["floor"]["fps"] > 0 and r["floor"]["tflop_per_video_frame"] > 0
