@@ -21,6 +21,8 @@ def test_the_four_kinds_parse_into_sdk_arguments():
     assert parse_message('{"type": "ping"}').kind == "ping"
     ws = parse_message(json.dumps({"type": "config", "prompt": "x", "token": "t" * 20, "strength": 500}))
     assert ws.token == "t" * 20 and ws.config == {"prompt": "x", "strength": 500}  # the token is not a config field
+    cfg = parse_message(json.dumps({"type": "config", "prompt": "x", "guidance_scale": 3, "negative_prompt": "blur"}))
+    assert cfg.config == {"prompt": "x", "guidance_scale": 3, "negative_prompt": "blur"}
 
 
 @pytest.mark.parametrize(

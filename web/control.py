@@ -45,6 +45,9 @@ CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
     # Video-to-video (the webcam): the ladder timestep the input is noised to, and when a silent input ends it.
     "strength": (int, float),
     "input_timeout": (int, float),
+    # Classifier-free guidance, for checkpoints that are not guidance-distilled.
+    "guidance_scale": (int, float),
+    "negative_prompt": (str,),
 }
 KINDS = ("config", "prompt", "stop", "ping")
 

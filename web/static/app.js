@@ -37,6 +37,8 @@ function config() {
   if (size) { const [w, h] = size.split("x").map(Number); cfg.width = w; cfg.height = h; }
   const seed = $("seed").value; if (seed) cfg.seed = parseInt(seed, 10);
   const seconds = $("seconds").value; if (seconds && Number(seconds) > 0) cfg.seconds = Number(seconds);
+  const guidance = $("guidance").value; if (guidance) cfg.guidance_scale = Number(guidance);
+  if ($("negative").value && guidance && Number(guidance) > 1) cfg.negative_prompt = $("negative").value;
   if ($("webcam").checked) {  // video-to-video: the input is the clock, so no seconds
     delete cfg.seconds;
     if ($("strength").value) cfg.strength = Number($("strength").value);
