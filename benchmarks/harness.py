@@ -427,6 +427,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         max_streams=max(16, max(args.load or [1]) + 2),
         record_plan=True,  # the interactive-latency measurement reads each prompt update's first chunk from it
         cuda_graphs=args.cuda_graphs and device_kind == "cuda",
+        coordinator_args=["--vae-ms-per-chunk", str(args.slo_vae_ms)] if args.slo_vae_ms else [],
     )
     ranks = gpus_of(args)  # one GPU per stage rank
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
@@ -825,6 +826,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="load rows' streams are SLO-adaptive: min_steps this, max_steps --steps (default: fixed --steps)",
+    )
+    ap.add_argument(
+        "--slo-vae-ms",
+        type=float,
+        default=0.0,
+        help="the coordinator's --vae-ms-per-chunk: the VAE's ms per chunk on each GPU, in the SLO controller's model",
     )
     ap.add_argument("--load-seconds", type=float, default=20.0, help="video per stream in a load row")
     ap.add_argument("--peer-chunks", type=int, default=8)

@@ -51,6 +51,13 @@ def add_parser(sub) -> None:
         "starts once they are measured)",
     )
     p.add_argument(
+        "--vae-ms-per-chunk",
+        type=float,
+        default=0.0,
+        help="SLO controller: ms of each stage GPU one chunk's VAE decode takes (the gateway's VAE split over the "
+        "stage GPUs), counted per chunk whatever its steps; 0: not counted",
+    )
+    p.add_argument(
         "--slo-fixed",
         action="store_true",
         help="the SLO controller keeps the --stage-ms calibration and ignores measured batches (tests, what-ifs)",
@@ -101,6 +108,7 @@ def _options(args: argparse.Namespace, mtls):
         playout_s=args.playout_s,
         stage_ms=_stage_ms(args.stage_ms, args.stages),
         slo_learn=not args.slo_fixed,
+        vae_ms_per_chunk=args.vae_ms_per_chunk,
         metrics_port=args.metrics_port,
         mtls=mtls,
         metrics_host=args.metrics_host,

@@ -152,6 +152,7 @@ class PipelineEngine(Generations):
         stage_ms: list[float] | None = None,
         slo_interval_s: float = 1.0,
         slo_learn: bool = True,
+        vae_ms_per_chunk: float = 0.0,
     ):
         self.registry = registry
         # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
@@ -171,7 +172,7 @@ class PipelineEngine(Generations):
         self.clock = clock
         self._idle_ticks = 0
         # The SLO controller's model of stage time per batch: the --stage-ms calibration, then measured batches.
-        self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms)
+        self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk)
         self.controller = SloController(self.cost)
         self.slo_interval_s = slo_interval_s
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches

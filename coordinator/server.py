@@ -65,6 +65,7 @@ class CoordinatorOptions:
     playout_s: float = 0.5  # how far ahead of its real-time slot a paced stream may start a chunk
     stage_ms: list[float] | None = None  # SLO controller calibration: ms per batch of one per stage (None: measure)
     slo_learn: bool = True  # False: the controller keeps the calibration instead of learning from measured batches
+    vae_ms_per_chunk: float = 0.0  # SLO controller: each chunk's VAE decode on each stage GPU (0: not counted)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -246,6 +247,7 @@ class Coordinator:
             playout_s=opts.playout_s,
             stage_ms=opts.stage_ms,
             slo_learn=opts.slo_learn,
+            vae_ms_per_chunk=opts.vae_ms_per_chunk,
         )
         servicer = CoordinatorServicer(self.registry, self.engine, opts.mtls)
         self.server, self.health, self.port = make_server(

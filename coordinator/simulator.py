@@ -233,14 +233,14 @@ class ControllerRow:
 
 
 def simulate_controller(
-    cfg: SimConfig, *, min_steps: int = 1, fps: float = 16.0, frames_per_chunk: int = 4
+    cfg: SimConfig, *, min_steps: int = 1, fps: float = 16.0, frames_per_chunk: int = 4, vae_ms: float = 0.0
 ) -> tuple[list[ControllerRow], dict[int, float]]:
     """Streams arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks steps.
     Returns the rows and the capacity (streams at ``fps``) of an empty pipeline per step count."""
     from coordinator.slo import CostModel, Demand, SloController
 
     stage_ms = cfg.stage_ms or [10.0] * cfg.stages
-    cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth)
+    cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth, chunk_ms=vae_ms)
     ctl = SloController(cost)
     rate = fps / frames_per_chunk
     allowed = tuple(range(min_steps, cfg.steps + 1))
@@ -316,6 +316,9 @@ def add_simulate_parser(sub) -> None:
     )
     p.add_argument("--min-steps", type=int, default=1, help="--controller: the fewest steps a stream may run")
     p.add_argument("--fps", type=float, default=16.0, help="--controller: each stream's frame rate (4 frames/chunk)")
+    p.add_argument(
+        "--vae-ms-per-chunk", type=float, default=0.0, help="--controller: VAE ms per chunk on each stage GPU"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -370,7 +373,10 @@ def _controller_main(cfg: SimConfig, args: argparse.Namespace) -> int:
     if not 0 < args.fps <= 240:
         print("stagecast simulate: error: --fps must be in (0, 240]")
         return 2
-    rows, capacity = simulate_controller(cfg, min_steps=args.min_steps, fps=args.fps)
+    if not 0 <= args.vae_ms_per_chunk < 1e5:
+        print("stagecast simulate: error: --vae-ms-per-chunk must be in [0, 100000)")
+        return 2
+    rows, capacity = simulate_controller(cfg, min_steps=args.min_steps, fps=args.fps, vae_ms=args.vae_ms_per_chunk)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "capacity": capacity}, indent=2))
         return 0

@@ -9,7 +9,9 @@ Usage (the engine calls it under its lock; ``stagecast simulate --controller`` d
     ctl.admits(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)                       # capacity admission
     ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1)                               # streams at 16 FPS left
 
-**The model.** A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
+**The model.** Besides the DiT, each chunk costs ``chunk_ms`` of every stage GPU (``--vae-ms-per-chunk``: the
+gateway's VAE decode, split over the stage GPUs it shares; 0 by default, not counted), whatever its steps.  A stage
+forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
 are launch-bound, so g is well below a on GPUs).  The pipeline's rate is set by its slowest stage: at the
 batch size B the scheduler forms under load, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the
 bottleneck's time.  A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)`` micro-steps per
@@ -108,9 +110,21 @@ class _StageFit:
 class CostModel:
     """Stage time per batch size, from a calibration (``seed_ms``) and the stages' measured batches."""
 
-    def __init__(self, stages: int, max_batch: int, seed_ms: list[float] | None = None, growth: float = 0.05):
+    def __init__(
+        self,
+        stages: int,
+        max_batch: int,
+        seed_ms: list[float] | None = None,
+        growth: float = 0.05,
+        chunk_ms: float = 0.0,
+    ):
         if seed_ms is not None and len(seed_ms) != stages:
             raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
+        if not 0 <= chunk_ms < 1e5:
+            raise ValueError(f"chunk_ms must be in [0, 100000), got {chunk_ms}")
+        # Work per chunk on each stage GPU besides the DiT, whatever the steps: the gateway's VAE decode split over
+        # the stage GPUs (it shares them).  Lowering steps does not shrink it.
+        self.chunk_ms = chunk_ms
         self.stages = stages
         self.max_batch = max_batch
         self.growth = growth
@@ -156,7 +170,9 @@ class SloController:
         if ms is None:
             return None
         steps = steps or {}
-        return sum(d.load(steps.get(d.stream_id, d.steps)) for d in demands) * ms / 1000.0
+        return (
+            sum(d.load(steps.get(d.stream_id, d.steps)) * ms + d.chunk_rate * self.cost.chunk_ms for d in demands) / 1e3
+        )
 
     def decide(self, demands: list[Demand]) -> dict[int, int]:
         """The steps each stream should run now (``demands`` in arrival order)."""
@@ -204,6 +220,6 @@ class SloController:
         ms = self.cost.micro_step_ms()
         if ms is None or chunk_rate <= 0:
             return None
-        used = sum(d.load(d.min_steps) for d in admitted) * ms / 1000.0
-        one = chunk_rate * (steps + (1 if clean else 0)) * ms / 1000.0
+        used = sum(d.load(d.min_steps) * ms + d.chunk_rate * self.cost.chunk_ms for d in admitted) / 1e3
+        one = chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
         return max(0.0, (self.target - used) / one)

@@ -159,3 +159,15 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     c = open2(latency_first=True)
     eng2._plan_tick()
     assert c.steps == 1
+
+
+def test_the_vae_cost_per_chunk_counts_whatever_the_steps():
+    # 10 ms per micro-step and 25 ms of VAE per chunk on each GPU: a stream at 1 step needs 4 x 35 ms = 14%.
+    ctl = SloController(CostModel(stages=2, max_batch=4, seed_ms=[10.0, 5.0], growth=1.0, chunk_ms=25.0))
+    assert ctl.capacity_streams([], RATE, 1) == pytest.approx(0.9 / 0.14)
+    crowd = [demand(i, allowed=(1, 4)) for i in range(1, 8)]  # 7 x 14% = 98% even at 1 step
+    assert set(ctl.decide(crowd).values()) == {1} and ctl.utilization(crowd, {d.stream_id: 1 for d in crowd}) > 0.9
+    admitted = crowd[:6]  # 6 x 14% = 84%
+    assert ctl.admits(demand(9, allowed=(1,)), admitted[:5]) and not ctl.admits(demand(9, allowed=(1,)), admitted)
+    with pytest.raises(ValueError, match="chunk_ms"):
+        CostModel(stages=2, max_batch=4, chunk_ms=-1.0)
