@@ -210,6 +210,7 @@ asyncio.run(main())
 
 
 def test_a_peer_that_vanishes_without_goodbye_has_its_stream_freed_within_seconds(system):
+    wait_streams(system, lambda n: n == 0)  # what earlier tests cancelled may still be winding down
     proc = subprocess.Popen(
         [sys.executable, "-c", VANISHING_PEER, system.url], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
     )
@@ -307,6 +308,8 @@ def test_a_flood_of_control_messages_is_refused_past_the_rate_and_the_peer_goes_
 
 
 def test_a_websocket_peer_that_stops_answering_pings_has_its_stream_freed_within_seconds(system):
+    wait_streams(system, lambda n: n == 0)  # what earlier tests cancelled may still be winding down
+
     async def scenario():
         ws_url = urllib.parse.urljoin(system.url.replace("http", "ws", 1), "api/ws")
         async with aiohttp.ClientSession() as http:
