@@ -48,7 +48,7 @@ from coordinator.slo import CostModel, Demand, SloController
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.microstep import PlanEvent, StreamSpec
+from stagecast.microstep import PlanEvent, StreamSpec, context_frames, recache_steps
 from stagecast.sampling import MAX_STEPS
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ class StreamSession:
     generation: int = 0
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # video-to-video: input chunks not yet planned
     image: torch.Tensor | None = None  # image-to-video: the image latent the open event carries
+    recache: torch.Tensor | None = None  # a recache prompt's text, waiting for the chunks in flight
+    finished: dict[int, pb.Tensor] = field(default_factory=dict)  # the clean latents a recache would need
     inputs_received: int = 0
 
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
@@ -349,7 +351,10 @@ class PipelineEngine(Generations):
                 self.pending_cancels.add(stream_id)
             self._wake()
 
-    def update_prompt(self, stream_id: int, text: torch.Tensor) -> None:
+    def update_prompt(self, stream_id: int, text: torch.Tensor, recache: bool = False) -> None:
+        """A new prompt from the stream's next chunk not yet started.  ``recache``: the stream starts no new chunk
+        until the ones in flight have finished and come back, then the plan rebuilds its KV window under the new
+        prompt from their clean latents (``stagecast.microstep.recache_steps``) before the next chunk."""
         with self.cond:
             session = self.sessions.get(stream_id)
             if session is None:
@@ -359,7 +364,20 @@ class PipelineEngine(Generations):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"text has shape {tuple(text.shape)}, expected {tuple(session.text.shape)}",
                 )
-            self.pending_prompts.append((stream_id, text))
+            if recache and session.spec.window is None:
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "transition: recache rebuilds the KV window; this stream's window is unbounded (set window)",
+                )
+            if recache and session.spec.cfg:
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "transition: a recache of a guided stream is not supported yet"
+                )
+            if recache and session.recache is not None:
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "transition: a recache of this stream is already waiting"
+                )
+            self.pending_prompts.append((stream_id, text, recache))
             self._wake()
 
     def submit_input(self, stream_id: int, chunk: int, latents: torch.Tensor) -> None:
@@ -436,8 +454,15 @@ class PipelineEngine(Generations):
                 return
             session.received += 1
             self.telemetry.chunk(routed=True, steps=chunk.steps)
+            if session.spec.window is not None:  # what a recache would rebuild the KV window from (bounded)
+                session.finished[chunk.chunk] = chunk.latents
+                keep = {f // session.spec.chunk_frames for f in context_frames(session.spec, chunk.chunk + 1, 1 << 30)}
+                for c in [c for c in session.finished if c not in keep]:
+                    del session.finished[c]
             session.events.put(pb.StreamEvent(chunk=chunk))
             self._maybe_complete(session)
+            if session.recache is not None:
+                self._wake()
 
     def _on_done(self, gen: int, index: int, done: pb.BatchDone, last: bool) -> None:
         with self.cond:
@@ -652,9 +677,14 @@ class PipelineEngine(Generations):
         event = PlanEvent(kind, seq=self.seq, **kw)
         if self.record_plan:
             # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
-            self.plan.append(
-                wire.event_to_proto(replace(event, text=None, latents=None, negative_text=None), self.generation)
+            stripped = replace(
+                event,
+                text=None,
+                latents=None,
+                negative_text=None,
+                window=tuple((c, None) for c, _ in event.window),
             )
+            self.plan.append(wire.event_to_proto(stripped, self.generation))
         return wire.event_to_proto(event, self.generation)
 
     def _plan_tick(self) -> list[pb.PlanEvent]:
@@ -687,12 +717,19 @@ class PipelineEngine(Generations):
             sched.cancel_stream(sid)  # its close (below) follows the batches already planned
         self.pending_cancels.clear()
         while self.pending_prompts:
-            sid, text = self.pending_prompts.popleft()
+            sid, text, recache = self.pending_prompts.popleft()
             st = sched.streams.get(sid)
-            if st is None:
+            session = self.sessions.get(sid)
+            if st is None or session is None:
+                continue
+            if recache:  # planned below once the chunks in flight are back
+                session.recache = text
+                sched.hold(sid, True)
                 continue
             # Effective from the next chunk not yet started: chunks in flight keep their prompt.
             events.append(self._next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
+        for session in [s for s in self.sessions.values() if s.recache is not None]:
+            self._plan_recache(sched, session, events)
         self._control(sched, events)
         for sid in sched.streams:
             session = self.sessions.get(sid)
@@ -731,6 +768,29 @@ class PipelineEngine(Generations):
                 session.expected = started
                 self._maybe_complete(session)
         return events
+
+    def _plan_recache(self, sched: StreamBatchScheduler, session: StreamSession, events: list) -> None:
+        """Plan a waiting recache once the stream has nothing in flight and every chunk it started is back: the
+        prompt event carries the window chunks' clean latents, and the stream may start chunks again."""
+        sid = session.id
+        st = sched.streams.get(sid)
+        if st is None:
+            session.recache = None
+            return
+        started = sched.started_chunks.get(sid, 0)
+        if sched.inflight(sid) or session.received < started:
+            return
+        spec = st.specs.at(started)
+        rope = int((self.model_config() or {}).get("rope_max_seq_len", 1024))
+        chunks = sorted({c for c, _ in recache_steps(spec, started, rope)})
+        window = tuple((c, wire.tensor_from_proto(session.finished[c])) for c in chunks)
+        events.append(
+            self._next_event(
+                "prompt", stream_id=sid, from_chunk=started, text=session.recache, recache=True, window=window
+            )
+        )
+        session.recache = None
+        sched.hold(sid, False)
 
     def status(self) -> pb.ClusterStatus:
         with self.cond:

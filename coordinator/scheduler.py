@@ -62,6 +62,7 @@ class _StreamState:
     credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
     inputs: int = 0  # video-to-video: chunks whose input latents have arrived
+    held: bool = False  # a recache waits for the stream's chunks in flight: start no new one
 
     def __post_init__(self) -> None:
         self.specs = ChunkSpecs(self.spec)
@@ -131,6 +132,14 @@ class StreamBatchScheduler:
         st = self._state(stream_id)
         return st.specs.at(st.next_chunk).steps
 
+    def hold(self, stream_id: int, held: bool) -> None:
+        """Start no new chunk of the stream while ``held`` (a prompt recache waits for the chunks in flight)."""
+        self._state(stream_id).held = held
+
+    def inflight(self, stream_id: int) -> int:
+        """Chunks of the stream in flight (started, not yet past their last level)."""
+        return len(self._state(stream_id).inflight)
+
     def cancel_stream(self, stream_id: int) -> None:
         """Drop a stream at once (a failure): nothing more of it is scheduled."""
         self.streams.pop(stream_id, None)
@@ -178,6 +187,8 @@ class StreamBatchScheduler:
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
             can_start = False
         if st.credit is not None and st.next_chunk >= st.credit:
+            can_start = False
+        if st.held:
             can_start = False
         # per_level: chunk c-1 started in an earlier tick (at most one start per stream and tick).
         if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:

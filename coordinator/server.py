@@ -194,7 +194,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             if span is not None:
                 span.set_attribute("stagecast.stream.id", request.stream_id)
             try:
-                self.engine.update_prompt(request.stream_id, wire.tensor_from_proto(request.text))
+                self.engine.update_prompt(
+                    request.stream_id, wire.tensor_from_proto(request.text), recache=request.recache
+                )
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except AdmissionError as exc:

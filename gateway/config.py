@@ -249,6 +249,20 @@ def decode_image(data: bytes, width: int, height: int):
         raise ConfigError("image", f"does not decode ({type(exc).__name__}: {exc})") from None
 
 
+def check_transition(value: int, cfg: EffectiveConfig) -> bool:
+    """A prompt update's transition: True for RECACHE (which needs a bounded KV window), False for CUT; an unknown
+    value or a recache on an unbounded window raises ``ConfigError("transition", ...)``."""
+    if value in (pb.TRANSITION_UNSPECIFIED, pb.TRANSITION_CUT):
+        return False
+    if value != pb.TRANSITION_RECACHE:
+        raise ConfigError("transition", f"must be TRANSITION_CUT or TRANSITION_RECACHE, got {value}")
+    if cfg.window is None:
+        raise ConfigError(
+            "transition", "RECACHE rebuilds the KV window; this stream's window is unbounded (set window)"
+        )
+    return True
+
+
 def check_prompt(prompt: str, field: str = "prompt") -> str:
     """The length and emptiness checks every prompt (a config's or an update's) passes before it is tokenised."""
     if len(prompt) > MAX_PROMPT_CHARS:

@@ -153,9 +153,10 @@ class PipelineCall:
             raise
         return True
 
-    def update_prompt(self, text) -> None:
-        """PromptUpdate for the stream's next chunk; raises ``grpc.RpcError`` as the coordinator answers."""
-        req = ipb.PromptUpdate(stream_id=self.pipeline_id, text=wire.tensor_to_proto(text))
+    def update_prompt(self, text, recache: bool = False) -> None:
+        """PromptUpdate for the stream's next chunk (``recache``: rebuilding the KV window under it first); raises
+        ``grpc.RpcError`` as the coordinator answers."""
+        req = ipb.PromptUpdate(stream_id=self.pipeline_id, text=wire.tensor_to_proto(text), recache=recache)
         span = self.trace.client_span("UpdatePrompt", self.target)
         if span is None:
             self.coordinator.UpdatePrompt(req, timeout=30)

@@ -50,7 +50,7 @@ import grpc
 import torch
 
 from gateway.channel import CLOSED, BoundedChannel
-from gateway.config import ConfigError, EffectiveConfig, RequestTooLarge, check_prompt
+from gateway.config import ConfigError, EffectiveConfig, RequestTooLarge, check_prompt, check_transition
 from gateway.pipeline import PipelineCall, StreamFailed
 from gateway.stream_trace import StreamTrace
 from gateway.video_input import InputPath, encode_image
@@ -446,7 +446,7 @@ class StreamRun:
             for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "prompt":
-                    if not self._update_prompt(msg.prompt.prompt):
+                    if not self._update_prompt(msg.prompt.prompt, msg.prompt.transition):
                         return
                 elif kind == "stop":
                     logger.info("stream %s: client asked to stop", self.id)
@@ -501,15 +501,16 @@ class StreamRun:
         self.input_end = reason
         self.stop_pipeline()
 
-    def _update_prompt(self, prompt: str) -> bool:
+    def _update_prompt(self, prompt: str, transition: int = 0) -> bool:
         try:
+            recache = check_transition(transition, self.cfg)
             # The config's limits, before tokenising.
             text = self.host.encode_prompt(check_prompt(prompt), parent_span=self.span)
         except ConfigError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
             return False
         try:
-            self.pipeline.update_prompt(text)
+            self.pipeline.update_prompt(text, recache=recache)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return True  # the pipeline stream already finished its last chunk: nothing left to change

@@ -33,7 +33,7 @@ from coordinator.scheduler import StreamBatchScheduler
 from stage_service.dit_slice import DiTSlice
 from stage_service.parallel_state import LOCAL, ThreadSequenceGroup
 from stage_service.runner import SliceRunner, StepResult
-from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
+from stagecast.microstep import MicroStep, PlanEvent, StreamSpec, recache_steps
 
 
 @dataclass
@@ -154,6 +154,13 @@ class ReferenceExecutor:
                 assert ev.stream_id is not None and prompt_texts is not None
                 sid, first = ev.stream_id, ev.from_chunk
                 self._all(lambda r, sid=sid, first=first: r.set_prompt(sid, first, prompt_texts[(sid, first)]))
+                if ev.recache:  # rebuild the KV window under the new prompt, from the window's clean latents
+                    given = dict(ev.window)
+                    spec = self.runner.spec_at(sid, first)
+                    for chunk, row in recache_steps(spec, first, self.runner.rope_limit):
+                        clean = given.get(chunk)
+                        clean = clean if clean is not None else chunks[sid][chunk]
+                        self.runner.recache_step(sid, chunk, row, first, clean=clean)
             elif ev.kind == "input":
                 assert ev.stream_id is not None
                 sid, chunk = ev.stream_id, ev.chunk

@@ -40,7 +40,7 @@ import torch
 from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
 from stage_service.transport import PeerLost, PipeTransport
-from stagecast.microstep import MicroStep, PlanEvent
+from stagecast.microstep import MicroStep, PlanEvent, recache_steps
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,8 @@ class StageExecutor:
         elif item.kind == "prompt":
             assert item.stream_id is not None and item.text is not None
             self.runner.set_prompt(item.stream_id, item.from_chunk, item.text)
+            if item.recache:
+                self._recache(item)
         elif item.kind == "input":
             assert item.stream_id is not None and item.latents is not None
             self.runner.put_input(item.stream_id, item.chunk, item.latents)
@@ -168,6 +170,39 @@ class StageExecutor:
             self._run_batch(item)
         else:
             raise ValueError(f"unknown plan event kind {item.kind!r}")
+
+    def _recache(self, item: PlanEvent) -> None:
+        """Rebuild the stream's KV window under its new prompt: one forward per (window chunk, KV row), through
+        every stage in order (``stagecast.microstep.recache_steps``); the first stage embeds the chunk's clean latent
+        from the event, the last stage keeps only the K/V.  Every stage runs the same loop, so sends and receives pair
+        up."""
+        runner, tp = self.runner, self.transport
+        sid, first = item.stream_id, item.from_chunk
+        if not runner.recaches(sid):  # every stage of this group holds none of the stream's conditional KV
+            return
+        spec = runner.spec_at(sid, first)
+        window = dict(item.window)
+        distributed = tp is not None and tp.world_size > 1
+        tokens = runner.slice.tokens_per_frame(spec.latent_height, spec.latent_width) * spec.chunk_frames
+        start, start_ns = time.perf_counter(), time.time_ns()
+        steps = recache_steps(spec, first, runner.rope_limit)
+        for chunk, row in steps:
+            hidden = None
+            if not self.first:
+                assert tp is not None
+                hidden = tp.recv_hidden((1, tokens, runner.slice.inner_dim), runner.slice.dtype)
+            out = runner.recache_step(sid, chunk, row, first, clean=window.get(chunk), inputs=hidden)
+            if out is not None and distributed:
+                tp.send_hidden(out)
+        if self.telemetry is not None:
+            self.telemetry.recache(item, start_ns, time.time_ns(), len(steps))
+        logger.info(
+            "stream %d: recached %d forwards before chunk %d in %.1f ms",
+            sid,
+            len(steps),
+            first,
+            (time.perf_counter() - start) * 1e3,
+        )
 
     def _receive_owed(self, needed: list[MicroStep]) -> None:
         tp = self.transport

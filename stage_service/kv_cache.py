@@ -83,6 +83,25 @@ class KVView:
             self.pending[layer] = (key, value)
 
 
+class RecacheView(KVView):
+    """A recache forward's window onto a row: it reads the window frames before its chunk (already rebuilt) and
+    writes its chunk's frames that lie in the window, over the old ones."""
+
+    def __init__(self, cache: StreamKVCache, chunk: int, row: int, window: list[int]):
+        self.cache = cache
+        self.step = MicroStep(-1, chunk, -1)
+        self.row_id = row
+        f0 = chunk * cache.spec.chunk_frames
+        self.frames = [f for f in window if f < f0]
+        self.window = set(window)
+        self.writes = True
+        self.pending = [None] * cache.num_layers
+        stored = cache.rows[row].frames if row in cache.rows else {}
+        missing = [f for f in self.frames if f not in stored]
+        if missing:
+            raise KVOrderError(f"recache of chunk {chunk}: KV row {row} lacks window frames {missing}")
+
+
 class StreamKVCache:
     def __init__(self, spec: StreamSpec, *, num_layers: int, tokens_per_frame: int, rope_limit: int):
         self.spec = spec
@@ -126,6 +145,20 @@ class StreamKVCache:
         keep = set(context_frames(spec, chunk + 1, self.rope_limit))
         for f in [f for f in row.frames if f not in keep]:
             del row.frames[f]
+
+    def recache_view(self, chunk: int, row: int, window: list[int]) -> RecacheView:
+        return RecacheView(self, chunk, row, window)
+
+    def commit_recache(self, view: RecacheView) -> None:
+        if any(p is None for p in view.pending):
+            raise KVOrderError(f"recache of chunk {view.step.chunk}: forward did not produce K/V for every layer")
+        row = self.rows[view.row_id]
+        spec, tpf = self.spec, self.tokens_per_frame
+        f0 = view.step.chunk * spec.chunk_frames
+        for j in range(spec.chunk_frames):
+            if f0 + j in view.window:
+                sl = slice(j * tpf, (j + 1) * tpf)
+                row.frames[f0 + j] = [(k[:, sl].clone(), v[:, sl].clone()) for k, v in view.pending]  # type: ignore[misc]
 
     @property
     def nbytes(self) -> int:

@@ -199,6 +199,27 @@ class StageTelemetry:
         if item.traceparent and telemetry.enabled():
             self._spans(item, t)
 
+    def recache(self, item, start_ns: int, end_ns: int, forwards: int) -> None:
+        """A ``stage.recache`` span (under the stream's span): this stage's share of rebuilding a stream's KV window
+        under a new prompt."""
+        if not telemetry.enabled():
+            return
+        ex = self._executor()
+        parent = telemetry.context_from_traceparent(
+            item.traceparent or (ex.stream_traceparents.get(item.stream_id, "") if ex else "")
+        )
+        if parent is None:
+            return
+        attrs = {
+            "stagecast.stage.index": self.index,
+            "stagecast.stream.id": item.stream_id,
+            "stagecast.recache.from_chunk": item.from_chunk,
+            "stagecast.recache.forwards": forwards,
+        }
+        telemetry.tracer().start_span("stage.recache", context=parent, attributes=attrs, start_time=start_ns).end(
+            end_ns
+        )
+
     def _spans(self, item, t: BatchTiming) -> None:
         parent = telemetry.context_from_traceparent(item.traceparent)
         if parent is None:

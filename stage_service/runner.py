@@ -36,7 +36,7 @@ from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
-from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec, rope_offset
+from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec, context_frames, rope_offset
 from stagecast.model.config import DiTConfig, check_image, check_spec
 
 
@@ -394,6 +394,65 @@ class SliceRunner:
 
     def guided_count(self, steps: list[MicroStep]) -> int:
         return sum(1 for st in steps if self.computes(st) and guided(self._stream(st.stream).spec_at(st.chunk), st))
+
+    def recaches(self, stream_id: int) -> bool:
+        """Whether this runner holds the stream's conditional KV (a CFG group's peer may hold none of it)."""
+        return 0 in self._stream(stream_id).kv
+
+    @torch.no_grad()
+    def recache_step(
+        self,
+        stream_id: int,
+        chunk: int,
+        row: int,
+        from_chunk: int,
+        *,
+        clean: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """One forward of a recache (``stagecast.microstep.recache_steps``): rebuild KV row ``row`` for ``chunk``'s
+        window frames under the stream's newest prompt.  First slice: ``clean`` is the chunk's clean latent; other
+        slices: ``inputs`` the previous slice's hidden states.  Returns the hidden states for the next slice (None on
+        the last: a recache produces no latent)."""
+        if self.sp.size > 1:
+            raise ValueError("a recache under sequence parallelism is not supported")
+        sl = self.slice
+        stream = self._stream(stream_id)
+        spec = stream.spec_at(from_chunk)  # the window as the next chunk sees it, on the ladder it runs
+        if spec.cfg:
+            raise ValueError(f"stream {stream_id}: a recache of a guided stream is not supported")
+        sampler = stream.sampler(spec)
+        _, _, f, h, w = spec.latent_shape
+        if sl.first:
+            if clean is None:
+                raise ValueError(f"recache of stream {stream_id} chunk {chunk}: the first slice needs its clean latent")
+            x = clean.float()
+            if spec.policy == "per_level":  # row r is rebuilt from the clean latent re-noised to level r
+                sigma = sampler.sigmas[row]
+                x = (1.0 - sigma) * x + sigma * chunk_noise(spec, chunk, row)
+            hidden = sl.embed(stream.with_image(chunk, x).to(sl.device))
+        else:
+            if inputs is None:
+                raise ValueError("a slice after the first needs the previous slice's hidden states")
+            hidden = inputs
+        tokens = hidden.shape[1]
+        t = 0.0 if spec.policy == "clean" else sampler.model_timestep(row)
+        timesteps = torch.tensor([t])
+        if stream.image is not None and chunk == 0:
+            timesteps = timesteps[:, None].expand(-1, tokens).clone()
+            timesteps[0, : tokens // f] = 0.0
+        cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
+        window = context_frames(spec, from_chunk, self.rope_limit)
+        view = stream.kv[0].recache_view(chunk, row, window)
+        ctx = AttentionContext(
+            rotary=sl.rotary(f, h, w, [rope_offset(spec, chunk, self.rope_limit)]),
+            cross_kv=[stream.prompts[-1][1]],
+            self_kv=[view],
+            sp=self.sp,
+        )
+        hidden = sl.run_blocks(hidden, cond, ctx)
+        stream.kv[0].commit_recache(view)
+        return None if sl.last else hidden
 
     def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard of a (B, L, ...) tensor."""

@@ -53,7 +53,7 @@ from stagecast.grpc_util import (
 )
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import ChunkSpecs, PlanEvent
+from stagecast.microstep import ChunkSpecs, PlanEvent, recache_steps
 from stagecast.model.config import DiTConfig, check_image, check_spec, read_config
 from stagecast.model.dit_configs import expands_timesteps, model_config
 from stagecast.model.parallel import check_sp
@@ -415,6 +415,17 @@ class StageServicer(pb_grpc.StageServiceServicer):
             if ev.text is None or tuple(ev.text.shape) != (1, spec.spec.text_len, self.config["text_dim"]):
                 shape = None if ev.text is None else tuple(ev.text.shape)
                 raise ValueError(f"stream {spec.spec.stream_id}: prompt update text has shape {shape}")
+            if ev.recache:
+                chunk_spec = spec.at(ev.from_chunk)
+                rope = DiTConfig.from_kwargs(self.config).rope_max_seq_len
+                need = {c for c, _ in recache_steps(chunk_spec, ev.from_chunk, rope)}
+                given = dict(ev.window)
+                bad = [c for c, x in given.items() if x is None or tuple(x.shape) != chunk_spec.latent_shape]
+                if self.slice.first and (set(given) != need or bad):
+                    raise ValueError(
+                        f"stream {chunk_spec.stream_id}: a recache before chunk {ev.from_chunk} needs the clean "
+                        f"latents of chunks {sorted(need)} ({chunk_spec.latent_shape}), got {sorted(given)}"
+                    )
         elif ev.kind == "input":
             spec = self._known(gen, ev.stream_id).spec
             if not spec.input_latents:

@@ -95,6 +95,15 @@ def _input_frame(rgb, pts: float, fmt: str, quality: int) -> pb.InputFrame:
     return pb.InputFrame(data=buf.getvalue(), format=pb.INPUT_FORMAT_JPEG, pts=pts)
 
 
+TRANSITIONS = {"cut": pb.TRANSITION_CUT, "recache": pb.TRANSITION_RECACHE}
+
+
+def _prompt_update(prompt: str, transition: str | None) -> pb.PromptUpdate:
+    if transition is not None and transition not in TRANSITIONS:
+        raise ValueError(f"transition: must be one of {', '.join(TRANSITIONS)}, got {transition!r}")
+    return pb.PromptUpdate(prompt=prompt, transition=TRANSITIONS.get(transition or "", 0))
+
+
 def _image_bytes(image) -> bytes:
     if image is None:
         return b""
@@ -295,9 +304,11 @@ class Generation(_StreamState):
             if frame is not None:
                 return frame
 
-    def update_prompt(self, prompt: str) -> None:
-        """Use ``prompt`` from the next chunk that has not started (asynchronous; see ``prompt_updates``)."""
-        self._outbox.put(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+    def update_prompt(self, prompt: str, transition: str | None = None) -> None:
+        """Use ``prompt`` from the next chunk that has not started (asynchronous; see ``prompt_updates``).
+        ``transition="recache"`` rebuilds the KV window under it first (the stream pauses for the chunks in flight);
+        "cut" (the default) does not."""
+        self._outbox.put(pb.ClientMessage(prompt=_prompt_update(prompt, transition)))
 
     def stop(self) -> None:
         """Graceful end: no new chunks; the frames of chunks in flight still arrive, then End(reason="stopped")."""
@@ -398,8 +409,8 @@ class Transform(Generation):
             raise StagecastError(f"input: {self.input_error}") from self.input_error
         return msg
 
-    def update_prompt(self, prompt: str) -> None:
-        self._put(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+    def update_prompt(self, prompt: str, transition: str | None = None) -> None:
+        self._put(pb.ClientMessage(prompt=_prompt_update(prompt, transition)))
 
     def stop(self) -> None:
         self._put(pb.ClientMessage(stop=pb.Stop()))
@@ -483,8 +494,8 @@ class AsyncGeneration(_StreamState):
             if frame is not None:
                 return frame
 
-    def update_prompt(self, prompt: str) -> None:
-        self._outbox.put_nowait(pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+    def update_prompt(self, prompt: str, transition: str | None = None) -> None:
+        self._outbox.put_nowait(pb.ClientMessage(prompt=_prompt_update(prompt, transition)))
 
     def stop(self) -> None:
         self._outbox.put_nowait(pb.ClientMessage(stop=pb.Stop()))
@@ -600,9 +611,9 @@ class AsyncTransform(AsyncGeneration):
                 raise StagecastError(f"input: {self.input_error}") from self.input_error
         return msg
 
-    def update_prompt(self, prompt: str) -> None:
+    def update_prompt(self, prompt: str, transition: str | None = None) -> None:
         """Like ``AsyncGeneration.update_prompt``; behind the frames already waiting to be sent."""
-        _aput_later(self._outbox, pb.ClientMessage(prompt=pb.PromptUpdate(prompt=prompt)))
+        _aput_later(self._outbox, pb.ClientMessage(prompt=_prompt_update(prompt, transition)))
 
     def stop(self) -> None:
         """No more input: the frames already queued are sent, then Stop."""

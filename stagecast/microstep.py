@@ -166,6 +166,21 @@ def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
     return sinks + [f for f in recent if f not in sinks]
 
 
+def recache_steps(spec: StreamSpec, from_chunk: int, rope_limit: int) -> list[tuple[int, int]]:
+    """A recache before ``from_chunk``: the (chunk, KV row) forwards that rebuild the window under the new prompt.
+
+    The window is what ``from_chunk`` would attend to (``context_frames``: the sinks and the most recent frames).
+    Its chunks run in ascending order, each attending to the window frames before it (already rebuilt) and writing
+    its frames that lie in the window, in every KV row of the policy: under ``clean`` the one clean row, from the
+    chunk's clean latent at t=0 (a fresh stream's clean pass); under ``per_level`` row i, from the clean latent
+    re-noised to level i with the chunk's level-i noise (``(1 - sigma_i) x + sigma_i * chunk_noise(c, i)``) at the
+    level's timestep.
+    """
+    chunks = sorted({f // spec.chunk_frames for f in context_frames(spec, from_chunk, rope_limit)})
+    rows = range(spec.steps) if spec.policy == "per_level" else [0]
+    return [(c, r) for c in chunks for r in rows]
+
+
 def rope_offset(spec: StreamSpec, chunk: int, rope_limit: int) -> int:
     f0 = chunk * spec.chunk_frames
     return (f0 - spec.segment_start * spec.chunk_frames) % spec.epoch_frames(rope_limit)
@@ -263,6 +278,10 @@ class PlanEvent:
     timesteps: tuple[float, ...] = ()  # "steps": the ladder chunks >= from_chunk run
     traceparent: str = ""
     chunk: int = 0  # "input": the chunk whose level-0 latents these are
+    # "prompt" with transition recache: the KV window is recomputed under the new prompt before ``from_chunk``, from
+    # the clean latents of the window's chunks: ``window`` holds (chunk, latents or None in a recorded plan).
+    recache: bool = False
+    window: tuple = ()
     # "input": (1, C, F, h, w); "open" of an image_latents stream: the image latent (1, C, 1, h, w); None in a
     # recorded plan.
     latents: torch.Tensor | None = None

@@ -137,6 +137,11 @@ def event_to_proto(event: PlanEvent, generation: int) -> pb.PlanEvent:
         msg.prompt.from_chunk = event.from_chunk
         if event.text is not None:
             msg.prompt.text.CopyFrom(tensor_to_proto(event.text))
+        msg.prompt.recache = event.recache
+        for chunk, latents in event.window:
+            item = msg.prompt.window.add(chunk=chunk)
+            if latents is not None:
+                item.latents.CopyFrom(tensor_to_proto(latents))
     return msg
 
 
@@ -156,8 +161,17 @@ def event_from_proto(msg: pb.PlanEvent) -> PlanEvent:
         return PlanEvent("close", stream_id=msg.close.stream_id, **common)
     if kind == "prompt":
         text = tensor_from_proto(msg.prompt.text) if msg.prompt.HasField("text") else None
+        window = tuple(
+            (w.chunk, tensor_from_proto(w.latents) if w.HasField("latents") else None) for w in msg.prompt.window
+        )
         return PlanEvent(
-            "prompt", stream_id=msg.prompt.stream_id, from_chunk=msg.prompt.from_chunk, text=text, **common
+            "prompt",
+            stream_id=msg.prompt.stream_id,
+            from_chunk=msg.prompt.from_chunk,
+            text=text,
+            recache=msg.prompt.recache,
+            window=window,
+            **common,
         )
     if kind == "input":
         latents = tensor_from_proto(msg.input.latents) if msg.input.HasField("latents") else None

@@ -281,3 +281,58 @@ def test_the_async_client_restyles_the_same_frames_as_the_sync_client(client, cl
     tr, got = asyncio.run(run())
     assert tr.end.reason == "stopped" and tr.frames_sent == 5 and len(got) == len(sync) == 5
     assert all(np.array_equal(a, b) for a, b in zip(got, sync))
+
+
+# ---- prompt transitions -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["per_level", "clean"])
+def test_a_recache_prompt_update_equals_the_reference_bit_for_bit(client, cluster, policy):
+    """The stages rebuild the KV window under the new prompt before the next chunk, exactly as the reference does
+    from its own clean latents (the recorded plan keeps the event, not the latents)."""
+    other = "a pencil sketch of a harbour"
+    kwargs = dict(width=W, height=H, codec="raw", seed=8, window=2, sink=1, policy=policy, timeout=TIMEOUT)
+    gen = client.generate(PROMPT, **kwargs)
+    frames = []
+    for frame in gen:
+        frames.append(frame)
+        if frame.index == 4:
+            gen.update_prompt(other, transition="recache")
+        if frame.index == 16:
+            gen.stop()
+    assert gen.end.reason == "stopped" and gen.prompt_updates == [other]
+    sid = gen.info.pipeline_stream_id
+    with cluster["launcher"].channel(cluster["coordinator"], "coordinator") as ch:
+        dump = ipb_grpc.CoordinatorServiceStub(ch).GetPlan(ipb.PlanRequest(), timeout=30)
+    events = [
+        ev
+        for ev in plan_from_proto(list(dump.events))
+        if (ev.kind == "open" and ev.spec.stream_id == sid)
+        or (ev.kind == "batch" and any(s.stream == sid for s in ev.steps))
+        or (ev.kind in ("prompt", "close") and ev.stream_id == sid)
+    ]
+    (update,) = [ev for ev in events if ev.kind == "prompt"]
+    assert update.recache and update.from_chunk >= 2 and [c for c, _ in update.window] == [0, update.from_chunk - 1]
+    root = cluster["root"]
+    transformer = str(root / "transformer")
+    n = read_config(transformer)["num_layers"]
+    config, sd = load_slice_state_dict(transformer, layers=range(n), first=True, last=True, dtype=torch.float32)
+    dit = DiTSlice.from_state_dict(config, sd, layers=range(n), first=True, last=True, device="cpu")
+    encoder = TextEncoder(root, max_len=DEMO_SERVING["text_len"])
+    texts, updates = {sid: encoder.encode(PROMPT)}, {(sid, update.from_chunk): encoder.encode(other)}
+    chunks = ReferenceExecutor(dit).replay(events, texts, updates)[sid]
+    vae = StreamVAE.from_folder(root / "vae")
+    state = vae.new_state()
+    want = np.concatenate([to_uint8_frames(vae.decode_chunk(state, c)).numpy() for c in chunks])
+    got = np.stack([f.to_array() for f in frames])
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_a_recache_needs_a_bounded_window_and_a_known_transition(client):
+    gen = client.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT)  # unbounded window
+    gen.wait_started()
+    gen.update_prompt("a pencil sketch", transition="recache")
+    with pytest.raises(stagecast.InvalidArgumentError, match="prompt update: transition: RECACHE rebuilds"):
+        gen.collect()
+    with pytest.raises(ValueError, match="transition: must be one of"):
+        stagecast.client._prompt_update("x", "blend")

@@ -51,6 +51,12 @@ class StepsPreference(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEPS_PREFERENCE_UNSPECIFIED: _ClassVar[StepsPreference]
     STEPS_PREFERENCE_STEPS_FIRST: _ClassVar[StepsPreference]
     STEPS_PREFERENCE_LATENCY_FIRST: _ClassVar[StepsPreference]
+
+class Transition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSITION_UNSPECIFIED: _ClassVar[Transition]
+    TRANSITION_CUT: _ClassVar[Transition]
+    TRANSITION_RECACHE: _ClassVar[Transition]
 CODEC_UNSPECIFIED: Codec
 CODEC_JPEG: Codec
 CODEC_H264: Codec
@@ -75,6 +81,9 @@ STREAM_STATE_DRAINING: StreamState
 STEPS_PREFERENCE_UNSPECIFIED: StepsPreference
 STEPS_PREFERENCE_STEPS_FIRST: StepsPreference
 STEPS_PREFERENCE_LATENCY_FIRST: StepsPreference
+TRANSITION_UNSPECIFIED: Transition
+TRANSITION_CUT: Transition
+TRANSITION_RECACHE: Transition
 
 class StreamConfig(_message.Message):
     __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference", "negative_prompt")
@@ -141,10 +150,12 @@ class InputFrame(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., format: _Optional[_Union[InputFormat, str]] = ..., pts: _Optional[float] = ...) -> None: ...
 
 class PromptUpdate(_message.Message):
-    __slots__ = ("prompt",)
+    __slots__ = ("prompt", "transition")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
-    def __init__(self, prompt: _Optional[str] = ...) -> None: ...
+    transition: Transition
+    def __init__(self, prompt: _Optional[str] = ..., transition: _Optional[_Union[Transition, str]] = ...) -> None: ...
 
 class Stop(_message.Message):
     __slots__ = ()

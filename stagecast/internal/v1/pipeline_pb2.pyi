@@ -100,15 +100,27 @@ class CloseStream(_message.Message):
     stream_id: int
     def __init__(self, stream_id: _Optional[int] = ...) -> None: ...
 
+class WindowChunk(_message.Message):
+    __slots__ = ("chunk", "latents")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    latents: Tensor
+    def __init__(self, chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class PromptUpdate(_message.Message):
-    __slots__ = ("stream_id", "from_chunk", "text")
+    __slots__ = ("stream_id", "from_chunk", "text", "recache", "window")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    RECACHE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     from_chunk: int
     text: Tensor
-    def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    recache: bool
+    window: _containers.RepeatedCompositeFieldContainer[WindowChunk]
+    def __init__(self, stream_id: _Optional[int] = ..., from_chunk: _Optional[int] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., recache: _Optional[bool] = ..., window: _Optional[_Iterable[_Union[WindowChunk, _Mapping]]] = ...) -> None: ...
 
 class StepsUpdate(_message.Message):
     __slots__ = ("stream_id", "from_chunk", "timesteps")
