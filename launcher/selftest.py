@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from launcher.local_cluster import start_pipeline
+from launcher.local_cluster import check_layout, start_pipeline
 from launcher.process import Launcher
 from stagecast import wire
 from stagecast.generate import ladder_arg
@@ -41,6 +41,7 @@ from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import MAX_GUIDANCE, PlanEvent, StreamSpec
 from stagecast.model.config import read_config
+from stagecast.model.parallel import LayoutError, check_gpus
 from stagecast.names import DTYPES
 from stagecast.sampling import UPDATES, SamplerError, check_ladder, check_shift
 
@@ -350,6 +351,9 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
         else:
             transformer = cfg.checkpoint
         model_cfg = read_config(transformer)
+        check_layout(transformer, cfg.stages, cfg.sp)  # before anything starts: LayoutError names the flag
+        if cfg.sp > 1 and cfg.device.startswith("cuda"):
+            check_gpus(cfg.stages, cfg.sp, torch.cuda.device_count())
         pipe = start_pipeline(
             launcher,
             checkpoint=transformer,
@@ -409,8 +413,12 @@ def run_selftest(cfg: SelftestConfig) -> int:
     except ValueError as exc:
         print(f"stagecast selftest: {exc}", file=sys.stderr)
         return 2
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+    try:
+        with Launcher() as launcher:
+            result = execute_selftest(cfg, launcher)
+    except LayoutError as exc:
+        print(f"stagecast selftest: error: {exc}", file=sys.stderr)
+        return 2
     verdict = "PASS" if result.ok else "FAIL"
     print(
         f"selftest {verdict}: stages={cfg.stages} sp={cfg.sp} cfg_parallel={cfg.cfg_parallel} "

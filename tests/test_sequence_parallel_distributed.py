@@ -7,6 +7,7 @@ import sys
 
 import grpc
 import pytest
+import torch
 
 from coordinator.registry import RegistrationError, StageRegistry
 from launcher.demo_checkpoint import write_demo_checkpoint
@@ -67,7 +68,11 @@ def test_a_stage_whose_heads_do_not_split_over_sp_exits_2_at_start_up(checkpoint
     "flags,message",
     [
         (["--stages", "1", "--sp", "3"], "--sp 3: the model has 2 attention heads"),
-        (["--stages", "2", "--sp", "2", "--device", "cuda"], "--stages 2 × --sp 2 = 4 ranks, but"),
+        pytest.param(
+            ["--stages", "2", "--sp", "2", "--device", "cuda"],
+            "--stages 2 × --sp 2 = 4 ranks, but",
+            marks=pytest.mark.skipif(torch.cuda.device_count() == 4, reason="4 GPUs fit this layout"),
+        ),
         (["--stages", "1", "--sp", "0"], "--sp must be >= 1, got 0"),
     ],
 )
@@ -76,6 +81,16 @@ def test_up_refuses_a_layout_that_cannot_run_before_starting_anything(checkpoint
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"stagecast up: error: {message}" in proc.stderr and "Traceback" not in proc.stderr
     assert "stage-0" not in proc.stdout + proc.stderr  # nothing was started
+
+
+def test_selftest_refuses_a_layout_that_cannot_run_before_starting_anything():
+    proc = run_cli("selftest", "--stages", "1", "--sp", "3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stagecast selftest: error: --sp 3: the model has 2 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    if torch.cuda.device_count() != 4:
+        proc = run_cli("selftest", "--stages", "2", "--sp", "2", "--device", "cuda")
+        assert proc.returncode == 2 and "--stages 2 × --sp 2 = 4 ranks, but" in proc.stderr
 
 
 def test_the_coordinator_registers_ranks_and_refuses_a_stage_of_another_sp():
