@@ -171,14 +171,17 @@ def test_a_cancelled_stream_is_freed_at_every_stage_and_in_the_gateway_within_2s
 def test_streams_and_generation_changes_leave_nothing_behind(system):
     run_streams(system, 0, 12)  # warm-up: pools, caches and lazily built things reach their size
     wait_idle(system)
-    before = reports(system)
-    run_streams(system, 12, 36)
-    wait_idle(system)
-    after = reports(system)
-    for name in before:
-        assert counts(after[name]) == counts(before[name]), name
-        per_stream = (after[name]["rss_kb"] - before[name]["rss_kb"]) * 1024 / 36
-        assert per_stream < 16 * 1024, f"{name}: RSS grew {per_stream:.0f} B per stream"
+    snapshots = [reports(system)]
+    for window in range(2):
+        run_streams(system, 12 + 36 * window, 36)
+        wait_idle(system)
+        snapshots.append(reports(system))
+    for name in snapshots[0]:
+        assert counts(snapshots[-1][name]) == counts(snapshots[0][name]), name
+        # Growth in each of two windows of 36 streams: a leak grows both; a one-off step (a gRPC worker thread
+        # started on demand on a loaded machine, with its stack and malloc arena) shows in one window only.
+        grew = [(b[name]["rss_kb"] - a[name]["rss_kb"]) * 1024 / 36 for a, b in zip(snapshots, snapshots[1:])]
+        assert min(grew) < 16 * 1024, f"{name}: RSS grew {grew[0]:.0f} and {grew[1]:.0f} B per stream"
     check_generation_changes(system, changes=1)
 
 
