@@ -528,8 +528,12 @@ def test_a_client_built_only_from_server_reflection_streams_with_typed_enums(edg
     config = started.config
     assert enum_name(config, "codec") == "CODEC_RAW" and enum_name(config, "policy") == "KV_POLICY_PER_LEVEL"
     absent = [f.name for f in config.DESCRIPTOR.fields if f.has_presence and not config.HasField(f.name)]
-    # A bounded clip: seconds present too; only the video-to-video fields stay absent on a text stream.
-    assert absent == ["strength", "input_timeout"] and (config.window, config.quality) == (0, 100)
+    # A bounded clip: seconds present too; only the video-to-video fields, and the negative prompt of an unguided
+    # stream, stay absent on a text stream.
+    assert sorted(absent) == ["input_timeout", "negative_prompt", "strength"] and (config.window, config.quality) == (
+        0,
+        100,
+    )
     assert len(frames) == 4 and all(enum_name(f, "codec") == "CODEC_RAW" for f in frames)
     assert all(len(f.data) == W * H * 3 for f in frames)
     assert enum_name(end, "reason") == "END_REASON_COMPLETED" and end.frames == 4
