@@ -101,7 +101,9 @@ TRANSITIONS = {"cut": pb.TRANSITION_CUT, "recache": pb.TRANSITION_RECACHE}
 def _prompt_update(prompt: str, transition: str | None) -> pb.PromptUpdate:
     if transition is not None and transition not in TRANSITIONS:
         raise ValueError(f"transition: must be one of {', '.join(TRANSITIONS)}, got {transition!r}")
-    return pb.PromptUpdate(prompt=prompt, transition=TRANSITIONS.get(transition or "", 0))
+    if transition is None:
+        return pb.PromptUpdate(prompt=prompt)  # the server's default (a cut)
+    return pb.PromptUpdate(prompt=prompt, transition=TRANSITIONS[transition])
 
 
 def _image_bytes(image) -> bytes:
