@@ -410,6 +410,27 @@ def ttff_parts(timing, ttff_s: float) -> dict:
 # ---- the system -----------------------------------------------------------------------------------------
 
 
+# What start_system reads beyond a benchmark's own flags: the values of one plain pipeline, for the other
+# benchmark scripts (video-to-video, WebRTC) that start a system through it.
+ONE_PIPELINE = {
+    "load": [],
+    "gateway_gpu": None,
+    "vae_gpus": None,
+    "vae_split": None,
+    "sp": 1,
+    "cfg_parallel": 1,
+    "slo_vae_ms": 0.0,
+}
+
+
+def with_one_pipeline_defaults(args):
+    """Give args every ONE_PIPELINE attribute it lacks (its own flags win); returns it."""
+    for name, value in ONE_PIPELINE.items():
+        if not hasattr(args, name):
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+    return args
+
+
 def start_system(launcher, root: Path, args, device_kind: str):
     from launcher.local_cluster import start_pipeline
 

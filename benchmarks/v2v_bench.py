@@ -47,6 +47,7 @@ from benchmarks.harness import (
     start_system,
     tree_dirty,
     versions,
+    with_one_pipeline_defaults,
     write_assets,
 )
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
         args.seconds, args.warmup_frames, args.window, args.sink, args.codec = 1.0, 5, 2, 1, "raw"
-    args.sp, args.load = 1, []  # what benchmarks.harness.start_system reads besides
+    with_one_pipeline_defaults(args)
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"

@@ -33,7 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.harness import frame_stats, percentile, start_system, write_assets
+from benchmarks.harness import frame_stats, percentile, start_system, with_one_pipeline_defaults, write_assets
 from launcher.local_cluster import web_args
 from launcher.process import Launcher
 from stagecast.client import AsyncClient
@@ -231,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
-    # What harness.start_system reads beyond these flags: one pipeline, its defaults.
-    harness_defaults = {"load": [], "gateway_gpu": None, "vae_gpus": None, "vae_split": None, "sp": 1}
-    harness_defaults.update(cfg_parallel=1, slo_vae_ms=0.0)
-    for name, value in harness_defaults.items():
-        setattr(args, name, value)
+    with_one_pipeline_defaults(args)
     use_ice_hosts(["127.0.0.1"])
     env = {"OMP_NUM_THREADS": "1"} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="stagecast-webrtc-") as tmp, Launcher(env=env) as launcher:
