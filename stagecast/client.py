@@ -77,6 +77,16 @@ async def _adrain(outbox: asyncio.Queue) -> AsyncIterator[pb.ClientMessage]:
         yield msg
 
 
+def _check_input_format(input_format: str) -> None:
+    if input_format not in ("jpeg", "raw"):
+        raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+
+
+def _input_fps(config: pb.StreamConfig) -> float:
+    """The rate that numbers input frames sent without a pts: the stream's target_fps, else 16."""
+    return config.target_fps if config.HasField("target_fps") else 16.0
+
+
 def _input_frame(rgb, pts: float, fmt: str, quality: int) -> pb.InputFrame:
     """One input frame on the wire: JPEG (Pillow) or raw RGB24."""
     import numpy as np
@@ -369,14 +379,13 @@ class Transform(Generation):
         timeout: float | None = None,
     ):
         _StreamState.__init__(self)
-        if input_format not in ("jpeg", "raw"):
-            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        _check_input_format(input_format)
         self.frames_sent = 0
         self.input_error: BaseException | None = None
         self._outbox = queue.Queue(maxsize=window)
         self._outbox.put(pb.ClientMessage(config=config))
         self._call = stub.Generate(_drain(self._outbox), timeout=timeout)
-        fps = config.target_fps if config.HasField("target_fps") else 16.0
+        fps = _input_fps(config)
         self._sender = threading.Thread(
             target=self._send_frames, args=(frames, fps, input_format, input_quality), daemon=True, name="transform"
         )
@@ -505,8 +514,7 @@ class AsyncGeneration(_StreamState):
     def send_frame(self, rgb, pts: float, *, input_format: str = "raw", quality: int = 95) -> None:
         """Video-to-video (a config with ``strength``): queue one ``(H, W, 3)`` uint8 input frame with its pts
         (seconds, strictly increasing).  A live source checks ``frames_queued`` and drops rather than queue up."""
-        if input_format not in ("jpeg", "raw"):
-            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        _check_input_format(input_format)
         self._outbox.put_nowait(pb.ClientMessage(frame=_input_frame(rgb, pts, input_format, quality)))
 
     @property
@@ -570,14 +578,13 @@ class AsyncTransform(AsyncGeneration):
         timeout: float | None = None,
     ):
         _StreamState.__init__(self)
-        if input_format not in ("jpeg", "raw"):
-            raise ValueError(f"input_format: must be jpeg or raw, got {input_format!r}")
+        _check_input_format(input_format)
         self.frames_sent = 0
         self.input_error: BaseException | None = None
         self._outbox: asyncio.Queue = asyncio.Queue(maxsize=window)
         self._outbox.put_nowait(pb.ClientMessage(config=config))
         self._call = stub.Generate(_adrain(self._outbox), timeout=timeout)
-        fps = config.target_fps if config.HasField("target_fps") else 16.0
+        fps = _input_fps(config)
         self._sender = asyncio.get_running_loop().create_task(
             self._send_frames(frames, fps, input_format, input_quality)
         )
