@@ -80,3 +80,11 @@ def test_save_mp4_reencodes_raw_frames_and_concatenates_h264_fragments(tmp_path)
 def test_the_sdk_is_exported_from_the_package():
     for name in ("Client", "AsyncClient", "Frame", "StagecastError", "InvalidArgumentError", "ResourceExhaustedError"):
         assert name in stagecast.__all__ and getattr(stagecast, name)
+
+
+def test_an_unknown_input_format_is_refused_naming_the_field_before_any_call():
+    from stagecast.client import Transform
+    from stagecast.v1 import stream_pb2
+
+    with pytest.raises(ValueError, match="input_format: must be jpeg or raw, got 'png'"):
+        Transform(None, stream_pb2.StreamConfig(), [], input_format="png")  # no stub needed: refused first
