@@ -420,6 +420,7 @@ ONE_PIPELINE = {
     "sp": 1,
     "cfg_parallel": 1,
     "slo_vae_ms": 0.0,
+    "fp8": False,
 }
 
 
@@ -448,6 +449,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         max_streams=max(16, max(args.load or [1]) + 2),
         record_plan=True,  # the interactive-latency measurement reads each prompt update's first chunk from it
         cuda_graphs=args.cuda_graphs and device_kind == "cuda",
+        fp8=args.fp8,
         coordinator_args=["--vae-ms-per-chunk", str(args.slo_vae_ms)] if args.slo_vae_ms else [],
     )
     ranks = gpus_of(args)  # one GPU per stage rank
@@ -758,7 +760,14 @@ def versions() -> dict:
         "gpu": gpu_name(),
         "nccl": None,
         "driver": None,
+        "torchao": None,
     }
+    try:
+        from importlib.metadata import version
+
+        out["torchao"] = version("torchao")
+    except Exception:  # noqa: BLE001 - not installed: the optional fp8 extra
+        pass
     if torch.cuda.is_available():
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -800,11 +809,17 @@ def cfg_label(a: dict) -> str:
     return f", guidance {a['guidance']:g}, sequential CFG on PP={a['stages']}"
 
 
+def fp8_label(a: dict) -> str:
+    """ ", FP8 blocks" for a run whose stages ran ``--fp8`` (empty otherwise)."""
+    return ", FP8 blocks" if a.get("fp8") else ""
+
+
 def markdown_row(r: dict) -> str:
     s, a = r["system"], r["args"]
     first = s["first_stream"]
     return (
-        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s){cfg_label(a)} | {topology(a)} | "
+        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s){cfg_label(a)}{fp8_label(a)} | "
+        f"{topology(a)} | "
         f"{s['steady_fps']:.1f} | {s['whole_fps']:.1f} | {s['main']['on_time']:.1%} | "
         f"{s['main']['max_gap_ms']:.0f} | {s['main']['gaps_over_250ms']} | "
         f"{first['on_time']:.1%} / {first['max_gap_ms']:.0f} | "
@@ -864,6 +879,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
     ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="stages run their block linears in float8 (torchao; GPU of compute capability 8.9+, bfloat16); the peers"
+        " and the floor stay bf16",
+    )
+    ap.add_argument(
         "--vae-gpus", default=None, help="GPUs the VAE decoder is cut over, e.g. 0,1 (default: every stage's GPU)"
     )
     ap.add_argument("--vae-split", default=None, help="decoder units where VAE slices 1.. start (gateway --vae-split)")
@@ -884,6 +905,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cfg_parallel > 1 and args.smoke:
         args.stages = 1  # smoke: two CFG groups of one stage each
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.fp8:
+        from stagecast.fp8 import Fp8Unavailable, check_fp8
+
+        try:
+            check_fp8("cuda" if device_kind == "cuda" else "cpu", args.dtype)  # before any work, naming --fp8
+        except Fp8Unavailable as exc:
+            ap.error(str(exc))
     if args.cfg_parallel > 1 and args.sp > 1:
         ap.error("--cfg-parallel 2 does not compose with --sp yet")
     if device_kind == "cuda" and args.sp > 1:

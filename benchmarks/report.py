@@ -43,6 +43,8 @@ def config_name(r: dict) -> str:
             else f"sequential CFG on PP={a['stages']}"
         )
         name += f", guidance {a['guidance']:g}, {topology}"
+    if a.get("fp8"):
+        name += ", FP8 blocks"
     return name + (f" ({r['label']})" if r.get("label") else "") + (" ¹" if r.get("partial") else "")
 
 

@@ -40,6 +40,7 @@ def stage_args(
     metrics_port: int = 0,
     sp: int = 1,
     sp_rank: int = 0,
+    fp8: bool = False,
 ) -> list[str]:
     args = [
         "stage",
@@ -64,6 +65,8 @@ def stage_args(
         args += ["--metrics-port", str(metrics_port)]
     if sp > 1:
         args += ["--sp", str(sp), "--sp-rank", str(sp_rank)]
+    if fp8:
+        args.append("--fp8")
     return args + (["--cuda-graphs"] if cuda_graphs else [])
 
 
@@ -87,10 +90,12 @@ def start_pipeline(
     sp: int = 1,
     coordinator_args: Sequence[str] = (),
     cfg_parallel: int = 1,
+    fp8: bool = False,
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
     ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``.
-    ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1)."""
+    ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1).
+    ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run)."""
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
     if sp > 1:
         args += ["--sp", str(sp)]
@@ -117,7 +122,7 @@ def start_pipeline(
                 stage_metrics = metrics_port + 2 + rank if metrics_port else 0
                 index = i if sp > 1 else rank  # a sequence-parallel stage derives its rank from --sp-rank
                 pipe.stage_args[rank] = stage_args(
-                    index, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r
+                    index, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r, fp8
                 )
                 name = f"stage-{rank}" if sp == 1 else f"stage-{i}-sp{r}"
                 pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])

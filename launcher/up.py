@@ -55,6 +55,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="stages run their block linears in float8 (torchao; GPU of compute capability 8.9+, --dtype bfloat16,"
+        " the fp8 extra; not bit-exact)",
+    )
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
     p.add_argument(
         "--credentials",
@@ -92,6 +98,14 @@ def main(args: argparse.Namespace) -> int:
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
+    if args.fp8:
+        from stagecast.fp8 import Fp8Unavailable, check_fp8
+
+        try:
+            check_fp8(args.device, args.dtype)  # every GPU the stages would use, before anything starts
+        except Fp8Unavailable as exc:
+            print(f"stagecast up: error: {exc}", file=sys.stderr)
+            return 2
     web_port = args.web_port if args.gateway_port >= 0 else -1  # the page needs the gateway
     for role, port in (("coordinator", args.port), ("gateway", args.gateway_port), ("web", web_port)):
         try:
@@ -127,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 cuda_graphs=args.cuda_graphs,
+                fp8=args.fp8,
                 loras=args.lora,
                 metrics_port=args.metrics_port,
                 sp=args.sp,

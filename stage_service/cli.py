@@ -38,6 +38,12 @@ def add_parser(sub) -> None:
         "stage * sp + sp-rank, as a StatefulSet's pod index is)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="run the slice's blocks as CUDA graphs (GPU)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="run the transformer blocks' linear layers in float8 (torchao, rowwise scales; norms, embeddings, head "
+        "and attention stay bf16): GPU of compute capability 8.9+, --dtype bfloat16, the fp8 extra; not bit-exact",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
         "--lora",
@@ -91,6 +97,14 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         device = f"cuda:{index % max(torch.cuda.device_count(), 1)}"
+    if args.fp8:
+        from stagecast.fp8 import Fp8Unavailable, check_fp8
+
+        try:
+            check_fp8(device, args.dtype)  # before any weights are read
+        except Fp8Unavailable as exc:
+            print(f"stagecast stage: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     try:
         mtls = mtls_from_flags(args.mtls, args.insecure_internal, "stagecast stage")
     except (ValueError, FileNotFoundError) as exc:
@@ -109,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
         expected_world_size=args.expected_stages,
         metrics_port=args.metrics_port,
         cuda_graphs=args.cuda_graphs,
+        fp8=args.fp8,
         loras=loras,
         mtls=mtls,
         metrics_host=args.metrics_host,

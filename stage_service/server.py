@@ -35,6 +35,7 @@ import torch
 from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
+from stage_service.fp8 import convert_to_fp8
 from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
 from stage_service.parallel_state import LOCAL
@@ -42,6 +43,7 @@ from stage_service.rendezvous import GrpcStore
 from stage_service.runner import SliceRunner, check_sequence_split, validate_batch
 from stage_service.transport import PipeTransport, bind_data_plane
 from stagecast import telemetry, wire
+from stagecast.fp8 import check_fp8
 from stagecast.grpc_util import (
     CHANNEL_OPTIONS,
     NOT_SERVING,
@@ -85,6 +87,7 @@ class StageOptions:
     metrics_host: str | None = None  # where /metrics binds (None: ``host``)
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
     sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
+    fp8: bool = False  # block linears as torchao float8 (``stage_service.fp8``); refused where it cannot run
 
 
 class _Generation:
@@ -102,6 +105,8 @@ class _Generation:
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, opts: StageOptions):
         self.opts = opts
+        if opts.fp8:
+            check_fp8(opts.device, opts.dtype)  # Fp8Unavailable (a ValueError naming --fp8), before any weights
         if opts.cuda_graphs and not opts.device.startswith("cuda"):
             logger.warning("--cuda-graphs needs a GPU; stage %d on %s runs eagerly", opts.index, opts.device)
         self.device = torch.device(opts.device)
@@ -239,6 +244,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 loras=self.opts.loras,
             )
         self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
+        if self.opts.fp8:  # before Form builds CUDA graphs over the blocks
+            convert_to_fp8(self.slice)
         self.layers = layers
         self.telemetry.set_layers(layers)
         took = time.perf_counter() - start
