@@ -21,12 +21,25 @@
 #   bash benchmarks/gpu_suite.sh cfg-check # CFG-parallel parity on 2 GPUs (fp32, guidance 5, prompt updates; ~2 min)
 #   bash benchmarks/gpu_suite.sh cfg-seq  # 1.3B 1 step, guidance 5: sequential CFG on PP=2
 #   bash benchmarks/gpu_suite.sh cfg-par  # 1.3B 1 step, guidance 5: CFG-parallel 2 x PP=1
+#   bash benchmarks/gpu_suite.sh fp8-check # --fp8: one stage's blocks (1.3B, 14B) bf16 against float8, speed and
+#                                          # difference (benchmarks/fp8_check.py, one GPU, ~3 min)
+#   bash benchmarks/gpu_suite.sh fp8      # 1.3B 1 step with --fp8 stages: steady FPS beside the `1.3b` part's row
+#                                         # (both fp8 parts install torchao from .whl-fp8/, an ignored folder, when it
+#                                         # is missing; made here by: pip download --no-deps --only-binary=:all:
+#                                         # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+#                                         # -d .whl-fp8 torchao==0.17.0, the release built against torch 2.11)
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
 # .git. Main streams are 60 s of video (DESIGN.md section 4).
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
+
+need_torchao() {  # --fp8 needs torchao: the carried wheel, installed once beside whatever else is on PYTHONPATH
+  python -c "import torchao" 2>/dev/null && return 0
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fp8 .whl-fp8/*.whl || return 1
+  export PYTHONPATH="/tmp/site-fp8${PYTHONPATH:+:$PYTHONPATH}"
+}
 mkdir -p "$out"
 harness=(python -m benchmarks.harness --cuda-graphs --vae-compile)
 
@@ -103,8 +116,17 @@ for part in "$@"; do
       timeout 290 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 1 --cfg-parallel 2 --guidance 5 \
         --no-compiled-peer --ttff-runs 3 --json "$out/v2_13b_1step_cfg5_cfgpar2.json"
       ;;
+    fp8-check)
+      need_torchao || { echo "fp8-check: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
+      timeout 300 python -m benchmarks.fp8_check --models wan2.1-1.3b,wan2.1-14b --json "$out/fp8_check.json"
+      ;;
+    fp8)
+      need_torchao || { echo "fp8: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
+      timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer --peer-chunks 4 \
+        --ttff-runs 3 --json "$out/v2_13b_1step_2gpu_fp8.json"
+      ;;
     *)
-      sed -n '2,26p' "$0"
+      sed -n '2,34p' "$0"
       exit 2
       ;;
   esac
