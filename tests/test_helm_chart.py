@@ -315,10 +315,20 @@ def test_gpu_speed_flags_follow_the_values(helm, name):
     if v["device"] == "cuda":
         assert arg_value(stage, "--dtype") == arg_value(gw, "--vae-dtype") == v["dtype"]
         assert ("--cuda-graphs" in stage) == v["stages"]["cudaGraphs"]
+        assert ("--fp8" in stage) == v["stages"]["fp8"]
         assert ("--vae-compile" in gw) == v["gateway"]["vaeCompile"]
     else:  # the CPU demo runs float32 and eager everywhere
-        assert not {"--dtype", "--cuda-graphs"} & set(stage)
+        assert not {"--dtype", "--cuda-graphs", "--fp8"} & set(stage)
         assert not {"--vae-dtype", "--vae-compile", "--vae-devices"} & set(gw)
+
+
+def test_fp8_is_opt_in_and_refused_where_the_stages_would_refuse_it(helm):
+    stage = main_container(render(helm, stages={"fp8": True}).component("StatefulSet", "stage"))["args"]
+    assert stage.count("--fp8") == 1 and arg_value(stage, "--dtype") == "bfloat16"
+    assert "--fp8" not in main_container(render(helm).component("StatefulSet", "stage"))["args"]
+    assert 'stages.fp8 needs device "cuda" (got "cpu")' in render_error(helm, "cpu", stages={"fp8": True})
+    err = render_error(helm, dtype="float16", stages={"fp8": True})
+    assert 'stages.fp8 needs dtype "bfloat16" (got "float16")' in err
 
 
 def test_a_multi_gpu_gateway_cuts_its_vae_over_every_gpu(helm):
@@ -829,7 +839,7 @@ def test_dockerfiles_match_the_chart(dockerfile):
     args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for cmd, rest in ins if cmd == "ARG" and "=" in rest}
     if dockerfile == "Dockerfile":
         assert "nvidia/cuda" in args["CUDA_IMAGE"] and "runtime" in args["CUDA_IMAGE"]
-        assert 'pip install "/src[gpu]"' in runs
+        assert 'pip install "/src[gpu,fp8]"' in runs  # torchao: the chart's stages.fp8 runs on this image
     else:
         assert args["PYTHON_IMAGE"] == "python:3.11-slim"
         assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs

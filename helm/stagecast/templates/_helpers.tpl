@@ -258,6 +258,12 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and (gt (int ($v.stages.sp | default 1)) 1) $v.stages.cudaGraphs (eq $v.device "cuda") -}}
 {{- fail "stagecast: stages.cudaGraphs is not supported with stages.sp > 1 yet: turn one of them off" -}}
 {{- end -}}
+{{- if and $v.stages.fp8 (ne $v.device "cuda") -}}
+{{- fail (printf "stagecast: stages.fp8 needs device \"cuda\" (got %q): float8 linears run on GPUs of compute capability 8.9+" $v.device) -}}
+{{- end -}}
+{{- if and $v.stages.fp8 (ne $v.dtype "bfloat16") -}}
+{{- fail (printf "stagecast: stages.fp8 needs dtype \"bfloat16\" (got %q): float8 linears take and give bfloat16" $v.dtype) -}}
+{{- end -}}
 {{- if and (gt (int ($v.stages.sp | default 1)) 1) (gt (int ($v.stages.cfgParallel | default 1)) 1) -}}
 {{- fail "stagecast: stages.cfgParallel 2 does not compose with stages.sp > 1 yet: set one of them to 1" -}}
 {{- end -}}
