@@ -254,3 +254,13 @@ def test_conversion_changes_the_selected_linears_and_nothing_else(monkeypatch):
     assert names == sorted(fp8_linear_names(tiny_slice(attention_head_dim=16)))
     changed = {n for n, p in sl.model.named_parameters() if type(p) is not before[n]}
     assert changed == {f"{n}.weight" for n in names}
+
+
+def test_fp8_runs_are_labelled_in_the_benchmark_tables():
+    from benchmarks.harness import fp8_label
+    from benchmarks.report import config_name
+
+    a = {"model": "wan2.1-1.3b", "width": 832, "height": 480, "steps": 1}
+    assert "FP8" not in config_name({"args": a}) and fp8_label(a) == ""
+    assert config_name({"args": {**a, "fp8": True}}).endswith(", FP8 blocks")
+    assert fp8_label({**a, "fp8": True}) == ", FP8 blocks"
