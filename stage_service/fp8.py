@@ -11,11 +11,13 @@ the norms (``norm1/2/3``, ``norm_q/norm_k``), the modulation tables, the patch a
 and the attention math itself (RoPE, softmax(QK^T)V run on the bf16 outputs of the projections).
 
 Scales are **rowwise** (torchao ``PerRow``): one scale per token of the activation and per output channel of the
-weight.  torchao supports rowwise and tensorwise float8 inference on compute capability 8.9+; rowwise keeps an
-outlier token or channel from flattening everyone else's precision, for the cost of a scale vector, and it is
-torchao's recommended float8 inference setting on H100/H200.  Activations are quantised on the GPU at every forward
-(no host sync), so the converted blocks capture into CUDA graphs like bf16 ones.  ``benchmarks/fp8_check.py``
-measures the speed and the difference from bf16; the stage-level refusals are in ``stagecast/fp8.py``.
+weight.  torchao 0.17 supports two granularities for float8 dynamic-activation inference on compute capability 8.9+,
+rowwise and tensorwise (``PerTensor``: one scale per tensor).  Rowwise is the choice because one outlier token or
+channel then costs precision only in its own row, not in the whole tensor, for the price of a scale vector; the
+matmul is ``torch._scaled_mm``'s rowwise path.  ``benchmarks/fp8_check.py`` measures tensorwise beside it, so the
+choice can be revisited on numbers.  Activations are quantised by GPU ops at every forward, so ``GraphedBlocks``
+captures the converted blocks as it does bf16 ones (``fp8_check`` reports a failed capture if one happens).  The
+stage-level refusals are in ``stagecast/fp8.py``.
 """
 
 from __future__ import annotations
