@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 HIDDEN_TAG = 1
 LATENT_TAG = 2
 GUIDANCE_TAG = 3
+WARMUP_TAG = 4  # the probes that create each pair's communicator at join
 
 
 class TransportAborted(RuntimeError):
@@ -145,6 +146,10 @@ class PipeTransport:
         self._sends: queue.Queue = queue.Queue()  # (work, tensor) until delivered; None ends the reaper
         self._reaper: threading.Thread | None = None
         self._nccl_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        # The rendezvous store, held for the group's life: NCCL reads it again whenever it creates a communicator
+        # (a new peer pair, a sub-group), and a Python store (``GrpcStore``) that nothing in Python references is
+        # collected, after which torch finds no ``get`` on it ("fn INTERNAL ASSERT FAILED ... Not implemented").
+        self.stores: tuple[dist.Store, ...] = ()
         if backend != "nccl" and world_size > 1:
             self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="send-reaper")
             self._reaper.start()
@@ -180,29 +185,48 @@ class PipeTransport:
             raise ValueError(f"world size {world_size} is not a multiple of --sp {sp} x --cfg-parallel {cfg_parallel}")
         sequence = init_sequence_groups(layout, rank, backend)  # every rank creates every stage's group
         tp = cls(group, rank, world_size, device, backend, sequence, cfg_parallel=cfg_parallel)
+        tp.stores = (store, prefixed)
         if backend == "gloo" and world_size > 1:
             tp.sockets = _gloo_connections(before, prefixed, rank, world_size)
         tp._warmup()
         logger.info("joined generation %d as rank %d/%d over %s", generation, rank, world_size, backend)
         return tp
 
+    def peer_pairs(self) -> list[tuple[int, int]]:
+        """Every pair of ranks (low, high) that exchanges tensors while serving, over the whole world, sorted: the
+        pipeline ring of each CFG group (rank (k, r) to (k + 1, r), the last stage back to the first) and, with
+        CFG-parallel, the two groups' last stages."""
+        size = self.layout.world_size
+        sp = self.sequence.size
+        pairs = set()
+        for base in range(0, self.world_size, size):
+            for local in range(size):
+                a, b = base + local, base + (local + sp) % size
+                if a != b:
+                    pairs.add((min(a, b), max(a, b)))
+                if self.cfg_parallel > 1 and local >= size - sp:
+                    c = (a + size) % self.world_size
+                    pairs.add((min(a, c), max(a, c)))
+        return sorted(pairs)
+
     def _warmup(self) -> None:
-        # Create every communicator now, not on the first real chunk: the pipeline ring (rank (k, r) to (k+1, r),
-        # the last stage back to the first) and the sequence group.
+        # Create every communicator now, not on the first real chunk, with the very operations serving uses (a
+        # single isend / irecv per pair: NCCL keys a point-to-point communicator by its two ranks).  Every rank
+        # takes the pairs in the same global order and blocks on each until its peer has done it too; the lowest
+        # pair not yet done always has both ranks at it, so this cannot deadlock on a ring of any length.
         probe = torch.zeros(1, device=self.device)
-        if self.pipeline > 1:
-            sp, size, local = self.sequence.size, self.layout.world_size, self.rank - self.base
-            nxt, prev = self.base + (local + sp) % size, self.base + (local - sp) % size
-            ops = [dist.P2POp(dist.isend, probe, nxt), dist.P2POp(dist.irecv, torch.zeros_like(probe), prev)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        for low, high in self.peer_pairs():
+            if self.rank not in (low, high):
+                continue
+            peer = high if self.rank == low else low
+            sent = dist.isend(probe, dst=peer, tag=WARMUP_TAG)
+            got = dist.irecv(torch.zeros_like(probe), src=peer, tag=WARMUP_TAG)
+            sent.wait()
+            got.wait()
         if self.sequence.size > 1:
             self.sequence.all_gather(probe)
-        if self.cfg_parallel > 1 and self.last_in_pipe:
-            peer = self.guidance_peer
-            ops = [dist.P2POp(dist.isend, probe, peer), dist.P2POp(dist.irecv, torch.zeros_like(probe), peer)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def last_in_pipe(self) -> bool:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from stage_service.parallel_state import SequenceGroup
 from stagecast import diagnostics
 
 
@@ -96,3 +97,101 @@ def test_gloo_transport_reaps_sends_releases_waits_and_leaves_nothing(scenario):
             assert released[2] < 2.0 and released[3], released
     for _, rank, first, second in (r for r in results if r[0] == "counts"):
         assert second == first, f"rank {rank}: after generation 1 {first}, after generation 2 {second}"
+
+
+class _SeqShape(SequenceGroup):
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stages,sp,cfg", [(1, 1, 2), (2, 1, 1), (3, 1, 1), (4, 1, 2), (2, 2, 1), (3, 2, 1), (1, 2, 1)])
+def test_the_join_warmup_pairs_are_exactly_the_pairs_serving_uses(stages, sp, cfg):
+    # Every pair the warm-up connects is one a chunk crosses, and every pair a chunk crosses is warmed up: a pair
+    # first met while serving would create its NCCL communicator (a store round trip) on the stream's first chunk.
+    from stage_service.transport import PipeTransport
+
+    world = stages * sp * cfg
+    used, warmed = set(), set()
+    for rank in range(world):
+        group_size = world // cfg
+        tp = PipeTransport(None, rank, world, torch.device("cpu"), "nccl", _SeqShape(rank % group_size % sp, sp), cfg)
+        talks: list[int] = []
+        tp._isend = lambda tensor, dst, tag, talks=talks: talks.append(dst)
+        tp._recv = lambda shape, dtype, src, tag, talks=talks: talks.append(src) or torch.zeros(shape, dtype=dtype)
+        stage = (rank % group_size) // sp
+        if stage < stages - 1:
+            tp.send_hidden(torch.zeros(1))
+        if stage > 0:
+            tp.recv_hidden((1,), torch.float32)
+        if stage == stages - 1 and stages > 1:
+            tp.send_latent(torch.zeros(1))
+        if stage == 0 and stages > 1:
+            tp.recv_latent((1,))
+        if cfg > 1 and tp.last_in_pipe:
+            tp.exchange_guidance(torch.zeros(1))
+        used |= {(min(rank, p), max(rank, p)) for p in talks if p != rank}
+        pairs = tp.peer_pairs()
+        assert pairs == sorted(pairs) and len(set(pairs)) == len(pairs)
+        warmed |= set(pairs)
+    assert warmed == used
+
+
+class _PythonStore(dist.Store):
+    """A store implemented in Python, as the rendezvous's ``GrpcStore`` is."""
+
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def set_timeout(self, timeout):
+        self.inner.set_timeout(timeout)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+
+def test_a_python_store_outlives_join_for_as_long_as_the_group():
+    # NCCL reads the store again whenever it creates a communicator after join (a new peer pair, a sub-group).
+    # torch's PrefixStore keeps only the C++ half of a Python store alive; once the Python object is collected,
+    # such a read fails with "fn INTERNAL ASSERT FAILED ... Not implemented".  The transport holds it.
+    import gc
+    import weakref
+
+    from stage_service.transport import PipeTransport
+
+    store = _PythonStore(dist.HashStore())
+    alive = weakref.ref(store)
+    tp = PipeTransport.join(rank=0, world_size=1, store=store, generation=1, backend="gloo")
+    try:
+        del store
+        gc.collect()
+        assert alive() is not None
+        tp.stores[-1].set("after-join", b"1")  # the prefixed store still reaches the Python store
+        assert alive().get("stagecast/gen1/after-join") == b"1"
+    finally:
+        tp.close()
+    del tp
+    gc.collect()
+    assert alive() is None  # and nothing keeps it once the generation is left
