@@ -417,6 +417,7 @@ ONE_PIPELINE = {
     "gateway_gpu": None,
     "vae_gpus": None,
     "vae_split": None,
+    "balance_profile": None,
     "sp": 1,
     "cfg_parallel": 1,
     "slo_vae_ms": 0.0,
@@ -436,13 +437,16 @@ def start_system(launcher, root: Path, args, device_kind: str):
     from launcher.local_cluster import start_pipeline
 
     stage_device = "cuda" if device_kind == "cuda" else "cpu"
+    ranks = gpus_of(args)  # one GPU per stage rank
+    vae_devices = vae_devices_of(args, device_kind)
+    partition, vae_split = balance(root, args, device_kind, vae_devices)
     pipe = start_pipeline(
         launcher,
         checkpoint=f"random:{args.model}",
         stages=args.stages,
         sp=args.sp,
         cfg_parallel=args.cfg_parallel,
-        partition=args.partition,
+        partition=partition,
         device=stage_device,
         dtype=args.dtype,
         max_batch=args.batch,
@@ -452,22 +456,64 @@ def start_system(launcher, root: Path, args, device_kind: str):
         fp8=args.fp8,
         coordinator_args=["--vae-ms-per-chunk", str(args.slo_vae_ms)] if args.slo_vae_ms else [],
     )
-    ranks = gpus_of(args)  # one GPU per stage rank
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
     gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
     gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
-    if device_kind == "cuda":
-        vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(ranks))
-        gw_args += ["--vae-devices", ",".join(f"cuda:{g}" for g in vae_gpus.split(","))]
-    else:  # CPU smoke: the same pipelined path, two slices on the CPU
-        gw_args += ["--vae-devices", "cpu,cpu"]
-    if args.vae_split:
-        gw_args += ["--vae-split", args.vae_split]
+    gw_args += ["--vae-devices", ",".join(vae_devices)]
+    if vae_split:
+        gw_args += ["--vae-split", vae_split]
     gateway = launcher.spawn("gateway", gw_args, timeout=900)
     return pipe, gateway.info["address"]
+
+
+def vae_devices_of(args, device_kind: str) -> list[str]:
+    """The devices the gateway's VAE is cut over: ``--vae-gpus`` or every stage rank's GPU."""
+    if device_kind != "cuda":
+        return ["cpu", "cpu"]  # CPU smoke: the same pipelined path, two slices on the CPU
+    vae_gpus = args.vae_gpus if args.vae_gpus is not None else ",".join(str(i) for i in range(gpus_of(args)))
+    return [f"cuda:{g}" for g in vae_gpus.split(",")]
+
+
+def balance(
+    root: Path, args, device_kind: str, vae_devices: list[str], announce: bool = True
+) -> tuple[str | None, str | None]:
+    """``--partition`` and ``--vae-split`` as given, or with ``--partition auto`` both from the planner over
+    ``--balance-profile`` (the profile must match the model, steps and size of this run); the plan and its predicted
+    per-GPU times go into ``args.balance`` (and so into the result's JSON)."""
+    from launcher.balance import check_flags, resolve_balance
+
+    check_flags(args.partition, args.balance_profile)
+    if args.partition != "auto":
+        return args.partition, args.vae_split
+    if args.vae_split:
+        raise ValueError("--vae-split: with --partition auto the VAE cut is the planner's (give one of them)")
+    if args.sp > 1 or args.cfg_parallel > 1:
+        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
+    stages = [f"cuda:{i}" for i in range(args.stages)] if device_kind == "cuda" else ["cpu"] * args.stages
+    choice = resolve_balance(
+        args.balance_profile,
+        transformer=f"random:{args.model}",
+        stage_devices=stages,
+        vae_folder=root / "vae",
+        vae_devices=vae_devices,
+    )
+    choice.profile.check_run(steps=args.steps, width=args.width, height=args.height)
+    if announce:
+        print(f"[harness] {choice.describe()}", flush=True)
+    plan = choice.plan
+    args.balance = {
+        "partition": plan.partition,
+        "vae_split": plan.vae_split,
+        "predicted_gpu_ms": {str(g): ms for g, ms in plan.gpu_ms.items()},
+        "predicted_bottleneck_ms": plan.bottleneck_ms,
+        "profile": str(args.balance_profile),
+        "profile_device": choice.profile.device,
+    }
+    split = choice.vae_split
+    return plan.partition, ",".join(map(str, split)) if split else None
 
 
 def coordinator_status(coordinator: str, launcher):
@@ -834,7 +880,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--partition", default=None)
+    ap.add_argument(
+        "--partition",
+        default=None,
+        help="layers per stage, e.g. 17,13 (default: even); auto: the partition and the VAE cut from --balance-profile",
+    )
+    ap.add_argument(
+        "--balance-profile", default=None, help="measured costs (python -m benchmarks.balance) for --partition auto"
+    )
     ap.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses); stages × sp GPUs, one per rank"
     )
@@ -935,6 +988,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stagecast-bench-") as tmp:
         root = Path(tmp)
         write_assets(root, args)
+        try:  # a profile that does not fit this run is refused before any measurement
+            balance(root, args, device_kind, vae_devices_of(args, device_kind), announce=False)
+        except ValueError as exc:
+            ap.error(str(exc))
         dit, vae = build_peer(args, device, dtype)
         flops = flops_per_frame(args, dit, vae, device, dtype, text_len)
         peak = matmul_peak_tflops(device, 8192 if device_kind == "cuda" else 512)

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.microstep import MicroStep, StreamSpec
 from stagecast.model.parallel import check_gpus
-from stagecast.model.partition import even_partition
+from stagecast.model.partition import even_partition, parse_partition
 
 
 @dataclass
@@ -293,7 +293,9 @@ def add_simulate_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages")
-    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
+    p.add_argument(
+        "--steps", type=int, default=None, help="denoising steps per chunk (default 4; with --balance-profile, its own)"
+    )
     p.add_argument("--streams", type=int, default=1, help="concurrent streams")
     p.add_argument("--chunks", type=int, default=64, help="chunks per stream")
     p.add_argument("--batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
@@ -319,10 +321,43 @@ def add_simulate_parser(sub) -> None:
     p.add_argument(
         "--vae-ms-per-chunk", type=float, default=0.0, help="--controller: VAE ms per chunk on each stage GPU"
     )
+    p.add_argument(
+        "--balance-profile",
+        default=None,
+        help="measured ms per chunk of every block and VAE unit (python -m benchmarks.balance): stage times come from"
+        " it and the report adds each GPU's DiT + VAE time per chunk",
+    )
+    p.add_argument(
+        "--partition",
+        default="auto",
+        help="with --balance-profile: layers per stage, e.g. 15,15, or auto (the planner's, with the VAE cut)",
+    )
+    p.add_argument(
+        "--vae-split",
+        default=None,
+        help="with --balance-profile and a --partition: decoder units where VAE slices "
+        "1.. start (default: the best cut for that partition)",
+    )
+    p.add_argument(
+        "--vae-slices",
+        type=int,
+        default=None,
+        help="with --balance-profile: VAE slices, slice j on stage j's GPU (default: one per stage; 0: no VAE)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     stage_ms = [float(x) for x in args.stage_ms.split(",")] if args.stage_ms else None
+    balance = None
+    if args.balance_profile:
+        try:
+            balance = balance_from_profile(args)
+        except ValueError as exc:
+            print(f"stagecast simulate: error: {exc}", file=sys.stderr)
+            return 2
+        stage_ms = balance["stage_ms_batch_of_one"]
+        args.steps, args.layers = balance["steps"], balance["layers"]
+    args.steps = args.steps or 4
     cfg = SimConfig(
         stages=args.stages,
         steps=args.steps,
@@ -349,8 +384,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"stagecast simulate: error: {exc}", file=sys.stderr)
         return 2
+    if balance is not None:
+        # Stage times differ on purpose when the VAE slices load the GPUs unevenly: the GPUs are what is balanced.
+        rep.notes = [n for n in rep.notes if not n.startswith("unbalanced stages")]
+        gpu_bound = 1e3 / balance["bottleneck_ms"] if balance["bottleneck_ms"] > 0 else float("inf")
+        balance["gpu_bound_chunks_per_second"] = gpu_bound
+        balance["predicted_chunks_per_second"] = min(rep.chunks_per_second, gpu_bound)
     if args.json:
-        print(json.dumps(asdict(rep), indent=2))
+        print(json.dumps(asdict(rep) | ({"balance": balance} if balance else {}), indent=2))
         return 0
     print(
         f"stages={cfg.stages} sp={cfg.sp} steps={cfg.steps} streams={cfg.streams} batch={cfg.batch} policy={cfg.policy}"
@@ -363,7 +404,76 @@ def main(args: argparse.Namespace) -> int:
         print("all-to-all per forward (batch of one): " + " ".join(f"{a:.2f} ms" for a in rep.a2a_ms_per_forward))
     for note in rep.notes:
         print(f"note: {note}")
+    if balance is not None:
+        for line in balance["lines"]:
+            print(line)
+        print(
+            f"each GPU carries its stage and its VAE slices: at most {balance['gpu_bound_chunks_per_second']:.1f} "
+            f"chunks/s; predicted {balance['predicted_chunks_per_second']:.1f} chunks/s "
+            f"({4 * balance['predicted_chunks_per_second']:.1f} FPS at 4 frames per latent frame)"
+        )
     return 0
+
+
+def balance_from_profile(args: argparse.Namespace) -> dict:
+    """Stage times and per-GPU DiT + VAE times from a balance profile (stage k and VAE slice k on GPU k), for the
+    partition asked for (or the planner's), beside the even partition with its best VAE cut."""
+    from stagecast.model.balance import evaluate, plan_balance
+    from stagecast.model.balance_profile import BalanceProfile
+
+    profile = BalanceProfile.load(args.balance_profile)
+    if args.steps is not None and args.steps != profile.steps:
+        raise ValueError(f"--steps {args.steps}: {profile.source} was measured at steps {profile.steps}")
+    if args.sp != 1:
+        raise ValueError("--balance-profile: not with --sp (the profile times whole-sequence stages)")
+    costs = profile.costs()
+    gpus = [f"cuda:{k}" for k in range(args.stages)]
+    slices = args.stages if args.vae_slices is None else args.vae_slices
+    if not 0 <= slices <= args.stages:
+        raise ValueError(f"--vae-slices: 0..{args.stages} (one per stage GPU at most), got {slices}")
+    vae = gpus[:slices]
+    n = len(profile.blocks_ms)
+    if args.partition == "auto":
+        if args.vae_split:
+            raise ValueError("--vae-split: with --partition auto the VAE cut is the planner's (give one of them)")
+        plan = plan_balance(costs, gpus, vae)
+    else:
+        counts = parse_partition(args.partition, n, args.stages)
+        if args.vae_split:
+            try:
+                split = [int(x) for x in args.vae_split.split(",")]
+            except ValueError:
+                raise ValueError(f"--vae-split: comma-separated unit indices, got {args.vae_split!r}") from None
+            plan = evaluate(costs, counts, split, gpus, vae)
+        else:
+            plan = plan_balance(costs, gpus, vae, counts=counts)
+    even = plan_balance(costs, gpus, vae, counts=even_partition(n, args.stages))
+    lines = []
+    for label, p in (("even", even), ("chosen", plan)):
+        per_gpu = ", ".join(f"{g} {ms:.2f}" for g, ms in p.gpu_ms.items())
+        lines.append(
+            f"{label}: --partition {p.partition} --vae-split {','.join(map(str, p.vae_split)) or '-'}: DiT + VAE ms "
+            f"per chunk per GPU {per_gpu} (bottleneck {p.bottleneck_ms:.2f} ms)"
+        )
+    # The profile's stage times are one forward of ``batch`` micro-steps; the scheduler prices a batch of one.
+    scale = 1 + args.growth * (profile.batch - 1)
+    return {
+        "profile": str(args.balance_profile),
+        "steps": profile.steps,
+        "layers": n,
+        "partition": plan.partition,
+        "vae_split": plan.vae_split,
+        "stage_ms_batch_of_one": [ms / scale for ms in plan.stage_ms],
+        "gpu_ms": plan.gpu_ms,
+        "bottleneck_ms": plan.bottleneck_ms,
+        "even": {
+            "partition": even.partition,
+            "vae_split": even.vae_split,
+            "gpu_ms": even.gpu_ms,
+            "bottleneck_ms": even.bottleneck_ms,
+        },
+        "lines": lines,
+    }
 
 
 def _controller_main(cfg: SimConfig, args: argparse.Namespace) -> int:

@@ -40,6 +40,8 @@ from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.microstep import MAX_GUIDANCE, PlanEvent, StreamSpec
+from stagecast.model.balance import BalanceError
+from stagecast.model.balance_profile import BalanceProfileError
 from stagecast.model.config import read_config
 from stagecast.model.parallel import LayoutError, check_gpus
 from stagecast.names import DTYPES
@@ -53,7 +55,8 @@ LADDER = (1000.0, 750.0, 500.0, 250.0, 125.0, 60.0)
 @dataclass
 class SelftestConfig:
     stages: int = 2
-    partition: str | None = None
+    partition: str | None = None  # layers per stage; "auto": the planner's, from balance_profile
+    balance_profile: str | None = None
     sp: int = 1  # sequence-parallel ranks per stage; the reference runs the same shard layout in one process
     policy: str = "per_level"
     streams: int = 2
@@ -103,6 +106,7 @@ class SelftestResult:
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # video-to-video (stream, chunk) inputs
     negative_texts: dict[int, torch.Tensor] = field(default_factory=dict)  # guided streams' negative prompts
     prompt_texts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stream, from_chunk) -> text
+    partition: str | None = None  # the layers per stage the pipeline ran (None: even)
 
 
 def stream_specs(cfg: SelftestConfig, model_cfg: dict) -> list[StreamSpec]:
@@ -354,11 +358,12 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
         check_layout(transformer, cfg.stages, cfg.sp)  # before anything starts: LayoutError names the flag
         if cfg.sp > 1 and cfg.device.startswith("cuda"):
             check_gpus(cfg.stages, cfg.sp, torch.cuda.device_count())
+        partition = balanced_partition(cfg, transformer)
         pipe = start_pipeline(
             launcher,
             checkpoint=transformer,
             stages=cfg.stages,
-            partition=cfg.partition,
+            partition=partition,
             device=cfg.device,
             dtype=cfg.dtype,
             max_batch=cfg.batch,
@@ -383,7 +388,24 @@ def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
             ]
         connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
         chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req), negative, updates)
-        return compare(cfg, transformer, connect, texts, chunks, inputs, negative, updates)
+        result = compare(cfg, transformer, connect, texts, chunks, inputs, negative, updates)
+        result.partition = partition
+        return result
+
+
+def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:
+    """``cfg.partition``, or with "auto" the planner's from ``cfg.balance_profile`` (the DiT alone: no gateway)."""
+    from launcher.balance import check_flags, resolve_balance
+
+    check_flags(cfg.partition, cfg.balance_profile)
+    if cfg.partition != "auto":
+        return cfg.partition
+    if cfg.sp > 1 or cfg.cfg_parallel > 1:
+        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
+    devices = [f"cuda:{i}" for i in range(cfg.stages)] if cfg.device.startswith("cuda") else [cfg.device] * cfg.stages
+    choice = resolve_balance(cfg.balance_profile, transformer=transformer, stage_devices=devices)
+    logger.info("%s", choice.describe())
+    return choice.partition
 
 
 def adaptive_args(cfg: SelftestConfig) -> list[str]:
@@ -414,16 +436,23 @@ def run_selftest(cfg: SelftestConfig) -> int:
         print(f"stagecast selftest: {exc}", file=sys.stderr)
         return 2
     try:
+        from launcher.balance import check_flags
+
+        check_flags(cfg.partition, cfg.balance_profile)
+    except ValueError as exc:
+        print(f"stagecast selftest: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         with Launcher() as launcher:
             result = execute_selftest(cfg, launcher)
-    except LayoutError as exc:
+    except (LayoutError, BalanceProfileError, BalanceError) as exc:
         print(f"stagecast selftest: error: {exc}", file=sys.stderr)
         return 2
     verdict = "PASS" if result.ok else "FAIL"
     print(
         f"selftest {verdict}: stages={cfg.stages} sp={cfg.sp} cfg_parallel={cfg.cfg_parallel} "
         f"guidance={','.join(f'{g:g}' for g in cfg.guidance)} prompt_updates={len(result.prompt_texts)} "
-        f"partition={cfg.partition or 'even'} "
+        f"partition={result.partition or 'even'} "
         f"policy={cfg.policy} streams={cfg.streams} batch={cfg.batch} device={cfg.device} dtype={cfg.dtype} "
         f"v2v={cfg.v2v} "
         f"max_diff={result.max_diff:.3e}"
@@ -473,7 +502,10 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--stages", type=int, default=2, help="DiT stage processes")
-    p.add_argument("--partition", default=None, help="layers per stage, e.g. 1,3 (default: even)")
+    p.add_argument(
+        "--partition", default=None, help="layers per stage, e.g. 1,3 (default: even; auto: from --balance-profile)"
+    )
+    p.add_argument("--balance-profile", default=None, help="measured costs (benchmarks.balance) for --partition auto")
     p.add_argument(
         "--sp", type=int, default=1, help="sequence-parallel ranks per stage (the reference runs the same shards)"
     )
@@ -537,6 +569,7 @@ def main(args: argparse.Namespace) -> int:
         SelftestConfig(
             stages=args.stages,
             partition=args.partition,
+            balance_profile=args.balance_profile,
             sp=args.sp,
             policy=args.policy,
             streams=args.streams,

@@ -23,7 +23,17 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (transformer/, vae/, text_encoder/, ...)")
     p.add_argument("--stages", type=int, default=2, help="DiT stages (one process each)")
-    p.add_argument("--partition", default=None, help="layers per stage, e.g. 8,12,12,8 (default: even)")
+    p.add_argument(
+        "--partition",
+        default=None,
+        help="layers per stage, e.g. 8,12,12,8 (default: even); auto: the stage partition and the gateway's VAE cut "
+        "chosen together from --balance-profile",
+    )
+    p.add_argument(
+        "--balance-profile",
+        default=None,
+        help="measured ms per chunk of every block and VAE unit (python -m benchmarks.balance), for --partition auto",
+    )
     p.add_argument(
         "--sp",
         type=int,
@@ -122,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
         placement = Placement.plan(
             args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel
         )
+        partition, vae_split = _balance(args, placement)
     except (ValueError, OSError) as exc:
         print(f"stagecast up: error: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
                 launcher,
                 checkpoint=resolve_transformer(args.checkpoint),
                 stages=args.stages,
-                partition=args.partition,
+                partition=partition,
                 device=args.device,
                 dtype=args.dtype,
                 max_batch=args.max_batch,
@@ -157,6 +168,8 @@ def main(args: argparse.Namespace) -> int:
                 gw_args += ["--device", placement.gateway_device, "--host", args.host]
                 if placement.vae_devices:
                     gw_args += ["--vae-devices", ",".join(placement.vae_devices)]
+                if vae_split:
+                    gw_args += ["--vae-split", ",".join(map(str, vae_split))]
                 if args.device.startswith("cuda"):
                     gw_args += ["--vae-dtype", args.dtype]
                 if args.vae_compile:
@@ -195,3 +208,25 @@ def main(args: argparse.Namespace) -> int:
             print(f"stagecast up: {failure}", file=sys.stderr, flush=True)
         print("shutting down", flush=True)
     return 1 if failure is not None else 0
+
+
+def _balance(args: argparse.Namespace, placement) -> tuple[str | None, list[int] | None]:
+    """``--partition`` as given, or with ``auto`` the planner's partition and the gateway's VAE cut (one answer)."""
+    from launcher.balance import check_flags, resolve_balance
+
+    check_flags(args.partition, args.balance_profile)
+    if args.partition != "auto":
+        return args.partition, None
+    if args.sp > 1 or args.cfg_parallel > 1:
+        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
+    root = args.checkpoint
+    gateway = args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
+    choice = resolve_balance(
+        args.balance_profile,
+        transformer=resolve_transformer(root),
+        stage_devices=placement.stage_devices[: args.stages],
+        vae_folder=os.path.join(root, "vae") if gateway else None,
+        vae_devices=placement.vae_devices,
+    )
+    print(f"stagecast up: {choice.describe()}", flush=True)
+    return choice.partition, choice.vae_split

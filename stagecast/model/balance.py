@@ -180,14 +180,27 @@ def _plan(costs, counts, vae_split, stage_gpus, vae_gpus) -> BalancePlan:
     )
 
 
-def plan_balance(costs: BalanceCosts, stage_gpus: Sequence[Hashable], vae_gpus: Sequence[Hashable] = ()) -> BalancePlan:
+def plan_balance(
+    costs: BalanceCosts,
+    stage_gpus: Sequence[Hashable],
+    vae_gpus: Sequence[Hashable] = (),
+    *,
+    counts: Sequence[int] | None = None,
+) -> BalancePlan:
     """The partition (``len(stage_gpus)`` stages, stage k on ``stage_gpus[k]``) and the VAE cut
     (``len(vae_gpus)`` slices, slice j on ``vae_gpus[j]``; none: the VAE is not placed) with the smallest
-    largest per-GPU time per chunk; ties broken as the module docstring says."""
+    largest per-GPU time per chunk; ties broken as the module docstring says.  With ``counts`` the partition is
+    given and only the VAE cut is chosen."""
     _check_layout(costs, stage_gpus, vae_gpus)
     stages, n = len(stage_gpus), len(costs.blocks_ms)
     fixed = _fixed_ns(costs, stages)
     prefix = [0, *itertools.accumulate(_ns(v) for v in costs.blocks_ms)]
+    given: list[int] = []
+    if counts is not None:
+        counts = list(counts)
+        evaluate(costs, counts, [], stage_gpus, ())  # BalanceError names a bad partition
+        edges = [0, *itertools.accumulate(counts)]
+        given = [fixed[k] + prefix[edges[k + 1]] - prefix[edges[k]] for k in range(stages)]
     units = [_ns(v) for v in costs.vae_units_ms]
     slices = len(vae_gpus)
     stage_of_gpu = {g: k for k, g in enumerate(stage_gpus)}
@@ -202,15 +215,19 @@ def plan_balance(costs: BalanceCosts, stage_gpus: Sequence[Hashable], vae_gpus: 
         offsets = tuple(vae_load.get(g, 0) for g in stage_gpus)
         vae_only = [t for g, t in vae_load.items() if g not in stage_of_gpu]
         floor = max(vae_only, default=0)
-        if offsets not in minimax:
-            minimax[offsets] = _minimax(prefix, fixed, offsets)
-        bottleneck = max(floor, minimax[offsets])
-        if best is not None and bottleneck > best[0]:
-            return
-        if (offsets, bottleneck) not in squares_memo:
-            squares_memo[offsets, bottleneck] = _min_squares(prefix, fixed, offsets, bottleneck)
-        squares, counts = squares_memo[offsets, bottleneck]
-        key = (bottleneck, squares + sum(t * t for t in vae_only), counts, split)
+        if counts is not None:
+            loads = [a + b for a, b in zip(given, offsets, strict=True)]
+            bottleneck, squares, chosen = max(floor, *loads), sum(t * t for t in loads), counts
+        else:
+            if offsets not in minimax:
+                minimax[offsets] = _minimax(prefix, fixed, offsets)
+            bottleneck = max(floor, minimax[offsets])
+            if best is not None and bottleneck > best[0]:
+                return
+            if (offsets, bottleneck) not in squares_memo:
+                squares_memo[offsets, bottleneck] = _min_squares(prefix, fixed, offsets, bottleneck)
+            squares, chosen = squares_memo[offsets, bottleneck]
+        key = (bottleneck, squares + sum(t * t for t in vae_only), chosen, split)
         if best is None or key < best:
             best = key
 
