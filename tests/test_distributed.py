@@ -1,5 +1,7 @@
 """The multi-process pipeline (real processes, gRPC, gloo) reproduces the reference executor bit for bit."""
 
+import json
+
 import pytest
 import torch
 
@@ -168,3 +170,25 @@ def test_classifier_free_guidance_equals_reference_bit_for_bit(stages, partition
         for g, w in zip(got, want):
             assert torch.equal(g, w), f"stream {sid}: max diff {(g - w).abs().max()}"
     assert result.ok and result.max_diff == 0.0
+
+
+def test_a_pipeline_partitioned_by_the_balance_planner_equals_the_reference_bit_for_bit(tmp_path):
+    """``--partition auto``: the planner's partition (uneven here: block 0 is measured slow) changes where layers run,
+    never what they compute."""
+    from launcher.balance import resolve_balance
+    from tests.test_balance import profile_json
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(profile_json()))  # blocks 5, 1, 1, 1 ms
+    cfg = SelftestConfig(
+        stages=3, partition="auto", balance_profile=str(profile), policy="per_level", streams=2, chunks=5, window=3
+    )
+    with Launcher() as launcher:
+        result = execute_selftest(cfg, launcher)
+    planned = resolve_balance(profile, transformer="random:tiny-wan2.1", stage_devices=["cpu"] * 3).partition
+    assert result.partition == planned != "2,1,1"  # the planner's answer, not the even split
+    assert result.ok and result.max_diff == 0.0 and len(result.chunks) == 2
+    for sid, want in result.reference.items():
+        assert len(result.chunks[sid]) == len(want) > 0
+        for g, w in zip(result.chunks[sid], want):
+            assert (g == w).all()
