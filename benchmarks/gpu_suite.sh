@@ -28,6 +28,10 @@
 #                                         # is missing; made here by: pip download --no-deps --only-binary=:all:
 #                                         # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #                                         # -d .whl-fp8 torchao==0.17.0, the release built against torch 2.11)
+#   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
+#   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
+#                                         # the VAE cut by MACs, then --partition auto from that profile (read
+#                                         # from $OUT, else benchmarks/results); ~5 min per part
 #
 # Results go to ${OUT:-benchmarks/results}/v2_*.json; `python -m benchmarks.report` makes BENCHMARKS.md's tables
 # from them. The commit is read from $STAGECAST_COMMIT and the dirty flag from $STAGECAST_DIRTY when the tree has no
@@ -125,8 +129,22 @@ for part in "$@"; do
       timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer --peer-chunks 4 \
         --ttff-runs 3 --json "$out/v2_13b_1step_2gpu_fp8.json"
       ;;
+    balance-profile)
+      timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \
+        --out "$out/balance_13b_1step.json"
+      ;;
+    balance-even|balance-auto)
+      flags=(--partition 15,15); name=even  # even, said explicitly so that its row is named apart from `1.3b`'s
+      if [ "$part" = balance-auto ]; then
+        profile="$out/balance_13b_1step.json"
+        [ -f "$profile" ] || profile=benchmarks/results/balance_13b_1step.json
+        flags=(--partition auto --balance-profile "$profile"); name=auto
+      fi
+      timeout 330 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer --ttff-runs 2 \
+        --interactive-updates 2 --peer-chunks 4 "${flags[@]}" --json "$out/v2_13b_1step_2gpu_balance_${name}.json"
+      ;;
     *)
-      sed -n '2,34p' "$0"
+      sed -n '2,38p' "$0"
       exit 2
       ;;
   esac

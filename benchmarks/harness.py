@@ -6,6 +6,8 @@ Usage (on a machine with GPUs; one command per configuration)::
         --load 1,2,4,8 --json benchmarks/results/v2_13b_1step_2gpu.json
     python -m benchmarks.harness --smoke          # CPU, tiny model, a few seconds (CI runs this)
     python -m benchmarks.harness --steps 1 --stages 1 --cfg-parallel 2 --guidance 5 ...   # CFG-parallel on 2 GPUs
+    python -m benchmarks.harness ... --partition auto --balance-profile profile.json   # stages and VAE cut planned
+                                                  # from a measured profile (python -m benchmarks.balance)
     python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
 What one run does (the benchmark protocol, BENCHMARKS.md):

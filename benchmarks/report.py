@@ -45,6 +45,11 @@ def config_name(r: dict) -> str:
         name += f", guidance {a['guidance']:g}, {topology}"
     if a.get("fp8"):
         name += ", FP8 blocks"
+    if a.get("balance"):  # --partition auto: the planner's answer from a measured profile
+        b = a["balance"]
+        name += f", balanced {b['partition']} / VAE split {','.join(map(str, b['vae_split'])) or '-'}"
+    elif a.get("partition"):
+        name += f", partition {a['partition']}"
     return name + (f" ({r['label']})" if r.get("label") else "") + (" ¹" if r.get("partial") else "")
 
 

@@ -5,4 +5,6 @@
 - ``config``: ``read_config`` / ``read_vae_config`` for checkpoint folders (diffusers or Wan-AI layout).
 - ``wan_keys``: the original Wan / CausVid / Self-Forcing key and config layout against diffusers'.
 - ``partition``: ``parse_partition`` and ``partition_ranges`` for cutting the layers into stages.
+- ``balance``: ``plan_balance``, the partition and the VAE cut chosen together from measured times per GPU;
+  ``balance_profile``: the JSON those times come in (made by ``benchmarks/balance.py``).
 """
