@@ -200,6 +200,8 @@ def measure(args) -> BalanceProfile:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # CUDA events and graphs use the current device's stream
     config = model_config(args.model)
     args.vae = VAE_FOR_MODEL[args.model]
     args.spatial = spatial_factor(vae_config(args.vae))

@@ -257,3 +257,10 @@ def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(
     assert f"balanced: --partition {plan.partition} --vae-split {plan.vae_split[0]}" in printed
     with pytest.raises(SystemExit):
         main(["--model", "tiny-wan2.1", "--steps", "5", "--out", str(out)])
+
+
+def test_a_coordinator_given_partition_auto_says_where_auto_is_planned():
+    from stagecast.model.partition import parse_partition
+
+    with pytest.raises(ValueError, match="--balance-profile"):
+        parse_partition("auto", 30, 2)

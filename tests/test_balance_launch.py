@@ -99,3 +99,28 @@ def test_simulate_takes_stage_times_and_the_vae_from_a_profile(tmp_path, capsys)
     assert "chosen: --partition 2,2" in capsys.readouterr().out
     assert main(["simulate", "--balance-profile", profile, "--steps", "4"]) == 2
     assert "--steps 4" in capsys.readouterr().err
+
+
+def test_the_harness_plans_from_a_profile_that_fits_its_run_and_refuses_one_that_does_not(tmp_path):
+    import argparse
+
+    import pytest
+
+    from benchmarks.harness import balance, vae_devices_of, write_assets
+    from stagecast.model.balance_profile import BalanceProfileError
+
+    args = argparse.Namespace(
+        model="tiny-wan2.1", width=48, height=32, steps=1, stages=2, sp=1, cfg_parallel=1, partition="auto",
+        balance_profile=write_profile(tmp_path), vae_split=None, vae_gpus=None, text_encoder="tiny",
+    )  # fmt: skip
+    write_assets(tmp_path / "root", args)
+    partition, vae_split = balance(tmp_path / "root", args, "cpu", vae_devices_of(args, "cpu"))
+    plan = plan_balance(BalanceProfile.load(args.balance_profile).costs(), ["lane 0", "lane 1"], ["lane 0", "lane 1"])
+    assert (partition, vae_split) == (plan.partition, ",".join(map(str, plan.vae_split)))
+    assert args.balance["partition"] == plan.partition and args.balance["predicted_bottleneck_ms"] == plan.bottleneck_ms
+    args.steps = 2
+    with pytest.raises(BalanceProfileError, match="steps: measured at 1, this run uses 2"):
+        balance(tmp_path / "root", args, "cpu", ["cpu", "cpu"])
+    args.steps, args.vae_split = 1, "4"
+    with pytest.raises(ValueError, match="--vae-split"):
+        balance(tmp_path / "root", args, "cpu", ["cpu", "cpu"])

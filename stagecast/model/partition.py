@@ -27,6 +27,11 @@ def parse_partition(spec: str | list[int] | None, num_layers: int, num_stages: i
         if num_stages is None:
             raise ValueError("either a partition or a stage count is required")
         return even_partition(num_layers, num_stages)
+    if spec == "auto":
+        raise ValueError(
+            "partition 'auto' is planned by stagecast up / selftest / the harness from --balance-profile; a "
+            "coordinator takes the layers per stage that plan printed, e.g. 17,13"
+        )
     if isinstance(spec, str):
         try:
             counts = [int(x) for x in spec.split(",")]
