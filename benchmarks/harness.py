@@ -487,13 +487,11 @@ def balance(
     per-GPU times go into ``args.balance`` (and so into the result's JSON)."""
     from launcher.balance import check_flags, resolve_balance
 
-    check_flags(args.partition, args.balance_profile)
+    check_flags(args.partition, args.balance_profile, args.sp, args.cfg_parallel)
     if args.partition != "auto":
         return args.partition, args.vae_split
     if args.vae_split:
         raise ValueError("--vae-split: with --partition auto the VAE cut is the planner's (give one of them)")
-    if args.sp > 1 or args.cfg_parallel > 1:
-        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
     stages = [f"cuda:{i}" for i in range(args.stages)] if device_kind == "cuda" else ["cpu"] * args.stages
     choice = resolve_balance(
         args.balance_profile,

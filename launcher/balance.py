@@ -50,12 +50,15 @@ class BalanceChoice:
         )
 
 
-def check_flags(partition: str | None, profile: str | None) -> None:
-    """``--partition auto`` and ``--balance-profile`` go together: ValueError naming the flag otherwise."""
+def check_flags(partition: str | None, profile: str | None, sp: int = 1, cfg_parallel: int = 1) -> None:
+    """``--partition auto`` and ``--balance-profile`` go together, on one pipeline of whole-sequence stages:
+    ValueError naming the flag otherwise."""
     if partition == AUTO and not profile:
         raise ValueError("--partition auto needs --balance-profile FILE (made by python -m benchmarks.balance)")
     if profile and partition != AUTO:
         raise ValueError("--balance-profile is read with --partition auto (give both, or neither)")
+    if partition == AUTO and (sp > 1 or cfg_parallel > 1):
+        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
 
 
 def lanes(stage_devices: list[str], vae_devices: list[str]) -> tuple[list[str], list[str]]:

@@ -397,11 +397,9 @@ def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:
     """``cfg.partition``, or with "auto" the planner's from ``cfg.balance_profile`` (the DiT alone: no gateway)."""
     from launcher.balance import check_flags, resolve_balance
 
-    check_flags(cfg.partition, cfg.balance_profile)
+    check_flags(cfg.partition, cfg.balance_profile, cfg.sp, cfg.cfg_parallel)
     if cfg.partition != "auto":
         return cfg.partition
-    if cfg.sp > 1 or cfg.cfg_parallel > 1:
-        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
     devices = [f"cuda:{i}" for i in range(cfg.stages)] if cfg.device.startswith("cuda") else [cfg.device] * cfg.stages
     choice = resolve_balance(cfg.balance_profile, transformer=transformer, stage_devices=devices)
     logger.info("%s", choice.describe())
@@ -438,7 +436,7 @@ def run_selftest(cfg: SelftestConfig) -> int:
     try:
         from launcher.balance import check_flags
 
-        check_flags(cfg.partition, cfg.balance_profile)
+        check_flags(cfg.partition, cfg.balance_profile, cfg.sp, cfg.cfg_parallel)
     except ValueError as exc:
         print(f"stagecast selftest: error: {exc}", file=sys.stderr)
         return 2

@@ -214,11 +214,9 @@ def _balance(args: argparse.Namespace, placement) -> tuple[str | None, list[int]
     """``--partition`` as given, or with ``auto`` the planner's partition and the gateway's VAE cut (one answer)."""
     from launcher.balance import check_flags, resolve_balance
 
-    check_flags(args.partition, args.balance_profile)
+    check_flags(args.partition, args.balance_profile, args.sp, args.cfg_parallel)
     if args.partition != "auto":
         return args.partition, None
-    if args.sp > 1 or args.cfg_parallel > 1:
-        raise ValueError("--partition auto: not with --sp or --cfg-parallel yet (give the layers per stage)")
     root = args.checkpoint
     gateway = args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
     choice = resolve_balance(
