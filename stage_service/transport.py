@@ -213,16 +213,23 @@ class PipeTransport:
         # Create every communicator now, not on the first real chunk, with the very operations serving uses (a
         # single isend / irecv per pair: NCCL keys a point-to-point communicator by its two ranks).  Every rank
         # takes the pairs in the same global order and blocks on each until its peer has done it too; the lowest
-        # pair not yet done always has both ranks at it, so this cannot deadlock on a ring of any length.
+        # pair not yet done always has both ranks at it, so this cannot deadlock on a ring of any length.  The
+        # device is synchronized at the end, so a join that returns has working communicators.
         probe = torch.zeros(1, device=self.device)
         for low, high in self.peer_pairs():
             if self.rank not in (low, high):
                 continue
+            # One communicator carries both directions of a pair, on one stream per rank: the lower rank sends
+            # first and the higher one receives first, or each send would queue behind a receive that waits for it.
             peer = high if self.rank == low else low
-            sent = dist.isend(probe, dst=peer, tag=WARMUP_TAG)
-            got = dist.irecv(torch.zeros_like(probe), src=peer, tag=WARMUP_TAG)
-            sent.wait()
-            got.wait()
+            works = []
+            for op in ("send", "recv") if self.rank == low else ("recv", "send"):
+                if op == "send":
+                    works.append(dist.isend(probe, dst=peer, tag=WARMUP_TAG))
+                else:
+                    works.append(dist.irecv(torch.zeros_like(probe), src=peer, tag=WARMUP_TAG))
+            for work in works:
+                work.wait()
         if self.sequence.size > 1:
             self.sequence.all_gather(probe)
         if self.device.type == "cuda":
