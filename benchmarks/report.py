@@ -45,6 +45,8 @@ def config_name(r: dict) -> str:
         name += f", guidance {a['guidance']:g}, {topology}"
     if a.get("fp8"):
         name += ", FP8 blocks"
+    if a.get("load_min_steps") and a.get("load"):  # SLO-adaptive load rows: paced, steps chosen online
+        name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {a.get('slo_vae_ms', 0):g} ms/chunk)"
     if a.get("balance"):  # --partition auto: the planner's answer from a measured profile
         b = a["balance"]
         name += f", balanced {b['partition']} / VAE split {','.join(map(str, b['vae_split'])) or '-'}"
@@ -193,10 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _gpus(a: dict) -> str:
     """The GPU column: the stage count, "PP=2×SP=2" for sequence-parallel stages (one GPU per rank), or the stage
     processes of CFG-parallel pipelines (stages × 2)."""
@@ -204,3 +202,7 @@ def _gpus(a: dict) -> str:
     if sp == 1:
         return str(a["stages"] * a.get("cfg_parallel", 1))
     return f"PP={a['stages']}×SP={sp}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
