@@ -60,6 +60,9 @@ MAX_PLAYOUT_S = 10.0
 MAX_CHUNK_RATE = 1000.0
 # GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
 CAPACITY_CHUNK_RATE = 4.0
+# A paced stream counts as late (the SLO controller's correction) once a consumed chunk is this many chunk periods past
+# its real-time schedule: the first chunk's consumption + c / chunk_rate.
+LATE_TOLERANCE_CHUNKS = 0.5
 CAPACITY_STEPS = (1, 2, 3, 4)
 RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
 
@@ -91,6 +94,8 @@ class StreamSession:
     paced_since: float | None = None  # clock time the stream's first chunk could start (its open was planned)
     started: int = 0  # chunks started by the scheduler
     max_lead: int = 0  # the largest started - delivered seen
+    first_consumed_at: float | None = None  # clock time chunk 0 was consumed: the stream's real-time schedule
+    late_chunks: int = 0  # consumed chunks past their schedule (LATE_TOLERANCE_CHUNKS)
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
     cancelled: bool = False
@@ -180,6 +185,8 @@ class PipelineEngine(Generations):
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
         self._kicked = -1  # chunks started when the plan loop last woke for a paced chunk
         self._decided_at: float | None = None  # clock time of the last controller decision (None: decide now)
+        self._late_at: float | None = None  # clock time a paced stream was last seen late
+        self._relaxed_at: float | None = None  # clock time the controller's correction last relaxed
 
         self.cond = threading.Condition()
         self.generation = 0
@@ -508,6 +515,7 @@ class PipelineEngine(Generations):
             return
         with self.cond:
             session.delivered += 1
+            self._check_late(session)
             self._wake()
 
     def consumed(self, stream_id: int, chunks: int) -> None:
@@ -528,7 +536,32 @@ class PipelineEngine(Generations):
                 )
             if chunks > session.delivered:
                 session.delivered = chunks
+                self._check_late(session)
                 self._wake()
+
+    def _check_late(self, session: StreamSession) -> None:
+        """Under the lock, when a stream's consumed count rose: a paced stream whose newest consumed chunk is past
+        its real-time schedule tells the SLO controller that its model undercounts what the running set costs."""
+        if session.chunk_rate <= 0 or session.delivered <= 0:
+            return
+        now = self.clock()
+        newest = session.delivered - 1
+        if session.first_consumed_at is None:
+            session.first_consumed_at = now - newest / session.chunk_rate
+            return
+        late_s = now - (session.first_consumed_at + newest / session.chunk_rate)
+        if late_s <= LATE_TOLERANCE_CHUNKS / session.chunk_rate:
+            return
+        session.late_chunks += 1
+        self._late_at = now
+        if self.controller.observe_late(self._demands()):
+            self._decided_at = None  # decide steps at the next tick, with the corrected model
+            logger.info(
+                "stream %d is late (chunk %d): the SLO model now counts %.2fx its costs",
+                session.id,
+                newest,
+                self.controller.correction,
+            )
 
     def lead_bound(self, session: StreamSession) -> int:
         """Chunks a stream may run ahead of its consumer: one wavefront (every level in every stage) plus what
@@ -592,6 +625,11 @@ class PipelineEngine(Generations):
                     out.append((steps, n))
             return out
 
+    def slo_correction(self) -> float:
+        """What the SLO model's costs are multiplied by, learned from late streams (1: the model as measured)."""
+        with self.cond:
+            return self.controller.correction
+
     def utilization(self) -> float | None:
         with self.cond:
             return self.controller.utilization([d for d in self._demands() if d.chunk_rate > 0])
@@ -602,6 +640,9 @@ class PipelineEngine(Generations):
         if self._decided_at is not None and now - self._decided_at < self.slo_interval_s:
             return
         self._decided_at = now
+        if self._relaxed_at is not None and (self._late_at is None or self._late_at < self._relaxed_at):
+            self.controller.relax(now - self._relaxed_at)  # no stream was late since the last decision
+        self._relaxed_at = now
         demands = [self._demand(self.sessions[sid]) for sid in sorted(sched.streams) if sid in self.sessions]
         if not any(len(d.allowed) > 1 for d in demands):
             return

@@ -73,6 +73,11 @@ class _CapacityCollector:
                 "Bottleneck stage busy share the paced streams need at their current steps (SLO model)",
                 value=util,
             )
+        yield GaugeMetricFamily(
+            "stagecast_coordinator_slo_correction",
+            "What the SLO model's costs are multiplied by, learned from paced streams that fell behind (1: none)",
+            value=self.engine.slo_correction(),
+        )
 
 
 class CoordinatorTelemetry:

@@ -27,6 +27,15 @@ one stream one offered step count (the stream with the most steps; among equals,
 two thresholds keeps decisions from flapping.  ``latency_first`` streams stay at their ``min_steps``.  Unpaced
 streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their steps.
 
+**Correction from missed deadlines.**  The model sees the DiT stages and a VAE cost per chunk, not everything a
+chunk costs: the stage and the VAE slices are separate processes time-slicing each GPU, per-stream decodes do not
+batch, and the gateway's CPU does work per stream.  So the engine also watches what viewers see: when a paced
+stream's consumption falls behind its real-time schedule (its first chunk's consumption + c / chunk_rate, the
+harness's on-time rule) while the model judged the set held, ``observe_late`` scales the whole model (``correction``,
+at least 1) until the set now running is judged just past the target.  Steps then fall at the next decision, and
+admission refuses what would not be held.  The correction relaxes (``relax``, half-life ``CORRECTION_HALF_LIFE_S``)
+while no stream is late, so capacity that comes back is found again.
+
 **Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
 ``min_steps`` would not be held.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and
 step count fit beside the admitted ones at their ``min_steps``.
@@ -40,6 +49,9 @@ from dataclasses import dataclass, field
 TARGET_UTILIZATION = 0.9
 RAISE_UTILIZATION = 0.8
 EWMA = 0.2  # weight of a new measurement in a batch size's average
+LATE_MARGIN = 1.05  # a late stream puts the set it ran in this far past the target
+MAX_CORRECTION = 20.0
+CORRECTION_HALF_LIFE_S = 300.0
 
 
 @dataclass
@@ -163,9 +175,9 @@ class SloController:
         self.cost = cost
         self.target = target_utilization
         self.raise_at = raise_utilization
+        self.correction = 1.0  # the model's costs times this (>= 1): learned from missed deadlines
 
-    def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
-        """The bottleneck stage's busy share for these streams at ``steps`` (default: their current)."""
+    def _modelled(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
         ms = self.cost.micro_step_ms()
         if ms is None:
             return None
@@ -173,6 +185,28 @@ class SloController:
         return (
             sum(d.load(steps.get(d.stream_id, d.steps)) * ms + d.chunk_rate * self.cost.chunk_ms for d in demands) / 1e3
         )
+
+    def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
+        """The bottleneck stage's busy share for these streams at ``steps`` (default: their current)."""
+        util = self._modelled(demands, steps)
+        return None if util is None else util * self.correction
+
+    def observe_late(self, demands: list[Demand]) -> bool:
+        """A paced stream of ``demands`` (the streams running, at their current steps) fell behind its schedule:
+        scale the model so that this set is judged ``LATE_MARGIN`` past the target.  True when the model changed."""
+        util = self._modelled([d for d in demands if d.chunk_rate > 0])
+        if not util:
+            return False
+        want = min(MAX_CORRECTION, self.target * LATE_MARGIN / util)
+        if want <= self.correction:
+            return False  # the model already judged the set over the target: steps are falling
+        self.correction = want
+        return True
+
+    def relax(self, seconds: float) -> None:
+        """``seconds`` passed with no stream late: the correction decays towards 1."""
+        if seconds > 0 and self.correction > 1.0:
+            self.correction = max(1.0, self.correction * 0.5 ** (seconds / CORRECTION_HALF_LIFE_S))
 
     def decide(self, demands: list[Demand]) -> dict[int, int]:
         """The steps each stream should run now (``demands`` in arrival order)."""
@@ -220,6 +254,7 @@ class SloController:
         ms = self.cost.micro_step_ms()
         if ms is None or chunk_rate <= 0:
             return None
-        used = sum(d.load(d.min_steps) * ms + d.chunk_rate * self.cost.chunk_ms for d in admitted) / 1e3
-        one = chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
+        k = self.correction
+        used = k * sum(d.load(d.min_steps) * ms + d.chunk_rate * self.cost.chunk_ms for d in admitted) / 1e3
+        one = k * chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
         return max(0.0, (self.target - used) / one)

@@ -171,3 +171,60 @@ def test_the_vae_cost_per_chunk_counts_whatever_the_steps():
     assert ctl.admits(demand(9, allowed=(1,)), admitted[:5]) and not ctl.admits(demand(9, allowed=(1,)), admitted)
     with pytest.raises(ValueError, match="chunk_ms"):
         CostModel(stages=2, max_batch=4, chunk_ms=-1.0)
+
+
+def test_a_late_stream_scales_the_model_so_steps_fall_and_admission_refuses_what_would_not_be_held():
+    # 10 ms per micro-step: two streams at 4 steps need 32%, so the model holds them and would admit three more.
+    ctl = controller(stage_ms=10.0)
+    running = [demand(1, steps=4), demand(2, steps=4)]
+    assert ctl.utilization(running) == pytest.approx(0.32) and ctl.correction == 1.0
+    five = [demand(i, steps=4) for i in range(1, 6)]  # at their min 1 step 20%, with a newcomer at 4 steps 36%
+    assert ctl.admits(demand(6, allowed=(4,)), five)
+    # Yet a stream fell behind: the set that ran is really past the target, whatever the model said.
+    assert ctl.observe_late(running)
+    assert ctl.utilization(running) == pytest.approx(0.9 * 1.05) and ctl.correction == pytest.approx(0.945 / 0.32)
+    assert not ctl.admits(demand(6, allowed=(4,)), five)  # 36% x 2.95 is past the target
+    steps = ctl.decide(running)
+    assert sorted(steps.values()) == [3, 4] and ctl.utilization(running, steps) <= 0.9  # the newest gives a step
+    # Capacity counts the correction too: beside the two at min 1 step, fewer streams fit than the raw model says.
+    raw = SloController(ctl.cost).capacity_streams(running, RATE, 1)
+    k = ctl.correction
+    assert ctl.capacity_streams(running, RATE, 1) == pytest.approx((0.9 - 0.08 * k) / (0.04 * k))
+    assert ctl.capacity_streams(running, RATE, 1) < raw
+    # A second late report of a set already judged over the target changes nothing (steps are already falling).
+    k = ctl.correction
+    assert not ctl.observe_late(running) and ctl.correction == k
+    # With no stream late, the correction relaxes: one half-life halves its excess factor, and it never goes below 1.
+    ctl.relax(300.0)
+    assert ctl.correction == pytest.approx(max(1.0, k / 2))
+    ctl.relax(1e6)
+    assert ctl.correction == 1.0
+    assert not SloController(ctl.cost).observe_late([demand(1, rate=0.0)])  # unpaced streams carry no schedule
+
+
+def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
+    now = [0.0]
+    eng, open_stream = _engine(40.0)  # 40 x 1.15 / 4 = 11.5 ms per micro-step: 2 streams at 3 steps need 28%
+    eng.clock = lambda: now[0]
+    a, b = open_stream(), open_stream()
+    eng._plan_tick()
+    assert (a.steps, b.steps) == (3, 3) and eng.slo_correction() == 1.0
+    capacity = dict(eng.capacity())[1]
+    a.received = b.received = 40
+    # On schedule: chunk c consumed at 0.5 + c / 4 s (the first chunk's consumption sets the schedule).
+    for c in range(8):
+        now[0] = 0.5 + c / 4
+        eng.consumed(a.id, c + 1)
+        eng.consumed(b.id, c + 1)
+    assert eng.slo_correction() == 1.0 and a.late_chunks == b.late_chunks == 0
+    # Stream b's chunk 8 comes 200 ms past its slot: within half a chunk period (125 ms)? No: it is late.
+    now[0] = 0.5 + 8 / 4 + 0.2
+    eng.consumed(a.id, 9)
+    assert eng.slo_correction() > 1.0 and a.late_chunks == 1
+    assert dict(eng.capacity())[1] < capacity
+    events = eng._plan_tick()  # the controller decides again at once, with the corrected model
+    # The set that ran (2 x 3 steps) is now judged 94.5%: the newest stream gives a step, 2 x 4 x (3 + 2) x 11.5 ms
+    # x 3.42 = 79%, and nothing rises back over the 80% raise threshold.
+    changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
+    assert changes == [(b.id, 2)] and (a.steps, b.steps) == (3, 2)
+    assert eng.controller.utilization(eng._demands()) <= eng.controller.target
