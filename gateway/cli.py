@@ -31,6 +31,12 @@ def add_parser(sub) -> None:
         help="text encoder weights (auto: bfloat16 on a GPU, float32 on CPU)",
     )
     p.add_argument("--text-device", default=None, help="where the text encoder runs (default: --device)")
+    p.add_argument(
+        "--no-text-graph",
+        dest="text_graph",
+        action="store_false",
+        help="run the text encoder eagerly on a GPU (default: one captured CUDA graph, checked against eager at start)",
+    )
     p.add_argument("--vae-dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
@@ -137,6 +143,7 @@ def _gateway_options(args: argparse.Namespace):
         text_len=args.text_len,
         text_dtype=args.text_dtype,
         text_device=args.text_device,
+        text_graph=args.text_graph,
         vae_dtype=args.vae_dtype,
         vae_compile=args.vae_compile,
         buffer_chunks=args.buffer_chunks,

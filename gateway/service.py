@@ -60,6 +60,7 @@ from gateway.stream_vae import StreamVAE, StreamVAEEncoder
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from stagecast import api, telemetry
+from stagecast.cuda_graphs import cuda_graph_capture
 from stagecast.grpc_util import (
     HEALTH_WATCH,
     MAX_MESSAGE_BYTES,
@@ -114,6 +115,7 @@ class GatewayOptions:
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
     text_dtype: str = "auto"  # the text encoder's weights: auto (bfloat16 on a GPU, float32 on CPU) or a dtype name
     text_device: str | None = None  # where the text encoder runs (None: ``device``)
+    text_graph: bool = True  # on a GPU, the text encoder's forward as one captured CUDA graph (checked at start)
     text_cache: int = 256
     vae_dtype: str = "float32"
     vae_compile: bool = False  # torch.compile the VAE decoder (GPU; compiled before the gateway serves)
@@ -157,6 +159,9 @@ class Gateway:
             cache_size=opts.text_cache,
             device=text_device,
             dtype=text_dtype(opts.text_dtype, text_device),
+            graph=cuda_graph_capture(torch.device(text_device))
+            if opts.text_graph and torch.device(text_device).type == "cuda"
+            else None,
         )
         if opts.vae_stage:
             self.decoder = RemoteDecoder(

@@ -15,6 +15,13 @@ diffusers silently truncates a prompt longer than ``max_sequence_length`` while 
 Results are kept in a bounded LRU cache keyed by the cleaned prompt, so a repeated prompt costs no
 forward pass.  Cached tensors are shared between callers: treat them as read-only.
 
+``graph=`` (a ``stagecast.cuda_graphs`` capture; the gateway passes ``cuda_graph_capture`` on a GPU) runs the forward
+as one captured graph on static token buffers: the input is always ``max_len`` tokens, so one graph serves every
+prompt.  UMT5-XXL is hundreds of small kernels, each launched from Python: in a gateway whose decode and encode
+threads hold the GIL, every launch can wait a switch interval (5 ms), the suspected cause of prompt updates that took
+seconds on a busy gateway (BENCHMARKS.md).  A replay is one launch.  The graph is checked against the eager forward
+once when it is built; a capture that fails or differs leaves the encoder eager (a warning says why).
+
 Tests and the CPU demo have no model hub; ``write_tiny_text_encoder`` writes a tiny random UMT5 encoder
 and a tokenizer built in-process (a fixed Unigram vocabulary, no download, no training) that
 ``AutoTokenizer.from_pretrained`` loads like the real one.
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from stagecast.cuda_graphs import Capture
 from stagecast.names import DTYPE_NAMES, DTYPES
 
 try:
@@ -118,6 +126,7 @@ class TextEncoder:
         cache_size: how many prompts to keep; 0 disables caching.
         device: where the model runs and the embeddings live.
         dtype: model dtype; ``None`` keeps the checkpoint's dtype.
+        graph: capture the forward (see the module docstring); ``None``: eager.
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class TextEncoder:
         cache_size: int = 128,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        graph: Capture | None = None,
     ) -> None:
         from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -161,6 +171,9 @@ class TextEncoder:
 
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()  # gRPC handlers call encode from a thread pool
+        self._graphed: _GraphedForward | None = None
+        if graph is not None:
+            self._graphed = _GraphedForward.build(self.model, self.max_len, self.device, graph)
         self._hits = 0
         self._misses = 0
         logger.info(
@@ -242,7 +255,10 @@ class TextEncoder:
         text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
         seq_lens = mask.gt(0).sum(dim=1).long()
 
-        prompt_embeds = self.model(text_input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        if self._graphed is not None:
+            prompt_embeds = self._graphed(text_input_ids, mask)
+        else:
+            prompt_embeds = self.model(text_input_ids.to(self.device), mask.to(self.device)).last_hidden_state
         prompt_embeds = prompt_embeds.to(dtype=self.dtype, device=self.device)
         # The encoder still writes values at padded positions; the Wan DiT expects exact zeros there.
         prompt_embeds = [u[:v] for u, v in zip(prompt_embeds, seq_lens)]
@@ -250,6 +266,58 @@ class TextEncoder:
             [torch.cat([u, u.new_zeros(max_sequence_length - u.size(0), u.size(1))]) for u in prompt_embeds], dim=0
         )
         return prompt_embeds
+
+
+class _GraphedForward:
+    """The encoder's forward on static ``(1, max_len)`` token and mask buffers, captured once; calls are serialized
+    (one set of buffers)."""
+
+    def __init__(self, model, max_len: int, device: torch.device, capture: Capture):
+        self.model = model
+        self.ids = torch.zeros(1, max_len, dtype=torch.long, device=device)
+        self.mask = torch.zeros(1, max_len, dtype=torch.long, device=device)
+        self.out: torch.Tensor | None = None
+        self.lock = threading.Lock()
+        self.replay = capture(self._forward)
+
+    @torch.no_grad()
+    def _forward(self) -> None:
+        out = self.model(self.ids, self.mask).last_hidden_state
+        if self.out is None:
+            self.out = out  # the capture's output buffer: a replay writes into it
+        else:
+            self.out.copy_(out)
+
+    @classmethod
+    def build(cls, model, max_len: int, device: torch.device, capture: Capture) -> _GraphedForward | None:
+        """The graphed forward, checked bit for bit against the eager one on a probe; None (eager) when it cannot be
+        captured or differs."""
+        ids = torch.zeros(1, max_len, dtype=torch.long)
+        mask = torch.zeros(1, max_len, dtype=torch.long)
+        ids[0, :3] = torch.tensor([5, 7, 1])  # a few tokens and the padding the tokenizer adds
+        mask[0, :3] = 1
+        try:
+            graphed = cls(model, max_len, device, capture)
+            with torch.no_grad():
+                eager = model(ids.to(device), mask.to(device)).last_hidden_state
+            got = graphed(ids, mask)
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the encoder eager
+            logger.warning("text encoder: the forward could not be captured as a graph (%s); it runs eagerly", exc)
+            return None
+        if not torch.equal(got, eager):
+            diff = (got.float() - eager.float()).abs().max().item()
+            logger.warning("text encoder: the graphed forward differs from the eager one (max %.3g); eager", diff)
+            return None
+        logger.info("text encoder: the forward runs as one captured graph (%d tokens)", max_len)
+        return graphed
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.ids.copy_(ids)
+            self.mask.copy_(mask)
+            self.replay()
+            assert self.out is not None
+            return self.out.clone()
 
 
 # --- tiny offline model for tests and the CPU demo -------------------------------------------------------------

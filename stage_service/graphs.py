@@ -43,47 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from stage_service.dit_slice import AttentionContext, Conditioning, DiTSlice
+from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
 
 logger = logging.getLogger(__name__)
-
-Capture = Callable[[Callable[[], None]], Callable[[], None]]  # records fn, returns a replay callable
-
-
-def rerun_capture(fn: Callable[[], None]) -> Callable[[], None]:
-    """The CPU stand-in for a graph: replay runs ``fn`` again on the same static buffers."""
-    fn()
-    return fn
-
-
-def cuda_graph_capture(device: torch.device, pool=None, warmup: int = 2) -> Capture:
-    """Capture into ``torch.cuda.CUDAGraph`` s on ``device``, sharing one memory pool (warmed up on a side stream).
-
-    Streams belong to the *current* device, which is per thread: a thread that never selected the slice's device
-    would capture on another GPU's stream while the kernels run eagerly on their own, so every step here runs under
-    ``torch.cuda.device(device)``.
-    """
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-
-    def capture(fn: Callable[[], None]) -> Callable[[], None]:
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    fn()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the stage's gRPC threads may use the GPU (a new stream's text K/V) during a capture.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                fn()
-
-        def replay() -> None:
-            with torch.cuda.device(device):
-                graph.replay()
-
-        return replay
-
-    return capture
 
 
 class _StaticKV:

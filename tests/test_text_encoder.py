@@ -249,3 +249,61 @@ def test_gateway_flags_and_prompt_encode_metric():
     assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_count", {"cached": "false"}) == 1
     assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_sum", {"cached": "false"}) == 0.2
     assert r.get_sample_value("stagecast_gateway_prompt_encode_seconds_count", {"cached": "true"}) == 1
+
+
+def test_the_graphed_forward_equals_the_eager_one_and_serves_concurrent_callers(tiny_folder, caplog):
+    # On the CPU the "graph" re-runs the forward on the same static buffers (rerun_capture), so this holds all but the
+    # capture itself: one static (1, max_len) token buffer serves every prompt, and calls from gRPC threads at once
+    # each get their own prompt's embeddings.
+    import threading
+
+    from stagecast.cuda_graphs import rerun_capture
+
+    eager = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+    with caplog.at_level("INFO", logger="gateway.text_encoder"):
+        graphed = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, graph=rerun_capture)
+    assert graphed._graphed is not None and "one captured graph" in caplog.text
+    for prompt in PROMPTS:
+        assert torch.equal(graphed.encode(prompt), eager.encode(prompt))
+    want = {p: eager.encode(p) for p in PROMPTS}
+    got: dict[tuple[int, str], torch.Tensor] = {}
+
+    def worker(i: int) -> None:
+        for _ in range(3):
+            for p in PROMPTS:
+                got[(i, p)] = graphed.encode(p)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 * len(PROMPTS) and all(torch.equal(v, want[p]) for (_, p), v in got.items())
+    first = graphed.encode(PROMPTS[0])
+    graphed.encode(PROMPTS[1])
+    assert torch.equal(first, want[PROMPTS[0]])  # a result is a copy: the next replay does not overwrite it
+
+
+def test_a_graph_that_cannot_be_captured_or_differs_leaves_the_encoder_eager(tiny_folder, caplog):
+    from stagecast.cuda_graphs import rerun_capture
+
+    eager = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def wrong(fn):
+        replay = rerun_capture(fn)
+
+        def bad() -> None:
+            replay()
+            fn.__self__.out.add_(1.0)  # a replay that does not reproduce the forward
+
+        return bad
+
+    for capture, says in ((broken, "could not be captured"), (wrong, "differs from the eager one")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gateway.text_encoder"):
+            enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, graph=capture)
+        assert enc._graphed is None and says in caplog.text
+        assert torch.equal(enc.encode(PROMPTS[0]), eager.encode(PROMPTS[0]))
