@@ -337,6 +337,9 @@ class StreamRecord:
         self.chunks: dict[int, dict] = {}
         self.frame_chunk: list[int] = []
         self.update_sent: list[tuple[float, str]] = []
+        # When each PromptUpdated came back (first frame seen after it; the gateway encoded the prompt and the
+        # coordinator took it): splits interactive latency into the update's path and the pipeline's lead.
+        self.update_acked: list[float] = []
         self.ttff_s: float | None = None
         self.first = None
         self.error: str | None = None
@@ -365,6 +368,9 @@ class StreamRecord:
                     seen += frame.data
                     if decodable(self.args.codec, seen):
                         self.ttff_s, self.first = now, frame
+                acked = getattr(self.gen, "prompt_updates", [])
+                while len(self.update_acked) < len(acked):
+                    self.update_acked.append(now)
                 prompt = self.updates.pop(frame.index, None)
                 if prompt is not None:
                     self.update_sent.append((time.monotonic() - self.gen.t0, prompt))
@@ -709,6 +715,9 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         },
         "interactive": {
             "updates_sent_s": [round(t, 4) for t, _ in inter.update_sent],
+            # PromptUpdated back at the client, after each update's send: the gateway's encode and the
+            # coordinator's answer (the rest of the latency is the pipeline's lead and the decode).
+            "acked_ms": [round((a - t) * 1e3, 1) for (t, _), a in zip(inter.update_sent, inter.update_acked)],
             "from_chunks": prompt_chunks.get(inter.gen.info.pipeline_stream_id, []),
             "frames": len(inter.arrivals),
             "latencies_ms": latencies,

@@ -44,6 +44,8 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     assert parts["pipeline"] > 0 and parts["vae"] > 0 and parts["encode"] >= 0 and parts["rest"] > 0
     # Each PromptUpdate was matched to the first chunk generated under it.
     assert len(s["interactive"]["latencies_ms"]) == 2 and all(x > 0 for x in s["interactive"]["latencies_ms"])
+    acked = s["interactive"]["acked_ms"]  # PromptUpdated came back before the first frame under the new prompt
+    assert len(acked) == 2 and all(0 < a <= x for a, x in zip(acked, s["interactive"]["latencies_ms"], strict=True))
     assert [row["streams"] for row in s["load"]] == [1, 2]
     assert all(row["failed"] == 0 and row["aggregate_fps"] > 0 for row in s["load"])
     # Load rows run paced and SLO-adaptive: each says the streams held and refused and the steps its frames ran.
