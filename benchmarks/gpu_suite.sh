@@ -13,11 +13,13 @@
 #   bash benchmarks/gpu_suite.sh v2v      # video-to-video 1.3B 480x832, 2 steps from strength: throughput + live rows
 #   bash benchmarks/gpu_suite.sh slo      # 1.3B paced, SLO-adaptive load rows (steps 1..4): capacity at 16 FPS
 #   bash benchmarks/gpu_suite.sh webrtc   # the browser edge: gRPC vs WebRTC (aiortc peer), text and video-to-video
-#                                         # (the device has no network: carry aiortc's wheels in wheels/py312, an
-#                                         # ignored folder, made
-#                                         # here by: pip download aiortc aiohttp --only-binary=:all: --python-version
-#                                         # 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
-#                                         # -d wheels/py312)
+#                                         # (the device has no network: carry wheels/py312, an ignored folder of
+#                                         # aiortc, aiohttp and their dependencies that .whl lacks (aioice, pyee,
+#                                         # pylibsrtp, pyopenssl, google-crc32c, dnspython, ifaddr, multidict, yarl,
+#                                         # frozenlist, aiosignal, propcache, attrs, aiohappyeyeballs: 6 MB), made
+#                                         # here by `pip download --no-deps --only-binary=:all: --python-version 3.12
+#                                         # --implementation cp --platform manylinux_2_28_x86_64 ... -d wheels/py312`
+#                                         # with the versions `pip show` gives in the dev venv)
 #   bash benchmarks/gpu_suite.sh cfg-check # CFG-parallel parity on 2 GPUs (fp32, guidance 5, prompt updates; ~2 min)
 #   bash benchmarks/gpu_suite.sh cfg-seq  # 1.3B 1 step, guidance 5: sequential CFG on PP=2
 #   bash benchmarks/gpu_suite.sh cfg-par  # 1.3B 1 step, guidance 5: CFG-parallel 2 x PP=1
@@ -104,7 +106,10 @@ for part in "$@"; do
         --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_2gpu.json"
       ;;
     webrtc)
-      python -c "import aiortc, aiohttp" 2>/dev/null || pip install -q --no-index --find-links wheels/py312 aiortc aiohttp
+      if ! python -c "import aiortc, aiohttp" 2>/dev/null; then
+        python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-web \
+          wheels/py312/*.whl && export PYTHONPATH="/tmp/site-web:${PYTHONPATH:-}"
+      fi
       timeout 560 python -m benchmarks.webrtc --cuda-graphs --vae-compile --model wan2.1-1.3b --steps 1 --stages 2 \
         --seconds 15 --runs 2 --strength 500 --v2v-steps 2 --json "$out/webrtc_13b_1step_2gpu.json"
       ;;
