@@ -121,7 +121,7 @@ def stage_ms(
         elif not last:  # the last stage's next-level latents, received by stage 0
             for st in steps:
                 if st.level > 0:
-                    runner.put_latent(st, torch.randn(latent_shape, generator=gen))
+                    runner.put_latent(st, torch.randn(latent_shape, generator=gen).to(device))  # as received
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         with clock:

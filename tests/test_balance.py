@@ -250,7 +250,8 @@ def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(
     units = [u.name for u in decoder_units(AutoencoderKLWan(**vae_config("tiny-wan2.1")))]
     assert profile.model == "tiny-wan2.1" and profile.device == "cpu" and profile.dtype == "float32"
     assert (profile.width, profile.height, profile.window, profile.sink, profile.steps) == (48, 32, 6, 3, 1)
-    assert len(profile.blocks_ms) == 4 and all(t > 0 for t in profile.blocks_ms)
+    # Block times are differences of stage times (clamped at 0), so on a loaded CPU one may read 0; their sum may not.
+    assert len(profile.blocks_ms) == 4 and all(t >= 0 for t in profile.blocks_ms) and sum(profile.blocks_ms) > 0
     assert [n for n, _ in profile.vae_units] == units and all(t > 0 for _, t in profile.vae_units)
     printed = capsys.readouterr().out
     plan = plan_balance(profile.costs(), ["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"])
