@@ -15,7 +15,8 @@ slice of random weights, driven by the steady-state wavefront (per chunk, one fo
 per level, each reading its KV window).  A stage's time is its fixed work plus its blocks, so:
 
 - block i: a middle slice holding block i alone, less the fixed work of a middle stage;
-- the fixed work of every stage (``stage_ms``): two one-block slices less the two-block slice of the same blocks;
+- the fixed work of every stage (``stage_ms``): the n one-block slices less one middle slice of all n blocks, over
+  n - 1 (n stages hold it n times, one stage once);
 - the first stage's extra (``first_ms``, patch embedding): the first slice of block 0 less the middle one;
 - the last stage's extra (``last_ms``, head and sampler step): the last slice of the last block less the middle one.
 
@@ -153,8 +154,10 @@ def dit_costs(args, device: torch.device, dtype: torch.dtype) -> dict:
         return ms
 
     middle = [run(range(i, i + 1)) for i in range(n)]
-    pair = run(range(0, 2))
-    fixed = max(0.0, middle[0] + middle[1] - pair)
+    # n one-block stages hold n times the fixed work, one stage of all n blocks holds it once: the difference over
+    # n - 1 averages every block's noise (kept within [0, the cheapest one-block stage], so no block goes negative).
+    whole = run(range(0, n))
+    fixed = min(max(0.0, (sum(middle) - whole) / (n - 1)), min(middle))
     first = run(range(0, 1), first=True)
     last = run(range(n - 1, n), last=True)
     return {
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default bfloat16 on a GPU, float32 on a CPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (as served)")
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile each VAE unit (as served, GPU)")
-    ap.add_argument("--iters", type=int, default=None, help="steady-state chunks timed (default 30; CPU 3)")
+    ap.add_argument("--iters", type=int, default=None, help="steady-state chunks timed (default 30; CPU 10)")
     ap.add_argument("--gpus", type=int, default=2, help="GPUs of the plan printed at the end")
     ap.add_argument("--out", required=True, help="write the profile (JSON) here")
     args = ap.parse_args(argv)
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args.width = args.width or (48 if tiny else 832)
     args.height = args.height or (32 if tiny else 480)
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    args.iters = args.iters or (30 if on_gpu else 3)
+    args.iters = args.iters or (30 if on_gpu else 10)
     for name, value, lo, hi in (
         ("--steps", args.steps, 1, MAX_STEPS),
         ("--iters", args.iters, 1, 10_000),

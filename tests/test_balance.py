@@ -245,12 +245,12 @@ def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(
     from stagecast.model.vae_configs import vae_config
 
     out = tmp_path / "tiny.json"
-    assert main(["--model", "tiny-wan2.1", "--device", "cpu", "--iters", "2", "--out", str(out)]) == 0
+    assert main(["--model", "tiny-wan2.1", "--device", "cpu", "--out", str(out)]) == 0
     profile = BalanceProfile.load(out)
     units = [u.name for u in decoder_units(AutoencoderKLWan(**vae_config("tiny-wan2.1")))]
     assert profile.model == "tiny-wan2.1" and profile.device == "cpu" and profile.dtype == "float32"
     assert (profile.width, profile.height, profile.window, profile.sink, profile.steps) == (48, 32, 6, 3, 1)
-    # Block times are differences of stage times (clamped at 0), so on a loaded CPU one may read 0; their sum may not.
+    # Block times are differences of stage times, so on a loaded CPU the cheapest may read 0; their sum may not.
     assert len(profile.blocks_ms) == 4 and all(t >= 0 for t in profile.blocks_ms) and sum(profile.blocks_ms) > 0
     assert [n for n, _ in profile.vae_units] == units and all(t > 0 for _, t in profile.vae_units)
     printed = capsys.readouterr().out
