@@ -79,6 +79,7 @@ def exported_metric_names() -> set[str]:
         links=[],
         capacity=lambda: [(1, 3)],  # the SLO model's gauges are exported once it has stage times
         utilization=lambda: 0.5,
+        slo_correction=lambda: 1.0,
     )
     coordinator = CoordinatorTelemetry()
     coordinator.bind(engine)
