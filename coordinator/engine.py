@@ -60,9 +60,13 @@ MAX_PLAYOUT_S = 10.0
 MAX_CHUNK_RATE = 1000.0
 # GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
 CAPACITY_CHUNK_RATE = 4.0
-# A paced stream counts as late (the SLO controller's correction) once a consumed chunk is this many chunk periods past
-# its real-time schedule: the first chunk's consumption + c / chunk_rate.
+# A paced stream is falling behind (the SLO controller's correction) when a consumed chunk is more than this many chunk
+# periods past its real-time schedule (the first chunk's consumption + c / chunk_rate) and its lateness grew by more
+# than that in each of the last LATE_WINDOWS windows of LATE_WINDOW_S: a stream short of its rate by more than
+# 0.5 / (4 chunks/s x 2 s) = 6% is caught within about 4 s, while a one-off stall that the stream then rides out is not.
 LATE_TOLERANCE_CHUNKS = 0.5
+LATE_WINDOW_S = 2.0
+LATE_WINDOWS = 2
 CAPACITY_STEPS = (1, 2, 3, 4)
 RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
 
@@ -95,7 +99,9 @@ class StreamSession:
     started: int = 0  # chunks started by the scheduler
     max_lead: int = 0  # the largest started - delivered seen
     first_consumed_at: float | None = None  # clock time chunk 0 was consumed: the stream's real-time schedule
-    late_chunks: int = 0  # consumed chunks past their schedule (LATE_TOLERANCE_CHUNKS)
+    late_mark: tuple[float, float] | None = None  # (clock time, lateness) at the start of the current window
+    late_windows: int = 0  # consecutive windows in which the stream fell further behind
+    late_chunks: int = 0  # times it was found falling behind (each one informs the SLO controller)
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
     cancelled: bool = False
@@ -540,18 +546,27 @@ class PipelineEngine(Generations):
                 self._wake()
 
     def _check_late(self, session: StreamSession) -> None:
-        """Under the lock, when a stream's consumed count rose: a paced stream whose newest consumed chunk is past
-        its real-time schedule tells the SLO controller that its model undercounts what the running set costs."""
+        """Under the lock, when a stream's consumed count rose: a paced stream that keeps falling behind its real-time
+        schedule tells the SLO controller that its model undercounts what the running set costs."""
         if session.chunk_rate <= 0 or session.delivered <= 0:
             return
         now = self.clock()
         newest = session.delivered - 1
         if session.first_consumed_at is None:
             session.first_consumed_at = now - newest / session.chunk_rate
+            session.late_mark = (now, 0.0)
             return
         late_s = now - (session.first_consumed_at + newest / session.chunk_rate)
-        if late_s <= LATE_TOLERANCE_CHUNKS / session.chunk_rate:
+        mark_at, mark_late = session.late_mark or (now, late_s)
+        if now - mark_at < LATE_WINDOW_S:
             return
+        tolerance = LATE_TOLERANCE_CHUNKS / session.chunk_rate
+        falling = late_s > tolerance and late_s - mark_late > tolerance
+        session.late_windows = session.late_windows + 1 if falling else 0
+        session.late_mark = (now, late_s)
+        if session.late_windows < LATE_WINDOWS:
+            return
+        session.late_windows = 0  # the next finding needs fresh windows, with the corrected model deciding
         session.late_chunks += 1
         self._late_at = now
         if self.controller.observe_late(self._demands()):

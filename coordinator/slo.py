@@ -27,14 +27,14 @@ one stream one offered step count (the stream with the most steps; among equals,
 two thresholds keeps decisions from flapping.  ``latency_first`` streams stay at their ``min_steps``.  Unpaced
 streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their steps.
 
-**Correction from missed deadlines.**  The model sees the DiT stages and a VAE cost per chunk, not everything a
-chunk costs: the stage and the VAE slices are separate processes time-slicing each GPU, per-stream decodes do not
-batch, and the gateway's CPU does work per stream.  So the engine also watches what viewers see: when a paced
-stream's consumption falls behind its real-time schedule (its first chunk's consumption + c / chunk_rate, the
-harness's on-time rule) while the model judged the set held, ``observe_late`` scales the whole model (``correction``,
-at least 1) until the set now running is judged just past the target.  Steps then fall at the next decision, and
-admission refuses what would not be held.  The correction relaxes (``relax``, half-life ``CORRECTION_HALF_LIFE_S``)
-while no stream is late, so capacity that comes back is found again.
+**Correction from missed deadlines.** The model sees the DiT stages and a VAE cost per chunk, not everything a chunk
+costs: the stage and the VAE slices are separate processes time-slicing each GPU, per-stream decodes do not batch, and
+the gateway's CPU does work per stream. So the engine also watches what viewers see: when a paced stream's consumption
+keeps falling behind its real-time schedule (its first chunk's consumption + c / chunk_rate, the harness's on-time rule;
+``PipelineEngine._check_late``) while the model judged the set held, ``observe_late`` scales the whole model
+(``correction``, at least 1) until the set now running is judged just past the target. Steps then fall at the next
+decision, and admission refuses what would not be held. The correction relaxes (``relax``, half-life
+``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is found again.
 
 **Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
 ``min_steps`` would not be held.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and

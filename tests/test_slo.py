@@ -210,17 +210,26 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     eng._plan_tick()
     assert (a.steps, b.steps) == (3, 3) and eng.slo_correction() == 1.0
     capacity = dict(eng.capacity())[1]
-    a.received = b.received = 40
-    # On schedule: chunk c consumed at 0.5 + c / 4 s (the first chunk's consumption sets the schedule).
-    for c in range(8):
+    a.received = b.received = 400
+    # On schedule: chunk c consumed at 0.5 + c / 4 s (the first chunk's consumption sets the schedule), for 8 s.
+    for c in range(32):
         now[0] = 0.5 + c / 4
         eng.consumed(a.id, c + 1)
         eng.consumed(b.id, c + 1)
     assert eng.slo_correction() == 1.0 and a.late_chunks == b.late_chunks == 0
-    # Stream b's chunk 8 comes 200 ms past its slot: within half a chunk period (125 ms)? No: it is late.
-    now[0] = 0.5 + 8 / 4 + 0.2
-    eng.consumed(a.id, 9)
-    assert eng.slo_correction() > 1.0 and a.late_chunks == 1
+    # Stream a stalls once for 1 s and then keeps its rate: it stays 1 s late, but it is not falling behind.
+    for c in range(32, 64):
+        now[0] = 0.5 + c / 4 + 1.0
+        eng.consumed(a.id, c + 1)
+    assert eng.slo_correction() == 1.0 and a.late_chunks == 0
+    # Stream b falls behind: it gets 3 chunks a second against its 4, from chunk 32 on.  Caught within two 2 s windows.
+    c, t = 32, 0.5 + 31 / 4
+    while b.late_chunks == 0:
+        c, t = c + 1, t + 1 / 3
+        now[0] = t
+        eng.consumed(b.id, c)
+        assert t < 0.5 + 31 / 4 + 2 * 2.0 + 2.0, "not caught within two windows"
+    assert eng.slo_correction() > 1.0
     assert dict(eng.capacity())[1] < capacity
     events = eng._plan_tick()  # the controller decides again at once, with the corrected model
     # The set that ran (2 x 3 steps) is now judged 94.5%: the newest stream gives a step, 2 x 4 x (3 + 2) x 11.5 ms
