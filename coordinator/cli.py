@@ -47,20 +47,22 @@ def add_parser(sub) -> None:
         "--stage-ms",
         default=None,
         help="SLO controller calibration: ms per stage forward of one micro-step, per stage, e.g. 20,21 (from "
-        "`stagecast simulate` or a harness run); default: learnt from the first batches (admission by capacity "
-        "starts once they are measured)",
+        "`stagecast simulate` or a harness run); overrides the stages' own calibration at READY; default: each "
+        "stage's calibration, refined by measured batches",
     )
     p.add_argument(
         "--vae-ms-per-chunk",
         type=float,
-        default=0.0,
+        default=None,
         help="SLO controller: ms of each stage GPU one chunk's VAE decode takes (the gateway's VAE split over the "
-        "stage GPUs), counted per chunk whatever its steps; 0: not counted",
+        "stage GPUs), counted per chunk whatever its steps; overrides what the gateway measures and reports "
+        "(default: the gateway's measurement; 0 until it reports, or with --slo-fixed)",
     )
     p.add_argument(
         "--slo-fixed",
         action="store_true",
-        help="the SLO controller keeps the --stage-ms calibration and ignores measured batches (tests, what-ifs)",
+        help="the SLO controller keeps the --stage-ms calibration (and --vae-ms-per-chunk, 0 unless given) and ignores "
+        "measured batches, the stages' calibrations and the gateway's VAE measurement (tests, what-ifs)",
     )
     p.add_argument("--record-plan", action="store_true", help="keep the plan for GetPlan (selftest)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
@@ -92,6 +94,8 @@ def _options(args: argparse.Namespace, mtls):
 
     if args.slo_fixed and not args.stage_ms:
         raise SystemExit("--slo-fixed keeps the --stage-ms calibration: give --stage-ms too")
+    if args.vae_ms_per_chunk is not None and not 0 <= args.vae_ms_per_chunk < 1e5:
+        raise SystemExit(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {args.vae_ms_per_chunk}")
 
     return CoordinatorOptions(
         stages=args.stages,

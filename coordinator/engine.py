@@ -165,7 +165,7 @@ class PipelineEngine(Generations):
         stage_ms: list[float] | None = None,
         slo_interval_s: float = 1.0,
         slo_learn: bool = True,
-        vae_ms_per_chunk: float = 0.0,
+        vae_ms_per_chunk: float | None = None,
     ):
         self.registry = registry
         # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
@@ -184,8 +184,13 @@ class PipelineEngine(Generations):
         self.playout_s = playout_s  # how far ahead of its real-time slot a paced stream may start a chunk
         self.clock = clock
         self._idle_ticks = 0
-        # The SLO controller's model of stage time per batch: the --stage-ms calibration, then measured batches.
+        # The SLO controller's model of stage time per batch: the operator's --stage-ms, else each stage's calibration
+        # at READY (on_formed), refined by measured batches; the VAE per chunk: the operator's, else the gateway's
+        # measurement (report_vae).  --slo-fixed (slo_learn False) keeps the operator's numbers only.
+        if not slo_learn and vae_ms_per_chunk is None:
+            vae_ms_per_chunk = 0.0
         self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk)
+        self.calibrated: set[int] = set()  # stages whose model started from their own calibration
         self.controller = SloController(self.cost)
         self.slo_interval_s = slo_interval_s
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
@@ -476,6 +481,48 @@ class PipelineEngine(Generations):
             self._maybe_complete(session)
             if session.recache is not None:
                 self._wake()
+
+    def on_formed(self, replies: dict[int, pb.FormReply]) -> None:
+        """Seed the SLO model with each stage's calibration (full KV window; empty where only that was timed), unless
+        the operator's --stage-ms or --slo-fixed takes precedence."""
+        for index, reply in sorted(replies.items()):
+            if not reply.HasField("calibration"):
+                logger.info("stage %d reported no calibration: its times are learnt from measured batches", index)
+                continue
+            cal = reply.calibration
+            per = list(cal.full_ms) or list(cal.empty_ms)
+            if cal.error:
+                logger.warning("stage %d calibration incomplete: %s", index, cal.error)
+            if not 0 <= index < self.cost.stages:
+                continue
+            if not self.slo_learn or self.cost.fits[index].seed_ms is not None:
+                logger.info("stage %d calibration not used: the operator's --stage-ms takes precedence", index)
+                continue
+            if self.cost.calibrate(index, {b + 1: ms for b, ms in enumerate(per)}):
+                self.calibrated.add(index)
+                logger.info(
+                    "stage %d calibration seeds the SLO model: %s ms per forward of 1..%d micro-steps (%dx%d latents,"
+                    " %d-frame window%s, %.2fs)",
+                    index,
+                    ", ".join(f"{ms:.2f}" for ms in per),
+                    len(per),
+                    cal.latent_height,
+                    cal.latent_width,
+                    cal.window,
+                    ", CUDA graphs" if cal.graphs else "",
+                    cal.seconds,
+                )
+
+    def report_vae(self, chunk_ms: float, what: str = "") -> bool:
+        """The gateway measured its VAE: ``chunk_ms`` per chunk on the busiest GPU (ignored when the operator fixed
+        it with --vae-ms-per-chunk or --slo-fixed)."""
+        with self.cond:
+            changed = self.cost.report_vae(chunk_ms)
+            if changed:
+                logger.info("the SLO model counts the gateway's VAE at %.2f ms per chunk%s", chunk_ms, what)
+                self._decided_at = None  # decide steps again with the new cost
+                self._wake()
+            return changed
 
     def _on_done(self, gen: int, index: int, done: pb.BatchDone, last: bool) -> None:
         with self.cond:
@@ -883,4 +930,7 @@ class PipelineEngine(Generations):
                     for s in sorted(self.sessions.values(), key=lambda s: s.id)
                 ],
                 capacity=[pb.Capacity(steps=n, streams=c) for n, c in self.capacity()],
+                vae_chunk_ms=self.cost.chunk_ms,
+                vae_source=self.cost.vae_source,
+                calibrated_stages=sorted(self.calibrated),
             )

@@ -101,9 +101,11 @@ class Generations:
         links = [StageLink(r, lambda i, msg, g=gen: self._link_error(g, i, msg), self.connect) for r in records]
         world = len(records)
 
+        replies: dict[int, pb.FormReply] = {}
+
         def form_one(link: StageLink) -> None:
             rec = link.record
-            link.stub.Form(
+            replies[rec.index] = link.stub.Form(
                 pb.Rendezvous(
                     generation=gen,
                     rank=rec.index,
@@ -156,6 +158,7 @@ class Generations:
             self.seq = 0
             self.batches_planned = self.batches_done = 0
             self.stage_stats = {}
+            self.on_formed(replies)  # before ready: the SLO model is seeded once the pipeline is formed
             self.forming = False
             self.ready = True
             self._monitor_stop = threading.Event()
@@ -165,6 +168,9 @@ class Generations:
         threading.Thread(target=self._monitor, args=(gen, links, self._monitor_stop), daemon=True).start()
         logger.info("generation %d formed with %d stages", gen, world)
         self.on_ready_change(True)
+
+    def on_formed(self, replies: dict) -> None:
+        """Under the lock, once every stage answered Form (index -> ``FormReply``), before the generation is ready."""
 
     def _wait_forming(self, futures: list, links: list[StageLink]) -> tuple[set, StageRecord | None]:
         """Wait for every stage's Form, health-checking them meanwhile: a stage that hangs without dropping its

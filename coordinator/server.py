@@ -11,6 +11,7 @@ is formed, so readiness probes and callers can wait on it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ ROLE_RULES = {
     f"/{SERVICE_NAME}/StopStream": _STREAMS,
     f"/{SERVICE_NAME}/UpdatePrompt": _STREAMS,
     f"/{SERVICE_NAME}/Consumed": _STREAMS,
+    f"/{SERVICE_NAME}/ReportVaeCost": _STREAMS,
     f"/{SERVICE_NAME}/SubmitInput": _STREAMS,
     f"/{SERVICE_NAME}/Status": _STREAMS,
     f"/{SERVICE_NAME}/GetPlan": [],
@@ -65,7 +67,8 @@ class CoordinatorOptions:
     playout_s: float = 0.5  # how far ahead of its real-time slot a paced stream may start a chunk
     stage_ms: list[float] | None = None  # SLO controller calibration: ms per batch of one per stage (None: measure)
     slo_learn: bool = True  # False: the controller keeps the calibration instead of learning from measured batches
-    vae_ms_per_chunk: float = 0.0  # SLO controller: each chunk's VAE decode on each stage GPU (0: not counted)
+    # SLO controller: each chunk's VAE decode on each stage GPU, the operator's (None: the gateway's measurement)
+    vae_ms_per_chunk: float | None = None
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -90,6 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         logger.info("stage %d registered from %s (layers %s)", rec.index, rec.address, rec.layers)
         self.engine.on_registered(rec)
         return pb.RegisterReply(
+            max_batch=self.engine.max_batch,
             world_size=self.registry.world_size,
             layer_start=rec.layers.start,
             layer_stop=rec.layers.stop,
@@ -208,6 +212,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             self.engine.consumed(request.stream_id, request.chunks)
         except AdmissionError as exc:
             context.abort(exc.code, str(exc))
+        return pb.Empty()
+
+    def ReportVaeCost(self, request: pb.VaeCost, context):
+        if not (math.isfinite(request.chunk_ms) and 0 < request.chunk_ms < 1e5):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"chunk_ms: must be in (0, 100000) ms, got {request.chunk_ms}"
+            )
+        if not 0 <= request.parts <= 1024:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"parts: must be in [0, 1024], got {request.parts}")
+        where = f" ({request.parts} part(s), the slowest on {request.device[:64]})" if request.parts else ""
+        self.engine.report_vae(request.chunk_ms, where)
         return pb.Empty()
 
     def SubmitInput(self, request: pb.InputLatents, context):

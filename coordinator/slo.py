@@ -2,16 +2,19 @@
 
 Usage (the engine calls it under its lock; ``stagecast simulate --controller`` drives it with simulated times)::
 
-    cost = CostModel(stages=2, max_batch=4, seed_ms=[20.0, 20.0])      # seed: a calibration, or None
+    cost = CostModel(stages=2, max_batch=4, seed_ms=[20.0, 20.0])      # seed: the operator's, or None
+    cost.calibrate(stage=0, ms_by_batch={1: 20.0, 2: 21.0, 4: 23.0})    # the stage's own timing at READY
+    cost.report_vae(26.0)                                               # the gateway's measured VAE decode
     cost.observe(stage=0, micro_steps=4, forward_ms=41.0)               # every BatchDone
     ctl = SloController(cost)
     steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), steps=4), ...])   # {stream: steps}
     ctl.admits(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)                       # capacity admission
     ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1)                               # streams at 16 FPS left
 
-**The model.** Besides the DiT, each chunk costs ``chunk_ms`` of every stage GPU (``--vae-ms-per-chunk``: the
-gateway's VAE decode, split over the stage GPUs it shares; 0 by default, not counted), whatever its steps.  A stage
-forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
+**The model.** Besides the DiT, each chunk costs ``chunk_ms`` of every stage GPU (the gateway's VAE decode, split
+over the stage GPUs it shares: the slowest slice's steady-state ms, which the gateway measures at start-up and
+reports, ``report_vae``; the operator's ``--vae-ms-per-chunk`` overrides it; 0 until either), whatever its steps.
+A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
 are launch-bound, so g is well below a on GPUs).  The pipeline's rate is set by its slowest stage: at the
 batch size B the scheduler forms under load, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the
 bottleneck's time.  A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)`` micro-steps per
@@ -19,6 +22,12 @@ second (levels: s, plus the clean pass under ``clean``), so a set of streams is 
 ``sum_s r_s levels_s * cost_ms / 1000 <= target_utilization`` (default 0.9, the headroom for jitter).  The fit is
 per stage: an exponential average of ms per batch for each batch size seen, from which a and g follow by least
 squares; until two batch sizes are seen the slope is taken as ``growth * a`` (``growth`` 0.05, the simulator's).
+
+**Where the stage times start.**  In order of precedence: the operator's ``--stage-ms`` (ms for a batch of one per
+stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
+(``calibrate``: its measured ms per batch size 1..max_batch with a full KV window, ``FormReply.calibration``), else
+nothing until the first measured batches.  Either way a measured batch refines the model: the first measurement of a
+batch size is averaged into its calibrated value, not put in its place.
 
 **The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
 one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
@@ -92,14 +101,15 @@ class Demand:
 @dataclass
 class _StageFit:
     by_batch: dict[int, float] = field(default_factory=dict)  # batch size -> ms per batch (EWMA)
-    seed_ms: float | None = None  # ms for a batch of one, from a calibration
+    seed_ms: float | None = None  # ms for a batch of one, the operator's (--stage-ms)
+    calibrated: dict[int, float] = field(default_factory=dict)  # batch size -> ms, the stage's calibration
 
     def observe(self, batch: int, ms: float) -> None:
-        old = self.by_batch.get(batch)
+        old = self.by_batch.get(batch, self.calibrated.get(batch))
         self.by_batch[batch] = ms if old is None else (1 - EWMA) * old + EWMA * ms
 
     def ms(self, batch: int, growth: float) -> float | None:
-        pts = self.by_batch
+        pts = {**self.calibrated, **self.by_batch}
         if batch in pts:
             return pts[batch]
         if len(pts) >= 2:
@@ -128,19 +138,47 @@ class CostModel:
         max_batch: int,
         seed_ms: list[float] | None = None,
         growth: float = 0.05,
-        chunk_ms: float = 0.0,
+        chunk_ms: float | None = None,
     ):
         if seed_ms is not None and len(seed_ms) != stages:
             raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
-        if not 0 <= chunk_ms < 1e5:
+        if chunk_ms is not None and not 0 <= chunk_ms < 1e5:
             raise ValueError(f"chunk_ms must be in [0, 100000), got {chunk_ms}")
         # Work per chunk on each stage GPU besides the DiT, whatever the steps: the gateway's VAE decode split over
-        # the stage GPUs (it shares them).  Lowering steps does not shrink it.
-        self.chunk_ms = chunk_ms
+        # the stage GPUs (it shares them).  Lowering steps does not shrink it.  Given here (the operator's): fixed;
+        # None: 0 until the gateway reports its measurement (``report_vae``).
+        self.chunk_ms = chunk_ms or 0.0
+        self.vae_source = "operator" if chunk_ms is not None else "none"  # "operator" | "gateway" | "none"
+
         self.stages = stages
         self.max_batch = max_batch
         self.growth = growth
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
+
+    def calibrate(self, stage: int, ms_by_batch: dict[int, float]) -> bool:
+        """Seed ``stage`` with its own timing (batch size -> ms per forward) unless the operator seeded the model
+        (``seed_ms``: it takes precedence).  Entries outside (0, 100000) ms or batch sizes outside 1..max_batch are
+        dropped.  Returns whether the stage's model changed."""
+        if not 0 <= stage < self.stages or self.fits[stage].seed_ms is not None:
+            return False
+        good = {
+            int(b): float(v)
+            for b, v in ms_by_batch.items()
+            if 1 <= b <= self.max_batch and math.isfinite(v) and 0 < v < 1e5
+        }
+        if not good:
+            return False
+        self.fits[stage].calibrated = good
+        return True
+
+    def report_vae(self, chunk_ms: float) -> bool:
+        """The gateway's measured VAE ms per chunk on the busiest GPU; ignored when the operator fixed it.  Returns
+        whether the model changed."""
+        if self.vae_source == "operator" or not (math.isfinite(chunk_ms) and 0 <= chunk_ms < 1e5):
+            return False
+        changed = chunk_ms != self.chunk_ms or self.vae_source != "gateway"
+        self.chunk_ms, self.vae_source = chunk_ms, "gateway"
+        return changed
 
     def observe(self, stage: int, micro_steps: int, forward_ms: float) -> None:
         """One stage's measured batch (``BatchDone``); batches with no micro-steps (GPU timings not read yet) skip."""

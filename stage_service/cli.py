@@ -44,6 +44,14 @@ def add_parser(sub) -> None:
         help="run the transformer blocks' linear layers in float8 (torchao, rowwise scales; norms, embeddings, head "
         "and attention stay bf16): GPU of compute capability 8.9+, --dtype bfloat16, the fp8 extra; not bit-exact",
     )
+    p.add_argument(
+        "--calibration-s",
+        type=float,
+        default=5.0,
+        help="at READY, time this slice's forwards (batch sizes 1..the coordinator's --max-batch, the serving size of "
+        "stagecast.json or 832x480, empty and full KV window) for the coordinator's SLO model, for at most this many "
+        "seconds (0: skip; the coordinator then learns from measured batches)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
         "--lora",
@@ -82,6 +90,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.sp > 1 and args.cuda_graphs:
         print("stagecast stage: error: --cuda-graphs: not supported with --sp > 1 yet", file=sys.stderr)
+        return 2
+    if not 0 <= args.calibration_s <= 600:
+        print(
+            f"stagecast stage: error: --calibration-s: must be in [0, 600], got {args.calibration_s}",
+            file=sys.stderr,
+        )
         return 2
     if args.sp_rank is not None:
         index = index * args.sp + args.sp_rank  # the rank this process registers as
@@ -124,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         cuda_graphs=args.cuda_graphs,
         fp8=args.fp8,
+        calibration_s=args.calibration_s,
         loras=loras,
         mtls=mtls,
         metrics_host=args.metrics_host,

@@ -17,7 +17,8 @@ Metrics (every series carries ``stage="<index>"``):
 * ``stagecast_stage_batches_total``, ``stagecast_stage_micro_steps_total`` (counters).
 * ``stagecast_stage_queue_depth`` (gauge): plan events accepted and not yet executed.
 * ``stagecast_stage_startup_seconds{phase}`` (gauge): ``ready`` is the time from process start to READY (time to
-  ready), ``load`` the time reading (in parallel threads) and merging this stage's slice.
+  ready), ``load`` the time reading (in parallel threads) and merging this stage's slice, ``calibration`` the time
+  timing it for the SLO controller (``stage_service.calibration``).
 * ``stagecast_stage_open_streams``, ``stagecast_stage_kv_cache_bytes``, ``stagecast_stage_text_kv_bytes``,
   ``stagecast_stage_latent_bytes`` (gauges, read at scrape time), ``stagecast_stage_generation``.
 * ``stagecast_stage_cuda_graphs``, ``stagecast_stage_graph_buffer_bytes`` (gauges, ``--cuda-graphs``): graphs
@@ -97,7 +98,8 @@ class StageTelemetry:
         )
         self._startup = Gauge(
             "stagecast_stage_startup_seconds",
-            "Start-up phases of this stage: ready (process start to READY), load (reading and merging its slice)",
+            "Start-up phases of this stage: ready (process start to READY), load (reading and merging its slice), "
+            "calibration (timing its slice for the SLO controller)",
             ["stage", "phase"],
             registry=r,
         )

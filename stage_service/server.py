@@ -4,7 +4,10 @@ Run with ``stagecast stage --index I --coordinator HOST:PORT --checkpoint DIR``.
 
 1. read the checkpoint's config, start the gRPC server (health NOT_SERVING), register with the
    coordinator, which answers with this stage's layer range;
-2. load only that slice, then report the process SERVING (health service ""): alive, waiting to join;
+2. load only that slice, time it (``stage_service.calibration``: forwards of batch sizes 1..the coordinator's
+   max batch at the serving size, within ``--calibration-s``), then report the process SERVING (health service
+   ""): alive, waiting to join.  ``Form`` hands the timings to the coordinator (``FormReply.calibration``), which
+   seeds its SLO model with them;
 3. ``Form`` joins the generation's process group; ``Submit`` enqueues validated plan events that the
    ``StageExecutor`` runs in order; ``Results`` streams finished chunks and batch completions back.  While a
    generation is formed, the health service ``stagecast.internal.v1.StageService`` is SERVING;
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, calibrate, serving_shape
 from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
@@ -88,6 +92,7 @@ class StageOptions:
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
     sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
     fp8: bool = False  # block linears as torchao float8 (``stage_service.fp8``); refused where it cannot run
+    calibration_s: float = DEFAULT_BUDGET_S  # time budget of the READY calibration (0: none)
 
 
 class _Generation:
@@ -122,6 +127,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.layers: range | None = None
         self.world_size = 0
         self.slice: DiTSlice | None = None
+        self.max_batch = 4  # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
+        self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
         self.gen: _Generation | None = None
         self.lock = threading.RLock()
         self.address = ""
@@ -151,6 +158,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             wait_for_ready=wait_for_ready,
         )
         self.world_size = reply.world_size
+        if reply.max_batch > 0:
+            self.max_batch = reply.max_batch
         self._load(range(reply.layer_start, reply.layer_stop))
 
     # ---- membership -----------------------------------------------------------------------------------
@@ -251,7 +260,36 @@ class StageServicer(pb_grpc.StageServiceServicer):
         took = time.perf_counter() - start
         logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
         self.telemetry.startup("load", took)
+        self.calibration = self._calibrate()
         return took
+
+    def _calibrate(self) -> Calibration | None:
+        """Time the freshly loaded slice for the coordinator's SLO model (never raises: a stage that cannot calibrate
+        still serves, and the coordinator learns its times from measured batches)."""
+        if self.opts.calibration_s <= 0:
+            return None
+        if self.opts.sp > 1:
+            logger.info("stage %d: no calibration under --sp (its forwards need the whole group)", self.opts.index)
+            return None
+        assert self.slice is not None
+        try:
+            shape = serving_shape(self.opts.checkpoint, self.config)
+            cal = calibrate(
+                self.slice,
+                min(max(self.max_batch, 1), 64),
+                shape,
+                budget_s=self.opts.calibration_s,
+                graphs=self.opts.cuda_graphs,
+            )
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("stage %d: calibration failed: %s; times come from batches", self.opts.index, exc)
+            return None
+        if cal.error:
+            logger.warning("stage %d: calibration incomplete: %s", self.opts.index, cal.summary())
+        else:
+            logger.info("stage %d: calibration: %s", self.opts.index, cal.summary())
+        self.telemetry.startup("calibration", cal.seconds)
+        return cal
 
     # ---- RPCs -----------------------------------------------------------------------------------------
 
@@ -314,7 +352,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             executor.start()
             self._set_member(True)
             logger.info("stage %d formed generation %d", self.opts.index, request.generation)
-            return pb.FormReply(rank=request.rank, load_seconds=took)
+            cal = self.calibration
+            return pb.FormReply(
+                rank=request.rank, load_seconds=took, calibration=cal.to_proto() if cal is not None else None
+            )
 
     def _drop_generation(self, reason: str, timeout: float = 5.0) -> bool:
         """Leave the current generation.  Returns False when the executor is stuck in a data-plane wait

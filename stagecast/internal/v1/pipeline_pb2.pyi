@@ -239,12 +239,38 @@ class Rendezvous(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
-    __slots__ = ("rank", "load_seconds")
+    __slots__ = ("rank", "load_seconds", "calibration")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     load_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    calibration: StageCalibration
+    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ..., calibration: _Optional[_Union[StageCalibration, _Mapping]] = ...) -> None: ...
+
+class StageCalibration(_message.Message):
+    __slots__ = ("empty_ms", "full_ms", "latent_height", "latent_width", "chunk_frames", "text_len", "window", "graphs", "seconds", "error")
+    EMPTY_MS_FIELD_NUMBER: _ClassVar[int]
+    FULL_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    empty_ms: _containers.RepeatedScalarFieldContainer[float]
+    full_ms: _containers.RepeatedScalarFieldContainer[float]
+    latent_height: int
+    latent_width: int
+    chunk_frames: int
+    text_len: int
+    window: int
+    graphs: bool
+    seconds: float
+    error: str
+    def __init__(self, empty_ms: _Optional[_Iterable[float]] = ..., full_ms: _Optional[_Iterable[float]] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., text_len: _Optional[int] = ..., window: _Optional[int] = ..., graphs: _Optional[bool] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("generation", "reason")
@@ -299,16 +325,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., expected_world_size: _Optional[int] = ..., device: _Optional[str] = ..., sp: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("world_size", "layer_start", "layer_stop", "generation")
+    __slots__ = ("world_size", "layer_start", "layer_stop", "generation", "max_batch")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_STOP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     layer_start: int
     layer_stop: int
     generation: int
-    def __init__(self, world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("index", "address", "generation")
@@ -367,6 +395,20 @@ class ChunksConsumed(_message.Message):
     stream_id: int
     chunks: int
     def __init__(self, stream_id: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class VaeCost(_message.Message):
+    __slots__ = ("chunk_ms", "parts", "latent_height", "latent_width", "device")
+    CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    chunk_ms: float
+    parts: int
+    latent_height: int
+    latent_width: int
+    device: str
+    def __init__(self, chunk_ms: _Optional[float] = ..., parts: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
     __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead", "steps", "chunk_rate")
@@ -453,7 +495,7 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +505,9 @@ class ClusterStatus(_message.Message):
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     CFG_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    VAE_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    VAE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_STAGES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -472,4 +517,7 @@ class ClusterStatus(_message.Message):
     streams: _containers.RepeatedCompositeFieldContainer[StreamProgress]
     capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
     cfg_parallel: int
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
+    vae_chunk_ms: float
+    vae_source: str
+    calibrated_stages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ...) -> None: ...

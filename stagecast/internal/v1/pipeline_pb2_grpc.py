@@ -312,6 +312,11 @@ class CoordinatorServiceStub:
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.SerializeToString,
                 response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReportVaeCost = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/ReportVaeCost',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.VaeCost.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+                _registered_method=True)
         self.SubmitInput = channel.unary_unary(
                 '/stagecast.internal.v1.CoordinatorService/SubmitInput',
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.InputLatents.SerializeToString,
@@ -372,6 +377,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportVaeCost(self, request, context):
+        """The gateway's measured VAE cost per chunk (at start-up, and again from time to time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitInput(self, request, context):
         """A video-to-video stream's input for its next chunk (chunks in order from 0; at most a few ahead of the
         pipeline: RESOURCE_EXHAUSTED beyond). Its latents travel in the plan to the stages.
@@ -423,6 +435,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
             'Consumed': grpc.unary_unary_rpc_method_handler(
                     servicer.Consumed,
                     request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
+            ),
+            'ReportVaeCost': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportVaeCost,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.VaeCost.FromString,
                     response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
             ),
             'SubmitInput': grpc.unary_unary_rpc_method_handler(
@@ -602,6 +619,33 @@ class CoordinatorService:
             target,
             '/stagecast.internal.v1.CoordinatorService/Consumed',
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ChunksConsumed.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportVaeCost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/ReportVaeCost',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.VaeCost.SerializeToString,
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,295 @@
+"""A stage's timing of its own slice at READY: the SLO controller's first model of this stage.
+
+Usage (the stage runs it right after loading its slice, before it reports READY)::
+
+    shape = serving_shape("/models/wan/transformer", config)      # stagecast.json's serving size, or 832x480
+    cal = calibrate(dit_slice, max_batch=4, shape=shape, budget_s=5.0, graphs=True)
+    cal.empty_ms[b - 1], cal.full_ms[b - 1]                       # ms per forward of b micro-steps
+    cal.to_proto()                                                # travels in FormReply.calibration
+
+**What is timed.** Forwards of this slice (``SliceRunner.forward``: what ``BatchDone.forward_ms`` times while
+serving, CUDA events on a GPU, wall time on a CPU) for every batch size 1..``max_batch`` (the coordinator's Stream
+Batch, sent in ``RegisterReply.max_batch``), at the serving size, on synthetic inputs: random text and hidden states
+from a private generator, noise latents on the first slice.  Each batch size is timed twice: with an empty KV window
+(a stream's first chunk) and with a full one (``CALIBRATION_WINDOW`` latent frames, ``CALIBRATION_SINK`` of them
+sinks: the benchmark protocol's window), since attention over the window costs more.  Every timed forward follows an
+identical untimed one (same batch signature, on twin streams), so one-time costs (allocator, kernel loading, a CUDA
+graph's capture) are never counted.  The window is filled without forwards: the K/V of a stream's chunk 0 stand in
+for every earlier frame (attention costs what its context's length costs, whatever the values).
+
+**What it leaves alone.** It runs on a runner of its own with its own streams (closed at the end), so serving state
+is untouched: no KV cache, no stream, no graph (with ``--cuda-graphs`` it captures into a ``GraphedBlocks`` of its
+own, dropped afterwards) and no random generator it does not own (the global CPU and CUDA generators are restored).
+
+**Bounds.** It stops once ``budget_s`` has passed (checked before every forward) and keeps the batch sizes it
+finished; a failure is reported, never raised.  It runs 4 forwards per batch size (16 at the default Stream Batch
+of 4): on an H200 a 1.3B half-slice forward takes 10-40 ms (plus a capture per signature with ``--cuda-graphs``); on
+a CPU the tiny test models take milliseconds, and a real model at 480p runs out of budget (its stage reports what
+it finished).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stage_service.dit_slice import DiTSlice
+from stage_service.runner import SliceRunner
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.microstep import MicroStep, StreamSpec
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_WINDOW = 6  # latent frames of KV context in the "full" timing (the benchmark protocol's window)
+CALIBRATION_SINK = 3
+DEFAULT_BUDGET_S = 5.0
+MAX_BUDGET_S = 600.0
+MAX_CALIBRATION_BATCH = 64
+SERVING_DEFAULTS_FILE = "stagecast.json"  # the checkpoint's serving defaults (README: stagecast.json)
+DEFAULT_SIZE = (480, 832)  # height, width: the serving default without a stagecast.json
+DEFAULT_TEXT_LEN = 512
+
+
+@dataclass(frozen=True)
+class ServingShape:
+    chunk_frames: int
+    latent_height: int
+    latent_width: int
+    text_len: int
+
+
+def _spatial_factor(root: Path | None, config: dict) -> int:
+    if root is not None and (root / "vae" / "config.json").is_file():
+        try:
+            from stagecast.model import vae_configs
+            from stagecast.model.config import read_vae_config
+
+            return vae_configs.spatial_factor(read_vae_config(root / "vae"))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("calibration: cannot read %s: %s; assuming the Wan VAE's factor", root / "vae", exc)
+    return 16 if config.get("in_channels") == 48 else 8  # the Wan2.2 VAE (48 channels) is 16x, Wan2.1's 8x
+
+
+def serving_shape(checkpoint: str, config: dict) -> ServingShape:
+    """The serving size the gateway defaults to for this checkpoint: ``stagecast.json``'s ``width``, ``height``,
+    ``chunk_frames`` and ``text_len`` beside ``transformer/`` (as the gateway reads them), else 832x480, one latent
+    frame per chunk, 512 text tokens; latent pixels through the checkpoint's VAE (``vae/config.json``).  A value that
+    is unusable falls back to the default (logged): the calibration is a seed, never a reason not to start."""
+    folder = Path(checkpoint) if checkpoint and not checkpoint.startswith("random:") else None
+    root = None
+    if folder is not None:
+        root = folder.parent if folder.name == "transformer" else folder
+    data: dict = {}
+    if root is not None and (root / SERVING_DEFAULTS_FILE).is_file():
+        try:
+            raw = json.loads((root / SERVING_DEFAULTS_FILE).read_text())
+            data = raw if isinstance(raw, dict) else {}
+        except (OSError, ValueError) as exc:
+            logger.warning("calibration: %s unreadable (%s); using the default serving size", root, exc)
+
+    def pick(key: str, default: int) -> int:
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 16384:
+            logger.warning("calibration: stagecast.json %s=%r is not a size; using %d", key, value, default)
+            return default
+        return value
+
+    height, width = pick("height", DEFAULT_SIZE[0]), pick("width", DEFAULT_SIZE[1])
+    sf = _spatial_factor(root, config)
+    _, p_h, p_w = config["patch_size"]
+    lat_h = max(p_h, height // sf // p_h * p_h)
+    lat_w = max(p_w, width // sf // p_w * p_w)
+    return ServingShape(pick("chunk_frames", 1), lat_h, lat_w, pick("text_len", DEFAULT_TEXT_LEN))
+
+
+@dataclass
+class Calibration:
+    shape: ServingShape
+    window: int
+    graphs: bool = False
+    empty_ms: list[float] = field(default_factory=list)  # index b - 1: a forward of b micro-steps, no KV context
+    full_ms: list[float] = field(default_factory=list)  # the same with a full window
+    seconds: float = 0.0
+    error: str = ""  # why it stopped before max_batch ("" when complete)
+
+    def to_proto(self) -> pb.StageCalibration:
+        return pb.StageCalibration(
+            empty_ms=self.empty_ms,
+            full_ms=self.full_ms,
+            latent_height=self.shape.latent_height,
+            latent_width=self.shape.latent_width,
+            chunk_frames=self.shape.chunk_frames,
+            text_len=self.shape.text_len,
+            window=self.window,
+            graphs=self.graphs,
+            seconds=self.seconds,
+            error=self.error,
+        )
+
+    def summary(self) -> str:
+        if not self.full_ms:
+            return f"no batch size measured ({self.error or 'nothing to measure'})"
+        pairs = ", ".join(f"B={b + 1}: {e:.2f}/{f:.2f}" for b, (e, f) in enumerate(zip(self.empty_ms, self.full_ms)))
+        tail = f"; stopped: {self.error}" if self.error else ""
+        return (
+            f"ms per forward (empty/full {self.window}-frame window) {pairs} at {self.shape.latent_height}x"
+            f"{self.shape.latent_width} latents{' (CUDA graphs)' if self.graphs else ''} in {self.seconds:.2f}s{tail}"
+        )
+
+
+class _Budget(Exception):
+    pass
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+
+        def cuda_ms(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+
+        return cuda_ms
+
+    def wall_ms(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall_ms
+
+
+def calibrate(
+    dit_slice: DiTSlice,
+    max_batch: int,
+    shape: ServingShape,
+    *,
+    budget_s: float = DEFAULT_BUDGET_S,
+    graphs: bool = False,
+    window: int = CALIBRATION_WINDOW,
+    sink: int = CALIBRATION_SINK,
+    clock: Callable[[], float] = time.perf_counter,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    forward: Callable[[SliceRunner, list[MicroStep], torch.Tensor | None], object] | None = None,
+) -> Calibration:
+    """Time this slice (see the module docstring).  ``clock``, ``timer`` and ``forward`` are for tests: a fake clock,
+    a timing function ``timer(fn) -> ms``, and what runs one forward (default ``runner.forward(steps, inputs)``)."""
+    if not 1 <= max_batch <= MAX_CALIBRATION_BATCH:
+        raise ValueError(f"max_batch must be in [1, {MAX_CALIBRATION_BATCH}], got {max_batch}")
+    if not 0 < budget_s <= MAX_BUDGET_S:
+        raise ValueError(f"budget_s must be in (0, {MAX_BUDGET_S}], got {budget_s}")
+    device = dit_slice.device
+    use_graphs = graphs and device.type == "cuda"
+    cal = Calibration(shape=shape, window=window, graphs=use_graphs)
+    started = clock()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    runner = None
+    try:
+        graphed = None
+        if use_graphs:
+            from stage_service.graphs import GraphedBlocks
+
+            graphed = GraphedBlocks(dit_slice)  # its own graphs and buffers, captured in line, dropped afterwards
+        runner = SliceRunner(dit_slice, graphs=graphed)
+        timer = timer or _timer(device)
+        _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward)
+    except _Budget as exc:
+        cal.error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a seed, never a reason not to serve
+        logger.warning("calibration failed", exc_info=True)
+        cal.error = f"failed: {type(exc).__name__}: {exc}"
+    finally:
+        if runner is not None:
+            for sid in list(runner.streams):
+                runner.close_stream(sid)
+            if runner.graphs is not None:
+                runner.graphs.close()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    cal.seconds = clock() - started
+    return cal
+
+
+def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward) -> None:
+    sl = runner.slice
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    text = torch.randn(1, shape.text_len, sl.config["text_dim"], generator=gen)
+    tokens = sl.tokens_per_frame(shape.latent_height, shape.latent_width) * shape.chunk_frames
+    chunks = math.ceil(window / shape.chunk_frames)  # chunk index whose window is full
+    run = forward or (lambda r, steps, inputs: r.forward(steps, inputs))
+    next_id = iter(range(1, 2 * MAX_CALIBRATION_BATCH * 2 + 1))
+
+    def check(what: str) -> None:
+        if clock() - started > budget_s:
+            done = f"batch sizes 1..{len(cal.full_ms)}" if cal.full_ms else "no batch size"
+            raise _Budget(f"budget of {budget_s:g}s spent at {what} ({done} measured)")
+
+    def spec(sid: int) -> StreamSpec:
+        return StreamSpec(
+            stream_id=sid,
+            latent_channels=sl.config["in_channels"],
+            chunk_frames=shape.chunk_frames,
+            latent_height=shape.latent_height,
+            latent_width=shape.latent_width,
+            timesteps=(1000.0,),
+            policy="per_level",
+            window=window,
+            sink=min(sink, window),
+            text_len=shape.text_len,
+        )
+
+    for b in range(1, max_batch + 1):
+        twins = []
+        for _ in range(2):  # the first set warms (or captures) each signature, the second is timed
+            ids = [next(next_id) for _ in range(b)]
+            for sid in ids:
+                runner.open_stream(spec(sid), text)
+            twins.append(ids)
+        inputs = None
+        if not sl.first:
+            inputs = torch.randn(b, tokens, sl.inner_dim, generator=gen).to(sl.device, sl.dtype)
+        timed = {}
+        for c in (0, chunks):
+            if c:
+                for ids in twins:
+                    _fill_window(runner, ids, chunks)
+            for k, ids in enumerate(twins):
+                check(f"batch size {b}, {'full' if c else 'empty'} window")
+                steps = [MicroStep(sid, c, 0) for sid in ids]
+                if k == 1:
+                    timed[c] = timer(lambda steps=steps, inputs=inputs: run(runner, steps, inputs))
+                else:
+                    run(runner, steps, inputs)
+        for ids in twins:
+            for sid in ids:
+                runner.close_stream(sid)
+        cal.empty_ms.append(timed[0])
+        cal.full_ms.append(timed[chunks])
+
+
+def _fill_window(runner: SliceRunner, ids: list[int], chunk: int) -> None:
+    """Make ``chunk`` of each stream see a full window without running the chunks before it: the K/V its chunk 0
+    wrote stand in for every earlier frame (the cost of attention depends on how much context there is, not on its
+    values)."""
+    for sid in ids:
+        stream = runner.streams[sid]
+        for kv in stream.kv.values():
+            for row in kv.rows.values():
+                first = [row.frames[f] for f in sorted(row.frames)]
+                if not first:
+                    continue
+                for f in range(chunk * stream.spec.chunk_frames):
+                    row.frames[f] = first[f % len(first)]
+                row.next_chunk = chunk
