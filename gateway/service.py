@@ -59,6 +59,7 @@ from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
+from gateway.vae_cost import VaeCost, VaeReporter, measure_vae
 from stagecast import api, telemetry
 from stagecast.cuda_graphs import cuda_graph_capture
 from stagecast.grpc_util import (
@@ -180,8 +181,11 @@ class Gateway:
         self.warmup_s = 0.0
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
+        self.vae_cost = self._measure_vae()
         self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
+        # The measured VAE cost goes to the coordinator's SLO model (unless its operator fixed one).
+        self.vae_reporter = VaeReporter(self.coordinator, self.vae_cost) if self.vae_cost is not None else None
 
         self.cond = threading.Condition()
         self.streams: dict[str, StreamRun] = {}
@@ -284,7 +288,37 @@ class Gateway:
         )
         return took
 
+    def _measure_vae(self) -> VaeCost | None:
+        """Time a steady-state chunk decode of the default size on every in-process VAE part (after the warm-up, if
+        any): the slowest part's ms is what each chunk costs the busiest GPU (``gateway.vae_cost``)."""
+        if not isinstance(self.decoder, LocalDecoder):
+            return None  # VAE stages (--vae-stage) run elsewhere: not measured here
+        sf = self.model.spatial_factor
+        shape = (
+            1,
+            self.model.latent_channels,
+            self.defaults.chunk_frames,
+            self.defaults.height // sf,
+            self.defaults.width // sf,
+        )
+        try:
+            cost = measure_vae(self.decoder.parts, shape)
+        except Exception:  # noqa: BLE001 - a measurement for the SLO model, never a reason not to serve
+            logger.warning("measuring the VAE's cost per chunk failed", exc_info=True)
+            return None
+        if cost is not None:
+            logger.info(
+                "VAE: %.2f ms per chunk of %s latents on the busiest device (%s; parts: %s ms)",
+                cost.chunk_ms,
+                "x".join(map(str, shape[2:])),
+                cost.device,
+                ", ".join(f"{ms:.2f}" for ms in cost.part_ms),
+            )
+        return cost
+
     def start(self) -> None:
+        if self.vae_reporter is not None:
+            self.vae_reporter.start()
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
@@ -307,6 +341,8 @@ class Gateway:
         if self.health_server is not None:
             self.health_server.stop(0)
         self.server.stop(grace).wait()
+        if self.vae_reporter is not None:
+            self.vae_reporter.stop()
         self.channel.close()
         self.decoder.close()
         self.timers.close()

@@ -91,11 +91,13 @@ def start_pipeline(
     coordinator_args: Sequence[str] = (),
     cfg_parallel: int = 1,
     fp8: bool = False,
+    stage_extra_args: Sequence[str] = (),
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
     ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``.
     ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1).
-    ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run)."""
+    ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run).
+    ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``)."""
     args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
     if sp > 1:
         args += ["--sp", str(sp)]
@@ -123,7 +125,7 @@ def start_pipeline(
                 index = i if sp > 1 else rank  # a sequence-parallel stage derives its rank from --sp-rank
                 pipe.stage_args[rank] = stage_args(
                     index, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r, fp8
-                )
+                ) + list(stage_extra_args)
                 name = f"stage-{rank}" if sp == 1 else f"stage-{i}-sp{r}"
                 pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
     for child in pipe.stage_children.values():

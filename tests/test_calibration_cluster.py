@@ -1,0 +1,93 @@
+"""The SLO model's seeds end to end, real processes on loopback (gloo): each stage's calibration at READY, the
+gateway's measured VAE cost, and the operator flags that take precedence over both.
+
+Capacity in "streams at 16 FPS" (4 chunks/s, one step, nothing admitted) is 0.9 / (4 x (m + v) / 1000) with m the
+slowest stage's ms per micro-step at the largest batch and v the VAE's ms per chunk, so capacity before and after the
+gateway's report tells what the controller counts for the VAE.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from launcher.demo_checkpoint import write_demo_checkpoint
+from launcher.local_cluster import start_pipeline
+from launcher.process import Launcher
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from tests.pipeline_helpers import coordinator_stub, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def one_step(status: pb.ClusterStatus) -> float | None:
+    return next((c.streams for c in status.capacity if c.steps == 1), None)
+
+
+def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacity(root):
+    with Launcher() as launcher:
+        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2)
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
+        with channel:
+            status = stub.Status(pb.Empty(), timeout=10)
+            # Formed, no stream ever ran: the model comes from the stages' own calibration.
+            assert status.ready and not status.stage_stats
+            assert list(status.calibrated_stages) == [0, 1]
+            assert status.vae_source == "none" and status.vae_chunk_ms == 0
+            before = one_step(status)
+            assert before is not None and before > 0
+            stage_ms = 0.9 * 1000 / (4 * before)  # ms per micro-step of the slowest stage, as the model holds it
+
+            launcher.spawn("gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root)])
+            status = wait_until(
+                lambda: (s := stub.Status(pb.Empty(), timeout=10)).vae_source == "gateway" and s,
+                TIMEOUT,
+                what="the gateway's VAE cost reaching the coordinator",
+            )
+            vae = status.vae_chunk_ms
+            assert vae > 0
+            assert one_step(status) == pytest.approx(0.9 * 1000 / (4 * (stage_ms + vae)))
+            assert one_step(status) < before
+
+            # An out-of-range report is refused naming the field, and changes nothing.
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ReportVaeCost(pb.VaeCost(chunk_ms=-1.0), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chunk_ms" in err.value.details()
+            assert stub.Status(pb.Empty(), timeout=10).vae_chunk_ms == vae
+
+
+def test_operator_flags_take_precedence_and_a_stage_out_of_calibration_budget_still_serves(root):
+    with Launcher() as launcher:
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=str(root / "transformer"),
+            stages=2,
+            coordinator_args=["--stage-ms", "170,170", "--vae-ms-per-chunk", "7"],
+        )
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
+        with channel:
+            status = stub.Status(pb.Empty(), timeout=10)
+            assert status.ready and list(status.calibrated_stages) == []  # --stage-ms wins over the calibration
+            assert (status.vae_source, status.vae_chunk_ms) == ("operator", 7.0)
+            stub.ReportVaeCost(pb.VaeCost(chunk_ms=55.0, parts=1, device="cpu"), timeout=10)  # a gateway's report
+            status = stub.Status(pb.Empty(), timeout=10)
+            assert (status.vae_source, status.vae_chunk_ms) == ("operator", 7.0)
+            ms = 170 * 1.15 / 4  # --stage-ms at batch 1, growth 5% per micro-step, per micro-step at batch 4
+            assert one_step(status) == pytest.approx(0.9 * 1000 / (4 * (ms + 7.0)))
+
+    with Launcher() as launcher:
+        # A budget no forward fits in: the stages still become READY, unseeded (the model learns from batches).
+        pipe = start_pipeline(
+            launcher, checkpoint=str(root / "transformer"), stages=2, stage_extra_args=["--calibration-s", "1e-9"]
+        )
+        channel, stub = coordinator_stub(pipe.coordinator, launcher)
+        with channel:
+            status = stub.Status(pb.Empty(), timeout=10)
+            assert status.ready and list(status.calibrated_stages) == [] and list(status.capacity) == []
