@@ -46,7 +46,9 @@ decision, and admission refuses what would not be held. The correction relaxes (
 ``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is found again.
 
 **Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
-``min_steps`` would not be held.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and
+``min_steps`` would not be held.  A paced stream on a pipeline with no other paced stream is always admitted (it can
+push no admitted stream below its rate: the issue's rule), even where the model says it alone is not held (a CPU
+deployment): it runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and
 step count fit beside the admitted ones at their ``min_steps``.
 """
 
@@ -282,6 +284,8 @@ class SloController:
         """Whether ``newcomer`` fits beside ``admitted`` with everyone at min_steps (True while unmeasured)."""
         if newcomer.chunk_rate <= 0:
             return True  # best-effort
+        if not any(d.chunk_rate > 0 for d in admitted):
+            return True  # alone it pushes no admitted stream below its rate; refusing it would serve no one
         util = self.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted + [newcomer]})
         return util is None or util <= self.target
 

@@ -1,0 +1,188 @@
+"""The SLO model's seeds, in process: a stage's calibration of its slice (``stage_service.calibration``), the gateway's
+VAE measurement (``gateway.vae_cost``) and how ``CostModel`` takes them (operator flags first, measured batches
+refine).  Timing-dependent behaviour runs on an injected timer and clock, never on sleeps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from coordinator.slo import EWMA, CostModel, Demand, SloController
+from gateway.vae_cost import STEADY_FROM, measure_vae
+from stage_service.calibration import ServingShape, calibrate, serving_shape
+from stage_service.checkpoint import random_slice_state_dict
+from stage_service.dit_slice import DiTSlice
+from stage_service.runner import SliceRunner
+from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.model.dit_configs import model_config
+
+CFG = model_config("tiny-wan2.1")
+SHAPE = ServingShape(chunk_frames=1, latent_height=4, latent_width=6, text_len=16)
+
+
+def make_slice(first: bool, last: bool) -> DiTSlice:
+    n = CFG["num_layers"]
+    layers = range(0 if first else n // 2, n if last else n // 2)
+    torch.manual_seed(1)
+    sd = random_slice_state_dict(CFG, layers=layers, first=first, last=last, dtype=torch.float32)
+    return DiTSlice.from_state_dict(CFG, sd, layers=layers, first=first, last=last)
+
+
+def fake_timer(runner_calls: list):
+    """A timer whose ms tell which forward it timed: 10 x batch size, +5 with a full window."""
+
+    def timer(fn):
+        before = len(runner_calls)
+        fn()
+        steps, context = runner_calls[before]
+        return 10.0 * len(steps) + (5.0 if context else 0.0)
+
+    return timer
+
+
+def recording_forward(calls: list):
+    def forward(runner, steps, inputs):
+        stream = runner.streams[steps[0].stream]
+        frames = stream.kv[0].view(steps[0], stream.spec_at(steps[0].chunk)).frames
+        calls.append((steps, len(frames)))
+        return runner.forward(steps, inputs)
+
+    return forward
+
+
+@pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
+def test_calibration_times_each_batch_size_with_an_empty_and_a_full_window(first, last):
+    calls: list = []
+    sl = make_slice(first, last)
+    cal = calibrate(
+        sl, 3, SHAPE, window=4, sink=2, budget_s=600, timer=fake_timer(calls), forward=recording_forward(calls)
+    )
+    assert not cal.error
+    assert cal.empty_ms == [10.0, 20.0, 30.0] and cal.full_ms == [15.0, 25.0, 35.0]
+    # Every batch size: twin forwards (untimed, timed) with no context, then twins that see the whole window.
+    assert [(len(s), ctx) for s, ctx in calls] == [(b, c) for b in (1, 2, 3) for c in (0, 0, 4, 4)]
+    proto = cal.to_proto()
+    assert (
+        list(proto.full_ms) == cal.full_ms and proto.window == 4 and (proto.latent_height, proto.latent_width) == (4, 6)
+    )
+
+
+def test_calibration_leaves_serving_state_and_random_generators_alone():
+    sl = make_slice(True, True)
+    spec = StreamSpec(
+        stream_id=1, latent_channels=16, chunk_frames=1, latent_height=4, latent_width=6, timesteps=(1000.0, 500.0),
+        text_len=16, window=4, sink=1,
+    )  # fmt: skip
+    text = torch.randn(1, 16, CFG["text_dim"], generator=torch.Generator().manual_seed(3))
+
+    def serve_two_chunks(runner: SliceRunner) -> list[torch.Tensor]:
+        out = []
+        for chunk in range(2):
+            for level in range(2):
+                step = MicroStep(1, chunk, level)
+                out.append(runner.forward([step]))
+                runner.finish([step], out[-1])
+        return out
+
+    serving = SliceRunner(sl)
+    serving.open_stream(spec, text)
+    first = serve_two_chunks(serving)
+    kv_before = serving.memory_bytes()
+    cpu_rng = torch.get_rng_state()
+    cal = calibrate(sl, 4, SHAPE, budget_s=600)
+    assert not cal.error and len(cal.full_ms) == 4
+    assert torch.equal(torch.get_rng_state(), cpu_rng)
+    assert serving.memory_bytes() == kv_before and list(serving.streams) == [1]
+    # The same slice serves exactly as before: a fresh runner reproduces the first run bit for bit.
+    again = SliceRunner(sl)
+    again.open_stream(spec, text)
+    assert all(torch.equal(a, b) for a, b in zip(first, serve_two_chunks(again), strict=True))
+
+
+def test_calibration_stops_at_its_budget_and_keeps_the_batch_sizes_it_finished():
+    now = [0.0]
+
+    def clock():  # one second per look: the budget check before every forward
+        now[0] += 1.0
+        return now[0]
+
+    cal = calibrate(make_slice(True, False), 4, SHAPE, budget_s=6.5, clock=clock, timer=lambda fn: (fn(), 1.0)[1])
+    assert "budget of 6.5s" in cal.error and "batch size 2" in cal.error
+    assert cal.empty_ms == [1.0] and cal.full_ms == [1.0]  # batch size 1 finished; 2 did not
+
+
+def test_a_failing_calibration_is_reported_not_raised():
+    def broken(runner, steps, inputs):
+        raise RuntimeError("out of memory")
+
+    sl = make_slice(False, True)
+    cal = calibrate(sl, 2, SHAPE, budget_s=600, forward=broken)
+    assert cal.error.startswith("failed: RuntimeError: out of memory") and cal.full_ms == []
+
+
+def test_serving_shape_follows_stagecast_json_and_the_vae(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    assert serving_shape(str(tmp_path / "transformer"), CFG) == ServingShape(1, 60, 104, 512)  # 832x480, 8x VAE
+    (tmp_path / "stagecast.json").write_text(json.dumps({"width": 64, "height": 48, "text_len": 16}))
+    assert serving_shape(str(tmp_path / "transformer"), CFG) == ServingShape(1, 6, 8, 16)
+    wan22 = dict(CFG, in_channels=48)  # the Wan2.2 VAE: 16x
+    assert serving_shape("random:wan2.2-ti2v-5b", wan22) == ServingShape(1, 30, 52, 512)
+
+
+class _Part:
+    def __init__(self, device: str, ms: float):
+        self.device, self.ms = torch.device(device), ms
+        self.released = 0
+
+    def new_state(self):
+        return {"chunks": 0}
+
+    def release(self, state):
+        self.released += 1
+
+    def decode_chunk(self, state, x):
+        state["chunks"] += 1
+        return x
+
+
+def test_vae_cost_is_the_slowest_parts_steady_state_chunk():
+    parts = [_Part("cpu", 3.0), _Part("cpu", 8.0)]
+    seen = []
+
+    def timer(device, fn):
+        out = fn()
+        seen.append(out)
+        return (100.0 if len(seen) <= 2 * STEADY_FROM else parts[(len(seen) - 1) % 2].ms), out
+
+    cost = measure_vae(parts, (1, 16, 1, 4, 6), chunks=5, timer=timer)
+    assert cost is not None and cost.chunk_ms == 8.0 and cost.part_ms == (3.0, 8.0)  # the warm-up chunks excluded
+    assert all(p.released == 1 for p in parts)
+    assert cost.to_proto().parts == 2
+
+
+def test_cost_model_precedence_seed_calibration_and_refinement():
+    cost = CostModel(stages=2, max_batch=4)
+    assert cost.micro_step_ms() is None
+    assert cost.calibrate(0, {1: 10.0, 2: 11.0, 4: 13.0}) and cost.calibrate(1, {1: 20.0, 4: 24.0})
+    assert not cost.calibrate(1, {9: 5.0, 1: float("nan")})  # nothing usable: unchanged
+    assert cost.micro_step_ms() == pytest.approx(24.0 / 4)
+    cost.observe(1, 4, 34.0)  # a measured batch refines the calibrated value rather than replacing it
+    assert cost.stage_ms(4)[1] == pytest.approx((1 - EWMA) * 24.0 + EWMA * 34.0)
+
+    operator = CostModel(stages=2, max_batch=4, seed_ms=[50.0, 50.0], chunk_ms=7.0)
+    assert not operator.calibrate(0, {1: 1.0}) and not operator.report_vae(30.0)
+    assert operator.stage_ms(1) == [50.0, 50.0] and (operator.chunk_ms, operator.vae_source) == (7.0, "operator")
+
+
+def test_the_gateways_vae_cost_lowers_capacity():
+    cost = CostModel(stages=1, max_batch=1)
+    cost.calibrate(0, {1: 20.0})
+    ctl = SloController(cost)
+    assert ctl.capacity_streams([], chunk_rate=4.0, steps=1) == pytest.approx(0.9 / (4 * 20 / 1000))
+    assert cost.report_vae(25.0) and cost.vae_source == "gateway"
+    assert ctl.capacity_streams([], chunk_rate=4.0, steps=1) == pytest.approx(0.9 / (4 * 45 / 1000))
+    admitted = [Demand(i, chunk_rate=4.0, allowed=(1,)) for i in range(5)]  # 18% of the GPU each
+    newcomer = Demand(9, chunk_rate=4.0, allowed=(1,))
+    assert ctl.admits(newcomer, admitted[:3]) and not ctl.admits(newcomer, admitted)
