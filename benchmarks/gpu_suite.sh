@@ -100,8 +100,9 @@ for part in "$@"; do
     slo)
       # Load rows paced at 16 FPS with the SLO controller choosing 1..4 steps; 10 streams is past the expected
       # capacity, so its row shows refusals (RESOURCE_EXHAUSTED) and capacity_streams the most streams held.
-      # --slo-vae-ms 26: the compiled 480p VAE decode (52 ms per latent frame, DESIGN.md section 4) split over 2 GPUs.
-      timeout 540 "${harness[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 --slo-vae-ms 26 --stages 2 --seconds 20 \
+      # The SLO model starts from the stages' calibration at READY and the gateway's measured VAE decode (the slowest
+      # VAE part per chunk); the JSON's slo_model says what it counted. --slo-vae-ms N would fix the VAE cost instead.
+      timeout 540 "${harness[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 --stages 2 --seconds 20 \
         --first-seconds 4 --ttff-runs 3 --interactive-updates 2 --load 2,4,6,8,10 --load-seconds 20 \
         --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_2gpu.json"
       ;;

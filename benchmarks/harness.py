@@ -531,6 +531,16 @@ def coordinator_status(coordinator: str, launcher):
         return pb_grpc.CoordinatorServiceStub(ch).Status(pb.Empty(), timeout=10)
 
 
+def slo_model(status) -> dict:
+    """Where the coordinator's SLO model started: the stages calibrated at READY and the VAE's cost per chunk (the
+    gateway's measurement, or the operator's --vae-ms-per-chunk), read after the first stream."""
+    return {
+        "calibrated_stages": list(status.calibrated_stages),
+        "vae_chunk_ms": round(status.vae_chunk_ms, 3),
+        "vae_source": status.vae_source,
+    }
+
+
 def stage_stats(coordinator: str, launcher) -> list[dict]:
     return [
         {
@@ -640,7 +650,8 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         with stagecast.Client(gateway) as client:
             # Every prompt is new to the server (its text cache), as the protocol asks for TTFF.
             first = StreamRecord(client, args, args.first_seconds, f"a dog {nonce}").run()
-            done("first stream", first_stream=first.json())
+            seeds = slo_model(coordinator_status(pipe.coordinator, launcher))
+            done("first stream", first_stream=first.json(), slo_model=seeds)
             before = stage_stats(pipe.coordinator, launcher)
             with LeadSampler(pipe.coordinator, launcher) as lead:
                 t = time.perf_counter()
@@ -701,6 +712,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
     return {
         "time_to_ready_s": time_to_ready,
         "first_stream": first.json(),
+        "slo_model": seeds,
         "main": {**main.json(), "wall_s": wall},
         "steady_fps": span["steady_fps"],
         "whole_fps": span["whole_fps"],

@@ -46,7 +46,10 @@ def config_name(r: dict) -> str:
     if a.get("fp8"):
         name += ", FP8 blocks"
     if a.get("load_min_steps") and a.get("load"):  # SLO-adaptive load rows: paced, steps chosen online
-        name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {a.get('slo_vae_ms', 0):g} ms/chunk)"
+        seeds = r.get("system", {}).get("slo_model") or {}
+        vae = seeds.get("vae_chunk_ms", a.get("slo_vae_ms", 0))
+        origin = " measured" if seeds.get("vae_source") == "gateway" else ""
+        name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {vae:g} ms/chunk{origin})"
     if a.get("balance"):  # --partition auto: the planner's answer from a measured profile
         b = a["balance"]
         name += f", balanced {b['partition']} / VAE split {','.join(map(str, b['vae_split'])) or '-'}"
