@@ -47,9 +47,9 @@ decision, and admission refuses what would not be held. The correction relaxes (
 
 **Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
 ``min_steps`` would not be held.  A paced stream on a pipeline with no other paced stream is always admitted (it can
-push no admitted stream below its rate: the issue's rule), even where the model says it alone is not held (a CPU
-deployment): it runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams at 16 FPS" is how many more streams of a given rate and
-step count fit beside the admitted ones at their ``min_steps``.
+push no admitted stream below its rate), even where the model says it alone is not held (a CPU deployment): it
+runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams at 16 FPS" is how many more streams of
+a given rate and step count fit beside the admitted ones at their ``min_steps``.
 """
 
 from __future__ import annotations
