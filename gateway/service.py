@@ -290,9 +290,14 @@ class Gateway:
 
     def _measure_vae(self) -> VaeCost | None:
         """Time a steady-state chunk decode of the default size on every in-process VAE part (after the warm-up, if
-        any): the slowest part's ms is what each chunk costs the busiest GPU (``gateway.vae_cost``)."""
+        any): the slowest part's ms is what each chunk costs the busiest GPU (``gateway.vae_cost``).  Only a VAE on GPUs
+        is measured: the model counts its share of the stage GPUs."""
         if not isinstance(self.decoder, LocalDecoder):
             return None  # VAE stages (--vae-stage) run elsewhere: not measured here
+        if not any(part.device.type == "cuda" for part in self.decoder.parts):
+            # The model counts the VAE's share of the stage GPUs; a VAE on the CPU takes none of it.
+            logger.info("VAE on the CPU: its cost is not counted in the SLO model's stage GPU time")
+            return None
         sf = self.model.spatial_factor
         shape = (
             1,

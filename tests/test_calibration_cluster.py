@@ -1,5 +1,5 @@
 """The SLO model's seeds end to end, real processes on loopback (gloo): each stage's calibration at READY, the
-gateway's measured VAE cost, and the operator flags that take precedence over both.
+gateway's VAE cost report (``ReportVaeCost``), and the operator flags that take precedence over both.
 
 Capacity in "streams at 16 FPS" (4 chunks/s, one step, nothing admitted) is 0.9 / (4 x (m + v) / 1000) with m the
 slowest stage's ms per micro-step at the largest batch and v the VAE's ms per chunk, so capacity before and after the
@@ -11,11 +11,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.vae_cost import VaeCost, VaeReporter
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from tests.pipeline_helpers import coordinator_stub, wait_until
+from tests.pipeline_helpers import coordinator_stub
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,14 +46,18 @@ def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacit
             assert before is not None and before > 0
             stage_ms = 0.9 * 1000 / (4 * before)  # ms per micro-step of the slowest stage, as the model holds it
 
-            launcher.spawn("gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root)])
-            status = wait_until(
-                lambda: (s := stub.Status(pb.Empty(), timeout=10)).vae_source == "gateway" and s,
-                TIMEOUT,
-                what="the gateway's VAE cost reaching the coordinator",
-            )
+            # The gateway's reporter (a CPU gateway measures nothing: its VAE takes no stage GPU time), as a gateway
+            # on GPUs runs it after measuring its VAE.
+            cost = VaeCost(chunk_ms=12.5, part_ms=(9.0, 12.5), device="cuda:1", latent_shape=(1, 16, 1, 60, 104))
+            reporter = VaeReporter(stub, cost)
+            reporter.start()
+            try:
+                assert reporter.reported.wait(TIMEOUT)
+            finally:
+                reporter.stop()
+            status = stub.Status(pb.Empty(), timeout=10)
+            assert (status.vae_source, status.vae_chunk_ms) == ("gateway", 12.5)
             vae = status.vae_chunk_ms
-            assert vae > 0
             assert one_step(status) == pytest.approx(0.9 * 1000 / (4 * (stage_ms + vae)))
             assert one_step(status) < before
 
