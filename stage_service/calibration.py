@@ -23,9 +23,10 @@ own, dropped afterwards) and no random generator it does not own (the global CPU
 
 **Bounds.** It stops once ``budget_s`` has passed (checked before every forward) and keeps the batch sizes it
 finished; a failure is reported, never raised.  It runs 4 forwards per batch size (16 at the default Stream Batch
-of 4): on an H200 a 1.3B half-slice forward takes 10-40 ms (plus a capture per signature with ``--cuda-graphs``); on
-a CPU the tiny test models take milliseconds, and a real model at 480p runs out of budget (its stage reports what
-it finished).
+of 4): on an H200 a 1.3B half-slice forward takes 10-40 ms (plus a capture per signature with ``--cuda-graphs``).  A
+stage on a CPU calibrates only when ``--calibration-s`` is given (its cores are shared with the other processes, all
+starting at once): the tiny test models take milliseconds on an idle machine, and a real model at 480p runs out of
+budget (its stage reports what it finished).
 """
 
 from __future__ import annotations

@@ -47,10 +47,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--calibration-s",
         type=float,
-        default=5.0,
+        default=None,
         help="at READY, time this slice's forwards (batch sizes 1..the coordinator's --max-batch, the serving size of "
         "stagecast.json or 832x480, empty and full KV window) for the coordinator's SLO model, for at most this many "
-        "seconds (0: skip; the coordinator then learns from measured batches)",
+        "seconds (0: skip; the coordinator then learns from measured batches); default: 5 on a GPU, 0 on a CPU (the "
+        "processes sharing its cores make a start-up timing say little about serving)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
@@ -91,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     if args.sp > 1 and args.cuda_graphs:
         print("stagecast stage: error: --cuda-graphs: not supported with --sp > 1 yet", file=sys.stderr)
         return 2
-    if not 0 <= args.calibration_s <= 600:
+    if args.calibration_s is not None and not 0 <= args.calibration_s <= 600:
         print(
             f"stagecast stage: error: --calibration-s: must be in [0, 600], got {args.calibration_s}",
             file=sys.stderr,

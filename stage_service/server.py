@@ -92,7 +92,7 @@ class StageOptions:
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
     sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
     fp8: bool = False  # block linears as torchao float8 (``stage_service.fp8``); refused where it cannot run
-    calibration_s: float = DEFAULT_BUDGET_S  # time budget of the READY calibration (0: none)
+    calibration_s: float | None = None  # READY calibration's budget (0: none; None: 5 s on a GPU, none on a CPU)
 
 
 class _Generation:
@@ -266,7 +266,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def _calibrate(self) -> Calibration | None:
         """Time the freshly loaded slice for the coordinator's SLO model (never raises: a stage that cannot calibrate
         still serves, and the coordinator learns its times from measured batches)."""
-        if self.opts.calibration_s <= 0:
+        budget = self.opts.calibration_s
+        if budget is None:
+            # On a CPU the stages, the gateway and the text encoder share the cores, and a timing taken while they all
+            # start says little about serving: calibrate there only when asked.
+            budget = DEFAULT_BUDGET_S if self.device.type == "cuda" else 0.0
+        if budget <= 0:
             return None
         if self.opts.sp > 1:
             logger.info("stage %d: no calibration under --sp (its forwards need the whole group)", self.opts.index)
@@ -278,7 +283,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 self.slice,
                 min(max(self.max_batch, 1), 64),
                 shape,
-                budget_s=self.opts.calibration_s,
+                budget_s=budget,
                 graphs=self.opts.cuda_graphs,
             )
         except Exception as exc:  # noqa: BLE001

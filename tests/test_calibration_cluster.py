@@ -34,7 +34,9 @@ def one_step(status: pb.ClusterStatus) -> float | None:
 
 def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacity(root):
     with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2)
+        pipe = start_pipeline(
+            launcher, checkpoint=str(root / "transformer"), stages=2, stage_extra_args=["--calibration-s", "60"]
+        )
         channel, stub = coordinator_stub(pipe.coordinator, launcher)
         with channel:
             status = stub.Status(pb.Empty(), timeout=10)
@@ -75,6 +77,7 @@ def test_operator_flags_take_precedence_and_a_stage_out_of_calibration_budget_st
             checkpoint=str(root / "transformer"),
             stages=2,
             coordinator_args=["--stage-ms", "170,170", "--vae-ms-per-chunk", "7"],
+            stage_extra_args=["--calibration-s", "60"],
         )
         channel, stub = coordinator_stub(pipe.coordinator, launcher)
         with channel:
