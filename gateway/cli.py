@@ -39,6 +39,19 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--vae-dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
+    p.add_argument(
+        "--vae-cuda-graphs",
+        action="store_true",
+        help="decode each stream's frames from its third on as CUDA graph replays, one captured graph per stream slot "
+        "and VAE part, captured before serving at the default size and checked bit for bit against eager (a stream "
+        "without a free slot, or of another size, decodes eagerly)",
+    )
+    p.add_argument(
+        "--vae-graph-slots",
+        type=int,
+        default=0,
+        help="streams that can hold a VAE graph slot at once; each holds one stream's VAE cache (0: --max-streams)",
+    )
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
     p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
     p.add_argument(
@@ -146,6 +159,8 @@ def _gateway_options(args: argparse.Namespace):
         text_graph=args.text_graph,
         vae_dtype=args.vae_dtype,
         vae_compile=args.vae_compile,
+        vae_cuda_graphs=args.vae_cuda_graphs,
+        vae_graph_slots=args.vae_graph_slots,
         buffer_chunks=args.buffer_chunks,
         buffer_messages=args.buffer_messages,
         slow_client_timeout=args.slow_client_timeout,
@@ -181,8 +196,25 @@ def add_vae_stage_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
+    p.add_argument(
+        "--cuda-graphs",
+        type=_frame_size,
+        default=None,
+        metavar="HEIGHTxWIDTH",
+        help="streams of this frame size decode their frames from the third on as CUDA graph replays of this slice, "
+        "captured before serving and checked bit for bit against eager (default: eager)",
+    )
+    p.add_argument("--graph-slots", type=int, default=8, help="streams that can hold a graph slot at once")
     add_security_flags(p, metrics=False)
     p.set_defaults(run=vae_stage_main)
+
+
+def _frame_size(text: str) -> tuple[int, int]:
+    try:
+        height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH (e.g. 480x832), got {text!r}") from None
+    return height, width
 
 
 def vae_stage_main(args: argparse.Namespace) -> int:
@@ -207,6 +239,8 @@ def _vae_options(args: argparse.Namespace, mtls):
         port=args.port,
         device=args.device,
         dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+        graph_slots=args.graph_slots,
         mtls=mtls,
         health_port=args.health_port,
     )

@@ -99,6 +99,14 @@ class LocalDecoder:
         )
         return cls(parts)
 
+    def capture_graphs(self, latent_hw: tuple[int, int], slots: int, capture_for=None) -> list[bool]:
+        """Capture ``slots`` CUDA graph slots per part for streams of ``latent_hw`` latents (``gateway.vae_graphs``:
+        a stream's frames from its third on replay its slot's graph; a stream without a free slot decodes eagerly).
+        Call before serving, after any compile warm-up. Returns, per part, whether it is graphed."""
+        from gateway.vae_graphs import capture_graphs, default_capture
+
+        return capture_graphs(self.parts, latent_hw=latent_hw, slots=slots, capture_for=capture_for or default_capture)
+
     def open(self, capacity: int) -> LocalSession:
         return LocalSession(self.parts, capacity)
 

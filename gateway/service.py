@@ -60,6 +60,7 @@ from gateway.stream_vae import StreamVAE, StreamVAEEncoder
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from gateway.vae_cost import VaeCost, VaeReporter, measure_vae
+from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
 from stagecast import api, telemetry
 from stagecast.cuda_graphs import cuda_graph_capture
 from stagecast.grpc_util import (
@@ -120,6 +121,10 @@ class GatewayOptions:
     text_cache: int = 256
     vae_dtype: str = "float32"
     vae_compile: bool = False  # torch.compile the VAE decoder (GPU; compiled before the gateway serves)
+    # A stream's steady-state VAE frames as CUDA graph replays (gateway.vae_graphs), captured before serving for
+    # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
+    vae_cuda_graphs: bool = False
+    vae_graph_slots: int = 0
     # Decode a few chunks at the default size before serving, so that every compiled variant is built (dynamo is not
     # thread-safe and a compile on the serving path freezes streams for seconds).  None: when ``vae_compile``.
     warmup: bool | None = None
@@ -179,8 +184,21 @@ class Gateway:
         self._encoder_lock = threading.Lock()
         self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
+        if not 0 <= opts.vae_graph_slots <= MAX_GRAPH_SLOTS:
+            raise ValueError(f"--vae-graph-slots must be in [0, {MAX_GRAPH_SLOTS}], got {opts.vae_graph_slots}")
+        if opts.vae_cuda_graphs and opts.vae_stage:
+            raise ValueError("--vae-cuda-graphs is for the in-process VAE; give the vae-stage processes --cuda-graphs")
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
+        if opts.vae_cuda_graphs:
+            # After the compile warm-up (a graph of a compiled part records the compiled kernels), before serving.
+            start = time.perf_counter()
+            sf = self.model.spatial_factor
+            slots = opts.vae_graph_slots or min(opts.max_streams, MAX_GRAPH_SLOTS)
+            graphed = self.decoder.capture_graphs((self.defaults.height // sf, self.defaults.width // sf), slots)
+            self.warmup_s += time.perf_counter() - start
+            logger.info("VAE graphs: parts graphed %s, captured in %.1f s", graphed, time.perf_counter() - start)
+        # Measured after the capture: what streams will cost, graphed where they hold a slot.
         self.vae_cost = self._measure_vae()
         self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)

@@ -38,7 +38,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
 
@@ -53,6 +53,9 @@ from stagecast.model.config import read_vae_config
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+# A stream's latent frames from this one on may replay a captured graph: the cache slots change shape over frames 0
+# (None -> "Rep" or 1 frame) and 1 (-> 2 frames), and are stable from frame 2 on.
+GRAPHED_FROM = 2
 
 
 def frames_for_chunk(first: bool, latent_frames: int, temporal_factor: int = 4) -> int:
@@ -96,6 +99,11 @@ class VAEStreamState:
     latent_frames: int = 0  # latent frames decoded so far; 0 means the next one is the stream's frame 0
     latent_hw: tuple[int, int] | None = None  # fixed by the first chunk: the cached frames only fit that size
     released: bool = False
+    # The graph slot (``gateway.vae_graphs``) this stream holds, if any: then ``feat_cache`` is the slot's static
+    # buffers, which only this stream's replays read and update, until ``release`` gives the slot back.
+    graph: object = None
+    # Held across a decode and by ``release``: a state is never released (nor its slot reused) mid-decode.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def frames_decoded(self) -> int:
@@ -111,9 +119,11 @@ class VAEStreamState:
         """Plain-data snapshot for ``torch.save``; restore it with ``load_state`` of a decoder with equal weights."""
         if self.released:
             raise ValueError("cannot snapshot a released VAE stream state")
+        # A graph slot's buffers are overwritten by the next replay: the snapshot holds copies.
+        cache = [t.clone() if self.graph is not None and isinstance(t, torch.Tensor) else t for t in self.feat_cache]
         return {
             "version": _STATE_VERSION,
-            "feat_cache": list(self.feat_cache),
+            "feat_cache": cache,
             "temporal_factor": self.temporal_factor,
             "latent_frames": self.latent_frames,
             "latent_hw": None if self.latent_hw is None else list(self.latent_hw),
@@ -135,6 +145,8 @@ class ChunkDecoder:
         # Frames per latent frame (after frame 0, which is always one) in the tensor this decoder receives.
         self.in_factor = in_factor
         self.num_slots = slots
+        # Set by ``gateway.vae_graphs.capture_graphs``: captured steady-state frames, one per stream slot.
+        self.graphs = None
         if takes_latents:
             z_dim = vae.config.z_dim
             # Built exactly as WanPipeline does (cast to the VAE dtype, then reciprocal), so that
@@ -147,10 +159,17 @@ class ChunkDecoder:
         return VAEStreamState(feat_cache=[None] * self.num_slots, temporal_factor=self.temporal_factor)
 
     def release(self, state: VAEStreamState) -> None:
-        """Drop the cached tensors now rather than when the last reference goes; the state is unusable after."""
-        logger.debug("releasing VAE stream state: %d latent frames, %d bytes", state.latent_frames, state.approx_bytes)
-        state.feat_cache = []
-        state.released = True
+        """Drop the cached tensors now rather than when the last reference goes, and give back the stream's graph
+        slot; the state is unusable after.  Waits for a decode of this state in progress."""
+        with state.lock:
+            logger.debug(
+                "releasing VAE stream state: %d latent frames, %d bytes", state.latent_frames, state.approx_bytes
+            )
+            if state.graph is not None:
+                self.graphs.free(state.graph)
+                state.graph = None
+            state.feat_cache = []
+            state.released = True
 
     def load_state(self, snapshot: dict) -> VAEStreamState:
         """Rebuild a state from ``VAEStreamState.state_dict()``, moving its tensors to this decoder's device."""
@@ -181,28 +200,40 @@ class ChunkDecoder:
         the previous slice's output for the same chunk. Returns video ``(1, 3, n, H, W)`` clamped to [-1, 1] for a
         decoder that gives video (n from ``frames_for_chunk``), otherwise the hidden tensor for the next slice.
         """
-        if state.released:
-            raise ValueError("this VAE stream state was released")
-        if len(state.feat_cache) != self.num_slots:
-            raise ValueError(f"state has {len(state.feat_cache)} cache slots; this decoder has {self.num_slots}")
-        pieces = self._split_frames(state, self._prepare(state, x))
-        outs = []
-        for piece in pieces:
-            if self.takes_latents:
-                # post_quant_conv (1x1x1) has no temporal state, but CPU/GPU conv kernels do not give bit-identical
-                # results for every frame count (a 2x4 latent differs by ~5e-7 between T=1 and T=6 on CPU). Running
-                # it one frame at a time makes the output independent of how the stream is chunked.
-                piece = self.vae.post_quant_conv(piece)
-            # Frame by frame, as _decode does: frame 0 must go alone (first_chunk=True) and a multi-frame call
-            # is only approximately equal. feat_idx is mutated in place, so each call gets a fresh one.
-            outs.append(self._run_frame(piece, state.feat_cache, [0], first=state.latent_frames == 0))
-            state.latent_frames += 1
-        out = torch.cat(outs, dim=2)
+        with state.lock:
+            if state.released:
+                raise ValueError("this VAE stream state was released")
+            if len(state.feat_cache) != self.num_slots:
+                raise ValueError(f"state has {len(state.feat_cache)} cache slots; this decoder has {self.num_slots}")
+            pieces = self._split_frames(state, self._prepare(state, x))
+            outs = []
+            for piece in pieces:
+                slot = None
+                if self.graphs is not None and state.latent_frames >= GRAPHED_FROM:
+                    slot = self.graphs.attach(state, piece)
+                if slot is not None:
+                    out = slot.run(piece)  # the slot's static output: copied (by clone or cat) before its next replay
+                    outs.append(out.clone() if len(pieces) > 1 else out)
+                else:
+                    outs.append(self._step(piece, state.feat_cache, first=state.latent_frames == 0))
+                state.latent_frames += 1
+            out = torch.cat(outs, dim=2)  # always a new tensor
         if self.gives_video:
             if self.vae.config.patch_size is not None:
                 out = unpatchify(out, patch_size=self.vae.config.patch_size)
             out = out.clamp(-1.0, 1.0)
         return out
+
+    def _step(self, piece: torch.Tensor, cache: list, first: bool) -> torch.Tensor:
+        """One latent frame's piece through this decoder (what a graph slot captures, for ``first=False``)."""
+        if self.takes_latents:
+            # post_quant_conv (1x1x1) has no temporal state, but CPU/GPU conv kernels do not give bit-identical
+            # results for every frame count (a 2x4 latent differs by ~5e-7 between T=1 and T=6 on CPU). Running
+            # it one frame at a time makes the output independent of how the stream is chunked.
+            piece = self.vae.post_quant_conv(piece)
+        # Frame by frame, as _decode does: frame 0 must go alone (first_chunk=True) and a multi-frame call
+        # is only approximately equal. feat_idx is mutated in place, so each call gets a fresh one.
+        return self._run_frame(piece, cache, [0], first=first)
 
     def _prepare(self, state: VAEStreamState, x: torch.Tensor) -> torch.Tensor:
         if not self.takes_latents:

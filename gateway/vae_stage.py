@@ -24,10 +24,12 @@ import grpc
 import torch
 
 from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
+from gateway.vae_graphs import capture_graphs, default_capture
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
+from stagecast.model import vae_configs
 from stagecast.names import DTYPES, VAE_STAGE_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import serve_lifecycle
@@ -50,6 +52,10 @@ class VAEStageOptions:
     dtype: str = "float32"
     mtls: MTLS | None = None  # deployment credentials (role "vae-stage"); None: plaintext (--insecure-internal)
     health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
+    # Frame size (height, width) whose streams decode their steady-state frames as CUDA graph replays
+    # (gateway.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
+    cuda_graphs: tuple[int, int] | None = None
+    graph_slots: int = 8
 
 
 class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
@@ -62,6 +68,8 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
             raise ValueError(f"--index {opts.index} is not a slice of {opts.num_slices} (0..{opts.num_slices - 1})")
         self.slice = StreamVAESlice(vae, edges[opts.index], edges[opts.index + 1])
         self.opts = opts
+        if opts.cuda_graphs is not None:
+            self._capture_graphs(vae, opts.cuda_graphs, opts.graph_slots)
         self.is_last = self.slice.gives_video
         if self.is_last != (opts.next is None):
             raise ValueError(f"stage {opts.index} of {opts.num_slices}: --next is needed by every stage but the last")
@@ -78,6 +86,21 @@ class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
             self.slice.start,
             self.slice.stop,
             opts.next or "(last: frames go back)",
+        )
+
+    def _capture_graphs(self, vae, size: tuple[int, int], slots: int) -> None:
+        """Graph slots for this slice; a scratch prefix of the decoder (units before this slice, run eagerly here
+        once) gives the slice's inputs for the probe stream."""
+        sf = vae_configs.spatial_factor(vae.config)
+        if size[0] <= 0 or size[1] <= 0 or size[0] % sf or size[1] % sf:
+            raise ValueError(f"--cuda-graphs {size[0]}x{size[1]}: height and width must be positive multiples of {sf}")
+        chain = ([StreamVAESlice(vae, 0, self.slice.start)] if self.slice.start else []) + [self.slice]
+        capture_graphs(
+            chain,
+            latent_hw=(size[0] // sf, size[1] // sf),
+            slots=slots,
+            capture_for=default_capture,
+            targets=[len(chain) - 1],
         )
 
     def Decode(self, request_iterator, context):
