@@ -470,6 +470,8 @@ def start_system(launcher, root: Path, args, device_kind: str):
     gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
+    if args.vae_cuda_graphs:
+        gw_args.append("--vae-cuda-graphs")
     gw_args += ["--vae-devices", ",".join(vae_devices)]
     if vae_split:
         gw_args += ["--vae-split", vae_split]
@@ -951,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--gateway-gpu", type=int, default=None, help="GPU for text encoder + VAE (default: last stage's)")
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
+    ap.add_argument("--vae-cuda-graphs", action="store_true", help="the gateway's VAE frames as CUDA graph replays")
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
     ap.add_argument(
         "--fp8",

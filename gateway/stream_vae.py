@@ -166,7 +166,7 @@ class ChunkDecoder:
                 "releasing VAE stream state: %d latent frames, %d bytes", state.latent_frames, state.approx_bytes
             )
             if state.graph is not None:
-                self.graphs.free(state.graph)
+                state.graph.pool.free(state.graph)
                 state.graph = None
             state.feat_cache = []
             state.released = True

@@ -63,6 +63,7 @@ class GraphSlot:
         self.x = piece.clone()
         self.cache = [t.clone() if isinstance(t, torch.Tensor) else t for t in cache]
         self.out: torch.Tensor | None = None
+        self.pool: GraphSlots | None = None
         self.replay = capture(self._frame)
 
     @torch.no_grad()
@@ -98,6 +99,8 @@ class GraphSlots:
     def __init__(self, part: ChunkDecoder, slots: list[GraphSlot]):
         self.part = part
         self.slots = slots
+        for slot in slots:
+            slot.pool = self  # a state gives its slot back here, even after the part was given another pool
         self._free = list(reversed(slots))
         self._lock = threading.Lock()
         first = slots[0]
@@ -150,10 +153,12 @@ def _probe(parts: list[ChunkDecoder], latent_hw: tuple[int, int], frames: int, s
     pieces: list[list[torch.Tensor]] = [[] for _ in parts]
     caches: list[list[list]] = [[] for _ in parts]
     with torch.no_grad():
-        for _ in range(frames):
+        for f in range(frames):
             x = torch.randn(1, first.vae.config.z_dim, 1, *latent_hw, generator=gen)
             for i, (part, state) in enumerate(zip(parts, states, strict=True)):
-                caches[i].append([t.clone() if isinstance(t, torch.Tensor) else t for t in state.feat_cache])
+                # Copies only where they are used (a cache is GBs at 480p): the captured frame and the checked one.
+                keep = f >= GRAPHED_FROM
+                caches[i].append([t.clone() if keep and isinstance(t, torch.Tensor) else t for t in state.feat_cache])
                 pieces[i].append(part._prepare(state, x))
                 x = part.decode_chunk(state, x)
     for part, state in zip(parts, states, strict=True):

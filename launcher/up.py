@@ -73,6 +73,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
     p.add_argument(
+        "--vae-cuda-graphs",
+        action="store_true",
+        help="the gateway's VAE frames as CUDA graph replays, one graph per stream slot (gateway --vae-cuda-graphs)",
+    )
+    p.add_argument(
         "--credentials",
         default=None,
         help="deployment credentials folder (ca.crt and one folder per role, e.g. made for a test) instead of a"
@@ -174,6 +179,8 @@ def main(args: argparse.Namespace) -> int:
                     gw_args += ["--vae-dtype", args.dtype]
                 if args.vae_compile:
                     gw_args.append("--vae-compile")
+                if args.vae_cuda_graphs:
+                    gw_args.append("--vae-cuda-graphs")
                 if args.metrics_port:
                     gw_args += ["--metrics-port", str(args.metrics_port + 1)]
                 for flag, value in (

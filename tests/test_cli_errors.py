@@ -24,6 +24,11 @@ def run_cli(*args):
     [
         (["--vae-devices", "gpu0"], "stagecast gateway: error: VAE device 'gpu0' is not a device name"),
         (["--vae-devices", "cpu,cpu", "--vae-split", "0"], "stagecast gateway: error: boundaries [0] must lie in"),
+        (["--vae-graph-slots", "65"], "stagecast gateway: error: --vae-graph-slots must be in [0, 64], got 65"),
+        (
+            ["--vae-cuda-graphs", "--vae-stage", "127.0.0.1:1"],
+            "stagecast gateway: error: --vae-cuda-graphs is for the in-process VAE",
+        ),
     ],
 )
 def test_gateway_with_bad_vae_flags_exits_2_with_the_reason(checkpoint, flags, message):

@@ -87,6 +87,7 @@ def cluster(tmp_path_factory):
         tight += ["--slow-client-timeout", "2", "--metrics-port", str(metrics_port)]
         # The VAE chain is started from its end: each stage needs the next one's address.
         vae = ["vae-stage", "--checkpoint", str(root), "--num-slices", "2", "--port", "0"]
+        vae += ["--cuda-graphs", f"{H}x{W}", "--graph-slots", "2"]  # on CPU a replay re-runs the slice (exactness)
         vae_last = launcher.spawn("vae-1", vae + ["--index", "1"])
         vae_first = launcher.spawn("vae-0", vae + ["--index", "0", "--next", vae_last.info["address"]])
         tight += ["--vae-stage", vae_first.info["address"]]

@@ -7,6 +7,7 @@ the CUDA capture itself is exercised: which buffers are static, what is copied i
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -15,8 +16,15 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
+from benchmarks import vae_graphs_check
 from gateway.decoder import LocalDecoder
-from gateway.stream_vae import StreamVAE, StreamVAESlice, split_decoder, to_uint8_frames, write_tiny_vae
+from gateway.stream_vae import (
+    StreamVAE,
+    StreamVAESlice,
+    split_decoder,
+    to_uint8_frames,
+    write_tiny_vae,
+)
 from gateway.vae_graphs import capture_graphs
 from stagecast.cuda_graphs import rerun_capture
 from stagecast.model.vae_configs import vae_config
@@ -266,3 +274,19 @@ def test_a_failed_stream_gives_its_slots_back(vae_folder):
     assert decoder.parts[0].graphs.free_slots == 0  # held until the stream is closed
     session.close()
     assert decoder.parts[0].graphs.free_slots == 1
+
+
+def test_the_gpu_checks_smoke_mode_reports_every_variant_exact(tmp_path):
+    out = tmp_path / "vae_graphs.json"
+    assert vae_graphs_check.main(["--smoke", "--streams", "1,2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = [r for case in result["cases"] for r in case["rows"]]
+    assert {r["case"] for r in rows} == {"tiny-wan2.1", "tiny-wan2.2"}
+    assert {(r["variant"], r["streams"]) for r in rows if r["case"] == "tiny-wan2.1"} == {
+        (v, s) for v in ("eager", "graphed", "channels-last", "channels-last+graphed") for s in (1, 2)
+    }
+    for r in rows:
+        assert r["fps"] > 0 and r["chunk_ms"] > 0
+        assert r["graphed_parts"] == ([True] if "graphed" in r["variant"] else None)
+        if not r["variant"].startswith("channels-last"):  # the layout changes the bits; graphs must not
+            assert r["max_diff"] == 0.0, r
