@@ -30,11 +30,11 @@
 #                                         # is missing; made here by: pip download --no-deps --only-binary=:all:
 #                                         # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #                                         # -d .whl-fp8 torchao==0.17.0, the release built against torch 2.11)
-#   bash benchmarks/gpu_suite.sh vae-graphs # the gateway's VAE eager / compiled / CUDA-graphed / both, 1 and 4
-#                                         # streams, Wan2.1 480x832 and Wan2.2 704x1280 (one GPU, random weights;
-#                                         # benchmarks/vae_graphs_check.py), then the `1.3b` part's 1-stream row with
-#                                         # --vae-cuda-graphs (no load rows; ~9 min)
-#   bash benchmarks/gpu_suite.sh vae-graphs-load # the `1.3b` part (load rows 1, 2, 4, 8) with --vae-cuda-graphs
+#   bash benchmarks/gpu_suite.sh vae-graphs # the gateway's VAE eager / compiled / CUDA-graphed / both (and channels-last,
+#                                         # for the record), 1 and 4 streams, Wan2.1 480x832 and Wan2.2 704x1280 (one
+#                                         # GPU, random weights; benchmarks/vae_graphs_check.py; ~6 min)
+#   bash benchmarks/gpu_suite.sh vae-graphs-1.3b # the `1.3b` part (main row, load rows 1, 2, 4, 8) with
+#                                         # --vae-cuda-graphs, to set beside it
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -72,13 +72,11 @@ for part in "$@"; do
         --json "$out/v2_13b_1step_2gpu.json"
       ;;
     vae-graphs)
-      timeout 300 python -m benchmarks.vae_graphs_check --json "$out/vae_graphs_check.json"
-      timeout 240 "${harness[@]}" --vae-cuda-graphs --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer \
-        --peer-chunks 4 --json "$out/v2_13b_1step_2gpu_vaegraphs.json"
+      timeout 560 python -m benchmarks.vae_graphs_check --json "$out/vae_graphs_check.json"
       ;;
-    vae-graphs-load)
+    vae-graphs-1.3b)
       timeout 330 "${harness[@]}" --vae-cuda-graphs --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 \
-        --load-seconds 10 --json "$out/v2_13b_1step_2gpu_vaegraphs_load.json"
+        --load-seconds 10 --json "$out/v2_13b_1step_2gpu_vaegraphs.json"
       ;;
     1.3b-4)
       timeout 250 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \
