@@ -135,7 +135,8 @@ class InputPath:
         self.capacity = QUEUE_CHUNKS * temporal_factor * cfg.chunk_frames + 1
         self.temporal_factor = temporal_factor
         self.received = 0
-        self.dropped = 0
+        self.dropped = 0  # frames dropped because the pipeline was behind (LIVE): the status's input_frames_dropped
+        self.partial = 0  # frames at the input's end that completed no chunk
         self.last_pts = -math.inf
         self._queue: deque = deque()  # (frame, pts, input_ms) or _END
         self._cond = threading.Condition()
@@ -286,6 +287,9 @@ class InputPath:
         if frames <= 0:
             return
         with self._cond:
-            self.dropped += frames
+            if reason == "partial_chunk":
+                self.partial += frames  # the input's tail, short of a chunk: not the pipeline being behind
+            else:
+                self.dropped += frames
         self.metrics.input_frames_dropped(reason, frames)
         logger.debug("input: dropped %d frames (%s)", frames, reason)

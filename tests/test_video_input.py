@@ -169,7 +169,8 @@ def test_chunks_are_the_streaming_encode_noised_to_strength_with_the_input_pts(e
     assert run_path(path, frames, pts) == "stopped"
     # 11 frames: latent frame 0 (frame 0), 1 (frames 1-4), 2 (frames 5-8); frames 9 and 10 fill no latent frame.
     assert [c for c, _ in pipe.chunks] == [0, 1, 2]
-    assert metrics.dropped == {"partial_chunk": 2} and path.dropped == 2 and path.received == 11
+    assert metrics.dropped == {"partial_chunk": 2} and path.partial == 2 and path.received == 11
+    assert path.dropped == 0  # backpressure: the status's input_frames_dropped counts only frames the pipeline missed
     assert path.frames_of(0) == [(0.5, 1.0)]
     assert [p for p, _ in path.frames_of(1)] == pts[1:5] and [p for p, _ in path.frames_of(2)] == pts[5:9]
     # The oracle: one-shot-equivalent encode of the 9 frames (tests/test_stream_vae_encode.py pins it to vae.encode),
