@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_suite.sh sp-1.3b pp-1.3b-eager   # 1.3B 1 step: SP=2 against PP=2, both eager (SP has
 #   bash benchmarks/gpu_suite.sh sp-14b pp-14b-eager     # 14B 1 step        no CUDA graphs yet); ~5 min per part
 #   bash benchmarks/gpu_suite.sh v2v      # video-to-video 1.3B 480x832, 2 steps from strength: throughput + live rows
-#   bash benchmarks/gpu_suite.sh slo      # 1.3B paced, SLO-adaptive load rows (steps 1..4): capacity at 16 FPS
+#   bash benchmarks/gpu_suite.sh slo      # 1.3B paced, SLO-adaptive load rows (steps 1..4): capacity at 16 FPS, the
+#                                         # model seeded by the stages' calibration and the gateway's measured VAE
 #   bash benchmarks/gpu_suite.sh webrtc   # the browser edge: gRPC vs WebRTC (aiortc peer), text and video-to-video
 #                                         # (the device has no network: carry wheels/py312, an ignored folder of
 #                                         # aiortc, aiohttp and their dependencies that .whl lacks (aioice, pyee,
