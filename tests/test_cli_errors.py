@@ -44,3 +44,17 @@ def test_stage_with_a_missing_checkpoint_exits_2_naming_it(tmp_path):
     proc = run_cli(*args, "--insecure-internal")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "stagecast stage: error:" in proc.stderr and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stage_with_a_calibration_budget_out_of_range_exits_2_naming_the_flag(checkpoint):
+    args = ["stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(checkpoint)]
+    proc = run_cli(*args, "--insecure-internal", "--calibration-s", "-1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stagecast stage: error: --calibration-s: must be in [0, 600]" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_coordinator_with_a_negative_vae_cost_exits_naming_the_flag():
+    proc = run_cli("coordinator", "--stages", "1", "--port", "0", "--insecure-internal", "--vae-ms-per-chunk", "-3")
+    assert proc.returncode != 0 and "--vae-ms-per-chunk: must be in [0, 100000)" in proc.stderr
+    assert "Traceback" not in proc.stderr
