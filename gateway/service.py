@@ -152,6 +152,10 @@ class GatewayOptions:
 class Gateway:
     def __init__(self, opts: GatewayOptions):
         self.opts = opts
+        if not 0 <= opts.vae_graph_slots <= MAX_GRAPH_SLOTS:
+            raise ValueError(f"--vae-graph-slots must be in [0, {MAX_GRAPH_SLOTS}], got {opts.vae_graph_slots}")
+        if opts.vae_cuda_graphs and opts.vae_stage:
+            raise ValueError("--vae-cuda-graphs is for the in-process VAE; give the vae-stage processes --cuda-graphs")
         root = Path(opts.checkpoint)
         self.defaults = ServingDefaults.load(root)
         self.model = ModelInfo.from_checkpoint(root)
@@ -184,10 +188,6 @@ class Gateway:
         self._encoder_lock = threading.Lock()
         self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
-        if not 0 <= opts.vae_graph_slots <= MAX_GRAPH_SLOTS:
-            raise ValueError(f"--vae-graph-slots must be in [0, {MAX_GRAPH_SLOTS}], got {opts.vae_graph_slots}")
-        if opts.vae_cuda_graphs and opts.vae_stage:
-            raise ValueError("--vae-cuda-graphs is for the in-process VAE; give the vae-stage processes --cuda-graphs")
         if opts.warmup if opts.warmup is not None else opts.vae_compile:
             self.warmup_s = self._warm_up()
         if opts.vae_cuda_graphs:

@@ -290,3 +290,20 @@ def test_the_gpu_checks_smoke_mode_reports_every_variant_exact(tmp_path):
         assert r["graphed_parts"] == ([True] if "graphed" in r["variant"] else None)
         if not r["variant"].startswith("channels-last"):  # the layout changes the bits; graphs must not
             assert r["max_diff"] == 0.0, r
+
+
+def test_the_gateway_captures_its_slots_before_serving_and_refuses_bad_slot_counts(tmp_path):
+    from gateway.service import Gateway, GatewayOptions
+    from launcher.demo_checkpoint import write_demo_checkpoint
+
+    root = write_demo_checkpoint(tmp_path / "ckpt")
+    opts = dict(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, max_streams=3)  # nothing is served
+    gateway = Gateway(GatewayOptions(**opts, vae_cuda_graphs=True, vae_devices=["cpu", "cpu"]))
+    try:
+        assert [p.graphs.free_slots for p in gateway.decoder.parts] == [3, 3]  # --max-streams slots per part
+        part = gateway.decoder.parts[0]
+        assert part.graphs.slots[0].x.shape[-2:] == (64 // 8, 64 // 8)  # the checkpoint's serving size
+    finally:
+        gateway.stop(grace=0)  # never started: stops its timers, channel and metrics
+    with pytest.raises(ValueError, match="--vae-graph-slots must be in"):
+        Gateway(GatewayOptions(**opts, vae_cuda_graphs=True, vae_graph_slots=-1))
