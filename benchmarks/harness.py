@@ -470,7 +470,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
     gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
-    if args.vae_cuda_graphs:
+    if getattr(args, "vae_cuda_graphs", False):  # the other benchmarks that start a cluster here lack the flag
         gw_args.append("--vae-cuda-graphs")
     gw_args += ["--vae-devices", ",".join(vae_devices)]
     if vae_split:
