@@ -296,7 +296,6 @@ class SloController:
         ms = self.cost.micro_step_ms()
         if ms is None or chunk_rate <= 0:
             return None
-        k = self.correction
-        used = k * sum(d.load(d.min_steps) * ms + d.chunk_rate * self.cost.chunk_ms for d in admitted) / 1e3
-        one = k * chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
+        used = self.utilization(admitted, {d.stream_id: d.min_steps for d in admitted}) or 0.0
+        one = self.correction * chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
         return max(0.0, (self.target - used) / one)

@@ -221,13 +221,11 @@ class PipeTransport:
                 continue
             # One communicator carries both directions of a pair, on one stream per rank: the lower rank sends
             # first and the higher one receives first, or each send would queue behind a receive that waits for it.
-            peer = high if self.rank == low else low
-            works = []
-            for op in ("send", "recv") if self.rank == low else ("recv", "send"):
-                if op == "send":
-                    works.append(dist.isend(probe, dst=peer, tag=WARMUP_TAG))
-                else:
-                    works.append(dist.irecv(torch.zeros_like(probe), src=peer, tag=WARMUP_TAG))
+            got = torch.zeros_like(probe)
+            if self.rank == low:
+                works = [dist.isend(probe, dst=high, tag=WARMUP_TAG), dist.irecv(got, src=high, tag=WARMUP_TAG)]
+            else:
+                works = [dist.irecv(got, src=low, tag=WARMUP_TAG), dist.isend(probe, dst=low, tag=WARMUP_TAG)]
             for work in works:
                 work.wait()
         if self.sequence.size > 1:
