@@ -261,10 +261,9 @@ def report(profile: BalanceProfile, gpus: int, mac_cut: list[int]) -> list[str]:
     plan = plan_balance(costs, devices, vae)
     lines = []
     for label, p in (("even + MAC cut", even), ("balanced", plan)):
-        per_gpu = ", ".join(f"{g} {ms:.2f}" for g, ms in p.gpu_ms.items())
         lines.append(
-            f"{label}: --partition {p.partition} --vae-split {','.join(map(str, p.vae_split)) or '-'}: ms per chunk "
-            f"per GPU {per_gpu}; bottleneck {p.bottleneck_ms:.2f} ms, at most {4 * p.chunks_per_second:.1f} FPS"
+            f"{label}: {p.flags()}: ms per chunk per GPU {p.gpu_ms_text()}; bottleneck {p.bottleneck_ms:.2f} ms, at "
+            f"most {4 * p.chunks_per_second:.1f} FPS"
         )
     return lines
 

@@ -450,10 +450,9 @@ def balance_from_profile(args: argparse.Namespace) -> dict:
     even = plan_balance(costs, gpus, vae, counts=even_partition(n, args.stages))
     lines = []
     for label, p in (("even", even), ("chosen", plan)):
-        per_gpu = ", ".join(f"{g} {ms:.2f}" for g, ms in p.gpu_ms.items())
         lines.append(
-            f"{label}: --partition {p.partition} --vae-split {','.join(map(str, p.vae_split)) or '-'}: DiT + VAE ms "
-            f"per chunk per GPU {per_gpu} (bottleneck {p.bottleneck_ms:.2f} ms)"
+            f"{label}: {p.flags()}: DiT + VAE ms per chunk per GPU {p.gpu_ms_text()} "
+            f"(bottleneck {p.bottleneck_ms:.2f} ms)"
         )
     # The profile's stage times are one forward of ``batch`` micro-steps; the scheduler prices a batch of one.
     scale = 1 + args.growth * (profile.batch - 1)

@@ -41,12 +41,9 @@ class BalanceChoice:
         return list(self.plan.vae_split) if self.plan.vae_slice_ms and len(self.plan.vae_slice_ms) > 1 else None
 
     def describe(self) -> str:
-        p = self.plan
-        per_gpu = ", ".join(f"{g} {ms:.2f}" for g, ms in p.gpu_ms.items())
-        split = ",".join(map(str, p.vae_split)) or "-"
         return (
-            f"balanced by {self.profile.source}: --partition {p.partition} --vae-split {split}; predicted ms per chunk"
-            f" per GPU: {per_gpu}"
+            f"balanced by {self.profile.source}: {self.plan.flags()}; predicted ms per chunk per GPU: "
+            f"{self.plan.gpu_ms_text()}"
         )
 
 

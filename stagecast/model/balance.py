@@ -99,6 +99,14 @@ class BalancePlan:
         """``--partition`` text: ``"17,13"``."""
         return ",".join(map(str, self.counts))
 
+    def flags(self) -> str:
+        """The plan as command-line flags: ``"--partition 17,13 --vae-split 9"`` (``-`` for no VAE cut)."""
+        return f"--partition {self.partition} --vae-split {','.join(map(str, self.vae_split)) or '-'}"
+
+    def gpu_ms_text(self) -> str:
+        """Per GPU, its ms per chunk: ``"cuda:0 20.31, cuda:1 21.02"``."""
+        return ", ".join(f"{g} {ms:.2f}" for g, ms in self.gpu_ms.items())
+
     @property
     def chunks_per_second(self) -> float:
         return 1e3 / self.bottleneck_ms if self.bottleneck_ms > 0 else math.inf
