@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 PLAYOUT_S = 0.5
 MAX_PLAYOUT_S = 10.0
 MAX_CHUNK_RATE = 1000.0
+# The plan loop ticks for a paced chunk once its slot is this close, and the credit lets the chunk start from then on:
+# a tick that came early for a chunk the credit did not yet allow was never repeated (it is kicked once per chunk
+# count), and the stream stalled until some other event woke the loop.
+PACE_EARLY_S = 1e-3
 # GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
 CAPACITY_CHUNK_RATE = 4.0
 # A paced stream is falling behind (the SLO controller's correction) when a consumed chunk is more than this many chunk
@@ -725,7 +729,8 @@ class PipelineEngine(Generations):
         ``paced_since + c / chunk_rate`` less the playout buffer.  None for an unpaced stream."""
         if session.chunk_rate <= 0 or session.paced_since is None:
             return None
-        return max(0, math.floor((now - session.paced_since + self.playout_s) * session.chunk_rate)) + 1
+        slots = (now + PACE_EARLY_S - session.paced_since + self.playout_s) * session.chunk_rate
+        return max(0, math.floor(slots + 1e-9)) + 1  # 1e-9: a slot reached exactly is not lost to rounding
 
     def _credit(self, session: StreamSession) -> int:
         credit = session.delivered + self.lead_bound(session)
@@ -758,13 +763,13 @@ class PipelineEngine(Generations):
                 while not self._stopped and not self._has_work():
                     timeout = self._pace_timeout()
                     started = sum(self.sched.started_chunks.values()) if self.sched is not None else 0
-                    if timeout is not None and timeout <= 1e-3 and self._idle_ticks and started != self._kicked:
+                    if timeout is not None and timeout <= PACE_EARLY_S and self._idle_ticks and started != self._kicked:
                         # A paced stream's next chunk is due: tick again (once per chunk started, so a stream that
                         # cannot start for another reason is not ticked in a busy loop).
                         self._kicked = started
                         self._idle_ticks = 0
                         continue
-                    if timeout is not None and timeout <= 1e-3:
+                    if timeout is not None and timeout <= PACE_EARLY_S:
                         timeout = 0.005 if self._idle_ticks else None
                     self.cond.wait(timeout)
                 if self._stopped:

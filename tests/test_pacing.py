@@ -115,3 +115,19 @@ def test_the_plan_loop_wakes_for_each_paced_chunk_without_spinning():
         assert now - ticks < 200
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("rate", [0.7, 3.0, 4.0, 16.0, 29.97])
+def test_when_the_loop_ticks_for_a_paced_chunk_the_credit_lets_it_start(rate):
+    # The loop ticks once per chunk count when a slot is PACE_EARLY_S away; a credit that did not yet allow the chunk
+    # at that tick left the stream stalled for good when no other event came (its last chunks consumed early).
+    from coordinator.engine import PACE_EARLY_S
+
+    clock = Clock()
+    eng = engine(clock, playout_s=0.5)
+    s = open_stream(eng, rate=rate)
+    eng._plan_tick()  # the open is planned: the stream's real-time schedule starts
+    for started in range(1, 200):
+        due = s.paced_since + started / rate - 0.5
+        clock.t = due - PACE_EARLY_S  # the earliest moment the loop ticks for chunk `started`
+        assert eng.paced_credit(s, clock()) >= started + 1, (rate, started)
