@@ -13,7 +13,11 @@ per chunk (4 video frames), as the gateway decodes them.  Variants, each a ``Str
   slots as streams, so every stream replays its slot's graph from its third frame on;
 - ``channels-last`` / ``channels-last+graphed``: a copy of the VAE with its decoder's conv weights channels-last
   (``to_channels_last`` below), eager and graphed, for the record only: not bit-exact against the default layout
-  even on a CPU, so the gateway does not offer it (``--no-channels-last`` skips them).
+  even on a CPU, so the gateway does not offer it (``--no-channels-last`` skips them); ``compiled+channels-last``,
+  the compiled decoder over those weights;
+- ``--cudnn-benchmark on|both``: the rows timed with ``torch.backends.cudnn.benchmark`` (cuDNN picks each
+  convolution's algorithm by timing them on first use), ``both`` times every row off and then on; ``--variants``
+  keeps only the labels named.
 
 Per variant and stream count (``--streams``, default 1 and 4): that many threads, each its own stream, decode
 ``--warmup`` chunks and then ``--iters`` measured chunks, each as the gateway's part thread does (``decode_chunk``
@@ -162,23 +166,29 @@ def check_case(name: str, size, args, device: torch.device, dtype: torch.dtype) 
     eager_part = StreamVAE(vae)
     reference = decode_all(eager_part, probe)
     rows = []
-    variants = [("eager", False, False), ("graphed", False, True)]
+    # (label, compiled, graphed, channels-last)
+    variants = [("eager", False, False, False), ("graphed", False, True, False)]
     if not args.no_compile:
-        variants += [("compiled", True, False), ("compiled+graphed", True, True)]
+        variants += [("compiled", True, False, False), ("compiled+graphed", True, True, False)]
     if not args.no_channels_last:
-        variants += [("channels-last", None, False), ("channels-last+graphed", None, True)]
-    compiled_part = cl_part = None
-    for label, compiled, graphed in variants:
-        if compiled is None and cl_part is None:
-            cl_part = StreamVAE(to_channels_last(copy.deepcopy(vae)))
-        if compiled and compiled_part is None:
-            compiled_part = StreamVAE(vae, compile=True)
-            t0 = time.perf_counter()
-            for seed in range(3):  # as the gateway's warm-up: every compiled variant built before timing
-                decode_all(compiled_part, latents(vae, hw, 4, 50 + seed, device))
-            sync(device)
-            print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-        part = cl_part if compiled is None else compiled_part if compiled else eager_part
+        variants += [("channels-last", False, False, True), ("channels-last+graphed", False, True, True)]
+        if not args.no_compile:
+            variants += [("compiled+channels-last", True, False, True)]
+    if args.variants:
+        variants = [v for v in variants if v[0] in args.variants]
+    parts: dict[tuple[bool, bool], StreamVAE] = {(False, False): eager_part}
+    for label, compiled, graphed, channels_last in variants:
+        key = (compiled, channels_last)
+        if key not in parts:
+            model = to_channels_last(copy.deepcopy(vae)) if channels_last else vae
+            parts[key] = StreamVAE(model, compile=compiled)
+            if compiled:
+                t0 = time.perf_counter()
+                for seed in range(3):  # as the gateway's warm-up: every compiled variant built before timing
+                    decode_all(parts[key], latents(vae, hw, 4, 50 + seed, device))
+                sync(device)
+                print(f"{name} {label}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        part = parts[key]
         part.graphs = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -191,14 +201,18 @@ def check_case(name: str, size, args, device: torch.device, dtype: torch.dtype) 
         got = decode_all(part, probe)
         diff = max((a - b).abs().max().item() for a, b in zip(got, reference, strict=True))
         for streams in args.streams:
-            row = {"case": name, "size": f"{size[0]}x{size[1]}", "variant": label, "graphed_parts": graphed_parts}
-            row.update(run_streams(part, hw, streams, args.warmup, args.iters))
-            row["max_diff"] = diff
-            row["peak_gib"] = (
-                round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-            )
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for bench in args.cudnn_benchmark:
+                torch.backends.cudnn.benchmark = bench
+                row = {"case": name, "size": f"{size[0]}x{size[1]}", "variant": label, "graphed_parts": graphed_parts}
+                row["cudnn_benchmark"] = bench
+                row.update(run_streams(part, hw, streams, args.warmup, args.iters))
+                row["max_diff"] = diff
+                row["peak_gib"] = (
+                    round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+                )
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        torch.backends.cudnn.benchmark = False
         part.graphs = None  # frees the slots' buffers (and the graphs) before the next variant
     return {"case": name, "size": list(size), "latent_hw": list(hw), "rows": rows}
 
@@ -211,10 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="timed chunks per stream")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     ap.add_argument("--no-channels-last", action="store_true", help="skip the channels-last variants")
+    ap.add_argument("--variants", default=None, help="comma-separated labels to run (default: every one enabled)")
+    ap.add_argument(
+        "--cudnn-benchmark",
+        choices=("off", "on", "both"),
+        default="off",
+        help="torch.backends.cudnn.benchmark while timing (both: every row twice, off then on)",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny VAEs, few chunks, no compile (a test runs this)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     args.streams = [int(v) for v in args.streams.split(",")]
+    args.variants = set(args.variants.split(",")) if args.variants else None
+    args.cudnn_benchmark = {"off": [False], "on": [True], "both": [False, True]}[args.cudnn_benchmark]
     if any(s < 1 for s in args.streams) or args.warmup < 3 or args.iters < 1:
         ap.error("--streams must be positive, --warmup at least 3 and --iters at least 1")
     if args.smoke:
