@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
         "without a free slot, or of another size, decodes eagerly)",
     )
     p.add_argument(
+        "--no-vae-cudnn-benchmark",
+        dest="vae_cudnn_benchmark",
+        action="store_false",
+        help="keep cuDNN's default convolution algorithms for a VAE on a GPU (default: cuDNN times the candidates "
+        "of each shape on first use, in the warm-up for the default size)",
+    )
+    p.add_argument(
         "--vae-graph-slots",
         type=int,
         default=0,
@@ -160,6 +167,7 @@ def _gateway_options(args: argparse.Namespace):
         vae_dtype=args.vae_dtype,
         vae_compile=args.vae_compile,
         vae_cuda_graphs=args.vae_cuda_graphs,
+        vae_cudnn_benchmark=args.vae_cudnn_benchmark,
         vae_graph_slots=args.vae_graph_slots,
         buffer_chunks=args.buffer_chunks,
         buffer_messages=args.buffer_messages,
@@ -205,6 +213,12 @@ def add_vae_stage_parser(sub) -> None:
         "captured before serving and checked bit for bit against eager (default: eager)",
     )
     p.add_argument("--graph-slots", type=int, default=8, help="streams that can hold a graph slot at once")
+    p.add_argument(
+        "--no-cudnn-benchmark",
+        dest="cudnn_benchmark",
+        action="store_false",
+        help="keep cuDNN's default convolution algorithms on a GPU (default: timed per shape on first use)",
+    )
     add_security_flags(p, metrics=False)
     p.set_defaults(run=vae_stage_main)
 
@@ -241,6 +255,7 @@ def _vae_options(args: argparse.Namespace, mtls):
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         graph_slots=args.graph_slots,
+        cudnn_benchmark=args.cudnn_benchmark,
         mtls=mtls,
         health_port=args.health_port,
     )

@@ -56,7 +56,7 @@ from gateway.config import (
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
-from gateway.stream_vae import StreamVAE, StreamVAEEncoder
+from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
 from gateway.vae_cost import VaeCost, VaeReporter, measure_vae
@@ -125,8 +125,11 @@ class GatewayOptions:
     # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
     vae_cuda_graphs: bool = False
     vae_graph_slots: int = 0
+    # cuDNN picks each VAE convolution's algorithm by timing (gateway.stream_vae.use_cudnn_autotune; GPU only).
+    vae_cudnn_benchmark: bool = True
     # Decode a few chunks at the default size before serving, so that every compiled variant is built (dynamo is not
-    # thread-safe and a compile on the serving path freezes streams for seconds).  None: when ``vae_compile``.
+    # thread-safe and a compile on the serving path freezes streams for seconds, and cuDNN's algorithm search runs
+    # now).  None: when ``vae_compile`` or the cuDNN search is on for a VAE on a GPU.
     warmup: bool | None = None
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
@@ -177,7 +180,9 @@ class Gateway:
             self.decoder = RemoteDecoder(
                 opts.vae_stage, drain_timeout=opts.drain_timeout, timers=self.timers, mtls=opts.mtls
             )
+            autotuned = False
         else:
+            autotuned = opts.vae_cudnn_benchmark and use_cudnn_autotune(opts.vae_devices or [opts.device])
             self.decoder = LocalDecoder.from_folder(
                 root / "vae",
                 dtype=DTYPES[opts.vae_dtype],
@@ -188,7 +193,7 @@ class Gateway:
         self._encoder_lock = threading.Lock()
         self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
-        if opts.warmup if opts.warmup is not None else opts.vae_compile:
+        if opts.warmup if opts.warmup is not None else opts.vae_compile or autotuned:
             self.warmup_s = self._warm_up()
         if opts.vae_cuda_graphs:
             # After the compile warm-up (a graph of a compiled part records the compiled kernels), before serving.

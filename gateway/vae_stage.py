@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
+from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames, use_cudnn_autotune
 from gateway.vae_graphs import capture_graphs, default_capture
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
@@ -56,12 +56,15 @@ class VAEStageOptions:
     # (gateway.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
     cuda_graphs: tuple[int, int] | None = None
     graph_slots: int = 8
+    cudnn_benchmark: bool = True  # cuDNN times each convolution's candidates on first use (GPU only)
 
 
 class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):
     def __init__(self, opts: VAEStageOptions):
         folder = Path(opts.checkpoint)
         folder = folder / "vae" if (folder / "vae").is_dir() else folder
+        if opts.cudnn_benchmark:
+            use_cudnn_autotune([opts.device])
         vae = StreamVAE.from_folder(folder, dtype=DTYPES[opts.dtype], device=opts.device).vae
         edges = decoder_cut(vae, opts.num_slices)
         if not 0 <= opts.index < opts.num_slices:

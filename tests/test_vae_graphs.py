@@ -307,3 +307,33 @@ def test_the_gateway_captures_its_slots_before_serving_and_refuses_bad_slot_coun
         gateway.stop(grace=0)  # never started: stops its timers, channel and metrics
     with pytest.raises(ValueError, match="--vae-graph-slots must be in"):
         Gateway(GatewayOptions(**opts, vae_cuda_graphs=True, vae_graph_slots=-1))
+
+
+@pytest.fixture
+def cudnn_benchmark_flag():
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    yield
+    torch.backends.cudnn.benchmark = before
+
+
+def test_cudnn_autotune_is_turned_on_only_for_a_vae_on_a_gpu(cudnn_benchmark_flag):
+    from gateway.stream_vae import use_cudnn_autotune
+
+    assert use_cudnn_autotune(["cpu", "cpu"]) is False
+    assert torch.backends.cudnn.benchmark is False  # CPU outputs, and so the parity tests, never see it
+    assert use_cudnn_autotune(["cpu", "cuda:1"]) is True  # one VAE slice on a GPU is enough
+    assert torch.backends.cudnn.benchmark is True
+
+
+def test_the_gateway_and_vae_stage_flags_switch_the_cudnn_search(cudnn_benchmark_flag):
+    from gateway.cli import _gateway_options, _vae_options
+    from launcher.cli import build_parser
+
+    parser = build_parser()
+    base = ["gateway", "--coordinator", "127.0.0.1:1", "--checkpoint", "x", "--insecure-internal"]
+    assert _gateway_options(parser.parse_args(base)).vae_cudnn_benchmark is True
+    assert _gateway_options(parser.parse_args([*base, "--no-vae-cudnn-benchmark"])).vae_cudnn_benchmark is False
+    stage = ["vae-stage", "--checkpoint", "x", "--index", "0", "--num-slices", "1", "--insecure-internal"]
+    assert _vae_options(parser.parse_args(stage), None).cudnn_benchmark is True
+    assert _vae_options(parser.parse_args([*stage, "--no-cudnn-benchmark"]), None).cudnn_benchmark is False
