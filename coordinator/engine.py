@@ -96,6 +96,8 @@ class StreamSession:
     acknowledges: bool = False
     consumer_depth: int = 0  # chunks the consumer holds between receiving and acknowledging (its VAE depth)
     chunk_rate: float = 0.0  # pacing: real-time chunks per second; 0: unpaced
+    # pacing: how much sooner than c / chunk_rate chunk c >= 1 is due (the first chunk holds fewer video frames)
+    pace_offset_s: float = 0.0
     ladders: dict[int, tuple[float, ...]] = field(default_factory=dict)  # steps -> ladder (SLO controller)
     latency_first: bool = False
     steps: int = 0  # what its next chunk runs
@@ -289,12 +291,18 @@ class PipelineEngine(Generations):
         consumer_depth: int = 0,
         image: torch.Tensor | None = None,
         chunk_rate: float = 0.0,
+        pace_offset_s: float = 0.0,
         ladders: list[tuple[float, ...]] | None = None,
         latency_first: bool = False,
         negative_text: torch.Tensor | None = None,
     ) -> StreamSession:
         if not (chunk_rate == 0 or 0 < chunk_rate <= MAX_CHUNK_RATE):  # also catches NaN
             raise ValueError(f"chunk_rate must be 0 (unpaced) or in (0, {MAX_CHUNK_RATE}] chunks/s, got {chunk_rate}")
+        if pace_offset_s != 0 and not (chunk_rate > 0 and 0 < pace_offset_s < 1 / chunk_rate):  # NaN too
+            raise ValueError(
+                f"pace_offset_s must be 0, or in (0, 1 / chunk_rate) for a paced stream; got {pace_offset_s} "
+                f"with chunk_rate {chunk_rate}"
+            )
         by_steps = _ladders(spec, ladders)
         cfg = self.model_config()
         with self.cond:
@@ -337,6 +345,7 @@ class PipelineEngine(Generations):
                 consumer_depth=consumer_depth,
                 image=image,
                 chunk_rate=chunk_rate,
+                pace_offset_s=pace_offset_s,
                 ladders=by_steps,
                 latency_first=latency_first,
                 steps=spec.steps,
@@ -726,11 +735,19 @@ class PipelineEngine(Generations):
 
     def paced_credit(self, session: StreamSession, now: float) -> int | None:
         """Chunks a paced stream may have started by ``now``: chunk c starts no earlier than its real-time slot
-        ``paced_since + c / chunk_rate`` less the playout buffer.  None for an unpaced stream."""
+        (``_pace_slot``) less the playout buffer.  None for an unpaced stream."""
         if session.chunk_rate <= 0 or session.paced_since is None:
             return None
-        slots = (now + PACE_EARLY_S - session.paced_since + self.playout_s) * session.chunk_rate
+        slots = (now + PACE_EARLY_S - session.paced_since + self.playout_s + session.pace_offset_s) * session.chunk_rate
         return max(0, math.floor(slots + 1e-9)) + 1  # 1e-9: a slot reached exactly is not lost to rounding
+
+    @staticmethod
+    def _pace_slot(session: StreamSession, chunk: int) -> float:
+        """When a paced stream's chunk is due at its viewer, on the coordinator's clock: ``paced_since + c /
+        chunk_rate``, less ``pace_offset_s`` for every chunk after the first, whose frames come sooner because the
+        first chunk holds fewer (Wan's first latent frame decodes to one video frame, each later one to four)."""
+        offset = session.pace_offset_s if chunk > 0 else 0.0
+        return session.paced_since + chunk / session.chunk_rate - offset
 
     def _credit(self, session: StreamSession) -> int:
         credit = session.delivered + self.lead_bound(session)
@@ -753,7 +770,7 @@ class PipelineEngine(Generations):
                 continue  # held by its consumer
             if st.spec.num_chunks is not None and started >= st.spec.num_chunks:
                 continue
-            due = session.paced_since + started / session.chunk_rate - self.playout_s
+            due = self._pace_slot(session, started) - self.playout_s
             soonest = due if soonest is None else min(soonest, due)
         return None if soonest is None else max(0.0, soonest - now)
 

@@ -150,6 +150,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 consumer_depth=request.consumer_depth,
                 image=image,
                 chunk_rate=request.chunk_rate,
+                pace_offset_s=request.pace_offset_s,
                 ladders=[tuple(ladder.timesteps) for ladder in request.ladders],
                 latency_first=request.latency_first,
                 negative_text=negative,

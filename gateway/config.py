@@ -130,6 +130,13 @@ class EffectiveConfig:
             return 0.0
         return self.fps / (self.temporal_factor * self.chunk_frames)
 
+    @property
+    def pace_offset_s(self) -> float:
+        """Pacing: how much sooner than ``c / chunk_rate`` chunk c >= 1 is due at the viewer. The first chunk decodes
+        to ``temporal_factor - 1`` fewer video frames than the others (its first latent frame gives one frame), so
+        every later chunk's frames are due that many frame periods sooner; 0 for an unpaced stream."""
+        return (self.temporal_factor - 1) / self.fps if self.chunk_rate > 0 else 0.0
+
     def stream_spec(self, *, latent_channels: int, text_len: int) -> StreamSpec:
         return StreamSpec(
             stream_id=0,  # the coordinator assigns it

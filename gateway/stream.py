@@ -165,6 +165,7 @@ class StreamRun:
             acknowledges=True,
             consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
             chunk_rate=self.cfg.chunk_rate,
+            pace_offset_s=self.cfg.pace_offset_s,
             ladders=[ipb.Ladder(timesteps=ladder) for ladder in self.cfg.ladders],
             latency_first=self.cfg.steps_preference == "latency_first",
         )

@@ -40,10 +40,10 @@ def spec(**kw) -> StreamSpec:
     )
 
 
-def open_stream(eng: PipelineEngine, rate: float, depth: int = 64):
+def open_stream(eng: PipelineEngine, rate: float, depth: int = 64, offset: float = 0.0):
     text = torch.zeros(1, 8, MODEL["text_dim"])
     # acknowledges with a large consumer depth: the delivery credit does not bind, the pace does.
-    return eng.open(spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate)
+    return eng.open(spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate, pace_offset_s=offset)
 
 
 def run_ticks(eng: PipelineEngine, n: int) -> None:
@@ -131,3 +131,46 @@ def test_when_the_loop_ticks_for_a_paced_chunk_the_credit_lets_it_start(rate):
         due = s.paced_since + started / rate - 0.5
         clock.t = due - PACE_EARLY_S  # the earliest moment the loop ticks for chunk `started`
         assert eng.paced_credit(s, clock()) >= started + 1, (rate, started)
+
+
+def test_chunks_after_the_first_are_paced_sooner_by_the_offset():
+    # 16 fps, 4 frames per chunk, but the first chunk has one frame: chunk c >= 1 holds frames 4c-3..4c, due at
+    # (4c - 3) / 16 s, 3/16 s before the even spacing c / 4 says. Paced by frames, it starts 3/16 s sooner.
+    clock = Clock()
+    eng = engine(clock, playout_s=0.0)
+    s = open_stream(eng, rate=4.0, offset=3 / 16)
+    run_ticks(eng, 20)
+    assert eng.sched.started_chunks[s.id] == 1  # chunk 1 is due 1/16 s after chunk 0
+    assert eng._pace_timeout() == pytest.approx(1 / 16, abs=1e-3)
+    for c in range(1, 40):
+        due = s.paced_since + (4 * c - 3) / 16  # chunk c's first frame
+        clock.t = due - 0.01
+        run_ticks(eng, 5)
+        assert eng.sched.started_chunks[s.id] == c, c  # not before its first frame's slot
+        clock.t = due
+        run_ticks(eng, 5)
+        assert eng.sched.started_chunks[s.id] == c + 1, c
+
+
+@pytest.mark.parametrize("rate, offset", [(4.0, 0.25), (4.0, -0.01), (4.0, float("nan")), (0.0, 0.1)])
+def test_a_pace_offset_out_of_range_is_refused_naming_it(rate, offset):
+    eng = engine(Clock())
+    with pytest.raises(ValueError, match="pace_offset_s"):
+        open_stream(eng, rate, offset=offset)
+
+
+def test_the_gateway_paces_by_the_frames_each_chunk_holds():
+    from gateway.config import EffectiveConfig
+
+    base = dict(
+        prompt="p", width=64, height=64, chunk_frames=1, steps=1, seed=0, guidance_scale=1.0, codec="jpeg", fps=16.0,
+        seconds=None, policy="per_level", window=None, sink=0, quality=80, latent_width=8, latent_height=8,
+        total_frames=None, num_chunks=None,
+    )  # fmt: skip
+    paced = EffectiveConfig(**base)
+    assert paced.chunk_rate == pytest.approx(4.0)
+    assert paced.pace_offset_s == pytest.approx(3 / 16)  # the first chunk is 1 frame, the others 4
+    two = EffectiveConfig(**{**base, "chunk_frames": 2})  # 5 frames, then 8
+    assert two.chunk_rate == pytest.approx(2.0) and two.pace_offset_s == pytest.approx(3 / 16)
+    assert EffectiveConfig(**{**base, "pace": False}).pace_offset_s == 0.0
+    assert EffectiveConfig(**{**base, "strength": 1000.0}).pace_offset_s == 0.0  # video-to-video: its input paces it

@@ -359,7 +359,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first")
+    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first", "pace_offset_s")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class OpenStreamRequest(_message.Message):
     CHUNK_RATE_FIELD_NUMBER: _ClassVar[int]
     LADDERS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIRST_FIELD_NUMBER: _ClassVar[int]
+    PACE_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     image: Tensor
@@ -380,7 +381,8 @@ class OpenStreamRequest(_message.Message):
     chunk_rate: float
     ladders: _containers.RepeatedCompositeFieldContainer[Ladder]
     latency_first: bool
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ...) -> None: ...
+    pace_offset_s: float
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ..., pace_offset_s: _Optional[float] = ...) -> None: ...
 
 class Ladder(_message.Message):
     __slots__ = ("timesteps",)
