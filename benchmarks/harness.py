@@ -472,8 +472,8 @@ def start_system(launcher, root: Path, args, device_kind: str):
         gw_args.append("--vae-compile")
     if getattr(args, "vae_cuda_graphs", False):  # the other benchmarks that start a cluster here lack the flag
         gw_args.append("--vae-cuda-graphs")
-    if not getattr(args, "vae_cudnn_benchmark", True):
-        gw_args.append("--no-vae-cudnn-benchmark")
+    if getattr(args, "vae_cudnn_benchmark", False):
+        gw_args.append("--vae-cudnn-benchmark")
     gw_args += ["--vae-devices", ",".join(vae_devices)]
     if vae_split:
         gw_args += ["--vae-split", vae_split]
@@ -957,10 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
     ap.add_argument("--vae-cuda-graphs", action="store_true", help="the gateway's VAE frames as CUDA graph replays")
     ap.add_argument(
-        "--no-vae-cudnn-benchmark",
-        dest="vae_cudnn_benchmark",
-        action="store_false",
-        help="the gateway's VAE with cuDNN's default convolution algorithms (default: timed per shape)",
+        "--vae-cudnn-benchmark",
+        action="store_true",
+        help="the gateway's VAE with cuDNN's algorithm search (gateway --vae-cudnn-benchmark)",
     )
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
     ap.add_argument(

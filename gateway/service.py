@@ -126,7 +126,7 @@ class GatewayOptions:
     vae_cuda_graphs: bool = False
     vae_graph_slots: int = 0
     # cuDNN picks each VAE convolution's algorithm by timing (gateway.stream_vae.use_cudnn_autotune; GPU only).
-    vae_cudnn_benchmark: bool = True
+    vae_cudnn_benchmark: bool = False
     # Decode a few chunks at the default size before serving, so that every compiled variant is built (dynamo is not
     # thread-safe and a compile on the serving path freezes streams for seconds, and cuDNN's algorithm search runs
     # now).  None: when ``vae_compile`` or the cuDNN search is on for a VAE on a GPU.

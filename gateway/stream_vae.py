@@ -62,10 +62,12 @@ def use_cudnn_autotune(devices) -> bool:
     """Let cuDNN pick each VAE convolution's algorithm by timing the candidates on its first use of a shape
     (``torch.backends.cudnn.benchmark``, process-wide) when any of ``devices`` is a GPU; returns whether it did.
 
-    Measured on an H200 (``benchmarks/vae_graphs_check.py --cudnn-benchmark both``): the compiled Wan2.1 decoder at
-    480x832 went from 60.4 to 53.8 ms per chunk; the Wan2.2 one at 704x1280 was unchanged.  The search runs during the
-    gateway's warm-up for the default size, and on a stream's first chunk for any other size.  CPUs are unaffected,
-    so CPU outputs (and the parity tests) do not change."""
+    Opt-in (gateway ``--vae-cudnn-benchmark``).  Measured on an H200: the compiled Wan2.1 decoder at 480x832 went from
+    60.4 to 53.8 ms per chunk (``benchmarks/vae_graphs_check.py --cudnn-benchmark both``; the Wan2.2 one at 704x1280
+    was unchanged) and 1.3B at 1 step on one GPU from 40.3 to 44.4 steady FPS; but cuDNN searched again for every
+    new stream's first, eager VAE frame, whose VAE share of TTFF went from 77 to 588 ms, the first gap of every
+    stream to ~750 ms, and paced load rows fell from 98% to under 50% of frames on time (BENCHMARKS.md, issue 15's
+    levers).  CPUs are unaffected, so CPU outputs (and the parity tests) do not change."""
     if not any(torch.device(d).type == "cuda" for d in devices):
         return False
     torch.backends.cudnn.benchmark = True

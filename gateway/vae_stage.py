@@ -56,7 +56,7 @@ class VAEStageOptions:
     # (gateway.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
     cuda_graphs: tuple[int, int] | None = None
     graph_slots: int = 8
-    cudnn_benchmark: bool = True  # cuDNN times each convolution's candidates on first use (GPU only)
+    cudnn_benchmark: bool = False  # cuDNN times each convolution's candidates on first use (GPU only)
 
 
 class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):

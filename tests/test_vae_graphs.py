@@ -332,8 +332,8 @@ def test_the_gateway_and_vae_stage_flags_switch_the_cudnn_search(cudnn_benchmark
 
     parser = build_parser()
     base = ["gateway", "--coordinator", "127.0.0.1:1", "--checkpoint", "x", "--insecure-internal"]
-    assert _gateway_options(parser.parse_args(base)).vae_cudnn_benchmark is True
-    assert _gateway_options(parser.parse_args([*base, "--no-vae-cudnn-benchmark"])).vae_cudnn_benchmark is False
+    assert _gateway_options(parser.parse_args(base)).vae_cudnn_benchmark is False  # off: it slows first frames
+    assert _gateway_options(parser.parse_args([*base, "--vae-cudnn-benchmark"])).vae_cudnn_benchmark is True
     stage = ["vae-stage", "--checkpoint", "x", "--index", "0", "--num-slices", "1", "--insecure-internal"]
-    assert _vae_options(parser.parse_args(stage), None).cudnn_benchmark is True
-    assert _vae_options(parser.parse_args([*stage, "--no-cudnn-benchmark"]), None).cudnn_benchmark is False
+    assert _vae_options(parser.parse_args(stage), None).cudnn_benchmark is False
+    assert _vae_options(parser.parse_args([*stage, "--cudnn-benchmark"]), None).cudnn_benchmark is True
