@@ -253,6 +253,9 @@ def frame_stats(arrivals: list[float], target_fps: float, middle: tuple[float, f
     """Steady FPS over the middle of the frames, whole-stream FPS, and punctuality at ``target_fps``.
 
     Frame i is due at arrivals[0] + i / target_fps; a gap is the time between two consecutive frames' arrivals.
+    ``late_first_s`` counts the late frames due in the stream's first second and ``late_after_first_s`` the rest: a
+    stream whose only late frames are its first few (chunk 1 arriving less than one frame after chunk 0) is told
+    apart from one that falls behind while it runs.
     """
     n = len(arrivals)
     out = {"frames": n, "first_s": arrivals[0] if n else None, "last_s": arrivals[-1] if n else None}
@@ -269,6 +272,8 @@ def frame_stats(arrivals: list[float], target_fps: float, middle: tuple[float, f
         "whole_fps": (n - 1) / (arrivals[-1] - arrivals[0]),
         "target_fps": target_fps,
         "on_time": sum(x <= 1e-9 for x in late) / n,
+        "late_first_s": sum(x > 1e-9 for i, x in enumerate(late) if i < target_fps),
+        "late_after_first_s": sum(x > 1e-9 for i, x in enumerate(late) if i >= target_fps),
         "max_late_ms": max(late) * 1e3,
         "max_gap_ms": max(gaps),
         "p99_gap_ms": percentile(gaps, 0.99),

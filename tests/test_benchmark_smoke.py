@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.report import BEGIN, END
 
 
@@ -148,3 +150,18 @@ def test_guidance_rows_count_both_branches_and_the_cfg_table_compares_the_topolo
     assert "### Classifier-free guidance: sequential CFG against CFG-parallel" in text
     assert "| 1.3B @ 832×480, 1 step, guidance 5, sequential CFG on PP=2 | 2 | **20.0** | 500 | 1.00 / 2.00 |" in text
     assert "| 1.3B @ 832×480, 1 step, guidance 5, CFG-parallel 2 × PP=1 | 2 | **20.0** |" in text
+
+
+def test_frame_stats_tells_late_frames_at_the_start_from_late_frames_later():
+    from benchmarks.harness import frame_stats
+
+    fps = 16.0
+    on_time = [i / fps for i in range(64)]  # 4 s, every frame exactly on its due time
+    assert frame_stats(on_time, fps)["on_time"] == 1.0
+    start = [0.0] + [t + 0.1 for t in on_time[1:4]] + on_time[4:]  # frames 1-3 late by 100 ms
+    later = on_time[:40] + [t + 0.2 for t in on_time[40:44]] + on_time[44:]  # frames 40-43 late by 200 ms
+    s, lt = frame_stats(start, fps), frame_stats(later, fps)
+    assert (s["late_first_s"], s["late_after_first_s"]) == (3, 0)
+    assert (lt["late_first_s"], lt["late_after_first_s"]) == (0, 4)
+    assert s["on_time"] == 61 / 64 and lt["on_time"] == 60 / 64
+    assert lt["max_late_ms"] == pytest.approx(200.0)
