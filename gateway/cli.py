@@ -58,6 +58,14 @@ def add_parser(sub) -> None:
         default=0,
         help="streams that can hold a VAE graph slot at once; each holds one stream's VAE cache (0: --max-streams)",
     )
+    p.add_argument(
+        "--pipeline-warmup-s",
+        type=float,
+        default=None,
+        help="before serving, run one stream of the serving defaults through the pipeline so that the stages capture "
+        "the CUDA graphs a first stream needs; the most seconds it may take, waiting for the pipeline included "
+        "(0: off; default: 120 on a GPU, off on a CPU)",
+    )
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
     p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
     p.add_argument(
@@ -167,6 +175,7 @@ def _gateway_options(args: argparse.Namespace):
         vae_compile=args.vae_compile,
         vae_cuda_graphs=args.vae_cuda_graphs,
         vae_cudnn_benchmark=args.vae_cudnn_benchmark,
+        pipeline_warmup_s=args.pipeline_warmup_s,
         vae_graph_slots=args.vae_graph_slots,
         buffer_chunks=args.buffer_chunks,
         buffer_messages=args.buffer_messages,

@@ -55,6 +55,9 @@ from gateway.config import (
 )
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline_warmup import DEFAULT_WAIT_S as PIPELINE_WARMUP_S
+from gateway.pipeline_warmup import MAX_WAIT_S as MAX_PIPELINE_WARMUP_S
+from gateway.pipeline_warmup import warm_pipeline
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
@@ -131,6 +134,10 @@ class GatewayOptions:
     # thread-safe and a compile on the serving path freezes streams for seconds, and cuDNN's algorithm search runs
     # now).  None: when ``vae_compile`` or the cuDNN search is on for a VAE on a GPU.
     warmup: bool | None = None
+    # Before serving, one stream of the serving defaults through the pipeline (gateway.pipeline_warmup), so that the
+    # stages capture the CUDA graphs a first stream needs: the most seconds it may take, waiting for the pipeline to
+    # be ready included (0: off).  None: 120 on a GPU, off on a CPU.
+    pipeline_warmup_s: float | None = None
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
     vae_split: list[int] | None = None  # decoder units where slices 1.. start (None: balanced by MACs)
@@ -209,6 +216,12 @@ class Gateway:
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
         # The measured VAE cost goes to the coordinator's SLO model (unless its operator fixed one).
         self.vae_reporter = VaeReporter(self.coordinator, self.vae_cost) if self.vae_cost is not None else None
+        wait_s = opts.pipeline_warmup_s
+        if wait_s is None:
+            wait_s = PIPELINE_WARMUP_S if torch.device(opts.device).type == "cuda" else 0.0
+        if not 0 <= wait_s <= MAX_PIPELINE_WARMUP_S:
+            raise ValueError(f"--pipeline-warmup-s must be in [0, {MAX_PIPELINE_WARMUP_S:g}], got {wait_s}")
+        self.pipeline_warmup_chunks = self._warm_pipeline(wait_s) if wait_s > 0 else 0
 
         self.cond = threading.Condition()
         self.streams: dict[str, StreamRun] = {}
@@ -283,6 +296,20 @@ class Gateway:
         if opts.health_port is not None:
             self.health_server, health_port = make_health_server(self.health, opts.health_port, host=opts.host)
             self.health_address = f"{host}:{health_port}"
+
+    def _warm_pipeline(self, wait_s: float) -> int:
+        """One stream of the serving defaults through the pipeline before serving (``gateway.pipeline_warmup``): what
+        a request that sets nothing gets, unpaced, its latents dropped.  Returns the chunks it ran (0: skipped)."""
+        cfg = resolve_config(pb.StreamConfig(prompt="warm-up"), defaults=self.defaults, model=self.model)
+        spec = cfg.stream_spec(latent_channels=self.model.latent_channels, text_len=self.text_len)
+        text = self.encoder.encode("warm-up")
+        return warm_pipeline(
+            self.coordinator,
+            spec=spec,
+            text=text,
+            consumer_depth=self.decoder.depth(self.opts.buffer_chunks),
+            wait_s=wait_s,
+        )
 
     def _warm_up(self, chunks: int = 4, sessions: int = 3) -> float:
         """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through ``sessions`` decode

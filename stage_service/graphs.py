@@ -145,14 +145,28 @@ class GraphedBlocks:
             for t in (s.k_in, s.v_in, s.k_out, s.v_out, s.text_k, s.text_v)
         )
 
-    def run(self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> torch.Tensor:
+    def run(
+        self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, *, inline: bool = False
+    ) -> torch.Tensor:
+        """The blocks' forward, replayed from this batch signature's graph.  A signature without one is captured in
+        line first, or with ``background`` runs eagerly while a worker captures it; ``inline`` captures in line even
+        then (a warm-up stream's batch: nothing waits on it), after any background capture of it already started."""
         if ctx.self_mask is not None or self.failure is not None:
             self.eager_batches += 1
             return self.slice.run_blocks(hidden, cond, ctx)
         sig = self.signature(hidden, cond, ctx)
         graph = self.graphs.get(sig)
-        if graph is None and self.background:
+        if graph is None and self.background and not inline:
             return self._eager_while_capturing(sig, hidden, cond, ctx)
+        if graph is None and inline:
+            with self._lock:
+                pending = self.pending.get(sig)
+            if pending is not None:  # already being captured in the background: wait for it rather than twice
+                pending.exception()
+                graph = self.graphs.get(sig)
+                if graph is None:  # that capture failed: the signature stays eager, as for any other batch
+                    self.eager_batches += 1
+                    return self.slice.run_blocks(hidden, cond, ctx)
         if graph is None:
             if len(self.graphs) >= self.max_graphs:
                 if self.eager_batches == 0:
@@ -161,7 +175,8 @@ class GraphedBlocks:
                 return self.slice.run_blocks(hidden, cond, ctx)
             slots, grew = self._ensure_slots(hidden, ctx)
             if grew:
-                self.graphs.clear()  # buffers were reallocated: the captured graphs point at the old ones
+                with self._lock:
+                    self.graphs.clear()  # buffers were reallocated: the captured graphs point at the old ones
             try:
                 graph = self._capture(sig, hidden, cond, ctx, slots)
             except Exception as exc:  # a kernel that cannot be captured: keep serving, eagerly
@@ -170,7 +185,8 @@ class GraphedBlocks:
                 logger.exception("CUDA graph capture failed; this stage runs eagerly from now on")
                 self.eager_batches += 1
                 return self.slice.run_blocks(hidden, cond, ctx)
-            self.graphs[sig] = graph
+            with self._lock:
+                self.graphs[sig] = graph
         self._copy_inputs(graph, hidden, cond, ctx)
         graph.replay()
         self._hand_over_writes(graph, ctx)
@@ -178,11 +194,7 @@ class GraphedBlocks:
 
     def warm(self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> bool:
         """Capture this batch's signature now, in line (before the stage serves); True if a graph holds it."""
-        background, self.background = self.background, False
-        try:
-            self.run(hidden, cond, ctx)
-        finally:
-            self.background = background
+        self.run(hidden, cond, ctx, inline=True)
         return self.signature(hidden, cond, ctx) in self.graphs
 
     def wait_captures(self, timeout: float | None = None) -> None:

@@ -373,7 +373,11 @@ class SliceRunner:
             self_kv=list(views),
             sp=self.sp,
         )
-        hidden = (self.graphs.run if self.graphs is not None else sl.run_blocks)(hidden, block_cond, ctx)
+        if self.graphs is not None:
+            # A batch of warm-up streams only (the gateway's, before it serves) captures its graph in line.
+            hidden = self.graphs.run(hidden, block_cond, ctx, inline=all(spec.warmup for spec in specs))
+        else:
+            hidden = sl.run_blocks(hidden, block_cond, ctx)
         for s, (_, b), view in zip(streams, rows, views):
             s.kv[b].commit(view)
         for s, spec, (st, _) in zip(streams, specs, rows):

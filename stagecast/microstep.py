@@ -70,6 +70,8 @@ class StreamSpec:
     # Classifier-free guidance, float32: 1.0 is none.  Above 1 every level runs a conditional branch (the
     # prompt) and an unconditional one (the negative prompt), combined as u + g * (c - u) before the sampler step.
     guidance_scale: float = 1.0
+    # A warm-up stream (the gateway's, before it serves): its batches capture their CUDA graphs in line.
+    warmup: bool = False
 
     def __post_init__(self):
         errors = []

@@ -72,6 +72,7 @@ def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
         input_latents=spec.input_latents,
         image_latents=spec.image_latents,
         guidance_scale=spec.guidance_scale,
+        warmup=spec.warmup,
     )
 
 
@@ -96,6 +97,7 @@ def spec_from_proto(msg: pb.StreamSpec) -> StreamSpec:
         input_latents=msg.input_latents,
         image_latents=msg.image_latents,
         guidance_scale=float(msg.guidance_scale) if msg.guidance_scale else 1.0,
+        warmup=msg.warmup,
     )
 
 

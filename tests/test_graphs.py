@@ -257,3 +257,57 @@ def test_graphed_blocks_equal_eager_for_guided_streams(tiny_model, policy):
         for a, b in zip(eager.chunks[s.stream_id], graphed.chunks[s.stream_id], strict=True):
             assert torch.equal(a, b)
     assert graphs.captures > 0 and graphs.eager_batches == 0
+
+
+def test_a_warm_up_streams_batches_capture_in_line_and_the_next_stream_replays_only(tiny_model):
+    # The gateway's warm-up stream (spec.warmup) before it serves: its batches wait for their captures, on the
+    # executor's thread, so the first real stream of the same defaults finds every graph it needs.
+    threads = []
+
+    def capture(fn):
+        threads.append(threading.current_thread().name)
+        return rerun_capture(fn)
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=capture, background=True)
+    graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
+    graphed_ref.runner.graphs = graphs
+
+    warm = requests([spec(1, num_chunks=8, window=3, sink=1, warmup=True)], arrivals=[0])
+    got = graphed_ref.generate(warm, num_stages=2, max_batch=2).chunks[1]
+    want = eager_ref.generate(warm, num_stages=2, max_batch=2).chunks[1]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))  # captured in line, still exact
+    assert graphs.captures > 0 and graphs.background_captures == 0 and not graphs.pending
+    assert graphs.eager_batches == 0  # no batch of the warm-up ran eagerly: each waited for its graph
+    assert threads and not any(name.startswith("graph-capture") for name in threads)
+
+    captured = graphs.captures
+    real = requests([spec(2, num_chunks=8, window=3, sink=1)], arrivals=[0])
+    got = graphed_ref.generate(real, num_stages=2, max_batch=2).chunks[2]
+    want = eager_ref.generate(real, num_stages=2, max_batch=2).chunks[2]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert graphs.captures == captured and graphs.eager_batches == 0 and not graphs.pending  # replays only
+
+
+def test_a_batch_mixing_a_warm_up_stream_with_another_still_captures_in_the_background(tiny_model):
+    gate = threading.Event()
+
+    def slow_capture(fn):
+        assert gate.wait(TIMEOUT), "the gate never opened"
+        return rerun_capture(fn)
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=slow_capture, background=True)
+    ref = ReferenceExecutor(full)
+    ref.runner.graphs = graphs
+    # Both streams arrive together and every batch holds both: the real one is never held by a capture.
+    both = requests([spec(1, num_chunks=4, warmup=True), spec(2, num_chunks=4)], arrivals=[0, 0])
+    worker = threading.Thread(target=lambda: ref.generate(both, num_stages=1, max_batch=2))
+    worker.start()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive(), "a mixed batch waited for its capture"
+    assert graphs.pending and graphs.eager_batches > 0
+    gate.set()
+    graphs.wait_captures(TIMEOUT)

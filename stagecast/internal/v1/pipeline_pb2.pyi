@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents", "image_latents", "guidance_scale")
+    __slots__ = ("stream_id", "latent_channels", "chunk_frames", "latent_height", "latent_width", "timesteps", "shift", "seed", "policy", "window", "sink", "reset_frames", "sampler", "num_chunks", "text_len", "input_latents", "image_latents", "guidance_scale", "warmup")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LATENT_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class StreamSpec(_message.Message):
     INPUT_LATENTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_LATENTS_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     latent_channels: int
     chunk_frames: int
@@ -54,7 +55,8 @@ class StreamSpec(_message.Message):
     input_latents: bool
     image_latents: bool
     guidance_scale: float
-    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ..., image_latents: _Optional[bool] = ..., guidance_scale: _Optional[float] = ...) -> None: ...
+    warmup: bool
+    def __init__(self, stream_id: _Optional[int] = ..., latent_channels: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., seed: _Optional[int] = ..., policy: _Optional[str] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., reset_frames: _Optional[int] = ..., sampler: _Optional[str] = ..., num_chunks: _Optional[int] = ..., text_len: _Optional[int] = ..., input_latents: _Optional[bool] = ..., image_latents: _Optional[bool] = ..., guidance_scale: _Optional[float] = ..., warmup: _Optional[bool] = ...) -> None: ...
 
 class MicroStep(_message.Message):
     __slots__ = ("stream", "chunk", "level")
