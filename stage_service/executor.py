@@ -86,7 +86,8 @@ class StageExecutor:
         # while some are in flight (a cancel) still has them received, and dropped, to keep the pair in order.
         self._owed: deque[tuple[MicroStep, tuple[int, ...]]] = deque()
         # CUDA event pairs of batches whose GPU time has not been read yet (read when done, never synced).
-        self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        # (micro-steps, start, end, counted): a batch that captured its CUDA graph in line is not counted
+        self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, bool]] = deque()
         self._cuda = runner.slice.device.type == "cuda"
         self._thread = threading.Thread(target=self._loop, name="stage-executor", daemon=True)
         sl = runner.slice
@@ -242,14 +243,18 @@ class StageExecutor:
             inputs = tp.recv_hidden((len(rows), tokens // sp, runner.slice.inner_dim), runner.slice.dtype)
         t_recv = time.time_ns()
         start = time.perf_counter()
+        captures_before = runner.graphs.inline_captures if runner.graphs is not None else 0
         if self._cuda:
             ev_start = torch.cuda.Event(enable_timing=True)
             ev_start.record()
         out = runner.forward(steps, inputs)
+        # A forward that captured its graph in line (a warm-up stream's) took the capture's time, seconds at worst:
+        # it is not reported, or the SLO model would take it for what a batch of this size costs.
+        counted = runner.graphs is None or runner.graphs.inline_captures == captures_before
         if self._cuda:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
-            self._timings.append((len(rows), ev_start, ev_end))
+            self._timings.append((len(rows), ev_start, ev_end, counted))
         if not self.last:
             t_compute = time.time_ns()
             assert tp is not None
@@ -286,10 +291,14 @@ class StageExecutor:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
         forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(rows), 1
         forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
+        if not counted:
+            forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
         if self._cuda:
             forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
             while self._timings and self._timings[0][2].query():
-                n, a, b = self._timings.popleft()
+                n, a, b, timed = self._timings.popleft()
+                if not timed:
+                    continue
                 forward_samples.append(a.elapsed_time(b))
                 forward_ms += forward_samples[-1]
                 micro_steps += n

@@ -121,6 +121,8 @@ class GraphedBlocks:
         # batches of two resolutions can alternate without reallocating (and re-capturing) every time.
         self.pools: dict[tuple[int, int], list[_Slot]] = {}
         self.captures = 0  # graphs captured so far (a new signature, or after the buffers grew)
+        # Of those, captured in line (the batch waited for it): its forward time is the capture's, not serving's.
+        self.inline_captures = 0
         self.eager_batches = 0  # batches that could not use a graph (oracle masks, the graph limit, a failure)
         self.failure: str | None = None  # why capturing failed, after which every batch runs eagerly
 
@@ -311,6 +313,7 @@ class GraphedBlocks:
         graph, forward = self._prepare(sig, hidden, cond, ctx, slots)
         graph.replay = self.capture(forward)
         self.captures += 1
+        self.inline_captures += 1
         logger.info("captured a graph for batch signature %s (%d graphs)", sig, len(self.graphs) + 1)
         return graph
 

@@ -311,3 +311,27 @@ def test_a_batch_mixing_a_warm_up_stream_with_another_still_captures_in_the_back
     assert graphs.pending and graphs.eager_batches > 0
     gate.set()
     graphs.wait_captures(TIMEOUT)
+
+
+def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_model):
+    # A warm-up stream's forward that waited for its capture took the capture's time (seconds on a GPU): the stage
+    # reports it with no micro-steps, which the coordinator's SLO model skips; a replayed batch is reported as usual.
+    from stage_service.executor import StageExecutor
+    from stage_service.runner import SliceRunner
+    from stagecast.microstep import MicroStep, PlanEvent
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    runner = SliceRunner(full, graphs=GraphedBlocks(full, capture=rerun_capture, background=True))
+    events = []
+    ex = StageExecutor(runner, None, events.append)
+    s = spec(1, timesteps=(700.0,), num_chunks=6, window=2, sink=0, warmup=True)
+    text = torch.randn(1, s.text_len, model.config.text_dim)
+    ex._run(PlanEvent("open", seq=1, spec=s, text=text))
+    for c in range(6):
+        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+    done = [e for e in events if e.kind == "done"]
+    # Chunks 0, 1, 2 meet contexts of 0, 1 and 2 frames (new signatures, captured in line); 3-5 replay.
+    assert [e.micro_steps for e in done] == [0, 0, 0, 1, 1, 1]
+    assert all(e.forward_ms > 0 for e in done[3:]) and all(e.forward_ms == 0 for e in done[:3])
+    assert runner.graphs.inline_captures == 3 and runner.graphs.background_captures == 0
