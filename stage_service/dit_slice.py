@@ -32,7 +32,10 @@ from stagecast.model.dit_configs import expands_timesteps
 
 
 class SelfAttentionKV(Protocol):
-    """Per-item view of a KV cache row: what this micro-step attends to, and where it writes."""
+    """Per-item view of a KV cache row: what this micro-step attends to, and where it writes.
+
+    A layer reads and then writes each item's view, item by item in batch order, before it attends; so a tensor
+    that ``read`` returned must not change under a later ``write`` of the same forward."""
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
@@ -100,6 +103,62 @@ def _heads_to_sequence(sp: SequenceGroup, out: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=2)
 
 
+def _attend_per_item(query, key, value, cached: list) -> torch.Tensor:
+    """One SDPA per batch item over its cached K/V (if any) followed by its own (``DiTSlice.grouped_attention`` off)."""
+    outs = []
+    for b, kv in enumerate(cached):
+        k_b, v_b = key[b : b + 1], value[b : b + 1]
+        if kv is not None:
+            k_b = torch.cat([kv[0], k_b], dim=1)
+            v_b = torch.cat([kv[1], v_b], dim=1)
+        outs.append(_sdpa(query[b : b + 1], k_b, v_b))
+    return torch.cat(outs, dim=0)
+
+
+def _attend_grouped(query, key, value, cached: list) -> torch.Tensor:
+    """Self-attention of a batch whose items attend to different cached contexts: items with the same context
+    length (or none) form one group and run one SDPA over their stacked q/k/v, so a Stream Batch of streams with
+    full KV windows launches one attention kernel per layer instead of one per item.
+
+    Each item's result equals its own batch-1 SDPA bit for bit: the CPU kernels compute every (item, head) apart
+    (``tests/test_dit_slice_attention.py`` holds this for the models' dtypes and shapes), and a GPU benchmark
+    (``benchmarks/attention_check.py``) reports the difference there."""
+    groups: dict[int, list[int]] = {}
+    for b, kv in enumerate(cached):
+        groups.setdefault(0 if kv is None else kv[0].shape[1], []).append(b)
+    batch = query.shape[0]
+    outs = []
+    for length, items in groups.items():
+        if items[-1] - items[0] + 1 == len(items):  # consecutive items: slices, no gather
+            sl = slice(items[0], items[-1] + 1)
+            q, k_new, v_new = query[sl], key[sl], value[sl]
+        else:  # slices and cat, no index tensor: a CUDA graph capture cannot copy one from the host
+            q, k_new, v_new = (torch.cat([t[b : b + 1] for b in items]) for t in (query, key, value))
+        if length:
+            # One copy of each item's cached window and new K/V into the group's buffer (what the per-item cat
+            # made, stacked), then one SDPA for the group.
+            n, tokens, heads, dim = k_new.shape
+            k = k_new.new_empty((n, length + tokens, heads, dim))
+            v = v_new.new_empty((n, length + tokens, heads, dim))
+            for g, b in enumerate(items):
+                torch.cat([cached[b][0], k_new[g : g + 1]], dim=1, out=k[g : g + 1])
+                torch.cat([cached[b][1], v_new[g : g + 1]], dim=1, out=v[g : g + 1])
+        else:
+            k, v = k_new, v_new
+        out = _sdpa(q, k, v)
+        if len(items) == batch:
+            return out
+        outs.append((items, out))
+    result = query.new_empty(query.shape)
+    for items, out in outs:
+        if items[-1] - items[0] + 1 == len(items):
+            result[items[0] : items[-1] + 1] = out
+        else:
+            for g, b in enumerate(items):
+                result[b : b + 1] = out[g : g + 1]
+    return result
+
+
 class _SliceAttnProcessor:
     """Attention processor bound to one slice-local layer; reads its inputs from the slice's context."""
 
@@ -134,19 +193,15 @@ class _SliceAttnProcessor:
         key = apply_rotary_emb(key, *ctx.rotary)
         if ctx.self_mask is not None or not ctx.self_kv:
             return _sdpa(query, key, value, ctx.self_mask).type_as(query)
-        outs = []
-        # Items attend to different cached contexts, so attention runs per item; the projections above
-        # stay batched, which is where Stream Batch saves its time.
+        # KV reads and writes, item by item in batch order (read, then write), as each item's view expects.
+        cached = []
         for b, kv in enumerate(ctx.self_kv):
-            k_b, v_b = key[b : b + 1], value[b : b + 1]
-            cached = kv.read(self.layer) if kv is not None else None
+            cached.append(kv.read(self.layer) if kv is not None else None)
             if kv is not None:
-                kv.write(self.layer, k_b, v_b)
-            if cached is not None:
-                k_b = torch.cat([cached[0], k_b], dim=1)
-                v_b = torch.cat([cached[1], v_b], dim=1)
-            outs.append(_sdpa(query[b : b + 1], k_b, v_b))
-        return torch.cat(outs, dim=0).type_as(query)
+                kv.write(self.layer, key[b : b + 1], value[b : b + 1])
+        if not self._owner[0].grouped_attention:
+            return _attend_per_item(query, key, value, cached).type_as(query)
+        return _attend_grouped(query, key, value, cached).type_as(query)
 
     def _cross(self, attn, hidden_states, ctx: AttentionContext):
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
@@ -167,6 +222,9 @@ class DiTSlice(nn.Module):
         self.last = last
         self.per_token_timesteps = expands_timesteps(config)
         self.model = model
+        # Self-attention over KV contexts runs one SDPA per group of items with equal context length instead of
+        # one per item (same result bit for bit on CPU; off: the per-item loop, which benchmarks compare with).
+        self.grouped_attention = True
         # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
         self._local = threading.local()
         for i, block in enumerate(model.blocks):
