@@ -31,6 +31,10 @@
 #                                         # is missing; made here by: pip download --no-deps --only-binary=:all:
 #                                         # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #                                         # -d .whl-fp8 torchao==0.17.0, the release built against torch 2.11)
+#   bash benchmarks/gpu_suite.sh attention-check # grouped self-attention (one SDPA per group of equal KV context) against
+#                                         # the per-item loop: one stage's blocks (1.3B, 14B) at batch 1, 2, 4 with full
+#                                         # 6-frame windows, eager and graphed, ms and max difference
+#                                         # (benchmarks/attention_check.py, one GPU, ~4 min)
 #   bash benchmarks/gpu_suite.sh vae-graphs # the gateway's VAE eager / compiled / CUDA-graphed / both (and channels-last,
 #                                         # for the record), 1 and 4 streams, Wan2.1 480x832 and Wan2.2 704x1280 (one
 #                                         # GPU, random weights; benchmarks/vae_graphs_check.py; ~6 min)
@@ -143,6 +147,9 @@ for part in "$@"; do
       need_torchao || { echo "fp8-check: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
       timeout 300 python -m benchmarks.fp8_check --models wan2.1-1.3b,wan2.1-14b --json "$out/fp8_check.json"
       ;;
+    attention-check)
+      timeout 500 python -m benchmarks.attention_check --json "$out/attention_check.json"
+      ;;
     fp8)
       need_torchao || { echo "fp8: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
       timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer --peer-chunks 4 \
@@ -163,7 +170,7 @@ for part in "$@"; do
         --interactive-updates 2 --peer-chunks 4 "${flags[@]}" --json "$out/v2_13b_1step_2gpu_balance_${name}.json"
       ;;
     *)
-      sed -n '2,38p' "$0"
+      sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"
       exit 2
       ;;
   esac

@@ -3,6 +3,7 @@ one batched SDPA, and that equals the per-item loop bit for bit, KV reads and wr
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -194,3 +195,37 @@ def test_reference_stream_batch_is_the_same_with_and_without_grouped_attention(t
     for sid in chunks[True]:
         assert len(chunks[True][sid]) == 5
         assert all(torch.equal(a, b) for a, b in zip(chunks[True][sid], chunks[False][sid]))
+
+
+def test_attention_check_smoke_mode_times_both_modes_and_finds_them_equal_on_cpu(tmp_path, capsys):
+    from benchmarks import attention_check
+
+    out = tmp_path / "attention.json"
+    assert attention_check.main(["--smoke", "--batches", "1,2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    (model,) = result["models"]
+    assert model["model"] == "tiny-wan2.1" and model["layers"] == [0, 2]
+    assert model["batches"].keys() == {"1", "2"}
+    for row in model["batches"].values():
+        assert row["tokens"] == 6 and row["context_tokens"] == 18
+        for mode in ("per_item", "grouped"):
+            entry = row["modes"][mode]
+            assert entry["graphs_captured"] == 1 and entry["graph_failure"] is None
+            assert entry["graphed_vs_eager_max_abs"] == 0.0
+            assert entry["eager"]["median_ms"] > 0 and entry["graphed"]["iters"] == 2
+        assert row["grouped_vs_per_item_max_abs_eager"] == row["grouped_vs_per_item_max_abs_graphed"] == 0.0
+        assert row["attention_only"]["grouped_vs_per_item_max_abs"] == 0.0
+        assert row["speedup_eager"] > 0 and row["attention_only"]["speedup"] > 0
+    assert "tiny-wan2.1 x2 layers batch 2: eager per_item" in capsys.readouterr().out
+
+
+def test_attention_check_refuses_bad_batches_naming_the_flag(capsys):
+    from benchmarks import attention_check
+
+    with pytest.raises(SystemExit):
+        attention_check.main(["--smoke", "--batches", "0,2"])
+    assert "--batches: integers from 1 to 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        attention_check.main(["--smoke", "--batches", "x"])
+    assert "--batches: comma-separated positive integers" in capsys.readouterr().err

@@ -1,0 +1,245 @@
+"""GPU check of grouped self-attention (``DiTSlice.grouped_attention``): one stage's blocks with a Stream Batch of
+items that share a full KV window length, self-attention run per item (the loop it replaced) against grouped (one
+batched SDPA per layer for the items of equal context length).
+
+Usage (one GPU)::
+
+    python -m benchmarks.attention_check --json benchmarks/results/attention_check.json   # 1.3B and 14B, B=1,2,4
+    python -m benchmarks.attention_check --smoke --json /tmp/attention_smoke.json          # CPU, tiny model
+
+For each model: the first stage of a ``--stages``-stage pipeline (layers ``[0, L / stages)``) with random bf16
+weights of the real config (``random_slice_state_dict``, as ``--checkpoint random:<model>`` stages make them).
+Inputs are the benchmark protocol's (DESIGN.md section 4): one latent frame per chunk at 480x832 (60x104 latents,
+1560 tokens per item), a full KV window of 6 latent frames per item (9360 context tokens, random K/V of its own
+for every item, so the batch reads as much memory as distinct streams do), text length 512, timestep 700, batch
+sizes ``--batches``.
+
+Per batch and mode (``per_item``, ``grouped``): per-forward milliseconds of ``DiTSlice.run_blocks`` eagerly and as
+a CUDA graph (``GraphedBlocks``, which copies every item's KV window into its static buffers at each forward, as the
+stage does), CUDA events around each forward after ``--warmup`` forwards, median (and p10/p90) of ``--iters``; the
+speedup of grouped over per-item; and the max |grouped - per_item| over the blocks' output (0 on a CPU, where the
+tests hold it bit for bit; on a GPU it says whether the batched SDPA kernel rounds as the batch-1 one does).
+``attention_only`` times one layer's self-attention alone (the concatenation of window and new K/V, and SDPA), per
+item against grouped, with its own max difference.
+
+Writes JSON (``--json``) and prints one line per measurement.  ``--smoke`` runs the same path on a CPU with the tiny
+test model in float32 (what ``tests/test_dit_slice_attention.py`` exercises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.fp8_check import FixedWindow, time_forwards, versions
+from stage_service.checkpoint import random_slice_state_dict
+from stage_service.dit_slice import AttentionContext, DiTSlice, _attend_grouped, _attend_per_item
+from stage_service.graphs import GraphedBlocks
+from stagecast.model.dit_configs import model_config
+
+MODES = ("per_item", "grouped")
+
+
+def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
+    """The protocol's inputs for one batch, from a fixed seed: every item has a KV window of its own."""
+    gen = torch.Generator(device=device).manual_seed(4321 + batch)
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    _, p_h, p_w = cfg["patch_size"]
+    tokens = args.chunk_frames * (args.height // p_h) * (args.width // p_w)
+    context = args.window * (args.height // p_h) * (args.width // p_w)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    return {
+        "hidden": randn(batch, tokens, heads * head_dim),
+        "text": randn(1, args.text_len, cfg["text_dim"]),
+        # K after norm_k and RoPE is about unit scale.
+        "windows": [
+            FixedWindow(randn(layers, 1, context, heads, head_dim), randn(layers, 1, context, heads, head_dim))
+            for _ in range(batch)
+        ],
+        "tokens": tokens,
+        "context": context,
+    }
+
+
+def run_mode(sl: DiTSlice, inputs: dict, args, grouped: bool, timestep: float = 700.0) -> dict:
+    """Eager and graphed forwards of ``sl``'s blocks with self-attention per item or grouped."""
+    device = sl.device
+    hidden = inputs["hidden"]
+    batch = hidden.shape[0]
+    sl.grouped_attention = grouped
+    try:
+        with torch.no_grad():
+            cond = sl.condition(torch.full((batch,), timestep, device=device), tokens=inputs["tokens"])
+            cross = sl.cross_kv(sl.embed_text(inputs["text"]))
+            ctx = AttentionContext(
+                rotary=sl.rotary(args.chunk_frames, args.height, args.width, [args.window] * batch),
+                cross_kv=[cross] * batch,
+                self_kv=list(inputs["windows"]),
+            )
+            eager_out = sl.run_blocks(hidden, cond, ctx)
+            eager = time_forwards(lambda: sl.run_blocks(hidden, cond, ctx), device, args.warmup, args.iters)
+            graphs = GraphedBlocks(sl)  # a graph per mode: capture records the kernels the mode launches
+            try:
+                graphed_out = graphs.run(hidden, cond, ctx)
+                graphed = time_forwards(lambda: graphs.run(hidden, cond, ctx), device, args.warmup, args.iters)
+                result = {
+                    "eager": eager,
+                    "graphed": graphed,
+                    "graphs_captured": graphs.captures,
+                    "graph_failure": graphs.failure,
+                    "graphed_vs_eager_max_abs": max_abs(graphed_out, eager_out),
+                }
+            finally:
+                graphs.close()
+    finally:
+        sl.grouped_attention = True
+    return {"result": result, "eager_out": eager_out, "graphed_out": graphed_out}
+
+
+def attention_only(cfg: dict, inputs: dict, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """One layer's self-attention alone (window + new K/V, SDPA), per item against grouped."""
+    batch = inputs["hidden"].shape[0]
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    gen = torch.Generator(device=device).manual_seed(99 + batch)
+    q, k, v = (
+        torch.randn(batch, inputs["tokens"], heads, head_dim, generator=gen, device=device, dtype=dtype)
+        for _ in range(3)
+    )
+    cached = [(w.keys[0], w.values[0]) for w in inputs["windows"]]
+    out = {}
+    with torch.no_grad():
+        per_item = _attend_per_item(q, k, v, cached)
+        grouped = _attend_grouped(q, k, v, cached)
+        out["per_item"] = time_forwards(lambda: _attend_per_item(q, k, v, cached), device, args.warmup, args.iters)
+        out["grouped"] = time_forwards(lambda: _attend_grouped(q, k, v, cached), device, args.warmup, args.iters)
+    out["speedup"] = out["per_item"]["median_ms"] / out["grouped"]["median_ms"]
+    out["grouped_vs_per_item_max_abs"] = max_abs(grouped, per_item)
+    return out
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def check_model(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    cfg = model_config(name, **({"num_layers": args.num_layers} if args.num_layers else {}))
+    layers = range(0, max(1, cfg["num_layers"] // args.stages))
+    sd = random_slice_state_dict(cfg, layers=layers, first=False, last=False, dtype=dtype, device=device, seed=0)
+    sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=False, last=False, device=device)
+    del sd
+    out: dict = {"model": name, "layers": [layers.start, layers.stop], "batches": {}}
+    for batch in args.batches:
+        inputs = make_inputs(cfg, batch, args, device, dtype, len(layers))
+        row: dict = {"tokens": inputs["tokens"], "context_tokens": inputs["context"], "modes": {}}
+        outs = {}
+        for mode in MODES:
+            got = run_mode(sl, inputs, args, grouped=mode == "grouped")
+            row["modes"][mode] = got["result"]
+            outs[mode] = got
+        base, new = row["modes"]["per_item"], row["modes"]["grouped"]
+        row["speedup_eager"] = base["eager"]["median_ms"] / new["eager"]["median_ms"]
+        row["speedup_graphed"] = base["graphed"]["median_ms"] / new["graphed"]["median_ms"]
+        row["grouped_vs_per_item_max_abs_eager"] = max_abs(outs["grouped"]["eager_out"], outs["per_item"]["eager_out"])
+        row["grouped_vs_per_item_max_abs_graphed"] = max_abs(
+            outs["grouped"]["graphed_out"], outs["per_item"]["graphed_out"]
+        )
+        row["attention_only"] = attention_only(cfg, inputs, args, device, dtype)
+        out["batches"][str(batch)] = row
+        print(describe(name, len(layers), batch, row), flush=True)
+        del inputs, outs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del sl
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def describe(name: str, layers: int, batch: int, row: dict) -> str:
+    m = row["modes"]
+    a = row["attention_only"]
+    line = (
+        f"{name} x{layers} layers batch {batch}: eager per_item {m['per_item']['eager']['median_ms']:.2f} ms, grouped "
+        f"{m['grouped']['eager']['median_ms']:.2f} ms (x{row['speedup_eager']:.2f}); graphed per_item "
+        f"{m['per_item']['graphed']['median_ms']:.2f} ms, grouped {m['grouped']['graphed']['median_ms']:.2f} ms "
+        f"(x{row['speedup_graphed']:.2f}); grouped vs per_item max abs {row['grouped_vs_per_item_max_abs_eager']:.3e} "
+        f"eager, {row['grouped_vs_per_item_max_abs_graphed']:.3e} graphed; one layer's attention "
+        f"{a['per_item']['median_ms']:.3f} -> {a['grouped']['median_ms']:.3f} ms, max abs "
+        f"{a['grouped_vs_per_item_max_abs']:.3e}"
+    )
+    for mode in MODES:
+        if m[mode].get("graph_failure"):
+            line += f" ({mode} graph capture FAILED: {m[mode]['graph_failure']}; graphed ran eagerly)"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="wan2.1-1.3b,wan2.1-14b", help="comma-separated model configs")
+    ap.add_argument("--stages", type=int, default=2, help="the checked slice is the first of this many stages")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--batches", default="1,2,4", help="micro-steps per forward, comma-separated")
+    ap.add_argument("--height", type=int, default=60, help="latent height (480 / 8)")
+    ap.add_argument("--width", type=int, default=104, help="latent width (832 / 8)")
+    ap.add_argument("--chunk-frames", type=int, default=1, help="latent frames per chunk (protocol: 1)")
+    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6, 3 of them sinks)")
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, small shapes, 2 iterations")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.height, args.width, args.window, args.text_len = "tiny-wan2.1", 4, 6, 3, 8
+        args.warmup, args.iters = 1, 2
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
+    if not args.batches or any(b < 1 or b > 16 for b in args.batches):
+        ap.error(f"--batches: integers from 1 to 16, got {args.batches}")
+    for flag in ("stages", "height", "width", "chunk_frames", "window", "text_len", "iters"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+    elif torch.cuda.is_available():
+        device, dtype = torch.device("cuda:0"), torch.bfloat16
+        torch.cuda.set_device(device)
+    else:
+        print("attention_check: error: no GPU; --smoke runs the CPU path", file=sys.stderr)
+        return 2
+    command = "python -m benchmarks.attention_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "command": command,
+        "versions": versions(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "protocol": {
+            "latent": [args.chunk_frames, args.height, args.width],
+            "window": args.window,  # latent frames of context per item, all items equal (one group)
+            "text_len": args.text_len,
+            "timestep": 700.0,
+            "warmup": args.warmup,
+            "iters": args.iters,
+        },
+        "models": [check_model(m, args, device, dtype) for m in args.models.split(",") if m],
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
