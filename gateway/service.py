@@ -300,16 +300,19 @@ class Gateway:
     def _warm_pipeline(self, wait_s: float) -> int:
         """One stream of the serving defaults through the pipeline before serving (``gateway.pipeline_warmup``): what
         a request that sets nothing gets, unpaced, its latents dropped.  Returns the chunks it ran (0: skipped)."""
-        cfg = resolve_config(pb.StreamConfig(prompt="warm-up"), defaults=self.defaults, model=self.model)
-        spec = cfg.stream_spec(latent_channels=self.model.latent_channels, text_len=self.text_len)
-        text = self.encoder.encode("warm-up")
-        return warm_pipeline(
-            self.coordinator,
-            spec=spec,
-            text=text,
-            consumer_depth=self.decoder.depth(self.opts.buffer_chunks),
-            wait_s=wait_s,
-        )
+        try:
+            cfg = resolve_config(pb.StreamConfig(prompt="warm-up"), defaults=self.defaults, model=self.model)
+            spec = cfg.stream_spec(latent_channels=self.model.latent_channels, text_len=self.text_len)
+            return warm_pipeline(
+                self.coordinator,
+                spec=spec,
+                text=self.encoder.encode("warm-up"),
+                consumer_depth=self.decoder.depth(self.opts.buffer_chunks),
+                wait_s=wait_s,
+            )
+        except Exception:  # noqa: BLE001 - a warm-up is never a reason not to serve
+            logger.warning("pipeline warm-up failed; serving without it", exc_info=True)
+            return 0
 
     def _warm_up(self, chunks: int = 4, sessions: int = 3) -> float:
         """Before serving: encode a prompt and decode ``chunks`` chunks of the default size through ``sessions`` decode
