@@ -140,3 +140,20 @@ def test_the_gateway_refuses_a_warm_up_budget_out_of_range(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="--pipeline-warmup-s must be in"):
         Gateway(GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=-1.0))
+
+
+def test_a_warm_up_that_fails_never_stops_the_gateway(tmp_path, monkeypatch, caplog):
+    import gateway.service as service
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no pipeline here")
+
+    monkeypatch.setattr(service, "warm_pipeline", broken)
+    root = write_demo_checkpoint(tmp_path / "ckpt")
+    opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=5.0)
+    gateway = service.Gateway(opts)
+    try:
+        assert gateway.pipeline_warmup_chunks == 0
+        assert "pipeline warm-up failed" in caplog.text and "no pipeline here" in caplog.text
+    finally:
+        gateway.stop(grace=0)
