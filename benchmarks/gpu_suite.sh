@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_suite.sh 1.3b     # 1.3B 1 step with the load rows (1, 2, 4, 8 streams)
 #   bash benchmarks/gpu_suite.sh 1.3b-4   # 1.3B 4 steps
 #   bash benchmarks/gpu_suite.sh 14b      # 14B 1 step
+#   bash benchmarks/gpu_suite.sh warmup-ab # 1.3B 4 steps, short: the first stream after READY with the gateway's
+#                                         # warm-up stream and without it (--no-pipeline-warmup), ~5 min
 #   bash benchmarks/gpu_suite.sh 5b       # 5B 704x1280 4 steps
 #   bash benchmarks/gpu_suite.sh sp-check # SP=2 parity on 2 GPUs (fp32, bf16) + the all-to-all timing (~3 min)
 #   bash benchmarks/gpu_suite.sh sp-1.3b pp-1.3b-eager   # 1.3B 1 step: SP=2 against PP=2, both eager (SP has
@@ -82,6 +84,14 @@ for part in "$@"; do
     vae-graphs-1.3b)
       timeout 330 "${harness[@]}" --vae-cuda-graphs --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 \
         --load-seconds 10 --json "$out/v2_13b_1step_2gpu_vaegraphs.json"
+      ;;
+    warmup-ab)
+      for w in on off; do
+        flags=(); [ "$w" = off ] && flags=(--no-pipeline-warmup)
+        timeout 270 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --seconds 10 --first-seconds 10 \
+          --ttff-runs 2 --interactive-updates 1 --no-compiled-peer --peer-chunks 2 "${flags[@]}" \
+          --json "$out/v2_13b_4step_2gpu_warmup_$w.json"
+      done
       ;;
     1.3b-4)
       timeout 250 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \

@@ -479,6 +479,8 @@ def start_system(launcher, root: Path, args, device_kind: str):
         gw_args.append("--vae-cuda-graphs")
     if getattr(args, "vae_cudnn_benchmark", False):
         gw_args.append("--vae-cudnn-benchmark")
+    if not getattr(args, "pipeline_warmup", True):
+        gw_args += ["--pipeline-warmup-s", "0"]
     gw_args += ["--vae-devices", ",".join(vae_devices)]
     if vae_split:
         gw_args += ["--vae-split", vae_split]
@@ -965,6 +967,12 @@ def main(argv: list[str] | None = None) -> int:
         "--vae-cudnn-benchmark",
         action="store_true",
         help="the gateway's VAE with cuDNN's algorithm search (gateway --vae-cudnn-benchmark)",
+    )
+    ap.add_argument(
+        "--no-pipeline-warmup",
+        dest="pipeline_warmup",
+        action="store_false",
+        help="no warm-up stream before the gateway's READY (gateway --pipeline-warmup-s 0), to measure what it buys",
     )
     ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
     ap.add_argument(

@@ -47,6 +47,8 @@ def config_name(r: dict) -> str:
         name += ", FP8 blocks"
     if a.get("vae_cudnn_benchmark"):
         name += ", VAE cuDNN search"
+    if a.get("pipeline_warmup") is False:
+        name += ", no warm-up stream"
     if a.get("load_min_steps") and a.get("load"):  # SLO-adaptive load rows: paced, steps chosen online
         seeds = r.get("system", {}).get("slo_model") or {}
         vae = seeds.get("vae_chunk_ms", a.get("slo_vae_ms", 0))
