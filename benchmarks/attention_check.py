@@ -30,13 +30,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_check import FixedWindow, time_forwards, versions
+from benchmarks.fp8_check import (
+    FixedWindow,
+    add_protocol_args,
+    protocol_inputs,
+    protocol_record,
+    time_forwards,
+    versions,
+    write_result,
+)
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import AttentionContext, DiTSlice, _attend_grouped, _attend_per_item
 from stage_service.graphs import GraphedBlocks
@@ -47,26 +53,9 @@ MODES = ("per_item", "grouped")
 
 def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
     """The protocol's inputs for one batch, from a fixed seed: every item has a KV window of its own."""
-    gen = torch.Generator(device=device).manual_seed(4321 + batch)
-    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
-    _, p_h, p_w = cfg["patch_size"]
-    tokens = args.chunk_frames * (args.height // p_h) * (args.width // p_w)
-    context = args.window * (args.height // p_h) * (args.width // p_w)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
-
-    return {
-        "hidden": randn(batch, tokens, heads * head_dim),
-        "text": randn(1, args.text_len, cfg["text_dim"]),
-        # K after norm_k and RoPE is about unit scale.
-        "windows": [
-            FixedWindow(randn(layers, 1, context, heads, head_dim), randn(layers, 1, context, heads, head_dim))
-            for _ in range(batch)
-        ],
-        "tokens": tokens,
-        "context": context,
-    }
+    inputs = protocol_inputs(cfg, batch, args, device, dtype, layers, seed=4321, windows=batch)
+    inputs["windows"] = [FixedWindow(k, v) for k, v in inputs["windows"]]
+    return inputs
 
 
 def run_mode(sl: DiTSlice, inputs: dict, args, grouped: bool, timestep: float = 700.0) -> dict:
@@ -183,19 +172,8 @@ def describe(name: str, layers: int, batch: int, row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="wan2.1-1.3b,wan2.1-14b", help="comma-separated model configs")
-    ap.add_argument("--stages", type=int, default=2, help="the checked slice is the first of this many stages")
-    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count")
-    ap.add_argument("--batches", default="1,2,4", help="micro-steps per forward, comma-separated")
-    ap.add_argument("--height", type=int, default=60, help="latent height (480 / 8)")
-    ap.add_argument("--width", type=int, default=104, help="latent width (832 / 8)")
-    ap.add_argument("--chunk-frames", type=int, default=1, help="latent frames per chunk (protocol: 1)")
-    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6, 3 of them sinks)")
-    ap.add_argument("--text-len", type=int, default=512)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    add_protocol_args(ap, models="wan2.1-1.3b,wan2.1-14b", batches="1,2,4", warmup=3, iters=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, float32, small shapes, 2 iterations")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.smoke:
         args.models, args.height, args.width, args.window, args.text_len = "tiny-wan2.1", 4, 6, 3, 8
@@ -224,20 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
-        "protocol": {
-            "latent": [args.chunk_frames, args.height, args.width],
-            "window": args.window,  # latent frames of context per item, all items equal (one group)
-            "text_len": args.text_len,
-            "timestep": 700.0,
-            "warmup": args.warmup,
-            "iters": args.iters,
-        },
+        "protocol": protocol_record(args, "latent frames of context per item, all items equal (one group)"),
         "models": [check_model(m, args, device, dtype) for m in args.models.split(",") if m],
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    write_result(args.json, result)
     return 0
 
 

@@ -122,9 +122,28 @@ def time_forwards(fn: Callable[[], torch.Tensor], device: torch.device, warmup: 
     }
 
 
-def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
-    """The protocol's inputs for one batch, from a fixed seed (identical for every variant)."""
-    gen = torch.Generator(device=device).manual_seed(1234 + batch)
+def add_protocol_args(ap: argparse.ArgumentParser, *, models: str, batches: str, warmup: int, iters: int) -> None:
+    """The flags every one-stage block benchmark shares (this one and ``benchmarks.attention_check``)."""
+    ap.add_argument("--models", default=models, help="comma-separated model configs, e.g. wan2.1-1.3b,wan2.1-14b")
+    ap.add_argument("--stages", type=int, default=2, help="the checked slice is the first of this many stages")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count (smoke runs)")
+    ap.add_argument("--batches", default=batches, help="micro-steps per forward, comma-separated")
+    ap.add_argument("--height", type=int, default=60, help="latent height (480 / 8)")
+    ap.add_argument("--width", type=int, default=104, help="latent width (832 / 8)")
+    ap.add_argument("--chunk-frames", type=int, default=1, help="latent frames per chunk (protocol: 1)")
+    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6, 3 of them sinks)")
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--json", default=None)
+
+
+def protocol_inputs(
+    cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int, *, seed: int, windows: int
+) -> dict:
+    """The protocol's inputs for one batch, from a fixed seed: hidden states, text, and ``windows`` KV windows of
+    ``args.window`` latent frames for ``layers`` layers (``keys``/``values``: lists of ``windows`` tensors)."""
+    gen = torch.Generator(device=device).manual_seed(seed + batch)
     heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
     _, p_h, p_w = cfg["patch_size"]
     tokens = args.chunk_frames * (args.height // p_h) * (args.width // p_w)
@@ -133,15 +152,40 @@ def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
+    hidden, text = randn(batch, tokens, heads * head_dim), randn(1, args.text_len, cfg["text_dim"])
+    # K after norm_k and RoPE is about unit scale.
+    kv = [
+        (randn(layers, 1, context, heads, head_dim), randn(layers, 1, context, heads, head_dim)) for _ in range(windows)
+    ]
+    return {"hidden": hidden, "text": text, "windows": kv, "tokens": tokens, "context": context}
+
+
+def protocol_record(args, note: str) -> dict:
+    """What the results' ``protocol`` records (``note``: what the window's context is)."""
     return {
-        "hidden": randn(batch, tokens, heads * head_dim),
-        "text": randn(1, args.text_len, cfg["text_dim"]),
-        # One window shared by the batch's items (reads only): K after norm_k and RoPE is about unit scale.
-        "keys": randn(layers, 1, context, heads, head_dim),
-        "values": randn(layers, 1, context, heads, head_dim),
-        "tokens": tokens,
-        "context": context,
+        "latent": [args.chunk_frames, args.height, args.width],
+        "window": args.window,
+        "window_note": note,
+        "text_len": args.text_len,
+        "timestep": 700.0,
+        "warmup": args.warmup,
+        "iters": args.iters,
     }
+
+
+def write_result(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+
+
+def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
+    """The protocol's inputs for one batch, from a fixed seed (identical for every variant): one KV window shared by
+    the batch's items (reads only)."""
+    inputs = protocol_inputs(cfg, batch, args, device, dtype, layers, seed=1234, windows=1)
+    inputs["keys"], inputs["values"] = inputs.pop("windows")[0]
+    return inputs
 
 
 def run_variant(sl: DiTSlice, inputs: dict, args, timestep: float = 700.0) -> dict:
@@ -250,19 +294,8 @@ def versions() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="wan2.1-1.3b", help="comma-separated, e.g. wan2.1-1.3b,wan2.1-14b")
-    ap.add_argument("--stages", type=int, default=2, help="the checked slice is the first of this many stages")
-    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count (smoke runs)")
-    ap.add_argument("--batches", default="1,4", help="micro-steps per forward, comma-separated")
+    add_protocol_args(ap, models="wan2.1-1.3b", batches="1,4", warmup=5, iters=30)
     ap.add_argument("--granularities", default="row,tensor", help="float8 scales to try: row (the stage's), tensor")
-    ap.add_argument("--height", type=int, default=60, help="latent height (480 / 8)")
-    ap.add_argument("--width", type=int, default=104, help="latent width (832 / 8)")
-    ap.add_argument("--chunk-frames", type=int, default=1, help="latent frames per chunk (protocol: 1)")
-    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6, 3 of them sinks)")
-    ap.add_argument("--text-len", type=int, default=512)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     granularities = [g for g in args.granularities.split(",") if g]
@@ -285,20 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": command,
         "versions": versions(),
-        "protocol": {
-            "latent": [args.chunk_frames, args.height, args.width],
-            "window": args.window,  # latent frames of context (the protocol's 3 sinks + 3 recent: the same tokens)
-            "text_len": args.text_len,
-            "timestep": 700.0,
-            "warmup": args.warmup,
-            "iters": args.iters,
-        },
+        "protocol": protocol_record(args, "latent frames of context (the protocol's 3 sinks + 3 recent)"),
         "models": [check_model(m, args, device, dtype, granularities) for m in args.models.split(",") if m],
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    write_result(args.json, result)
     return 0
 
 
