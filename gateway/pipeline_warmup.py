@@ -90,6 +90,9 @@ def warm_pipeline(
     """Run the warm-up stream (module docstring); returns the chunks it received (0: skipped, and logged why)."""
     start = clock()
     deadline = start + wait_s
+    logger.info(
+        "pipeline warm-up: waiting up to %.0f s for the pipeline, then one stream of the serving defaults", wait_s
+    )
     stages = wait_ready(coordinator, deadline, clock=clock, stop=stop or threading.Event())
     if stages is None:
         logger.warning("pipeline warm-up skipped: the pipeline was not ready within %.0f s", wait_s)
