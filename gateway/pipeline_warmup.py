@@ -58,9 +58,19 @@ def warmup_spec(spec: StreamSpec, stages: int) -> StreamSpec:
     filled (``window`` latent frames in chunks), plus the wavefront's depth (``levels x stages`` micro-steps in
     flight) so that steady-state batches reach every stage, plus two to see them repeat."""
     if spec.window is None:
-        spec = replace(spec, window=DEFAULT_WINDOW, sink=min(DEFAULT_SINK, DEFAULT_WINDOW))
+        spec = replace(spec, window=DEFAULT_WINDOW, sink=DEFAULT_SINK)
     chunks = math.ceil(spec.window / spec.chunk_frames) + spec.levels * max(1, stages) + 2
     return replace(spec, stream_id=0, num_chunks=min(MAX_WARMUP_CHUNKS, chunks), warmup=True)
+
+
+def wait_budget(wait_s: float | None, device: str) -> float:
+    """``--pipeline-warmup-s`` resolved: None is ``DEFAULT_WAIT_S`` for a gateway on a GPU and 0 (off) on a CPU;
+    a value outside [0, ``MAX_WAIT_S``] is refused naming the flag."""
+    if wait_s is None:
+        wait_s = DEFAULT_WAIT_S if torch.device(device).type == "cuda" else 0.0
+    if not 0 <= wait_s <= MAX_WAIT_S:
+        raise ValueError(f"--pipeline-warmup-s must be in [0, {MAX_WAIT_S:g}], got {wait_s}")
+    return wait_s
 
 
 def wait_ready(coordinator, deadline: float, *, clock: Callable[[], float], stop: threading.Event) -> int | None:

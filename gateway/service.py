@@ -55,9 +55,7 @@ from gateway.config import (
 )
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline_warmup import DEFAULT_WAIT_S as PIPELINE_WARMUP_S
-from gateway.pipeline_warmup import MAX_WAIT_S as MAX_PIPELINE_WARMUP_S
-from gateway.pipeline_warmup import warm_pipeline
+from gateway.pipeline_warmup import wait_budget, warm_pipeline
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
@@ -216,11 +214,7 @@ class Gateway:
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
         # The measured VAE cost goes to the coordinator's SLO model (unless its operator fixed one).
         self.vae_reporter = VaeReporter(self.coordinator, self.vae_cost) if self.vae_cost is not None else None
-        wait_s = opts.pipeline_warmup_s
-        if wait_s is None:
-            wait_s = PIPELINE_WARMUP_S if torch.device(opts.device).type == "cuda" else 0.0
-        if not 0 <= wait_s <= MAX_PIPELINE_WARMUP_S:
-            raise ValueError(f"--pipeline-warmup-s must be in [0, {MAX_PIPELINE_WARMUP_S:g}], got {wait_s}")
+        wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
         self.pipeline_warmup_chunks = self._warm_pipeline(wait_s) if wait_s > 0 else 0
 
         self.cond = threading.Condition()

@@ -291,9 +291,9 @@ class StageExecutor:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
         forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(rows), 1
         forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
-        if not counted:
+        if not self._cuda and not counted:
             forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
-        if self._cuda:
+        elif self._cuda:
             forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
             while self._timings and self._timings[0][2].query():
                 n, a, b, timed = self._timings.popleft()

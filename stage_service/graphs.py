@@ -17,7 +17,8 @@ With ``background=True`` (the stage's default on a GPU) a signature first seen a
 path: its batch runs eagerly, the inputs are copied into buffers of its own, and a worker thread captures its graph
 (on its own CUDA stream, ``capture_error_mode="thread_local"``) while the executor keeps running batches; batches of
 that signature run eagerly until the graph is in, then replay it.  Such a graph keeps its own slots (it was captured
-while other graphs replayed on the shared ones).  ``warm`` captures signatures in line, before the stage is ready.
+while other graphs replayed on the shared ones).  ``run(..., inline=True)`` captures in line even then: the batches of
+the gateway's warm-up stream (``StreamSpec.warmup``), which nothing waits on, before the gateway serves.
 
 Past ``max_graphs`` signatures, new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
@@ -193,11 +194,6 @@ class GraphedBlocks:
         graph.replay()
         self._hand_over_writes(graph, ctx)
         return graph.out[0].clone()  # the next replay overwrites graph.out; the caller may still be sending this
-
-    def warm(self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext) -> bool:
-        """Capture this batch's signature now, in line (before the stage serves); True if a graph holds it."""
-        self.run(hidden, cond, ctx, inline=True)
-        return self.signature(hidden, cond, ctx) in self.graphs
 
     def wait_captures(self, timeout: float | None = None) -> None:
         """Block until every background capture started so far has finished (tests, shutdown)."""

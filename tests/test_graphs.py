@@ -182,6 +182,16 @@ def test_two_resolutions_keep_their_own_slots_and_graphs(tiny_model):
     assert batches == 40 and graphs.captures <= 12  # per size: context 0, 1, 2 frames x writes or not
 
 
+def background_refs(model, capture):
+    """Graphs that capture new signatures in the background with ``capture``, a reference executor that runs them
+    and an eager one beside it, over one whole-model slice."""
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=capture, background=True)
+    graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
+    graphed_ref.runner.graphs = graphs
+    return graphs, graphed_ref, eager_ref
+
+
 def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_streams_chunks(tiny_model):
     # The capture hook stands in for a slow GPU capture: it holds until the gate opens.
     gate, started = threading.Event(), []
@@ -191,11 +201,7 @@ def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_s
         assert gate.wait(TIMEOUT), "the gate never opened"
         return rerun_capture(fn)
 
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    graphs = GraphedBlocks(full, capture=slow_capture, background=True)
-    graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
-    graphed_ref.runner.graphs = graphs
+    graphs, graphed_ref, eager_ref = background_refs(tiny_model(), slow_capture)
 
     # Stream 1 alone, the gate open: its signatures get graphs (first seen: eager, captured off the serving path).
     gate.set()
@@ -268,11 +274,7 @@ def test_a_warm_up_streams_batches_capture_in_line_and_the_next_stream_replays_o
         threads.append(threading.current_thread().name)
         return rerun_capture(fn)
 
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    graphs = GraphedBlocks(full, capture=capture, background=True)
-    graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
-    graphed_ref.runner.graphs = graphs
+    graphs, graphed_ref, eager_ref = background_refs(tiny_model(), capture)
 
     warm = requests([spec(1, num_chunks=8, window=3, sink=1, warmup=True)], arrivals=[0])
     got = graphed_ref.generate(warm, num_stages=2, max_batch=2).chunks[1]
@@ -297,11 +299,7 @@ def test_a_batch_mixing_a_warm_up_stream_with_another_still_captures_in_the_back
         assert gate.wait(TIMEOUT), "the gate never opened"
         return rerun_capture(fn)
 
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    graphs = GraphedBlocks(full, capture=slow_capture, background=True)
-    ref = ReferenceExecutor(full)
-    ref.runner.graphs = graphs
+    graphs, ref, _ = background_refs(tiny_model(), slow_capture)
     # Both streams arrive together and every batch holds both: the real one is never held by a capture.
     both = requests([spec(1, num_chunks=4, warmup=True), spec(2, num_chunks=4)], arrivals=[0, 0])
     worker = threading.Thread(target=lambda: ref.generate(both, num_stages=1, max_batch=2))
