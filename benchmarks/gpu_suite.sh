@@ -52,6 +52,11 @@
 # .git. Main streams are 60 s of video (DESIGN.md section 4).
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
+# STAGES=1 runs the parts that take it (quick, 1.3b, 1.3b-4, 14b, 5b, warmup-ab, v2v, slo, webrtc, fp8,
+# vae-graphs-1.3b) as one stage on one GPU; their JSON names then say 1gpu.  The parity parts (check, sp-*, cfg-*)
+# need two GPUs whatever it says.
+stages="${STAGES:-2}"
+case "$stages" in 1|2) ;; *) echo "gpu_suite: STAGES must be 1 or 2, not '$stages'"; exit 2 ;; esac
 
 need_torchao() {  # --fp8 needs torchao: the carried wheel, installed once beside whatever else is on PYTHONPATH
   python -c "import torchao" 2>/dev/null && return 0
@@ -71,39 +76,39 @@ for part in "$@"; do
       timeout 120 python -m benchmarks.graphs_check
       ;;
     quick)
-      timeout 240 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --seconds 15 --first-seconds 4 \
-        --ttff-runs 2 --interactive-updates 2 --load 2 --load-seconds 4 --peer-chunks 4 --json "$out/quick.json"
+      timeout 240 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" --seconds 15 --first-seconds 4 \
+        --ttff-runs 2 --interactive-updates 2 --load 2 --load-seconds 4 --peer-chunks 4 --json "$out/quick_${stages}gpu.json"
       ;;
     1.3b)
-      timeout 330 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 --load-seconds 10 \
-        --json "$out/v2_13b_1step_2gpu.json"
+      timeout 330 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" --load 1,2,4,8 --load-seconds 10 \
+        --json "$out/v2_13b_1step_${stages}gpu.json"
       ;;
     vae-graphs)
       timeout 560 python -m benchmarks.vae_graphs_check --json "$out/vae_graphs_check.json"
       ;;
     vae-graphs-1.3b)
-      timeout 330 "${harness[@]}" --vae-cuda-graphs --model wan2.1-1.3b --steps 1 --stages 2 --load 1,2,4,8 \
-        --load-seconds 10 --json "$out/v2_13b_1step_2gpu_vaegraphs.json"
+      timeout 330 "${harness[@]}" --vae-cuda-graphs --model wan2.1-1.3b --steps 1 --stages "$stages" --load 1,2,4,8 \
+        --load-seconds 10 --json "$out/v2_13b_1step_${stages}gpu_vaegraphs.json"
       ;;
     warmup-ab)
       for w in on off; do
         flags=(); [ "$w" = off ] && flags=(--no-pipeline-warmup)
-        timeout 270 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --seconds 10 --first-seconds 10 \
+        timeout 270 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages "$stages" --seconds 10 --first-seconds 10 \
           --ttff-runs 2 --interactive-updates 1 --no-compiled-peer --peer-chunks 2 "${flags[@]}" \
-          --json "$out/v2_13b_4step_2gpu_warmup_$w.json"
+          --json "$out/v2_13b_4step_${stages}gpu_warmup_$w.json"
       done
       ;;
     1.3b-4)
-      timeout 250 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages 2 --no-compiled-peer \
-        --json "$out/v2_13b_4step_2gpu.json"
+      timeout 250 "${harness[@]}" --model wan2.1-1.3b --steps 4 --stages "$stages" --no-compiled-peer \
+        --json "$out/v2_13b_4step_${stages}gpu.json"
       ;;
     14b)
-      timeout 285 "${harness[@]}" --model wan2.1-14b --steps 1 --stages 2 --peer-chunks 4 --ttff-runs 3 \
-        --no-compiled-peer --json "$out/v2_14b_1step_2gpu.json"
+      timeout 285 "${harness[@]}" --model wan2.1-14b --steps 1 --stages "$stages" --peer-chunks 4 --ttff-runs 3 \
+        --no-compiled-peer --json "$out/v2_14b_1step_${stages}gpu.json"
       ;;
     5b)
-      timeout 360 "${harness[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 4 --stages 2 \
-        --peer-chunks 4 --ttff-runs 3 --no-compiled-peer --json "$out/v2_5b_4step_2gpu.json"
+      timeout 360 "${harness[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 4 --stages "$stages" \
+        --peer-chunks 4 --ttff-runs 3 --no-compiled-peer --json "$out/v2_5b_4step_${stages}gpu.json"
       ;;
     sp-check)
       s=(timeout 150 python -m launcher.cli selftest --device cuda --stages 1 --sp 2)
@@ -122,24 +127,25 @@ for part in "$@"; do
       ;;
     v2v)
       timeout 570 python -m benchmarks.v2v_bench --cuda-graphs --vae-compile --model wan2.1-1.3b --width 832 \
-        --height 480 --steps 2 --stages 2 --json "$out/v2v_13b_2step_2gpu.json"
+        --height 480 --steps 2 --stages "$stages" --json "$out/v2v_13b_2step_${stages}gpu.json"
       ;;
     slo)
+      slo_load=2,4,6,8,10; [ "$stages" = 1 ] && slo_load=1,2,3,5  # one GPU holds about half as many
       # Load rows paced at 16 FPS with the SLO controller choosing 1..4 steps; 10 streams is past the expected
       # capacity, so its row shows refusals (RESOURCE_EXHAUSTED) and capacity_streams the most streams held.
       # The SLO model starts from the stages' calibration at READY and the gateway's measured VAE decode (the slowest
       # VAE part per chunk); the JSON's slo_model says what it counted. --slo-vae-ms N would fix the VAE cost instead.
-      timeout 540 "${harness[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 --stages 2 --seconds 20 \
-        --first-seconds 4 --ttff-runs 3 --interactive-updates 2 --load 2,4,6,8,10 --load-seconds 20 \
-        --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_2gpu.json"
+      timeout 540 "${harness[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 --stages "$stages" --seconds 20 \
+        --first-seconds 4 --ttff-runs 3 --interactive-updates 2 --load "$slo_load" --load-seconds 20 \
+        --no-compiled-peer --peer-chunks 4 --json "$out/v2_13b_slo_${stages}gpu.json"
       ;;
     webrtc)
       if ! python -c "import aiortc, aiohttp" 2>/dev/null; then
         python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-web \
           wheels/py312/*.whl && export PYTHONPATH="/tmp/site-web:${PYTHONPATH:-}"
       fi
-      timeout 560 python -m benchmarks.webrtc --cuda-graphs --vae-compile --model wan2.1-1.3b --steps 1 --stages 2 \
-        --seconds 15 --runs 2 --strength 500 --v2v-steps 2 --json "$out/webrtc_13b_1step_2gpu.json"
+      timeout 560 python -m benchmarks.webrtc --cuda-graphs --vae-compile --model wan2.1-1.3b --steps 1 --stages "$stages" \
+        --seconds 15 --runs 2 --strength 500 --v2v-steps 2 --json "$out/webrtc_13b_1step_${stages}gpu.json"
       ;;
     cfg-check)
       timeout 200 python -m launcher.cli selftest --device cuda --stages 1 --cfg-parallel 2 --guidance 5,1 \
@@ -162,8 +168,8 @@ for part in "$@"; do
       ;;
     fp8)
       need_torchao || { echo "fp8: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
-      timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages 2 --no-compiled-peer --peer-chunks 4 \
-        --ttff-runs 3 --json "$out/v2_13b_1step_2gpu_fp8.json"
+      timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages "$stages" --no-compiled-peer --peer-chunks 4 \
+        --ttff-runs 3 --json "$out/v2_13b_1step_${stages}gpu_fp8.json"
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \
