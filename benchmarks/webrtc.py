@@ -41,20 +41,25 @@ from web.rtc import VIDEO_CLOCK, use_ice_hosts
 from web.viewer import PatternCamera, RtcViewer, pattern
 
 
-async def grpc_run(gateway: str, prompt: str, seconds: float, steps: int) -> dict:
+def kv_window(args) -> dict:
+    """The benchmark protocol's KV window (BENCHMARKS.md: 6 latent frames, 3 of them sinks) as config fields."""
+    return {"window": args.window, "sink": args.sink}
+
+
+async def grpc_run(gateway: str, prompt: str, seconds: float, steps: int, kv: dict) -> dict:
     async with AsyncClient(gateway) as client:
-        gen = client.generate(prompt, seconds=seconds, steps=steps, codec="raw")
+        gen = client.generate(prompt, seconds=seconds, steps=steps, codec="raw", **kv)
         t0 = time.monotonic()
         arrivals = [time.monotonic() - t0 async for _ in gen]
     return {"ttff_s": arrivals[0], "arrivals_s": arrivals}
 
 
-async def rtc_run(url: str, prompt: str, seconds: float, steps: int, fps: float) -> dict:
+async def rtc_run(url: str, prompt: str, seconds: float, steps: int, fps: float, kv: dict) -> dict:
     t_connect = time.monotonic()
     async with RtcViewer(url) as viewer:
         connect_s = time.monotonic() - t_connect
         t0 = time.monotonic()
-        viewer.send({"type": "config", "prompt": prompt, "seconds": seconds, "steps": steps})
+        viewer.send({"type": "config", "prompt": prompt, "seconds": seconds, "steps": steps, **kv})
         total = round(seconds * fps)
         arrivals: list[float] = []
         held_at: dict[int, float] = {}
@@ -87,7 +92,13 @@ async def grpc_v2v(gateway: str, prompt: str, args) -> dict:
     fps, sent, latencies = args.target_fps, {}, []
     async with AsyncClient(gateway) as client:
         gen = client.generate(
-            prompt, strength=args.strength, steps=args.v2v_steps, width=args.width, height=args.height, codec="raw"
+            prompt,
+            strength=args.strength,
+            steps=args.v2v_steps,
+            width=args.width,
+            height=args.height,
+            codec="raw",
+            **kv_window(args),
         )
         await gen.wait_started()
 
@@ -114,7 +125,9 @@ async def rtc_v2v(url: str, prompt: str, args) -> dict:
     camera = PatternCamera(args.width, args.height, fps)
     held: dict[int, float] = {}
     async with RtcViewer(url, camera=camera) as viewer:
-        viewer.send({"type": "config", "prompt": prompt, "strength": args.strength, "steps": args.v2v_steps})
+        viewer.send(
+            {"type": "config", "prompt": prompt, "strength": args.strength, "steps": args.v2v_steps, **kv_window(args)}
+        )
         await viewer.wait_for("started")
         t_end = time.monotonic() + args.seconds
         pts0 = None
@@ -178,8 +191,14 @@ def summarize(runs: list[dict], fps: float) -> dict:
 async def measure(gateway: str, url: str, args) -> dict:
     grpc, rtc = [], []
     for run in range(args.runs):  # alternating, each with a prompt the text encoder has not seen
-        grpc.append(await grpc_run(gateway, f"a red fox {uuid.uuid4().hex[:8]}", args.seconds, args.steps))
-        rtc.append(await rtc_run(url, f"a red fox {uuid.uuid4().hex[:8]}", args.seconds, args.steps, args.target_fps))
+        grpc.append(
+            await grpc_run(gateway, f"a red fox {uuid.uuid4().hex[:8]}", args.seconds, args.steps, kv_window(args))
+        )
+        rtc.append(
+            await rtc_run(
+                url, f"a red fox {uuid.uuid4().hex[:8]}", args.seconds, args.steps, args.target_fps, kv_window(args)
+            )
+        )
         print(
             f"[webrtc] run {run + 1}/{args.runs}: ttff grpc {grpc[-1]['ttff_s']:.3f} s, "
             f"webrtc {rtc[-1]['ttff_s']:.3f} s, delay p50 {rtc[-1]['delay_ms']['p50']:.1f} ms",
@@ -220,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-fps", type=float, default=16.0)
     ap.add_argument("--strength", type=float, default=500.0, help="video-to-video: input noised to (0: skip v2v)")
     ap.add_argument("--v2v-steps", type=int, default=2, help="video-to-video steps (the ladder must hold strength)")
+    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
+    ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves it runs")
     args = ap.parse_args(argv)
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
-        args.steps, args.seconds, args.runs = 2, 1.0, 1
+        args.steps, args.seconds, args.runs, args.window, args.sink = 2, 1.0, 1, 2, 1
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.text_encoder is None:
         args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
