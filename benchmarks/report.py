@@ -53,7 +53,7 @@ def config_name(r: dict) -> str:
         seeds = r.get("system", {}).get("slo_model") or {}
         vae = seeds.get("vae_chunk_ms", a.get("slo_vae_ms", 0))
         origin = " measured" if seeds.get("vae_source") == "gateway" else ""
-        name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {vae:g} ms/chunk{origin})"
+        name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {vae:.3g} ms/chunk{origin})"
     if a.get("balance"):  # --partition auto: the planner's answer from a measured profile
         b = a["balance"]
         name += f", balanced {b['partition']} / VAE split {','.join(map(str, b['vae_split'])) or '-'}"
