@@ -16,12 +16,17 @@ over the stage GPUs it shares: the slowest slice's steady-state ms, which the ga
 reports, ``report_vae``; the operator's ``--vae-ms-per-chunk`` overrides it; 0 until either), whatever its steps.
 A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
 are launch-bound, so g is well below a on GPUs).  The pipeline's rate is set by its slowest stage: at the
-batch size B the scheduler forms under load, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the
-bottleneck's time.  A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)`` micro-steps per
-second (levels: s, plus the clean pass under ``clean``), so a set of streams is held when
-``sum_s r_s levels_s * cost_ms / 1000 <= target_utilization`` (default 0.9, the headroom for jitter).  The fit is
-per stage: an exponential average of ms per batch for each batch size seen, from which a and g follow by least
-squares; until two batch sizes are seen the slope is taken as ``growth * a`` (``growth`` 0.05, the simulator's).
+batch size B the scheduler forms, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the bottleneck's time.
+B is the average batch of the measured batches (``typical_batch``; the largest batch before any is measured), and
+the ms at a fractional B lie between the two whole sizes around it.  Paced streams rarely fill the largest batch,
+and the batches they do form are measured while the VAE slices time-slice the same GPUs: pricing at the largest
+batch took its calibrated time, measured alone, and on one H200 judged a set of two streams under 80% that kept
+the GPU saturated (BENCHMARKS.md, "SLO-adaptive serving").  A paced stream at ``chunk_rate`` r running s steps
+needs ``r * levels(s)`` micro-steps per second (levels: s, plus the clean pass under ``clean``), so a set of
+streams is held when ``sum_s r_s levels_s * cost_ms / 1000 <= target_utilization`` (default 0.9, the headroom for
+jitter).  The fit is per stage: an exponential average of ms per batch for each batch size seen, from which a and
+g follow by least squares; until two batch sizes are seen the slope is taken as ``growth * a`` (``growth`` 0.05,
+the simulator's).
 
 **Where the stage times start.**  In order of precedence: the operator's ``--stage-ms`` (ms for a batch of one per
 stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
@@ -60,6 +65,7 @@ from dataclasses import dataclass, field
 TARGET_UTILIZATION = 0.9
 RAISE_UTILIZATION = 0.8
 EWMA = 0.2  # weight of a new measurement in a batch size's average
+BATCH_EWMA = 0.05  # weight of a new batch in the average batch size the stages form (about the last 20 batches)
 LATE_MARGIN = 1.05  # a late stream puts the set it ran in this far past the target
 MAX_CORRECTION = 20.0
 CORRECTION_HALF_LIFE_S = 300.0
@@ -130,6 +136,15 @@ class _StageFit:
             return self.seed_ms * (1 + growth * (batch - 1))
         return None
 
+    def ms_at(self, batch: float, growth: float) -> float | None:
+        """``ms`` at a fractional batch size (an average): linear between the two whole sizes around it."""
+        low = max(1, math.floor(batch))
+        high = max(low, math.ceil(batch))
+        a, b = self.ms(low, growth), self.ms(high, growth)
+        if a is None or b is None or high == low:
+            return a
+        return a + (b - a) * (batch - low)
+
 
 class CostModel:
     """Stage time per batch size, from a calibration (``seed_ms``) and the stages' measured batches."""
@@ -154,6 +169,9 @@ class CostModel:
 
         self.stages = stages
         self.max_batch = max_batch
+        # The average batch the stages form, from every measured batch; None until one is measured (then the
+        # largest batch is assumed).  A micro-step is priced at it, not at the largest batch (``micro_step_ms``).
+        self.batch_avg: float | None = None
         self.growth = growth
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
 
@@ -186,15 +204,22 @@ class CostModel:
         """One stage's measured batch (``BatchDone``); batches with no micro-steps (GPU timings not read yet) skip."""
         if 0 <= stage < self.stages and micro_steps > 0 and forward_ms > 0 and math.isfinite(forward_ms):
             self.fits[stage].observe(micro_steps, forward_ms)
+            size = min(micro_steps, self.max_batch)
+            self.batch_avg = size if self.batch_avg is None else (1 - BATCH_EWMA) * self.batch_avg + BATCH_EWMA * size
+
+    @property
+    def typical_batch(self) -> float:
+        """The batch size a micro-step is priced at: the stages' average batch, or the largest before any."""
+        return self.max_batch if self.batch_avg is None else min(max(self.batch_avg, 1.0), self.max_batch)
 
     @property
     def known(self) -> bool:
         return all(f.ms(1, self.growth) is not None for f in self.fits)
 
-    def micro_step_ms(self, batch: int | None = None) -> float | None:
-        """Bottleneck-stage ms per micro-step at ``batch`` (default: the largest batch); None before any data."""
-        b = batch or self.max_batch
-        per = [f.ms(b, self.growth) for f in self.fits]
+    def micro_step_ms(self, batch: float | None = None) -> float | None:
+        """Bottleneck-stage ms per micro-step at ``batch`` (default: ``typical_batch``); None before any data."""
+        b = batch or self.typical_batch
+        per = [f.ms_at(b, self.growth) for f in self.fits]
         if any(v is None for v in per):
             return None
         return max(per) / b  # type: ignore[type-var]

@@ -94,6 +94,35 @@ def test_the_cost_model_learns_from_measured_batches():
     assert cost.micro_step_ms(4) == pytest.approx(6.0)
 
 
+def test_a_micro_step_is_priced_at_the_batches_the_stages_form_not_at_the_largest():
+    # One stage calibrated alone: a batch of 4 is the cheapest per micro-step (86 / 4 = 21.5 ms).
+    calibration = {1: 26.0, 2: 45.0, 3: 65.0, 4: 86.0}
+    cost = CostModel(stages=1, max_batch=4, chunk_ms=64.0)
+    cost.calibrate(0, calibration)
+    assert cost.typical_batch == 4
+    assert cost.micro_step_ms() == pytest.approx(calibration[4] / 4)
+    # Paced streams form batches of 2, measured at 80 ms while the VAE shares the GPU.
+    for _ in range(60):
+        cost.observe(0, 2, 80.0)
+    assert cost.typical_batch == pytest.approx(2.0)
+    per_step = cost.micro_step_ms()
+    assert per_step == pytest.approx(80.0 / 2, rel=1e-3)
+    # Two paced streams that may run 1 or 2 steps: priced at the batches they form, only (1, 1) is held
+    # (util = 8 micro-steps/s x 40 ms + 8 chunks/s x 64 ms = 83%); priced at the largest batch, (2, 2) would be.
+    streams = [demand(1, allowed=(1, 2)), demand(2, allowed=(1, 2))]
+    assert SloController(cost).decide(streams) == {1: 1, 2: 1}
+    alone = CostModel(stages=1, max_batch=4, chunk_ms=64.0)
+    alone.calibrate(0, calibration)
+    assert SloController(alone).decide(streams) == {1: 2, 2: 2}
+    # A fractional average lies between the two whole batch sizes around it.
+    for _ in range(200):
+        cost.observe(0, 3, 96.0)
+        cost.observe(0, 2, 80.0)
+    b = cost.typical_batch
+    assert 2.0 < b < 3.0
+    assert cost.micro_step_ms() == pytest.approx((80.0 + (96.0 - 80.0) * (b - 2)) / b, rel=1e-3)
+
+
 # ---- the controller inside the coordinator's engine (no stages: the plan loop driven by hand) ----------------
 
 LADDERS = [(1000.0,), (1000.0, 500.0), (1000.0, 667.0, 333.0)]
