@@ -32,6 +32,7 @@ from stagecast.sampling import SamplerConfig, SamplerError
 logger = logging.getLogger(__name__)
 
 SERVING_DEFAULTS_FILE = "stagecast.json"
+MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
 MAX_NEGATIVE_PROMPT_CHARS = 20_000  # the public API's prompt limit (gateway.config.MAX_PROMPT_CHARS)
 
 
@@ -53,6 +54,11 @@ class ServingDefaults:
     # the gateway's device.
     max_frame_pixels: int = 0
     max_stream_cost: float = 0
+    # The KV window (latent frames) and its sink frames of a stream whose request leaves ``window`` out; 0: unbounded
+    # (its context then grows to the RoPE limit of 1024 latent frames, which a real model's KV cache cannot hold on
+    # one GPU, so a checkpoint served live should set a window here).
+    window: int = 0
+    sink: int = 0
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # the ``sampler`` section
     # Classifier-free guidance: the negative prompt a guided stream runs when its request names none, and whether
     # the checkpoint is guidance-distilled (CausVid, Self-Forcing, StreamDiffusionV2: only guidance 1.0).
@@ -64,6 +70,9 @@ class ServingDefaults:
             raise ValueError(f"negative_prompt: must be a string of at most {MAX_NEGATIVE_PROMPT_CHARS} characters")
         if not isinstance(self.guidance_distilled, bool):
             raise ValueError(f"guidance_distilled: must be true or false, got {self.guidance_distilled!r}")
+        for name, value, top in (("window", self.window, MAX_WINDOW), ("sink", self.sink, self.window or MAX_WINDOW)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                raise ValueError(f"{name}: must be an integer in [0, {top}] latent frames, got {value!r}")
         offered = self.sampler.supported_steps()
         if self.steps not in offered:
             raise SamplerError(

@@ -21,7 +21,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gateway.checkpoint import MAX_NEGATIVE_PROMPT_CHARS, ModelInfo, ServingDefaults
+from gateway.checkpoint import MAX_NEGATIVE_PROMPT_CHARS, MAX_WINDOW, ModelInfo, ServingDefaults
 from stagecast import api
 from stagecast.media import CODECS, DEFAULT_CRF, DEFAULT_JPEG_QUALITY, quality_to_crf
 from stagecast.microstep import MAX_GUIDANCE, POLICIES, StreamSpec
@@ -40,7 +40,6 @@ MAX_FPS = 240.0
 MIN_FPS = 1.0
 MAX_INPUT_TIMEOUT = 3600.0  # seconds a video-to-video stream may wait for its next input frame
 DEFAULT_INPUT_TIMEOUT = 10.0
-MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
 # The largest legal request: a config whose prompt and negative prompt are MAX_PROMPT_CHARS characters of 4 UTF-8
 # bytes each, plus the other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server
 # refuses bigger messages before parsing them.
@@ -410,12 +409,15 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
 
     policy = _enum("policy", msg.policy, api.POLICIES, api.DEFAULT_POLICY)
     assert policy in POLICIES
-    window = msg.window if msg.HasField("window") else 0
+    # Left out: the checkpoint's serving default (stagecast.json ``window``/``sink``; 0: unbounded).  The default
+    # sink comes only with the default window: a request's own window keeps sink 0 unless it sends one.
+    window = msg.window if msg.HasField("window") else defaults.window
     if not 0 <= window <= MAX_WINDOW:
         raise ConfigError(
-            "window", f"must be in [0, {MAX_WINDOW}] latent frames (0 or absent: unbounded), got {window}"
+            "window",
+            f"must be in [0, {MAX_WINDOW}] latent frames (0: unbounded; absent: {defaults.window}), got {window}",
         )
-    sink = msg.sink if msg.HasField("sink") else 0
+    sink = msg.sink if msg.HasField("sink") else (0 if msg.HasField("window") else defaults.sink)
     if not 0 <= sink <= (window or MAX_WINDOW):
         raise ConfigError("sink", f"must be in [0, window] (window {window or 'unbounded'}), got {sink}")
     quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]

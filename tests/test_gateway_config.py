@@ -139,6 +139,41 @@ def test_serving_defaults_reject_unknown_keys(tmp_path):
     assert ServingDefaults.load(tmp_path / "missing") == ServingDefaults()
 
 
+def test_a_checkpoints_serving_window_applies_where_the_request_leaves_window_out(tmp_path):
+    (tmp_path / "stagecast.json").write_text('{"text_len": 32, "width": 64, "height": 48, "window": 6, "sink": 3}')
+    served = ServingDefaults.load(tmp_path)
+
+    def resolved(**kw):
+        cfg = resolve_config(stream_config("a cat", **kw), defaults=served, model=WAN21)
+        return cfg.window, cfg.sink, cfg.stream_spec(latent_channels=16, text_len=32).window
+
+    assert resolved() == (6, 3, 6)  # the checkpoint's window and its sinks
+    assert resolved(window=12) == (12, 0, 12)  # the request's own window, without the default's sinks
+    assert resolved(window=12, sink=2) == (12, 2, 12)
+    assert resolved(window=0) == (None, 0, None)  # asked for unbounded explicitly
+    with pytest.raises(ConfigError, match="window") as err:
+        resolve_config(stream_config("a cat", window=2000), defaults=served, model=WAN21)
+    assert err.value.field == "window" and "absent: 6" in str(err.value)
+    # Without a stagecast.json window, a stream that leaves it out stays unbounded, as before.
+    assert resolve(seed=1).window is None
+
+
+@pytest.mark.parametrize(
+    "body,name",
+    [
+        ('{"window": -1}', "window"),
+        ('{"window": 2000}', "window"),
+        ('{"window": 4, "sink": 5}', "sink"),
+        ('{"window": 6.5}', "window"),
+        ('{"window": true}', "window"),
+    ],
+)
+def test_a_bad_serving_window_stops_the_gateway_naming_the_key(tmp_path, body, name):
+    (tmp_path / "stagecast.json").write_text(body)
+    with pytest.raises(ValueError, match=f"{name}: must be an integer"):
+        ServingDefaults.load(tmp_path)
+
+
 def test_step_bounds_make_a_stream_slo_adaptive_with_the_samplers_ladders():
     cfg = resolve(min_steps=2, max_steps=4)
     assert (cfg.min_steps, cfg.steps, cfg.max_steps) == (2, 4, 4)  # starts at the most the bounds allow
