@@ -42,6 +42,11 @@
 #                                         # GPU, random weights; benchmarks/vae_graphs_check.py; ~6 min)
 #   bash benchmarks/gpu_suite.sh vae-graphs-1.3b # the `1.3b` part (main row, load rows 1, 2, 4, 8) with
 #                                         # --vae-cuda-graphs, to set beside it
+#   bash benchmarks/gpu_suite.sh pp4 pp4-14b pp2sp2 pp2cfg2   # issue 24's four-rank topologies, 1 step, 480x832:
+#                                         # PP=4 (1.3B, 14B), PP=2 x SP=2 (1.3B) and PP=2 x CFG-parallel 2 (1.3B,
+#                                         # guidance 5); the JSON names say how many GPUs ran them.  On 4 GPUs one rank
+#                                         # per GPU; PP=4 also runs on 2 GPUs (stage i on GPU i % 2: neighbours on
+#                                         # different GPUs), to shake the topology out where 4 are not lent
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -170,6 +175,19 @@ for part in "$@"; do
       need_torchao || { echo "fp8: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
       timeout 300 "${harness[@]}" --fp8 --model wan2.1-1.3b --steps 1 --stages "$stages" --no-compiled-peer --peer-chunks 4 \
         --ttff-runs 3 --json "$out/v2_13b_1step_${stages}gpu_fp8.json"
+      ;;
+    pp4|pp4-14b|pp2sp2|pp2cfg2)
+      gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+      model=wan2.1-1.3b; tag=13b; topo=(--stages 4); name=pp4; extra=(--load 1,2,4,8 --load-seconds 10)
+      run=("${harness[@]}")
+      case "$part" in
+        pp4-14b) model=wan2.1-14b; tag=14b; extra=(--ttff-runs 3) ;;
+        pp2sp2) topo=(--stages 2 --sp 2); name=pp2sp2_eager; extra=()  # SP stages have no CUDA graphs yet
+                run=(python -m benchmarks.harness --vae-compile) ;;
+        pp2cfg2) topo=(--stages 2 --cfg-parallel 2 --guidance 5); name=pp2cfg2_cfg5; extra=() ;;
+      esac
+      timeout 560 "${run[@]}" --model "$model" --steps 1 --no-compiled-peer --peer-chunks 4 "${topo[@]}" \
+        "${extra[@]}" --json "$out/v2_${tag}_1step_${name}_${gpus}gpu.json"
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \
