@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from coordinator.admission import AdmissionError, AdmissionState, Capacity, admit
+from coordinator.admission import AdmissionError, AdmissionState, Capacity, KvMemory, admit, kv_verdict
 from coordinator.generations import Generations, StageLink, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
@@ -48,7 +48,9 @@ from coordinator.slo import CostModel, Demand, SloController
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.kv_memory import stream_kv_bytes
 from stagecast.microstep import PlanEvent, StreamSpec, context_frames, recache_steps
+from stagecast.model.config import DiTConfig
 from stagecast.sampling import MAX_STEPS
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class StreamSession:
     recache: torch.Tensor | None = None  # a recache prompt's text, waiting for the chunks in flight
     finished: dict[int, pb.Tensor] = field(default_factory=dict)  # the clean latents a recache would need
     inputs_received: int = 0
+    kv: dict[int, int] = field(default_factory=dict)  # worst-case KV bytes reserved on each stage while it is open
 
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
         while True:
@@ -221,6 +224,9 @@ class PipelineEngine(Generations):
         self.batches_done = 0
         self.plan: list[pb.PlanEvent] = []
         self.stage_stats: dict[int, pb.StageStats] = {}
+        # Each stage process's KV budget and K/V element size from its FormReply (index -> bytes; 0: no limit).
+        self.kv_budgets: dict[int, int] = {}
+        self.kv_elements: dict[int, int] = {}
         self.last_error = ""
         self.resetting = 0
         self._ids = itertools.count(1)
@@ -323,12 +329,13 @@ class PipelineEngine(Generations):
                 model=cfg,
                 last_error=self.last_error,
                 capacity=self._capacity_verdict(newcomer),
+                kv_memory=self._kv_verdict(spec, max(by_steps)),
             )
             try:
                 admit(spec, text, state, consumer_depth=consumer_depth, image=image, negative_text=negative_text)
             except AdmissionError as exc:
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.telemetry.refused("capacity" if exc.retry_after_s else "streams")
+                if exc.limit:
+                    self.telemetry.refused(exc.limit)
                 raise
             sid = spec.stream_id or next(self._ids)
             if sid in self.sessions:
@@ -349,6 +356,7 @@ class PipelineEngine(Generations):
                 ladders=by_steps,
                 latency_first=latency_first,
                 steps=spec.steps,
+                kv=self._stage_kv(spec, max(by_steps)),
             )
             self.sessions[sid] = session
             self._decided_at = None  # the set of streams changed: decide steps at the next tick
@@ -497,7 +505,12 @@ class PipelineEngine(Generations):
 
     def on_formed(self, replies: dict[int, pb.FormReply]) -> None:
         """Seed the SLO model with each stage's calibration (full KV window; empty where only that was timed), unless
-        the operator's --stage-ms or --slo-fixed takes precedence."""
+        the operator's --stage-ms or --slo-fixed takes precedence; take each stage's KV budget for admission."""
+        self.kv_budgets = {index: max(0, reply.kv_budget_bytes) for index, reply in replies.items()}
+        self.kv_elements = {index: max(0, reply.kv_element_bytes) for index, reply in replies.items()}
+        for index, budget in sorted(self.kv_budgets.items()):
+            if budget:
+                logger.info("stage %d gives streams' KV %.3f GiB", index, budget / (1 << 30))
         for index, reply in sorted(replies.items()):
             if not reply.HasField("calibration"):
                 logger.info("stage %d reported no calibration: its times are learnt from measured batches", index)
@@ -668,6 +681,70 @@ class PipelineEngine(Generations):
     def _demands(self) -> list[Demand]:
         return [self._demand(s) for s in sorted(self.sessions.values(), key=lambda s: s.id) if not s.ended]
 
+    def _retry_after(self) -> float:
+        """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks
+        at its pace), else ``RETRY_AFTER_S``."""
+        ends = [
+            (s.spec.num_chunks - s.delivered) / s.chunk_rate
+            for s in self.sessions.values()
+            if s.spec.num_chunks is not None and s.chunk_rate > 0
+        ]
+        return max(0.1, min(ends)) if ends else RETRY_AFTER_S
+
+    def _stage_kv(self, spec: StreamSpec, max_steps: int) -> dict[int, int]:
+        """The stream's worst-case KV bytes on each stage process with a KV budget (``stagecast.kv_memory``): its
+        layers, its share of the heads under --sp, its CFG group's branches under --cfg-parallel."""
+        cfg = self.model_config()
+        if cfg is None or not any(self.kv_budgets.values()):
+            return {}
+        model = DiTConfig.from_kwargs(cfg)
+        ranks_per_group = self.registry.layout.world_size  # stage processes of one CFG group
+        return {
+            r.index: stream_kv_bytes(
+                spec,
+                model,
+                layers=len(r.layers),
+                element_bytes=self.kv_elements.get(r.index) or 4,  # unknown: the widest dtype a stage runs
+                max_steps=max_steps,
+                sp=self.registry.sp,
+                cfg_rank=r.index // ranks_per_group,
+                cfg_size=self.registry.cfg_parallel,
+            )
+            for r in self.registry.records()
+            if self.kv_budgets.get(r.index, 0) > 0
+        }
+
+    def kv_reserved(self) -> dict[int, int]:
+        """Worst-case KV bytes of the open streams on each stage process (released as each stream ends)."""
+        reserved: dict[int, int] = {}
+        for session in self.sessions.values():
+            for index, nbytes in session.kv.items():
+                reserved[index] = reserved.get(index, 0) + nbytes
+        return reserved
+
+    def kv_status(self) -> list[tuple[int, int, int]]:
+        """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
+        with self.cond:
+            reserved = self.kv_reserved()
+            return [(i, b, reserved.get(i, 0)) for i, b in sorted(self.kv_budgets.items()) if b > 0]
+
+    def _kv_verdict(self, spec: StreamSpec, max_steps: int) -> KvMemory | None:
+        """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
+        if not any(self.kv_budgets.values()):
+            return None
+        rope = int((self.model_config() or {}).get("rope_max_seq_len") or 1024)
+        try:
+            return kv_verdict(
+                spec,
+                lambda s: self._stage_kv(s, max_steps),
+                self.kv_reserved(),
+                self.kv_budgets,
+                rope_limit=rope,
+                retry_after_s=self._retry_after(),
+            )
+        except (ValueError, TypeError, KeyError):
+            return None  # a stream the model cannot run: check_spec refuses it with its reason
+
     def _capacity_verdict(self, newcomer: Demand) -> Capacity | None:
         """Whether the pipeline holds one more stream (every stream at its min_steps); None when not checked."""
         if newcomer.chunk_rate <= 0 or self.cost.micro_step_ms() is None:
@@ -677,12 +754,7 @@ class PipelineEngine(Generations):
             return Capacity(True)
         need = self.controller.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted}) or 0.0
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
-        ends = [
-            (s.spec.num_chunks - s.delivered) / s.chunk_rate
-            for s in self.sessions.values()
-            if s.spec.num_chunks is not None and s.chunk_rate > 0
-        ]
-        retry = max(0.1, min(ends)) if ends else RETRY_AFTER_S
+        retry = self._retry_after()
         detail = (
             f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps would need "
             f"{need:.0%} of the slowest stage (the limit is {self.controller.target:.0%})"
@@ -919,6 +991,7 @@ class PipelineEngine(Generations):
 
     def status(self) -> pb.ClusterStatus:
         with self.cond:
+            reserved = self.kv_reserved()
             stages = [
                 pb.StageDescription(
                     index=r.index,
@@ -927,6 +1000,8 @@ class PipelineEngine(Generations):
                     layer_stop=r.layers.stop,
                     device=r.device,
                     formed=self.ready and not r.lost,
+                    kv_budget_bytes=self.kv_budgets.get(r.index, 0),
+                    kv_reserved_bytes=reserved.get(r.index, 0),
                 )
                 for r in self.registry.records()
             ]

@@ -13,11 +13,15 @@ Metrics:
 * ``stagecast_coordinator_active_streams``, ``stagecast_coordinator_pending_events`` (opens, stops and prompt
   updates not yet planned), ``stagecast_coordinator_batches_in_flight`` (planned, not finished by the last stage),
   ``stagecast_coordinator_lookahead_batches`` (its limit), ``stagecast_coordinator_stage_outbox_depth{stage}`` (plan
-  events queued for a stage's Submit), ``stagecast_coordinator_ready``, ``stagecast_coordinator_generation`` (gauges);
+  events queued for a stage's Submit), ``stagecast_coordinator_ready``, ``stagecast_coordinator_generation``,
+  ``stagecast_coordinator_stage_kv_budget_bytes{stage}`` (what a stage gives to streams' KV; stages without a limit are
+  left out) and ``stagecast_coordinator_stage_kv_reserved_bytes{stage}`` (the admitted streams' worst-case KV on it)
+  (gauges);
 * ``stagecast_coordinator_batches_planned_total``, ``stagecast_coordinator_micro_steps_planned_total``,
   ``stagecast_coordinator_empty_ticks_total`` (ticks that planned nothing: a pipeline bubble at the source),
   ``stagecast_coordinator_chunks_routed_total``, ``stagecast_coordinator_chunks_dropped_total`` (finished chunks
   whose stream was gone), ``stagecast_coordinator_streams_opened_total``,
+  ``stagecast_coordinator_streams_refused_total{limit}`` (streams, kv_memory, capacity),
   ``stagecast_coordinator_streams_ended_total{reason}``,
   ``stagecast_coordinator_generation_failures_total`` (counters);
 * ``stagecast_coordinator_batch_size`` (micro-steps per batch) and ``stagecast_coordinator_batch_latency_seconds``
@@ -51,6 +55,28 @@ class _OutboxCollector:
         for link in list(self.engine.links):
             fam.add_metric([str(link.record.index)], link.outbox.qsize())
         yield fam
+
+
+class _KvCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        budget = GaugeMetricFamily(
+            "stagecast_coordinator_stage_kv_budget_bytes",
+            "Bytes a stage gives to streams' self-attention KV (stages without a limit are left out)",
+            labels=["stage"],
+        )
+        reserved = GaugeMetricFamily(
+            "stagecast_coordinator_stage_kv_reserved_bytes",
+            "Worst-case KV bytes of the streams admitted on a stage",
+            labels=["stage"],
+        )
+        for index, limit, held in self.engine.kv_status():
+            budget.add_metric([str(index)], limit)
+            reserved.add_metric([str(index)], held)
+        yield budget
+        yield reserved
 
 
 class _CapacityCollector:
@@ -147,6 +173,7 @@ class CoordinatorTelemetry:
             Gauge(name, doc, registry=r).set_function(fn)
         r.register(_OutboxCollector(engine))
         r.register(_CapacityCollector(engine))
+        r.register(_KvCollector(engine))
 
     # ---- called by the engine, under its lock -----------------------------------------------------------------
 

@@ -53,6 +53,14 @@ def add_parser(sub) -> None:
         "seconds (0: skip; the coordinator then learns from measured batches); default: 5 on a GPU, 0 on a CPU (the "
         "processes sharing its cores make a start-up timing say little about serving)",
     )
+    p.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        default=0.0,
+        help="GiB this stage gives to streams' self-attention KV: the coordinator admits a stream only while every "
+        "stage holds the admitted streams' worst-case KV plus its own (0: derive it: on a GPU the memory free after "
+        "loading and calibrating less a reserve for activations and graphs; on a CPU no limit)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument(
         "--lora",
@@ -98,6 +106,13 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from stage_service.kv_budget import check_kv_budget_gib
+
+    try:
+        check_kv_budget_gib(args.kv_budget_gib)
+    except ValueError as exc:
+        print(f"stagecast stage: error: {exc}", file=sys.stderr)
+        return 2
     if args.sp_rank is not None:
         index = index * args.sp + args.sp_rank  # the rank this process registers as
     try:
@@ -140,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs,
         fp8=args.fp8,
         calibration_s=args.calibration_s,
+        kv_budget_gib=args.kv_budget_gib,
         loras=loras,
         mtls=mtls,
         metrics_host=args.metrics_host,

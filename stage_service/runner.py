@@ -36,7 +36,7 @@ from stage_service.graphs import GraphedBlocks
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
-from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec, context_frames, rope_offset
+from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec, context_frames, rope_offset, stream_branches
 from stagecast.model.config import DiTConfig, check_image, check_spec
 
 
@@ -103,13 +103,6 @@ class _Stream:
 def guided(spec: StreamSpec, step: MicroStep) -> bool:
     """Whether ``step``'s prediction is a guided combination of two branches (the clean pass has no sampler step)."""
     return spec.cfg and not spec.is_clean_pass(step.level)
-
-
-def stream_branches(spec: StreamSpec, cfg_rank: int, cfg_size: int) -> tuple[int, ...]:
-    """The CFG branches a runner of CFG group ``cfg_rank`` (of ``cfg_size``) computes for a stream."""
-    if not spec.cfg:
-        return (0,) if cfg_rank == 0 else ()
-    return (0, 1) if cfg_size == 1 else (cfg_rank,)
 
 
 def combine_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

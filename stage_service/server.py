@@ -41,6 +41,7 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.fp8 import convert_to_fp8
 from stage_service.graphs import GraphedBlocks
+from stage_service.kv_budget import check_kv_budget_gib, measure_kv_budget
 from stage_service.metrics import StageTelemetry
 from stage_service.parallel_state import LOCAL
 from stage_service.rendezvous import GrpcStore
@@ -93,6 +94,7 @@ class StageOptions:
     sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
     fp8: bool = False  # block linears as torchao float8 (``stage_service.fp8``); refused where it cannot run
     calibration_s: float | None = None  # READY calibration's budget (0: none; None: 5 s on a GPU, none on a CPU)
+    kv_budget_gib: float = 0.0  # bytes given to streams' KV (``stage_service.kv_budget``); 0: derive it
 
 
 class _Generation:
@@ -124,11 +126,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
         else:
             self.config = read_config(opts.checkpoint)
         check_sp(opts.sp, self.config["num_attention_heads"])  # at start-up, before registering
+        check_kv_budget_gib(opts.kv_budget_gib)
         self.layers: range | None = None
         self.world_size = 0
         self.slice: DiTSlice | None = None
         self.max_batch = 4  # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
         self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
+        self.kv_budget = 0  # bytes for streams' KV, measured after loading (FormReply.kv_budget_bytes; 0: no limit)
         self.gen: _Generation | None = None
         self.lock = threading.RLock()
         self.address = ""
@@ -260,7 +264,18 @@ class StageServicer(pb_grpc.StageServiceServicer):
         took = time.perf_counter() - start
         logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
         self.telemetry.startup("load", took)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            loaded = torch.cuda.memory_allocated(self.device)
         self.calibration = self._calibrate()
+        peak = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
+        if cuda:
+            torch.cuda.empty_cache()
+        self.kv_budget = measure_kv_budget(self.device, operator_gib=self.opts.kv_budget_gib, activation_peak=peak)
+        gib = self.kv_budget / (1 << 30)
+        limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
+        logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
         return took
 
     def _calibrate(self) -> Calibration | None:
@@ -359,7 +374,11 @@ class StageServicer(pb_grpc.StageServiceServicer):
             logger.info("stage %d formed generation %d", self.opts.index, request.generation)
             cal = self.calibration
             return pb.FormReply(
-                rank=request.rank, load_seconds=took, calibration=cal.to_proto() if cal is not None else None
+                rank=request.rank,
+                load_seconds=took,
+                calibration=cal.to_proto() if cal is not None else None,
+                kv_budget_bytes=self.kv_budget,
+                kv_element_bytes=torch.empty((), dtype=self.dtype).element_size(),
             )
 
     def _drop_generation(self, reason: str, timeout: float = 5.0) -> bool:
@@ -568,6 +587,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 device=self.opts.device,
                 kv_bytes=kv,
                 formed=gen is not None,
+                kv_budget_bytes=self.kv_budget,
             )
 
 

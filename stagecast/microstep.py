@@ -149,6 +149,15 @@ class StreamSpec:
         return (rope_limit // self.chunk_frames) * self.chunk_frames
 
 
+def stream_branches(spec: StreamSpec, cfg_rank: int, cfg_size: int) -> tuple[int, ...]:
+    """The CFG branches (0: conditional, 1: unconditional) a runner of CFG group ``cfg_rank`` (of ``cfg_size``)
+    computes, and keeps KV rows for, for a stream: both under sequential CFG, its own under CFG-parallel (group 1
+    runs nothing of an unguided stream)."""
+    if not spec.cfg:
+        return (0,) if cfg_rank == 0 else ()
+    return (0, 1) if cfg_size == 1 else (cfg_rank,)
+
+
 def context_frames(spec: StreamSpec, chunk: int, rope_limit: int) -> list[int]:
     """Absolute latent frames that ``chunk`` attends to besides its own: the causal KV window.
 

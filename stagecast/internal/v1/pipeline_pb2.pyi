@@ -241,14 +241,18 @@ class Rendezvous(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
-    __slots__ = ("rank", "load_seconds", "calibration")
+    __slots__ = ("rank", "load_seconds", "calibration", "kv_budget_bytes", "kv_element_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     load_seconds: float
     calibration: StageCalibration
-    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ..., calibration: _Optional[_Union[StageCalibration, _Mapping]] = ...) -> None: ...
+    kv_budget_bytes: int
+    kv_element_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ..., calibration: _Optional[_Union[StageCalibration, _Mapping]] = ..., kv_budget_bytes: _Optional[int] = ..., kv_element_bytes: _Optional[int] = ...) -> None: ...
 
 class StageCalibration(_message.Message):
     __slots__ = ("empty_ms", "full_ms", "latent_height", "latent_width", "chunk_frames", "text_len", "window", "graphs", "seconds", "error")
@@ -287,7 +291,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("index", "address", "model_config_json", "layer_start", "layer_stop", "generation", "open_streams", "device", "kv_bytes", "formed")
+    __slots__ = ("index", "address", "model_config_json", "layer_start", "layer_stop", "generation", "open_streams", "device", "kv_bytes", "formed", "kv_budget_bytes", "kv_reserved_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,8 @@ class StageDescription(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     address: str
     model_config_json: str
@@ -308,7 +314,9 @@ class StageDescription(_message.Message):
     device: str
     kv_bytes: int
     formed: bool
-    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ..., open_streams: _Optional[int] = ..., device: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., formed: _Optional[bool] = ...) -> None: ...
+    kv_budget_bytes: int
+    kv_reserved_bytes: int
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., model_config_json: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., generation: _Optional[int] = ..., open_streams: _Optional[int] = ..., device: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., formed: _Optional[bool] = ..., kv_budget_bytes: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("index", "address", "model_config_json", "expected_world_size", "device", "sp")
