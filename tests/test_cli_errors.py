@@ -54,6 +54,15 @@ def test_stage_with_a_calibration_budget_out_of_range_exits_2_naming_the_flag(ch
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_stage_with_a_kv_budget_out_of_range_exits_2_naming_the_flag(checkpoint, value):
+    args = ["stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(checkpoint)]
+    proc = run_cli(*args, "--insecure-internal", "--kv-budget-gib", value)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stagecast stage: error: --kv-budget-gib: must be in [0, " in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_coordinator_with_a_negative_vae_cost_exits_naming_the_flag():
     proc = run_cli("coordinator", "--stages", "1", "--port", "0", "--insecure-internal", "--vae-ms-per-chunk", "-3")
     assert proc.returncode != 0 and "--vae-ms-per-chunk: must be in [0, 100000)" in proc.stderr

@@ -14,6 +14,7 @@ import torch
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
+from stage_service.kv_budget import RESERVE_FRACTION, check_kv_budget_gib, kv_budget, measure_kv_budget
 from stage_service.kv_cache import StreamKVCache
 from stagecast.kv_memory import kv_rows, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec, context_frames
@@ -139,3 +140,19 @@ def test_the_most_context_comes_from_the_microstep_helpers():
         assert max_context_frames(s, rope) == max(len(context_frames(s, c, rope)) for c in range(chunks))
     assert kv_rows(spec(timesteps=(1000.0, 500.0)), max_steps=4) == 4
     assert kv_rows(spec(policy="clean", timesteps=(1000.0, 500.0)), max_steps=4) == 1
+
+
+def test_a_stage_budget_is_the_operators_else_free_memory_less_the_reserve_and_none_on_a_cpu():
+    gib = 1 << 30
+    assert kv_budget(0.5, free=0, total=0, activation_peak=0) == gib // 2
+    # 100 GiB free of 140: the reserve is the calibration's activation peak plus a tenth of the GPU.
+    free, total, peak = 100 * gib, 140 * gib, 3 * gib
+    assert kv_budget(0.0, free=free, total=total, activation_peak=peak) == free - peak - int(RESERVE_FRACTION * total)
+    # Nothing left is one byte (a stage that admits no stream), never 0, which would mean no limit.
+    assert kv_budget(0.0, free=gib, total=total, activation_peak=peak) == 1
+    cpu = torch.device("cpu")
+    assert measure_kv_budget(cpu, operator_gib=0.0) == 0
+    assert measure_kv_budget(cpu, operator_gib=2.0) == 2 * gib
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--kv-budget-gib"):
+            check_kv_budget_gib(bad)
