@@ -80,6 +80,7 @@ def exported_metric_names() -> set[str]:
         capacity=lambda: [(1, 3)],  # the SLO model's gauges are exported once it has stage times
         utilization=lambda: 0.5,
         slo_correction=lambda: 1.0,
+        kv_status=lambda: [(0, 1 << 30, 0)],  # (stage, KV budget, reserved) of stages with a budget
     )
     coordinator = CoordinatorTelemetry()
     coordinator.bind(engine)
