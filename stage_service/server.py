@@ -7,7 +7,8 @@ Run with ``stagecast stage --index I --coordinator HOST:PORT --checkpoint DIR``.
 2. load only that slice, time it (``stage_service.calibration``: forwards of batch sizes 1..the coordinator's
    max batch at the serving size, within ``--calibration-s``), then report the process SERVING (health service
    ""): alive, waiting to join.  ``Form`` hands the timings to the coordinator (``FormReply.calibration``), which
-   seeds its SLO model with them;
+   seeds its SLO model with them, and the bytes this stage gives to streams' KV (``FormReply.kv_budget_bytes``,
+   ``stage_service.kv_budget``: ``--kv-budget-gib``, else measured after the calibration), which it admits by;
 3. ``Form`` joins the generation's process group; ``Submit`` enqueues validated plan events that the
    ``StageExecutor`` runs in order; ``Results`` streams finished chunks and batch completions back.  While a
    generation is formed, the health service ``stagecast.internal.v1.StageService`` is SERVING;
