@@ -20,7 +20,9 @@ that signature run eagerly until the graph is in, then replay it.  Such a graph 
 while other graphs replayed on the shared ones).  ``run(..., inline=True)`` captures in line even then: the batches of
 the gateway's warm-up stream (``StreamSpec.warmup``), which nothing waits on, before the gateway serves.
 
-Past ``max_graphs`` signatures, new ones run eagerly; if a capture fails, the stage logs it and runs every batch
+Past ``max_graphs`` signatures, or once a new signature's static buffers would take the graphs' buffers past
+``max_buffer_bytes`` (the stage's cap: a window that keeps growing makes a new signature, and buffers, every chunk),
+new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
 
 Static buffers are per batch slot and shape class (tokens per item, text length), shared by every graph of that
@@ -104,8 +106,13 @@ class GraphedBlocks:
         capture: Capture | None = None,
         max_graphs: int = 64,
         background: bool = False,
+        max_buffer_bytes: int | None = None,
     ):
         self.slice = dit_slice
+        # The static buffers' cap (None: none): a signature whose buffers would pass it runs eagerly.
+        self.max_buffer_bytes = max_buffer_bytes
+        self._pending_bytes = 0  # private slots of background captures not yet in ``private_slots``
+        self._over_cap_logged = False
         if capture is None:
             capture = cuda_graph_capture(dit_slice.device) if dit_slice.device.type == "cuda" else rerun_capture
         self.capture = capture
@@ -176,7 +183,11 @@ class GraphedBlocks:
                     logger.warning("%d CUDA graphs captured; further batch signatures run eagerly", self.max_graphs)
                 self.eager_batches += 1
                 return self.slice.run_blocks(hidden, cond, ctx)
-            slots, grew = self._ensure_slots(hidden, ctx)
+            ensured = self._ensure_slots(hidden, ctx)
+            if ensured is None:  # its buffers would pass the cap
+                self.eager_batches += 1
+                return self.slice.run_blocks(hidden, cond, ctx)
+            slots, grew = ensured
             if grew:
                 with self._lock:
                     self.graphs.clear()  # buffers were reallocated: the captured graphs point at the old ones
@@ -210,27 +221,34 @@ class GraphedBlocks:
         self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext
     ) -> torch.Tensor:
         """A signature without a graph: start capturing it off the serving path (once) and run this batch eagerly."""
+        need = sum(self._slot_bytes(*shape) for shape in self._private_shapes(hidden, ctx))
         with self._lock:
             start = sig not in self.pending and len(self.graphs) + len(self.pending) < self.max_graphs
+            if start and not self._fits(need + self._pending_bytes):
+                start = False
             if start:
                 self.pending[sig] = Future()  # placeholder until submitted, so the signature is not started twice
+                self._pending_bytes += need
         if start:
             # Inputs go into buffers of the new graph's own, here on the executor thread: the KV window and text are
             # read before the executor moves on (commits evict frames), and no shared slot is touched meanwhile.
             slots = self._private_slots(hidden, ctx)
             graph, forward = self._prepare(sig, hidden, cond, ctx, slots)
             with self._lock:
-                self.pending[sig] = self._worker.submit(self._capture_in_background, sig, graph, forward)
+                self.pending[sig] = self._worker.submit(self._capture_in_background, sig, graph, forward, need)
         self.eager_batches += 1
         return self.slice.run_blocks(hidden, cond, ctx)
 
-    def _capture_in_background(self, sig: tuple, graph: _Graph, forward: Callable[[], None]) -> None:
+    def _capture_in_background(self, sig: tuple, graph: _Graph, forward: Callable[[], None], need: int = 0) -> None:
         try:
             graph.replay = self.capture(forward)
         except Exception:
             logger.exception("background CUDA graph capture failed; signature %s stays eager", sig)
+            with self._lock:
+                self._pending_bytes -= need  # the graph and its slots are dropped
             return  # it stays pending: the signature is not retried, and runs eagerly
         with self._lock:
+            self._pending_bytes -= need
             self.graphs[sig] = graph
             self.pending.pop(sig, None)
             self.private_slots.extend(graph.slots)
@@ -238,16 +256,45 @@ class GraphedBlocks:
             self.background_captures += 1
         logger.info("captured a graph in the background for batch signature %s (%d graphs)", sig, len(self.graphs))
 
-    def _private_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[_Slot]:
+    def _private_shapes(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[tuple]:
+        """(layers, context, tokens, text_len, heads, head_dim, dtype) of each private slot a batch would get."""
         layers, tokens = self.slice.num_layers, hidden.shape[1]
         text_len = ctx.cross_kv[0][0][0].shape[1]
-        slots = []
+        shapes = []
         for b in range(hidden.shape[0]):
             kv = ctx.self_kv[b] if ctx.self_kv else None
             need = max(kv.context_tokens if kv is not None else 0, 1)
             heads, head_dim = ctx.cross_kv[b][0][0].shape[2:]
-            slots.append(self._new_slot(layers, need, tokens, text_len, heads, head_dim, hidden.device, hidden.dtype))
-        return slots
+            shapes.append((layers, need, tokens, text_len, heads, head_dim, hidden.dtype))
+        return shapes
+
+    def _private_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[_Slot]:
+        return [
+            self._new_slot(layers, need, tokens, text_len, heads, head_dim, hidden.device, dtype)
+            for layers, need, tokens, text_len, heads, head_dim, dtype in self._private_shapes(hidden, ctx)
+        ]
+
+    @staticmethod
+    def _slot_bytes(layers, context, tokens, text_len, heads, head_dim, dtype) -> int:
+        """What ``_new_slot`` allocates: K and V of the window in, the chunk written and the text, for every layer."""
+        return (
+            2 * layers * (context + tokens + text_len) * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
+
+    def _fits(self, extra: int) -> bool:
+        """Whether ``extra`` more bytes of static buffers stay within ``max_buffer_bytes`` (logged once when not)."""
+        if self.max_buffer_bytes is None or self.nbytes + extra <= self.max_buffer_bytes:
+            return True
+        if not self._over_cap_logged:
+            self._over_cap_logged = True
+            logger.warning(
+                "CUDA graph buffers would pass their cap (%d MiB held, %d MiB more, cap %d MiB): batch signatures "
+                "that need new buffers run eagerly",
+                self.nbytes >> 20,
+                extra >> 20,
+                self.max_buffer_bytes >> 20,
+            )
+        return False
 
     @staticmethod
     def _new_slot(layers, context, tokens, text_len, heads, head_dim, device, dtype) -> _Slot:
@@ -270,11 +317,30 @@ class GraphedBlocks:
 
     # ---- buffers ----------------------------------------------------------------------------------------
 
-    def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> tuple[list[_Slot], bool]:
+    def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> tuple[list[_Slot], bool] | None:
         """A slot per item, large enough for its KV window and text: ``(the batch's slots, whether any buffer was
-        reallocated)``."""
+        reallocated)``; None (nothing allocated) when the new buffers would pass ``max_buffer_bytes``."""
         layers, tokens = self.slice.num_layers, hidden.shape[1]
         text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
+        slots = self.pools.get((tokens, text_len), [])
+        growth = 0
+        for b in range(hidden.shape[0]):
+            kv = ctx.self_kv[b] if ctx.self_kv else None
+            need = max(kv.max_context_tokens if kv is not None else 0, 1)
+            text_k, _ = ctx.cross_kv[b][0]
+            heads, head_dim = text_k.shape[2:]
+            slot = slots[b] if b < len(slots) else None
+            if slot is not None and slot.context_capacity >= need:
+                continue
+            old = slot.context_capacity if slot is not None else 0
+            shape = (layers, max(need, old), tokens, text_len, heads, head_dim, text_k.dtype)
+            growth += self._slot_bytes(*shape) - (
+                self._slot_bytes(layers, old, tokens, text_len, heads, head_dim, text_k.dtype)
+                if slot is not None
+                else 0
+            )
+        if growth and not self._fits(growth):
+            return None
         slots = self.pools.setdefault((tokens, text_len), [])
         grew = False
         for b in range(hidden.shape[0]):

@@ -42,7 +42,7 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.fp8 import convert_to_fp8
 from stage_service.graphs import GraphedBlocks
-from stage_service.kv_budget import check_kv_budget_gib, measure_kv_budget
+from stage_service.kv_budget import check_kv_budget_gib, graph_buffer_cap, measure_kv_budget
 from stage_service.metrics import StageTelemetry
 from stage_service.parallel_state import LOCAL
 from stage_service.rendezvous import GrpcStore
@@ -134,6 +134,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.max_batch = 4  # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
         self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
         self.kv_budget = 0  # bytes for streams' KV, measured after loading (FormReply.kv_budget_bytes; 0: no limit)
+        # What the CUDA graphs' static buffers may hold (None: no cap, no graphs); kept out of the KV budget.
+        self.graph_cap = graph_buffer_cap(self.device, opts.cuda_graphs)
         self.gen: _Generation | None = None
         self.lock = threading.RLock()
         self.address = ""
@@ -273,7 +275,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
         peak = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
         if cuda:
             torch.cuda.empty_cache()
-        self.kv_budget = measure_kv_budget(self.device, operator_gib=self.opts.kv_budget_gib, activation_peak=peak)
+        self.kv_budget = measure_kv_budget(
+            self.device, operator_gib=self.opts.kv_budget_gib, activation_peak=peak, graph_bytes=self.graph_cap or 0
+        )
         gib = self.kv_budget / (1 << 30)
         limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
         logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
@@ -353,7 +357,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             graphs = None
             if self.opts.cuda_graphs and self.device.type == "cuda":
                 # A signature first seen while serving runs eagerly while its graph is captured off the serving path.
-                graphs = GraphedBlocks(self.slice, background=True)
+                graphs = GraphedBlocks(self.slice, background=True, max_buffer_bytes=self.graph_cap)
             group_size = request.world_size // cfg_parallel  # ranks of one CFG group
             runner = SliceRunner(
                 self.slice,

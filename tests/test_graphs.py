@@ -333,3 +333,31 @@ def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_mod
     assert [e.micro_steps for e in done] == [0, 0, 0, 1, 1, 1]
     assert all(e.forward_ms > 0 for e in done[3:]) and all(e.forward_ms == 0 for e in done[:3])
     assert runner.graphs.inline_captures == 3 and runner.graphs.background_captures == 0
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_graph_buffers_stay_within_their_cap_and_the_rest_runs_eagerly_bit_for_bit(tiny_model, background):
+    # A window that keeps growing gives every chunk a new signature: with no cap its buffers grow with it (a copy of
+    # the window per slot, per background signature); with one, signatures past it run eagerly, and results agree.
+    model = tiny_model()
+    reqs = requests([spec(1, num_chunks=8, window=None, sink=0)], arrivals=[0])
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    want = ReferenceExecutor(full).generate(reqs, num_stages=2, max_batch=2).chunks[1]
+
+    def graphed(cap):
+        ref = ReferenceExecutor(full)
+        graphs = GraphedBlocks(full, capture=rerun_capture, background=background, max_buffer_bytes=cap)
+        ref.runner.graphs = graphs
+        got = ref.generate(reqs, num_stages=2, max_batch=2).chunks[1]
+        graphs.wait_captures(TIMEOUT)
+        graphs.close()
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        return graphs
+
+    free = graphed(None)
+    cap = free.nbytes // 2
+    capped = graphed(cap)
+    assert 0 < capped.nbytes <= cap < free.nbytes
+    assert 0 < capped.captures < free.captures
+    if not background:  # (in the background every new signature's first batch runs eagerly anyway)
+        assert capped.eager_batches > free.eager_batches == 0

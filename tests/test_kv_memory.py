@@ -14,7 +14,13 @@ import torch
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
-from stage_service.kv_budget import RESERVE_FRACTION, check_kv_budget_gib, kv_budget, measure_kv_budget
+from stage_service.kv_budget import (
+    RESERVE_FRACTION,
+    check_kv_budget_gib,
+    graph_buffer_cap,
+    kv_budget,
+    measure_kv_budget,
+)
 from stage_service.kv_cache import StreamKVCache
 from stagecast.kv_memory import kv_rows, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec, context_frames
@@ -148,11 +154,16 @@ def test_a_stage_budget_is_the_operators_else_free_memory_less_the_reserve_and_n
     # 100 GiB free of 140: the reserve is the calibration's activation peak plus a tenth of the GPU.
     free, total, peak = 100 * gib, 140 * gib, 3 * gib
     assert kv_budget(0.0, free=free, total=total, activation_peak=peak) == free - peak - int(RESERVE_FRACTION * total)
+    # With --cuda-graphs the graphs' buffer cap is kept out too.
+    graphs = 30 * gib
+    with_graphs = kv_budget(0.0, free=free, total=total, activation_peak=peak, graph_bytes=graphs)
+    assert with_graphs == kv_budget(0.0, free=free, total=total, activation_peak=peak) - graphs
     # Nothing left is one byte (a stage that admits no stream), never 0, which would mean no limit.
     assert kv_budget(0.0, free=gib, total=total, activation_peak=peak) == 1
     cpu = torch.device("cpu")
     assert measure_kv_budget(cpu, operator_gib=0.0) == 0
     assert measure_kv_budget(cpu, operator_gib=2.0) == 2 * gib
+    assert graph_buffer_cap(cpu, cuda_graphs=True) is None
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="--kv-budget-gib"):
             check_kv_budget_gib(bad)
