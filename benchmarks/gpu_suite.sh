@@ -47,6 +47,12 @@
 #                                         # guidance 5); the JSON names say how many GPUs ran them.  On 4 GPUs one rank
 #                                         # per GPU; PP=4 also runs on 2 GPUs (stage i on GPU i % 2: neighbours on
 #                                         # different GPUs), to shake the topology out where 4 are not lent
+#   bash benchmarks/gpu_suite.sh kv-admission kv-admission-1step   # admission by KV memory (1.3B 480x832, 15 s
+#                                         # unpaced streams, 4 and 1 steps): each stage's derived KV budget, a stream
+#                                         # without a window (the request that ran a one-GPU stage out of memory)
+#                                         # refused naming window or run to the end, then windowed streams (6, 3
+#                                         # sinks) opened until one is refused and all run at once; actual KV against
+#                                         # the reservation (benchmarks/kv_admission_check.py, ~5 min per part)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -58,7 +64,7 @@
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
 # STAGES=1 runs the parts that take it (quick, 1.3b, 1.3b-4, 14b, 5b, warmup-ab, v2v, slo, webrtc, fp8,
-# vae-graphs-1.3b) as one stage on one GPU; their JSON names then say 1gpu.  The parity parts (check, sp-*, cfg-*)
+# vae-graphs-1.3b, kv-admission*) as one stage on one GPU; their JSON names then say 1gpu.  The parity parts (check, sp-*, cfg-*)
 # need two GPUs whatever it says.
 stages="${STAGES:-2}"
 case "$stages" in 1|2) ;; *) echo "gpu_suite: STAGES must be 1 or 2, not '$stages'"; exit 2 ;; esac
@@ -188,6 +194,11 @@ for part in "$@"; do
       esac
       timeout 560 "${run[@]}" --model "$model" --steps 1 --no-compiled-peer --peer-chunks 4 "${topo[@]}" \
         "${extra[@]}" --json "$out/v2_${tag}_1step_${name}_${gpus}gpu.json"
+      ;;
+    kv-admission|kv-admission-1step)
+      steps=4; [ "$part" = kv-admission-1step ] && steps=1
+      timeout 560 python -m benchmarks.kv_admission_check --model wan2.1-1.3b --stages "$stages" --steps "$steps" \
+        --seconds 15 --max-open 12 --cuda-graphs --vae-compile --json "$out/kv_admission_13b_${steps}step_${stages}gpu.json"
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \

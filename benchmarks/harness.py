@@ -468,6 +468,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         cuda_graphs=args.cuda_graphs and device_kind == "cuda",
         fp8=args.fp8,
         coordinator_args=["--vae-ms-per-chunk", str(args.slo_vae_ms)] if args.slo_vae_ms else [],
+        stage_extra_args=list(getattr(args, "stage_extra_args", None) or []),  # e.g. --kv-budget-gib
     )
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]

@@ -16,7 +16,9 @@ run a stage out of memory and take every other stream down with it.
   run) plus ``RESERVE_FRACTION`` of the GPU for what is not per-stream KV (the CUDA graphs' memory pool, NCCL's
   buffers, the streams' text K/V and latents, the allocator's fragmentation), and with ``--cuda-graphs`` the graphs'
   static buffers' cap (``graph_buffer_cap``: ``GRAPH_FRACTION`` of the GPU, which ``GraphedBlocks`` keeps to by
-  running a batch signature eagerly when its new buffers would pass it).  A budget that comes
+  running a batch signature eagerly when its new buffers would pass it).  What another process takes on the same GPU
+  after the measurement is not seen (a gateway whose text encoder and VAE share the stage's GPU, as on one GPU): the
+  reserve absorbs a little of it, and such a stage should be given ``--kv-budget-gib``.  A budget that comes
   out below one byte is one byte (0 would mean "no limit"): such a stage admits no stream, and says so.
 - On a CPU the budget is 0, "no limit": a CPU stage shares the host's memory with its peers (a local cluster runs
   every stage, the coordinator and the gateway on one host), so a figure read from the host would count the same

@@ -165,3 +165,20 @@ def test_frame_stats_tells_late_frames_at_the_start_from_late_frames_later():
     assert (lt["late_first_s"], lt["late_after_first_s"]) == (0, 4)
     assert s["on_time"] == 61 / 64 and lt["on_time"] == 60 / 64
     assert lt["max_late_ms"] == pytest.approx(200.0)
+
+
+def test_kv_admission_check_smoke_refuses_past_the_budget_and_serves_what_it_admits(tmp_path):
+    out = tmp_path / "kv_smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kv_admission_check", "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "kv_admission" and all(r["checks"].values()), r["checks"]
+    # A budget of 1.5 windowed streams: the stream without a window and the second windowed one are refused.
+    assert not r["unbounded"]["admitted"] and "window: an unbounded KV window" in r["unbounded"]["refusal"]["details"]
+    assert r["windowed"]["admitted"] == 1 and r["windowed"]["refusal"]["error"] == "ResourceExhaustedError"
+    assert r["windowed"]["refusal"]["retry_after"] > 0
