@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import urllib.request
 from collections import defaultdict
@@ -27,7 +28,7 @@ import stagecast
 from launcher.cli import main as cli_main
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import stage_args
-from launcher.process import Launcher
+from launcher.process import Launcher, LaunchError
 from stagecast.grpc_util import wait_healthy
 from stagecast.names import COORDINATOR_SERVICE
 from tests.test_dashboard import DASHBOARD, dashboard_metric_names, family_names
@@ -162,25 +163,19 @@ def run(tmp_path_factory) -> Run:
         "OTEL_BSP_SCHEDULE_DELAY": "200",
         "OTEL_SEMCONV_STABILITY_OPT_IN": "rpc/dup",  # both the v1.37 and the stable RPC attributes
     }
-    ports = {name: _free_port() for name in ("coordinator", "stage-0", "stage-1", "gateway")}
     try:
-        with Launcher(env=env) as launcher:
-            coord = launcher.spawn(
-                "coordinator",
-                ["coordinator", "--stages", str(STAGES), "--port", "0", "--metrics-port", str(ports["coordinator"])],
-            )
-            address = coord.info["address"]
-            for i in range(STAGES):
-                args = stage_args(i, address, str(root / "transformer"), "cpu", "float32", "127.0.0.1")
-                launcher.spawn(f"stage-{i}", args + ["--metrics-port", str(ports[f"stage-{i}"])])
-            wait_healthy(
-                address, TIMEOUT, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
-            )
-            gw = launcher.spawn(
-                "gateway",
-                ["gateway", "--coordinator", address, "--checkpoint", str(root), "--port", "0"]
-                + ["--metrics-port", str(ports["gateway"])],
-            )
+        for attempt in range(3):
+            # A metrics port is picked free here and bound by its process seconds later; another process may take
+            # it in between (the kernel hands out the same range for port 0), so a start that lost a port to that
+            # race is made again with fresh ports.
+            ports = {name: _free_port() for name in ("coordinator", "stage-0", "stage-1", "gateway")}
+            try:
+                launcher, address, gw = _start(root, env, ports)
+                break
+            except LaunchError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+        with launcher:
             before = {name: scrape(port) for name, port in ports.items()}
             with stagecast.Client(gw.info["address"]) as client:
                 gen = client.generate(PROMPT, width=W, height=H, steps=STEPS, codec="jpeg", seed=3, timeout=TIMEOUT)
@@ -202,6 +197,32 @@ def run(tmp_path_factory) -> Run:
         yield Run(ports, before, during, after, receiver.spans(), otlp_json, pipeline_id, root.resolve().name)
     finally:
         receiver.close()
+
+
+def _start(root, env, ports):
+    """Coordinator, stages and gateway with the given metrics ports; the launcher stops them all on a failure."""
+    launcher = Launcher(env=env)
+    try:
+        coord = launcher.spawn(
+            "coordinator",
+            ["coordinator", "--stages", str(STAGES), "--port", "0", "--metrics-port", str(ports["coordinator"])],
+        )
+        address = coord.info["address"]
+        for i in range(STAGES):
+            args = stage_args(i, address, str(root / "transformer"), "cpu", "float32", "127.0.0.1")
+            launcher.spawn(f"stage-{i}", args + ["--metrics-port", str(ports[f"stage-{i}"])])
+        wait_healthy(
+            address, TIMEOUT, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
+        )
+        gw = launcher.spawn(
+            "gateway",
+            ["gateway", "--coordinator", address, "--checkpoint", str(root), "--port", "0"]
+            + ["--metrics-port", str(ports["gateway"])],
+        )
+    except BaseException:
+        launcher.__exit__(*sys.exc_info())  # stops what started and removes its credentials
+        raise
+    return launcher, address, gw
 
 
 def value(samples: dict, name: str, **labels) -> float:
