@@ -438,6 +438,25 @@ ONE_PIPELINE = {
 }
 
 
+def system_flags(ap, *, steps: int, stages: int, steps_help: str | None = None) -> None:
+    """The flags of the benchmarks that start a system through ``start_system`` (webrtc, v2v_bench,
+    kv_admission_check): the model and frame size, steps, the topology, dtype, CUDA graphs, the compiled VAE, the
+    text encoder and the KV window (the benchmark protocol's 6 latent frames, 3 of them sinks)."""
+    ap.add_argument("--model", default="wan2.1-1.3b")
+    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--steps", type=int, default=steps, help=steps_help)
+    ap.add_argument("--stages", type=int, default=stages)
+    ap.add_argument("--partition", default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--vae-compile", action="store_true")
+    ap.add_argument("--text-encoder", default=None, choices=["umt5-xxl", "tiny"])
+    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
+    ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
+
+
 def with_one_pipeline_defaults(args):
     """Give args every ONE_PIPELINE attribute it lacks (its own flags win); returns it."""
     for name, value in ONE_PIPELINE.items():

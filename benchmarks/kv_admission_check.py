@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import stagecast
-from benchmarks.harness import start_system, with_one_pipeline_defaults, write_assets
+from benchmarks.harness import start_system, system_flags, with_one_pipeline_defaults, write_assets
 from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -152,20 +152,8 @@ def measure(launcher, coordinator: str, gateway: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="wan2.1-1.3b")
-    ap.add_argument("--width", type=int, default=832)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--steps", type=int, default=4, help="per_level: one KV row per step")
-    ap.add_argument("--stages", type=int, default=1)
-    ap.add_argument("--partition", default=None)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cuda-graphs", action="store_true")
-    ap.add_argument("--vae-compile", action="store_true")
-    ap.add_argument("--text-encoder", default=None, choices=["umt5-xxl", "tiny"])
+    system_flags(ap, steps=4, stages=1, steps_help="per_level: one KV row per step")
     ap.add_argument("--seconds", type=float, default=15.0, help="video per stream (the defect's: 15 s)")
-    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
-    ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
     ap.add_argument("--max-open", type=int, default=12, help="windowed streams opened at most")
     ap.add_argument("--kv-budget-gib", type=float, default=0.0, help="every stage's --kv-budget-gib (0: derived)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds a stream may take")

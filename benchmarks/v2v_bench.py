@@ -45,6 +45,7 @@ from benchmarks.harness import (
     log,
     percentile,
     start_system,
+    system_flags,
     tree_dirty,
     versions,
     with_one_pipeline_defaults,
@@ -201,24 +202,12 @@ def markdown_rows(result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="wan2.1-1.3b")
-    ap.add_argument("--width", type=int, default=832)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--steps", type=int, default=2, help="ladder steps, all run from strength (its first timestep)")
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--partition", default=None)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--window", type=int, default=6)
-    ap.add_argument("--sink", type=int, default=3)
+    system_flags(ap, steps=2, stages=2, steps_help="ladder steps, all run from strength (its first timestep)")
     ap.add_argument("--seconds", type=float, default=60.0, help="input video per measured stream")
     ap.add_argument("--warmup-frames", type=int, default=81)
     ap.add_argument("--live-fps", type=float, default=16.0, help="the live input's rate (and the pts clock)")
     ap.add_argument("--codec", default="jpeg")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--text-encoder", choices=("umt5-xxl", "tiny"), default=None)
     ap.add_argument("--gateway-gpu", type=int, default=None)
-    ap.add_argument("--vae-compile", action="store_true")
-    ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--vae-gpus", default=None)
     ap.add_argument("--vae-split", default=None)
     ap.add_argument("--json", default=None)

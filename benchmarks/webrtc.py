@@ -33,7 +33,14 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.harness import frame_stats, percentile, start_system, with_one_pipeline_defaults, write_assets
+from benchmarks.harness import (
+    frame_stats,
+    percentile,
+    start_system,
+    system_flags,
+    with_one_pipeline_defaults,
+    write_assets,
+)
 from launcher.local_cluster import web_args
 from launcher.process import Launcher
 from stagecast.client import AsyncClient
@@ -223,24 +230,12 @@ async def measure(gateway: str, url: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="wan2.1-1.3b")
-    ap.add_argument("--width", type=int, default=832)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--partition", default=None)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cuda-graphs", action="store_true")
-    ap.add_argument("--vae-compile", action="store_true")
-    ap.add_argument("--text-encoder", default=None, choices=["umt5-xxl", "tiny"])
+    system_flags(ap, steps=1, stages=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="video per stream")
     ap.add_argument("--runs", type=int, default=3, help="streams per transport")
     ap.add_argument("--target-fps", type=float, default=16.0)
     ap.add_argument("--strength", type=float, default=500.0, help="video-to-video: input noised to (0: skip v2v)")
     ap.add_argument("--v2v-steps", type=int, default=2, help="video-to-video steps (the ladder must hold strength)")
-    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
-    ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves it runs")
     args = ap.parse_args(argv)

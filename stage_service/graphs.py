@@ -323,34 +323,27 @@ class GraphedBlocks:
         layers, tokens = self.slice.num_layers, hidden.shape[1]
         text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
         slots = self.pools.get((tokens, text_len), [])
-        growth = 0
+        # The items whose slot is missing or too small: (item, context tokens it needs, its slot or None, text K).
+        short = []
         for b in range(hidden.shape[0]):
             kv = ctx.self_kv[b] if ctx.self_kv else None
             need = max(kv.max_context_tokens if kv is not None else 0, 1)
-            text_k, _ = ctx.cross_kv[b][0]
-            heads, head_dim = text_k.shape[2:]
             slot = slots[b] if b < len(slots) else None
-            if slot is not None and slot.context_capacity >= need:
-                continue
+            if slot is None or slot.context_capacity < need:
+                short.append((b, need, slot, ctx.cross_kv[b][0][0]))
+        growth = 0
+        for _, need, slot, text_k in short:
+            heads, head_dim = text_k.shape[2:]
             old = slot.context_capacity if slot is not None else 0
-            shape = (layers, max(need, old), tokens, text_len, heads, head_dim, text_k.dtype)
-            growth += self._slot_bytes(*shape) - (
-                self._slot_bytes(layers, old, tokens, text_len, heads, head_dim, text_k.dtype)
-                if slot is not None
-                else 0
-            )
+            growth += self._slot_bytes(layers, max(need, old), tokens, text_len, heads, head_dim, text_k.dtype)
+            if slot is not None:
+                growth -= self._slot_bytes(layers, old, tokens, text_len, heads, head_dim, text_k.dtype)
         if growth and not self._fits(growth):
             return None
         slots = self.pools.setdefault((tokens, text_len), [])
         grew = False
-        for b in range(hidden.shape[0]):
-            kv = ctx.self_kv[b] if ctx.self_kv else None
-            need = max(kv.max_context_tokens if kv is not None else 0, 1)
-            text_k, _ = ctx.cross_kv[b][0]
+        for b, need, slot, text_k in short:
             heads, head_dim = text_k.shape[2:]
-            slot = slots[b] if b < len(slots) else None
-            if slot is not None and slot.context_capacity >= need:
-                continue
             opts = dict(device=hidden.device, dtype=text_k.dtype)
             need = max(need, slot.context_capacity if slot is not None else 0)
             new = _Slot(
