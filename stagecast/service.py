@@ -84,11 +84,28 @@ def die_of_sigint() -> None:
 
 
 def stop_event() -> threading.Event:
-    """An event set by SIGTERM/SIGINT, so services shut down cleanly."""
+    """An event set by SIGTERM/SIGINT, so services shut down cleanly.
+
+    The handler only writes a byte to a pipe, and a thread sets the event.  Python runs a handler in the main thread
+    between two bytecodes, possibly inside ``Event.set`` or ``Event.wait`` with the event's lock held; a handler that
+    set the event itself would then wait for that lock forever.  That happened: a second SIGTERM (a launcher sends
+    one, then another while it waits, and the parent's death sends a third) arrived inside the first handler's
+    ``Event.set``, and the gateway never exited."""
     stop = threading.Event()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        os.read(read_fd, 1)
+        stop.set()
+
+    threading.Thread(target=watch, name="stop-signal", daemon=True).start()
 
     def handler(signum, frame):
-        stop.set()
+        try:
+            os.write(write_fd, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of earlier signals: the stop is already on its way
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -207,3 +207,25 @@ def test_500_streams_grow_no_process_by_2kb_per_stream_and_generation_changes_le
     print("\n" + "\n".join(lines))
     assert all(slope < 2048 for slope in slopes.values()), lines
     check_generation_changes(system, changes=3)
+
+
+STOP_UNDER_LOCK = """
+import os, signal, sys
+from stagecast.service import stop_event
+
+stop = stop_event()
+with stop._cond:  # the main thread holds the event's lock, as inside Event.set or Event.wait
+    for _ in range(3):  # a launcher's SIGTERM, its second one, and the parent's death
+        os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(0 if stop.wait(30) else 3)
+"""
+
+
+def test_sigterm_arriving_while_the_main_thread_holds_the_stop_events_lock_still_stops_the_service():
+    # A gateway once outlived its test run: its SIGTERM handler set the stop event while the main thread held the
+    # event's lock (a second SIGTERM inside the first handler), and waited for that lock forever.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STOP_UNDER_LOCK], timeout=60, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
