@@ -37,6 +37,7 @@ import torch
 from benchmarks.fp8_check import (
     FixedWindow,
     add_protocol_args,
+    parse_batches,
     protocol_inputs,
     protocol_record,
     time_forwards,
@@ -178,12 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.models, args.height, args.width, args.window, args.text_len = "tiny-wan2.1", 4, 6, 3, 8
         args.warmup, args.iters = 1, 2
-    try:
-        args.batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
-    if not args.batches or any(b < 1 or b > 16 for b in args.batches):
-        ap.error(f"--batches: integers from 1 to 16, got {args.batches}")
+    args.batches = parse_batches(ap, args.batches, most=16)
     for flag in ("stages", "height", "width", "chunk_frames", "window", "text_len", "iters"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")

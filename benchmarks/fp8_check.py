@@ -138,6 +138,18 @@ def add_protocol_args(ap: argparse.ArgumentParser, *, models: str, batches: str,
     ap.add_argument("--json", default=None)
 
 
+def parse_batches(ap: argparse.ArgumentParser, text: str, most: int | None = None) -> list[int]:
+    """``--batches``: comma-separated integers from 1 (to ``most``); anything else is the parser's error."""
+    try:
+        batches = [int(b) for b in text.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches: comma-separated positive integers, got {text!r}")
+    if not batches or any(b < 1 or (most is not None and b > most) for b in batches):
+        allowed = f"integers from 1 to {most}" if most else "positive integers"
+        ap.error(f"--batches: {allowed}, got {batches}")
+    return batches
+
+
 def protocol_inputs(
     cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int, *, seed: int, windows: int
 ) -> dict:
@@ -297,13 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     add_protocol_args(ap, models="wan2.1-1.3b", batches="1,4", warmup=5, iters=30)
     ap.add_argument("--granularities", default="row,tensor", help="float8 scales to try: row (the stage's), tensor")
     args = ap.parse_args(argv)
-    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.batches = parse_batches(ap, args.batches)
     granularities = [g for g in args.granularities.split(",") if g]
     bad = [g for g in granularities if g not in GRANULARITIES]
     if bad or not granularities:
         ap.error(f"--granularities: each must be one of {', '.join(GRANULARITIES)}, got {args.granularities!r}")
-    if any(b < 1 for b in args.batches) or not args.batches:
-        ap.error(f"--batches: positive integers, got {args.batches}")
     from stagecast.fp8 import Fp8Unavailable, check_fp8
 
     try:

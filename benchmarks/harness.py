@@ -457,6 +457,22 @@ def system_flags(ap, *, steps: int, stages: int, steps_help: str | None = None) 
     ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
 
 
+def smoke_system(args) -> None:
+    """A smoke run's system: the tiny model at 64x64 on 2 float32 stages, on the CPU (``system_device``)."""
+    args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
+
+
+def system_device(args) -> str:
+    """ "cuda" where a GPU is visible and this is not a smoke run, else "cpu"; fills the text encoder that goes with
+    it (UMT5-XXL on a GPU, the tiny one on a CPU) where ``--text-encoder`` was not given, and every ONE_PIPELINE
+    attribute the benchmark's flags lack."""
+    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.text_encoder is None:
+        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
+    with_one_pipeline_defaults(args)
+    return device_kind
+
+
 def with_one_pipeline_defaults(args):
     """Give args every ONE_PIPELINE attribute it lacks (its own flags win); returns it."""
     for name, value in ONE_PIPELINE.items():
@@ -1010,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves the harness runs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
+        smoke_system(args)
         args.seconds, args.first_seconds, args.ttff_runs, args.peer_chunks = 2.0, 1.0, 2, 2
         args.steps, args.window, args.sink, args.codec = 2, 2, 1, "raw"
         args.interactive_updates, args.load, args.load_seconds = 2, "1,2", 1.0
@@ -1021,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cfg-parallel 2 runs the two branches of guidance: give --guidance > 1")
     if args.cfg_parallel > 1 and args.smoke:
         args.stages = 1  # smoke: two CFG groups of one stage each
-    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    device_kind = system_device(args)
     if args.fp8:
         from stagecast.fp8 import Fp8Unavailable, check_fp8
 
@@ -1042,8 +1058,6 @@ def main(argv: list[str] | None = None) -> int:
             check_gpu_fit("cuda", args.stages, args.cfg_parallel)
         except ValueError as exc:
             ap.error(str(exc))
-    if args.text_encoder is None:
-        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
     device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
     text_len = 512 if model_config(args.model)["text_dim"] >= 512 else 16

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import stagecast
-from benchmarks.harness import start_system, system_flags, with_one_pipeline_defaults, write_assets
+from benchmarks.harness import smoke_system, start_system, system_device, system_flags, write_assets
 from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -160,18 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, a budget of 1.5 windowed streams")
     args = ap.parse_args(argv)
-    import torch
 
     if args.smoke:
-        args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
+        smoke_system(args)
         args.steps, args.seconds, args.window, args.sink, args.timeout = 2, 1.0, 2, 1, 120.0
         args.kv_budget_gib = smoke_budget_gib(args)
-    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.text_encoder is None:
-        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
+    device_kind = system_device(args)
     args.load = [args.max_open]  # the gateway's and the coordinator's stream caps leave room for every stream
     args.stage_extra_args = ["--kv-budget-gib", repr(args.kv_budget_gib)] if args.kv_budget_gib else []
-    with_one_pipeline_defaults(args)
     env = {"OMP_NUM_THREADS": "1"} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="stagecast-kv-") as tmp, Launcher(env=env) as launcher:
         root = Path(tmp)

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from benchmarks.harness import (
     LADDER,
@@ -44,11 +43,12 @@ from benchmarks.harness import (
     gpu_name,
     log,
     percentile,
+    smoke_system,
     start_system,
+    system_device,
     system_flags,
     tree_dirty,
     versions,
-    with_one_pipeline_defaults,
     write_assets,
 )
 
@@ -214,12 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
+        smoke_system(args)
         args.seconds, args.warmup_frames, args.window, args.sink, args.codec = 1.0, 5, 2, 1, "raw"
-    with_one_pipeline_defaults(args)
-    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.text_encoder is None:
-        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
+    device_kind = system_device(args)
     command = "python -m benchmarks.v2v_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="stagecast-v2v-") as tmp:
         root = Path(tmp)

@@ -36,9 +36,10 @@ from pathlib import Path
 from benchmarks.harness import (
     frame_stats,
     percentile,
+    smoke_system,
     start_system,
+    system_device,
     system_flags,
-    with_one_pipeline_defaults,
     write_assets,
 )
 from launcher.local_cluster import web_args
@@ -239,15 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves it runs")
     args = ap.parse_args(argv)
-    import torch
 
     if args.smoke:
-        args.model, args.width, args.height, args.stages, args.dtype = "tiny-wan2.1", 64, 64, 2, "float32"
+        smoke_system(args)
         args.steps, args.seconds, args.runs, args.window, args.sink = 2, 1.0, 1, 2, 1
-    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.text_encoder is None:
-        args.text_encoder = "umt5-xxl" if device_kind == "cuda" else "tiny"
-    with_one_pipeline_defaults(args)
+    device_kind = system_device(args)
     use_ice_hosts(["127.0.0.1"])
     env = {"OMP_NUM_THREADS": "1"} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="stagecast-webrtc-") as tmp, Launcher(env=env) as launcher:
