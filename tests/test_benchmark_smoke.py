@@ -10,17 +10,23 @@ import pytest
 from benchmarks.report import BEGIN, END
 
 
+def run_smoke(module: str, out, *extra: str, timeout: float) -> tuple[dict, str]:
+    """Run ``python -m benchmarks.<module> --smoke --json out`` as people type it; once it exits 0, its JSON and what
+    it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_it(tmp_path):
     out = tmp_path / "v2_smoke.json"
     md = tmp_path / "bench.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.harness", "--smoke", "--json", str(out), "--markdown", str(md)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _ = run_smoke("harness", out, "--markdown", str(md), timeout=900)
     s = r["system"]
     assert r["harness"] == 2 and r["commit"] and r["dirty"] in (True, False)
     assert {"torch", "cuda", "nccl", "diffusers", "driver", "gpu_count"} <= set(r["versions"])
@@ -77,14 +83,7 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
 
 def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
     out = tmp_path / "v2v_smoke.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.v2v_bench", "--smoke", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, printed = run_smoke("v2v_bench", out, timeout=900)
     assert r["benchmark"] == "v2v" and r["timesteps"] == [700.0, 500.0]
     for name in ("throughput", "live"):
         row = r["system"][name]
@@ -94,7 +93,7 @@ def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
         lat = row["latency_ms"]
         assert 0 < lat["p50"] <= lat["p95"] <= lat["max"]
     assert r["system"]["throughput"]["input_dropped"] == 0  # backpressure drops nothing
-    assert "| v2v throughput |" in proc.stdout and "| v2v live 16 FPS in |" in proc.stdout
+    assert "| v2v throughput |" in printed and "| v2v live 16 FPS in |" in printed
 
 
 def test_guidance_rows_count_both_branches_and_the_cfg_table_compares_the_topologies():
@@ -169,14 +168,7 @@ def test_frame_stats_tells_late_frames_at_the_start_from_late_frames_later():
 
 def test_kv_admission_check_smoke_refuses_past_the_budget_and_serves_what_it_admits(tmp_path):
     out = tmp_path / "kv_smoke.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kv_admission_check", "--smoke", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _ = run_smoke("kv_admission_check", out, timeout=600)
     assert r["benchmark"] == "kv_admission" and all(r["checks"].values()), r["checks"]
     # A budget of 1.5 windowed streams: the stream without a window and the second windowed one are refused.
     assert not r["unbounded"]["admitted"] and "window: an unbounded KV window" in r["unbounded"]["refusal"]["details"]

@@ -1,25 +1,16 @@
 """The WebRTC benchmark runs end to end on CPU (tiny model), so it cannot rot between GPU runs: the same streams over
 gRPC and over WebRTC, with TTFF, pacing and the web-to-peer delay."""
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from tests.test_benchmark_smoke import run_smoke
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_webrtc_benchmark_smoke_reports_both_transports(tmp_path):
     out = tmp_path / "webrtc.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.webrtc", "--smoke", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _ = run_smoke("webrtc", out, timeout=600)
     grpc, rtc = r["grpc"], r["webrtc"]
     assert grpc["frames"] == [16]  # 1 s at 16 fps over gRPC
     assert rtc["frames_expected"] == 16 and rtc["frames"][0] >= 15  # the peer holds all but the last (see module)
