@@ -22,6 +22,13 @@ tests hold it bit for bit; on a GPU it says whether the batched SDPA kernel roun
 ``attention_only`` times one layer's self-attention alone (the concatenation of window and new K/V, and SDPA), per
 item against grouped, with its own max difference.
 
+``kv_copies`` prices the copies of the KV window that a static KV ring read in place would remove (issue 15, lever
+3b): per forward, the stage copies every item's window out of its cache into the graph's static buffers (the ops of
+``KVView.read_into``: one ``torch.cat`` of the window's frames per layer, for K and for V), and inside the graph each
+layer concatenates the window and the chunk's new K/V before SDPA.  Both are timed alone (the second as a captured
+CUDA graph, as the stage replays it), with their sum as a share of the grouped graphed forward: the most such a ring
+could save.
+
 Writes JSON (``--json``) and prints one line per measurement.  ``--smoke`` runs the same path on a CPU with the tiny
 test model in float32 (what ``tests/test_dit_slice_attention.py`` exercises).
 """
@@ -115,6 +122,70 @@ def attention_only(cfg: dict, inputs: dict, args, device: torch.device, dtype: t
     return out
 
 
+def kv_copies(cfg: dict, inputs: dict, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
+    """Milliseconds of the two window copies per forward of a batch (see the module docstring)."""
+    batch, tokens = inputs["hidden"].shape[0], inputs["tokens"]
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    frames = args.window
+    per_frame = inputs["context"] // frames
+    # The cache's layout: one tensor per (frame, layer) and K / V, as StreamKVCache.commit stores them.
+    cached = [
+        [
+            [
+                (
+                    w.keys[layer][:, f * per_frame : (f + 1) * per_frame].clone(),
+                    w.values[layer][:, f * per_frame : (f + 1) * per_frame].clone(),
+                )
+                for f in range(frames)
+            ]
+            for layer in range(layers)
+        ]
+        for w in inputs["windows"]
+    ]
+    slots = [
+        (
+            torch.empty(layers, 1, inputs["context"], heads, head_dim, device=device, dtype=dtype),
+            torch.empty(layers, 1, inputs["context"], heads, head_dim, device=device, dtype=dtype),
+        )
+        for _ in range(batch)
+    ]
+
+    def read_into() -> None:  # KVView.read_into, item by item
+        for item, (k_in, v_in) in zip(cached, slots):
+            for layer in range(layers):
+                torch.cat([item[layer][f][0] for f in range(frames)], dim=1, out=k_in[layer])
+                torch.cat([item[layer][f][1] for f in range(frames)], dim=1, out=v_in[layer])
+
+    new_k = torch.randn(batch, tokens, heads, head_dim, device=device, dtype=dtype)
+    new_v = torch.randn_like(new_k)
+    k_all = torch.empty(batch, inputs["context"] + tokens, heads, head_dim, device=device, dtype=dtype)
+    v_all = torch.empty_like(k_all)
+
+    def attention_cat() -> None:  # _attend_grouped's copy of window and new K/V, every layer
+        for layer in range(layers):
+            for b, (k_in, v_in) in enumerate(slots):
+                torch.cat([k_in[layer], new_k[b : b + 1]], dim=1, out=k_all[b : b + 1])
+                torch.cat([v_in[layer], new_v[b : b + 1]], dim=1, out=v_all[b : b + 1])
+
+    with torch.no_grad():
+        out = {"read_into": time_forwards(read_into, device, args.warmup, args.iters)}
+        replay = attention_cat
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                attention_cat()  # warm-up before capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                attention_cat()
+            replay = graph.replay
+        out["attention_cat_graphed"] = time_forwards(replay, device, args.warmup, args.iters)
+    window_bytes = 2 * layers * batch * inputs["context"] * heads * head_dim * dtype.itemsize
+    out["window_bytes"] = window_bytes
+    return out
+
+
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -142,6 +213,12 @@ def check_model(name: str, args, device: torch.device, dtype: torch.dtype) -> di
             outs["grouped"]["graphed_out"], outs["per_item"]["graphed_out"]
         )
         row["attention_only"] = attention_only(cfg, inputs, args, device, dtype)
+        copies = kv_copies(cfg, inputs, args, device, dtype, len(layers))
+        forward = new["graphed"]["median_ms"]
+        copies["share_of_graphed_forward"] = (
+            copies["read_into"]["median_ms"] + copies["attention_cat_graphed"]["median_ms"]
+        ) / forward
+        row["kv_copies"] = copies
         out["batches"][str(batch)] = row
         print(describe(name, len(layers), batch, row), flush=True)
         del inputs, outs
@@ -165,6 +242,13 @@ def describe(name: str, layers: int, batch: int, row: dict) -> str:
         f"{a['per_item']['median_ms']:.3f} -> {a['grouped']['median_ms']:.3f} ms, max abs "
         f"{a['grouped_vs_per_item_max_abs']:.3e}"
     )
+    c = row.get("kv_copies")
+    if c:
+        line += (
+            f"; window copies per forward: read_into {c['read_into']['median_ms']:.3f} ms + in-graph cat "
+            f"{c['attention_cat_graphed']['median_ms']:.3f} ms = {100 * c['share_of_graphed_forward']:.1f}% of the "
+            f"grouped graphed forward"
+        )
     for mode in MODES:
         if m[mode].get("graph_failure"):
             line += f" ({mode} graph capture FAILED: {m[mode]['graph_failure']}; graphed ran eagerly)"

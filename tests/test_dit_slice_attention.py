@@ -217,7 +217,14 @@ def test_attention_check_smoke_mode_times_both_modes_and_finds_them_equal_on_cpu
         assert row["grouped_vs_per_item_max_abs_eager"] == row["grouped_vs_per_item_max_abs_graphed"] == 0.0
         assert row["attention_only"]["grouped_vs_per_item_max_abs"] == 0.0
         assert row["speedup_eager"] > 0 and row["attention_only"]["speedup"] > 0
-    assert "tiny-wan2.1 x2 layers batch 2: eager per_item" in capsys.readouterr().out
+        copies = row["kv_copies"]
+        # K and V, 2 layers, per item: 18 context tokens x 2 heads x 12 head dim (tiny) x 4 bytes (float32).
+        batch = int(next(b for b, r in model["batches"].items() if r is row))
+        assert copies["window_bytes"] == 2 * 2 * batch * 18 * 2 * 12 * 4
+        assert copies["read_into"]["iters"] == 2 and copies["attention_cat_graphed"]["median_ms"] > 0
+        assert copies["share_of_graphed_forward"] > 0
+    out = capsys.readouterr().out
+    assert "tiny-wan2.1 x2 layers batch 2: eager per_item" in out and "window copies per forward" in out
 
 
 def test_attention_check_refuses_bad_batches_naming_the_flag(capsys):
