@@ -14,20 +14,23 @@ Inputs are the benchmark protocol's (DESIGN.md section 4): one latent frame per 
 for every item, so the batch reads as much memory as distinct streams do), text length 512, timestep 700, batch
 sizes ``--batches``.
 
-Per batch and mode (``per_item``, ``grouped``): per-forward milliseconds of ``DiTSlice.run_blocks`` eagerly and as
-a CUDA graph (``GraphedBlocks``, which copies every item's KV window into its static buffers at each forward, as the
-stage does), CUDA events around each forward after ``--warmup`` forwards, median (and p10/p90) of ``--iters``; the
-speedup of grouped over per-item; and the max |grouped - per_item| over the blocks' output (0 on a CPU, where the
-tests hold it bit for bit; on a GPU it says whether the batched SDPA kernel rounds as the batch-1 one does).
+Per batch and mode (``per_item``, ``grouped``, ``in_place``: ``MODES``): per-forward milliseconds of
+``DiTSlice.run_blocks`` eagerly and as a CUDA graph (``GraphedBlocks``, which copies every item's KV window into its
+static buffers at each forward, as the stage does), CUDA events around each forward after ``--warmup`` forwards, median
+(and p10/p90) of ``--iters``; the speedup of grouped over per-item; and the max |grouped - per_item| over the blocks'
+output (0 on a CPU, where the tests hold it bit for bit; on a GPU it says whether the batched SDPA kernel rounds as the
+batch-1 one does); and for ``in_place`` (the graphed forward reading the static K/V stack where window and new K/V lie
+together, instead of concatenating them per layer) its speedup over ``grouped`` graphed and its max difference from it
+(0 expected).
 ``attention_only`` times one layer's self-attention alone (the concatenation of window and new K/V, and SDPA), per
 item against grouped, with its own max difference.
 
-``kv_copies`` prices the copies of the KV window that a static KV ring read in place would remove (issue 15, lever
+``kv_copies`` prices the copies of the KV window that reading it in place removes or would remove (issue 15, lever
 3b): per forward, the stage copies every item's window out of its cache into the graph's static buffers (the ops of
 ``KVView.read_into``: one ``torch.cat`` of the window's frames per layer, for K and for V), and inside the graph each
 layer concatenates the window and the chunk's new K/V before SDPA.  Both are timed alone (the second as a captured
-CUDA graph, as the stage replays it), with their sum as a share of the grouped graphed forward: the most such a ring
-could save.
+CUDA graph, as the stage replays it), with their sum as a share of the grouped graphed forward.  ``in_place``
+removes the second; the first remains (a KV ring the graph reads would need the cache to live in its buffers).
 
 Writes JSON (``--json``) and prints one line per measurement.  ``--smoke`` runs the same path on a CPU with the tiny
 test model in float32 (what ``tests/test_dit_slice_attention.py`` exercises).
@@ -56,7 +59,9 @@ from stage_service.dit_slice import AttentionContext, DiTSlice, _attend_grouped,
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
 
-MODES = ("per_item", "grouped")
+# per_item: one SDPA per item; grouped: one per group of equal context, window and new K/V concatenated per layer;
+# in_place: grouped, reading the graph's static K/V stack where window and new K/V lie together (the stage's default).
+MODES = ("per_item", "grouped", "in_place")
 
 
 def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.dtype, layers: int) -> dict:
@@ -66,12 +71,13 @@ def make_inputs(cfg: dict, batch: int, args, device: torch.device, dtype: torch.
     return inputs
 
 
-def run_mode(sl: DiTSlice, inputs: dict, args, grouped: bool, timestep: float = 700.0) -> dict:
-    """Eager and graphed forwards of ``sl``'s blocks with self-attention per item or grouped."""
+def run_mode(sl: DiTSlice, inputs: dict, args, mode: str, timestep: float = 700.0) -> dict:
+    """Eager and graphed forwards of ``sl``'s blocks with self-attention as ``mode`` (``MODES``) runs it."""
     device = sl.device
     hidden = inputs["hidden"]
     batch = hidden.shape[0]
-    sl.grouped_attention = grouped
+    sl.grouped_attention = mode != "per_item"
+    sl.kv_in_place = mode == "in_place"
     try:
         with torch.no_grad():
             cond = sl.condition(torch.full((batch,), timestep, device=device), tokens=inputs["tokens"])
@@ -97,7 +103,7 @@ def run_mode(sl: DiTSlice, inputs: dict, args, grouped: bool, timestep: float = 
             finally:
                 graphs.close()
     finally:
-        sl.grouped_attention = True
+        sl.grouped_attention = sl.kv_in_place = True
     return {"result": result, "eager_out": eager_out, "graphed_out": graphed_out}
 
 
@@ -202,7 +208,7 @@ def check_model(name: str, args, device: torch.device, dtype: torch.dtype) -> di
         row: dict = {"tokens": inputs["tokens"], "context_tokens": inputs["context"], "modes": {}}
         outs = {}
         for mode in MODES:
-            got = run_mode(sl, inputs, args, grouped=mode == "grouped")
+            got = run_mode(sl, inputs, args, mode)
             row["modes"][mode] = got["result"]
             outs[mode] = got
         base, new = row["modes"]["per_item"], row["modes"]["grouped"]
@@ -211,6 +217,10 @@ def check_model(name: str, args, device: torch.device, dtype: torch.dtype) -> di
         row["grouped_vs_per_item_max_abs_eager"] = max_abs(outs["grouped"]["eager_out"], outs["per_item"]["eager_out"])
         row["grouped_vs_per_item_max_abs_graphed"] = max_abs(
             outs["grouped"]["graphed_out"], outs["per_item"]["graphed_out"]
+        )
+        row["speedup_in_place_graphed"] = new["graphed"]["median_ms"] / row["modes"]["in_place"]["graphed"]["median_ms"]
+        row["in_place_vs_grouped_max_abs_graphed"] = max_abs(
+            outs["in_place"]["graphed_out"], outs["grouped"]["graphed_out"]
         )
         row["attention_only"] = attention_only(cfg, inputs, args, device, dtype)
         copies = kv_copies(cfg, inputs, args, device, dtype, len(layers))
@@ -240,7 +250,9 @@ def describe(name: str, layers: int, batch: int, row: dict) -> str:
         f"(x{row['speedup_graphed']:.2f}); grouped vs per_item max abs {row['grouped_vs_per_item_max_abs_eager']:.3e} "
         f"eager, {row['grouped_vs_per_item_max_abs_graphed']:.3e} graphed; one layer's attention "
         f"{a['per_item']['median_ms']:.3f} -> {a['grouped']['median_ms']:.3f} ms, max abs "
-        f"{a['grouped_vs_per_item_max_abs']:.3e}"
+        f"{a['grouped_vs_per_item_max_abs']:.3e}; graphed in place {m['in_place']['graphed']['median_ms']:.2f} ms "
+        f"(x{row['speedup_in_place_graphed']:.3f} over grouped), max abs "
+        f"{row['in_place_vs_grouped_max_abs_graphed']:.3e}"
     )
     c = row.get("kv_copies")
     if c:

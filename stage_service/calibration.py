@@ -201,7 +201,8 @@ def calibrate(
         if use_graphs:
             from stage_service.graphs import GraphedBlocks
 
-            graphed = GraphedBlocks(dit_slice)  # its own graphs and buffers, captured in line, dropped afterwards
+            # Its own graphs and buffers, captured in line, dropped afterwards.
+            graphed = GraphedBlocks(dit_slice, reserve_rows=max_batch)
         runner = SliceRunner(dit_slice, graphs=graphed)
         timer = timer or _timer(device)
         _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward)

@@ -115,14 +115,40 @@ def _attend_per_item(query, key, value, cached: list) -> torch.Tensor:
     return torch.cat(outs, dim=0)
 
 
-def _attend_grouped(query, key, value, cached: list) -> torch.Tensor:
+def _in_place(views: list, layer: int):
+    """For ``_attend_grouped``: where every item's view is a row of one static K/V stack (``GraphedBlocks``), whose
+    window the forward's new K/V follow in place, a group's K/V are one view of the stack, with no copy.  Returns a
+    function of (the group's items, their context length, new tokens) that gives (K, V) or None."""
+    stacks = [getattr(kv, "stack", None) for kv in views]
+    if all(stack is None for stack in stacks) or any(
+        kv is not None and stack is None for kv, stack in zip(views, stacks)
+    ):
+        return None  # (an item without a view has no window: its group, of context 0, needs none)
+
+    def group(items: list[int], length: int, tokens: int):
+        first = items[0]
+        row = views[first].row
+        for g, b in enumerate(items):
+            if stacks[b] is not stacks[first] or views[b].row != row + g:
+                return None
+        rows, window = slice(row, row + len(items)), slice(0, length + tokens)
+        k, v = stacks[first].k[layer, rows, window], stacks[first].v[layer, rows, window]
+        if not k.is_contiguous():  # rows whose windows are shorter than the stack's: the layout a cat gives
+            k, v = k.contiguous(), v.contiguous()
+        return k, v
+
+    return group
+
+
+def _attend_grouped(query, key, value, cached: list, in_place=None) -> torch.Tensor:
     """Self-attention of a batch whose items attend to different cached contexts: items with the same context
     length (or none) form one group and run one SDPA over their stacked q/k/v, so a Stream Batch of streams with
     full KV windows launches one attention kernel per layer instead of one per item.
 
     Each item's result equals its own batch-1 SDPA bit for bit: the CPU kernels compute every (item, head) apart
     (``tests/test_dit_slice_attention.py`` holds this for the models' dtypes and shapes), and a GPU benchmark
-    (``benchmarks/attention_check.py``) reports the difference there."""
+    (``benchmarks/attention_check.py``) reports the difference there.  ``in_place`` (``_in_place``): the group's
+    window and new K/V already lie together in static buffers, read as they are."""
     groups: dict[int, list[int]] = {}
     for b, kv in enumerate(cached):
         groups.setdefault(0 if kv is None else kv[0].shape[1], []).append(b)
@@ -134,7 +160,10 @@ def _attend_grouped(query, key, value, cached: list) -> torch.Tensor:
             q, k_new, v_new = query[sl], key[sl], value[sl]
         else:  # slices and cat, no index tensor: a CUDA graph capture cannot copy one from the host
             q, k_new, v_new = (torch.cat([t[b : b + 1] for b in items]) for t in (query, key, value))
-        if length:
+        placed = in_place(items, length, k_new.shape[1]) if in_place is not None and length else None
+        if placed is not None:
+            k, v = placed
+        elif length:
             # One copy of each item's cached window and new K/V into the group's buffer (what the per-item cat
             # made, stacked), then one SDPA for the group.
             n, tokens, heads, dim = k_new.shape
@@ -201,7 +230,8 @@ class _SliceAttnProcessor:
                 kv.write(self.layer, key[b : b + 1], value[b : b + 1])
         if not self._owner[0].grouped_attention:
             return _attend_per_item(query, key, value, cached).type_as(query)
-        return _attend_grouped(query, key, value, cached).type_as(query)
+        in_place = _in_place(ctx.self_kv, self.layer) if self._owner[0].kv_in_place else None
+        return _attend_grouped(query, key, value, cached, in_place).type_as(query)
 
     def _cross(self, attn, hidden_states, ctx: AttentionContext):
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
@@ -225,6 +255,9 @@ class DiTSlice(nn.Module):
         # Self-attention over KV contexts runs one SDPA per group of items with equal context length instead of
         # one per item (same result bit for bit on CPU; off: the per-item loop, which benchmarks compare with).
         self.grouped_attention = True
+        # Grouped attention reads a CUDA graph's static K/V stack where window and new K/V lie together, rather than
+        # concatenating them (same result bit for bit; off: the copy, which ``benchmarks/attention_check`` compares).
+        self.kv_in_place = True
         # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
         self._local = threading.local()
         for i, block in enumerate(model.blocks):

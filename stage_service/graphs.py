@@ -10,8 +10,8 @@ A batch's *signature* is everything that fixes the kernels and their shapes: the
 shapes, the RoPE table batch, and per item its KV context length (in tokens), whether it writes KV, and its text
 length.  The first batch of a signature is captured; later ones copy their inputs into the graph's static buffers
 (hidden states, timestep projections, RoPE tables, each item's KV window and text K/V) and replay it.  KV writes land
-in static output buffers that the caller's ``KVView`` takes before the next replay (``StreamKVCache.commit`` clones
-what it keeps).
+in the static buffers right after each item's window, where self-attention reads them in place; the caller's
+``KVView`` takes them before the next replay (``StreamKVCache.commit`` clones what it keeps).
 
 With ``background=True`` (the stage's default on a GPU) a signature first seen at run time never stalls the serving
 path: its batch runs eagerly, the inputs are copied into buffers of its own, and a worker thread captures its graph
@@ -25,14 +25,19 @@ Past ``max_graphs`` signatures, or once a new signature's static buffers would t
 new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
 
-Static buffers are per batch slot and shape class (tokens per item, text length), shared by every graph of that
-class, so memory grows with the largest batch and window, not with the number of graphs: for each slot, the KV
-window in (``max context`` tokens) and the KV written (one chunk), for every layer of the slice.  Graphs share
-one memory pool; they are replayed one at a time on one stream.
+Static buffers are per shape class (tokens per item, text length), shared by every graph of that class, so memory
+grows with the largest batch and window, not with the number of graphs: one K/V stack ``(layers, rows, window +
+chunk tokens, heads, head_dim)`` whose row ``b`` holds batch item ``b``'s window followed by the K/V its forward
+writes, and text K/V per row.  Self-attention reads a group of consecutive rows with equal windows as one view of
+the stack, where the eager forward concatenates window and new K/V for every item and layer (``attention_check``
+prices that copy at about 4% of a graphed forward); a view that is not contiguous (rows whose windows are shorter
+than the stack's) is copied first, so SDPA always gets the layout the eager forward gives it.  A stack is made for
+``reserve_rows`` rows (the stage's Stream Batch) so that growing batches do not re-capture.  Graphs share one memory
+pool; they are replayed one at a time on one stream.
 
-The kernels a graph replays are the ones the eager forward launches, so results equal the eager path bit for bit
-(``stagecast selftest --cuda-graphs`` checks it on a GPU).  On a CPU ``capture`` defaults to plain re-execution of
-the same static-buffer code, which is what the CPU tests hold against the eager forward.
+A graph replays the kernels the eager forward launches, less the concatenations, on equal inputs, so results equal
+the eager path bit for bit (``stagecast selftest --cuda-graphs`` checks it on a GPU).  On a CPU ``capture`` defaults
+to plain re-execution of the same static-buffer code, which is what the CPU tests hold against the eager forward.
 """
 
 from __future__ import annotations
@@ -51,40 +56,73 @@ from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
 logger = logging.getLogger(__name__)
 
 
-class _StaticKV:
-    """What the attention processor sees while capturing: reads from and writes to a slot's static buffers."""
+@dataclass
+class _Stack:
+    """K and V of a shape class's batch rows, ``(layers, rows, context + tokens, heads, head_dim)`` each.  Row ``r``
+    holds its item's KV window in ``[:context]`` and the chunk's new K/V right after the window, so self-attention
+    reads window and new K/V where they lie (``DiTSlice``'s grouped attention takes consecutive rows of equal context
+    as one view) instead of concatenating them in every layer of every forward."""
 
-    def __init__(self, k_in, v_in, k_out, v_out, tokens: int, writes: bool):
-        self.k_in, self.v_in, self.k_out, self.v_out = k_in, v_in, k_out, v_out
+    k: torch.Tensor
+    v: torch.Tensor
+    context: int  # tokens of window a row holds
+    tokens: int  # tokens of new K/V a row holds after its window
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class _StaticKV:
+    """What the attention processor sees while capturing: a slot's row of the static K/V stack.  It reads the
+    window ``[:tokens]`` and writes the chunk's K/V right after it (always: attention reads them there); the graph's
+    caller hands the written K/V over to the stream's cache only where the micro-step ``writes``."""
+
+    def __init__(self, slot: _Slot, tokens: int, writes: bool):
+        self.stack, self.row = slot.stack, slot.row
         self.tokens = tokens
         self.writes = writes
 
     def read(self, layer: int):
         if self.tokens == 0:
             return None
-        return self.k_in[layer][:, : self.tokens], self.v_in[layer][:, : self.tokens]
+        rows = slice(self.row, self.row + 1)
+        return self.stack.k[layer, rows, : self.tokens], self.stack.v[layer, rows, : self.tokens]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.writes:
-            self.k_out[layer].copy_(key)
-            self.v_out[layer].copy_(value)
+        rows, new = slice(self.row, self.row + 1), slice(self.tokens, self.tokens + key.shape[1])
+        self.stack.k[layer, rows, new].copy_(key)
+        self.stack.v[layer, rows, new].copy_(value)
 
 
 @dataclass
 class _Slot:
-    """Static buffers of one batch position: (layers, 1, tokens, heads, head_dim) each."""
+    """One batch position's static buffers: its row of a K/V stack, and its text K/V ``(layers, 1, text, heads,
+    head_dim)``."""
 
-    k_in: torch.Tensor
-    v_in: torch.Tensor
-    k_out: torch.Tensor
-    v_out: torch.Tensor
+    stack: _Stack
+    row: int
     text_k: torch.Tensor
     text_v: torch.Tensor
     text_source: object = None  # the cross K/V list last copied in (kept alive, so identity means same values)
 
     @property
     def context_capacity(self) -> int:
-        return self.k_in.shape[2]
+        return self.stack.context
+
+    def window(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(layers, 1, tokens, heads, head_dim)`` views of the row's window (what ``KVView.read_into`` fills)."""
+        rows = slice(self.row, self.row + 1)
+        return self.stack.k[:, rows, :tokens], self.stack.v[:, rows, :tokens]
+
+    def written(self, layer: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V the forward wrote after a window of ``context`` tokens, for one layer."""
+        rows, new = slice(self.row, self.row + 1), slice(context, context + self.stack.tokens)
+        return self.stack.k[layer, rows, new], self.stack.v[layer, rows, new]
 
 
 @dataclass
@@ -107,8 +145,12 @@ class GraphedBlocks:
         max_graphs: int = 64,
         background: bool = False,
         max_buffer_bytes: int | None = None,
+        reserve_rows: int = 1,
     ):
         self.slice = dit_slice
+        # Batch rows a shape class's K/V stack is first made for (the stage's Stream Batch): a batch with more rows
+        # than its stack has makes a new stack, and the graphs captured on the old one are captured again.
+        self.reserve_rows = max(1, reserve_rows)
         # The static buffers' cap (None: none): a signature whose buffers would pass it runs eagerly.
         self.max_buffer_bytes = max_buffer_bytes
         self._pending_bytes = 0  # private slots of background captures not yet in ``private_slots``
@@ -148,12 +190,7 @@ class GraphedBlocks:
     @property
     def nbytes(self) -> int:
         """Static buffer memory (the graphs' own pool comes on top)."""
-        return sum(
-            t.numel() * t.element_size()
-            for slots in [*self.pools.values(), list(self.private_slots)]
-            for s in slots
-            for t in (s.k_in, s.v_in, s.k_out, s.v_out, s.text_k, s.text_v)
-        )
+        return self.nbytes_of([s for group in [*self.pools.values(), list(self.private_slots)] for s in group])
 
     def run(
         self, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, *, inline: bool = False
@@ -221,7 +258,7 @@ class GraphedBlocks:
         self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext
     ) -> torch.Tensor:
         """A signature without a graph: start capturing it off the serving path (once) and run this batch eagerly."""
-        need = sum(self._slot_bytes(*shape) for shape in self._private_shapes(hidden, ctx))
+        need = self._stack_bytes(*self._shape(hidden, ctx, rows=hidden.shape[0], context=self._context(ctx, "now")))
         with self._lock:
             start = sig not in self.pending and len(self.graphs) + len(self.pending) < self.max_graphs
             if start and not self._fits(need + self._pending_bytes):
@@ -256,36 +293,38 @@ class GraphedBlocks:
             self.background_captures += 1
         logger.info("captured a graph in the background for batch signature %s (%d graphs)", sig, len(self.graphs))
 
-    def _private_shapes(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[tuple]:
-        """(layers, context, tokens, text_len, heads, head_dim, dtype) of each private slot a batch would get."""
-        layers, tokens = self.slice.num_layers, hidden.shape[1]
-        text_len = ctx.cross_kv[0][0][0].shape[1]
-        shapes = []
-        for b in range(hidden.shape[0]):
-            kv = ctx.self_kv[b] if ctx.self_kv else None
-            need = max(kv.context_tokens if kv is not None else 0, 1)
-            heads, head_dim = ctx.cross_kv[b][0][0].shape[2:]
-            shapes.append((layers, need, tokens, text_len, heads, head_dim, hidden.dtype))
-        return shapes
-
-    def _private_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[_Slot]:
-        return [
-            self._new_slot(layers, need, tokens, text_len, heads, head_dim, hidden.device, dtype)
-            for layers, need, tokens, text_len, heads, head_dim, dtype in self._private_shapes(hidden, ctx)
-        ]
+    def _shape(self, hidden: torch.Tensor, ctx: AttentionContext, *, rows: int, context: int) -> tuple:
+        """(layers, rows, context, tokens, text_len, heads, head_dim, dtype) of a K/V stack and its text slots."""
+        heads, head_dim = ctx.cross_kv[0][0][0].shape[2:]
+        text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
+        dtype = ctx.cross_kv[0][0][0].dtype
+        return self.slice.num_layers, rows, context, hidden.shape[1], text_len, heads, head_dim, dtype
 
     @staticmethod
-    def _slot_bytes(layers, context, tokens, text_len, heads, head_dim, dtype) -> int:
-        """What ``_new_slot`` allocates: K and V of the window in, the chunk written and the text, for every layer."""
-        return (
-            2 * layers * (context + tokens + text_len) * heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+    def _context(ctx: AttentionContext, which: str) -> int:
+        """The window tokens a batch's items need now (``"now"``) or at most (``"most"``), at least 1."""
+        need = 1
+        for kv in ctx.self_kv or []:
+            if kv is not None:
+                need = max(need, kv.context_tokens if which == "now" else kv.max_context_tokens)
+        return need
 
-    def _fits(self, extra: int) -> bool:
+    def _private_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> list[_Slot]:
+        """A background capture's own stack and text slots, one row per item."""
+        shape = self._shape(hidden, ctx, rows=hidden.shape[0], context=self._context(ctx, "now"))
+        return self._new_slots(*shape, device=hidden.device)
+
+    @staticmethod
+    def _stack_bytes(layers, rows, context, tokens, text_len, heads, head_dim, dtype) -> int:
+        """What ``_new_slots`` allocates: per row, K and V of the window, the chunk written and the text, per layer."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * rows * (context + tokens + text_len) * heads * head_dim * size
+
+    def _fits(self, extra: int, log: bool = True) -> bool:
         """Whether ``extra`` more bytes of static buffers stay within ``max_buffer_bytes`` (logged once when not)."""
         if self.max_buffer_bytes is None or self.nbytes + extra <= self.max_buffer_bytes:
             return True
-        if not self._over_cap_logged:
+        if log and not self._over_cap_logged:
             self._over_cap_logged = True
             logger.warning(
                 "CUDA graph buffers would pass their cap (%d MiB held, %d MiB more, cap %d MiB): batch signatures "
@@ -297,16 +336,27 @@ class GraphedBlocks:
         return False
 
     @staticmethod
-    def _new_slot(layers, context, tokens, text_len, heads, head_dim, device, dtype) -> _Slot:
+    def _new_slots(
+        layers, rows, context, tokens, text_len, heads, head_dim, dtype, *, device, texts: list | None = None
+    ) -> list[_Slot]:
+        """A K/V stack of ``rows`` rows and a slot per row; ``texts`` keeps earlier rows' text buffers."""
         opts = dict(device=device, dtype=dtype)
-        return _Slot(
-            k_in=torch.zeros(layers, 1, context, heads, head_dim, **opts),
-            v_in=torch.zeros(layers, 1, context, heads, head_dim, **opts),
-            k_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
-            v_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
-            text_k=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
-            text_v=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
+        stack = _Stack(
+            k=torch.zeros(layers, rows, context + tokens, heads, head_dim, **opts),
+            v=torch.zeros(layers, rows, context + tokens, heads, head_dim, **opts),
+            context=context,
+            tokens=tokens,
         )
+        slots = []
+        for row in range(rows):
+            if texts is not None and row < len(texts):
+                text_k, text_v, source = texts[row]
+            else:
+                text_k = torch.zeros(layers, 1, text_len, heads, head_dim, **opts)
+                text_v = torch.zeros(layers, 1, text_len, heads, head_dim, **opts)
+                source = None
+            slots.append(_Slot(stack, row, text_k, text_v, source))
+        return slots
 
     def forget_text(self, sources: list) -> None:
         """A stream closed: let go of its text K/V (a slot keeps the last list it copied alive)."""
@@ -318,49 +368,42 @@ class GraphedBlocks:
     # ---- buffers ----------------------------------------------------------------------------------------
 
     def _ensure_slots(self, hidden: torch.Tensor, ctx: AttentionContext) -> tuple[list[_Slot], bool] | None:
-        """A slot per item, large enough for its KV window and text: ``(the batch's slots, whether any buffer was
-        reallocated)``; None (nothing allocated) when the new buffers would pass ``max_buffer_bytes``."""
-        layers, tokens = self.slice.num_layers, hidden.shape[1]
-        text_len = ctx.cross_kv[0][0][0].shape[1]  # one per batch (validate_batch)
-        slots = self.pools.get((tokens, text_len), [])
-        # The items whose slot is missing or too small: (item, context tokens it needs, its slot or None, text K).
-        short = []
-        for b in range(hidden.shape[0]):
-            kv = ctx.self_kv[b] if ctx.self_kv else None
-            need = max(kv.max_context_tokens if kv is not None else 0, 1)
-            slot = slots[b] if b < len(slots) else None
-            if slot is None or slot.context_capacity < need:
-                short.append((b, need, slot, ctx.cross_kv[b][0][0]))
-        growth = 0
-        for _, need, slot, text_k in short:
-            heads, head_dim = text_k.shape[2:]
-            old = slot.context_capacity if slot is not None else 0
-            growth += self._slot_bytes(layers, max(need, old), tokens, text_len, heads, head_dim, text_k.dtype)
-            if slot is not None:
-                growth -= self._slot_bytes(layers, old, tokens, text_len, heads, head_dim, text_k.dtype)
-        if growth and not self._fits(growth):
+        """A slot per item, large enough for every item's KV window: ``(the batch's slots, whether buffers that
+        captured graphs use were replaced)``; None (nothing allocated) when new buffers would pass
+        ``max_buffer_bytes``.  A wider window than the shape class's makes one new stack for all its rows (the
+        graphs are captured again); more rows than it has add a stack for the rows missing (at least
+        ``reserve_rows`` in all), so graphs on the first rows stay valid."""
+        rows, context = hidden.shape[0], self._context(ctx, "most")
+        key = (hidden.shape[1], ctx.cross_kv[0][0][0].shape[1])  # tokens per item, text length
+        slots = self.pools.get(key, [])
+        have_rows, have_context = len(slots), slots[0].context_capacity if slots else 0
+        if rows <= have_rows and context <= have_context:
+            return slots[:rows], False
+        texts = [(s.text_k, s.text_v, s.text_source) for s in slots]
+        if context > have_context:  # every row anew, as wide as the widest window seen
+            kept, old, first = [], self.nbytes_of(slots), 0
+        else:  # the rows missing, on a stack of their own
+            kept, old, texts, first, context = slots, 0, [], have_rows, have_context
+        # As many rows as the reserve asks, or (past the buffer cap) only those the batch needs.
+        for new_rows, last in (
+            (max(rows, have_rows, self.reserve_rows) - first, False),
+            (max(rows, have_rows) - first, True),
+        ):
+            shape = self._shape(hidden, ctx, rows=new_rows, context=context)
+            if self._fits(self._stack_bytes(*shape) - old, log=last):
+                break
+        else:
             return None
-        slots = self.pools.setdefault((tokens, text_len), [])
-        grew = False
-        for b, need, slot, text_k in short:
-            heads, head_dim = text_k.shape[2:]
-            opts = dict(device=hidden.device, dtype=text_k.dtype)
-            need = max(need, slot.context_capacity if slot is not None else 0)
-            new = _Slot(
-                k_in=torch.zeros(layers, 1, need, heads, head_dim, **opts),
-                v_in=torch.zeros(layers, 1, need, heads, head_dim, **opts),
-                k_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
-                v_out=torch.zeros(layers, 1, tokens, heads, head_dim, **opts),
-                text_k=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
-                text_v=torch.zeros(layers, 1, text_len, heads, head_dim, **opts),
-            )
-            if slot is None:
-                slots.append(new)
-            else:
-                slots[b] = new
-                grew = True
-            logger.debug("graph slot %d: %d context tokens, %d MiB", b, need, self.nbytes >> 20)
-        return slots[: hidden.shape[0]], grew
+        self.pools[key] = slots = kept + self._new_slots(*shape, device=hidden.device, texts=texts)
+        logger.debug("graph K/V stack: %d rows of %d context tokens, %d MiB", shape[1], context, self.nbytes >> 20)
+        return slots[:rows], not kept and have_rows > 0
+
+    @staticmethod
+    def nbytes_of(slots: list[_Slot]) -> int:
+        """The bytes of ``slots``' stacks and text buffers."""
+        stacks = {id(s.stack): s.stack for s in slots}
+        text = sum(2 * s.text_k.numel() * s.text_k.element_size() for s in slots)
+        return text + sum(stack.nbytes for stack in stacks.values())
 
     def _capture(
         self, sig: tuple, hidden: torch.Tensor, cond: Conditioning, ctx: AttentionContext, slots: list[_Slot]
@@ -383,9 +426,7 @@ class GraphedBlocks:
             rotary=(cos, sin),
             cross_kv=[[(s.text_k[i], s.text_v[i]) for i in range(self.slice.num_layers)] for s in slots],
             self_kv=[
-                None
-                if kv is None
-                else _StaticKV(s.k_in, s.v_in, s.k_out, s.v_out, tokens=kv.context_tokens, writes=kv.writes)
+                None if kv is None else _StaticKV(s, tokens=kv.context_tokens, writes=kv.writes)
                 for kv, s in zip(ctx.self_kv, slots, strict=False)
             ],
         )
@@ -406,7 +447,7 @@ class GraphedBlocks:
         for b, slot in enumerate(graph.slots):
             kv = ctx.self_kv[b] if ctx.self_kv else None
             if kv is not None and kv.context_tokens:
-                kv.read_into(slot.k_in[:, :, : kv.context_tokens], slot.v_in[:, :, : kv.context_tokens])
+                kv.read_into(*slot.window(kv.context_tokens))
             text = ctx.cross_kv[b]
             if slot.text_source is not text:
                 torch.stack([k for k, _ in text], out=slot.text_k)
@@ -417,4 +458,4 @@ class GraphedBlocks:
         for kv, slot in zip(ctx.self_kv, graph.slots, strict=False):
             if kv is not None and kv.writes:
                 for layer in range(self.slice.num_layers):
-                    kv.write(layer, slot.k_out[layer], slot.v_out[layer])
+                    kv.write(layer, *slot.written(layer, kv.context_tokens))

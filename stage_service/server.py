@@ -357,7 +357,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             graphs = None
             if self.opts.cuda_graphs and self.device.type == "cuda":
                 # A signature first seen while serving runs eagerly while its graph is captured off the serving path.
-                graphs = GraphedBlocks(self.slice, background=True, max_buffer_bytes=self.graph_cap)
+                # Its K/V stack is made for the coordinator's Stream Batch (rows), so growing batches keep one stack.
+                graphs = GraphedBlocks(
+                    self.slice, background=True, max_buffer_bytes=self.graph_cap, reserve_rows=self.max_batch
+                )
             group_size = request.world_size // cfg_parallel  # ranks of one CFG group
             runner = SliceRunner(
                 self.slice,

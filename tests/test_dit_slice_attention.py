@@ -209,12 +209,13 @@ def test_attention_check_smoke_mode_times_both_modes_and_finds_them_equal_on_cpu
     assert model["batches"].keys() == {"1", "2"}
     for row in model["batches"].values():
         assert row["tokens"] == 6 and row["context_tokens"] == 18
-        for mode in ("per_item", "grouped"):
+        for mode in ("per_item", "grouped", "in_place"):
             entry = row["modes"][mode]
             assert entry["graphs_captured"] == 1 and entry["graph_failure"] is None
             assert entry["graphed_vs_eager_max_abs"] == 0.0
             assert entry["eager"]["median_ms"] > 0 and entry["graphed"]["iters"] == 2
         assert row["grouped_vs_per_item_max_abs_eager"] == row["grouped_vs_per_item_max_abs_graphed"] == 0.0
+        assert row["in_place_vs_grouped_max_abs_graphed"] == 0.0 and row["speedup_in_place_graphed"] > 0
         assert row["attention_only"]["grouped_vs_per_item_max_abs"] == 0.0
         assert row["speedup_eager"] > 0 and row["attention_only"]["speedup"] > 0
         copies = row["kv_copies"]

@@ -361,3 +361,60 @@ def test_graph_buffers_stay_within_their_cap_and_the_rest_runs_eagerly_bit_for_b
     assert 0 < capped.captures < free.captures
     if not background:  # (in the background every new signature's first batch runs eagerly anyway)
         assert capped.eager_batches > free.eager_batches == 0
+
+
+def test_attention_reads_consecutive_rows_of_the_kv_stack_in_place(tiny_model):
+    # The static K/V stack holds each row's window with the forward's new K/V right after it: a group of consecutive
+    # rows with full windows is one view of the stack (no copy); shorter windows, other stacks or a gap fall back.
+    from stage_service.dit_slice import _in_place
+    from stage_service.graphs import _StaticKV
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    graphs = GraphedBlocks(full, capture=rerun_capture, reserve_rows=3)
+    layers, tokens, window = full.num_layers, 4, 8
+    slots = graphs._new_slots(layers, 3, window, tokens, 16, 2, 12, torch.float32, device=torch.device("cpu"))
+    other = graphs._new_slots(layers, 1, window, tokens, 16, 2, 12, torch.float32, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    for slot in slots:
+        slot.stack.k.copy_(torch.randn(slot.stack.k.shape, generator=gen))
+    views = [_StaticKV(s, tokens=window, writes=True) for s in slots]
+    group = _in_place(views, layer=1)
+    k, v = group([0, 1, 2], window, tokens)
+    assert k.data_ptr() == slots[0].stack.k[1].data_ptr() and k.shape == (3, window + tokens, 2, 12)
+    new = torch.randn(1, tokens, 2, 12, generator=gen)
+    views[1].write(1, new, new)  # the new K/V land right after row 1's window, where the view reads them
+    assert torch.equal(k[1:2, window:], new) and torch.equal(v[1:2, window:], new)
+    short = [_StaticKV(s, tokens=window - 2, writes=False) for s in slots]
+    k, _ = _in_place(short, layer=0)([0, 1], window - 2, tokens)
+    assert k.is_contiguous() and k.data_ptr() != slots[0].stack.k.data_ptr()
+    assert torch.equal(k, slots[0].stack.k[0, 0:2, : window - 2 + tokens])
+    assert _in_place(views, layer=0)([0, 2], window, tokens) is None  # not consecutive rows
+    mixed = [views[0], _StaticKV(other[0], tokens=window, writes=True)]
+    assert _in_place(mixed, layer=0)([0, 1], window, tokens) is None  # two stacks
+    assert _in_place([None, None], layer=0) is None  # no windows at all
+
+
+def test_the_kv_stack_is_made_for_the_reserved_rows_and_more_rows_add_a_stack(tiny_model):
+    model = tiny_model()
+    reqs = requests([spec(1)], arrivals=[0])
+    eager, _ = run(model, reqs, graphed=False, num_stages=1, max_batch=1)
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full)
+    ref.runner.graphs = graphs = GraphedBlocks(full, capture=rerun_capture, reserve_rows=3)
+    got = ref.generate(reqs, num_stages=1, max_batch=1)
+    assert all(torch.equal(a, b) for a, b in zip(eager.chunks[1], got.chunks[1], strict=True))
+    (slots,) = graphs.pools.values()
+    assert len(slots) == 3 and len({id(s.stack) for s in slots}) == 1 and slots[0].stack.rows == 3
+    captured, signatures = graphs.captures, set(graphs.graphs)
+    # A batch of 4 rows (past the reserve) adds a one-row stack; the graphs on the first stack stay.
+    specs = [spec(s, seed=s) for s in (2, 3, 4, 5)]
+    reqs = requests(specs, arrivals=[0, 0, 0, 0])
+    eager4, _ = run(model, reqs, graphed=False, num_stages=1, max_batch=4)
+    got4 = ref.generate(reqs, num_stages=1, max_batch=4)
+    for s in specs:
+        assert all(torch.equal(a, b) for a, b in zip(eager4.chunks[s.stream_id], got4.chunks[s.stream_id], strict=True))
+    (slots,) = graphs.pools.values()
+    assert len(slots) == 4 and slots[3].stack is not slots[0].stack and slots[3].row == 0
+    assert graphs.captures > captured and graphs.eager_batches == 0
+    assert signatures <= set(graphs.graphs)  # not captured again
