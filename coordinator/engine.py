@@ -203,7 +203,10 @@ class PipelineEngine(Generations):
         self.controller = SloController(self.cost)
         self.slo_interval_s = slo_interval_s
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
-        self._kicked = -1  # chunks started when the plan loop last woke for a paced chunk
+        # Chunks started since the engine began, across streams and generations (it never falls), and its value when
+        # the plan loop last woke for a paced chunk: the loop ticks for a paced chunk once per chunk started.
+        self._chunks_started = 0
+        self._kicked = -1
         self._decided_at: float | None = None  # clock time of the last controller decision (None: decide now)
         self._late_at: float | None = None  # clock time a paced stream was last seen late
         self._relaxed_at: float | None = None  # clock time the controller's correction last relaxed
@@ -851,10 +854,12 @@ class PipelineEngine(Generations):
             with self.cond:
                 while not self._stopped and not self._has_work():
                     timeout = self._pace_timeout()
-                    started = sum(self.sched.started_chunks.values()) if self.sched is not None else 0
+                    started = self._chunks_started
                     if timeout is not None and timeout <= PACE_EARLY_S and self._idle_ticks and started != self._kicked:
                         # A paced stream's next chunk is due: tick again (once per chunk started, so a stream that
-                        # cannot start for another reason is not ticked in a busy loop).
+                        # cannot start for another reason is not ticked in a busy loop).  The count never falls: the
+                        # sum of the open streams' started chunks did when one closed, and a later stream that reached
+                        # the sum the loop last ticked for was never ticked for again (it stalled for good).
                         self._kicked = started
                         self._idle_ticks = 0
                         continue
@@ -944,6 +949,7 @@ class PipelineEngine(Generations):
                     session.max_lead = max(session.max_lead, session.started - session.delivered)
             if batch:
                 self.batches_planned += 1
+                self._chunks_started += sum(1 for st in batch if st.level == 0)
                 for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
                     session = self.sessions.get(st.stream)
                     if st.level == 0 and session is not None and session.spec.input_latents:

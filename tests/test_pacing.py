@@ -174,3 +174,39 @@ def test_the_gateway_paces_by_the_frames_each_chunk_holds():
     assert two.chunk_rate == pytest.approx(2.0) and two.pace_offset_s == pytest.approx(3 / 16)
     assert EffectiveConfig(**{**base, "pace": False}).pace_offset_s == 0.0
     assert EffectiveConfig(**{**base, "strength": 1000.0}).pace_offset_s == 0.0  # video-to-video: its input paces it
+
+
+def test_a_paced_chunk_is_started_when_an_earlier_stream_was_kicked_at_the_same_chunk_count():
+    # The loop ticks for a paced chunk once per chunk count.  That count was the sum of the chunks the open streams
+    # had started, which falls when a stream closes: a later stream reaching the count the loop last ticked for was
+    # never ticked for, and stalled for good once nothing else woke the loop (seen in CI as a stream that stopped
+    # delivering frames until its client's deadline).
+    clock = Clock()
+    eng = engine(clock, playout_s=0.0)
+    stages = eng.registry.pipeline_stages
+    eng.start()
+
+    def idle_after(chunks: int, sid: int) -> bool:
+        # The loop started `chunks` chunks of the stream and then ran out of work: only the clock can move it on.
+        with eng.cond:
+            return eng.sched.started_chunks.get(sid) == chunks and eng._idle_ticks >= stages
+
+    def advance(seconds: float) -> None:
+        with eng.cond:
+            clock.t += seconds
+            eng.cond.notify_all()  # end the loop's real-time wait; not _wake(), which would tick regardless
+
+    try:
+        first = open_stream(eng, rate=4.0)
+        wait_until(lambda: idle_after(1, first.id), 10, what="the first stream's first chunk")
+        advance(0.25)  # the loop ticks for the first stream's chunk 1 with one chunk started in all
+        wait_until(lambda: idle_after(2, first.id), 10, what="the first stream's second chunk")
+        eng.cancel_stream(first.id)
+        wait_until(lambda: first.id not in eng.sched.started_chunks, 10, what="the first stream's close")
+
+        second = open_stream(eng, rate=4.0)
+        wait_until(lambda: idle_after(1, second.id), 10, what="the second stream's first chunk")
+        advance(0.25)  # again one chunk started in all: this chunk count was ticked for before
+        wait_until(lambda: idle_after(2, second.id), 10, what="the second stream's second chunk")
+    finally:
+        eng.shutdown()
