@@ -124,7 +124,10 @@ class TextEncoder:
         folder: model folder (see module docstring).
         max_len: ``max_sequence_length``; the output is always ``(1, max_len, d_model)``.
         cache_size: how many prompts to keep; 0 disables caching.
-        device: where the model runs and the embeddings live.
+        device: where the model runs.  The embeddings are returned on the CPU (they travel to the coordinator as
+            bytes).  On a GPU the forward and that copy run on a high-priority CUDA stream of the encoder's own, so an
+            encode waits for the encoder alone: on the default stream it queued behind every VAE decode the gateway's
+            decode threads had launched, and the copy to the CPU waited for all of them.
         dtype: model dtype; ``None`` keeps the checkpoint's dtype.
         graph: capture the forward (see the module docstring); ``None``: eager.
     """
@@ -172,6 +175,7 @@ class TextEncoder:
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()  # gRPC handlers call encode from a thread pool
         self._graphed: _GraphedForward | None = None
+        self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         if graph is not None:
             self._graphed = _GraphedForward.build(self.model, self.max_len, self.device, graph)
         self._hits = 0
@@ -241,6 +245,11 @@ class TextEncoder:
 
     @torch.no_grad()
     def _embed(self, cleaned: str) -> torch.Tensor:
+        with torch.cuda.stream(self._stream):  # None (a CPU encoder): the current stream
+            embeds = self._embed_on_stream(cleaned)
+            return embeds.to("cpu")  # waits for this stream only
+
+    def _embed_on_stream(self, cleaned: str) -> torch.Tensor:
         # Mirrors diffusers WanPipeline._get_t5_prompt_embeds for a single, already cleaned prompt.
         max_sequence_length = self.max_len
         text_inputs = self.tokenizer(
