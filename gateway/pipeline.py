@@ -28,6 +28,12 @@ from stagecast.internal.v1 import pipeline_pb2 as ipb
 
 logger = logging.getLogger(__name__)
 
+# How often the latest acknowledgement is sent again when it fails for a reason that may pass (the coordinator
+# busy or briefly unreachable): the lead is bounded by what the coordinator has seen consumed, so a stream whose last
+# acknowledgement is lost waits on it for good once nothing else is in flight.
+ACK_RETRIES = 3
+_RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
 
 class StreamFailed(StatusError):
     """Ends the client's call with ``code``."""
@@ -129,17 +135,32 @@ class PipelineCall:
         logger.debug("pipeline stream %d: cancelling the call", self.pipeline_id)
         self._call.cancel()
 
-    def acknowledge(self, chunks: int) -> None:
-        """The first ``chunks`` chunks are consumed; not waiting for the answer, the stream may start more."""
+    def acknowledge(self, chunks: int, attempt: int = 0) -> None:
+        """The first ``chunks`` chunks are consumed; not waiting for the answer, the stream may start more.  The
+        latest acknowledgement that fails for a passing reason (``_RETRYABLE``) is sent again, up to ``ACK_RETRIES``
+        times, waiting for the channel to be ready; a newer one supersedes it (they are cumulative)."""
         req = ipb.ChunksConsumed(stream_id=self.pipeline_id, chunks=chunks)
-        future = self.coordinator.Consumed.future(req, timeout=10)
-        future.add_done_callback(self._acknowledged)
-        self._ack_future = future
+        future = self.coordinator.Consumed.future(req, timeout=10, wait_for_ready=attempt > 0)
+        with self._lock:
+            self._ack_future = future
+        future.add_done_callback(lambda f: self._acknowledged(f, chunks, attempt))
 
-    def _acknowledged(self, future) -> None:
+    def _acknowledged(self, future, chunks: int, attempt: int) -> None:
         exc = future.exception()
-        if exc is not None and exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
-            logger.warning("pipeline stream %d: acknowledging chunks failed (%s)", self.pipeline_id, exc.code().name)
+        if exc is None or exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
+            return
+        with self._lock:
+            latest = future is self._ack_future and not (self._ended or self._cancelled)
+        if latest and exc.code() in _RETRYABLE and attempt < ACK_RETRIES:
+            logger.info(
+                "pipeline stream %d: acknowledging %d chunks failed (%s); sending it again",
+                self.pipeline_id,
+                chunks,
+                exc.code().name,
+            )
+            self.acknowledge(chunks, attempt + 1)
+            return
+        logger.warning("pipeline stream %d: acknowledging chunks failed (%s)", self.pipeline_id, exc.code().name)
 
     def submit_input(self, chunk: int, latents) -> bool:
         """A video-to-video chunk's noised input latents.  True: taken; False: the coordinator holds enough of this
