@@ -70,6 +70,7 @@ class SimConfig:
 class SimReport:
     config: dict
     a2a_ms_per_forward: list[float]  # per stage, batch of one: the all-to-alls (and the last stage's gather)
+    forward_ms: list[float]  # per stage, batch of one: what one forward costs (with sp > 1: each rank's, a2a included)
     batches: int
     makespan_ms: float
     steady_window_ms: float
@@ -210,6 +211,7 @@ def simulate(cfg: SimConfig) -> SimReport:
     return SimReport(
         config=asdict(cfg) | {"stage_ms": stage_ms},
         a2a_ms_per_forward=a2a,
+        forward_ms=[cost(p, 1) for p in range(p_count)],
         batches=len(plan),
         makespan_ms=makespan,
         steady_window_ms=window,

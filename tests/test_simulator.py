@@ -51,6 +51,8 @@ def test_sequence_parallel_prices_the_all_to_alls_and_shrinks_only_the_token_sha
     assert pp.a2a_ms_per_forward == [0.0, 0.0]
     # Compute: the fixed half stays, the token half halves: 10 * (0.5 + 0.25) ms, plus the exchanges.
     slowest = 7.5 + 5 * per_layer + gather
+    assert hybrid.forward_ms == pytest.approx([7.5 + 5 * per_layer, slowest])
+    assert pp.forward_ms == pytest.approx([10.0, 10.0])
     assert hybrid.chunks_per_second == pytest.approx(1e3 / slowest, rel=0.02)
     assert pp.chunks_per_second == pytest.approx(1e3 / 10.0, rel=0.02)
     assert any("sequence parallel" in n for n in hybrid.notes)
