@@ -122,7 +122,7 @@ class GatewayMetrics:
         self._input_dropped = Counter(
             "stagecast_gateway_input_frames_dropped",
             "Video-to-video input frames never restyled: 'behind' (a LIVE stream's input came faster than the "
-            "pipeline served it), 'partial_chunk' (the input ended inside a chunk)",
+            "pipeline served it), 'partial_chunk' (sent after the input ended)",
             ["reason"],
             registry=self.registry,
         )

@@ -28,7 +28,10 @@ frame's pts.
   client back), and a chunk the coordinator will not take yet is offered again after the next chunk comes back.
 - Input stalls: the stream waits for the next frame up to ``input_timeout`` seconds, then its input is over
   (``input_stalled``).  Over either way (that, or Stop / the client closing its side), the chunks already submitted
-  are finished and delivered and the stream ends; frames that did not complete a chunk are dropped
+  are finished and delivered and the stream ends.
+- The input's tail inside a chunk (it ended between chunk boundaries): its last frame is repeated until the chunk is
+  complete, so every input frame gets its restyled frame; the decoder gives back only the frames of real input (the
+  chunk's frames carry their pts), and ``padded`` counts the repeats.  Frames sent after the input ended are dropped
   (``reason="partial_chunk"``).
 """
 
@@ -136,7 +139,8 @@ class InputPath:
         self.temporal_factor = temporal_factor
         self.received = 0
         self.dropped = 0  # frames dropped because the pipeline was behind (LIVE): the status's input_frames_dropped
-        self.partial = 0  # frames at the input's end that completed no chunk
+        self.partial = 0  # frames that came after the input's end (dropped)
+        self.padded = 0  # repeats of the last frame that completed the input's last chunk
         self.last_pts = -math.inf
         self._queue: deque = deque()  # (frame, pts, input_ms) or _END
         self._cond = threading.Condition()
@@ -216,10 +220,40 @@ class InputPath:
 
     def _run(self) -> str | None:
         cfg = self.cfg
-        metas: deque[tuple[float, float]] = deque()  # frames given to the encoder, not yet in a latent frame
+        metas: deque[tuple[float, float] | None] = deque()  # frames given to the encoder, not yet in a latent frame
         latents: list[torch.Tensor] = []  # latent frames of the chunk being gathered
-        chunk_metas: list[tuple[float, float]] = []
+        chunk_metas: list[tuple[float, float]] = []  # the real frames of the chunk being gathered (pads have none)
         chunk = 0  # the next chunk index the pipeline expects (a dropped chunk's index is used by the next one)
+
+        def feed(rgb: np.ndarray, meta: tuple[float, float] | None) -> bool:
+            """Encode one frame (``meta`` None: a repeat that pads the tail) and submit the chunk it completes; False
+            once aborted."""
+            nonlocal latents, chunk_metas, chunk
+            metas.append(meta)
+            start = time.perf_counter()
+            video = torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None, :, None]  # (1, 3, 1, H, W) uint8
+            video = video.to(self.encoder.device).float() / 255.0 * 2.0 - 1.0  # diffusers' VideoProcessor
+            z = self.encoder.encode_frames(self.state, video)
+            if z is None:
+                return True
+            for i in range(z.shape[2]):
+                group = 1 if self.state.latent_frames - z.shape[2] + i == 0 else self.temporal_factor
+                chunk_metas.extend(m for m in (metas.popleft() for _ in range(group)) if m is not None)
+                latents.append(z[:, :, i : i + 1])
+                if len(latents) < cfg.chunk_frames:
+                    continue
+                clean = torch.cat(latents, dim=2)
+                x = noise_to(clean, self.sigma, input_noise(cfg.seed, chunk, tuple(clean.shape)))
+                self.metrics.input_encoded(time.perf_counter() - start)
+                accepted = self._submit(chunk, x, chunk_metas)
+                if accepted is None:
+                    return False
+                if accepted:
+                    chunk += 1
+                latents, chunk_metas = [], []
+            return True
+
+        last = None
         while True:
             with self._cond:
                 if not self._cond.wait_for(lambda: self._closed or self._queue, timeout=cfg.input_timeout):
@@ -233,30 +267,17 @@ class InputPath:
                 reason = "stopped"
                 break
             rgb, pts, ms = item
-            metas.append((pts, ms))
-            start = time.perf_counter()
-            video = torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None, :, None]  # (1, 3, 1, H, W) uint8
-            video = video.to(self.encoder.device).float() / 255.0 * 2.0 - 1.0  # diffusers' VideoProcessor
-            z = self.encoder.encode_frames(self.state, video)
-            if z is None:
-                continue
-            for i in range(z.shape[2]):
-                group = 1 if self.state.latent_frames - z.shape[2] + i == 0 else self.temporal_factor
-                chunk_metas.extend(metas.popleft() for _ in range(group))
-                latents.append(z[:, :, i : i + 1])
-                if len(latents) < cfg.chunk_frames:
-                    continue
-                clean = torch.cat(latents, dim=2)
-                x = noise_to(clean, self.sigma, input_noise(cfg.seed, chunk, tuple(clean.shape)))
-                self.metrics.input_encoded(time.perf_counter() - start)
-                accepted = self._submit(chunk, x, chunk_metas)
-                if accepted is None:
-                    return None
-                if accepted:
-                    chunk += 1
-                latents, chunk_metas = [], []
-        partial = len(metas) + len(chunk_metas) + self._pending_frames()
-        self._drop("partial_chunk", partial)
+            last = rgb
+            if not feed(rgb, (pts, ms)):
+                return None
+        # The input ended inside a chunk: repeat its last frame until the chunk is complete (at most a chunk's frames).
+        while metas or latents:
+            if not feed(last, None):
+                return None
+            self.padded += 1
+        if self.padded:
+            logger.debug("input: the last chunk was completed with %d repeats of the last frame", self.padded)
+        self._drop("partial_chunk", self._pending_frames())
         return reason
 
     def _pending_frames(self) -> int:
@@ -288,7 +309,7 @@ class InputPath:
             return
         with self._cond:
             if reason == "partial_chunk":
-                self.partial += frames  # the input's tail, short of a chunk: not the pipeline being behind
+                self.partial += frames  # after the input's end: not the pipeline being behind
             else:
                 self.dropped += frames
         self.metrics.input_frames_dropped(reason, frames)

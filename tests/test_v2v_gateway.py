@@ -127,6 +127,30 @@ def test_restyled_frames_equal_the_reference_fed_the_same_latents_bit_for_bit(cl
     assert got.tobytes() == want.tobytes()
 
 
+def test_input_that_ends_inside_a_chunk_is_completed_by_its_last_frame_and_every_frame_comes_back(client, cluster):
+    frames = video(7, seed=3)  # frame 0, then 1-4, then 5-6: the last chunk lacks two frames
+    pts = [0.1 * i for i in range(7)]
+    tr = client.transform(
+        list(zip(frames, pts)),
+        PROMPT,
+        strength=500,
+        width=W,
+        height=H,
+        seed=5,
+        codec="raw",
+        input_format="raw",
+        input_pacing="backpressure",
+        timeout=TIMEOUT,
+    )
+    out = tr.collect()
+    assert tr.end.reason == "stopped" and tr.frames_sent == 7 and len(out) == 7
+    assert [f.pts for f in out] == pts and [f.chunk for f in out] == [0, 1, 1, 1, 1, 2, 2]
+    # The oracle: the input with its last frame repeated twice, restyled; the first 7 frames go out.
+    want = oracle(cluster, tr.info.pipeline_stream_id, [*frames, frames[6], frames[6]], seed=5, strength=500.0)
+    got = np.stack([f.to_array() for f in out])
+    assert want.shape == (9, H, W, 3) and got.tobytes() == want[:7].tobytes()
+
+
 def _raw_call(target, messages):
     with grpc.insecure_channel(target) as ch:
         call = pb_grpc.StreamServiceStub(ch).Generate(iter(messages), timeout=TIMEOUT)

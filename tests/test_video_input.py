@@ -167,15 +167,18 @@ def test_chunks_are_the_streaming_encode_noised_to_strength_with_the_input_pts(e
     frames = rgb_frames(11)
     pts = [0.5 + 0.1 * i for i in range(11)]
     assert run_path(path, frames, pts) == "stopped"
-    # 11 frames: latent frame 0 (frame 0), 1 (frames 1-4), 2 (frames 5-8); frames 9 and 10 fill no latent frame.
-    assert [c for c, _ in pipe.chunks] == [0, 1, 2]
-    assert metrics.dropped == {"partial_chunk": 2} and path.partial == 2 and path.received == 11
+    # 11 frames: latent frame 0 (frame 0), 1 (frames 1-4), 2 (frames 5-8); frames 9 and 10 end inside latent frame
+    # 3, which two repeats of frame 10 complete: every input frame is in a chunk, and chunk 3 names only 9 and 10.
+    assert [c for c, _ in pipe.chunks] == [0, 1, 2, 3]
+    assert metrics.dropped == {} and path.partial == 0 and path.padded == 2 and path.received == 11
     assert path.dropped == 0  # backpressure: the status's input_frames_dropped counts only frames the pipeline missed
     assert path.frames_of(0) == [(0.5, 1.0)]
     assert [p for p, _ in path.frames_of(1)] == pts[1:5] and [p for p, _ in path.frames_of(2)] == pts[5:9]
-    # The oracle: one-shot-equivalent encode of the 9 frames (tests/test_stream_vae_encode.py pins it to vae.encode),
-    # then flow-matching noise at the strength's sigma, drawn per chunk.
-    video = torch.from_numpy(np.stack(frames[:9])).permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0
+    assert [p for p, _ in path.frames_of(3)] == pts[9:11]
+    # The oracle: one-shot-equivalent encode of the 11 frames and the 2 repeats (tests/test_stream_vae_encode.py pins
+    # it to vae.encode), then flow-matching noise at the strength's sigma, drawn per chunk.
+    padded = [*frames, frames[10], frames[10]]
+    video = torch.from_numpy(np.stack(padded)).permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0
     state = encoder.new_state()
     z = encoder.encode_frames(state, video)
     sigma = sigmas((700.0, 500.0), 1.0)[0]
