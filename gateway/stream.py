@@ -376,7 +376,7 @@ class StreamRun:
         # Video-to-video: output frame i of a chunk is made from the chunk's input frame i and carries its pts.  The
         # input's last chunk may end in repeats of its last frame (``InputPath``): only real input's frames go out.
         inputs = self.input.frames_of(chunk.index) if self.input is not None else []
-        if self.input is not None and inputs and len(inputs) < len(frames):
+        if inputs and len(inputs) < len(frames):
             frames = frames[: len(inputs)]
         for position, frame in enumerate(frames):
             encode_start, encode_start_ns = time.perf_counter(), time.time_ns()

@@ -120,9 +120,8 @@ def _in_place(views: list, layer: int):
     window the forward's new K/V follow in place, a group's K/V are one view of the stack, with no copy.  Returns a
     function of (the group's items, their context length, new tokens) that gives (K, V) or None."""
     stacks = [getattr(kv, "stack", None) for kv in views]
-    if all(stack is None for stack in stacks) or any(
-        kv is not None and stack is None for kv, stack in zip(views, stacks)
-    ):
+    present = [stack for kv, stack in zip(views, stacks) if kv is not None]
+    if not present or any(stack is None for stack in present):
         return None  # (an item without a view has no window: its group, of context 0, needs none)
 
     def group(items: list[int], length: int, tokens: int):

@@ -32,8 +32,8 @@ writes, and text K/V per row.  Self-attention reads a group of consecutive rows 
 the stack, where the eager forward concatenates window and new K/V for every item and layer (``attention_check``
 prices that copy at about 4% of a graphed forward); a view that is not contiguous (rows whose windows are shorter
 than the stack's) is copied first, so SDPA always gets the layout the eager forward gives it.  A stack is made for
-``reserve_rows`` rows (the stage's Stream Batch) so that growing batches do not re-capture.  Graphs share one memory
-pool; they are replayed one at a time on one stream.
+``reserve_rows`` rows (the stage's Stream Batch); rows past them get a stack of their own, so growing batches do not
+re-capture.  Graphs share one memory pool; they are replayed one at a time on one stream.
 
 A graph replays the kernels the eager forward launches, less the concatenations, on equal inputs, so results equal
 the eager path bit for bit (``stagecast selftest --cuda-graphs`` checks it on a GPU).  On a CPU ``capture`` defaults
@@ -149,7 +149,7 @@ class GraphedBlocks:
     ):
         self.slice = dit_slice
         # Batch rows a shape class's K/V stack is first made for (the stage's Stream Batch): a batch with more rows
-        # than its stack has makes a new stack, and the graphs captured on the old one are captured again.
+        # adds a stack for the rows missing, and the graphs captured on the first stay valid.
         self.reserve_rows = max(1, reserve_rows)
         # The static buffers' cap (None: none): a signature whose buffers would pass it runs eagerly.
         self.max_buffer_bytes = max_buffer_bytes

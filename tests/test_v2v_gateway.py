@@ -99,22 +99,27 @@ def oracle(cluster, pipeline_id, frames, *, seed, strength):
     return np.concatenate([to_uint8_frames(vae.decode_chunk(state, c)).numpy() for c in chunks])
 
 
-def test_restyled_frames_equal_the_reference_fed_the_same_latents_bit_for_bit(client, cluster):
-    frames = video(9)
-    pts = [0.25 + 0.07 * i for i in range(9)]  # the input's own clock, not index / fps
+def restyle(client, frames, pts, *, seed):
+    """Raw frames through ``client.transform`` at strength 500, nothing dropped: (the call, its output frames)."""
     tr = client.transform(
         list(zip(frames, pts)),
         PROMPT,
         strength=500,
         width=W,
         height=H,
-        seed=11,
+        seed=seed,
         codec="raw",
         input_format="raw",
         input_pacing="backpressure",
         timeout=TIMEOUT,
     )
-    out = tr.collect()
+    return tr, tr.collect()
+
+
+def test_restyled_frames_equal_the_reference_fed_the_same_latents_bit_for_bit(client, cluster):
+    frames = video(9)
+    pts = [0.25 + 0.07 * i for i in range(9)]  # the input's own clock, not index / fps
+    tr, out = restyle(client, frames, pts, seed=11)
     info = tr.info
     assert (info.config.strength, info.config.input_pacing) == (500.0, pb.INPUT_PACING_BACKPRESSURE)
     assert info.timesteps == LADDER and info.total_frames is None
@@ -130,19 +135,7 @@ def test_restyled_frames_equal_the_reference_fed_the_same_latents_bit_for_bit(cl
 def test_input_that_ends_inside_a_chunk_is_completed_by_its_last_frame_and_every_frame_comes_back(client, cluster):
     frames = video(7, seed=3)  # frame 0, then 1-4, then 5-6: the last chunk lacks two frames
     pts = [0.1 * i for i in range(7)]
-    tr = client.transform(
-        list(zip(frames, pts)),
-        PROMPT,
-        strength=500,
-        width=W,
-        height=H,
-        seed=5,
-        codec="raw",
-        input_format="raw",
-        input_pacing="backpressure",
-        timeout=TIMEOUT,
-    )
-    out = tr.collect()
+    tr, out = restyle(client, frames, pts, seed=5)
     assert tr.end.reason == "stopped" and tr.frames_sent == 7 and len(out) == 7
     assert [f.pts for f in out] == pts and [f.chunk for f in out] == [0, 1, 1, 1, 1, 2, 2]
     # The oracle: the input with its last frame repeated twice, restyled; the first 7 frames go out.
