@@ -25,39 +25,50 @@ import sys
 from stagecast.log import setup_logging
 from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent
 
-# (module, function adding the subcommand's parser): each parser sets ``run`` to its entry point.  The services
-# own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
-COMMANDS: list[tuple[str, str]] = [
-    ("coordinator.cli", "add_parser"),
-    ("stage_service.cli", "add_parser"),
-    ("launcher.up", "add_parser"),
-    ("launcher.selftest", "add_parser"),
-    ("launcher.demo_checkpoint", "add_parser"),
-    ("launcher.convert", "add_parser"),
-    ("gateway.cli", "add_parser"),
-    ("gateway.cli", "add_vae_stage_parser"),
-    ("web.cli", "add_parser"),
-    ("stagecast.generate", "add_parser"),
-    ("stagecast.transform", "add_parser"),
-    ("launcher.demo", "add_parser"),
-    ("coordinator.cli", "add_simulate_parser"),
-    ("stagecast.trace_summary", "add_parser"),
-]
+# Each subcommand's name -> (module, function adding its parser): each parser sets ``run`` to its entry point.  The
+# services own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
+# Only the chosen subcommand's module is imported, so a service process does not load the selftest, the converter
+# or diffusers for commands it never runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "coordinator": ("coordinator.cli", "add_parser"),
+    "stage": ("stage_service.cli", "add_parser"),
+    "up": ("launcher.up", "add_parser"),
+    "selftest": ("launcher.selftest", "add_parser"),
+    "demo-checkpoint": ("launcher.demo_checkpoint", "add_parser"),
+    "convert": ("launcher.convert", "add_parser"),
+    "gateway": ("gateway.cli", "add_parser"),
+    "vae-stage": ("gateway.cli", "add_vae_stage_parser"),
+    "web": ("web.cli", "add_parser"),
+    "generate": ("stagecast.generate", "add_parser"),
+    "transform": ("stagecast.transform", "add_parser"),
+    "demo": ("launcher.demo", "add_parser"),
+    "simulate": ("coordinator.cli", "add_simulate_parser"),
+    "trace-summary": ("stagecast.trace_summary", "add_parser"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), or None."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of one subcommand (its module alone is imported), or of all of them when ``command`` is None."""
     parser = argparse.ArgumentParser(
         prog="stagecast", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module, function in COMMANDS:
+    for name in [command] if command else COMMANDS:
+        module, function = COMMANDS[name]
         getattr(importlib.import_module(module), function)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(chosen_command(argv)).parse_args(argv)
     setup_logging()
     try:
         return args.run(args)

@@ -4,7 +4,9 @@ import argparse
 
 import pytest
 
-from launcher.cli import build_parser
+from launcher.cli import COMMANDS, build_parser, chosen_command
+
+pytestmark = pytest.mark.unit
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -52,3 +54,17 @@ def test_a_stage_without_a_usable_index_says_which_field_on_stderr(capsys, monke
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("stagecast stage: error:") and names in err, err
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_subcommand_is_built_from_its_own_module_alone(name):
+    # The table's name is the one the module's function adds, so `stagecast NAME` needs only that module.
+    assert chosen_command([name, "--help"]) == name
+    parser = build_parser(name)
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(action.choices) == [name]
+
+
+def test_a_command_line_without_a_known_subcommand_gets_every_subcommand_in_its_help():
+    assert chosen_command(["--help"]) is None and chosen_command(["nonsense"]) is None
+    assert set(_subcommands()) == set(COMMANDS)
