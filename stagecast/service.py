@@ -16,6 +16,8 @@ When a launcher started the process (``STAGECAST_PARENT_PID`` set), the process 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import ctypes
 import logging
 import os
@@ -142,21 +144,40 @@ def add_security_flags(parser, *, metrics: bool = True, health: bool = True) -> 
         )
 
 
+_IN_PROCESS = contextvars.ContextVar("stagecast_service_in_process", default=False)
+
+
+@contextlib.contextmanager
+def in_process():
+    """Inside it, ``run_service`` returns its exit status instead of ending the process, and leaves signal handlers
+    and diagnostics alone: a caller (a test of start-up refusals) runs a command's whole start-up path in its own
+    process.  A service that did start would serve until killed, so use it only where start-up must fail."""
+    token = _IN_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _IN_PROCESS.reset(token)
+
+
 def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
     """Run ``serve(stop)`` until SIGTERM/SIGINT; a start-up error in the flags is one line and exit status 2.
-    Does not return: the process exits with that status."""
+    Does not return (the process exits with that status), except ``in_process()``."""
     from stagecast import diagnostics
 
-    diagnostics.install()
+    here = _IN_PROCESS.get()
+    if not here:
+        diagnostics.install()
     code = 0
     try:
-        serve(stop_event())
+        serve(threading.Event() if here else stop_event())
     except (ValueError, OSError) as exc:
         logger.debug("%s failed to start", name, exc_info=True)
         print(f"stagecast {name}: error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:  # Ctrl-C before the stop event was set up
         code = INTERRUPTED
+    if here:
+        return code
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

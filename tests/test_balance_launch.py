@@ -2,9 +2,9 @@
 the gateway (VAE cut); a profile of another model is refused before anything starts; simulate prices stages by it."""
 
 import json
-import subprocess
-import sys
 import tempfile
+
+import pytest
 
 import stagecast
 from launcher.balance import lanes, resolve_balance
@@ -12,7 +12,10 @@ from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.process import Launcher
 from stagecast.model.balance import plan_balance
 from stagecast.model.balance_profile import BalanceProfile
+from tests.cli_run import run_cli
 from tests.test_balance import profile_json
+
+pytestmark = pytest.mark.multiprocess
 
 
 def write_profile(folder, **over) -> str:
@@ -42,7 +45,7 @@ def test_the_launcher_plans_stages_and_vae_slices_over_the_stage_devices(tmp_pat
 
 def test_up_refuses_auto_without_a_profile_and_a_profile_of_another_model_before_starting_anything(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
-    base = [sys.executable, "-m", "launcher.cli", "up", "--checkpoint", str(root), "--port", "0", "--gateway-port", "0"]
+    base = ["up", "--checkpoint", str(root), "--port", "0", "--gateway-port", "0"]
     three = profile_json()
     three["dit_config"]["num_layers"], three["dit"]["blocks_ms"] = 3, [1.0, 1.0, 1.0]
     units = profile_json()
@@ -59,7 +62,7 @@ def test_up_refuses_auto_without_a_profile_and_a_profile_of_another_model_before
         (["--partition", "auto", "--balance-profile", str(tmp_path / "units.json")], "vae.units:"),
     ]
     for flags, message in cases:
-        done = subprocess.run([*base, *flags, "--web-port", "-1"], capture_output=True, text=True, timeout=120)
+        done = run_cli(*base, *flags, "--web-port", "-1")
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr
         assert "[coordinator]" not in done.stdout + done.stderr  # nothing was started

@@ -1,22 +1,16 @@
 """A service that cannot start from its flags exits 2 with one line naming the problem, not a traceback."""
 
-import subprocess
-import sys
-
 import pytest
 
 from launcher.demo_checkpoint import write_demo_checkpoint
+from tests.cli_run import run_cli
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
-
-
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 the harness, the GPU check), and it converts exactly the transformer blocks' linears.  None of this needs torchao;
 the one test that converts a slice runs only where torchao is installed."""
 
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -17,6 +16,9 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import eligible, fp8_linear_names
 from stagecast.fp8 import Fp8Unavailable, check_fp8, fp8_refusal
 from stagecast.model.dit_configs import model_config
+from tests.cli_run import run_cli
+
+pytestmark = pytest.mark.unit
 
 NO_TORCHAO = "ModuleNotFoundError: No module named 'torchao'"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA GPU is visible")
@@ -68,12 +70,6 @@ def test_check_refuses_cuda_where_no_gpu_is_visible(device):
 
 
 # ---- the commands refuse it at start-up ---------------------------------------------------------------------
-
-
-def run_cli(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
 
 
 def one_error_line(proc, prefix: str) -> str:

@@ -4,7 +4,6 @@ and no socket of ``stagecast up --host 127.0.0.1`` listening outside loopback.""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import tempfile
@@ -29,6 +28,8 @@ from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.security import MTLS, connect, issue, make_ca, parse_tokens, server_name, write_deployment
 from stagecast.v1 import stream_pb2 as pb
 from tests.listening import listening_sockets, process_tree
+
+pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 120
 TOKENS = {
@@ -324,16 +325,10 @@ def test_token_files_name_the_bad_line():
     assert sorted((p.tenant, p.role) for p in table.values()) == [("alice", "user"), ("ops", "admin")]
 
 
-def test_services_refuse_to_start_without_credentials_or_tokens(tmp_path):
-    import subprocess
-    import sys
+def test_services_refuse_to_start_without_credentials_or_tokens(tmp_path, monkeypatch):
+    from tests.cli_run import run_cli as run
 
-    env = {k: v for k, v in os.environ.items() if k != "STAGECAST_MTLS"}
-
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "launcher.cli", *args], env=env, capture_output=True, text=True, timeout=120
-        )
+    monkeypatch.delenv("STAGECAST_MTLS", raising=False)
 
     out = run("coordinator", "--stages", "1", "--port", "0")
     assert out.returncode == 2 and "--mtls DIR" in out.stderr

@@ -14,6 +14,9 @@ from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.process import Launcher
 from launcher.selftest import SelftestConfig, execute_selftest
 from stagecast.model.dit_configs import model_config
+from tests.cli_run import run_cli
+
+pytestmark = pytest.mark.multiprocess
 
 CASES = [
     # stages, sp, policy, streams, window, sink
@@ -44,12 +47,6 @@ def test_sequence_parallel_run_equals_the_sharded_reference_bit_for_bit(stages, 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
-
-
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def test_a_stage_whose_heads_do_not_split_over_sp_exits_2_at_start_up(checkpoint):
