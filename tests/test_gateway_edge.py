@@ -39,6 +39,8 @@ from launcher.process import Child, Launcher
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "a red fox running through snow"
 W, H = 32, 32
 CONFIG_TIMEOUT = 45.0  # long enough for a real stream to run while the idle calls wait; they end after it
@@ -542,12 +544,29 @@ def test_a_client_built_only_from_server_reflection_streams_with_typed_enums(edg
 NODE_DIR = Path(__file__).resolve().parent / "node"
 
 
+def install_node_client() -> None:
+    """The client's two packages, pinned by ``tests/node/package-lock.json``: installed here when they are missing, so
+    the README's plain ``pytest`` passes on a fresh clone as CI's run does; skipped, naming the command, where npm
+    or its registry is not there."""
+    if (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        return
+    command = ["npm", "ci", "--prefix", str(NODE_DIR), "--no-audit", "--no-fund", "--loglevel=error"]
+    if shutil.which("npm") is None:
+        pytest.skip("no npm on this machine to run: npm ci --prefix tests/node")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.skip("npm ci --prefix tests/node did not finish in 300 s (is the npm registry reachable?)")
+    if done.returncode != 0:
+        pytest.skip(f"npm ci --prefix tests/node failed: {done.stderr.strip()[-300:]}")
+
+
 def test_a_node_client_built_from_the_proto_file_streams_with_enum_names(edge):
     """The Node.js path (``tests/node``; ``npm ci --prefix tests/node`` installs its two packages, as CI does)."""
     node = shutil.which("node")
     if node is None:
         pytest.skip("no node on this machine")
-    assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), "run: npm ci --prefix tests/node"
+    install_node_client()
     proc = subprocess.run(
         [node, str(NODE_DIR / "foreign_client.mjs"), edge.address], capture_output=True, text=True, timeout=TIMEOUT
     )
