@@ -1,11 +1,18 @@
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 import torch
 
 # Exactness tests compare bit for bit; keep CPU kernels deterministic and the suite light on 2 cores.
+THREADS = int(os.environ.get("STAGECAST_TEST_THREADS", "2"))
 torch.use_deterministic_algorithms(True)
-torch.set_num_threads(int(os.environ.get("STAGECAST_TEST_THREADS", "2")))
+torch.set_num_threads(THREADS)
+# The services the tests start inherit this: each child computes on at most THREADS threads, so a system of five
+# processes does not ask for five times the machine's cores.
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_name, str(THREADS))
 
 
 @pytest.fixture
@@ -21,38 +28,93 @@ def tiny_model():
     return make
 
 
-# ---- markers: ``-m unit`` is the fast set (in-process, no parity sweeps); ``parity`` pins exactness against the
-# reference and the oracles; ``multiprocess`` starts real services on loopback.  A module that starts processes is
-# found from its source, so a new one is classified without anyone remembering to.
-PARITY_MODULES = {
-    "test_streaming_semantics",
-    "test_graphs",
-    "test_distributed",
-    "test_stream_vae",
-    "test_local_decoder",
-    "test_lora",
-    "test_convert",
-    "test_sampling",
-    "test_cfg",
-}
-_STARTS_PROCESSES = ("Launcher(", "start_pipeline(", "subprocess.", "launcher.spawn(", ".Process(", "web_cluster(")
-_kinds: dict[str, set[str]] = {}
+@pytest.fixture(scope="session")
+def system_session(tmp_path_factory):
+    """The session's one running system (tests/shared_system.py), formed when a test first asks for it."""
+    from tests.shared_system import shared_system
+
+    with shared_system(tmp_path_factory.mktemp("shared")) as system:
+        yield system
 
 
-def module_markers(path) -> set[str]:
-    name = path.stem
-    if name not in _kinds:
-        source = path.read_text()
-        kinds = set()
-        if any(token in source for token in _STARTS_PROCESSES):
-            kinds.add("multiprocess")
-        if name in PARITY_MODULES:
-            kinds.add("parity")
-        _kinds[name] = kinds or {"unit"}
-    return _kinds[name]
+@pytest.fixture
+def shared_system(system_session):
+    """The shared running system for one test, which must end its own streams: checked after it."""
+    yield system_session
+    system_session.assert_idle()
+
+
+# ---- tiers.  Every test carries its own tier marker (on the test, its class, or the module's ``pytestmark``):
+#   unit          in process and quick: the fast set, ``pytest -m unit``; it never starts a process
+#   parity        exactness sweeps against the reference executor and the oracles
+#   multiprocess  starts real services on loopback (it may carry ``parity`` as well)
+# A test without a tier, or with ``unit`` beside another tier, is a collection error; a ``unit`` test (its fixtures
+# included) that starts a process fails, naming the tier it belongs to.
+TIERS = ("unit", "parity", "multiprocess")
+
+
+def tier_problem(item) -> str | None:
+    tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+    if not tiers:
+        return f"{item.nodeid}: no tier marker; mark it one of {', '.join(TIERS)}"
+    if "unit" in tiers and len(tiers) > 1:
+        return f"{item.nodeid}: marked unit and {' and '.join(sorted(tiers - {'unit'}))}; a test has one tier"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        for kind in module_markers(item.path):
-            item.add_marker(getattr(pytest.mark, kind))
+    problems = [problem for item in items if (problem := tier_problem(item))]
+    if problems:
+        raise pytest.UsageError("tests without a proper tier:\n  " + "\n  ".join(problems))
+
+
+class _ProcessGuard:
+    """Refuses process starts while a ``unit`` test (or its fixtures' set-up) runs, and remembers the attempt."""
+
+    def __init__(self):
+        self.item = None
+        self.started: dict[str, str] = {}
+
+    # Library internals that run a helper program in passing (ctypes.util.find_library runs ``ldconfig -p``).
+    ALLOWED = ("ldconfig",)
+
+    def allowed(self, args) -> bool:
+        argv = args[1] if len(args) > 1 and isinstance(args[1], list | tuple) else None
+        return bool(argv) and os.path.basename(str(argv[0])) in self.ALLOWED
+
+    def wrap(self, owner, name: str, what: str) -> None:
+        original = getattr(owner, name)
+        guard = self
+
+        def guarded(*args, **kwargs):
+            if guard.item is not None and not guard.allowed(args):
+                message = f"a test marked unit started {what}; mark it multiprocess"
+                guard.started.setdefault(guard.item.nodeid, message)
+                raise RuntimeError(message)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, guarded)
+
+
+_guard = _ProcessGuard()
+_guard.wrap(subprocess.Popen, "_execute_child", "a subprocess")
+_guard.wrap(multiprocessing.process.BaseProcess, "start", "a multiprocessing process")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _guard.item = item if item.get_closest_marker("unit") else None
+    try:
+        yield
+    finally:
+        _guard.item = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    message = _guard.started.get(item.nodeid)
+    if message and report.when == "call" or message and report.when == "setup" and report.failed:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid}: {message}"

@@ -12,6 +12,8 @@ from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig
 from stagecast.model.dit_configs import model_config
 
+pytestmark = pytest.mark.unit
+
 MODEL = model_config("tiny-wan2.1")
 SPEC = StreamSpec(stream_id=0, latent_channels=16, chunk_frames=1, latent_height=4, latent_width=6, text_len=8)
 TEXT = torch.zeros(1, 8, MODEL["text_dim"])

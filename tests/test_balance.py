@@ -69,6 +69,7 @@ def random_case(rng: random.Random):
     return costs, stage_gpus, vae_gpus
 
 
+@pytest.mark.unit
 def test_the_plan_is_the_brute_force_optimum_with_its_tie_break_on_random_small_cases():
     rng = random.Random(15)
     for _ in range(250):
@@ -82,6 +83,7 @@ def test_the_plan_is_the_brute_force_optimum_with_its_tie_break_on_random_small_
         assert again.gpu_ms == plan.gpu_ms and again.bottleneck_ms == plan.bottleneck_ms
 
 
+@pytest.mark.unit
 def test_with_a_given_partition_only_the_vae_cut_is_chosen_and_it_is_the_best_for_it():
     rng = random.Random(16)
     for _ in range(100):
@@ -92,6 +94,7 @@ def test_with_a_given_partition_only_the_vae_cut_is_chosen_and_it_is_the_best_fo
         assert plan.counts == counts and plan.vae_split == split and _ns(plan.bottleneck_ms) == bottleneck
 
 
+@pytest.mark.unit
 def test_the_plan_is_deterministic_and_never_worse_than_the_even_split():
     rng = random.Random(17)
     for _ in range(50):
@@ -102,6 +105,7 @@ def test_the_plan_is_deterministic_and_never_worse_than_the_even_split():
         assert plan_balance(costs, stage_gpus, vae_gpus).bottleneck_ms <= even.bottleneck_ms
 
 
+@pytest.mark.unit
 def test_the_largest_sizes_plan_in_seconds():
     """40 blocks over 8 GPUs with 24 decoder units in 8 slices, and the degenerate case where every cut ties."""
     import time
@@ -136,6 +140,7 @@ def test_the_largest_sizes_plan_in_seconds():
         ),
     ],
 )
+@pytest.mark.unit
 def test_bad_planner_input_is_refused_naming_the_field(make, field):
     with pytest.raises(BalanceError) as err:
         make()
@@ -171,6 +176,7 @@ def profile_json(**over) -> dict:
     return data
 
 
+@pytest.mark.unit
 def test_a_profile_round_trips_through_its_json(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_json()))
@@ -197,6 +203,7 @@ def test_a_profile_round_trips_through_its_json(tmp_path):
         (lambda d: d["dit"].pop("last_ms"), "dit.last_ms"),
     ],
 )
+@pytest.mark.unit
 def test_a_bad_profile_is_refused_naming_the_field(tmp_path, edit, field):
     data = profile_json()
     edit(data)
@@ -207,6 +214,7 @@ def test_a_bad_profile_is_refused_naming_the_field(tmp_path, edit, field):
     assert f"{path}: {field}:" in str(err.value)
 
 
+@pytest.mark.unit
 def test_a_profile_that_is_not_json_missing_or_too_large_is_refused(tmp_path):
     for content, why in ((b"{not json", "not JSON"), (b"[]", "(top level)"), (b" " * (2 << 20), "over the limit")):
         path = tmp_path / "p.json"
@@ -217,6 +225,7 @@ def test_a_profile_that_is_not_json_missing_or_too_large_is_refused(tmp_path):
         BalanceProfile.load(tmp_path / "absent.json")
 
 
+@pytest.mark.unit
 def test_a_profile_of_another_model_or_decoder_is_refused_naming_the_field():
     from stagecast.model.dit_configs import model_config
 
@@ -237,6 +246,7 @@ def test_a_profile_of_another_model_or_decoder_is_refused_naming_the_field():
 # ---- the profile script, on a CPU ------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(tmp_path, capsys):
     from diffusers import AutoencoderKLWan
 
@@ -260,6 +270,7 @@ def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(
         main(["--model", "tiny-wan2.1", "--steps", "5", "--out", str(out)])
 
 
+@pytest.mark.unit
 def test_a_coordinator_given_partition_auto_says_where_auto_is_planned():
     from stagecast.model.partition import parse_partition
 

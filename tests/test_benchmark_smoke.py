@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks.report import BEGIN, END
 
+pytestmark = pytest.mark.multiprocess
+
 
 def run_smoke(module: str, out, *extra: str, timeout: float) -> tuple[dict, str]:
     """Run ``python -m benchmarks.<module> --smoke --json out`` as people type it; once it exits 0, its JSON and what

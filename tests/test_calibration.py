@@ -18,6 +18,8 @@ from stage_service.runner import SliceRunner
 from stagecast.microstep import MicroStep, StreamSpec
 from stagecast.model.dit_configs import model_config
 
+pytestmark = pytest.mark.unit
+
 CFG = model_config("tiny-wan2.1")
 SHAPE = ServingShape(chunk_frames=1, latent_height=4, latent_width=6, text_len=16)
 

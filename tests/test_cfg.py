@@ -14,6 +14,8 @@ from stagecast.microstep import MicroStep
 from tests.oracle import chunkwise_patch_embedding, frame_mask, set_self_mask
 from tests.test_streaming_semantics import TPF, make_spec
 
+pytestmark = pytest.mark.parity
+
 
 def _texts(model, seed=3):
     g = torch.Generator().manual_seed(seed)

@@ -6,6 +6,8 @@ from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig, check_spec
 from stagecast.model.dit_configs import model_config
 
+pytestmark = pytest.mark.unit
+
 MODEL = DiTConfig.from_kwargs(model_config("tiny-wan2.1"))
 
 

@@ -35,6 +35,8 @@ from stagecast.model.wan_keys import (
     original_to_diffusers,
 )
 
+pytestmark = pytest.mark.unit
+
 TINY = ["tiny-wan2.1", "tiny-wan2.2-ti2v"]
 SINGLE = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

@@ -11,6 +11,8 @@ from stagecast.frames import Frame, FrameTiming, save_mp4
 from stagecast.media import JpegEncoder, Mp4Encoder, read_mp4_frames
 from stagecast.v1 import stream_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 TIMING = FrameTiming(0.0, 0.0, 0.0, 0.0)
 
 

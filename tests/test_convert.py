@@ -37,6 +37,8 @@ from stage_service.dit_slice import DiTSlice
 from stagecast.model.dit_configs import model_config
 from stagecast.model.wan_keys import diffusers_to_original
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
+
 MODEL = "tiny-wan2.1"
 
 

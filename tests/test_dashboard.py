@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "stagecast" / "dashboards" / "stagecast.json"
 PANEL_TYPES = {"row", "timeseries", "stat", "bargauge", "heatmap", "gauge", "table"}
 # Words of PromQL that look like metric names but are not.

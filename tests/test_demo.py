@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from stagecast.media import read_mp4_frames
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _processes_mentioning(text: str) -> list[str]:

@@ -4,8 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from stage_service.checkpoint import load_slice_state_dict
 from stagecast.model.config import read_config
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_demo_checkpoint_command_writes_every_component(tmp_path):

@@ -8,6 +8,8 @@ import torch
 from launcher.process import Launcher
 from launcher.selftest import SelftestConfig, execute_selftest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
+
 CASES = [
     # stages, partition, policy, streams, window, sink, batch
     (1, None, "clean", 2, None, 0, 4),

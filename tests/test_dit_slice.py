@@ -6,6 +6,8 @@ import torch
 from stage_service.dit_slice import AttentionContext, DiTSlice
 from stagecast.model.partition import parse_partition, partition_ranges
 
+pytestmark = pytest.mark.unit
+
 
 def run_slices(slices, latents, timestep, text):
     first, last = slices[0], slices[-1]

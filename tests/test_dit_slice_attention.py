@@ -14,6 +14,8 @@ from stage_service.dit_slice import AttentionContext, DiTSlice, _sdpa
 from stage_service.parallel_state import ThreadSequenceGroup
 from stagecast.microstep import StreamSpec
 
+pytestmark = pytest.mark.unit
+
 # (heads, head_dim, query tokens, context lengths): the tiny test models (2 x 12), and head_dim 128 with the heads
 # of Wan2.1-1.3B (12) and 14B (40).  Query lengths cross the CPU flash kernel's query-block sizes (32 / 64 / 256
 # for < 192 / < 768 / >= 768 queries) and contexts its 512-key blocks, so every blocking the models meet is hit.

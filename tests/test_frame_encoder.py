@@ -25,6 +25,8 @@ from stagecast.media import (
     write_mp4,
 )
 
+pytestmark = pytest.mark.unit
+
 W, H = 64, 48
 
 

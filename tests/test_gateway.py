@@ -44,6 +44,8 @@ from stagecast.model.config import read_config
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "a red fox running through snow"
 OTHER_PROMPT = "a blue bird flying over the ocean"
 W, H = 48, 32  # non-square, so a width/height mix-up shows; latents 6x4

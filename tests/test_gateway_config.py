@@ -10,6 +10,8 @@ from gateway.config import ConfigError, duration_plan, frames_after_chunks, reso
 from stagecast.client import stream_config
 from stagecast.v1 import stream_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
 DEFAULTS = ServingDefaults(text_len=32, width=64, height=48)
 

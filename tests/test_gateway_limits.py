@@ -33,6 +33,8 @@ from stagecast.media import DEFAULT_CRF, make_encoder, quality_to_crf
 from stagecast.microstep import MAX_GUIDANCE
 from stagecast.v1 import stream_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
 DEFAULTS = ServingDefaults(text_len=32, width=64, height=48, fps=16.0, steps=2)
 

@@ -18,6 +18,8 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.graphs import GraphedBlocks, rerun_capture
 from stagecast.microstep import StreamSpec
 
+pytestmark = pytest.mark.parity
+
 TIMEOUT = 60
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "stagecast"
 RELEASE = "sc"

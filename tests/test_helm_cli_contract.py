@@ -8,6 +8,8 @@ import pytest
 from launcher import cli
 from tests.test_helm_chart import arg_value, fqdn, helm, render  # noqa: F401 - helm is a fixture
 
+pytestmark = pytest.mark.unit
+
 VALUES = ["default", "multinode", "cpu"]
 COMMANDS = {"coordinator", "stage", "gateway", "generate", "demo-checkpoint", "vae-stage", "web"}
 

@@ -27,6 +27,8 @@ from stagecast.microstep import StreamSpec, context_frames
 from stagecast.model.config import DiTConfig
 from stagecast.model.dit_configs import model_config
 
+pytestmark = pytest.mark.unit
+
 CFG = model_config("tiny-wan2.1")
 MODEL = DiTConfig.from_kwargs(CFG)
 TEXT_LEN = 8

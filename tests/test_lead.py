@@ -14,28 +14,24 @@ import grpc
 import pytest
 
 import stagecast
-from launcher.demo_checkpoint import write_demo_checkpoint
-from launcher.local_cluster import start_pipeline
-from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from tests.pipeline_helpers import coordinator_stub, open_request, tiny_spec
+
+pytestmark = pytest.mark.multiprocess
 
 STAGES = 2
 TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=STAGES)
-        gateway = launcher.spawn(
-            "gateway",
-            ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-            # A client that stops reading is not ended for a minute; its frames wait in two messages.
-            + ["--buffer-messages", "2", "--slow-client-timeout", "60"],
-        )
-        yield pipe.coordinator, gateway.info["address"], launcher
+def cluster(system_session):
+    """A gateway of its own on the session's shared system (2 stages)."""
+    s = system_session
+    args = ["gateway", "--coordinator", s.coordinator, "--checkpoint", str(s.root), "--port", "0"]
+    # A client that stops reading is not ended for a minute; its frames wait in two messages.
+    args += ["--buffer-messages", "2", "--slow-client-timeout", "60"]
+    with s.spawned("lead-gateway", args) as gateway:
+        yield s.coordinator, gateway.info["address"], s.launcher
 
 
 def _progress(stub, stream_id: int) -> pb.StreamProgress:

@@ -31,6 +31,8 @@ from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 from tests.pipeline_helpers import wait_for_generation, wait_until
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "a red fox running through snow"
 KINDS = ("complete", "cancel_mid_stream", "cancel_before_first_frame")
 

@@ -16,6 +16,8 @@ import torch
 from gateway.decoder import LocalDecoder
 from gateway.stream_vae import StreamVAE, decoder_units, to_uint8_frames, write_tiny_vae
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.fixture(scope="module")
 def vae_folder(tmp_path_factory):

@@ -28,6 +28,8 @@ from stagecast.model.dit_configs import model_config
 from stagecast.model.wan_keys import diffusers_to_original
 from tests.test_checkpoint import RecordingSafeOpen
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
+
 MODEL = "tiny-wan2.1"
 LAYERS = model_config(MODEL)["num_layers"]
 # Every module diffusers' musubi converter expects in each block (it pops them unconditionally).

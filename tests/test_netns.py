@@ -45,7 +45,7 @@ def _why_not() -> str | None:
 
 
 WHY_NOT = _why_not()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 
 
 def _ip(*args: str) -> None:

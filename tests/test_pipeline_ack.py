@@ -7,6 +7,8 @@ import pytest
 
 from gateway.pipeline import ACK_RETRIES, PipelineCall
 
+pytestmark = pytest.mark.unit
+
 
 class FakeError(grpc.RpcError):
     def __init__(self, code):

@@ -19,6 +19,8 @@ from stagecast.microstep import StreamSpec
 from stagecast.v1 import stream_pb2 as pb
 from tests.pipeline_helpers import coordinator_stub
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = 120
 
 

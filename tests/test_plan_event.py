@@ -6,6 +6,8 @@ import torch
 from stagecast import wire
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 
+pytestmark = pytest.mark.unit
+
 SPEC = StreamSpec(
     stream_id=3,
     latent_channels=16,

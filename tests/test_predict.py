@@ -11,6 +11,8 @@ from stagecast.model.balance import plan_balance
 from stagecast.model.balance_profile import DIT_KEYS, BalanceProfile
 from stagecast.model.dit_configs import model_config
 
+pytestmark = pytest.mark.unit
+
 BLOCKS = [1.0, 2.0, 3.0, 4.0]  # tiny-wan2.1 has 4 blocks
 VAE = [1.0, 2.0, 3.0, 10.0, 20.0, 30.0, 5.0]  # its decoder's 7 units
 STAGE, FIRST, LAST = 0.5, 0.25, 0.75

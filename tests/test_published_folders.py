@@ -13,6 +13,7 @@ import shutil
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 import stagecast
@@ -24,6 +25,8 @@ from launcher.process import Launcher
 from stagecast.model.config import read_vae_config
 from stagecast.model.vae_configs import vae_config
 from tests.test_gateway import PROMPT, Reference, _raw
+
+pytestmark = pytest.mark.multiprocess
 
 OLD_DIFFUSERS_KEYS = (
     "attn_scales",

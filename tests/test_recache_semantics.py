@@ -18,6 +18,8 @@ from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec, context_frames, recache_steps
 from tests.oracle import chunkwise_patch_embedding, set_self_mask
 
+pytestmark = pytest.mark.unit
+
 H = W = 4
 TPF = 4  # 2x2 patches per latent frame
 N, AT = 5, 3  # chunks, and the chunk the new prompt starts at

@@ -26,6 +26,8 @@ from tests.pipeline_helpers import (
     wait_until,
 )
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def checkpoint():

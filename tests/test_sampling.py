@@ -18,6 +18,8 @@ from stagecast.client import stream_config
 from stagecast.microstep import StreamSpec
 from stagecast.sampling import SamplerConfig, SamplerError, as_f32, sigmas
 
+pytestmark = pytest.mark.parity
+
 WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
 
 # StreamDiffusionV2's ladder per step count, as its inference scripts set denoising_step_list from --step

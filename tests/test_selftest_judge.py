@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from launcher.selftest import judge
+
+pytestmark = pytest.mark.multiprocess
 
 
 def chunks(*values):

@@ -15,6 +15,8 @@ from stage_service.parallel_state import ThreadSequenceGroup
 from stagecast.microstep import StreamSpec
 from stagecast.model.parallel import LayoutError, ParallelLayout, check_gpus, check_sp
 
+pytestmark = pytest.mark.unit
+
 # The stated bound of a sharded forward against the unsharded one, fp32: sharding changes the shapes of the
 # sequence-wise GEMMs and of the cross-attention, which round differently (measured: 0 at sp=2 and 4.8e-7 at
 # sp=4 on these tiny models, whose outputs reach |x| ~ 4).  Exactness is held against the sharded reference.

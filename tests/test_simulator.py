@@ -5,6 +5,8 @@ import pytest
 from coordinator.simulator import SimConfig, simulate
 from launcher.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("stages,steps,batch", [(2, 2, 4), (2, 4, 4), (4, 4, 4), (8, 8, 8), (4, 4, 2)])
 def test_balanced_per_level_stream_has_under_five_percent_bubbles(stages, steps, batch):

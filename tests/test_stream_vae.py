@@ -27,6 +27,8 @@ from gateway.stream_vae import (
 )
 from stagecast.model.vae_configs import CONFIGS, spatial_factor, temporal_factor, vae_config
 
+pytestmark = pytest.mark.parity
+
 # Non-square, so an H/W mix-up shows. At 4x6 the CPU post_quant_conv gives the same bits for any frame count, so the
 # one-shot decode is a bit-exact oracle; the 2x4 test below covers a size where it is not.
 T, H, W = 6, 4, 6

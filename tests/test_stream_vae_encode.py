@@ -14,6 +14,8 @@ from diffusers import AutoencoderKLWan
 from gateway.stream_vae import StreamVAEEncoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
+pytestmark = pytest.mark.unit
+
 FRAMES = 13  # 1 + 4 * 3: four latent frames
 SPLITS = [[13], [1, 4, 4, 4], [3, 5, 2, 3], [1] * 13, [2, 11]]
 SEEDS = {"tiny-wan2.1": 0, "tiny-wan2.2": 1}

@@ -9,6 +9,8 @@ from stage_service.sampler import FlowSampler, chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec, context_frames
 from tests.oracle import chunkwise_patch_embedding, frame_mask, set_self_mask
 
+pytestmark = pytest.mark.parity
+
 H, W = 4, 4  # latent size: 2x2 patches -> 4 tokens per frame
 TPF = (H // 2) * (W // 2)
 

@@ -14,6 +14,8 @@ from launcher.cli import main as cli_main
 from stagecast import telemetry
 from stagecast.trace_summary import load, summarize
 
+pytestmark = pytest.mark.unit
+
 OTEL_VARS = (
     "OTEL_SDK_DISABLED",
     "OTEL_TRACES_EXPORTER",

@@ -33,6 +33,8 @@ from stagecast.grpc_util import wait_healthy
 from stagecast.names import COORDINATOR_SERVICE
 from tests.test_dashboard import DASHBOARD, dashboard_metric_names, family_names
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "a red fox running through snow"
 W, H = 48, 32
 TIMEOUT = 120

@@ -13,6 +13,8 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from gateway.text_encoder import CacheStats, TextEncoder, prompt_clean, write_tiny_text_encoder
 
+pytestmark = pytest.mark.unit
+
 MAX_LEN = 16
 D_MODEL = 32
 

@@ -84,6 +84,7 @@ def _run(scenario: str) -> list:
                 p.kill()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", ["reap", "abort"])
 def test_gloo_transport_reaps_sends_releases_waits_and_leaves_nothing(scenario):
     results = _run(scenario)
@@ -172,6 +173,7 @@ class _PythonStore(dist.Store):
         return self.inner.delete_key(key)
 
 
+@pytest.mark.multiprocess
 def test_a_python_store_outlives_join_for_as_long_as_the_group():
     # NCCL reads the store again whenever it creates a communicator after join (a new peer pair, a sub-group).
     # torch's PrefixStore keeps only the C++ half of a Python store alive; once the Python object is collected,

@@ -20,6 +20,8 @@ from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec, wait_for_generation, wait_until
 
+pytestmark = pytest.mark.multiprocess
+
 
 def descendants(pid):
     out, todo = [], [pid]

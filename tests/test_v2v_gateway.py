@@ -37,6 +37,8 @@ from stagecast.sampling import sigmas
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPT = "a watercolor painting of a harbour"
 W, H = 48, 32
 TIMEOUT = 120
@@ -44,14 +46,10 @@ LADDER = (1000.0, 500.0)  # the demo checkpoint's 2 steps
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2, record_plan=True)
-        gateway = launcher.spawn(
-            "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-        )
-        yield dict(root=root, coordinator=pipe.coordinator, gateway=gateway.info["address"], launcher=launcher)
+def cluster(system_session):
+    """The session's shared system (2 stages recording their plan, a gateway with default flags)."""
+    s = system_session
+    return dict(root=s.root, coordinator=s.coordinator, gateway=s.gateway, launcher=s.launcher)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from stage_service.kv_cache import KVOrderError
 from stage_service.sampler import chunk_noise
 from stagecast.microstep import MicroStep, StreamSpec
 
+pytestmark = pytest.mark.unit
+
 CHUNKS = 3
 
 

@@ -29,6 +29,8 @@ from gateway.vae_graphs import capture_graphs
 from stagecast.cuda_graphs import rerun_capture
 from stagecast.model.vae_configs import vae_config
 
+pytestmark = pytest.mark.unit
+
 H, W = 4, 6
 
 

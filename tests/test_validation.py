@@ -17,6 +17,8 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.model.config import read_config
 from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def pipeline():

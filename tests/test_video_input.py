@@ -21,6 +21,8 @@ from stagecast.model.vae_configs import vae_config
 from stagecast.sampling import SamplerConfig, sigmas
 from stagecast.v1 import stream_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 W, H = 48, 32
 MODEL = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
 SAMPLER = SamplerConfig(ladder=(700.0, 500.0), even_from=None)

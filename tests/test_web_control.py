@@ -12,6 +12,8 @@ from stagecast.media import make_encoder
 from web.control import MAX_MESSAGE_BYTES, BadMessage, parse_message
 from web.fallback import mse_mime
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_four_kinds_parse_into_sdk_arguments():
     msg = parse_message(json.dumps({"type": "config", "prompt": "a fox", "steps": 2, "target_fps": 16, "seed": 7}))
