@@ -23,6 +23,9 @@ Each row: ``chunk_ms`` (median over ``--iters`` chunk sets after ``--warmup``, e
 each time: CUDA events on a GPU, wall time on a CPU), ``per_stream_ms`` (``chunk_ms / N``), ``fps`` (video frames of
 all N streams per second of decoding), ``state_mib`` (one stream's carried state: the tiny decoder's MemBlock
 memories, the VAE's causal-conv cache), ``peak_gib`` (``torch.cuda.max_memory_allocated`` while timing the row).
+Tiny rows also say how exact they are, on a 3-chunk probe stream: ``batch_max_diff`` (max |stream decoded beside
+N - 1 others - decoded alone|; 0 on a CPU by construction, rounding on a GPU where the batch is one convolution)
+and ``max_diff_vs_eager`` (the compiled decoder against eager, both alone).
 """
 
 from __future__ import annotations
@@ -91,7 +94,17 @@ def peak_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
 
-def row(decoder: str, variant: str, dtype: torch.dtype, streams: int, frames: int, ms: float, state_bytes: int, device):
+def row(
+    decoder: str,
+    variant: str,
+    dtype: torch.dtype,
+    streams: int,
+    frames: int,
+    ms: float,
+    state_bytes: int,
+    device,
+    **extra,
+):
     r = {
         "decoder": decoder,
         "variant": variant,
@@ -102,6 +115,7 @@ def row(decoder: str, variant: str, dtype: torch.dtype, streams: int, frames: in
         "fps": round(streams * frames / (ms / 1e3), 1),
         "state_mib": round(state_bytes / 2**20, 2),
         "peak_gib": peak_gib(device),
+        **extra,
     }
     print(json.dumps(r), flush=True)
     return r
@@ -110,6 +124,21 @@ def row(decoder: str, variant: str, dtype: torch.dtype, streams: int, frames: in
 def random_latents(channels: int, frames: int, hw, seed: int, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(1, channels, frames, *hw, generator=gen).to(device)
+
+
+def probe(decoder, hw, device, streams: int, chunks: int = 3) -> torch.Tensor:
+    """Stream 0's video over ``chunks`` one-latent-frame chunks, decoded beside ``streams - 1`` others; stream 0's
+    latents do not depend on ``streams``."""
+    states = [decoder.new_state() for _ in range(streams)]
+    outs = []
+    for c in range(chunks):
+        xs = [
+            random_latents(decoder.latent_channels, 1, hw, 1000 + c * MAX_STREAMS + s, device) for s in range(streams)
+        ]
+        outs.append(decoder.decode_batch(states, xs)[0])
+    for state in states:
+        decoder.release(state)
+    return torch.cat(outs, dim=2).float()
 
 
 def tiny_rows(args, device: torch.device, hw) -> list[dict]:
@@ -121,7 +150,9 @@ def tiny_rows(args, device: torch.device, hw) -> list[dict]:
             variants.append(("compiled", load_tiny_decoder(path, device=device, dtype=dtype, compile=True)))
     rows = []
     frames = 4 * args.latent_frames
+    eager_alone = probe(variants[0][1], hw, device, 1)
     for label, decoder in variants:
+        alone = probe(decoder, hw, device, 1)
         for n in args.streams:
             states = [decoder.new_state() for _ in range(n)]
             xs = [random_latents(decoder.latent_channels, args.latent_frames, hw, s, device) for s in range(n)]
@@ -130,9 +161,15 @@ def tiny_rows(args, device: torch.device, hw) -> list[dict]:
             ms = measure(lambda: decoder.decode_batch(states, xs), device, args.warmup, args.iters)  # noqa: B023
             if label == "compiled":
                 print(f"tiny compiled, {n} streams: warm-up and timing took {time.perf_counter() - t0:.1f} s")
-            rows.append(row("tiny", label, dtype, n, frames, ms, states[0].approx_bytes, device))
+            state_bytes = states[0].approx_bytes
             for s in states:
                 decoder.release(s)
+            # exactness next to speed: a stream decoded beside n - 1 others against alone, and against eager
+            diffs = dict(
+                batch_max_diff=(probe(decoder, hw, device, n) - alone).abs().max().item(),
+                max_diff_vs_eager=(alone - eager_alone).abs().max().item(),
+            )
+            rows.append(row("tiny", label, dtype, n, frames, ms, state_bytes, device, **diffs))
     return rows
 
 

@@ -203,17 +203,18 @@ def decoder_tables(runs: list[dict]) -> str:
         )
         out.append(
             "| decoder | variant | dtype | streams | ms per chunk, all streams | ms per chunk per stream "
-            "| frames/s, all streams | state per stream (MiB) | peak GiB |"
+            "| frames/s, all streams | state per stream (MiB) | peak GiB | max abs diff: batched vs alone, vs eager |"
         )
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for row in r["rows"]:
             if row.get("error"):
-                out.append(f"| {row['decoder']} | {row['variant']} | – | {row['streams']} | {row['error']} ||||| ")
+                out.append(f"| {row['decoder']} | {row['variant']} | – | {row['streams']} | {row['error']} |||||| ")
                 continue
             out.append(
                 f"| {row['decoder']} | {row['variant']} | {row['dtype']} | {row['streams']} | "
                 f"{_f(row['chunk_ms'], '.2f')} | **{_f(row['per_stream_ms'], '.2f')}** | {_f(row['fps'], '.0f')} | "
-                f"{_f(row['state_mib'], '.1f')} | {_f(row['peak_gib'], '.2f')} |"
+                f"{_f(row['state_mib'], '.1f')} | {_f(row['peak_gib'], '.2f')} | "
+                f"{_f(row.get('batch_max_diff'), '.2g')}, {_f(row.get('max_diff_vs_eager'), '.2g')} |"
             )
         out.append(f"\nCommand: `{r['command']}`\n")
     return "\n".join(out)

@@ -24,6 +24,10 @@ def test_decoder_bench_smoke_times_every_row_and_the_report_renders_the_decoder_
     # the tiny decoder's state at a 1x1 latent: 3 MemBlocks each of 256 ch at 1x1, 128 at 2x2 and 64 at 4x4, fp32
     tiny = next(row for row in r["rows"] if row["decoder"] == "tiny")
     assert tiny["state_mib"] == round(4 * 3 * (256 + 128 * 4 + 64 * 16) / 2**20, 2)
+    # on a CPU a stream decodes to the same bits beside another as alone
+    assert all(
+        row["batch_max_diff"] == 0 and row["max_diff_vs_eager"] == 0 for row in r["rows"] if row["decoder"] == "tiny"
+    )
     # the report puts the table between its own markers and leaves the rest (the harness tables too) alone
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text(
