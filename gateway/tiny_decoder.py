@@ -51,7 +51,6 @@ STAGE_CHANNELS = (256, 128, 64, 64)
 TIME_STRIDES = (1, 2, 2)  # TGrow per stage: one latent frame -> 4 frames
 FRAMES_TO_TRIM = 3  # a stream's first outputs dropped (TAEHV's frames_to_trim = t_upscale - 1)
 TEMPORAL_FACTOR = 4
-SUPPORTED = {16: 1, 48: 2}  # latent channels -> patch size (taew2_1, taew2_2)
 
 
 def _conv3(n_in: int, n_out: int, *, bias: bool = True) -> nn.Conv2d:
