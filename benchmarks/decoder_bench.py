@@ -206,30 +206,33 @@ def vae_rows(args, device: torch.device, size) -> list[dict]:
             for state in states:
                 part.release(state)
     if args.vae_batched:
-        part = variants[0][1]
         for n in args.streams:
             try:
-                cache = [None] * part.num_slots
-                x = torch.cat([random_latents(z, 1, hw, s, device) for s in range(n)]).to(dtype)
-                x = x / part._inv_std + part._mean  # as decode_chunk prepares the DiT's latents
-                first = [True]
-
-                def batched(x=x, cache=cache, first=first):
-                    for _ in range(args.latent_frames):
-                        part._step(x, cache, first=first[0])
-                        first[0] = False
-
-                reset_peak(device)
-                ms = measure(batched, device, vae_warmup(args), args.iters)
-                state = sum(t.numel() * t.element_size() for t in cache if isinstance(t, torch.Tensor)) // n
-                rows.append(row("wan-vae", "batched", dtype, n, frames, ms, state, device))
+                rows.append(vae_batched_row(args, variants[0][1], hw, n, device))
             except torch.OutOfMemoryError:
                 rows.append({"decoder": "wan-vae", "variant": "batched", "streams": n, "error": "out of GPU memory"})
                 print(json.dumps(rows[-1]), flush=True)
-            finally:
-                cache = None
-                reset_peak(device)
+            reset_peak(device)  # the batch's cache went with vae_batched_row's frame
     return rows
+
+
+def vae_batched_row(args, part: StreamVAE, hw, n: int, device: torch.device) -> dict:
+    """The N streams' latent frames as one (N, ...) batch through the decoder, one cache list for all of them (each
+    cached tensor then holds the N streams along its batch dimension)."""
+    cache = [None] * part.num_slots
+    x = torch.cat([random_latents(part.vae.config.z_dim, 1, hw, s, device) for s in range(n)]).to(part.dtype)
+    x = x / part._inv_std + part._mean  # as decode_chunk prepares the DiT's latents
+    first = [True]
+
+    def batched():
+        for _ in range(args.latent_frames):
+            part._step(x, cache, first=first[0])
+            first[0] = False
+
+    reset_peak(device)
+    ms = measure(batched, device, vae_warmup(args), args.iters)
+    state = sum(t.numel() * t.element_size() for t in cache if isinstance(t, torch.Tensor)) // n
+    return row("wan-vae", "batched", part.dtype, n, 4 * args.latent_frames, ms, state, device)
 
 
 def main(argv: list[str] | None = None) -> int:
