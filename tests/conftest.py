@@ -1,5 +1,6 @@
 import multiprocessing.process
 import os
+import re
 import subprocess
 
 import pytest
@@ -62,10 +63,21 @@ def tier_problem(item) -> str | None:
     return None
 
 
+# Long runs that only an explicit ``-m fuzz`` / ``-m soak`` selects, whatever else ``-m`` names (``-m unit`` on the
+# command line replaces the ``-m`` of pyproject's addopts).
+OPT_IN = ("fuzz", "soak")
+
+
 def pytest_collection_modifyitems(config, items):
     problems = [problem for item in items if (problem := tier_problem(item))]
     if problems:
         raise pytest.UsageError("tests without a proper tier:\n  " + "\n  ".join(problems))
+    asked = config.getoption("markexpr") or ""
+    skipped = [name for name in OPT_IN if not re.search(rf"(?<!not )\b{name}\b", asked)]
+    dropped = [item for item in items if any(item.get_closest_marker(name) for name in skipped)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
 
 
 class _ProcessGuard:
