@@ -15,8 +15,6 @@ from stagecast.model.balance_profile import BalanceProfile
 from tests.cli_run import run_cli
 from tests.test_balance import profile_json
 
-pytestmark = pytest.mark.multiprocess
-
 
 def write_profile(folder, **over) -> str:
     path = f"{folder}/profile.json"
@@ -25,6 +23,7 @@ def write_profile(folder, **over) -> str:
     return path
 
 
+@pytest.mark.unit
 def test_the_launcher_plans_stages_and_vae_slices_over_the_stage_devices(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     profile = write_profile(tmp_path)
@@ -43,6 +42,7 @@ def test_the_launcher_plans_stages_and_vae_slices_over_the_stage_devices(tmp_pat
     assert alone.partition == plan_balance(costs, gpus).partition and alone.vae_split is None
 
 
+@pytest.mark.unit
 def test_up_refuses_auto_without_a_profile_and_a_profile_of_another_model_before_starting_anything(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     base = ["up", "--checkpoint", str(root), "--port", "0", "--gateway-port", "0"]
@@ -68,6 +68,7 @@ def test_up_refuses_auto_without_a_profile_and_a_profile_of_another_model_before
         assert "[coordinator]" not in done.stdout + done.stderr  # nothing was started
 
 
+@pytest.mark.multiprocess
 def test_up_with_an_auto_partition_gives_the_stages_and_the_gateway_one_plan_and_serves():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
@@ -86,6 +87,7 @@ def test_up_with_an_auto_partition_gives_the_stages_and_the_gateway_one_plan_and
         assert f"VAE decoder split over cpu, cpu at units [{plan.vae_split[0]}]" in log
 
 
+@pytest.mark.unit
 def test_simulate_takes_stage_times_and_the_vae_from_a_profile(tmp_path, capsys):
     from launcher.cli import main
 
@@ -104,6 +106,7 @@ def test_simulate_takes_stage_times_and_the_vae_from_a_profile(tmp_path, capsys)
     assert "--steps 4" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_the_harness_plans_from_a_profile_that_fits_its_run_and_refuses_one_that_does_not(tmp_path):
     import argparse
 

@@ -9,8 +9,6 @@ import pytest
 
 from benchmarks.report import BEGIN, END
 
-pytestmark = pytest.mark.multiprocess
-
 
 def run_smoke(module: str, out, *extra: str, timeout: float) -> tuple[dict, str]:
     """Run ``python -m benchmarks.<module> --smoke --json out`` as people type it; once it exits 0, its JSON and what
@@ -25,6 +23,7 @@ def run_smoke(module: str, out, *extra: str, timeout: float) -> tuple[dict, str]
     return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_it(tmp_path):
     out = tmp_path / "v2_smoke.json"
     md = tmp_path / "bench.md"
@@ -83,6 +82,7 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     assert "| tiny @ 64×64, 2 steps, SLO load rows (steps 1–2, VAE " in text  # its load rows are SLO-adaptive
 
 
+@pytest.mark.multiprocess
 def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
     out = tmp_path / "v2v_smoke.json"
     r, printed = run_smoke("v2v_bench", out, timeout=900)
@@ -99,6 +99,7 @@ def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
     assert "| v2v throughput |" in printed and "| v2v live 16 FPS in |" in printed
 
 
+@pytest.mark.unit
 def test_guidance_rows_count_both_branches_and_the_cfg_table_compares_the_topologies():
     """The bytes a guided micro-step puts on the data plane: sequential CFG on PP=2 sends both rows' hidden states
     across the boundary and the latent back; CFG-parallel with PP=1 only swaps one prediction each way.  The report's
@@ -154,6 +155,7 @@ def test_guidance_rows_count_both_branches_and_the_cfg_table_compares_the_topolo
     assert "| 1.3B @ 832×480, 1 step, guidance 5, CFG-parallel 2 × PP=1 | 2 | **20.0** |" in text
 
 
+@pytest.mark.unit
 def test_frame_stats_tells_late_frames_at_the_start_from_late_frames_later():
     from benchmarks.harness import frame_stats
 
@@ -169,6 +171,7 @@ def test_frame_stats_tells_late_frames_at_the_start_from_late_frames_later():
     assert lt["max_late_ms"] == pytest.approx(200.0)
 
 
+@pytest.mark.multiprocess
 def test_kv_admission_check_smoke_refuses_past_the_budget_and_serves_what_it_admits(tmp_path):
     out = tmp_path / "kv_smoke.json"
     r, _ = run_smoke("kv_admission_check", out, timeout=600)

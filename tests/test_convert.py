@@ -37,8 +37,6 @@ from stage_service.dit_slice import DiTSlice
 from stagecast.model.dit_configs import model_config
 from stagecast.model.wan_keys import diffusers_to_original
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
-
 MODEL = "tiny-wan2.1"
 
 
@@ -107,6 +105,7 @@ def full_slice(folder: Path) -> dict[str, torch.Tensor]:
     return load_slice_state_dict(folder, layers=range(n), first=True, last=True)[1]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_published_layout_converts_to_the_source_weights_in_layer_ordered_shards(tmp_path, layout):
     source, write = LAYOUTS[layout]
@@ -133,6 +132,7 @@ def test_each_published_layout_converts_to_the_source_weights_in_layer_ordered_s
     assert serving["steps"] == len(spec.ladder) and serving["chunk_frames"] == spec.chunk_frames
 
 
+@pytest.mark.parity
 def test_the_sampler_written_is_the_one_the_sampler_reader_accepts(tmp_path):
     from stagecast.sampling import SamplerConfig  # the gateway's reader of the section
 
@@ -145,6 +145,7 @@ def test_the_sampler_written_is_the_one_the_sampler_reader_accepts(tmp_path):
         assert cfg.shift == SOURCES[source].shift
 
 
+@pytest.mark.parity
 def test_ema_flag_chooses_the_entry(tmp_path):
     self_forcing_file(tmp_path / "sf.pt")
     convert(tmp_path / "sf.pt", tmp_path / "ema", source="self-forcing")
@@ -157,6 +158,8 @@ def test_ema_flag_chooses_the_entry(tmp_path):
         convert(tmp_path / "cv.pt", tmp_path / "x", source="causvid", ema=True)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", ["causvid", "self-forcing", "streamdiffusionv2"])
 def test_converted_file_serves_streams_exactly_as_the_source_weights(tmp_path, layout):
     """Two stages serve the converted folder; the reference replays the same plan over a model holding the source
@@ -199,6 +202,7 @@ def mapped_paths() -> str:
     return Path("/proc/self/maps").read_text()
 
 
+@pytest.mark.parity
 def test_a_pickle_with_objects_is_refused_and_never_unpickled(tmp_path):
     torch.save({"generator": original(GENERATOR), "config": NotATensor()}, tmp_path / "model.pt")
     with pytest.raises(ConvertError) as err:
@@ -209,6 +213,7 @@ def test_a_pickle_with_objects_is_refused_and_never_unpickled(tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parity
 def test_a_truncated_file_names_the_file_and_leaves_nothing(tmp_path):
     causvid_file(tmp_path / "model.pt")
     data = (tmp_path / "model.pt").read_bytes()
@@ -223,6 +228,7 @@ def test_a_truncated_file_names_the_file_and_leaves_nothing(tmp_path):
     assert "critic: model." in str(err.value)  # the critic is saved after the generator
 
 
+@pytest.mark.parity
 def test_unknown_layout_names_the_first_unknown_keys(tmp_path):
     sd = original(GENERATOR)
     sd["model.lora_magic.weight"] = torch.zeros(2)
@@ -237,6 +243,7 @@ def test_unknown_layout_names_the_first_unknown_keys(tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parity
 def test_a_wrong_shape_names_the_key_and_nothing_stays_mapped(tmp_path):
     sd = original(GENERATOR)
     sd["model.blocks.2.ffn.2.weight"] = torch.zeros(3, 3)
@@ -255,6 +262,7 @@ def test_a_wrong_shape_names_the_key_and_nothing_stays_mapped(tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parity
 def test_refuses_an_existing_output_folder(tmp_path):
     causvid_file(tmp_path / "model.pt")
     (tmp_path / "out").mkdir()
@@ -264,6 +272,7 @@ def test_refuses_an_existing_output_folder(tmp_path):
     assert (tmp_path / "out" / "x").read_text() == "mine"
 
 
+@pytest.mark.parity
 def test_cli_converts_with_a_base_and_reports(tmp_path, capsys):
     from launcher.demo_checkpoint import write_demo_checkpoint
 
@@ -285,6 +294,7 @@ def test_cli_converts_with_a_base_and_reports(tmp_path, capsys):
     assert rc == 2 and "nope.pt: no such file" in capsys.readouterr().out
 
 
+@pytest.mark.parity
 def test_config_checked_against_presets_and_overrides(tmp_path):
     """A model with fewer layers than any preset: heads come from the preset of its width, the difference is
     reported; --ladder / --shift replace the source's sampler and are checked by the sampler reader."""

@@ -28,8 +28,6 @@ from stagecast.model.dit_configs import model_config
 from stagecast.model.wan_keys import diffusers_to_original
 from tests.test_checkpoint import RecordingSafeOpen
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
-
 MODEL = "tiny-wan2.1"
 LAYERS = model_config(MODEL)["num_layers"]
 # Every module diffusers' musubi converter expects in each block (it pops them unconditionally).
@@ -165,6 +163,7 @@ def renumbered(full: dict[str, torch.Tensor], layers: range, first: bool, last: 
     return out
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("scale", [1.0, 0.7])
 def test_merged_slices_equal_diffusers_load_lora_weights_and_fuse_lora(tmp_path, fmt, scale):
@@ -181,6 +180,7 @@ def test_merged_slices_equal_diffusers_load_lora_weights_and_fuse_lora(tmp_path,
             assert torch.equal(got[k], expected[k]), (fmt, layers, k)
 
 
+@pytest.mark.parity
 def test_two_loras_merge_in_order_like_diffusers(tmp_path):
     folder, first_file = folder_and_file(tmp_path, "diffusers", seed=1)
     _, second_file = folder_and_file(tmp_path, "kohya", seed=2)
@@ -190,6 +190,7 @@ def test_two_loras_merge_in_order_like_diffusers(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parity
 def test_each_stage_reads_only_its_own_lora_tensors(tmp_path):
     folder, file = folder_and_file(tmp_path, "diffusers")
     recorder = RecordingSafeOpen()
@@ -204,6 +205,8 @@ def test_each_stage_reads_only_its_own_lora_tensors(tmp_path):
     assert not any("proj_out" in k for k in read)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parity
 def test_lora_files_of_every_format_serve_a_stream_exactly_as_the_diffusers_fused_model(tmp_path):
     """One file per key format, all four on the stages at once (``--lora`` repeated, each with its scale); the
     reference is diffusers' fusion of the same files into the full model."""
@@ -263,6 +266,7 @@ def bad_lora(tmp_path, sd) -> str:
     ],
     ids=["unknown-key", "no-such-block", "a-without-b", "wrong-shape", "conv"],
 )
+@pytest.mark.parity
 def test_bad_lora_names_the_file_and_key(tmp_path, sd, key, why):
     folder, _ = folder_and_file(tmp_path, "diffusers")
     file = bad_lora(tmp_path, sd)
@@ -271,6 +275,7 @@ def test_bad_lora_names_the_file_and_key(tmp_path, sd, key, why):
     assert err.value.file == file and key in (err.value.key or "") and why in str(err.value)
 
 
+@pytest.mark.parity
 def test_parse_lora(tmp_path):
     file = tmp_path / "a:b.safetensors"
     file.write_bytes(b"")

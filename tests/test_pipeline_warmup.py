@@ -19,8 +19,6 @@ from stagecast.microstep import StreamSpec
 from stagecast.v1 import stream_pb2 as pb
 from tests.pipeline_helpers import coordinator_stub
 
-pytestmark = pytest.mark.multiprocess
-
 TIMEOUT = 120
 
 
@@ -29,6 +27,7 @@ def spec(**kw) -> StreamSpec:
     return StreamSpec(**{**base, **kw})
 
 
+@pytest.mark.unit
 def test_the_warm_up_fills_the_window_and_the_wavefront():
     def chunks(stages, **kw):
         got = warmup_spec(spec(**kw), stages)
@@ -65,6 +64,7 @@ class NeverReady:
         raise AssertionError("a pipeline that is not ready is never sent a stream")
 
 
+@pytest.mark.unit
 def test_a_pipeline_not_ready_in_time_is_skipped_and_the_gateway_serves_anyway():
     coordinator, times = NeverReady(), iter([0.0, 0.0, 30.0, 61.0, 61.0])
     got = warm_pipeline(
@@ -79,6 +79,7 @@ def test_a_pipeline_not_ready_in_time_is_skipped_and_the_gateway_serves_anyway()
     assert got == 0 and coordinator.asked == 2  # asked at 0 s and 30 s; past the deadline at 61 s, skipped
 
 
+@pytest.mark.multiprocess
 def test_the_gateway_runs_one_warm_up_stream_before_it_serves(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     defaults, model = ServingDefaults.load(root), ModelInfo.from_checkpoint(root)
@@ -110,6 +111,7 @@ def test_the_gateway_runs_one_warm_up_stream_before_it_serves(tmp_path):
             assert len(opens) == 2 and not opens[1].warmup
 
 
+@pytest.mark.unit
 def test_a_broken_warm_up_stream_is_logged_and_skipped(caplog):
     class Breaks(NeverReady):
         def Status(self, request, timeout=None):  # noqa: N802
@@ -136,6 +138,7 @@ def _tensor():
     return torch.zeros(1, 8, 4)
 
 
+@pytest.mark.unit
 def test_the_gateway_refuses_a_warm_up_budget_out_of_range(tmp_path):
     from gateway.service import Gateway, GatewayOptions
 
@@ -144,6 +147,7 @@ def test_the_gateway_refuses_a_warm_up_budget_out_of_range(tmp_path):
         Gateway(GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=-1.0))
 
 
+@pytest.mark.unit
 def test_a_warm_up_that_fails_never_stops_the_gateway(tmp_path, monkeypatch, caplog):
     import gateway.service as service
 

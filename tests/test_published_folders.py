@@ -26,8 +26,6 @@ from stagecast.model.config import read_vae_config
 from stagecast.model.vae_configs import vae_config
 from tests.test_gateway import PROMPT, Reference, _raw
 
-pytestmark = pytest.mark.multiprocess
-
 OLD_DIFFUSERS_KEYS = (
     "attn_scales",
     "base_dim",
@@ -50,6 +48,7 @@ def old_diffusers_vae(root) -> None:
     path.write_text(json.dumps(old, indent=2))
 
 
+@pytest.mark.unit
 def test_old_diffusers_vae_config_reads_with_diffusers_defaults(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     want = StreamVAE.from_folder(root / "vae")
@@ -83,6 +82,7 @@ def serve_and_compare(root, *, seed: int = 7) -> tuple[np.ndarray, object]:
     return _raw(frames), want, events
 
 
+@pytest.mark.multiprocess
 def test_old_diffusers_vae_config_serves_exactly(tmp_path):
     root = write_demo_checkpoint(tmp_path / "ckpt")
     old_diffusers_vae(root)
@@ -91,6 +91,7 @@ def test_old_diffusers_vae_config_serves_exactly(tmp_path):
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.multiprocess
 def test_converted_self_forcing_with_base_serves_its_ladder_exactly(tmp_path):
     """``stagecast convert --base`` on a Self-Forcing file (old-diffusers VAE config in the base): the gateway streams
     with the source's ladder and shift, and every frame equals the reference over the same weights."""

@@ -29,8 +29,6 @@ from stagecast.security import MTLS, connect, issue, make_ca, parse_tokens, serv
 from stagecast.v1 import stream_pb2 as pb
 from tests.listening import listening_sockets, process_tree
 
-pytestmark = pytest.mark.multiprocess
-
 TIMEOUT = 120
 TOKENS = {
     "alice": "alice-token-0123456789abcdef",
@@ -109,6 +107,7 @@ def _internal_services(deployment):
     yield deployment["vae"], "vae-stage", [*vae, health]
 
 
+@pytest.mark.multiprocess
 def test_every_internal_rpc_without_a_client_certificate_of_the_deployment_is_refused(deployment):
     launcher = deployment["launcher"]
     ca = launcher.mtls().ca
@@ -142,6 +141,7 @@ def test_every_internal_rpc_without_a_client_certificate_of_the_deployment_is_re
         assert ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10).ready
 
 
+@pytest.mark.multiprocess
 def test_each_role_may_call_only_what_it_needs(deployment):
     launcher = deployment["launcher"]
     coordinator, stage0 = deployment["coordinator"], deployment["stages"][0]
@@ -188,6 +188,7 @@ def _client(deployment, token=None, **kw):
     return stagecast.Client(deployment["gateway"], token=token, root_certificates=deployment["public_ca"], **kw)
 
 
+@pytest.mark.multiprocess
 def test_the_public_api_without_a_token_or_with_a_wrong_one_is_unauthenticated(deployment):
     for token in (None, "wrong-token-0123456789abcdef", TOKENS["alice"] + "x"):
         with _client(deployment, token) as client:
@@ -219,6 +220,7 @@ def test_the_public_api_without_a_token_or_with_a_wrong_one_is_unauthenticated(d
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.multiprocess
 def test_one_tenant_cannot_see_stop_or_reprompt_another_tenants_stream(deployment):
     public = pb.DESCRIPTOR.services_by_name["StreamService"]
     # No public request names a stream: stop and prompt updates travel only on the stream's own Generate call.
@@ -260,6 +262,7 @@ def test_one_tenant_cannot_see_stop_or_reprompt_another_tenants_stream(deploymen
             assert gen.end is not None and gen.end.reason == "stopped"
 
 
+@pytest.mark.multiprocess
 def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deployment):
     """``stagecast web`` in front of the TLS + tokens gateway: a browser's token is checked at the web edge and
     carried to the gateway; no token is refused before any WebRTC work."""
@@ -287,6 +290,7 @@ def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deploym
     assert end == {"type": "end", "reason": "completed", "frames": 8}
 
 
+@pytest.mark.unit
 def test_the_rendezvous_store_implements_what_torch_distributed_asks():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     rpb_grpc.add_RendezvousServiceServicer_to_server(RendezvousServicer(), server)
@@ -314,6 +318,7 @@ def test_the_rendezvous_store_implements_what_torch_distributed_asks():
         server.stop(0)
 
 
+@pytest.mark.unit
 def test_token_files_name_the_bad_line():
     with pytest.raises(ValueError, match="line 2: a token must have at least 16"):
         parse_tokens("good-token-0123456789 alice\nshort bob\n")
@@ -325,6 +330,7 @@ def test_token_files_name_the_bad_line():
     assert sorted((p.tenant, p.role) for p in table.values()) == [("alice", "user"), ("ops", "admin")]
 
 
+@pytest.mark.unit
 def test_services_refuse_to_start_without_credentials_or_tokens(tmp_path, monkeypatch):
     from tests.cli_run import run_cli as run
 
@@ -340,6 +346,7 @@ def test_services_refuse_to_start_without_credentials_or_tokens(tmp_path, monkey
     assert (creds / "gateway" / "tls.key").stat().st_mode & 0o077 == 0  # private keys are private
 
 
+@pytest.mark.multiprocess
 def test_no_socket_of_stagecast_up_listens_outside_loopback():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)

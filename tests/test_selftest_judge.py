@@ -8,13 +8,12 @@ import torch
 
 from launcher.selftest import judge
 
-pytestmark = pytest.mark.multiprocess
-
 
 def chunks(*values):
     return [torch.full((1, 2, 1, 2, 2), v) for v in values]
 
 
+@pytest.mark.unit
 def test_bit_equal_streams_pass_and_any_difference_fails():
     ref = {1: chunks(0.5, 1.5), 2: chunks(2.0)}
     assert judge({1: chunks(0.5, 1.5), 2: chunks(2.0)}, ref, 0.0) == (True, 0.0)
@@ -27,6 +26,7 @@ def test_bit_equal_streams_pass_and_any_difference_fails():
     assert not judge({1: chunks(0.5, 1.5)}, ref, 0.0)[0]  # a stream missing
 
 
+@pytest.mark.multiprocess
 def test_selftest_command_passes_and_prints_the_difference():
     proc = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "selftest", "--stages", "2", "--streams", "1", "--chunks", "2"],

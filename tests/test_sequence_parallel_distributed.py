@@ -16,8 +16,6 @@ from launcher.selftest import SelftestConfig, execute_selftest
 from stagecast.model.dit_configs import model_config
 from tests.cli_run import run_cli
 
-pytestmark = pytest.mark.multiprocess
-
 CASES = [
     # stages, sp, policy, streams, window, sink
     (1, 2, "clean", 2, None, 0),
@@ -25,6 +23,8 @@ CASES = [
 ]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parity
 @pytest.mark.parametrize("stages,sp,policy,streams,window,sink", CASES)
 def test_sequence_parallel_run_equals_the_sharded_reference_bit_for_bit(stages, sp, policy, streams, window, sink):
     cfg = SelftestConfig(
@@ -49,6 +49,7 @@ def checkpoint(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
 
 
+@pytest.mark.unit
 def test_a_stage_whose_heads_do_not_split_over_sp_exits_2_at_start_up(checkpoint):
     heads = json.loads((checkpoint / "transformer" / "config.json").read_text())["num_attention_heads"]
     sp = heads + 1
@@ -73,6 +74,7 @@ def test_a_stage_whose_heads_do_not_split_over_sp_exits_2_at_start_up(checkpoint
         (["--stages", "1", "--sp", "0"], "--sp must be >= 1, got 0"),
     ],
 )
+@pytest.mark.unit
 def test_up_refuses_a_layout_that_cannot_run_before_starting_anything(checkpoint, flags, message):
     proc = run_cli("up", "--checkpoint", str(checkpoint), "--port", "0", "--gateway-port", "-1", *flags)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -80,6 +82,7 @@ def test_up_refuses_a_layout_that_cannot_run_before_starting_anything(checkpoint
     assert "stage-0" not in proc.stdout + proc.stderr  # nothing was started
 
 
+@pytest.mark.unit
 def test_selftest_refuses_a_layout_that_cannot_run_before_starting_anything():
     proc = run_cli("selftest", "--stages", "1", "--sp", "3")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -90,6 +93,7 @@ def test_selftest_refuses_a_layout_that_cannot_run_before_starting_anything():
         assert proc.returncode == 2 and "--stages 2 × --sp 2 = 4 ranks, but" in proc.stderr
 
 
+@pytest.mark.unit
 def test_the_coordinator_registers_ranks_and_refuses_a_stage_of_another_sp():
     config = json.dumps(model_config("tiny-wan2.1"))
     reg = StageRegistry(world_size=2, sp=2)
@@ -114,6 +118,7 @@ def test_the_coordinator_registers_ranks_and_refuses_a_stage_of_another_sp():
         )
 
 
+@pytest.mark.multiprocess
 def test_all_to_all_benchmark_runs_on_gloo_and_predicts_both_4_gpu_topologies(tmp_path):
     out = tmp_path / "sp.json"
     proc = subprocess.run(
@@ -134,6 +139,7 @@ def test_all_to_all_benchmark_runs_on_gloo_and_predicts_both_4_gpu_topologies(tm
     assert "all_to_all_single fit" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_losing_one_rank_of_a_sequence_group_fails_the_stream_and_the_next_generation_serves(tmp_path):
     """PP=2 × SP=2: SIGKILL stage 1's sequence rank 0 mid-stream.  Its sequence peer (blocked in an all-to-all) and
     stage 0's ranks (blocked on the pipeline's links, their peers alive) are all released: the stream ends

@@ -20,8 +20,6 @@ from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec, wait_for_generation, wait_until
 
-pytestmark = pytest.mark.multiprocess
-
 
 def descendants(pid):
     out, todo = [], [pid]
@@ -42,6 +40,7 @@ def alive(pid):
     return True
 
 
+@pytest.mark.multiprocess
 def test_up_serves_and_sigterm_stops_every_process():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
@@ -65,6 +64,7 @@ def test_up_serves_and_sigterm_stops_every_process():
         assert not [pid for pid in children if alive(pid)]
 
 
+@pytest.mark.multiprocess
 def test_up_serves_a_checkpoint_whose_transformer_has_original_wan_keys_and_config(tmp_path):
     """Stages and gateway read the same config: a Wan-AI ``WanModel`` config.json (``dim``, ``num_heads``, no
     ``in_channels``) with original key names starts the whole system and streams."""
@@ -94,6 +94,7 @@ def _service_pid(up_pid, command):
     return None
 
 
+@pytest.mark.multiprocess
 def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
@@ -161,6 +162,7 @@ def _gateway_streams(address):
         return sum(1 for s in status.streams if s.frames_sent > 0)
 
 
+@pytest.mark.multiprocess
 def test_up_exits_non_zero_naming_a_service_it_cannot_keep_up():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
@@ -174,6 +176,7 @@ def test_up_exits_non_zero_naming_a_service_it_cannot_keep_up():
         assert not [pid for pid in children if alive(pid)]
 
 
+@pytest.mark.multiprocess
 def test_a_second_up_on_a_taken_port_fails_at_once_with_address_already_in_use():
     from stagecast.grpc_util import make_server
 
@@ -194,6 +197,7 @@ def test_a_second_up_on_a_taken_port_fails_at_once_with_address_already_in_use()
     first.stop(None)
 
 
+@pytest.mark.unit
 def test_a_service_on_a_taken_port_says_address_already_in_use():
     from stagecast.grpc_util import AddressInUseError, make_server
 
