@@ -95,7 +95,7 @@ class LocalDecoder:
         try:
             part = load_tiny_decoder(path, device=device, dtype=dtype)
         except ValueError as exc:
-            raise ValueError(f"--tiny-decoder {path}: {exc}") from None
+            raise ValueError(f"--tiny-decoder: {exc}") from None
         if part.latent_channels != latent_channels:
             raise ValueError(
                 f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
