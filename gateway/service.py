@@ -718,13 +718,14 @@ class StreamServicer:
             run.on_rpc_done()  # the client left while we were opening
         run.start(_parsed(request_iterator))
         logger.info(
-            "stream %s (pipeline %d): %dx%d, %s frames, codec %s",
+            "stream %s (pipeline %d): %dx%d, %s frames, codec %s, %s decoder",
             run.id,
             run.pipeline_id,
             cfg.width,
             cfg.height,
             cfg.total_frames or "unbounded",
             cfg.codec,
+            cfg.decoder,
         )
         try:
             yield from run.messages()
