@@ -101,3 +101,23 @@ def test_a_tiny_decoder_serves_a_stream_through_a_local_session_with_its_own_map
     want = [tiny_to_uint8_frames(reference.decode_chunk(state, x)).numpy() for x in chunks]
     assert [g.shape for g in got] == [(1, 8, 16, 3), (4, 8, 16, 3)]  # as the VAE: 1 frame, then 4
     assert all((g == w).all() for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.unit
+def test_the_demo_checkpoint_can_carry_a_tiny_decoder_its_gateway_accepts(tmp_path):
+    from gateway.checkpoint import ModelInfo
+    from launcher.demo_checkpoint import write_demo_checkpoint
+
+    root = write_demo_checkpoint(tmp_path / "plain")
+    assert tiny_decoder_file(root) is None  # opt-in: the suite's demo checkpoints stay as they were
+    root = write_demo_checkpoint(root, tiny_decoder=True)  # completes an existing checkpoint
+    model = ModelInfo.from_checkpoint(root)
+    decoder = LocalDecoder.tiny(
+        tiny_decoder_file(root),
+        device="cpu",
+        dtype=torch.float32,
+        latent_channels=model.latent_channels,
+        spatial_factor=model.spatial_factor,
+        temporal_factor=model.temporal_factor,
+    )
+    assert decoder.parts[0].latent_channels == model.latent_channels
