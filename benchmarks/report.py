@@ -6,7 +6,9 @@ Usage::
     python -m benchmarks.report --results DIR --out FILE
 
 The tables replace what lies between the ``<!-- harness-v2:begin -->`` and ``<!-- harness-v2:end -->`` lines of the
-output file (appended at its end when the markers are missing); nothing else in the file changes.
+output file (appended at its end when the markers are missing); nothing else in the file changes. The decoder table
+(``benchmarks/decoder_bench.py``'s ``decoder_*.json``) goes between ``<!-- decoders:begin -->`` and
+``<!-- decoders:end -->`` the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- harness-v2:begin -->", "<!-- harness-v2:end -->"
+DEC_BEGIN, DEC_END = "<!-- decoders:begin -->", "<!-- decoders:end -->"
 MODEL_NAMES = {"wan2.1-1.3b": "1.3B", "wan2.1-14b": "14B", "wan2.2-ti2v-5b": "5B", "tiny-wan2.1": "tiny"}
 
 
@@ -179,11 +182,49 @@ def tables(runs: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(document: str, body: str) -> str:
-    block = f"{BEGIN}\n{body}{END}"
-    if BEGIN in document and END in document:
-        head, rest = document.split(BEGIN, 1)
-        return head + block + rest.split(END, 1)[1]
+def load_decoders(results: Path) -> list[dict]:
+    runs = []
+    for path in sorted(results.glob("decoder_*.json")):
+        r = json.loads(path.read_text())
+        if r.get("bench") == "decoder":
+            r["_file"] = path.name
+            runs.append(r)
+    return runs
+
+
+def decoder_tables(runs: list[dict]) -> str:
+    """One table per ``decoder_bench`` run: ms per chunk when N streams' chunks are decoded, and state per stream."""
+    out = []
+    for r in runs:
+        frames = 4 * r["latent_frames"]
+        out.append(
+            f"### Decoders: {r['latent_frames']} latent frame(s) → {frames} frames per stream at {r['size']} "
+            f"(`{r['_file']}`, {r['device']}, commit {r['commit']})\n"
+        )
+        out.append(
+            "| decoder | variant | dtype | streams | ms per chunk, all streams | ms per chunk per stream "
+            "| frames/s, all streams | state per stream (MiB) | peak GiB | max abs diff: batched vs alone, vs eager |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for row in r["rows"]:
+            if row.get("error"):
+                out.append(f"| {row['decoder']} | {row['variant']} | – | {row['streams']} | {row['error']} |||||| ")
+                continue
+            out.append(
+                f"| {row['decoder']} | {row['variant']} | {row['dtype']} | {row['streams']} | "
+                f"{_f(row['chunk_ms'], '.2f')} | **{_f(row['per_stream_ms'], '.2f')}** | {_f(row['fps'], '.0f')} | "
+                f"{_f(row['state_mib'], '.1f')} | {_f(row['peak_gib'], '.2f')} | "
+                f"{_f(row.get('batch_max_diff'), '.2g')}, {_f(row.get('max_diff_vs_eager'), '.2g')} |"
+            )
+        out.append(f"\nCommand: `{r['command']}`\n")
+    return "\n".join(out)
+
+
+def render(document: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    block = f"{begin}\n{body}{end}"
+    if begin in document and end in document:
+        head, rest = document.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
     return document.rstrip("\n") + "\n\n" + block + "\n"
 
 
@@ -193,12 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="BENCHMARKS.md")
     args = ap.parse_args(argv)
     runs = load(Path(args.results))
-    if not runs:
-        print(f"no harness-v2 results (v2_*.json) in {args.results}", file=sys.stderr)
+    decoders = load_decoders(Path(args.results))
+    if not runs and not decoders:
+        print(
+            f"no harness-v2 results (v2_*.json) nor decoder tables (decoder_*.json) in {args.results}", file=sys.stderr
+        )
         return 1
     out = Path(args.out)
-    out.write_text(render(out.read_text() if out.exists() else "", tables(runs)))
-    print(f"{out}: tables from {len(runs)} run(s)")
+    document = out.read_text() if out.exists() else ""
+    if runs:
+        document = render(document, tables(runs))
+    if decoders:
+        document = render(document, decoder_tables(decoders), DEC_BEGIN, DEC_END)
+    out.write_text(document)
+    print(f"{out}: tables from {len(runs)} harness run(s) and {len(decoders)} decoder run(s)")
     return 0
 
 

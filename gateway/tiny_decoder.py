@@ -51,7 +51,6 @@ STAGE_CHANNELS = (256, 128, 64, 64)
 TIME_STRIDES = (1, 2, 2)  # TGrow per stage: one latent frame -> 4 frames
 FRAMES_TO_TRIM = 3  # a stream's first outputs dropped (TAEHV's frames_to_trim = t_upscale - 1)
 TEMPORAL_FACTOR = 4
-SUPPORTED = {16: 1, 48: 2}  # latent channels -> patch size (taew2_1, taew2_2)
 
 
 def _conv3(n_in: int, n_out: int, *, bias: bool = True) -> nn.Conv2d:
@@ -154,7 +153,7 @@ class TinyDecoder(nn.Module):
                 frames, m = outs, m + 1
             elif isinstance(layer, TGrow):
                 frames = [g for f in frames for g in layer(f)]
-            elif isinstance(layer, Clamp):
+            elif isinstance(layer, Clamp) and x.device.type == "cpu" and x.shape[0] > 1:
                 # Elementwise kernels on a CPU run their vector tail in scalar code, and tanh's two differ in
                 # the last bit: one stream at a time keeps a stream's bits independent of the batch.
                 frames = [torch.cat([layer(f[i : i + 1]) for i in range(f.shape[0])]) for f in frames]
@@ -216,7 +215,7 @@ class TinyStreamDecoder:
         self.patch_size = model.patch_size
         self.spatial_factor = 8 * model.patch_size
         # torch.compile of one latent frame's pass: every call has the same shapes for a given batch and size.
-        self._frame = torch.compile(model.frame, dynamic=False) if compile else model.frame
+        self._compiled = torch.compile(model.frame, dynamic=False) if compile else None
 
     def new_state(self) -> TinyStreamState:
         return TinyStreamState()
@@ -291,6 +290,12 @@ class TinyStreamDecoder:
             videos.append(torch.stack([f[b] for f in frames[skip:]], dim=1).unsqueeze(0))
         return videos
 
+    def _frame(self, x: torch.Tensor, memory: list[torch.Tensor]):
+        if self._compiled is None:
+            return self.model.frame(x, memory)
+        with _COMPILED_CALLS:
+            return self._compiled(x, memory)
+
     def _gather(self, states: list[TinyStreamState], hw: tuple[int, int]) -> list[torch.Tensor]:
         if len(states) == 1 and states[0].memory is not None:
             return list(states[0].memory)
@@ -304,6 +309,11 @@ class TinyStreamDecoder:
             # A copy per stream: a view would keep the whole batch's tensor alive until every stream moved on.
             s.memory = list(memory) if len(states) == 1 else [m[b : b + 1].clone() for m in memory]
             s.latent_hw = hw
+
+
+# Dynamo is not thread-safe (one thread compiling while another calls the compiled function fails), and the gateway
+# decodes each stream in its own thread: compiled calls take this lock; they only launch kernels.
+_COMPILED_CALLS = threading.Lock()
 
 
 def tiny_to_uint8_frames(video: torch.Tensor) -> torch.Tensor:

@@ -265,3 +265,40 @@ def test_streaming_agrees_with_a_parallel_whole_video_oracle(files, channels, pa
     assert got.shape == want.shape == (1, 3, 9, 8 * patch, 16 * patch)
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     assert (want > 0).float().mean() > 0.5  # the comparison is over real values, not clamped zeros
+
+
+# ---- against upstream's own module --------------------------------------------------------------------------------
+
+# Recorded from madebyollin/taehv's taehv.py (commit 1f14a56) with the weights ``write_tiny_decoder(path,
+# latent_channels=C, patch_size=P, seed=7)`` writes: ``TAEHV(checkpoint_path=None, patch_size=P, latent_channels=C)``,
+# ``load_state_dict`` of that file (its keys, encoder included, are upstream's exactly), then ``decode_video`` of
+# ``torch.randn(1, C, 3, 1, 2, generator=torch.Generator().manual_seed(11))`` (as NTCHW, ``parallel=False``), CPU
+# fp32. Ours gave the same bits there. Re-record them if ``write_tiny_decoder``'s initialisation changes.
+UPSTREAM = {
+    (16, 1): (
+        [0.489683, 0.423603, 0.525695, 0.416232, 0.470413, 0.442261, 0.502001, 0.445676, 0.485276],
+        [0.383181, 0.497131, 0.412369, 0.513104, 0.365031, 0.474321, 0.438699, 0.420125, 0.403362]
+        + [0.441647, 0.558098, 0.517604, 0.592576, 0.525929, 0.584531, 0.482456, 0.585605, 0.537282]
+        + [0.524004, 0.491429, 0.561528, 0.523929, 0.458409, 0.512015, 0.548109, 0.477717, 0.510123],
+    ),
+    (48, 2): (
+        [0.522644, 0.480671, 0.515775, 0.487873, 0.524218, 0.494128, 0.523784, 0.472746, 0.522791],
+        [0.515749, 0.428448, 0.507856, 0.414196, 0.528725, 0.395556, 0.492469, 0.464173, 0.519378]
+        + [0.519185, 0.586319, 0.513889, 0.55318, 0.523043, 0.564625, 0.483746, 0.567762, 0.52253]
+        + [0.485927, 0.515586, 0.506732, 0.531491, 0.511532, 0.415139, 0.464891, 0.544186, 0.434519],
+    ),
+}
+
+
+@pytest.mark.parametrize("channels,patch", sorted(UPSTREAM))
+def test_agrees_with_values_recorded_from_upstreams_module(tmp_path, channels, patch):
+    decoder = load_tiny_decoder(
+        write_tiny_decoder(tmp_path / "t.pth", latent_channels=channels, patch_size=patch, seed=7)
+    )
+    x = torch.randn(1, channels, 3, 1, 2, generator=torch.Generator().manual_seed(11))
+    state = decoder.new_state()
+    video = torch.cat([decoder.decode_chunk(state, x[:, :, :1]), decoder.decode_chunk(state, x[:, :, 1:])], dim=2)
+    means, pixel = UPSTREAM[(channels, patch)]
+    assert video.shape == (1, 3, 9, 8 * patch, 16 * patch)
+    assert torch.allclose(video.mean(dim=(0, 1, 3, 4)), torch.tensor(means), atol=1e-5, rtol=0)
+    assert torch.allclose(video[0, :, :, 0, 0].flatten(), torch.tensor(pixel), atol=1e-5, rtol=0)
