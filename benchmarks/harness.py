@@ -8,6 +8,8 @@ Usage (on a machine with GPUs; one command per configuration)::
     python -m benchmarks.harness --steps 1 --stages 1 --cfg-parallel 2 --guidance 5 ...   # CFG-parallel on 2 GPUs
     python -m benchmarks.harness ... --partition auto --balance-profile profile.json   # stages and VAE cut planned
                                                   # from a measured profile (python -m benchmarks.balance)
+    python -m benchmarks.harness ... --decoder full,tiny   # every stream on the full VAE, and the main stream again
+                                                  # on a tiny decoder (random weights, or --tiny-decoder PATH)
     python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
 What one run does (the benchmark protocol, BENCHMARKS.md):
@@ -33,6 +35,12 @@ What one run does (the benchmark protocol, BENCHMARKS.md):
    aggregate;
 8. JSON with all of it, the versions (torch, CUDA, NCCL, diffusers, driver, GPU count), the commit and whether the
    tree was dirty.
+
+Decoders (``--decoder full|tiny|full,tiny``): every measured stream asks for the first decoder listed; the main
+stream runs once more for each other one, in the same system right after it, and ``system.main_by_decoder`` holds
+each one's steady FPS side by side.  The gateway gets ``--tiny-decoder PATH`` when given, else (when a tiny decoder is
+listed) a tiny decoder with random weights written into the checkpoint's ``tiny_decoder/`` (the protocol's random
+weights; ``gateway.tiny_decoder.write_tiny_decoder``).
 
 Classifier-free guidance (``--guidance 5``): every stream runs a conditional and an unconditional branch (the
 negative prompt, ``--negative-prompt``, empty by default), sequentially through one pipeline of ``--stages`` stages,
@@ -127,6 +135,24 @@ def write_assets(root: Path, args) -> None:
     # SLO-adaptive stream (--load-min-steps) switches between.
     defaults["sampler"] = {"ladder": list(LADDER)}
     (root / "stagecast.json").write_text(json.dumps(defaults))
+    if "tiny" in decoders_of(args) and not getattr(args, "tiny_decoder", None):
+        from gateway.tiny_decoder import write_tiny_decoder
+
+        patch = 2 if VAE_FOR_MODEL[args.model] == "wan2.2" else 1
+        (root / "tiny_decoder").mkdir()
+        write_tiny_decoder(root / "tiny_decoder" / "random.pth", latent_channels=cfg["in_channels"], patch_size=patch)
+
+
+def decoders_of(args) -> list[str]:
+    """``--decoder``'s list ("full,tiny" -> ["full", "tiny"]); ["full"] for benchmarks without the flag."""
+    return list(getattr(args, "decoders", None) or ["full"])
+
+
+def decoder_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in ("full", "tiny") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected full, tiny or both (e.g. full,tiny), got {text!r}")
+    return names
 
 
 # ---- floor ----------------------------------------------------------------------------------------------
@@ -295,10 +321,11 @@ def branches_of(args) -> int:
     return 2 if args.guidance > 1.0 else 1
 
 
-def config_kwargs(args, pace: bool = False) -> dict:
+def config_kwargs(args, pace: bool = False, decoder: str | None = None) -> dict:
     """The streams' config.  Throughput streams run unpaced (as fast as the pipeline allows); load rows run paced at
-    ``--target-fps`` (what a viewer gets), unless ``--load-unpaced``."""
+    ``--target-fps`` (what a viewer gets), unless ``--load-unpaced``.  ``decoder``: the first of ``--decoder``."""
     kw = dict(
+        decoder=decoder or decoders_of(args)[0],
         pace=pace,
         target_fps=args.target_fps,
         # Load rows with --load-min-steps: SLO-adaptive streams, the controller picks min..--steps per chunk.
@@ -333,10 +360,12 @@ class StreamRecord:
         updates: dict[int, str] | None = None,
         stop_at: int | None = None,
         pace: bool = False,
+        decoder: str | None = None,
     ):
         self.args = args
         self.stop_at = stop_at  # frame index after which an unbounded stream is stopped
-        self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config_kwargs(args, pace))
+        config = config_kwargs(args, pace, decoder)
+        self.gen = client.generate(prompt=prompt, seconds=seconds, timeout=1800, **config)
         self.updates = dict(updates or {})
         self.arrivals: list[float] = []
         self.chunks: dict[int, dict] = {}
@@ -520,6 +549,8 @@ def start_system(launcher, root: Path, args, device_kind: str):
     gw_args += ["--vae-devices", ",".join(vae_devices)]
     if vae_split:
         gw_args += ["--vae-split", vae_split]
+    if getattr(args, "tiny_decoder", None):  # else a tiny decoder, if listed, is the checkpoint's tiny_decoder/
+        gw_args += ["--tiny-decoder", os.path.abspath(args.tiny_decoder)]
     gateway = launcher.spawn("gateway", gw_args, timeout=900)
     return pipe, gateway.info["address"]
 
@@ -706,6 +737,11 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 wall = time.perf_counter() - t
             after = stage_stats(pipe.coordinator, launcher)
             done("main stream", main=main.json(), lead=lead.summary())
+            # The same main stream on each other decoder listed, in this system, right after it: side by side.
+            by_decoder = {decoders_of(args)[0]: main}
+            for name in decoders_of(args)[1:]:
+                by_decoder[name] = StreamRecord(client, args, args.seconds, f"a fox {nonce} {name}", decoder=name).run()
+                done(f"main stream, {name} decoder", main_by_decoder={k: r.stats() for k, r in by_decoder.items()})
             firsts = [StreamRecord(client, args, 0.5, f"a cat {nonce} {i}").run() for i in range(args.ttff_runs)]
             done("ttff", ttff_s=[f.ttff_s for f in firsts])
             # Interactive: an unbounded stream with a new prompt every `every` frames, stopped well after the last
@@ -730,7 +766,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 load_rows.append(load_row(n, recs))
                 done(f"load {n}", load=load_rows)
         mem = gpu_memory()
-    for rec in (first, main, *firsts, inter):
+    for rec in (first, main, *firsts, inter, *by_decoder.values()):
         if rec.error:
             raise RuntimeError(f"a measured stream failed: {rec.error}")
     latencies = interactive_latencies(inter, prompt_chunks.get(inter.gen.info.pipeline_stream_id, []))
@@ -761,6 +797,12 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         "first_stream": first.json(),
         "slo_model": seeds,
         "main": {**main.json(), "wall_s": wall},
+        "decoder": decoders_of(args)[0],
+        # Each decoder's main stream (the first is "main" itself): steady FPS and punctuality side by side.
+        "main_by_decoder": {
+            name: {k: v for k, v in rec.json().items() if k not in ("arrivals_s", "gateway_chunks")}
+            for name, rec in by_decoder.items()
+        },
         "steady_fps": span["steady_fps"],
         "whole_fps": span["whole_fps"],
         "lead": lead.summary(),
@@ -923,6 +965,12 @@ def cfg_label(a: dict) -> str:
     return f", guidance {a['guidance']:g}, sequential CFG on PP={a['stages']}"
 
 
+def decoder_label(a: dict) -> str:
+    """ ", tiny decoder" for a run whose streams asked for the tiny decoder first (empty for the full VAE)."""
+    first = (a.get("decoders") or ["full"])[0]
+    return ", tiny decoder" if first == "tiny" else ""
+
+
 def fp8_label(a: dict) -> str:
     """ ", FP8 blocks" for a run whose stages ran ``--fp8`` (empty otherwise)."""
     return ", FP8 blocks" if a.get("fp8") else ""
@@ -932,7 +980,8 @@ def markdown_row(r: dict) -> str:
     s, a = r["system"], r["args"]
     first = s["first_stream"]
     return (
-        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s){cfg_label(a)}{fp8_label(a)} | "
+        f"| {a['model']} @ {a['height']}x{a['width']}, {a['steps']} step(s){cfg_label(a)}{fp8_label(a)}"
+        f"{decoder_label(a)} | "
         f"{topology(a)} | "
         f"{s['steady_fps']:.1f} | {s['whole_fps']:.1f} | {s['main']['on_time']:.1%} | "
         f"{s['main']['max_gap_ms']:.0f} | {s['main']['gaps_over_250ms']} | "
@@ -1021,6 +1070,20 @@ def main(argv: list[str] | None = None) -> int:
         "--vae-gpus", default=None, help="GPUs the VAE decoder is cut over, e.g. 0,1 (default: every stage's GPU)"
     )
     ap.add_argument("--vae-split", default=None, help="decoder units where VAE slices 1.. start (gateway --vae-split)")
+    ap.add_argument(
+        "--decoder",
+        dest="decoders",
+        type=decoder_list,
+        default=["full"],
+        help="full (the VAE), tiny, or full,tiny: every stream asks for the first; the main stream runs again on the "
+        "other (side by side, same system)",
+    )
+    ap.add_argument(
+        "--tiny-decoder",
+        default=None,
+        metavar="PATH",
+        help="the gateway's --tiny-decoder (e.g. taew2_1.pth); default with a tiny --decoder: random weights",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="append a one-line table row here")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small frames: proves the harness runs")

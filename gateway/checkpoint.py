@@ -9,7 +9,11 @@ Usage::
 
     defaults.sampler.ladder_for(defaults.steps)         # the checkpoint's timestep ladder (stagecast.sampling)
 
-The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`` (diffusers layout).  An optional
+    tiny_decoder_file(root, flag=None)                  # the tiny decoder's weights: --tiny-decoder, else
+                                                        # tiny_decoder/ in the checkpoint, else None
+
+The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`` (diffusers layout), and optionally
+``tiny_decoder/`` with one weights file of a tiny streaming decoder (``gateway.tiny_decoder``).  An optional
 ``stagecast.json`` beside them overrides the serving defaults and names the checkpoint's sampler (its ``sampler``
 section, see ``stagecast.sampling`` and README.md); ``stagecast demo-checkpoint`` writes one so the tiny model runs
 with a short text length and small frames.  An unknown key, or a value the sampler cannot use, is an error that
@@ -32,6 +36,8 @@ from stagecast.sampling import SamplerConfig, SamplerError
 logger = logging.getLogger(__name__)
 
 SERVING_DEFAULTS_FILE = "stagecast.json"
+TINY_DECODER_DIR = "tiny_decoder"
+TINY_DECODER_SUFFIXES = (".pth", ".safetensors")
 MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
 MAX_NEGATIVE_PROMPT_CHARS = 20_000  # the public API's prompt limit (gateway.config.MAX_PROMPT_CHARS)
 
@@ -140,3 +146,26 @@ class ModelInfo:
             temporal_factor=vae_configs.temporal_factor(vae),
             per_token_timesteps=expands_timesteps(dit),
         )
+
+
+def tiny_decoder_file(checkpoint: str | os.PathLike, flag: str | os.PathLike | None = None) -> Path | None:
+    """The tiny decoder's weights file this deployment serves: ``flag`` (``--tiny-decoder``) when given, else the one
+    ``.pth`` or ``.safetensors`` file in the checkpoint's ``tiny_decoder/``, else None (no tiny decoder).  A flag that
+    names no such file, or a ``tiny_decoder/`` without exactly one weights file, raises ``ValueError`` naming it."""
+    if flag:
+        path = Path(flag)
+        if not path.is_file():
+            raise ValueError(f"--tiny-decoder {path}: no such file")
+        if path.suffix not in TINY_DECODER_SUFFIXES:
+            raise ValueError(f"--tiny-decoder {path}: must be a {' or '.join(TINY_DECODER_SUFFIXES)} weights file")
+        return path
+    folder = Path(checkpoint) / TINY_DECODER_DIR
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in TINY_DECODER_SUFFIXES)
+    if len(files) != 1:
+        found = ", ".join(p.name for p in files) or "none"
+        raise ValueError(
+            f"{folder}: must hold exactly one {' or '.join(TINY_DECODER_SUFFIXES)} weights file, found {found}"
+        )
+    return files[0]

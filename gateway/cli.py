@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from stagecast.names import DTYPE_NAMES
 from stagecast.service import add_security_flags, csv_list, run_service
@@ -121,6 +122,7 @@ def add_parser(sub) -> None:
         default=None,
         help="decoder units where VAE slices 1.. start, e.g. 4 (default: balanced by multiply-accumulates)",
     )
+    add_decoder_flags(p)
     p.add_argument("--tls-cert", default=None, help="public TLS certificate chain (PEM); with --tls-key")
     p.add_argument("--tls-key", default=None, help="public TLS private key (PEM)")
     p.add_argument(
@@ -135,6 +137,31 @@ def add_parser(sub) -> None:
     )
     add_security_flags(p, health=False)  # --health-port is the gateway's own, above
     p.set_defaults(run=main)
+
+
+def add_decoder_flags(p) -> None:
+    """The tiny decoder's flags, declared here once; ``stagecast up`` and the benchmark harness add them with this
+    and pass them on with ``decoder_args``."""
+    p.add_argument(
+        "--tiny-decoder",
+        default=None,
+        metavar="PATH",
+        help="a tiny streaming decoder's weights (.pth in the TAEHV key layout, e.g. taew2_1.pth, or .safetensors) "
+        "for streams that ask for DECODER_TINY: approximate, far cheaper per frame than the VAE; without it, the "
+        "checkpoint's tiny_decoder/ if it has one",
+    )
+    p.add_argument(
+        "--default-decoder",
+        default="full",
+        choices=["full", "tiny"],
+        help="the decoder of streams that name none: full (the model's VAE, exact) or tiny (needs a tiny decoder)",
+    )
+
+
+def decoder_args(args: argparse.Namespace) -> list[str]:
+    """``add_decoder_flags``' values as gateway arguments."""
+    out = ["--tiny-decoder", os.path.abspath(args.tiny_decoder)] if args.tiny_decoder else []
+    return out + (["--default-decoder", args.default_decoder] if args.default_decoder != "full" else [])
 
 
 def main(args: argparse.Namespace) -> int:
@@ -190,6 +217,8 @@ def _gateway_options(args: argparse.Namespace):
         vae_stage=args.vae_stage,
         vae_devices=args.vae_devices,
         vae_split=args.vae_split,
+        tiny_decoder=args.tiny_decoder,
+        default_decoder=args.default_decoder,
         mtls=mtls_from_flags(args.mtls, args.insecure_internal, "stagecast gateway"),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -3,6 +3,7 @@
 Usage::
 
     cfg = resolve_config(msg, defaults=ServingDefaults(), model=ModelInfo.from_checkpoint(root))
+    cfg = resolve_config(msg, defaults=..., model=..., decoders=Decoders(tiny=True))  # a deployment with a tiny one
     # raises ConfigError("width: must be a positive multiple of 16 ...") -> INVALID_ARGUMENT
     cfg.total_frames, cfg.num_chunks     # None, None for a stream that runs until stopped
     cfg.timesteps, cfg.shift, cfg.update      # the ladder the stream runs: the checkpoint's for cfg.steps, or its own
@@ -59,6 +60,27 @@ class ConfigError(ValueError):
         self.field = field
 
 
+@dataclass(frozen=True)
+class Decoders:
+    """The decoders a deployment holds, and the one a stream that names none (``DECODER_UNSPECIFIED``) gets.
+
+    The full VAE is always there and is the default; a tiny decoder exists only where the gateway was given one
+    (``--tiny-decoder PATH`` or ``tiny_decoder/`` in the checkpoint), and ``--default-decoder tiny`` makes it the
+    default."""
+
+    tiny: bool = False
+    default: str = api.DEFAULT_DECODER
+
+    def __post_init__(self) -> None:
+        if self.default not in api.DECODERS:
+            raise ValueError(f"--default-decoder: must be one of {', '.join(api.DECODERS)}, got {self.default!r}")
+        if self.default == "tiny" and not self.tiny:
+            raise ValueError(
+                "--default-decoder tiny: this deployment has no tiny decoder (give --tiny-decoder PATH, or put "
+                "tiny_decoder/ in the checkpoint)"
+            )
+
+
 class RequestTooLarge(ConfigError):
     """A message other than an input frame over ``MAX_REQUEST_BYTES`` (RESOURCE_EXHAUSTED)."""
 
@@ -94,6 +116,7 @@ class EffectiveConfig:
     # Image-to-video: the first frame, (height, width, 3) uint8 RGB (None: no image).
     image: object = field(default=None, compare=False, repr=False)
     negative_prompt: str = ""  # the unconditional branch's prompt (guidance_scale > 1 only)
+    decoder: str = api.DEFAULT_DECODER  # what turns its latents into frames: "full" (the VAE) or "tiny"
 
     @property
     def v2v(self) -> bool:
@@ -178,6 +201,7 @@ class EffectiveConfig:
             min_steps=self.min_steps,
             max_steps=self.max_steps,
             steps_preference=api.steps_preference_value(self.steps_preference),
+            decoder=api.decoder_value(self.decoder),
         )
         if self.seconds is not None:
             msg.seconds = self.seconds
@@ -339,8 +363,11 @@ def _step_bounds(msg: pb.StreamConfig, sampler, steps: int, timesteps: tuple[flo
     return lo, hi, tuple(sampler.ladder_for(n) for n in offered), timesteps
 
 
-def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo) -> EffectiveConfig:
-    """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults."""
+def resolve_config(
+    msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo, decoders: Decoders = Decoders()
+) -> EffectiveConfig:
+    """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults;
+    ``decoders`` says which decoders the deployment holds (the full VAE only, unless told)."""
     prompt = check_prompt(msg.prompt)
 
     sf, (p_h, p_w) = model.spatial_factor, model.patch_hw
@@ -423,6 +450,14 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
     quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]
     _int_in("quality", quality, 1, 100)
 
+    decoder = _enum("decoder", msg.decoder, api.DECODERS, decoders.default)
+    if decoder == "tiny" and not decoders.tiny:
+        raise ConfigError(
+            "decoder",
+            "DECODER_TINY: this deployment has no tiny decoder (its gateway runs without --tiny-decoder and the "
+            "checkpoint has no tiny_decoder/); ask for DECODER_FULL or leave decoder out",
+        )
+
     strength = None
     input_pacing, input_timeout = api.DEFAULT_INPUT_PACING, DEFAULT_INPUT_TIMEOUT
     if msg.HasField("strength"):
@@ -493,4 +528,5 @@ def resolve_config(msg: pb.StreamConfig, *, defaults: ServingDefaults, model: Mo
         ladders=ladders,
         temporal_factor=model.temporal_factor,
         negative_prompt=negative_prompt,
+        decoder=decoder,
     )

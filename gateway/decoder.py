@@ -16,6 +16,10 @@ Usage (one session per client stream; ``gateway.stream`` drives it from two thre
                                           # until every stage has freed it)
 
 Both are exact: ``gateway.stream_vae`` decodes chunk by chunk bit-identically however the decoder is cut.
+
+A tiny streaming decoder (``gateway.tiny_decoder``) is one more part: ``LocalDecoder([load_tiny_decoder(path)])``.
+Each part says what range its video is in (``output_range``: the Wan VAE's [-1, 1], a tiny decoder's [0, 1]) and
+``uint8_frames`` maps it with that range's own arithmetic.
 """
 
 from __future__ import annotations
@@ -44,6 +48,28 @@ logger = logging.getLogger(__name__)
 _DONE = object()
 
 
+def uint8_frames(part, video: torch.Tensor) -> torch.Tensor:
+    """The last part's video ``(1, 3, n, H, W)`` as ``(n, H, W, 3)`` uint8, by the part's ``output_range``: [-1, 1]
+    (the Wan VAE: ``to_uint8_frames``, diffusers' arithmetic) or [0, 1] (a tiny decoder: ``round(255 x)``)."""
+    low, high = getattr(part, "output_range", (-1.0, 1.0))
+    if (low, high) == (-1.0, 1.0):
+        return to_uint8_frames(video)
+    if (low, high) == (0.0, 1.0):
+        from gateway.tiny_decoder import tiny_to_uint8_frames
+
+        return tiny_to_uint8_frames(video)
+    raise ValueError(f"a decoder part whose video is in [{low}, {high}]: no uint8 mapping for that range")
+
+
+def _held_bytes(state) -> int:
+    """A stream state's memory (``approx_bytes``, a property of the VAE's states and possibly a method of others);
+    0 once released."""
+    if getattr(state, "released", False):
+        return 0
+    held = state.approx_bytes
+    return int(held() if callable(held) else held)
+
+
 class LocalDecoder:
     """The VAE in this process: one ``StreamVAE``, or ``StreamVAESlice`` s (each on its own device) as a pipeline.
 
@@ -56,6 +82,32 @@ class LocalDecoder:
         self.parts = list(parts) if isinstance(parts, list | tuple) else [parts]
         if not self.parts or not self.parts[0].takes_latents or not self.parts[-1].gives_video:
             raise ValueError("a local decoder needs parts that take latents first and give video last")
+
+    @classmethod
+    def tiny(
+        cls, path, *, device: str, dtype: torch.dtype, latent_channels: int, spatial_factor: int, temporal_factor: int
+    ) -> LocalDecoder:
+        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, checked against the checkpoint it
+        serves: a file for other latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or
+        another frame geometry is refused, naming ``--tiny-decoder``."""
+        from gateway.tiny_decoder import load_tiny_decoder
+
+        try:
+            part = load_tiny_decoder(path, device=device, dtype=dtype)
+        except ValueError as exc:
+            raise ValueError(f"--tiny-decoder: {exc}") from None
+        if part.latent_channels != latent_channels:
+            raise ValueError(
+                f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
+                f"{latent_channels} (taew2_1: 16, Wan2.1 and Wan2.2-A14B; taew2_2: 48, Wan2.2-TI2V-5B)"
+            )
+        if part.spatial_factor != spatial_factor or temporal_factor != 4:
+            raise ValueError(
+                f"--tiny-decoder {path}: gives {part.spatial_factor}x pixels per latent pixel and 4 frames per latent "
+                f"frame; this checkpoint's VAE gives {spatial_factor}x and {temporal_factor}"
+            )
+        logger.info("tiny decoder %s: %d latent channels, on %s (%s)", path, latent_channels, device, dtype)
+        return cls(part)
 
     @classmethod
     def from_folder(
@@ -152,7 +204,7 @@ class LocalSession:
                 started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
                 y = part.decode_chunk(state, x)
                 if part.gives_video:
-                    y = to_uint8_frames(y).cpu().numpy()
+                    y = uint8_frames(part, y).cpu().numpy()
                 if not outbox.put((tag, y, started_ns)):
                     inbox.close(drop=True)  # aborted downstream: stop the parts upstream too
                     return
@@ -195,7 +247,7 @@ class LocalSession:
 
     @property
     def state_bytes(self) -> int:
-        return sum(0 if s.released else s.approx_bytes for s in self.states)
+        return sum(_held_bytes(s) for s in self.states)
 
 
 class RemoteDecoder:

@@ -44,10 +44,11 @@ import torch
 from opentelemetry import trace
 
 from gateway.admission import Admission, CostBudget, Refused
-from gateway.checkpoint import ModelInfo, ServingDefaults
+from gateway.checkpoint import ModelInfo, ServingDefaults, tiny_decoder_file
 from gateway.config import (
     MAX_REQUEST_BYTES,
     ConfigError,
+    Decoders,
     RequestTooLarge,
     parse_client_message,
     parse_status_request,
@@ -139,6 +140,10 @@ class GatewayOptions:
     vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
     vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
     vae_split: list[int] | None = None  # decoder units where slices 1.. start (None: balanced by MACs)
+    # A tiny streaming decoder (gateway.tiny_decoder) beside the VAE, for streams that ask for DECODER_TINY: its
+    # weights file (None: the checkpoint's tiny_decoder/, if any), on ``device`` in ``vae_dtype``.
+    tiny_decoder: str | None = None
+    default_decoder: str = "full"  # what DECODER_UNSPECIFIED gets: "full" (the VAE) or "tiny"
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
@@ -195,6 +200,20 @@ class Gateway:
                 boundaries=opts.vae_split,
                 compile=opts.vae_compile,
             )
+        tiny_path = tiny_decoder_file(root, opts.tiny_decoder)
+        self.tiny_decoder = (
+            LocalDecoder.tiny(
+                tiny_path,
+                device=opts.device,
+                dtype=DTYPES[opts.vae_dtype],
+                latent_channels=self.model.latent_channels,
+                spatial_factor=self.model.spatial_factor,
+                temporal_factor=self.model.temporal_factor,
+            )
+            if tiny_path is not None
+            else None
+        )
+        self.decoders = Decoders(tiny=self.tiny_decoder is not None, default=opts.default_decoder)
         self._encoder_lock = threading.Lock()
         self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
@@ -245,7 +264,7 @@ class Gateway:
         self.stream_host = StreamHost(
             coordinator=self.coordinator,
             coordinator_target=opts.coordinator,
-            decoder=self.decoder,
+            decoders={"full": self.decoder, **({"tiny": self.tiny_decoder} if self.tiny_decoder else {})},
             metrics=self.metrics,
             timers=self.timers,
             limits=StreamLimits(
@@ -295,13 +314,16 @@ class Gateway:
         """One stream of the serving defaults through the pipeline before serving (``gateway.pipeline_warmup``): what
         a request that sets nothing gets, unpaced, its latents dropped.  Returns the chunks it ran (0: skipped)."""
         try:
-            cfg = resolve_config(pb.StreamConfig(prompt="warm-up"), defaults=self.defaults, model=self.model)
+            cfg = resolve_config(
+                pb.StreamConfig(prompt="warm-up"), defaults=self.defaults, model=self.model, decoders=self.decoders
+            )
             spec = cfg.stream_spec(latent_channels=self.model.latent_channels, text_len=self.text_len)
+            decoder = self.tiny_decoder if cfg.decoder == "tiny" else self.decoder
             return warm_pipeline(
                 self.coordinator,
                 spec=spec,
                 text=self.encoder.encode("warm-up"),
-                consumer_depth=self.decoder.depth(self.opts.buffer_chunks),
+                consumer_depth=decoder.depth(self.opts.buffer_chunks),
                 wait_s=wait_s,
             )
         except Exception:  # noqa: BLE001 - a warm-up is never a reason not to serve
@@ -316,11 +338,13 @@ class Gateway:
         chunk), as the second stream did without any warm-up; from the third stream on nothing compiles."""
         start = time.perf_counter()
         self.encoder.encode("warm-up")
-        if isinstance(self.decoder, LocalDecoder):
-            sf = self.model.spatial_factor
-            shape = (1, self.model.latent_channels, 1, self.defaults.height // sf, self.defaults.width // sf)
+        sf = self.model.spatial_factor
+        shape = (1, self.model.latent_channels, 1, self.defaults.height // sf, self.defaults.width // sf)
+        local = [self.decoder] if isinstance(self.decoder, LocalDecoder) else []
+        local += [self.tiny_decoder] if self.tiny_decoder is not None else []
+        for decoder in local:
             for _ in range(sessions):
-                session = self.decoder.open(chunks)
+                session = decoder.open(chunks)
                 try:
                     for c in range(chunks):
                         session.submit(SimpleNamespace(index=c), torch.randn(shape))
@@ -377,12 +401,14 @@ class Gateway:
         self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
         set_serving(self.health, [SERVICE_NAME], True)
         logger.info(
-            "gateway on %s -> coordinator %s (text_len=%d, VAE %s, cost budget %d pixels/frame and %.4g "
-            "pixel-passes/s per stream: %s)",
+            "gateway on %s -> coordinator %s (text_len=%d, VAE %s, decoders %s (default %s), cost budget %d "
+            "pixels/frame and %.4g pixel-passes/s per stream: %s)",
             self.address,
             self.opts.coordinator,
             self.text_len,
             self.opts.vae_stage or "in process",
+            "full, tiny" if self.decoders.tiny else "full",
+            self.decoders.default,
             self.budget.max_frame_pixels,
             self.budget.max_stream_cost,
             self.budget.origin,
@@ -397,6 +423,8 @@ class Gateway:
             self.vae_reporter.stop()
         self.channel.close()
         self.decoder.close()
+        if self.tiny_decoder is not None:
+            self.tiny_decoder.close()
         self.timers.close()
         self.metrics.close()
 
@@ -676,7 +704,7 @@ class StreamServicer:
                 f"config: the first message must be a config, got {kind or 'an empty message'}",
             )
         try:
-            cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model)
+            cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model, decoders=gw.decoders)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -690,13 +718,14 @@ class StreamServicer:
             run.on_rpc_done()  # the client left while we were opening
         run.start(_parsed(request_iterator))
         logger.info(
-            "stream %s (pipeline %d): %dx%d, %s frames, codec %s",
+            "stream %s (pipeline %d): %dx%d, %s frames, codec %s, %s decoder",
             run.id,
             run.pipeline_id,
             cfg.width,
             cfg.height,
             cfg.total_frames or "unbounded",
             cfg.codec,
+            cfg.decoder,
         )
         try:
             yield from run.messages()

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,9 @@ class StreamHost:
 
     coordinator: Any  # the CoordinatorService stub
     coordinator_target: str
-    decoder: Any  # gateway.decoder.LocalDecoder or RemoteDecoder
+    # By StreamConfig.decoder: "full" (gateway.decoder.LocalDecoder or RemoteDecoder: the VAE), and "tiny" (a
+    # LocalDecoder of a tiny streaming decoder) where the deployment has one.
+    decoders: Mapping[str, Any]
     metrics: Any  # gateway.metrics.GatewayMetrics
     timers: Any  # gateway.timers.Timers
     limits: StreamLimits
@@ -132,6 +134,7 @@ class StreamRun:
         self.first_frame_ms: float | None = None
         self.first_pts = 0.0
         self.last_frame_ms: float | None = None
+        self.decoder = host.decoders[cfg.decoder]  # the one this stream asked for (resolve_config checked it exists)
         self.session = None  # the decode session (gateway.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
         self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
@@ -163,7 +166,7 @@ class StreamRun:
             spec=wire.spec_to_proto(spec),
             text=wire.tensor_to_proto(self.text),
             acknowledges=True,
-            consumer_depth=self.host.decoder.depth(self.limits.buffer_chunks),
+            consumer_depth=self.decoder.depth(self.limits.buffer_chunks),
             chunk_rate=self.cfg.chunk_rate,
             pace_offset_s=self.cfg.pace_offset_s,
             ladders=[ipb.Ladder(timesteps=ladder) for ladder in self.cfg.ladders],
@@ -187,7 +190,7 @@ class StreamRun:
                 temporal_factor=self.host.temporal_factor,
             )
         with self._lock:
-            self.session = self.host.decoder.open(self.limits.buffer_chunks)
+            self.session = self.decoder.open(self.limits.buffer_chunks)
             ended = self.outcome is not None  # the client left while we were opening
         if ended:
             self.session.abort()

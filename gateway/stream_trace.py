@@ -45,6 +45,7 @@ class StreamTrace:
             "stagecast.stream.chunk_frames": cfg.chunk_frames,
             "stagecast.stream.codec": cfg.codec,
             "stagecast.stream.policy": cfg.policy,
+            "stagecast.stream.decoder": cfg.decoder,
             "stagecast.stream.total_frames": cfg.total_frames or 0,
             "stagecast.stream.num_chunks": cfg.num_chunks or 0,
             "stagecast.stream.window": cfg.window or 0,

@@ -149,6 +149,8 @@ class VAEStreamState:
 class ChunkDecoder:
     """Shared per-stream, frame-by-frame driver; subclasses say what one latent frame runs through."""
 
+    output_range = (-1.0, 1.0)  # the video a decoder that gives video returns (``to_uint8_frames`` maps it)
+
     def __init__(self, vae: AutoencoderKLWan, *, takes_latents: bool, gives_video: bool, in_factor: int, slots: int):
         if vae.use_tiling:
             logger.warning("vae tiling is on; streaming decode ignores it and decodes untiled")

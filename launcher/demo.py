@@ -51,11 +51,12 @@ class DemoConfig:
     progress: bool = True
     web_port: int = 0  # the live page (0: any free port; -1: none)
     serve: bool = False  # keep serving the page after the clip, until Ctrl-C
+    tiny_decoder: bool = False  # a random tiny decoder beside the VAE (the page's Decoder select can pick it)
 
 
 def run_demo(cfg: DemoConfig) -> int:
     t0 = time.monotonic()
-    root = write_demo_checkpoint(cfg.cache or default_cache())
+    root = write_demo_checkpoint(cfg.cache or default_cache(), tiny_decoder=cfg.tiny_decoder)
     print(f"demo checkpoint: {root}", flush=True)
     # One torch thread per process: K stages + the gateway share a few cores, and oversubscribed OpenMP spins.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -103,6 +104,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--web-port", type=int, default=0, help="the live browser page's port (0: any free one; -1: none)")
     p.add_argument("--serve", action="store_true", help="after the clip, keep serving the live page until Ctrl-C")
+    p.add_argument(
+        "--tiny-decoder",
+        action="store_true",
+        help="also serve a tiny decoder (random weights, written into the checkpoint cache): the page can pick it",
+    )
     p.set_defaults(run=main)
 
 
@@ -119,5 +125,6 @@ def main(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             web_port=args.web_port,
             serve=args.serve,
+            tiny_decoder=args.tiny_decoder,
         )
     )

@@ -59,8 +59,12 @@ def write_transformer(
     write_checkpoint(folder, model.state_dict(), dict(model.config), layout=layout, max_shard_bytes=max_shard_bytes)
 
 
-def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
+def write_demo_checkpoint(out: str | Path, *, seed: int = 0, tiny_decoder: bool = False) -> Path:
     """Write (or complete) the demo checkpoint in ``out`` and return its path.
+
+    ``tiny_decoder``: also a tiny streaming decoder with random weights in ``tiny_decoder/`` (``gateway.tiny_decoder``),
+    so that a gateway on this checkpoint serves DECODER_TINY streams beside the VAE's (opt-in: it is ~45 MB and
+    takes the gateway a second to load).
 
     Each part is written only if it is missing, so a folder from an older stagecast (e.g. without ``vae/``) is
     completed rather than rewritten; the marker file is written last, so an interrupted write is redone.
@@ -68,6 +72,8 @@ def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     root = Path(out).expanduser()
     marker = root / _MARKER
     if marker.exists() and all((root / part).is_dir() for part in PARTS):
+        if tiny_decoder:
+            _write_tiny_decoder(root, seed)
         return root
     root.mkdir(parents=True, exist_ok=True)
     from stagecast.model.dit_configs import model_config
@@ -86,9 +92,23 @@ def write_demo_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     # Serving defaults the gateway reads (gateway.checkpoint): a short text length keeps the tiny model cheap, and a
     # small frame size keeps the CPU VAE fast. A real Wan checkpoint has no such file and gets 512 tokens, 832x480.
     (root / SERVING_DEFAULTS).write_text(json.dumps(DEMO_SERVING, indent=2) + "\n")
+    if tiny_decoder:
+        _write_tiny_decoder(root, seed)
     marker.write_text(json.dumps({"model": DEMO_MODEL, "vae": DEMO_VAE, "seed": seed}))
     logger.info("wrote demo checkpoint to %s", root)
     return root
+
+
+def _write_tiny_decoder(root: Path, seed: int) -> None:
+    folder = root / "tiny_decoder"
+    if folder.is_dir() and any(folder.iterdir()):
+        return
+    from gateway.checkpoint import ModelInfo
+    from gateway.tiny_decoder import write_tiny_decoder
+
+    folder.mkdir(exist_ok=True)
+    channels = ModelInfo.from_checkpoint(root).latent_channels
+    write_tiny_decoder(folder / "random.pth", latent_channels=channels, seed=seed)
 
 
 def add_parser(sub) -> None:
@@ -99,10 +119,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--out", required=True, help="folder to write (transformer/, vae/, text_encoder/, tokenizer/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument(
+        "--tiny-decoder", action="store_true", help="also a tiny decoder (tiny_decoder/), for DECODER_TINY streams"
+    )
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    path = write_demo_checkpoint(args.out, seed=args.seed)
+    path = write_demo_checkpoint(args.out, seed=args.seed, tiny_decoder=args.tiny_decoder)
     print(f"wrote demo checkpoint to {path}")
     return 0

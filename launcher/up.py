@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from gateway.cli import add_decoder_flags, decoder_args
 from stagecast.names import DTYPE_NAMES
 from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
 
@@ -99,6 +100,7 @@ def add_parser(sub) -> None:
         metavar="PATH[:SCALE]",
         help="LoRA file merged into every stage's layers at load (diffusers, PEFT or kohya keys); repeatable",
     )
+    add_decoder_flags(p)  # --tiny-decoder, --default-decoder: passed to the gateway
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -183,6 +185,7 @@ def main(args: argparse.Namespace) -> int:
                     gw_args.append("--vae-cuda-graphs")
                 if args.metrics_port:
                     gw_args += ["--metrics-port", str(args.metrics_port + 1)]
+                gw_args += decoder_args(args)
                 for flag, value in (
                     ("--tokens", args.tokens),
                     ("--tls-cert", args.tls_cert),

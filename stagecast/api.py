@@ -8,6 +8,7 @@ Usage::
     api.policy_value("clean"), api.policy_name(pb.KV_POLICY_CLEAN)
     api.end_reason_name(pb.END_REASON_STOPPED)       # "stopped"
     api.state_value("draining"), api.state_name(pb.STREAM_STATE_DRAINING)
+    api.decoder_value("tiny"), api.decoder_name(pb.DECODER_TINY)   # pb.DECODER_TINY, "tiny"
 
 The wire carries enums (so clients in any language get typed values); Python users keep the short lower-case
 names (``codec="jpeg"``), which are also the names the gateway logs, traces and labels metrics with.
@@ -39,6 +40,8 @@ STEPS_PREFERENCES = {
     "latency_first": pb.STEPS_PREFERENCE_LATENCY_FIRST,
 }
 DEFAULT_STEPS_PREFERENCE = "steps_first"
+DECODERS = {"full": pb.DECODER_FULL, "tiny": pb.DECODER_TINY}
+DEFAULT_DECODER = "full"  # the model's own VAE, exact; a deployment may make "tiny" its default
 DEFAULT_CODEC = "jpeg"
 DEFAULT_POLICY = "per_level"
 
@@ -101,6 +104,16 @@ def steps_preference_value(name: str | int | None) -> pb.StepsPreference:
 
 def steps_preference_name(value: int) -> str:
     return _name("steps_preference", STEPS_PREFERENCES, value, DEFAULT_STEPS_PREFERENCE)
+
+
+def decoder_value(name: str | int | None) -> pb.Decoder:
+    """The wire value of a decoder name ("full" | "tiny"); ``None`` or ``""`` stay UNSPECIFIED (the deployment's
+    default)."""
+    return _value("decoder", DECODERS, name, None)  # type: ignore[return-value]
+
+
+def decoder_name(value: int, default: str = DEFAULT_DECODER) -> str:
+    return _name("decoder", DECODERS, value, default)
 
 
 def end_reason_value(name: str) -> int:

@@ -161,6 +161,7 @@ def stream_config(
     max_steps: int | None = None,
     steps_preference: str | int | None = None,
     negative_prompt: str | None = None,
+    decoder: str | int | None = None,
 ) -> pb.StreamConfig:
     """The first message of a stream.  ``None`` leaves a field out, so the gateway uses its default.
 
@@ -187,7 +188,11 @@ def stream_config(
     default: as many steps as capacity allows) or "latency_first" (``min_steps`` always).
 
     ``guidance_scale`` above 1 runs classifier-free guidance against ``negative_prompt`` (left out: the checkpoint's
-    default, else empty); a guidance-distilled checkpoint refuses it with INVALID_ARGUMENT naming the field."""
+    default, else empty); a guidance-distilled checkpoint refuses it with INVALID_ARGUMENT naming the field.
+
+    ``decoder`` is "full" (the model's VAE: exact) or "tiny" (a tiny streaming decoder: approximate, far cheaper per
+    frame; only where the deployment has one, else INVALID_ARGUMENT naming ``decoder``), or a ``pb.Decoder`` value;
+    left out, the deployment's default (the full VAE unless it says otherwise). ``gen.info.decoder`` says which ran."""
     msg = pb.StreamConfig(
         prompt=prompt,
         codec=api.codec_value(codec),
@@ -196,6 +201,7 @@ def stream_config(
         input_pacing=api.input_pacing_value(input_pacing),
         image=_image_bytes(image),
         steps_preference=api.steps_preference_value(steps_preference),
+        decoder=_decoder_value(decoder),
     )
     optional = dict(
         width=width,
@@ -221,6 +227,17 @@ def stream_config(
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def _decoder_value(decoder: str | int | None) -> pb.Decoder:
+    """``decoder=`` as its wire value: a name ("full" | "tiny"), a ``pb.Decoder`` number, or None (the default);
+    anything else raises ``ValueError`` naming the field before a call is made."""
+    if isinstance(decoder, bool) or not (decoder is None or isinstance(decoder, str | int)):
+        raise ValueError(f"decoder: must be 'full', 'tiny' or a stagecast.v1 Decoder value, got {decoder!r}")
+    if isinstance(decoder, int) and decoder not in pb.Decoder.values():
+        names = ", ".join(pb.Decoder.keys())
+        raise ValueError(f"decoder: {decoder} is not a stagecast.v1 Decoder value ({names})")
+    return api.decoder_value(decoder)
 
 
 class _StreamState:

@@ -143,6 +143,11 @@ class StreamInfo:
         return self.config.shift
 
     @property
+    def decoder(self) -> str:
+        """ "full" (the model's VAE) or "tiny": what turned the stream's latents into frames."""
+        return api.decoder_name(self.config.decoder)
+
+    @property
     def seed(self) -> int:
         return self.config.seed
 

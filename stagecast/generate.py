@@ -43,6 +43,7 @@ class GenerateReport:
     timesteps: tuple[float, ...] = ()  # the ladder the stream started with
     shift: float = 1.0
     steps: dict[int, int] = field(default_factory=dict)  # denoising steps -> frames whose chunk ran them
+    decoder: str = "full"  # what turned the latents into frames
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
@@ -53,7 +54,8 @@ class GenerateReport:
             adaptive = "; steps " + ", ".join(f"{s}: {n} frames" for s, n in sorted(self.steps.items(), reverse=True))
         return (
             f"wrote {self.out}: {self.frames} frames {self.width}x{self.height} ({self.codec}, seed {self.seed}, "
-            f"timesteps [{ladder}] shift {self.shift:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}{adaptive}"
+            f"timesteps [{ladder}] shift {self.shift:g}, {self.decoder} decoder, {self.end_reason}); TTFF {ttff}; "
+            f"FPS {fps}{adaptive}"
         )
 
 
@@ -101,6 +103,7 @@ def generate_clip(
             timesteps=info.timesteps,
             shift=info.shift,
             steps=steps,
+            decoder=info.decoder,
         )
 
 
@@ -170,6 +173,13 @@ def add_parser(sub) -> None:
         help="generate as fast as the pipeline allows, not at --fps (offline renders)",
     )
     p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
+    p.add_argument(
+        "--decoder",
+        choices=["full", "tiny"],
+        default=None,
+        help="full: the model's VAE (exact); tiny: the deployment's tiny decoder (approximate, far cheaper per frame); "
+        "default: the gateway's",
+    )
     p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
     p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
     p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
@@ -227,6 +237,7 @@ def main(args: argparse.Namespace) -> int:
             min_steps=args.min_steps,
             max_steps=args.max_steps,
             steps_preference=args.steps_preference,
+            decoder=args.decoder,
         )
     except StagecastError as exc:
         print(f"stagecast generate: {exc}", file=sys.stderr)

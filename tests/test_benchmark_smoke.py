@@ -27,7 +27,8 @@ def run_smoke(module: str, out, *extra: str, timeout: float) -> tuple[dict, str]
 def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_it(tmp_path):
     out = tmp_path / "v2_smoke.json"
     md = tmp_path / "bench.md"
-    r, _ = run_smoke("harness", out, "--markdown", str(md), timeout=900)
+    # --decoder full,tiny: the main stream again on a tiny decoder (random weights), side by side in the same system.
+    r, _ = run_smoke("harness", out, "--markdown", str(md), "--decoder", "full,tiny", timeout=900)
     s = r["system"]
     assert r["harness"] == 2 and r["commit"] and r["dirty"] in (True, False)
     assert {"torch", "cuda", "nccl", "diffusers", "driver", "gpu_count"} <= set(r["versions"])
@@ -40,6 +41,11 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     assert len(arrivals) == main["frames"] == 32  # 2 s at 16 fps
     assert arrivals == sorted(arrivals) and arrivals[0] == round(main["ttff_s"], 5)
     assert s["steady_fps"] > 0 and s["whole_fps"] > 0 and 0 <= main["on_time"] <= 1
+    by_decoder = s["main_by_decoder"]
+    assert s["decoder"] == "full" and list(by_decoder) == ["full", "tiny"]
+    assert by_decoder["full"]["steady_fps"] == s["steady_fps"]  # the first decoder's is the main stream itself
+    assert by_decoder["tiny"]["frames"] == main["frames"] and by_decoder["tiny"]["steady_fps"] > 0
+    assert by_decoder["tiny"]["error"] is None
     assert main["max_gap_ms"] >= main["p99_gap_ms"] > 0 and main["gaps_over_250ms"] >= 0
     chunks = main["gateway_chunks"]
     assert [c["chunk"] for c in chunks] == list(range(len(chunks)))

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.channel import CLOSED, BoundedChannel
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import ConfigError, duration_plan, frames_after_chunks, resolve_config
+from gateway.config import ConfigError, Decoders, duration_plan, frames_after_chunks, resolve_config
 from stagecast.client import stream_config
 from stagecast.v1 import stream_pb2 as pb
 
@@ -105,6 +105,50 @@ def test_each_invalid_field_is_named_in_the_error(field, kwargs):
     with pytest.raises(ConfigError) as err:
         resolve(**kwargs)
     assert err.value.field == field and str(err.value).startswith(f"{field}: ")
+
+
+@pytest.mark.unit
+def test_a_tiny_decoder_where_the_deployment_has_none_is_refused_naming_decoder():
+    with pytest.raises(ConfigError) as err:
+        resolve(decoder="tiny")
+    assert err.value.field == "decoder" and "no tiny decoder" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # a number this gateway does not know
+        resolve_config(pb.StreamConfig(prompt="a cat", decoder=7), defaults=DEFAULTS, model=WAN21)
+    assert err.value.field == "decoder"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "decoders,asked,resolved",
+    [
+        (Decoders(), None, pb.DECODER_FULL),  # no tiny decoder: the full VAE, echoed as FULL, never UNSPECIFIED
+        (Decoders(), "full", pb.DECODER_FULL),
+        (Decoders(tiny=True), None, pb.DECODER_FULL),  # the full VAE stays the default beside a tiny one
+        (Decoders(tiny=True), "tiny", pb.DECODER_TINY),
+        (Decoders(tiny=True), pb.DECODER_FULL, pb.DECODER_FULL),
+        (Decoders(tiny=True, default="tiny"), None, pb.DECODER_TINY),  # --default-decoder tiny
+        (Decoders(tiny=True, default="tiny"), "full", pb.DECODER_FULL),
+    ],
+)
+def test_the_resolved_decoder_is_echoed_in_the_effective_config(decoders, asked, resolved):
+    cfg = resolve_config(stream_config("a cat", decoder=asked), defaults=DEFAULTS, model=WAN21, decoders=decoders)
+    assert cfg.decoder == {pb.DECODER_FULL: "full", pb.DECODER_TINY: "tiny"}[resolved]
+    assert cfg.to_proto().decoder == resolved
+
+
+@pytest.mark.unit
+def test_a_tiny_default_without_a_tiny_decoder_stops_the_gateway_naming_the_flag():
+    with pytest.raises(ValueError, match="--default-decoder tiny"):
+        Decoders(default="tiny")
+    with pytest.raises(ValueError, match="--default-decoder"):
+        Decoders(tiny=True, default="medium")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["medium", 5, 1.5, True])
+def test_the_sdk_refuses_an_unknown_decoder_naming_the_field(bad):
+    with pytest.raises(ValueError, match="^decoder: "):
+        stream_config("a cat", decoder=bad)
 
 
 def test_width_error_says_why_16():

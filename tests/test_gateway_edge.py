@@ -312,6 +312,7 @@ def test_started_echoes_every_field_and_enums_round_trip(edge):
     cfg = info.config
     assert (cfg.codec, cfg.policy, cfg.window, cfg.quality) == (pb.CODEC_H264, pb.KV_POLICY_CLEAN, 0, 55)
     assert (info.codec, info.policy, info.window) == ("h264", "clean", None)
+    assert (cfg.decoder, info.decoder) == (pb.DECODER_FULL, "full")  # the deployment's default, written out
     assert gen.end.reason == "completed" and {f.codec for f in frames} == {"h264"}
 
 
@@ -361,6 +362,9 @@ def _random_config(rng: random.Random) -> pb.StreamConfig:
             setattr(cfg, name, rng.choice(_FLOATS))
     cfg.codec = rng.choice([0, 1, 2, 3, 4, -1, 2**31 - 1])
     cfg.policy = rng.choice([0, 1, 2, 3, -7])
+    # The decoder follows the codec's draw (no draw of its own keeps the other cases as they were): UNSPECIFIED, FULL,
+    # TINY on a gateway without one, and numbers it does not know.
+    cfg.decoder = cfg.codec
     if rng.random() < 0.3:
         cfg.timesteps.extend(rng.choice(_LADDERS))
     if rng.random() < 0.2:
@@ -529,6 +533,7 @@ def test_a_client_built_only_from_server_reflection_streams_with_typed_enums(edg
     started, frames, end = replies[0].started, [r.frame for r in replies[1:-1]], replies[-1].end
     config = started.config
     assert enum_name(config, "codec") == "CODEC_RAW" and enum_name(config, "policy") == "KV_POLICY_PER_LEVEL"
+    assert enum_name(config, "decoder") == "DECODER_FULL"  # resolved and echoed, never UNSPECIFIED
     absent = [f.name for f in config.DESCRIPTOR.fields if f.has_presence and not config.HasField(f.name)]
     # A bounded clip: seconds present too; only the video-to-video fields, and the negative prompt of an unguided
     # stream, stay absent on a text stream.

@@ -343,6 +343,19 @@ def test_a_multi_gpu_gateway_cuts_its_vae_over_every_gpu(helm):
     assert "--cuda-graphs" not in off
 
 
+@pytest.mark.unit
+def test_a_tiny_decoder_on_the_model_volume_reaches_the_gateways_args(helm):
+    values = {"tinyDecoder": "taehv/taew2_1.pth", "defaultDecoder": "tiny"}
+    r = render(helm, gateway=values, model={"mountPath": "/weights"})
+    args = main_container(r.component("Deployment", "gateway"))["args"]
+    assert arg_value(args, "--tiny-decoder") == "/weights/taehv/taew2_1.pth"
+    assert arg_value(args, "--default-decoder") == "tiny"
+    plain = main_container(render(helm).component("Deployment", "gateway"))["args"]
+    assert "--tiny-decoder" not in plain and "--default-decoder" not in plain  # the full VAE only, the default
+    escape = render_error(helm, gateway={"tinyDecoder": "../etc/taew2_1.pth"})
+    assert "gateway.tinyDecoder" in escape and "inside the model volume" in escape
+
+
 def test_multinode_spreads_stages_with_partition(helm):
     r = render(helm, "multinode")
     sts = r.component("StatefulSet", "stage")

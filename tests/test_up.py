@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 import stagecast
+from gateway.checkpoint import ModelInfo
+from gateway.tiny_decoder import write_tiny_decoder
 from launcher.demo_checkpoint import write_demo_checkpoint, write_transformer
 from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.v1 import stream_pb2 as spb
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec, wait_for_generation, wait_until
 
 
@@ -42,10 +45,15 @@ def alive(pid):
 
 @pytest.mark.multiprocess
 def test_up_serves_and_sigterm_stops_every_process():
+    """Also: ``up --tiny-decoder FILE`` serves DECODER_TINY streams beside DECODER_FULL ones, with the same frames."""
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
+        tiny = write_tiny_decoder(
+            Path(tmp) / "taew_random.pth", latent_channels=ModelInfo.from_checkpoint(tmp).latent_channels
+        )
         args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "0"]
         args += ["--credentials", launcher.credentials]  # the deployment CA this test holds an operator's cert of
+        args += ["--tiny-decoder", str(tiny)]
         up = launcher.spawn("up", [*args, "--vae-devices", "cpu,cpu"])  # the gateway's VAE cut in two parts
         channel, stub = coordinator_stub(up.info["coordinator"], launcher)
         assert stub.Status(pb.Empty()).ready
@@ -53,8 +61,17 @@ def test_up_serves_and_sigterm_stops_every_process():
         assert reason == "completed" and len(chunks) == 2
         channel.close()
         with stagecast.Client(up.info["gateway"]) as client:
-            frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
-        assert len(frames) == 8
+            size = dict(width=16, height=16)  # the smallest: the tiny decoder is slow on a busy CPU
+            full = client.generate(prompt="a red fox", seconds=0.5, codec="raw", **size)  # no decoder: the full VAE
+            frames = full.collect()
+            small = client.generate(prompt="a red fox", seconds=0.5, codec="raw", decoder="tiny", **size)
+            small_frames = small.collect()
+        assert len(frames) == len(small_frames) == 8
+        assert (full.info.config.decoder, small.info.config.decoder) == (spb.DECODER_FULL, spb.DECODER_TINY)
+        assert (full.info.decoder, small.info.decoder) == ("full", "tiny")
+        size = full.info.width * full.info.height * 3
+        assert {len(f.data) for f in frames} == {len(f.data) for f in small_frames} == {size}
+        assert [f.index for f in small_frames] == list(range(8)) and small.end.reason == "completed"
         with urllib.request.urlopen(up.info["web"], timeout=30) as page:  # the live page's URL, printed by up
             assert b"stagecast live" in page.read()
         children = descendants(up.pid)

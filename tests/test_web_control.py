@@ -25,6 +25,11 @@ def test_the_four_kinds_parse_into_sdk_arguments():
     assert ws.token == "t" * 20 and ws.config == {"prompt": "x", "strength": 500}  # the token is not a config field
     cfg = parse_message(json.dumps({"type": "config", "prompt": "x", "guidance_scale": 3, "negative_prompt": "blur"}))
     assert cfg.config == {"prompt": "x", "guidance_scale": 3, "negative_prompt": "blur"}
+    for decoder in ("tiny", "full"):  # the SDK's decoder= names
+        assert (
+            parse_message(json.dumps({"type": "config", "prompt": "x", "decoder": decoder})).config["decoder"]
+            == decoder
+        )
 
 
 @pytest.mark.parametrize(
@@ -39,6 +44,8 @@ def test_the_four_kinds_parse_into_sdk_arguments():
         ('{"type": "config", "prompt": "x", "width": 64.5}', "width"),
         ('{"type": "config", "prompt": "x", "codec": "h264"}', "codec"),  # the web process picks the codec
         ('{"type": "config", "prompt": "x", "timesteps": [700, "500"]}', "timesteps[1]"),
+        ('{"type": "config", "prompt": "x", "decoder": "DECODER_TINY"}', "decoder"),  # the names, not the enum's
+        ('{"type": "config", "prompt": "x", "decoder": 2}', "decoder"),
         ('{"type": "prompt"}', "prompt"),
         ('{"type": "prompt", "prompt": ["a"]}', "prompt"),
         ('{"type": "stop", "now": true}', "now"),

@@ -48,7 +48,10 @@ CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
     # Classifier-free guidance, for checkpoints that are not guidance-distilled.
     "guidance_scale": (int, float),
     "negative_prompt": (str,),
+    "decoder": (str,),  # "full" (the VAE) or "tiny" (where the deployment has one)
 }
+# Fields whose string must be one of a few names (the SDK's; the gateway checks the rest).
+CONFIG_CHOICES: dict[str, tuple[str, ...]] = {"decoder": ("full", "tiny")}
 KINDS = ("config", "prompt", "stop", "ping")
 
 
@@ -99,6 +102,8 @@ def parse_message(data: str | bytes) -> ControlMessage:
             if name not in CONFIG_FIELDS:
                 raise BadMessage(f"{name[:40]}: not a config field (one of {', '.join(CONFIG_FIELDS)})")
             _check_type(name, value, CONFIG_FIELDS[name])
+            if name in CONFIG_CHOICES and value not in CONFIG_CHOICES[name]:
+                raise BadMessage(f"{name}: must be one of {', '.join(CONFIG_CHOICES[name])}, got {value[:40]!r}")
         if "prompt" not in config:
             raise BadMessage("prompt: required")
         for i, t in enumerate(config.get("timesteps", ())):

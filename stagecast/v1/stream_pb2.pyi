@@ -46,6 +46,12 @@ class StreamState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STREAM_STATE_STREAMING: _ClassVar[StreamState]
     STREAM_STATE_DRAINING: _ClassVar[StreamState]
 
+class Decoder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECODER_UNSPECIFIED: _ClassVar[Decoder]
+    DECODER_FULL: _ClassVar[Decoder]
+    DECODER_TINY: _ClassVar[Decoder]
+
 class StepsPreference(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STEPS_PREFERENCE_UNSPECIFIED: _ClassVar[StepsPreference]
@@ -78,6 +84,9 @@ STREAM_STATE_UNSPECIFIED: StreamState
 STREAM_STATE_STARTING: StreamState
 STREAM_STATE_STREAMING: StreamState
 STREAM_STATE_DRAINING: StreamState
+DECODER_UNSPECIFIED: Decoder
+DECODER_FULL: Decoder
+DECODER_TINY: Decoder
 STEPS_PREFERENCE_UNSPECIFIED: StepsPreference
 STEPS_PREFERENCE_STEPS_FIRST: StepsPreference
 STEPS_PREFERENCE_LATENCY_FIRST: StepsPreference
@@ -86,7 +95,7 @@ TRANSITION_CUT: Transition
 TRANSITION_RECACHE: Transition
 
 class StreamConfig(_message.Message):
-    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference", "negative_prompt")
+    __slots__ = ("prompt", "width", "height", "chunk_frames", "steps", "seed", "guidance_scale", "codec", "target_fps", "seconds", "policy", "window", "sink", "quality", "timesteps", "shift", "strength", "input_pacing", "input_timeout", "image", "pace", "min_steps", "max_steps", "steps_preference", "negative_prompt", "decoder")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +121,7 @@ class StreamConfig(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -137,7 +147,8 @@ class StreamConfig(_message.Message):
     max_steps: int
     steps_preference: StepsPreference
     negative_prompt: str
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ..., pace: _Optional[bool] = ..., min_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., steps_preference: _Optional[_Union[StepsPreference, str]] = ..., negative_prompt: _Optional[str] = ...) -> None: ...
+    decoder: Decoder
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., target_fps: _Optional[float] = ..., seconds: _Optional[float] = ..., policy: _Optional[_Union[KvPolicy, str]] = ..., window: _Optional[int] = ..., sink: _Optional[int] = ..., quality: _Optional[int] = ..., timesteps: _Optional[_Iterable[float]] = ..., shift: _Optional[float] = ..., strength: _Optional[float] = ..., input_pacing: _Optional[_Union[InputPacing, str]] = ..., input_timeout: _Optional[float] = ..., image: _Optional[bytes] = ..., pace: _Optional[bool] = ..., min_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., steps_preference: _Optional[_Union[StepsPreference, str]] = ..., negative_prompt: _Optional[str] = ..., decoder: _Optional[_Union[Decoder, str]] = ...) -> None: ...
 
 class InputFrame(_message.Message):
     __slots__ = ("data", "format", "pts")

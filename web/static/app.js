@@ -38,6 +38,7 @@ function config() {
   const seed = $("seed").value; if (seed) cfg.seed = parseInt(seed, 10);
   const seconds = $("seconds").value; if (seconds && Number(seconds) > 0) cfg.seconds = Number(seconds);
   const guidance = $("guidance").value; if (guidance) cfg.guidance_scale = Number(guidance);
+  const decoder = $("decoder").value; if (decoder) cfg.decoder = decoder;
   if ($("negative").value && guidance && Number(guidance) > 1) cfg.negative_prompt = $("negative").value;
   if ($("webcam").checked) {  // video-to-video: the input is the clock, so no seconds
     delete cfg.seconds;

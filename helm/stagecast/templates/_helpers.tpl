@@ -267,6 +267,11 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and (gt (int ($v.stages.sp | default 1)) 1) (gt (int ($v.stages.cfgParallel | default 1)) 1) -}}
 {{- fail "stagecast: stages.cfgParallel 2 does not compose with stages.sp > 1 yet: set one of them to 1" -}}
 {{- end -}}
+{{- with $v.gateway.tinyDecoder -}}
+{{- if or (hasPrefix "/" .) (has ".." (splitList "/" .)) -}}
+{{- fail (printf "stagecast: gateway.tinyDecoder %q must be a path inside the model volume, relative to model.mountPath (e.g. taehv/taew2_1.pth)" .) -}}
+{{- end -}}
+{{- end -}}
 {{- if gt $count $numLayers -}}
 {{- fail (printf "stagecast: stages.count (%d) cannot exceed model.numLayers (%d): every stage needs at least one transformer block" $count $numLayers) -}}
 {{- end -}}
