@@ -22,7 +22,7 @@ MAX_GUIDANCE = 30.0  # classifier-free guidance scales a stream may ask for: [1,
 CFG_BRANCHES = 2  # classifier-free guidance runs a conditional (0) and an unconditional (1) branch
 # The Stream Batch: micro-steps a stage runs in one forward, unless the operator says otherwise (the coordinator's
 # ``--max-batch``; ``stagecast up``, ``local_cluster``, the self-test and the benchmarks default to it too).  No Helm
-# value mirrors it: the chart passes no ``--max-batch`` (tests/test_defaults.py checks it stays so or agrees).
+# value mirrors it: the chart passes no ``--max-batch`` (tests/test_one_home.py checks it stays so or agrees).
 DEFAULT_MAX_BATCH = 4
 
 
