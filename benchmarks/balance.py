@@ -39,12 +39,13 @@ import time
 
 import torch
 
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.balance import BalanceCosts, evaluate, plan_balance
 from stagecast.model.balance_profile import DIT_KEYS, BalanceProfile
 from stagecast.model.dit_configs import model_config
 from stagecast.model.partition import even_partition
 
-MAX_STEPS = 4  # one forward of every level per chunk: the stage's default --max-batch
+MAX_STEPS = DEFAULT_MAX_BATCH  # one forward of every level per chunk: the coordinator's default --max-batch
 
 
 class _Clock:

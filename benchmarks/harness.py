@@ -66,6 +66,8 @@ from pathlib import Path
 
 import torch
 
+from stagecast.api import DEFAULT_FPS
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.dit_configs import model_config
 
 VAE_FOR_MODEL = {
@@ -477,7 +479,7 @@ def system_flags(ap, *, steps: int, stages: int, steps_help: str | None = None) 
     ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--stages", type=int, default=stages)
     ap.add_argument("--partition", default=None)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--vae-compile", action="store_true")
@@ -1013,12 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
     ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
     ap.add_argument("--sink", type=int, default=3, help="sink frames (protocol: 3)")
     ap.add_argument("--seconds", type=float, default=60.0, help="video of the main stream (protocol: 60 or more)")
     ap.add_argument("--first-seconds", type=float, default=10.0, help="video of the first stream after READY")
-    ap.add_argument("--target-fps", type=float, default=16.0, help="presentation rate for on-time figures")
+    ap.add_argument("--target-fps", type=float, default=DEFAULT_FPS, help="presentation rate for on-time figures")
     ap.add_argument("--codec", default="jpeg")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ttff-runs", type=int, default=5)

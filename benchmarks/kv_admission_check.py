@@ -31,6 +31,7 @@ from pathlib import Path
 import stagecast
 from benchmarks.harness import smoke_system, start_system, system_device, system_flags, write_assets
 from launcher.process import Launcher
+from stagecast.api import DEFAULT_FPS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
@@ -133,7 +134,7 @@ def measure(launcher, coordinator: str, gateway: str, args) -> dict:
             time.sleep(SAMPLE_S)
         out["reserved_after"] = {s.index: s.kv_reserved_bytes for s in stages()}
     channel.close()
-    frames = round(args.seconds * 16)  # the serving rate of every checkpoint here: 16 FPS
+    frames = round(args.seconds * DEFAULT_FPS)  # the serving rate of every checkpoint here
     checks = {
         "unbounded refused naming window, or completed": (
             (not unbounded["admitted"] and "window:" in (unbounded["refusal"] or {}).get("details", ""))

@@ -51,6 +51,7 @@ from benchmarks.harness import (
     versions,
     write_assets,
 )
+from stagecast.api import DEFAULT_FPS
 
 PROMPT = "harbour"  # short enough for the tiny text encoder's 16 tokens
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     system_flags(ap, steps=2, stages=2, steps_help="ladder steps, all run from strength (its first timestep)")
     ap.add_argument("--seconds", type=float, default=60.0, help="input video per measured stream")
     ap.add_argument("--warmup-frames", type=int, default=81)
-    ap.add_argument("--live-fps", type=float, default=16.0, help="the live input's rate (and the pts clock)")
+    ap.add_argument("--live-fps", type=float, default=DEFAULT_FPS, help="the live input's rate (and the pts clock)")
     ap.add_argument("--codec", default="jpeg")
     ap.add_argument("--gateway-gpu", type=int, default=None)
     ap.add_argument("--vae-gpus", default=None)

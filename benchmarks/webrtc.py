@@ -44,6 +44,7 @@ from benchmarks.harness import (
 )
 from launcher.local_cluster import web_args
 from launcher.process import Launcher
+from stagecast.api import DEFAULT_FPS
 from stagecast.client import AsyncClient
 from web.rtc import VIDEO_CLOCK, use_ice_hosts
 from web.viewer import PatternCamera, RtcViewer, pattern
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     system_flags(ap, steps=1, stages=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="video per stream")
     ap.add_argument("--runs", type=int, default=3, help="streams per transport")
-    ap.add_argument("--target-fps", type=float, default=16.0)
+    ap.add_argument("--target-fps", type=float, default=DEFAULT_FPS)
     ap.add_argument("--strength", type=float, default=500.0, help="video-to-video: input noised to (0: skip v2v)")
     ap.add_argument("--v2v-steps", type=int, default=2, help="video-to-video steps (the ladder must hold strength)")
     ap.add_argument("--json", default=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.service import add_security_flags, run_service
 
 
@@ -35,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="data plane (auto: nccl on GPU stages)"
     )
-    p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)"
+    )
     p.add_argument("--max-streams", type=int, default=16, help="admission limit on concurrent streams")
     p.add_argument(
         "--playout-s",

@@ -46,11 +46,13 @@ from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.slo import CostModel, Demand, SloController
 from stagecast import wire
+from stagecast.api import DEFAULT_FPS
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import stream_kv_bytes
-from stagecast.microstep import PlanEvent, StreamSpec, context_frames, recache_steps
+from stagecast.microstep import DEFAULT_MAX_BATCH, PlanEvent, StreamSpec, chunk_levels, context_frames, recache_steps
 from stagecast.model.config import DiTConfig
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 from stagecast.sampling import MAX_STEPS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ MAX_CHUNK_RATE = 1000.0
 # count), and the stream stalled until some other event woke the loop.
 PACE_EARLY_S = 1e-3
 # GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
-CAPACITY_CHUNK_RATE = 4.0
+CAPACITY_CHUNK_RATE = DEFAULT_FPS / 4
 # A paced stream is falling behind (the SLO controller's correction) when a consumed chunk is more than this many chunk
 # periods past its real-time schedule (the first chunk's consumption + c / chunk_rate) and its lateness grew by more
 # than that in each of the last LATE_WINDOWS windows of LATE_WINDOW_S: a stream short of its rate by more than
@@ -162,7 +164,7 @@ class PipelineEngine(Generations):
         *,
         connect: Callable[[str], grpc.Channel] | None = None,
         backend: str = "gloo",
-        max_batch: int = 4,
+        max_batch: int = DEFAULT_MAX_BATCH,
         lookahead: int | None = None,
         max_streams: int = 16,
         record_plan: bool = False,
@@ -660,7 +662,7 @@ class PipelineEngine(Generations):
         if self.max_ahead:
             return self.max_ahead
         depth = session.consumer_depth if session.acknowledges else 2
-        levels = max(session.ladders) + (1 if session.spec.policy == "clean" else 0)
+        levels = chunk_levels(max(session.ladders), session.spec.policy)
         return levels * self.registry.pipeline_stages + depth
 
     # ---- the SLO controller ----------------------------------------------------------------------------
@@ -735,7 +737,7 @@ class PipelineEngine(Generations):
         """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
         if not any(self.kv_budgets.values()):
             return None
-        rope = int((self.model_config() or {}).get("rope_max_seq_len") or 1024)
+        rope = int((self.model_config() or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
         try:
             return kv_verdict(
                 spec,
@@ -984,7 +986,7 @@ class PipelineEngine(Generations):
         if sched.inflight(sid) or session.received < started:
             return
         spec = st.specs.at(started)
-        rope = int((self.model_config() or {}).get("rope_max_seq_len", 1024))
+        rope = int((self.model_config() or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
         chunks = sorted({c for c, _ in recache_steps(spec, started, rope)})
         window = tuple((c, wire.tensor_from_proto(session.finished[c])) for c in chunks)
         events.append(

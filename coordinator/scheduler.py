@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagecast.microstep import ChunkSpecs, MicroStep, StreamSpec
+from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, MicroStep, StreamSpec
 
 
 @dataclass
@@ -76,7 +76,13 @@ class _StreamState:
 
 
 class StreamBatchScheduler:
-    def __init__(self, num_stages: int, max_batch: int = 4, max_inflight: int | None = None, cfg_parallel: int = 1):
+    def __init__(
+        self,
+        num_stages: int,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_inflight: int | None = None,
+        cfg_parallel: int = 1,
+    ):
         if cfg_parallel not in (1, 2):
             raise ValueError(f"cfg_parallel must be 1 or 2, got {cfg_parallel}")
         self.cfg_parallel = cfg_parallel

@@ -25,6 +25,7 @@ from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.internal.v1 import rendezvous_pb2_grpc as rpb_grpc
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.names import COORDINATOR_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import serve_lifecycle
@@ -57,7 +58,7 @@ class CoordinatorOptions:
     port: int = 0
     advertise_host: str | None = None
     backend: str = ""  # "": each stage picks nccl (GPU) or gloo (CPU)
-    max_batch: int = 4
+    max_batch: int = DEFAULT_MAX_BATCH
     max_streams: int = 16
     record_plan: bool = False
     metrics_port: int = 0  # Prometheus /metrics (0: off)

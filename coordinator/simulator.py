@@ -41,7 +41,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from coordinator.scheduler import StreamBatchScheduler
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.api import DEFAULT_FPS
+from stagecast.microstep import DEFAULT_MAX_BATCH, MicroStep, StreamSpec
 from stagecast.model.parallel import check_gpus
 from stagecast.model.partition import even_partition, parse_partition
 
@@ -235,7 +236,7 @@ class ControllerRow:
 
 
 def simulate_controller(
-    cfg: SimConfig, *, min_steps: int = 1, fps: float = 16.0, frames_per_chunk: int = 4, vae_ms: float = 0.0
+    cfg: SimConfig, *, min_steps: int = 1, fps: float = DEFAULT_FPS, frames_per_chunk: int = 4, vae_ms: float = 0.0
 ) -> tuple[list[ControllerRow], dict[int, float]]:
     """Streams arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks steps.
     Returns the rows and the capacity (streams at ``fps``) of an empty pipeline per step count."""
@@ -300,7 +301,7 @@ def add_simulate_parser(sub) -> None:
     )
     p.add_argument("--streams", type=int, default=1, help="concurrent streams")
     p.add_argument("--chunks", type=int, default=64, help="chunks per stream")
-    p.add_argument("--batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--policy", choices=["clean", "per_level"], default="per_level", help="KV policy")
     p.add_argument("--stage-ms", default=None, help="per-stage ms for a batch of one, e.g. 10,10,12")
     p.add_argument("--growth", type=float, default=0.05, help="extra cost per extra micro-step in a batch")
@@ -319,7 +320,9 @@ def add_simulate_parser(sub) -> None:
         help="the SLO controller: streams at --fps arrive until admission refuses; steps in --min-steps..--steps",
     )
     p.add_argument("--min-steps", type=int, default=1, help="--controller: the fewest steps a stream may run")
-    p.add_argument("--fps", type=float, default=16.0, help="--controller: each stream's frame rate (4 frames/chunk)")
+    p.add_argument(
+        "--fps", type=float, default=DEFAULT_FPS, help="--controller: each stream's frame rate (4 frames/chunk)"
+    )
     p.add_argument(
         "--vae-ms-per-chunk", type=float, default=0.0, help="--controller: VAE ms per chunk on each stage GPU"
     )

@@ -62,6 +62,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from stagecast.microstep import chunk_levels
+
 TARGET_UTILIZATION = 0.9
 RAISE_UTILIZATION = 0.8
 EWMA = 0.2  # weight of a new measurement in a batch size's average
@@ -69,6 +71,12 @@ BATCH_EWMA = 0.05  # weight of a new batch in the average batch size the stages 
 LATE_MARGIN = 1.05  # a late stream puts the set it ran in this far past the target
 MAX_CORRECTION = 20.0
 CORRECTION_HALF_LIFE_S = 300.0
+
+
+def _levels(steps: int, clean: bool) -> int:
+    """Micro-steps per chunk at ``steps`` (``stagecast.microstep.chunk_levels``; the controller knows only whether
+    the policy is ``clean``)."""
+    return chunk_levels(steps, "clean" if clean else "per_level")
 
 
 @dataclass
@@ -99,7 +107,7 @@ class Demand:
         return self.allowed[-1]
 
     def levels(self, steps: int) -> int:
-        return steps + (1 if self.clean else 0)
+        return _levels(steps, self.clean)
 
     def load(self, steps: int) -> float:
         """Batch rows per second at ``steps`` (micro-steps, twice for sequential CFG's two branches)."""
@@ -322,5 +330,5 @@ class SloController:
         if ms is None or chunk_rate <= 0:
             return None
         used = self.utilization(admitted, {d.stream_id: d.min_steps for d in admitted}) or 0.0
-        one = self.correction * chunk_rate * ((steps + (1 if clean else 0)) * ms + self.cost.chunk_ms) / 1e3
+        one = self.correction * chunk_rate * (_levels(steps, clean) * ms + self.cost.chunk_ms) / 1e3
         return max(0.0, (self.target - used) / one)

@@ -29,6 +29,7 @@ import grpc
 
 from gateway.checkpoint import ServingDefaults
 from gateway.config import EffectiveConfig
+from stagecast.microstep import chunk_levels
 
 # Multiples of the checkpoint's serving size (frame pixels) and of its serving cost (pixels x fps x steps) that a
 # stream may ask for, by device kind.  A GPU serves its model at the serving size in real time with room to spare;
@@ -54,7 +55,7 @@ def passes(cfg: EffectiveConfig) -> int:
     """DiT passes per chunk: one per step, plus the clean pass under the ``clean`` policy.  An SLO-adaptive stream
     counts at its ``min_steps``, as capacity admission counts it: the controller raises steps only into spare
     capacity."""
-    return cfg.min_steps + (1 if cfg.policy == "clean" else 0)
+    return chunk_levels(cfg.min_steps, cfg.policy)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from stagecast.api import DEFAULT_FPS, MAX_PROMPT_CHARS
 from stagecast.model import vae_configs
 from stagecast.model.config import read_config, read_vae_config
-from stagecast.model.dit_configs import expands_timesteps
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
 from stagecast.sampling import SamplerConfig, SamplerError
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ logger = logging.getLogger(__name__)
 SERVING_DEFAULTS_FILE = "stagecast.json"
 TINY_DECODER_DIR = "tiny_decoder"
 TINY_DECODER_SUFFIXES = (".pth", ".safetensors")
-MAX_WINDOW = 1024  # latent frames: the Wan models' RoPE covers 1024, so a longer window is never filled
-MAX_NEGATIVE_PROMPT_CHARS = 20_000  # the public API's prompt limit (gateway.config.MAX_PROMPT_CHARS)
+MAX_WINDOW = WAN_ROPE_MAX_SEQ_LEN  # latent frames: the Wan models' RoPE covers no more; a longer window is never filled
+MAX_NEGATIVE_PROMPT_CHARS = MAX_PROMPT_CHARS  # the public API's prompt limit (stagecast.api)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ServingDefaults:
     text_len: int = 512
     width: int = 832
     height: int = 480
-    fps: float = 16.0
+    fps: float = DEFAULT_FPS
     steps: int = 4
     chunk_frames: int = 1
     # The per-stream cost budget (gateway.admission); 0 derives it from the serving size, rate and steps above and
@@ -61,7 +62,7 @@ class ServingDefaults:
     max_frame_pixels: int = 0
     max_stream_cost: float = 0
     # The KV window (latent frames) and its sink frames of a stream whose request leaves ``window`` out; 0: unbounded
-    # (its context then grows to the RoPE limit of 1024 latent frames, which a real model's KV cache cannot hold on
+    # (its context then grows to the RoPE limit, MAX_WINDOW latent frames, which a real model's KV cache cannot hold on
     # one GPU, so a checkpoint served live should set a window here).
     window: int = 0
     sink: int = 0

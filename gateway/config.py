@@ -41,10 +41,9 @@ MAX_FPS = 240.0
 MIN_FPS = 1.0
 MAX_INPUT_TIMEOUT = 3600.0  # seconds a video-to-video stream may wait for its next input frame
 DEFAULT_INPUT_TIMEOUT = 10.0
-# The largest legal request: a config whose prompt and negative prompt are MAX_PROMPT_CHARS characters of 4 UTF-8
-# bytes each, plus the other fields (under 400 bytes, a 50-step ladder included) and framing.  The public server
-# refuses bigger messages before parsing them.
-MAX_REQUEST_BYTES = 2 * 4 * MAX_PROMPT_CHARS + 16 * 1024
+# The largest legal request (stagecast.api says how it is sized; the web edge's bound is the same constant).  The
+# public server refuses bigger messages before parsing them.
+MAX_REQUEST_BYTES = api.MAX_REQUEST_BYTES
 
 # Each codec's quality when the request leaves it out; Started.config writes it out.
 DEFAULT_H264_QUALITY = 55  # quality_to_crf(55) == 23, x264's own default CRF

@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 
 from stagecast.model import wan_keys
 from stagecast.model.config import CONFIG_NAME, CheckpointError, read_vae_config
-from stagecast.model.dit_configs import CONFIGS
+from stagecast.model.dit_configs import CONFIGS, WAN_ROPE_MAX_SEQ_LEN
 from stagecast.names import DTYPES as NAMED_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], where: str, *, num_heads
         eps=1e-6,
         image_dim=None,
         added_kv_proj_dim=None,
-        rope_max_seq_len=1024,
+        rope_max_seq_len=WAN_ROPE_MAX_SEQ_LEN,
         pos_embed_seq_len=None,
     )
     same_width = {n: c for n, c in CONFIGS.items() if c["num_attention_heads"] * c["attention_head_dim"] == dim}

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from stagecast.api import DEFAULT_FPS
+
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = "tiny-wan2.1"
@@ -28,7 +30,7 @@ DEMO_VAE = "tiny-wan2.1"
 _MARKER = "stagecast-demo.json"
 PARTS = ("transformer", "text_encoder", "tokenizer", "vae")
 SERVING_DEFAULTS = "stagecast.json"  # read by gateway.checkpoint.ServingDefaults
-DEMO_SERVING = {"text_len": 32, "width": 64, "height": 64, "fps": 16.0, "steps": 2}
+DEMO_SERVING = {"text_len": 32, "width": 64, "height": 64, "fps": DEFAULT_FPS, "steps": 2}
 
 
 def write_transformer(

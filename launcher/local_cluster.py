@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from launcher.process import Child, Launcher
 from stagecast.grpc_util import wait_healthy
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.parallel import ParallelLayout, check_gpus, check_sp
 from stagecast.names import COORDINATOR_SERVICE
 
@@ -78,7 +79,7 @@ def start_pipeline(
     partition: str | None = None,
     device: str = "cpu",
     dtype: str = "float32",
-    max_batch: int = 4,
+    max_batch: int = DEFAULT_MAX_BATCH,
     max_streams: int = 16,
     record_plan: bool = False,
     host: str = "127.0.0.1",

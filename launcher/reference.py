@@ -33,7 +33,7 @@ from coordinator.scheduler import StreamBatchScheduler
 from stage_service.dit_slice import DiTSlice
 from stage_service.parallel_state import LOCAL, ThreadSequenceGroup
 from stage_service.runner import SliceRunner, StepResult
-from stagecast.microstep import MicroStep, PlanEvent, StreamSpec, recache_steps
+from stagecast.microstep import DEFAULT_MAX_BATCH, MicroStep, PlanEvent, StreamSpec, recache_steps
 
 
 @dataclass
@@ -180,7 +180,9 @@ class ReferenceExecutor:
                         chunks[res.step.stream].append(res.finished)
         return chunks
 
-    def generate(self, requests: list[StreamRequest], *, num_stages: int = 1, max_batch: int = 4) -> GenerationResult:
+    def generate(
+        self, requests: list[StreamRequest], *, num_stages: int = 1, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> GenerationResult:
         """Schedule and run ``requests`` exactly as a ``num_stages`` pipeline would order them."""
         cfg_parallel = 1 if self.peer is None else 2
         plan = build_plan(requests, num_stages=num_stages, max_batch=max_batch, cfg_parallel=cfg_parallel)

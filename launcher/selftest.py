@@ -39,7 +39,7 @@ from stagecast import wire
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import MAX_GUIDANCE, PlanEvent, StreamSpec
+from stagecast.microstep import DEFAULT_MAX_BATCH, MAX_GUIDANCE, PlanEvent, StreamSpec
 from stagecast.model.balance import BalanceError
 from stagecast.model.balance_profile import BalanceProfileError
 from stagecast.model.config import read_config
@@ -513,7 +513,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="denoising steps per chunk")
     p.add_argument("--window", type=int, default=0, help="KV window in latent frames (0: unbounded)")
     p.add_argument("--sink", type=int, default=0, help="sink latent frames kept in the window")
-    p.add_argument("--batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:i)")
     p.add_argument("--dtype", default="float32", help="weights and activations of stages and reference")
     p.add_argument("--checkpoint", default=None, help="transformer folder (default: a tiny random one)")

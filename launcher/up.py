@@ -12,6 +12,7 @@ import os
 import sys
 
 from gateway.cli import add_decoder_flags, decoder_args
+from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.names import DTYPE_NAMES
 from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
 
@@ -64,7 +65,9 @@ def add_parser(sub) -> None:
         default=0,
         help="Prometheus ports from here: coordinator N, gateway N+1, stage i N+2+i, all on --host (0: off)",
     )
-    p.add_argument("--max-batch", type=int, default=4, help="micro-steps per stage forward (Stream Batch)")
+    p.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)"
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
     p.add_argument(
         "--fp8",

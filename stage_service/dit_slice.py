@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
 from stage_service.parallel_state import LOCAL, SequenceGroup
-from stagecast.model.dit_configs import expands_timesteps
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
 
 
 class SelfAttentionKV(Protocol):
@@ -309,7 +309,9 @@ class DiTSlice(nn.Module):
         if missing:
             raise ValueError(f"slice {layers.start}:{layers.stop} is missing tensors: {sorted(missing)[:5]}")
         # RoPE tables are non-persistent buffers: they never come from a checkpoint, so rebuild them.
-        model.rope = WanRotaryPosEmbed(cfg["attention_head_dim"], cfg["patch_size"], cfg.get("rope_max_seq_len", 1024))
+        model.rope = WanRotaryPosEmbed(
+            cfg["attention_head_dim"], cfg["patch_size"], cfg.get("rope_max_seq_len", WAN_ROPE_MAX_SEQ_LEN)
+        )
         model = model.to(device)
         model.eval().requires_grad_(False)
         return cls(cfg, model, layers=layers, first=first, last=last)

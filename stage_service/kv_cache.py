@@ -2,7 +2,7 @@
 
 Usage::
 
-    cache = StreamKVCache(spec, num_layers=slice.num_layers, tokens_per_frame=tpf, rope_limit=1024)
+    cache = StreamKVCache(spec, num_layers=slice.num_layers, tokens_per_frame=tpf, rope_limit=WAN_ROPE_MAX_SEQ_LEN)
     view = cache.view(step)          # implements dit_slice.SelfAttentionKV for one micro-step
     ... slice.run_blocks(..., AttentionContext(self_kv=[view, ...]))
     cache.commit(view)               # store the chunk's K/V (if its level writes) and evict

@@ -61,7 +61,7 @@ from stagecast.grpc_util import (
 )
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.microstep import ChunkSpecs, PlanEvent, recache_steps
+from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, PlanEvent, recache_steps
 from stagecast.model.config import DiTConfig, check_image, check_spec, read_config
 from stagecast.model.dit_configs import expands_timesteps, model_config
 from stagecast.model.parallel import check_sp
@@ -131,7 +131,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.layers: range | None = None
         self.world_size = 0
         self.slice: DiTSlice | None = None
-        self.max_batch = 4  # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
+        # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
+        self.max_batch = DEFAULT_MAX_BATCH
         self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
         self.kv_budget = 0  # bytes for streams' KV, measured after loading (FormReply.kv_budget_bytes; 0: no limit)
         # What the CUDA graphs' static buffers may hold (None: no cap, no graphs); kept out of the KV budget.

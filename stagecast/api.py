@@ -44,6 +44,19 @@ DECODERS = {"full": pb.DECODER_FULL, "tiny": pb.DECODER_TINY}
 DEFAULT_DECODER = "full"  # the model's own VAE, exact; a deployment may make "tiny" its default
 DEFAULT_CODEC = "jpeg"
 DEFAULT_POLICY = "per_level"
+# The frame rate a stream runs at when neither the request (``target_fps``) nor the checkpoint's ``stagecast.json``
+# (``serving.fps``) sets one: Wan 2.1 generates 16 fps video.  The gateway's serving default, the SDK's input clock,
+# the encoders, the demo checkpoint, the simulator and the benchmarks use it.  No Helm value mirrors it (the rate
+# comes from the checkpoint); tests/test_one_home.py checks the chart still sets none, or sets this one.
+DEFAULT_FPS = 16.0
+# The public API's prompt (and negative prompt) limit in characters: tokenising is the real limit; this stops
+# absurd payloads before it runs.
+MAX_PROMPT_CHARS = 20_000
+# The largest legal request other than an input frame: a config whose prompt and negative prompt are
+# MAX_PROMPT_CHARS characters of 4 UTF-8 bytes each, plus the other fields (under 400 bytes, a 50-step ladder
+# included) and framing.  The gateway refuses bigger messages before parsing them, and the web edge bounds a
+# browser's control message by it (so it passes on every request the gateway would take, and no bigger one).
+MAX_REQUEST_BYTES = 2 * 4 * MAX_PROMPT_CHARS + 16 * 1024
 
 
 def _value(field: str, table: Mapping[str, int], value: str | int | None, default: str | None) -> int:

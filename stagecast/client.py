@@ -83,8 +83,8 @@ def _check_input_format(input_format: str) -> None:
 
 
 def _input_fps(config: pb.StreamConfig) -> float:
-    """The rate that numbers input frames sent without a pts: the stream's target_fps, else 16."""
-    return config.target_fps if config.HasField("target_fps") else 16.0
+    """The rate that numbers input frames sent without a pts: the stream's target_fps, else the default (16)."""
+    return config.target_fps if config.HasField("target_fps") else api.DEFAULT_FPS
 
 
 def _input_frame(rgb, pts: float, fmt: str, quality: int) -> pb.InputFrame:

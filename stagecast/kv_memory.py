@@ -2,8 +2,9 @@
 
 Usage::
 
-    need = stream_kv_bytes(spec, DiTConfig.from_kwargs(cfg), layers=15, element_bytes=2, max_steps=4)
-    held = max_context_frames(spec, rope_limit=1024)      # the most cached frames any chunk attends to
+    model = DiTConfig.from_kwargs(cfg)
+    need = stream_kv_bytes(spec, model, layers=15, element_bytes=2, max_steps=4)
+    held = max_context_frames(spec, rope_limit=model.rope_max_seq_len)  # the most cached frames any chunk attends to
     format_bytes(need)                                    # "7.50 GiB"
 
 A stage keeps, per stream, one ``StreamKVCache`` (``stage_service.kv_cache``) per CFG branch it computes

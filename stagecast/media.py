@@ -34,11 +34,12 @@ from fractions import Fraction
 
 import numpy as np
 
+from stagecast.api import DEFAULT_FPS
+
 logger = logging.getLogger(__name__)
 
 CODECS = ("jpeg", "h264", "raw")
 
-DEFAULT_FPS = 16.0  # Wan 2.1 generates 16 fps video
 DEFAULT_JPEG_QUALITY = 90
 DEFAULT_CRF = 23  # x264's own default
 

@@ -20,6 +20,19 @@ from stagecast.sampling import MAX_STEPS, UPDATES, as_f32
 POLICIES = ("clean", "per_level")
 MAX_GUIDANCE = 30.0  # classifier-free guidance scales a stream may ask for: [1, MAX_GUIDANCE]
 CFG_BRANCHES = 2  # classifier-free guidance runs a conditional (0) and an unconditional (1) branch
+# The Stream Batch: micro-steps a stage runs in one forward, unless the operator says otherwise (the coordinator's
+# ``--max-batch``; ``stagecast up``, ``local_cluster``, the self-test and the benchmarks default to it too).  No Helm
+# value mirrors it: the chart passes no ``--max-batch`` (tests/test_one_home.py checks it stays so or agrees).
+DEFAULT_MAX_BATCH = 4
+
+
+def chunk_levels(steps: int, policy: str) -> int:
+    """Micro-steps (DiT passes) per chunk of a stream running ``steps`` denoising steps under KV ``policy``: one per
+    step, plus the clean pass under ``clean``.  The one place this is written; the scheduler, the SLO controller,
+    the coordinator's lead bound and the gateway's cost budget all count with it."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return steps + (1 if policy == "clean" else 0)
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,7 @@ class StreamSpec:
     @property
     def levels(self) -> int:
         """Micro-steps per chunk: the denoising steps, plus the clean pass under the ``clean`` policy."""
-        return self.steps + (1 if self.policy == "clean" else 0)
+        return chunk_levels(self.steps, self.policy)
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int, int]:

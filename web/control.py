@@ -23,8 +23,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-# The gateway's own bound on a request (a config with a 20,000-character prompt fits in 96 KiB).
-MAX_MESSAGE_BYTES = 96 * 1024
+from stagecast.api import MAX_REQUEST_BYTES
+
+# The gateway's own bound on a request (stagecast.api, which the gateway's MAX_REQUEST_BYTES is): every config the
+# gateway would take, a 20,000-character prompt and negative prompt included, fits; nothing bigger is read.
+MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
 
 # StreamConfig fields a browser may set, with the JSON type each must have.  The codec is the web process's choice
 # (raw frames for WebRTC, H.264 fMP4 for the WebSocket), so it is not among them.

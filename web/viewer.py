@@ -30,6 +30,8 @@ import av
 import numpy as np
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
+from stagecast.api import DEFAULT_FPS
+
 VIDEO_CLOCK = 90000
 
 
@@ -46,7 +48,7 @@ class PatternCamera(MediaStreamTrack):
 
     kind = "video"
 
-    def __init__(self, width: int, height: int, fps: float = 16.0):
+    def __init__(self, width: int, height: int, fps: float = DEFAULT_FPS):
         super().__init__()
         self.width, self.height, self.fps = width, height, fps
         self.sent_at: dict[float, float] = {}

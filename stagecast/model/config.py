@@ -17,6 +17,7 @@ from pathlib import Path
 
 from stagecast.microstep import StreamSpec
 from stagecast.model import wan_keys
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 CONFIG_NAME = "config.json"
 
@@ -128,7 +129,7 @@ class DiTConfig:
             num_layers=int(config["num_layers"]),
             num_attention_heads=int(config.get("num_attention_heads", 0)),
             attention_head_dim=int(config.get("attention_head_dim", 0)),
-            rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+            rope_max_seq_len=int(config.get("rope_max_seq_len", WAN_ROPE_MAX_SEQ_LEN)),
             kwargs=dict(config),
         )
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from stagecast.model.presets import named_config
 
+# Latent frames the Wan models' RoPE table covers (``rope_max_seq_len``, diffusers' ``WanTransformer3DModel``
+# default): the limit every floor uses when a config leaves it out.  The one home of the number.
+WAN_ROPE_MAX_SEQ_LEN = 1024
+
 _WAN21_BASE = dict(
     patch_size=(1, 2, 2),
     attention_head_dim=128,
@@ -22,7 +26,7 @@ _WAN21_BASE = dict(
     eps=1e-6,
     image_dim=None,
     added_kv_proj_dim=None,
-    rope_max_seq_len=1024,
+    rope_max_seq_len=WAN_ROPE_MAX_SEQ_LEN,
     pos_embed_seq_len=None,
 )
 

@@ -27,6 +27,8 @@ import re
 from collections.abc import Iterable
 from typing import Literal
 
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
+
 logger = logging.getLogger(__name__)
 
 Layout = Literal["diffusers", "original"]
@@ -219,7 +221,7 @@ def detect_layout(keys: Iterable[str], *, source: str | None = None) -> Layout:
 
 # WanTransformer3DModel kwargs that the original text-to-video WanModel config cannot express; they must hold
 # these values for a Wan-AI style config to describe the model.
-_T2V_FIXED = dict(image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024, pos_embed_seq_len=None)
+_T2V_FIXED = dict(image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=WAN_ROPE_MAX_SEQ_LEN, pos_embed_seq_len=None)
 
 
 def is_original_config(config: dict) -> bool:
