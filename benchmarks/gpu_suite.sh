@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_suite.sh check    # graphed-vs-eager parity on 2 GPUs + one-GPU graph timing (~4 min)
 #   bash benchmarks/gpu_suite.sh quick    # every harness path once, short streams (~3 min): run before the rest
 #   bash benchmarks/gpu_suite.sh 1.3b     # 1.3B 1 step with the load rows (1, 2, 4, 8 streams)
+#   bash benchmarks/gpu_suite.sh tiny     # 1.3B 1 step, one unpaced main stream on the full VAE and again on the tiny
+#                                         # decoder in the same system (--decoder full,tiny), ~4 min
+#   bash benchmarks/gpu_suite.sh decoders # the decoder table: tiny and Wan VAE, 1/4/8/16 streams (decoder_bench)
 #   bash benchmarks/gpu_suite.sh 1.3b-4   # 1.3B 4 steps
 #   bash benchmarks/gpu_suite.sh 14b      # 14B 1 step
 #   bash benchmarks/gpu_suite.sh warmup-ab # 1.3B 4 steps, short: the first stream after READY with the gateway's
@@ -93,6 +96,13 @@ for part in "$@"; do
     1.3b)
       timeout 330 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" --load 1,2,4,8 --load-seconds 10 \
         --json "$out/v2_13b_1step_${stages}gpu.json"
+      ;;
+    tiny)
+      timeout 520 "${harness[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" --decoder full,tiny --no-compiled-peer \
+        --peer-chunks 4 --ttff-runs 3 --json "$out/v2_13b_1step_${stages}gpu_tiny.json"
+      ;;
+    decoders)
+      timeout 300 python -m benchmarks.decoder_bench --vae-batched --json "$out/decoder_bench_1gpu.json"
       ;;
     vae-graphs)
       timeout 560 python -m benchmarks.vae_graphs_check --json "$out/vae_graphs_check.json"

@@ -148,6 +148,23 @@ def tables(runs: list[dict]) -> str:
                 )
             if r["system"].get("capacity_streams") is not None:
                 out.append(f"| {config_name(r)} | capacity: {r['system']['capacity_streams']} streams held |||||||||")
+    by_decoder = [r for r in runs if r["system"].get("main_by_decoder")]
+    if by_decoder:
+        out.append("\n### The main stream by decoder (one system, the same run)\n")
+        out.append(
+            "| config | decoder | steady FPS | whole-stream FPS | on time @ target | max gap (ms) | p99 gap (ms) "
+            "| TTFF (ms) | frames | peer eager | floor |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in by_decoder:
+            s, peer, floor = r["system"], r.get("peer") or {}, r.get("floor") or {}
+            mains = {s.get("decoder") or "full": {**s["main"], "steady_fps": s["steady_fps"]}, **s["main_by_decoder"]}
+            for name, m in mains.items():
+                out.append(
+                    f"| {config_name(r)} | {name} | **{_f(m['steady_fps'])}** | {_f(m.get('whole_fps'))} | "
+                    f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
+                    f"{_ms(m['ttff_s'])} | {m['frames']} | {_f(peer.get('fps'))} | {_f(floor.get('fps'), '.0f')} |"
+                )
     guided = [r for r in runs if r["args"].get("guidance", 1.0) > 1.0 and r["system"].get("comm")]
     if guided:
         out.append("\n### Classifier-free guidance: sequential CFG against CFG-parallel\n")

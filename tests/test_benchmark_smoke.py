@@ -85,6 +85,7 @@ def test_harness_smoke_mode_reports_what_a_viewer_sees_and_the_report_tabulates_
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nprose\n\n") and text.endswith(f"{END}\n\nmore prose\n")
     assert "stale table" not in text and "| 2 | " in text
+    assert "The main stream by decoder" in text and "| tiny | " in text  # --decoder full,tiny: both rows
     assert "| tiny @ 64×64, 2 steps, SLO load rows (steps 1–2, VAE " in text  # its load rows are SLO-adaptive
 
 
