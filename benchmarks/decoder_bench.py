@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,21 +43,13 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan
 
+from benchmarks.harness import git_commit
 from gateway.stream_vae import StreamVAE
 from gateway.tiny_decoder import load_tiny_decoder, write_tiny_decoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_STREAMS = 64
-
-
-def git_commit() -> str:
-    if os.environ.get("STAGECAST_COMMIT"):  # the device machine gets a copy of the tree without .git
-        return os.environ["STAGECAST_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:

@@ -131,6 +131,17 @@ def ladder_arg(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def add_decoder_flag(p: argparse.ArgumentParser) -> None:
+    """``--decoder``, shared by generate and transform."""
+    p.add_argument(
+        "--decoder",
+        choices=["full", "tiny"],
+        default=None,
+        help="full: the model's VAE (exact); tiny: the deployment's tiny decoder (approximate, far cheaper per frame); "
+        "default: the gateway's",
+    )
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -173,13 +184,7 @@ def add_parser(sub) -> None:
         help="generate as fast as the pipeline allows, not at --fps (offline renders)",
     )
     p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
-    p.add_argument(
-        "--decoder",
-        choices=["full", "tiny"],
-        default=None,
-        help="full: the model's VAE (exact); tiny: the deployment's tiny decoder (approximate, far cheaper per frame); "
-        "default: the gateway's",
-    )
+    add_decoder_flag(p)
     p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
     p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
     p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from stagecast.client import Client
-from stagecast.generate import ladder_arg, token_from
+from stagecast.generate import add_decoder_flag, ladder_arg, token_from
 from stagecast.media import video_info
 from stagecast.service import INTERRUPTED
 
@@ -125,13 +125,7 @@ def add_parser(sub) -> None:
     p.add_argument("--input-format", choices=["jpeg", "raw"], default="jpeg", help="what input frames travel as")
     p.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
     p.add_argument("--policy", choices=["clean", "per_level"], default=None, help="KV policy (default: the gateway's)")
-    p.add_argument(
-        "--decoder",
-        choices=["full", "tiny"],
-        default=None,
-        help="full: the model's VAE (exact); tiny: the deployment's tiny decoder (approximate, far cheaper per frame); "
-        "default: the gateway's",
-    )
+    add_decoder_flag(p)
     p.add_argument("--window", type=int, default=None, help="KV window in latent frames (default: the gateway's)")
     p.add_argument("--sink", type=int, default=None, help="sink latent frames kept in the window")
     p.add_argument("--timeout", type=float, default=None, help="deadline for the whole call, seconds")
