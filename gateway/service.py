@@ -56,6 +56,7 @@ from gateway.config import (
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline_warmup import wait_budget, warm_pipeline
+from gateway.quotas import QuotaOptions, Quotas, client_of
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
@@ -155,6 +156,7 @@ class GatewayOptions:
     tls_key: str | None = None
     tokens: str | None = None  # bearer-token file (``token tenant [role]`` lines); None: no tokens asked
     metrics_host: str | None = None  # where /metrics binds (None: ``host``)
+    quotas: QuotaOptions = QuotaOptions()  # per client (tenant, else connection): gateway.quotas
 
 
 class Gateway:
@@ -230,6 +232,7 @@ class Gateway:
         )
         # Admission, in order: count cap, cost budget (later checks, e.g. capacity, are appended).
         self.admission = Admission([self._count_cap, self.budget.check])
+        self.quotas = Quotas(opts.quotas, opts.max_streams)  # per client, within the global bounds (gateway.quotas)
         self.version = 0  # bumped on every change WatchStatus reports
         self.started = 0
         self.finished = 0
@@ -436,6 +439,21 @@ class Gateway:
 
     # ---- admission ---------------------------------------------------------------------------------
 
+    def admit(self, cfg, client: str):
+        """The client's stream quotas, then the admission chain; returns what gives everything back."""
+        quota = self.quotas.take_stream(not cfg.pace, client)
+        try:
+            release = self.admission.admit(cfg)
+        except BaseException:
+            quota()
+            raise
+
+        def release_all() -> None:
+            release()
+            quota()
+
+        return release_all
+
     def _count_cap(self, cfg) -> object:
         """The first admission check: at most ``max_streams`` streams, from admission until they are forgotten."""
         with self.cond:
@@ -542,6 +560,7 @@ class Gateway:
                 frames_sent=run.frames_sent,
                 chunks_received=run.chunks_received,
                 steps=run.last_steps,
+                paced=run.cfg.pace,
                 vae_state_bytes=_vae_bytes(run),
                 queued_chunks=run.session.queued if run.session is not None else 0,
                 queued_messages=len(run.out),
@@ -549,6 +568,8 @@ class Gateway:
                 input_frames_dropped=run.input.dropped if run.input is not None else 0,
             )
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
+        msg.paced_streams = sum(1 for s in msg.streams if s.paced)
+        msg.unpaced_streams = len(msg.streams) - msg.paced_streams
         return msg
 
 
@@ -680,7 +701,7 @@ class StreamServicer:
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            release = gw.admission.admit(cfg)
+            release = gw.admit(cfg, client_of(gw.auth, context))
         except Refused as exc:
             self._abort(context, exc.code, exc.message)
         run = self._open(cfg, context, t0, rpc_span, release)

@@ -11,7 +11,8 @@ Usage::
 Every stage executes the same events in the same order.  For a batch:
 
 * stage 0 takes each item's input latent from its runner's store, first receiving from the last stage,
-  in the order the last stage sends them, every latent it is owed up to the one it needs;
+  in the order the last stage sends them, every latent it is owed up to the one it needs (a batch may need them in
+  another order: one received earlier waits in the store);
 * other stages receive the batch's hidden states from their predecessor;
 * non-last stages send their output on; the last stage applies the sampler step, sends next-level
   latents back to stage 0 and reports finished chunks through ``on_event``.
@@ -208,7 +209,9 @@ class StageExecutor:
     def _receive_owed(self, needed: list[MicroStep]) -> None:
         tp = self.transport
         assert tp is not None
-        want = set(needed)
+        # A batch may take a chunk's next level after one whose latent came back later (the scheduler lets paced
+        # streams' micro-steps go first): that latent was received, in order, with an earlier batch's and waits here.
+        want = {st for st in needed if not self.runner.holds_latent(st)}
         while want:
             if not self._owed:
                 raise RuntimeError(f"stage 0 needs latents for {sorted(map(str, want))} that no batch produces")
