@@ -639,7 +639,12 @@ class StreamServicer:
     def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
         """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
         gw = self.gw
+        try:  # the client's own quota first: a client over it takes no slot of the global bound
+            give_back = gw.quotas.take("pending", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
         if not gw.enter_pending():
+            give_back()
             self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -655,6 +660,7 @@ class StreamServicer:
                 first = _TIMED_OUT
         finally:
             gw.leave_pending()
+            give_back()
         if first is _TIMED_OUT:
             self._abort(
                 context,
@@ -767,6 +773,17 @@ class StreamServicer:
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         who = principal_of(gw.auth, context)
+        try:
+            give_back = gw.quotas.take("watchers", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        try:
+            yield from self._watch(who, context)
+        finally:
+            give_back()
+
+    def _watch(self, who, context):
+        gw = self.gw
         done = threading.Event()
 
         def on_done():

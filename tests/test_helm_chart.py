@@ -306,6 +306,28 @@ def test_coordinator_and_gateway_arguments(helm, name):
     assert arg_value(args, "--device") == v["device"]
 
 
+@pytest.mark.unit
+def test_the_gateway_gets_per_tenant_quotas_from_the_values(helm):
+    flags = {
+        "streams": "--max-streams-per-client",
+        "unpaced": "--max-unpaced-per-client",
+        "pending": "--max-pending-per-client",
+        "watchers": "--max-watchers-per-client",
+    }
+    args = main_container(render(helm).component("Deployment", "gateway"))["args"]
+    # The defaults: every stream slot for one tenant (it may reach capacity alone), 2 unpaced, 32 waiting, 4 watching.
+    assert {k: arg_value(args, f) for k, f in flags.items()} == {
+        "streams": "0",
+        "unpaced": "2",
+        "pending": "32",
+        "watchers": "4",
+    }
+    quotas = {"streams": 3, "unpaced": 1, "pending": 8, "watchers": 2}
+    args = main_container(render(helm, gateway={"quotas": quotas}).component("Deployment", "gateway"))["args"]
+    assert {k: arg_value(args, f) for k, f in flags.items()} == {k: str(n) for k, n in quotas.items()}
+    assert "/gateway/quotas/pending" in render_error(helm, gateway={"quotas": {"pending": 0}})
+
+
 @pytest.mark.parametrize("name", list(VALUES_FILES))
 def test_gpu_speed_flags_follow_the_values(helm, name):
     r = render(helm, name)

@@ -62,7 +62,8 @@ def deployment(tmp_path_factory):
         gateway = launcher.spawn(
             "gateway",
             ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-            + ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")],
+            + ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")]
+            + ["--config-timeout", "60"],  # calls held without a config stay held for as long as a test needs
         )
         yield {
             "launcher": launcher,
@@ -257,6 +258,63 @@ def test_one_tenant_cannot_see_stop_or_reprompt_another_tenants_stream(deploymen
             for _ in frames:
                 pass
             assert gen.end is not None and gen.end.reason == "stopped"
+
+
+HELD_CALLS = 140
+PENDING_QUOTA = 32  # the gateway's default --max-pending-per-client
+
+
+@pytest.mark.multiprocess
+def test_one_tenant_holding_calls_without_a_config_does_not_lock_another_tenant_out(deployment):
+    """140 Generate calls of one tenant that never send a config: it holds its quota of them and the rest are refused
+    naming the quota; another tenant's streams start, 20 of 20, while they are held."""
+    import threading
+
+    release = threading.Event()
+
+    def no_config():  # a request stream that sends nothing until the test is over
+        release.wait()
+        yield from ()
+
+    done = threading.Condition()
+    codes: list = []
+
+    def finish(call) -> None:
+        code = call.code()  # blocks until the call ends
+        with done:
+            codes.append((code, call.details()))
+            done.notify_all()
+
+    with _client(deployment, TOKENS["alice"]) as alice, _client(deployment, TOKENS["ops"]) as ops:
+        calls = [alice._stub.Generate(no_config(), timeout=TIMEOUT) for _ in range(HELD_CALLS)]
+        waiters = [threading.Thread(target=finish, args=(call,)) for call in calls]
+        try:
+            for waiter in waiters:
+                waiter.start()
+            with done:
+                assert done.wait_for(lambda: len(codes) == HELD_CALLS - PENDING_QUOTA, timeout=TIMEOUT)
+            ops.wait_for_status(lambda s: s.waiting_calls == PENDING_QUOTA, timeout=TIMEOUT)
+            assert {code for code, _ in codes} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert all("quota" in d and "'alice'" in d and "--max-pending-per-client" in d for _, d in codes)
+            started = 0
+            with _client(deployment, TOKENS["bob"]) as bob:
+                statuses = iter(bob.watch_status(timeout=TIMEOUT))
+                for i in range(20):
+                    gen = bob.generate(prompt="a red fox", codec="jpeg", seed=i)
+                    gen.wait_started()
+                    started += 1
+                    gen.cancel()
+                    while next(statuses).active_streams:  # gone before the next one starts
+                        pass
+            assert started == 20
+            assert ops.status().waiting_calls == PENDING_QUOTA  # alice's calls were held all along
+        finally:
+            for call in calls:
+                call.cancel()
+            release.set()
+            for waiter in waiters:
+                waiter.join(TIMEOUT)
+    assert len(codes) == HELD_CALLS
 
 
 def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deployment):
