@@ -57,6 +57,7 @@ from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline_warmup import wait_budget, warm_pipeline
 from gateway.quotas import QuotaOptions, Quotas, client_of
+from gateway.revocation import RevocationWatch, credentials_of
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
@@ -269,6 +270,8 @@ class Gateway:
         )
 
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
+        # A revoked token ends the streams it opened (gateway.revocation).
+        self.revocation = RevocationWatch(self.auth, self._runs, self.timers) if self.auth else None
         servicer = StreamServicer(self)
         streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
         streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
@@ -375,6 +378,8 @@ class Gateway:
         if self.vae_reporter is not None:
             self.vae_reporter.start()
         self.server.start()
+        if self.revocation is not None:
+            self.revocation.start()
         if self.health_server is not None:
             self.health_server.start()
         self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
@@ -400,6 +405,8 @@ class Gateway:
             self.vae_reporter.stop()
         self.channel.close()
         self.decoder.close()
+        if self.revocation is not None:
+            self.revocation.stop()
         self.timers.close()
         self.metrics.close()
 
@@ -712,6 +719,7 @@ class StreamServicer:
             self._abort(context, exc.code, exc.message)
         run = self._open(cfg, context, t0, rpc_span, release)
         run.tenant = principal_of(gw.auth, context).tenant  # whose stream: status shows it to its tenant only
+        run.credentials = credentials_of(context) if gw.auth else None  # checked again while it runs (revocation)
         gw.register(run, release)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening
