@@ -81,6 +81,7 @@ class StageExecutor:
         self.telemetry = telemetry  # metrics and spans (stage_service.metrics); None: not observed
         self.stream_traceparents: dict[int, str] = {}  # each open stream's span context, for batch span links
         self.queue: queue.Queue = queue.Queue()
+        self.busy_since: float | None = None  # monotonic time the event being executed started (None: idle)
         self.failed: str | None = None
         self._stopping = False
         # Latents the last stage will send to stage 0, in its send order, with their shapes: a stream closed
@@ -114,6 +115,11 @@ class StageExecutor:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def stalled_s(self) -> float:
+        """Seconds the event being executed has run (0 when idle): an executor that makes no progress grows it."""
+        since = self.busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -133,6 +139,7 @@ class StageExecutor:
                 item = self.queue.get()
             if item is _STOP:
                 return
+            self.busy_since = time.monotonic()
             try:
                 self._run(item)
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which ends the generation
@@ -146,6 +153,8 @@ class StageExecutor:
                     logger.exception("stage executor failed")
                 self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
                 return
+            finally:
+                self.busy_since = None
 
     def _run(self, item: PlanEvent) -> None:
         if item.kind == "open":
