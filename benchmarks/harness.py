@@ -539,7 +539,9 @@ def start_system(launcher, root: Path, args, device_kind: str):
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
     gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
-    gw_args += ["--max-streams", str(max(8, max(args.load or [1]) + 2))]
+    most = max(8, max(args.load or [1]) + 2)
+    # The benchmarks open every stream from one client, unpaced ones too (--load-unpaced, the KV admission check).
+    gw_args += ["--max-streams", str(most), "--max-unpaced-per-client", str(most)]
     if args.vae_compile and device_kind == "cuda":
         gw_args.append("--vae-compile")
     if getattr(args, "vae_cuda_graphs", False):  # the other benchmarks that start a cluster here lack the flag

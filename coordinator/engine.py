@@ -124,6 +124,12 @@ class StreamSession:
     inputs_received: int = 0
     kv: dict[int, int] = field(default_factory=dict)  # worst-case KV bytes reserved on each stage while it is open
 
+    @property
+    def best_effort(self) -> bool:
+        """An unpaced stream (no chunk rate, no input clock): it yields to the paced ones in the scheduler and takes
+        none of their capacity."""
+        return self.chunk_rate <= 0 and not self.spec.input_latents
+
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
         while True:
             ev = self.events.get()
@@ -897,7 +903,7 @@ class PipelineEngine(Generations):
         events = []
         while self.pending_opens:
             session = self.pending_opens.popleft()
-            sched.add_stream(session.spec)
+            sched.add_stream(session.spec, best_effort=session.best_effort)
             session.paced_since = self.clock()
             events.append(
                 self._next_event(

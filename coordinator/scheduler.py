@@ -26,7 +26,15 @@ Readiness rules for micro-step (s, c, i):
     starts a new KV segment and waits until every earlier chunk of the stream has left the pipeline
     (``stagecast.microstep.ChunkSpecs``).
 Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
-up to ``max_batch`` rows that share a latent shape form the batch.  A micro-step of a guided stream
+up to ``max_batch`` rows that share a latent shape form the batch.
+
+Best effort (``add_stream(spec, best_effort=True)``: an unpaced stream, which has no real-time clock) yields to the
+other streams: its ready micro-steps are taken only after every other stream's, so a paced stream's micro-step is
+never left out of a batch for a best-effort one (nor does a best-effort stream set the batch's latent shape while
+a paced micro-step is ready), and while any other stream is scheduled, best-effort rows only fill a batch up to the
+size the other streams' own demand sets: best-effort streams never make a batch larger than the paced streams' load
+calls for, so the paced streams keep their rate whatever best-effort streams arrive.  Alone, best-effort streams fill
+batches as any stream does (a lone unpaced stream runs flat out).  A micro-step of a guided stream
 (classifier-free guidance) is two rows in one pipeline (its conditional and unconditional branches) and one
 row per group under CFG-parallel (``cfg_parallel=2``, each group running one branch); a batch always takes
 at least its first micro-step.
@@ -62,6 +70,7 @@ class _StreamState:
     credit: int | None = None  # chunks this stream may have started in total (delivery-paced); None: no limit
     clean_issued: dict[int, int] = field(default_factory=dict)  # chunk -> tick of its clean pass (last two kept)
     inputs: int = 0  # video-to-video: chunks whose input latents have arrived
+    best_effort: bool = False  # yields to the other streams (see the module docstring)
     held: bool = False  # a recache waits for the stream's chunks in flight: start no new one
 
     def __post_init__(self) -> None:
@@ -101,14 +110,15 @@ class StreamBatchScheduler:
 
     # ---- stream events ----------------------------------------------------------------------------------
 
-    def add_stream(self, spec: StreamSpec) -> None:
+    def add_stream(self, spec: StreamSpec, best_effort: bool = False) -> None:
+        """Schedule a stream from the current tick; ``best_effort``: it yields to the other streams."""
         if spec.stream_id in self.streams:
             raise ValueError(f"stream {spec.stream_id} is already scheduled")
         if spec.policy == "clean":
             cap = 1  # the next chunk waits for this one's clean pass: a single stream is serial
         else:
             cap = self.max_inflight  # None: levels x stages of the chunk to start
-        self.streams[spec.stream_id] = _StreamState(spec, self._arrivals, self.now, cap)
+        self.streams[spec.stream_id] = _StreamState(spec, self._arrivals, self.now, cap, best_effort=best_effort)
         self._arrivals += 1
 
     def stop_stream(self, stream_id: int) -> None:
@@ -180,7 +190,7 @@ class StreamBatchScheduler:
             # every stream was asked, so a level issued at all was issued before now.
             if spec.policy == "per_level" and prev is not None and prev.level < nxt:
                 continue
-            out.append(((ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
+            out.append(((st.best_effort, ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
         c = st.next_chunk
         nxt_spec = st.specs.at(c)
         cap = st.max_inflight or nxt_spec.levels * p
@@ -200,7 +210,7 @@ class StreamBatchScheduler:
         if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
             can_start = False
         if can_start:
-            out.append(((now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
+            out.append(((st.best_effort, now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
         return out
 
     def tick(self) -> list[MicroStep]:
@@ -211,11 +221,9 @@ class StreamBatchScheduler:
         ready.sort(key=lambda x: x[0])
         # Smooth the work over the pipeline: every micro-step in flight comes back once per P ticks, so
         # taking more than 1/P of them now would leave the next ticks empty (a bubble on every stage).
-        demand = sum(
-            self.rows(st.spec)
-            * (sum(1 for ch in st.inflight.values() if ch.level + 1 < ch.levels) + (0 if self._idle(st) else 1))
-            for st in self.streams.values()
-        )
+        # Beside other streams, best-effort ones do not raise the batch size: their rows only fill what is left.
+        others = [st for st in self.streams.values() if not st.best_effort]
+        demand = sum(self._demand(st) for st in others or self.streams.values())
         limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
         batch: list[MicroStep] = []
         shape = None
@@ -239,6 +247,11 @@ class StreamBatchScheduler:
         for sid in [sid for sid, st in self.streams.items() if st.finished]:
             del self.streams[sid]
         return batch
+
+    def _demand(self, st: _StreamState) -> int:
+        """Rows the stream asks of the pipeline: its levels still to issue in flight, and a new chunk unless idle."""
+        waiting = sum(1 for ch in st.inflight.values() if ch.level + 1 < ch.levels)
+        return self.rows(st.spec) * (waiting + (0 if self._idle(st) else 1))
 
     @staticmethod
     def _idle(st: _StreamState) -> bool:

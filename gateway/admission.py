@@ -13,7 +13,9 @@ gives back what it took (a slot) when a later check refuses or the stream ends b
 order is: count cap (``--max-streams``), cost budget, then whatever is appended (capacity admission).
 
 The cost of a stream is what the pipeline does per second of video: pixels x frames per second x denoising passes
-(steps, plus the clean pass of the ``clean`` policy).  Generation is not slowed down to ``target_fps`` (it only
+(steps, plus the clean pass of the ``clean`` policy), times the chunk's frames over the checkpoint's (at least 1):
+a forward attends over every token of its chunk, so a frame of a larger chunk costs more (a 128x128 stream at 16
+latent frames a chunk took 14 s for 1 s of video).  Generation is not slowed down to ``target_fps`` (it only
 stamps presentation times), so the rate counted is at least the checkpoint's own.  A frame's pixels are also
 bounded on their own: the VAE decodes and the encoder holds whole frames, so a huge frame at a tiny rate still costs
 its memory at once.  Both bounds default to the checkpoint's serving size and rate times a headroom for the device
@@ -63,6 +65,7 @@ class CostBudget:
     max_frame_pixels: int
     max_stream_cost: float  # pixel-passes per second of video
     floor_fps: float  # the lowest rate a stream is counted at (the checkpoint's)
+    floor_chunk_frames: int = 1  # the checkpoint's latent frames per chunk: larger chunks cost more per frame
     origin: str = ""  # where the numbers came from, for the refusal message
 
     @classmethod
@@ -79,10 +82,20 @@ class CostBudget:
         cost = max_stream_cost or defaults.max_stream_cost or area * defaults.fps * defaults.steps * cost_x
         derived = not (max_frame_pixels or defaults.max_frame_pixels or max_stream_cost or defaults.max_stream_cost)
         origin = f"the checkpoint's {base}, x{area_x} pixels and x{cost_x} cost on {kind}" if derived else "set"
-        return cls(max_frame_pixels=int(pixels), max_stream_cost=float(cost), floor_fps=defaults.fps, origin=origin)
+        return cls(
+            max_frame_pixels=int(pixels),
+            max_stream_cost=float(cost),
+            floor_fps=defaults.fps,
+            floor_chunk_frames=max(1, defaults.chunk_frames),
+            origin=origin,
+        )
+
+    def chunk_factor(self, cfg: EffectiveConfig) -> float:
+        """How much more a frame costs in the stream's chunks than in the checkpoint's (at least 1)."""
+        return max(1.0, cfg.chunk_frames / self.floor_chunk_frames)
 
     def cost(self, cfg: EffectiveConfig) -> float:
-        return cfg.width * cfg.height * max(cfg.fps, self.floor_fps) * passes(cfg)
+        return cfg.width * cfg.height * max(cfg.fps, self.floor_fps) * passes(cfg) * self.chunk_factor(cfg)
 
     def check(self, cfg: EffectiveConfig) -> None:
         pixels = cfg.width * cfg.height
@@ -95,11 +108,17 @@ class CostBudget:
         cost = self.cost(cfg)
         if cost > self.max_stream_cost:
             fps = max(cfg.fps, self.floor_fps)
+            factor = self.chunk_factor(cfg)
+            chunk = (
+                f" x {factor:g} for chunk_frames {cfg.chunk_frames} (the checkpoint's {self.floor_chunk_frames})"
+                if factor > 1
+                else ""
+            )
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"cost budget: {cfg.width}x{cfg.height} pixels x {fps:g} frames/s x {passes(cfg)} passes = "
+                f"cost budget: {cfg.width}x{cfg.height} pixels x {fps:g} frames/s x {passes(cfg)} passes{chunk} = "
                 f"{cost:.4g} pixel-passes/s is over this gateway's {self.max_stream_cost:.4g} per stream "
-                f"(--max-stream-cost; {self.origin}); lower width, height, target_fps or steps",
+                f"(--max-stream-cost; {self.origin}); lower width, height, target_fps, steps or chunk_frames",
             )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from gateway.quotas import add_quota_flags, quota_options
 from stagecast.names import DTYPE_NAMES
 from stagecast.service import add_security_flags, csv_list, run_service
 
@@ -135,6 +136,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
     )
+    add_quota_flags(p)
     add_security_flags(p, health=False)  # --health-port is the gateway's own, above
     p.set_defaults(run=main)
 
@@ -224,6 +226,7 @@ def _gateway_options(args: argparse.Namespace):
         tls_key=args.tls_key,
         tokens=args.tokens,
         metrics_host=args.metrics_host,
+        quotas=quota_options(args),
     )
 
 

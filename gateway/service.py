@@ -57,6 +57,8 @@ from gateway.config import (
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline_warmup import wait_budget, warm_pipeline
+from gateway.quotas import QuotaOptions, Quotas, client_of
+from gateway.revocation import RevocationWatch, credentials_of
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
@@ -160,6 +162,7 @@ class GatewayOptions:
     tls_key: str | None = None
     tokens: str | None = None  # bearer-token file (``token tenant [role]`` lines); None: no tokens asked
     metrics_host: str | None = None  # where /metrics binds (None: ``host``)
+    quotas: QuotaOptions = QuotaOptions()  # per client (tenant, else connection): gateway.quotas
 
 
 class Gateway:
@@ -249,6 +252,7 @@ class Gateway:
         )
         # Admission, in order: count cap, cost budget (later checks, e.g. capacity, are appended).
         self.admission = Admission([self._count_cap, self.budget.check])
+        self.quotas = Quotas(opts.quotas, opts.max_streams)  # per client, within the global bounds (gateway.quotas)
         self.version = 0  # bumped on every change WatchStatus reports
         self.started = 0
         self.finished = 0
@@ -285,6 +289,8 @@ class Gateway:
         )
 
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
+        # A revoked token ends the streams it opened (gateway.revocation).
+        self.revocation = RevocationWatch(self.auth, self._runs, self.timers) if self.auth else None
         servicer = StreamServicer(self)
         streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
         streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
@@ -396,6 +402,8 @@ class Gateway:
         if self.vae_reporter is not None:
             self.vae_reporter.start()
         self.server.start()
+        if self.revocation is not None:
+            self.revocation.start()
         if self.health_server is not None:
             self.health_server.start()
         self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
@@ -425,6 +433,8 @@ class Gateway:
         self.decoder.close()
         if self.tiny_decoder is not None:
             self.tiny_decoder.close()
+        if self.revocation is not None:
+            self.revocation.stop()
         self.timers.close()
         self.metrics.close()
 
@@ -463,6 +473,21 @@ class Gateway:
         return embeds
 
     # ---- admission ---------------------------------------------------------------------------------
+
+    def admit(self, cfg, client: str):
+        """The client's stream quotas, then the admission chain; returns what gives everything back."""
+        quota = self.quotas.take_stream(not cfg.pace, client)
+        try:
+            release = self.admission.admit(cfg)
+        except BaseException:
+            quota()
+            raise
+
+        def release_all() -> None:
+            release()
+            quota()
+
+        return release_all
 
     def _count_cap(self, cfg) -> object:
         """The first admission check: at most ``max_streams`` streams, from admission until they are forgotten."""
@@ -570,6 +595,7 @@ class Gateway:
                 frames_sent=run.frames_sent,
                 chunks_received=run.chunks_received,
                 steps=run.last_steps,
+                paced=run.cfg.pace,
                 vae_state_bytes=_vae_bytes(run),
                 queued_chunks=run.session.queued if run.session is not None else 0,
                 queued_messages=len(run.out),
@@ -577,6 +603,8 @@ class Gateway:
                 input_frames_dropped=run.input.dropped if run.input is not None else 0,
             )
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
+        msg.paced_streams = sum(1 for s in msg.streams if s.paced)
+        msg.unpaced_streams = len(msg.streams) - msg.paced_streams
         return msg
 
 
@@ -646,7 +674,12 @@ class StreamServicer:
     def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
         """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
         gw = self.gw
+        try:  # the client's own quota first: a client over it takes no slot of the global bound
+            give_back = gw.quotas.take("pending", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
         if not gw.enter_pending():
+            give_back()
             self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -662,6 +695,7 @@ class StreamServicer:
                 first = _TIMED_OUT
         finally:
             gw.leave_pending()
+            give_back()
         if first is _TIMED_OUT:
             self._abort(
                 context,
@@ -708,11 +742,12 @@ class StreamServicer:
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            release = gw.admission.admit(cfg)
+            release = gw.admit(cfg, client_of(gw.auth, context))
         except Refused as exc:
             self._abort(context, exc.code, exc.message)
         run = self._open(cfg, context, t0, rpc_span, release)
         run.tenant = principal_of(gw.auth, context).tenant  # whose stream: status shows it to its tenant only
+        run.credentials = credentials_of(context) if gw.auth else None  # checked again while it runs (revocation)
         gw.register(run, release)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening
@@ -775,6 +810,17 @@ class StreamServicer:
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         who = principal_of(gw.auth, context)
+        try:
+            give_back = gw.quotas.take("watchers", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        try:
+            yield from self._watch(who, context)
+        finally:
+            give_back()
+
+    def _watch(self, who, context):
+        gw = self.gw
         done = threading.Event()
 
         def on_done():

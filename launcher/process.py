@@ -17,6 +17,7 @@ launcher even if it is killed with SIGKILL: no orphans.
 
     sup = Supervisor(launcher, stop)                 # stop: a threading.Event (SIGTERM / Ctrl-C)
     sup.watch(coord, args)                           # restart with ``args`` when it dies, with backoff
+    sup.watch(stage, args, health="stage")           # also when its health fails for ``hang_s`` (stopped, hung)
     failure = sup.wait()                             # None once ``stop`` is set; else why it gave up
 
 Local clusters are authenticated with no set-up: the launcher makes a throwaway deployment CA and one certificate
@@ -218,6 +219,10 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+HANG_S = 15.0  # a watched service whose health checks fail this long is killed and restarted
+PROBE_S = 1.0
+
+
 class Supervisor:
     """Restart watched children that die, with exponential backoff; give up when one dies more than
     ``max_restarts`` times within ``window`` seconds, or cannot be started again, naming it."""
@@ -231,6 +236,7 @@ class Supervisor:
         window: float = 600.0,
         backoff: tuple[float, float] = (0.5, 10.0),
         ready_timeout: float = 300.0,
+        hang_s: float = HANG_S,
     ):
         self.launcher = launcher
         self.stop = stop
@@ -238,12 +244,19 @@ class Supervisor:
         self.window = window
         self.backoff = backoff
         self.ready_timeout = ready_timeout
+        if not 1.0 <= hang_s <= 3600.0:
+            raise ValueError(f"--stage-hang-s must be in [1, 3600], got {hang_s}")
+        self.hang_s = hang_s
         self.failure: str | None = None
         self.restarts: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
 
-    def watch(self, child: Child, args: list[str]) -> None:
-        thread = threading.Thread(target=self._watch, args=(child, args), daemon=True, name=f"watch-{child.name}")
+    def watch(self, child: Child, args: list[str], health: str | None = None) -> None:
+        """Restart ``child`` with ``args`` when it dies; with ``health`` (the role its certificate holds), also kill it,
+        and so restart it, once its grpc.health.v1 ``""`` has failed for ``hang_s`` (a stopped or hung process)."""
+        thread = threading.Thread(
+            target=self._watch, args=(child, args, health), daemon=True, name=f"watch-{child.name}"
+        )
         self._threads.append(thread)
         thread.start()
 
@@ -257,10 +270,12 @@ class Supervisor:
             self.failure = message
         self.stop.set()
 
-    def _watch(self, child: Child, args: list[str]) -> None:
+    def _watch(self, child: Child, args: list[str], health: str | None) -> None:
         name = child.name
         deaths: deque[float] = deque()
         while True:
+            if health is not None:
+                threading.Thread(target=self._probe, args=(child, health), daemon=True, name=f"probe-{name}").start()
             code = child.proc.wait()  # also reaps it: no zombie
             if self.stop.is_set():
                 return
@@ -285,3 +300,32 @@ class Supervisor:
                 return
             self.restarts[name] = self.restarts.get(name, 0) + 1
             print(f"stagecast up: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)
+
+    def _probe(self, child: Child, role: str) -> None:
+        """Check the child's health every ``PROBE_S`` until it exits; kill it once the checks have failed for
+        ``hang_s`` in a row (a SIGSTOPped process answers nothing; a hung stage reports NOT_SERVING)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        address = child.info.get("address")
+        if not address:
+            return
+        failing_since: float | None = None
+        with self.launcher.channel(address, role) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while child.proc.poll() is None and not self.stop.wait(PROBE_S):
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=PROBE_S)
+                    ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    ok = False
+                now = time.monotonic()
+                if ok:
+                    failing_since = None
+                    continue
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= self.hang_s and child.proc.poll() is None:
+                    what = f"{child.name} failed its health checks for {self.hang_s:g} s; killing it"
+                    logger.warning("%s", what)
+                    print(f"stagecast up: {what}", file=sys.stderr, flush=True)
+                    child.proc.kill()  # works on a stopped process too; the watch then restarts it
+                    return

@@ -2,7 +2,9 @@
 
 Its ports are checked before anything starts (a taken one fails at once with "address already in use").  It
 supervises its children: a service that dies is started again with backoff (on the same port), and one that dies
-more than ``--max-restarts`` times in 10 minutes makes ``up`` stop everything and exit 1, naming it.
+more than ``--max-restarts`` times in 10 minutes makes ``up`` stop everything and exit 1, naming it.  A stage whose
+health checks fail for ``--stage-hang-s`` (15 s: a stopped process, or an executor that makes no progress) is killed
+and so restarted.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def add_parser(sub) -> None:
         default=5,
         help="restarts of one dead service within 10 minutes before up exits non-zero naming it (0: none)",
     )
+    p.add_argument(
+        "--stage-hang-s",
+        type=float,
+        default=15.0,
+        help="a stage whose health checks fail this long (stopped, or its executor hung) is killed and restarted",
+    )
     p.set_defaults(run=main)
 
 
@@ -117,6 +125,10 @@ def main(args: argparse.Namespace) -> int:
     from launcher.local_cluster import Placement, check_gpu_fit, check_layout, start_pipeline, web_args
     from launcher.process import Launcher, LaunchError, Supervisor
     from stagecast.grpc_util import AddressInUseError, check_port_free
+
+    if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
+        print(f"stagecast up: error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}", file=sys.stderr)
+        return 2
 
     if args.fp8:
         from stagecast.fp8 import Fp8Unavailable, check_fp8
@@ -149,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     # Every internal connection is mTLS: the launcher makes a throwaway CA and one certificate per role in a private
     # temporary folder (or uses --credentials), and deletes it on the way out.
     with Launcher(echo=True, credentials=args.credentials) as launcher:
-        supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts)
+        supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts, hang_s=args.stage_hang_s)
         try:
             pipe = start_pipeline(
                 launcher,
@@ -170,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
-                supervisor.watch(child, pipe.stage_args[index])
+                supervisor.watch(child, pipe.stage_args[index], health="stage")  # a hung stage is replaced too
             ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):

@@ -11,7 +11,8 @@ Usage::
 Every stage executes the same events in the same order.  For a batch:
 
 * stage 0 takes each item's input latent from its runner's store, first receiving from the last stage,
-  in the order the last stage sends them, every latent it is owed up to the one it needs;
+  in the order the last stage sends them, every latent it is owed up to the one it needs (a batch may need them in
+  another order: one received earlier waits in the store);
 * other stages receive the batch's hidden states from their predecessor;
 * non-last stages send their output on; the last stage applies the sampler step, sends next-level
   latents back to stage 0 and reports finished chunks through ``on_event``.
@@ -80,6 +81,7 @@ class StageExecutor:
         self.telemetry = telemetry  # metrics and spans (stage_service.metrics); None: not observed
         self.stream_traceparents: dict[int, str] = {}  # each open stream's span context, for batch span links
         self.queue: queue.Queue = queue.Queue()
+        self.busy_since: float | None = None  # monotonic time the event being executed started (None: idle)
         self.failed: str | None = None
         self._stopping = False
         # Latents the last stage will send to stage 0, in its send order, with their shapes: a stream closed
@@ -113,6 +115,11 @@ class StageExecutor:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def stalled_s(self) -> float:
+        """Seconds the event being executed has run (0 when idle): an executor that makes no progress grows it."""
+        since = self.busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -132,6 +139,7 @@ class StageExecutor:
                 item = self.queue.get()
             if item is _STOP:
                 return
+            self.busy_since = time.monotonic()
             try:
                 self._run(item)
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which ends the generation
@@ -145,6 +153,8 @@ class StageExecutor:
                     logger.exception("stage executor failed")
                 self.on_event(ExecutorEvent("error", item.seq, message=self.failed))
                 return
+            finally:
+                self.busy_since = None
 
     def _run(self, item: PlanEvent) -> None:
         if item.kind == "open":
@@ -208,7 +218,9 @@ class StageExecutor:
     def _receive_owed(self, needed: list[MicroStep]) -> None:
         tp = self.transport
         assert tp is not None
-        want = set(needed)
+        # A batch may take a chunk's next level after one whose latent came back later (the scheduler lets paced
+        # streams' micro-steps go first): that latent was received, in order, with an earlier batch's and waits here.
+        want = {st for st in needed if not self.runner.holds_latent(st)}
         while want:
             if not self._owed:
                 raise RuntimeError(f"stage 0 needs latents for {sorted(map(str, want))} that no batch produces")

@@ -274,6 +274,12 @@ class SliceRunner:
 
     # ---- latents --------------------------------------------------------------------------------------
 
+    def holds_latent(self, step: MicroStep) -> bool:
+        """Whether the input latent of ``step`` (a level > 0, or the clean pass) is here already."""
+        stream = self.streams.get(step.stream)
+        held = None if stream is None else stream.latents.get(step.chunk)
+        return held is not None and held[0] == step.level
+
     def put_latent(self, step: MicroStep, latent: torch.Tensor) -> None:
         """Record the input latent of ``step`` (a level > 0, or the clean pass)."""
         self._stream(step.stream).latents[step.chunk] = (step.level, latent)

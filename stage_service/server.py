@@ -73,6 +73,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = STAGE_SERVICE
 # Only the coordinator drives a stage (and an operator's tools, which RoleGuard always admits).
 ROLE_RULES = {f"/{SERVICE_NAME}/": ["coordinator"]}
+# One plan event running longer than this means a hung executor (a batch takes milliseconds to seconds; a peer that
+# died releases the data plane when its generation fails, within seconds): the process then reports NOT_SERVING.
+EXECUTOR_STALL_S = 20.0
 
 
 @dataclass
@@ -141,6 +144,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.lock = threading.RLock()
         self.address = ""
         self.health = None  # the server's grpc.health.v1 servicer, once serving
+        self._progressing = True  # what "" health last said of the executor's progress
         self.telemetry = StageTelemetry(opts.index, state=lambda: self.gen)
         # Registration and the rendezvous store both go to the coordinator this stage was started with (a plan
         # cannot point a stage at another address), over mTLS.
@@ -184,6 +188,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         registered, misses, delay = True, 0, interval
         try:
             while not stop.wait(delay):
+                self._report_progress()
                 held = self.held_generation()
                 try:
                     if not registered:
@@ -230,6 +235,21 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if not clean:
             self._reexec(f"executor stuck after leaving ({reason})")
         return True
+
+    def _report_progress(self) -> None:
+        """The process's ``""`` health follows its executor: NOT_SERVING while one plan event has run for longer than
+        ``EXECUTOR_STALL_S`` (a hung executor, whose gRPC threads still answer), so ``up`` and the chart's liveness
+        probe replace the stage."""
+        gen = self.gen
+        stalled = gen.executor.stalled_s() if gen is not None else 0.0
+        progressing = stalled < EXECUTOR_STALL_S
+        if self.health is not None and progressing != self._progressing:
+            self._progressing = progressing
+            self.health.set("", SERVING if progressing else NOT_SERVING)
+            if not progressing:
+                logger.error(
+                    "stage %d: one plan event has run for %.0f s: reporting not serving", self.opts.index, stalled
+                )
 
     def _set_member(self, member: bool) -> None:
         if self.health is not None:

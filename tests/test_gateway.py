@@ -490,3 +490,49 @@ def test_generate_cli_writes_the_clip_and_prints_ttff_and_fps(cluster, tmp_path)
         [sys.executable, "-m", "launcher.cli", *args[:-1], "300,900"], capture_output=True, text=True, timeout=TIMEOUT
     )
     assert bad.returncode == 1 and "timesteps: must be strictly descending" in bad.stderr, bad.stderr
+
+
+@pytest.mark.multiprocess
+def test_unpaced_streams_are_capped_per_client_and_never_ahead_of_a_paced_stream_in_a_batch(cluster, main):
+    """One client asks for 8 unpaced streams: it gets its quota (2) and RESOURCE_EXHAUSTED naming it for the rest; a
+    paced stream of another client is admitted beside them, and in the recorded plan no batch lists an unpaced
+    stream's micro-step before one of the paced stream's."""
+    kwargs = dict(width=W, height=H, codec="jpeg", timeout=TIMEOUT)
+    with stagecast.Client(cluster.main) as greedy:
+        asked = [greedy.generate(PROMPT, pace=False, **kwargs) for _ in range(8)]  # unbounded, as fast as possible
+        unpaced, refusals = [], []
+        for gen in asked:
+            try:
+                gen.wait_started()
+                unpaced.append(gen)
+            except stagecast.ResourceExhaustedError as exc:
+                refusals.append(exc.details)
+        assert len(unpaced) == 2 and len(refusals) == 6
+        assert all("quota" in r and "--max-unpaced-per-client 2" in r for r in refusals), refusals
+        readers = [threading.Thread(target=lambda g=g: [None for _ in g]) for g in unpaced]
+        for reader in readers:
+            reader.start()
+        paced = main.generate(PROMPT, seconds=1, seed=4, **kwargs)  # another client (connection), paced
+        paced.wait_started()
+        status = main.status()
+        assert (status.paced_streams, status.unpaced_streams) == (1, 2)
+        assert sorted(s.paced for s in status.streams) == [False, False, True]
+        frames = paced.collect()
+        assert paced.end.reason == "completed" and len(frames) == 16
+        for gen in unpaced:
+            gen.cancel()
+        for reader in readers:
+            reader.join(TIMEOUT)
+    wait_idle(cluster)
+
+    ids = {gen.info.pipeline_stream_id for gen in unpaced}
+    pid = paced.info.pipeline_stream_id
+    with cluster.launcher.channel(cluster.coordinator, "coordinator") as ch:
+        plan = plan_from_proto(list(ipb_grpc.CoordinatorServiceStub(ch).GetPlan(ipb.PlanRequest(), timeout=30).events))
+    batches = [[s.stream for s in ev.steps] for ev in plan if ev.kind == "batch"]
+    batches = [b for b in batches if pid in b]
+    assert sum(1 for b in batches for s in b if s == pid) == 5 * 2  # 5 chunks x 2 steps, all planned
+    shared = [b for b in batches if ids & set(b)]
+    assert shared, "the paced stream never shared a batch with an unpaced one: the test shows nothing"
+    for batch in shared:
+        assert batch == sorted(batch, key=lambda s: s != pid), f"an unpaced micro-step ahead of the paced one: {batch}"

@@ -91,6 +91,9 @@ def edge(tmp_path_factory):
         args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         args += ["--health-port", "0", "--config-timeout", str(CONFIG_TIMEOUT), "--max-pending", str(MAX_PENDING)]
         args += ["--max-watchers", str(MAX_WATCHERS), "--max-streams", str(MAX_STREAMS)]
+        # The idle calls come over one connection: its own quota (tests/test_security.py pins it) is lifted to the
+        # global bound, which is what these tests hold.
+        args += ["--max-pending-per-client", str(MAX_PENDING)]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             metrics_port = s.getsockname()[1]

@@ -199,6 +199,21 @@ def test_over_the_budget_is_resource_exhausted_naming_the_budget():
         assert err.value.message.startswith("cost budget: ") and what in err.value.message, err.value.message
 
 
+@pytest.mark.unit
+def test_larger_chunks_than_the_checkpoints_count_in_the_cost_budget():
+    budget = CostBudget.derive(DEFAULTS, "cpu")  # the checkpoint's chunk: 1 latent frame
+    budget.check(resolve(width=64, height=48, chunk_frames=4))  # 4x the cost at the serving size: at the limit
+    budget.check(resolve(width=96, height=96))  # within the frame and cost budget at the checkpoint's chunk
+    with pytest.raises(Refused) as err:  # not at 16 latent frames a chunk (128x128 so took 14 s per second on a CPU)
+        budget.check(resolve(width=96, height=96, chunk_frames=16))
+    assert "x 16 for chunk_frames 16 (the checkpoint's 1)" in err.value.message
+    assert "chunk_frames" in err.value.message.rsplit(";", 1)[1]  # the advice names it
+    with pytest.raises(Refused, match="x 2 for chunk_frames 8 .the checkpoint's 4."):
+        CostBudget.derive(ServingDefaults(**{**vars(DEFAULTS), "chunk_frames": 4}), "cpu").check(
+            resolve(width=128, height=96, chunk_frames=8)
+        )
+
+
 def test_a_lower_target_fps_does_not_buy_more_pixels():
     budget = CostBudget.derive(DEFAULTS, "cpu")
     # 128x96 at 2 steps is the whole budget at 16 fps; at 1 fps it is counted at the checkpoint's 16 fps still.

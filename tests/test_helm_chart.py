@@ -308,6 +308,28 @@ def test_coordinator_and_gateway_arguments(helm, name):
     assert arg_value(args, "--device") == v["device"]
 
 
+@pytest.mark.unit
+def test_the_gateway_gets_per_tenant_quotas_from_the_values(helm):
+    flags = {
+        "streams": "--max-streams-per-client",
+        "unpaced": "--max-unpaced-per-client",
+        "pending": "--max-pending-per-client",
+        "watchers": "--max-watchers-per-client",
+    }
+    args = main_container(render(helm).component("Deployment", "gateway"))["args"]
+    # The defaults: every stream slot for one tenant (it may reach capacity alone), 2 unpaced, 32 waiting, 4 watching.
+    assert {k: arg_value(args, f) for k, f in flags.items()} == {
+        "streams": "0",
+        "unpaced": "2",
+        "pending": "32",
+        "watchers": "4",
+    }
+    quotas = {"streams": 3, "unpaced": 1, "pending": 8, "watchers": 2}
+    args = main_container(render(helm, gateway={"quotas": quotas}).component("Deployment", "gateway"))["args"]
+    assert {k: arg_value(args, f) for k, f in flags.items()} == {k: str(n) for k, n in quotas.items()}
+    assert "/gateway/quotas/pending" in render_error(helm, gateway={"quotas": {"pending": 0}})
+
+
 @pytest.mark.parametrize("name", list(VALUES_FILES))
 def test_gpu_speed_flags_follow_the_values(helm, name):
     r = render(helm, name)
@@ -587,8 +609,8 @@ def test_only_gateway_service_is_exposed(helm, name):
     v = r.values
     gw_public = r.get("Service", f"{RELEASE}-stagecast-gateway")
     assert gw_public["spec"]["type"] == v["gateway"]["service"]["type"]
-    # gRPC and the live page (stagecast web); metrics must not be on the public Service.
-    assert [p["name"] for p in gw_public["spec"]["ports"]] == ["grpc", "http"]
+    # gRPC only: the live page (stagecast web) has a ClusterIP Service of its own; metrics too.
+    assert [p["name"] for p in gw_public["spec"]["ports"]] == ["grpc"]
     for svc in r.of_kind("Service"):
         if svc is gw_public:
             continue
@@ -656,9 +678,63 @@ def test_network_policies_restrict_to_release(helm, name):
     assert gw_ports == {"grpc", "health", "metrics", "http"}  # every port the policies name exists
     metrics_rule = next(rule for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") == "metrics")
     assert metrics_rule["from"]
-    # The page from where the API may be reached; WebRTC media on UDP (aiortc's ports are random).
-    web_rules = [rule["ports"] for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") in (None, "http")]
-    assert web_rules == [[{"port": "http", "protocol": "TCP"}], [{"protocol": "UDP"}]]
+    # The page only from the release (not exposed by default); WebRTC media on UDP (aiortc's ports are random).
+    web_rules = [rule for rule in gw["spec"]["ingress"] if rule["ports"][0].get("port") in (None, "http")]
+    assert [rule["ports"] for rule in web_rules] == [[{"port": "http", "protocol": "TCP"}], [{"protocol": "UDP"}]]
+    assert web_rules[0]["from"] == [release_peer]
+
+
+INGRESS_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ingress-nginx"}},
+}
+
+
+def _page_rule(r) -> dict:
+    rules = r.component("NetworkPolicy", "gateway")["spec"]["ingress"]
+    (rule,) = [rule for rule in rules if rule["ports"] == [{"port": "http", "protocol": "TCP"}]]
+    return rule
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_by_default_the_page_is_not_exposed_outside_the_release(helm, name):
+    r = render(helm, name)
+    page = r.get("Service", f"{RELEASE}-stagecast-gateway-web")
+    assert page["spec"]["type"] == "ClusterIP" and [p["name"] for p in page["spec"]["ports"]] == ["http"]
+    for svc in r.of_kind("Service"):  # the page's port is on no Service that may leave the cluster
+        if svc["spec"].get("type", "ClusterIP") != "ClusterIP":
+            assert r.values["web"]["port"] not in [p.get("targetPort") for p in svc["spec"]["ports"]]
+            assert "http" not in [p.get("targetPort") for p in svc["spec"]["ports"]]
+    assert not r.of_kind("Ingress")
+    release = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}
+    assert _page_rule(r)["from"] == [{"podSelector": {"matchLabels": release}}]
+
+
+@pytest.mark.unit
+def test_an_exposed_page_is_served_with_tls_and_reached_only_from_the_allow_list(helm):
+    web = {"ingress": {"enabled": True, "host": "live.example.com", "from": [INGRESS_PEER]}}
+    r = render(helm, web={**web, "ingress": {**web["ingress"], "certManager": {"clusterIssuer": "letsencrypt"}}})
+    (ingress,) = r.of_kind("Ingress")
+    assert ingress["metadata"]["annotations"]["cert-manager.io/cluster-issuer"] == "letsencrypt"
+    assert ingress["spec"]["tls"] == [
+        {"secretName": f"{RELEASE}-stagecast-gateway-web-tls", "hosts": ["live.example.com"]}
+    ]
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{RELEASE}-stagecast-gateway-web", "port": {"name": "http"}}
+    release = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/name": "stagecast"}
+    assert _page_rule(r)["from"] == [{"podSelector": {"matchLabels": release}}, INGRESS_PEER]
+    own = [{"secretName": "live-tls", "hosts": ["live.example.com"]}]
+    (ingress,) = render(helm, web={"ingress": {**web["ingress"], "tls": own}}).of_kind("Ingress")
+    assert ingress["spec"]["tls"] == own and "cert-manager.io/cluster-issuer" not in ingress["metadata"].get(
+        "annotations", {}
+    )
+    # Exposed over plain HTTP, or open to everyone: refused when the chart renders.
+    assert "serve it with TLS" in render_error(helm, web=web)
+    no_peers = {"ingress": {**web["ingress"], "from": [], "tls": own}}
+    assert "web.ingress.from" in render_error(helm, web=no_peers)
+    both = {"clusterIssuer": "a", "issuer": "b"}
+    assert "only one of" in render_error(helm, web={"ingress": {**web["ingress"], "certManager": both}})
 
 
 def test_metrics_scrapers_are_configurable(helm):

@@ -35,6 +35,7 @@ TOKENS = {
     "bob": "bob-token-0123456789abcdef",
     "ops": "ops-token-0123456789abcdef",
     "dash": "dash-token-0123456789abcdef",
+    "carol": "carol-token-0123456789abcdef",  # revoked by a test
 }
 
 
@@ -47,6 +48,7 @@ def deployment(tmp_path_factory):
     tokens.write_text(
         "# token tenant [role]\n"
         f"{TOKENS['alice']} alice\n{TOKENS['bob']} bob user\n{TOKENS['ops']} ops admin\n{TOKENS['dash']} dash status\n"
+        f"{TOKENS['carol']} carol\n"
     )
     public_ca, public_key = make_ca("public CA of the test")
     cert, key = issue(public_ca, public_key, "gateway", hosts=["127.0.0.1", "localhost"])
@@ -61,7 +63,8 @@ def deployment(tmp_path_factory):
         gateway = launcher.spawn(
             "gateway",
             ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-            + ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")],
+            + ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")]
+            + ["--config-timeout", "60"],  # calls held without a config stay held for as long as a test needs
         )
         yield {
             "launcher": launcher,
@@ -262,6 +265,88 @@ def test_one_tenant_cannot_see_stop_or_reprompt_another_tenants_stream(deploymen
             assert gen.end is not None and gen.end.reason == "stopped"
 
 
+HELD_CALLS = 140
+PENDING_QUOTA = 32  # the gateway's default --max-pending-per-client
+
+
+@pytest.mark.multiprocess
+def test_one_tenant_holding_calls_without_a_config_does_not_lock_another_tenant_out(deployment):
+    """140 Generate calls of one tenant that never send a config: it holds its quota of them and the rest are refused
+    naming the quota; another tenant's streams start, 20 of 20, while they are held."""
+    import threading
+
+    release = threading.Event()
+
+    def no_config():  # a request stream that sends nothing until the test is over
+        release.wait()
+        yield from ()
+
+    done = threading.Condition()
+    codes: list = []
+
+    def finish(call) -> None:
+        code = call.code()  # blocks until the call ends
+        with done:
+            codes.append((code, call.details()))
+            done.notify_all()
+
+    with _client(deployment, TOKENS["alice"]) as alice, _client(deployment, TOKENS["ops"]) as ops:
+        calls = [alice._stub.Generate(no_config(), timeout=TIMEOUT) for _ in range(HELD_CALLS)]
+        waiters = [threading.Thread(target=finish, args=(call,)) for call in calls]
+        try:
+            for waiter in waiters:
+                waiter.start()
+            with done:
+                assert done.wait_for(lambda: len(codes) == HELD_CALLS - PENDING_QUOTA, timeout=TIMEOUT)
+            ops.wait_for_status(lambda s: s.waiting_calls == PENDING_QUOTA, timeout=TIMEOUT)
+            assert {code for code, _ in codes} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert all("quota" in d and "'alice'" in d and "--max-pending-per-client" in d for _, d in codes)
+            started = 0
+            with _client(deployment, TOKENS["bob"]) as bob:
+                statuses = iter(bob.watch_status(timeout=TIMEOUT))
+                for i in range(20):
+                    gen = bob.generate(prompt="a red fox", codec="jpeg", seed=i)
+                    gen.wait_started()
+                    started += 1
+                    gen.cancel()
+                    while next(statuses).active_streams:  # gone before the next one starts
+                        pass
+            assert started == 20
+            assert ops.status().waiting_calls == PENDING_QUOTA  # alice's calls were held all along
+        finally:
+            for call in calls:
+                call.cancel()
+            release.set()
+            for waiter in waiters:
+                waiter.join(TIMEOUT)
+    assert len(codes) == HELD_CALLS
+
+
+@pytest.mark.multiprocess
+def test_revoking_a_token_ends_the_streams_it_opened_with_unauthenticated(deployment):
+    import time
+
+    tokens = deployment["tmp"] / "tokens"
+    with _client(deployment, TOKENS["carol"]) as carol, _client(deployment, TOKENS["alice"]) as alice:
+        # Unbounded: only the revocation ends it; unpaced, so that the paced one beside it is never over capacity.
+        revoked = carol.generate(prompt="a red fox", codec="jpeg", pace=False)
+        kept = alice.generate(prompt="a blue bird", codec="jpeg")
+        frames = iter(revoked)
+        next(frames)
+        next(iter(kept))
+        lines = [line for line in tokens.read_text().splitlines() if "carol" not in line]
+        tokens.write_text("\n".join(lines) + "\n")
+        t0 = time.monotonic()
+        with pytest.raises(errors.UnauthenticatedError, match="token revoked.*'carol'"):
+            for _ in frames:
+                pass
+        print(f"the revoked token's stream ended {time.monotonic() - t0:.2f} s after the tokens file changed")
+        next(iter(kept))  # another tenant's stream goes on
+        kept.cancel()
+        with pytest.raises(errors.UnauthenticatedError):  # and the token opens nothing more
+            carol.generate(prompt="a red fox", seconds=0.5, codec="jpeg").collect()
+
+
 @pytest.mark.multiprocess
 def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deployment):
     """``stagecast web`` in front of the TLS + tokens gateway: a browser's token is checked at the web edge and
@@ -392,3 +477,43 @@ def _free_port_block(n: int) -> int:
             for p in probes:
                 p.close()
     raise RuntimeError("no free block of ports")
+
+
+@pytest.mark.unit
+def test_the_revocation_watch_ends_only_streams_whose_token_is_gone_or_changed_tenant(tmp_path):
+    import grpc as grpc_mod
+
+    from gateway.revocation import RevocationWatch
+    from gateway.timers import Timers
+    from stagecast.security import TokenAuth
+
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKENS['alice']} alice\n{TOKENS['bob']} bob\n{TOKENS['carol']} carol\n")
+    auth = TokenAuth(path, reload_s=0)
+
+    class Run:
+        def __init__(self, tenant, token):
+            self.tenant, self.outcome, self.failed = tenant, None, None
+            self.credentials = (("authorization", f"Bearer {token}"),)
+
+        def fail(self, code, message, outcome):
+            self.failed, self.outcome = (code, message), outcome
+
+    runs = [Run("alice", TOKENS["alice"]), Run("bob", TOKENS["bob"]), Run("carol", TOKENS["carol"])]
+    timers = Timers()
+    watch = RevocationWatch(auth, lambda: runs, timers, check_s=3600)  # checked by hand below
+    try:
+        watch._check()
+        assert [r.failed for r in runs] == [None, None, None]
+        path.write_text(f"{TOKENS['alice']} alice\n{TOKENS['bob']} mallory\n")  # carol revoked, bob's token moved
+        watch._check()
+        assert runs[0].failed is None
+        for run, tenant in ((runs[1], "bob"), (runs[2], "carol")):
+            code, message = run.failed
+            assert (
+                code == grpc_mod.StatusCode.UNAUTHENTICATED
+                and f"token revoked: the token of tenant {tenant!r}" in message
+            )
+    finally:
+        watch.stop()
+        timers.close()

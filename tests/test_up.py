@@ -233,3 +233,73 @@ def test_a_service_on_a_taken_port_says_address_already_in_use():
             other.add_insecure_port(f"127.0.0.1:{port}")
     finally:
         server.stop(None)
+
+
+@pytest.mark.multiprocess
+def test_up_replaces_a_stopped_stage_and_a_new_stream_succeeds():
+    """SIGSTOP a stage: its health checks fail, ``up`` kills it after --stage-hang-s and starts it again, the
+    pipeline re-forms and a new stream succeeds, without SIGCONT."""
+    with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
+        write_demo_checkpoint(tmp)
+        args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "-1"]
+        args += ["--stage-hang-s", "3", "--credentials", launcher.credentials]  # our operator cert is valid there
+        up = launcher.spawn("up", args)
+        old = _service_pid(up.pid, "stage")
+        os.kill(old, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until(
+            lambda: any("restarted" in entry and "stage-" in entry for entry in up.log), timeout=120, what="a restart"
+        )
+        log = "\n".join(up.log)
+        assert "failed its health checks for 3 s; killing it" in log and "was killed by SIGKILL" in log, log
+        assert not alive(old)  # killed and reaped by up
+        wait_for_generation(up.info["coordinator"], 2, launcher, timeout=120)  # the pipeline re-formed
+        with stagecast.Client(up.info["gateway"]) as client:
+            frames = client.generate(prompt="a red fox", seconds=0.5, codec="raw").collect()
+        assert len(frames) == 8
+        print(f"a new stream completed {time.monotonic() - stopped:.1f} s after the stage was stopped")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+
+
+@pytest.mark.unit
+def test_the_supervisor_kills_a_child_whose_health_stays_failing_and_spares_a_healthy_one():
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from launcher.process import Child, Supervisor
+
+    class Proc:  # what the probe asks of a child's process
+        def __init__(self):
+            self.killed = threading.Event()
+
+        def poll(self):
+            return -9 if self.killed.is_set() else None
+
+        def kill(self):
+            self.killed.set()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+    try:
+        sup = Supervisor(Launcher(mtls=False), stop, hang_s=1.0)
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        healthy = Child("stage-0", Proc(), info={"address": f"127.0.0.1:{port}"})
+        probe = threading.Thread(target=sup._probe, args=(healthy, "stage"))
+        probe.start()
+        assert not healthy.proc.killed.wait(3.0)  # 3 s of passing checks: left alone
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # a hung executor
+        assert healthy.proc.killed.wait(30.0)
+        probe.join(10)
+    finally:
+        stop.set()
+        server.stop(0)
+    with pytest.raises(ValueError, match="--stage-hang-s"):
+        Supervisor(Launcher(mtls=False), stop, hang_s=0.5)

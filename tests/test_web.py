@@ -327,3 +327,74 @@ def test_a_websocket_peer_that_stops_answering_pings_has_its_stream_freed_within
     freed = run(scenario())
     print(f"silent WebSocket's stream freed {freed:.2f} s after its media began (peer timeout {PEER_TIMEOUT} s)")
     assert freed < PEER_TIMEOUT + 3.0
+
+
+BOB = "bob-token-0123456789abcdef"
+
+
+@pytest.mark.multiprocess
+def test_tokenless_websockets_wait_in_a_pool_of_their_own_and_valid_tenants_still_start(system, tmp_path):
+    """Four tokenless WebSockets held open (each reopened as the edge closes it, 1 s after it opened) on an edge of 4
+    peers: a valid tenant's WebSocket (token in the first message, or in Sec-WebSocket-Protocol) and WebRTC sessions
+    start; a tenant holds at most its share of the peers."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    args = ["web", "--gateway", system.gateway, "--port", "0", "--ice-host", "127.0.0.1", "--tokens", str(tokens)]
+    args += ["--max-peers", "4"]  # 2 per tenant
+    url = system.launcher.spawn("web-preauth", args).info["url"]
+    ws_url = urllib.parse.urljoin(url.replace("http", "ws", 1), "api/ws")
+    config = {"type": "config", "prompt": PROMPT, "seconds": 0.5}
+
+    async def squat(http, closes: list, closed: asyncio.Event, stop: asyncio.Event) -> None:
+        """Hold a tokenless socket open, reopening it whenever the edge closes it."""
+        while not stop.is_set():
+            async with http.ws_connect(ws_url) as ws:
+                msg = await ws.receive()
+                if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):
+                    closes.append(msg.extra or ws.close_code)
+                    if len(closes) >= 4:
+                        closed.set()
+
+    async def scenario():
+        closes: list = []
+        closed, stop = asyncio.Event(), asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            squatters = [asyncio.create_task(squat(http, closes, closed, stop)) for _ in range(4)]
+            try:
+                in_message, _ = await _socket_stream(url, [{**config, "token": ALICE}])
+                async with http.ws_connect(ws_url, protocols=("stagecast", f"bearer.{ALICE}")) as ws:
+                    protocol = ws.protocol
+                    await ws.send_str(json.dumps(config))
+                    in_header = []
+                    async for raw in ws:
+                        if raw.type == aiohttp.WSMsgType.TEXT:
+                            in_header.append(json.loads(raw.data))
+                            if in_header[-1]["type"] in ("end", "error"):
+                                break
+                async with RtcViewer(url, token=ALICE) as viewer:
+                    viewer.send(config)
+                    rtc_end = await viewer.wait_for("end")
+                    async with RtcViewer(url, token=ALICE):  # alice's second peer: her share of 4
+                        with pytest.raises(OfferRefused) as third:
+                            await RtcViewer(url, token=ALICE).connect()
+                        async with RtcViewer(url, token=BOB) as bob:  # another tenant still gets in
+                            bob.send(config)
+                            bob_end = await bob.wait_for("end")
+                # The squatters' sockets were closed for want of a token, and none of them ever held a peer slot.
+                await closed.wait()
+            finally:
+                stop.set()
+                for task in squatters:
+                    task.cancel()
+                await asyncio.gather(*squatters, return_exceptions=True)
+            health = await (await http.get(urllib.parse.urljoin(url, "healthz"))).json()
+        return in_message, protocol, in_header, rtc_end, third.value, bob_end, closes, health
+
+    in_message, protocol, in_header, rtc_end, third, bob_end, closes, health = run(scenario())
+    assert in_message[0]["type"] == "started" and in_message[-1] == {"type": "end", "reason": "completed", "frames": 8}
+    assert protocol == "stagecast"  # the token is never echoed back
+    assert in_header[0]["type"] == "started" and in_header[-1]["type"] == "end", in_header
+    assert rtc_end["reason"] == "completed" and bob_end["reason"] == "completed"
+    assert third.status == 503 and "tenant 'alice'" in third.error and "--max-peers-per-tenant" in third.error
+    assert all(c == "no token within 1 s" for c in closes), closes
+    assert health["ws"] == 2 and health["rtc"] == 3  # the squatters were never counted as peers

@@ -58,6 +58,19 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-peers", type=int, default=4, help="browsers connected at once (WebRTC and WebSocket)")
     p.add_argument("--peer-timeout", type=float, default=5.0, help="seconds of silence after which a peer is gone")
+    p.add_argument(
+        "--max-peers-per-tenant",
+        type=int,
+        default=0,
+        help="with --tokens, browsers of one tenant connected at once (0: half of --max-peers, at least 1)",
+    )
+    p.add_argument(
+        "--max-preauth",
+        type=int,
+        default=16,
+        help="WebSockets waiting to authenticate (token in their first message, within 1 s), together",
+    )
+    p.add_argument("--max-preauth-per-address", type=int, default=8, help="of those, from one client address")
     p.set_defaults(run=main)
 
 
@@ -72,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
 
     from stagecast.security import is_loopback
     from web.server import WebApp, WebConfig
+    from web.slots import PeerSlots, PreAuthPool
 
     if not args.tokens and not args.allow_anonymous and not is_loopback(args.host):
         print(
@@ -107,7 +121,16 @@ def main(args: argparse.Namespace) -> int:
         ice_servers=servers,
         max_peers=args.max_peers,
         peer_timeout=args.peer_timeout,
+        max_peers_per_tenant=args.max_peers_per_tenant,
+        max_preauth=args.max_preauth,
+        max_preauth_per_address=args.max_preauth_per_address,
     )
+    try:
+        PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or 1)
+        PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)
+    except ValueError as exc:
+        print(f"stagecast web: {exc}", flush=True)
+        return 2
 
     async def serve() -> None:
         app = WebApp(cfg)

@@ -5,8 +5,11 @@ Usage (inside the aiohttp handler of ``GET /api/ws``)::
     ws = web.WebSocketResponse(heartbeat=2.0, max_msg_size=MAX_MESSAGE_BYTES)
     await serve_socket(ws, make_session, authorize)
 
-The browser's first message is a ``config`` (``web.control``) carrying ``"token"``, since a browser cannot set a
-WebSocket's headers.  The gateway streams H.264 as one fragmented-MP4 byte stream (``ftyp``+``moov`` first, then a
+The browser's first message is a ``config`` (``web.control``) carrying ``"token"`` (unless the socket sent its token in
+``Sec-WebSocket-Protocol``), since a browser cannot set a WebSocket's Authorization header.  ``authorize(token)``
+decides at that first message: None, or the (code, text) the socket is refused with.
+
+The gateway streams H.264 as one fragmented-MP4 byte stream (``ftyp``+``moov`` first, then a
 ``moof``+``mdat`` per chunk); its bytes go out as binary messages as they are, after one ``{"type": "init", "mime":
 "video/mp4; codecs=\"avc1.PPCCLL\""}`` for ``MediaSource.addSourceBuffer``.  Control and stats are text messages,
 the same as on the data channel.  A socket that goes quiet is closed by aiohttp's heartbeat within seconds.
@@ -110,9 +113,10 @@ class SocketSink(FrameSink):
 async def serve_socket(
     ws: web.WebSocketResponse,
     make_session: Callable[[FrameSink, Callable[[dict], None], Callable[[str], None]], Session],
-    authorize: Callable[[str | None], str | None],
+    authorize: Callable[[str | None], tuple[str, str] | None],
 ) -> str:
-    """Serve one socket until it closes; returns why it ended.  ``authorize(token)`` returns an error text or None."""
+    """Serve one socket until it closes; returns why it ended.  ``authorize(token)`` returns None, or the error code
+    and text the socket is refused with (it is closed then)."""
     closing: list[str] = []
     outbox = Outbox(ws)
     loop = asyncio.get_running_loop()
@@ -151,7 +155,7 @@ async def serve_socket(
                     )
                 problem = authorize(control.token)
                 if problem is not None:
-                    return await refuse_first("UNAUTHENTICATED", problem, "unauthenticated")
+                    return await refuse_first(problem[0], problem[1], problem[0].lower())
                 first = False
             if control.kind != "ping":
                 await session.handle(control)

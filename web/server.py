@@ -11,13 +11,16 @@ Routes:
     GET  /                 the page (``web/static``: one HTML file, one script, one stylesheet; no build step)
     GET  /api/info         what the page needs: ICE servers, limits, whether a token is needed
     POST /api/offer        {"sdp": "<offer>", "type": "offer"} -> {"sdp": "<answer>", "type": "answer", "peer": id}
-    GET  /api/ws           the WebSocket fallback (``web.fallback``)
+    GET  /api/ws           the WebSocket fallback (``web.fallback``); a token in ``Sec-WebSocket-Protocol:
+                           stagecast, bearer.<token>`` or in the first message (never in the URL)
     GET  /healthz          200 while serving
 
 It talks to the gateway only through the public SDK (``stagecast.AsyncClient``), one channel per peer, with the
 peer's own bearer token, so tenants and the gateway's limits apply to browser streams as to any other.  With
 ``tokens`` the web process checks the token itself first (the same file and ``TokenAuth`` as the gateway), so a
-stranger costs no WebRTC set-up.  Every refusal is a JSON ``{"error": "..."}`` with a 4xx/5xx status.
+stranger costs no WebRTC set-up, and a peer slot is taken only after the token is checked (``web.slots``: slots
+per tenant, and a small pre-auth pool, closed after 1 s, for WebSockets that send their token in their first message).
+Every refusal is a JSON ``{"error": "..."}`` with a 4xx/5xx status.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ from web.control import MAX_MESSAGE_BYTES
 from web.fallback import FIRST_MESSAGE_S, serve_socket
 from web.rtc import MAX_SDP_BYTES, BadOffer, RtcPeer, use_ice_hosts
 from web.session import Session
+from web.slots import PREAUTH_S, PeerSlots, PreAuthPool
 
 logger = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
+# A WebSocket may carry its bearer token in its headers as ``Sec-WebSocket-Protocol: stagecast, bearer.<token>`` (a
+# browser cannot set Authorization on a WebSocket); the server answers with ``stagecast`` and never echoes the token.
+WS_PROTOCOL = "stagecast"
+BEARER_PROTOCOL = "bearer."
 PAGES = {
     "/": ("index.html", "text/html"),
     "/app.js": ("app.js", "text/javascript"),
@@ -64,6 +72,9 @@ class WebConfig:
     ice_hosts: list[str] = field(default_factory=list)  # host candidates to offer (empty: aioice's choice)
     ice_servers: list[RTCIceServer] = field(default_factory=list)  # TURN (or STUN) for peers behind NAT
     max_peers: int = 4  # WebRTC and WebSocket peers together
+    max_peers_per_tenant: int = 0  # with tokens, peers of one tenant (0: half of max_peers, at least 1)
+    max_preauth: int = 16  # WebSockets waiting to authenticate, together
+    max_preauth_per_address: int = 8  # of those, from one client address
     peer_timeout: float = 5.0  # a peer silent this long is gone
     connect_timeout: float = 15.0  # an answered peer must connect within this
 
@@ -77,7 +88,9 @@ class WebApp:
         self.cfg = cfg
         self.auth = TokenAuth(cfg.tokens) if cfg.tokens else None
         use_ice_hosts(cfg.ice_hosts)
-        self.peers: dict[str, object] = {}  # id -> RtcPeer or WebSocketResponse
+        self.peers: dict[str, object] = {}  # id -> RtcPeer or WebSocketResponse, each holding a slot
+        self.slots = PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or max(1, cfg.max_peers // 2))
+        self.preauth = PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)
         self._ids = itertools.count(1)
         self.served = {"rtc": 0, "ws": 0, "refused": 0}
         self.app = web.Application(client_max_size=MAX_SDP_BYTES + 4096)
@@ -93,14 +106,19 @@ class WebApp:
 
     def token_problem(self, token: str | None) -> tuple[int, str] | None:
         """None when ``token`` may generate; else the HTTP status and what is wrong (the gateway's wording)."""
+        return self.check_token(token)[1]
+
+    def check_token(self, token: str | None) -> tuple[str | None, tuple[int, str] | None]:
+        """(the token's tenant, None) when it may generate (tenant None: no tokens asked); else (None, the HTTP
+        status and what is wrong)."""
         if self.auth is None:
-            return None
+            return None, None
         who = self.auth.principal([("authorization", f"Bearer {token}")]) if token and token.strip() else None
         if who is None:
-            return 401, "a valid bearer token is required (Authorization: Bearer <token>)"
+            return None, (401, "a valid bearer token is required (Authorization: Bearer <token>)")
         if not who.may_generate:
-            return 403, f"token of tenant {who.tenant!r} may not generate"
-        return None
+            return None, (403, f"token of tenant {who.tenant!r} may not generate")
+        return who.tenant, None
 
     def client_for(self, token: str | None):
         name = self.cfg.gateway_tls_name
@@ -117,11 +135,16 @@ class WebApp:
 
         return open_client
 
-    def _full(self) -> web.Response | None:
-        if len(self.peers) >= self.cfg.max_peers:
+    def _take(self, peer_id: str, tenant: str | None) -> str | None:
+        """Take a peer slot for an authenticated browser; the refusal's text when none is free."""
+        refusal = self.slots.take(peer_id, tenant)
+        if refusal is not None:
             self.served["refused"] += 1
-            return _refuse(503, f"too many peers: {len(self.peers)} connected, the limit is {self.cfg.max_peers}")
-        return None
+        return refusal
+
+    def _free(self, peer_id: str) -> None:
+        self.peers.pop(peer_id, None)
+        self.slots.free(peer_id)
 
     # ---- routes --------------------------------------------------------------------------------------------
 
@@ -134,7 +157,7 @@ class WebApp:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"peers": len(self.peers), **self.served})
+        return web.json_response({"peers": len(self.slots), "preauth": len(self.preauth), **self.served})
 
     async def info(self, request: web.Request) -> web.Response:
         servers = [
@@ -146,7 +169,7 @@ class WebApp:
                 "ice_servers": servers,
                 "token_required": self.auth is not None,
                 "max_peers": self.cfg.max_peers,
-                "peers": len(self.peers),
+                "peers": len(self.slots),
                 "peer_timeout_s": self.cfg.peer_timeout,
                 "max_message_bytes": MAX_MESSAGE_BYTES,
             }
@@ -155,11 +178,9 @@ class WebApp:
     async def offer(self, request: web.Request) -> web.Response:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        problem = self.token_problem(token.strip() if scheme.lower() == "bearer" else None)
+        tenant, problem = self.check_token(token.strip() if scheme.lower() == "bearer" else None)
         if problem is not None:
             return _refuse(*problem)
-        if (full := self._full()) is not None:
-            return full
         if request.content_length is not None and request.content_length > MAX_SDP_BYTES + 4096:
             return _refuse(413, f"sdp: over {MAX_SDP_BYTES} bytes")
         try:
@@ -171,12 +192,14 @@ class WebApp:
         if not isinstance(body, dict) or body.get("type") != "offer":
             return _refuse(400, 'type: must be "offer"')
         peer_id = f"rtc-{next(self._ids)}"
+        if (refusal := self._take(peer_id, tenant)) is not None:
+            return _refuse(503, refusal)
         peer = RtcPeer(
             lambda sink, send, fatal: Session(self.client_for(token.strip()), sink, send, codec="raw", on_fatal=fatal),
             ice_servers=self.cfg.ice_servers,
             peer_timeout=self.cfg.peer_timeout,
             connect_timeout=self.cfg.connect_timeout,
-            on_closed=lambda p: self.peers.pop(peer_id, None),
+            on_closed=lambda p: self._free(peer_id),
         )
         self.peers[peer_id] = peer
         try:
@@ -188,32 +211,70 @@ class WebApp:
         return web.json_response({"sdp": answer, "type": "answer", "peer": peer_id})
 
     async def socket(self, request: web.Request) -> web.StreamResponse:
-        if (full := self._full()) is not None:
-            return full
-        ws = web.WebSocketResponse(heartbeat=self.cfg.peer_timeout / 2, max_msg_size=MAX_MESSAGE_BYTES)
-        await ws.prepare(request)
+        """A WebSocket peer.  With a token in ``Sec-WebSocket-Protocol`` it takes a peer slot at once (the config must
+        follow within ``FIRST_MESSAGE_S``); without, it waits in the pre-auth pool and must send its token in its first
+        message within ``PREAUTH_S``, and takes a slot only then."""
         peer_id = f"ws-{next(self._ids)}"
-        self.peers[peer_id] = ws
-        self.served["ws"] += 1
-        token_holder: list[str | None] = [None]
-
-        def authorize(token: str | None) -> str | None:
-            token_holder[0] = token
-            timer.cancel()
-            problem = self.token_problem(token)
-            return problem[1] if problem else None
-
-        def make_session(sink, send, fatal):
-            return Session(lambda: self.client_for(token_holder[0])(), sink, send, codec="h264", on_fatal=fatal)
-
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        header_token = next((p[len(BEARER_PROTOCOL) :] for p in offered if p.startswith(BEARER_PROTOCOL)), None)
+        address = request.remote
+        waiting = header_token is None  # in the pre-auth pool
+        if waiting:
+            if (refusal := self.preauth.enter(address)) is not None:
+                self.served["refused"] += 1
+                return _refuse(503, refusal)
+        else:
+            tenant, problem = self.check_token(header_token)
+            if problem is not None:
+                return _refuse(*problem)
+            if (refusal := self._take(peer_id, tenant)) is not None:
+                return _refuse(503, refusal)
+        token_holder: list[str | None] = [header_token]
+        ws = web.WebSocketResponse(
+            heartbeat=self.cfg.peer_timeout / 2, max_msg_size=MAX_MESSAGE_BYTES, protocols=(WS_PROTOCOL,)
+        )
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=b"no config within 10 s")))
+        timer = None
         try:
-            why = await serve_socket(ws, make_session, authorize)
-            logger.info("socket %s closed: %s", peer_id, why)
+            await ws.prepare(request)
+            if waiting:
+                why = f"no token within {PREAUTH_S:g} s".encode()
+            else:
+                self.peers[peer_id] = ws
+                self.served["ws"] += 1
+                why = f"no config within {FIRST_MESSAGE_S:g} s".encode()
+            timer = loop.call_later(
+                PREAUTH_S if waiting else FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=why))
+            )
+
+            def authorize(token: str | None) -> tuple[str, str] | None:
+                nonlocal waiting
+                timer.cancel()
+                if not waiting:
+                    return None  # authenticated by its header; a token in the config is not needed
+                tenant, problem = self.check_token(token)
+                if problem is not None:
+                    return ("UNAUTHENTICATED" if problem[0] == 401 else "PERMISSION_DENIED"), problem[1]
+                self.preauth.leave(address)
+                waiting = False
+                if (refusal := self._take(peer_id, tenant)) is not None:
+                    return "RESOURCE_EXHAUSTED", refusal
+                self.peers[peer_id] = ws
+                self.served["ws"] += 1
+                token_holder[0] = token
+                return None
+
+            def make_session(sink, send, fatal):
+                return Session(lambda: self.client_for(token_holder[0])(), sink, send, codec="h264", on_fatal=fatal)
+
+            why_closed = await serve_socket(ws, make_session, authorize)
+            logger.info("socket %s closed: %s", peer_id, why_closed)
         finally:
-            timer.cancel()
-            self.peers.pop(peer_id, None)
+            if timer is not None:
+                timer.cancel()
+            if waiting:
+                self.preauth.leave(address)
+            self._free(peer_id)
         return ws
 
     # ---- lifecycle -----------------------------------------------------------------------------------------

@@ -263,7 +263,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamStatus(_message.Message):
-    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages", "input_frames_received", "input_frames_dropped", "steps")
+    __slots__ = ("stream_id", "pipeline_stream_id", "state", "frames_sent", "chunks_received", "vae_state_bytes", "queued_chunks", "queued_messages", "input_frames_received", "input_frames_dropped", "steps", "paced")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class StreamStatus(_message.Message):
     INPUT_FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     INPUT_FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PACED_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     pipeline_stream_id: int
     state: StreamState
@@ -286,7 +287,8 @@ class StreamStatus(_message.Message):
     input_frames_received: int
     input_frames_dropped: int
     steps: int
-    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ..., input_frames_received: _Optional[int] = ..., input_frames_dropped: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    paced: bool
+    def __init__(self, stream_id: _Optional[str] = ..., pipeline_stream_id: _Optional[int] = ..., state: _Optional[_Union[StreamState, str]] = ..., frames_sent: _Optional[int] = ..., chunks_received: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., queued_messages: _Optional[int] = ..., input_frames_received: _Optional[int] = ..., input_frames_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., paced: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("steps", "streams")
@@ -297,7 +299,7 @@ class Capacity(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "paced_streams", "unpaced_streams")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +317,8 @@ class GatewayStatus(_message.Message):
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    UNPACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -325,4 +329,6 @@ class GatewayStatus(_message.Message):
     coordinator: str
     waiting_calls: int
     capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
+    paced_streams: int
+    unpaced_streams: int
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ...) -> None: ...

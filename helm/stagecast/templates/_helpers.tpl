@@ -293,6 +293,18 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and $v.web.enabled (eq $v.web.media.mode "turn") (not $v.web.media.turn.url) -}}
 {{- fail "stagecast: web.media.mode is turn but web.media.turn.url is empty: give the TURN server's URL (turn:HOST:PORT), or use mode direct or hostNetwork" -}}
 {{- end -}}
+{{- $ing := $v.web.ingress -}}
+{{- if and $v.web.enabled $ing.enabled -}}
+{{- if not (or $ing.tls $ing.certManager.clusterIssuer $ing.certManager.issuer) -}}
+{{- fail "stagecast: web.ingress.enabled exposes the page, which sends bearer tokens: serve it with TLS (set web.ingress.tls, or web.ingress.certManager.clusterIssuer / issuer)" -}}
+{{- end -}}
+{{- if and $ing.certManager.clusterIssuer $ing.certManager.issuer -}}
+{{- fail "stagecast: set only one of web.ingress.certManager.clusterIssuer and web.ingress.certManager.issuer" -}}
+{{- end -}}
+{{- if and $v.networkPolicy.enabled (not $ing.from) -}}
+{{- fail "stagecast: web.ingress.enabled needs web.ingress.from: the NetworkPolicyPeers of the Ingress controller's pods (the page's port is closed to everything outside the release otherwise)" -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has $v.device (list "cuda" "cpu")) -}}
 {{- fail (printf "stagecast: device must be \"cuda\" or \"cpu\" (got %q)" (toString $v.device)) -}}
 {{- end -}}

@@ -1,0 +1,174 @@
+"""Per-client quotas at the gateway: no client or tenant can hold every slot of a shared budget.
+
+Usage::
+
+    quotas = Quotas(QuotaOptions(pending=32), max_streams=8)   # the flags: add_quota_flags / quota_options
+    who = client_of(auth, context)             # "tenant alice" with --tokens, else "connection ipv4:10.0.0.7:51234"
+    release = quotas.take("pending", who)      # raises Refused(RESOURCE_EXHAUSTED, "quota: ...") naming the flag
+    ...
+    release()                                  # exactly once, when the call stops holding the slot
+
+A client is its tenant when the gateway asks for tokens (every connection of a tenant counts together), else its
+connection (the peer address of the HTTP/2 connection: the only identity an anonymous caller has).  Each kind of
+slot has its quota per client, below the gateway's global bound for that kind (``--max-streams``,
+``--max-pending``, ``--max-watchers``), which still bounds all clients together:
+
+* ``streams``: streams a client holds (default: ``--max-streams``, so one client can still fill the pipeline to its
+  capacity, as the capacity benchmark does);
+* ``unpaced``: of those, streams with ``pace: false`` (best effort: they yield to paced streams in the coordinator's
+  scheduler and take none of their capacity, and this bounds how many one client holds);
+* ``pending``: Generate calls that have not sent their config yet;
+* ``watchers``: WatchStatus calls.
+
+The defaults sit above what one client needs to reach the pipeline's capacity (a client opening ``--max-streams``
+streams at once has each call wait for its config only while it sends it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the flags are read by gateway.cli, which stays light to import
+    import grpc
+
+    from stagecast.security import TokenAuth
+
+MAX_QUOTA = 100_000
+
+# kind -> (the flag that sets it, what one slot is, for the refusal)
+KINDS = {
+    "streams": ("--max-streams-per-client", "streams"),
+    "unpaced": ("--max-unpaced-per-client", "unpaced (pace: false) streams"),
+    "pending": ("--max-pending-per-client", "calls waiting for their config"),
+    "watchers": ("--max-watchers-per-client", "WatchStatus calls"),
+}
+
+
+@dataclass(frozen=True)
+class QuotaOptions:
+    streams: int = 0  # 0: the gateway's --max-streams
+    unpaced: int = 2
+    pending: int = 32
+    watchers: int = 4
+
+    def __post_init__(self) -> None:
+        for kind, (flag, _) in KINDS.items():
+            value = getattr(self, kind)
+            least = 0 if kind == "streams" else 1
+            if not least <= value <= MAX_QUOTA:
+                raise ValueError(f"{flag} must be in [{least}, {MAX_QUOTA}], got {value}")
+
+
+def add_quota_flags(p: argparse.ArgumentParser) -> None:
+    d = QuotaOptions()
+    p.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=d.streams,
+        help="streams one client (its tenant with --tokens, else its connection) holds at once (0: --max-streams)",
+    )
+    p.add_argument(
+        "--max-unpaced-per-client",
+        type=int,
+        default=d.unpaced,
+        help="of those, unpaced (pace: false) streams: best effort, they yield to paced streams",
+    )
+    p.add_argument(
+        "--max-pending-per-client",
+        type=int,
+        default=d.pending,
+        help="Generate calls of one client waiting for their config at once (within --max-pending)",
+    )
+    p.add_argument(
+        "--max-watchers-per-client",
+        type=int,
+        default=d.watchers,
+        help="WatchStatus calls of one client at once (within --max-watchers)",
+    )
+
+
+def quota_options(args: argparse.Namespace) -> QuotaOptions:
+    return QuotaOptions(
+        streams=args.max_streams_per_client,
+        unpaced=args.max_unpaced_per_client,
+        pending=args.max_pending_per_client,
+        watchers=args.max_watchers_per_client,
+    )
+
+
+def client_of(auth: TokenAuth | None, context: grpc.ServicerContext) -> str:
+    """Whose quota a call counts against: its tenant with tokens, else its connection."""
+    from stagecast.security import principal_of
+
+    if auth is not None:
+        return f"tenant {principal_of(auth, context).tenant!r}"
+    return f"connection {context.peer()}"
+
+
+class Quotas:
+    """Slots each client holds, per kind; ``take`` refuses past the client's quota."""
+
+    def __init__(self, opts: QuotaOptions, max_streams: int):
+        self.limits = {
+            "streams": opts.streams or max_streams,
+            "unpaced": opts.unpaced,
+            "pending": opts.pending,
+            "watchers": opts.watchers,
+        }
+        self._lock = threading.Lock()
+        self._held: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+
+    def take(self, kind: str, client: str) -> Callable[[], None]:
+        """One slot of ``kind`` for ``client``; returns what gives it back (call it once)."""
+        import grpc
+
+        from gateway.admission import Refused
+
+        flag, what = KINDS[kind]
+        limit = self.limits[kind]
+        with self._lock:
+            held = self._held[kind]
+            if held[client] >= limit:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"quota: {client} already holds {held[client]} {what}, its quota ({flag} {limit})",
+                )
+            held[client] += 1
+        released = [False]
+
+        def release() -> None:
+            with self._lock:
+                if released[0]:
+                    return
+                released[0] = True
+                held[client] -= 1
+                if held[client] <= 0:
+                    del held[client]
+
+        return release
+
+    def held(self, kind: str, client: str) -> int:
+        with self._lock:
+            return self._held[kind][client]
+
+    def take_stream(self, unpaced: bool, client: str) -> Callable[[], None]:
+        """A stream's slots: one of the client's streams and, for an unpaced one, one of its unpaced streams."""
+        stream = self.take("streams", client)
+        if not unpaced:
+            return stream
+        try:
+            best_effort = self.take("unpaced", client)
+        except BaseException:
+            stream()
+            raise
+
+        def release() -> None:
+            best_effort()
+            stream()
+
+        return release
