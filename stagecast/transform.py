@@ -62,12 +62,13 @@ def transform_clip(
     token: str | None = None,
     tls: bool | None = None,
     root_certificates: str | None = None,
+    tls_name: str | None = None,
     **config,
 ) -> TransformReport:
     """Restyle the video file ``source`` through the gateway at ``target`` into ``out``.  ``strength`` None: the
     first timestep of the stream's ladder (asked from the gateway with a config the stream then repeats)."""
     _, _, _, count = video_info(source)
-    with Client(target, token=token, tls=tls, root_certificates=root_certificates) as client:
+    with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
         if strength is None:
             strength = _first_timestep(client, prompt, config)
         tr = client.transform(os.fspath(source), prompt, strength=strength, timeout=timeout, **config)
@@ -132,6 +133,9 @@ def add_parser(sub) -> None:
     p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
     p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
     p.add_argument("--tls-ca", default=None, help="TLS, trusting this CA certificate (PEM) for the gateway")
+    p.add_argument(
+        "--tls-name", default=None, help="check the gateway's certificate for this name, not --target's host"
+    )
     p.set_defaults(run=main)
 
 
@@ -158,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
             token=token,
             tls=args.tls or None,
             root_certificates=args.tls_ca,
+            tls_name=args.tls_name,
             input_format=args.input_format,
             width=args.width,
             height=args.height,
@@ -173,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
     except StagecastError as exc:
         print(f"stagecast transform: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # --tls-name
+        print(f"stagecast transform: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stagecast transform: aborted", file=sys.stderr)
         return INTERRUPTED

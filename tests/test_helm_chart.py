@@ -974,3 +974,116 @@ def test_sequence_parallel_stages_run_count_times_sp_ranks(helm):
     assert "--sp" not in main_container(plain.component("Deployment", "coordinator"))["args"]
     err = render_error(helm, "default", stages={"sp": 2, "cudaGraphs": True})
     assert "stages.cudaGraphs is not supported with stages.sp > 1" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# The gateway's public certificate names the address clients dial.
+
+EXTRA_NAMES = ["stagecast.example.com", "203.0.113.7"]
+
+
+def _gateway_tls(r: Rendered) -> dict[str, bytes]:
+    return _secret_data(r.get("Secret", f"{RELEASE}-stagecast-gateway-tls"))
+
+
+def _notes(r: Rendered) -> str:
+    return next(text for template, text in r.manifests.items() if template.endswith("NOTES.txt"))
+
+
+def _serve_tls(cert: bytes, key: bytes):
+    from concurrent import futures
+
+    import grpc
+
+    from stagecast.v1 import stream_pb2 as pb
+    from stagecast.v1 import stream_pb2_grpc as pb_grpc
+
+    class Status(pb_grpc.StreamServiceServicer):
+        def GetStatus(self, request, context):
+            return pb.GatewayStatus(max_streams=2)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_StreamServiceServicer_to_server(Status(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.unit
+def test_a_load_balancer_certificate_with_extra_names_verifies_against_them(helm):
+    from cryptography import x509
+
+    from stagecast.client import Client
+    from stagecast.errors import UnavailableError
+
+    r = render(helm, gateway={"service": {"type": "LoadBalancer"}, "tls": {"extraNames": EXTRA_NAMES}})
+    tls = _gateway_tls(r)
+    cert = x509.load_pem_x509_certificate(tls["tls.crt"])
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"stagecast.example.com", fqdn(f"{RELEASE}-stagecast-gateway"), "localhost"} <= set(
+        san.get_values_for_type(x509.DNSName)
+    )
+    assert {"203.0.113.7", "127.0.0.1"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    # Real TLS on loopback with the rendered key and certificate: the client checks the extra name.
+    server, target = _serve_tls(tls["tls.crt"], tls["tls.key"])
+    try:
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="stagecast.example.com") as client:
+            assert client.status(timeout=10).max_streams == 2
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="203.0.113.7") as client:
+            assert client.status(timeout=10).max_streams == 2
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="elsewhere.example.com") as client:
+            with pytest.raises(UnavailableError, match="does not name the address dialled"):
+                client.status(timeout=10)
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("service", "extra", "target", "tls_name"),
+    [
+        ("ClusterIP", [], "localhost:50051", None),
+        ("LoadBalancer", [], "<ADDRESS>:50051", fqdn(f"{RELEASE}-stagecast-gateway").removesuffix(".cluster.local")),
+        ("LoadBalancer", EXTRA_NAMES, "stagecast.example.com:50051", None),
+        ("NodePort", EXTRA_NAMES, "stagecast.example.com:<NODE-PORT>", None),
+    ],
+)
+def test_notes_print_a_client_command_the_certificate_verifies(helm, service, extra, target, tls_name):
+    from cryptography import x509
+
+    r = render(helm, gateway={"service": {"type": service}, "tls": {"extraNames": extra}})
+    line = next(line for line in _notes(r).splitlines() if "stagecast generate" in line).split()
+    assert arg_value(line, "--target") == target and arg_value(line, "--tls-ca") == "gateway-ca.crt"
+    assert arg_value(line, "--tls-name") == tls_name
+    cert = x509.load_pem_x509_certificate(_gateway_tls(r)["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert (tls_name or target.rsplit(":", 1)[0]) in names
+
+
+@pytest.mark.unit
+def test_cert_manager_issues_the_gateway_certificate_with_the_extra_names(helm):
+    issuer = {"name": "public-ca", "kind": "ClusterIssuer"}
+    r = render(helm, gateway={"tls": {"extraNames": EXTRA_NAMES, "certManager": {"issuerRef": issuer}}})
+    name = f"{RELEASE}-stagecast-gateway-tls"
+    assert name not in {s["metadata"]["name"] for s in r.of_kind("Secret")}
+    spec = r.get("Certificate", name)["spec"]
+    assert spec["secretName"] == name and spec["issuerRef"] == {**issuer, "group": "cert-manager.io"}
+    assert {"stagecast.example.com", fqdn(f"{RELEASE}-stagecast-gateway")} <= set(spec["dnsNames"])
+    assert "203.0.113.7" in spec["ipAddresses"] and "203.0.113.7" not in spec["dnsNames"]
+    assert _mounted_secret(r.component("Deployment", "gateway"), "/etc/stagecast/gateway-tls") == name
+
+
+@pytest.mark.unit
+def test_a_generated_gateway_certificate_records_its_names_so_a_change_reissues_it(helm):
+    r = render(helm, gateway={"tls": {"extraNames": EXTRA_NAMES}})
+    recorded = r.get("Secret", f"{RELEASE}-stagecast-gateway-tls")["metadata"]["annotations"]["stagecast.io/tls-names"]
+    assert set(EXTRA_NAMES) <= set(recorded.split(","))
+    plain = render(helm).get("Secret", f"{RELEASE}-stagecast-gateway-tls")["metadata"]["annotations"]
+    assert plain["stagecast.io/tls-names"] != recorded
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["has space.example.com", "-leading.example.com", ""])
+def test_values_schema_rejects_a_bad_extra_name(helm, bad):
+    err = render_error(helm, gateway={"tls": {"extraNames": [bad]}})
+    assert "schema" in err and "/gateway/tls/extraNames/0" in err, err

@@ -393,3 +393,28 @@ Security flags of a service container: its role's mTLS Secret (mounted by stagec
 {{- define "stagecast.gatewayTLSSecret" -}}
 {{- default (printf "%s-gateway-tls" (include "stagecast.fullname" .)) .Values.security.gatewayTLS.secretName -}}
 {{- end -}}
+
+{{/*
+The names the gateway's public certificate carries, as a JSON list: the gateway Service's in-cluster names,
+localhost, 127.0.0.1, gateway.tls.extraNames (the address clients dial: a DNS name or an IP), and with a
+LoadBalancer Service the address it was given (looked up, so an upgrade after the first install adds it).
+*/}}
+{{- define "stagecast.gatewayTLSNames" -}}
+{{- $gw := include "stagecast.gateway.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list $gw (printf "%s.%s" $gw $ns) (printf "%s.%s.svc" $gw $ns) (printf "%s.%s.svc.%s" $gw $ns .Values.clusterDomain) "localhost" "127.0.0.1" -}}
+{{- range .Values.gateway.tls.extraNames }}{{ $names = append $names . }}{{ end -}}
+{{- if eq .Values.gateway.service.type "LoadBalancer" -}}
+{{- $svc := lookup "v1" "Service" $ns $gw -}}
+{{- range (dig "status" "loadBalancer" "ingress" list $svc) -}}
+{{- with .ip }}{{ $names = append $names . }}{{ end -}}
+{{- with .hostname }}{{ $names = append $names . }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (uniq $names) -}}
+{{- end -}}
+
+{{/* Whether a certificate name is an IP address (IPv4 dotted quad or IPv6) rather than a DNS name. */}}
+{{- define "stagecast.isIP" -}}
+{{- if or (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$" .) (contains ":" .) }}true{{ end -}}
+{{- end -}}
