@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import stagecast
 from launcher.demo_checkpoint import DEMO_SERVING
 from tests.web_cluster import web_cluster
 
@@ -69,15 +70,31 @@ def system(tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture
-def browser(tmp_path):
+def _chromium(tmp_path, extra_flags=()):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in BROWSER_FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"]:
+    for flag in [*BROWSER_FLAGS, *extra_flags, f"--user-data-dir={tmp_path / 'profile'}"]:
         options.add_argument(flag)
     service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
     driver = webdriver.Chrome(service=service, options=options)
     driver.set_script_timeout(30)
+    return driver
+
+
+@pytest.fixture
+def browser(tmp_path):
+    driver = _chromium(tmp_path)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+@pytest.fixture
+def browser_without_udp(tmp_path):
+    """Chromium that sends WebRTC over no UDP at all (its policy for networks that block UDP): ICE cannot connect."""
+    driver = _chromium(tmp_path, ["--force-webrtc-ip-handling-policy=disable_non_proxied_udp"])
     try:
         yield driver
     finally:
@@ -178,3 +195,97 @@ def test_the_fake_webcam_is_restyled_through_video_to_video_and_played(system, b
     assert picture.shape == (DEMO_SERVING["height"], DEMO_SERVING["width"], 3) and picture.std() > 5.0
     assert end["reason"] == "stopped" and end["frames"] >= 8
     assert browser.execute_script("return window.stagecast.errors;") == []
+
+
+def _status(driver) -> tuple[str, str]:
+    return tuple(
+        driver.execute_script("const s = document.getElementById('status'); return [s.textContent, s.className];")
+    )
+
+
+@pytest.mark.multiprocess
+def test_with_udp_blocked_the_page_falls_back_to_the_websocket_by_itself(system, browser_without_udp):
+    driver = browser_without_udp
+    driver.get(system.url)
+    until(driver, "window.stagecast && window.stagecast.ready")
+    assert driver.find_element(By.CSS_SELECTOR, "input[name=transport][value=webrtc]").is_selected()
+    driver.find_element(By.ID, "start").click()  # WebRTC chosen; nothing else pressed
+    until(driver, "window.stagecast.frames >= 4")
+    state = driver.execute_script("return window.stagecast;")
+    assert state["transport"] == "ws" and state["fallbacks"] == 1 and state["errors"] == []
+    assert any(
+        "did not connect within 5 s" in e["text"] and "using the WebSocket" in e["text"] for e in state["events"]
+    )
+    text, kind = _status(driver)
+    assert text.startswith("streaming (ws)") and kind == ""  # it says which transport it uses
+    driver.find_element(By.ID, "stop").click()
+    assert until(driver, "window.stagecast.ends.length && window.stagecast.ends[0]")["reason"] == "stopped"
+
+
+@pytest.mark.multiprocess
+def test_a_server_error_shows_in_the_status_and_start_retries(system, browser):
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready")
+    browser.find_element(By.CSS_SELECTOR, "input[name=transport][value=ws]").click()
+    browser.find_element(By.ID, "steps").send_keys("60")  # over the 50 a stream may run: the gateway refuses
+    browser.find_element(By.ID, "start").click()
+    until(browser, "window.stagecast.errors.length")
+    text, kind = _status(browser)
+    assert kind == "error" and text.startswith("idle: INVALID_ARGUMENT: steps") and "press Start to retry" in text
+    assert browser.find_element(By.ID, "stop").get_attribute("disabled")
+    browser.find_element(By.ID, "steps").clear()
+    browser.find_element(By.ID, "start").click()  # the retry path: the same page streams
+    until(browser, "window.stagecast.frames >= 4")
+    assert _status(browser)[1] == ""
+    browser.find_element(By.ID, "stop").click()
+    until(browser, "window.stagecast.ends.length")
+
+
+@pytest.mark.multiprocess
+def test_the_size_list_offers_only_sizes_the_gateways_budget_admits_and_no_hidden_camera_shows(system, browser):
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready && window.stagecast.budget")
+    budget = browser.execute_script("return window.stagecast.budget;")
+    with stagecast.Client(system.gateway) as client:
+        expected = client.status().cost_budget
+    assert budget["max_frame_pixels"] == expected.max_frame_pixels > 0
+    passes = expected.default_passes
+    fps = max(expected.default_fps, expected.min_fps)
+    shipped = ["64x64", "256x256", "512x512", "832x480", "1280x704"]
+    admitted = [
+        s
+        for s in shipped
+        if (px := int(s.split("x")[0]) * int(s.split("x")[1])) <= expected.max_frame_pixels
+        and px * fps * passes <= expected.max_stream_cost
+    ]
+    offered = browser.execute_script("return [...document.getElementById('size').options].map(o => o.value);")
+    assert offered == ["", *admitted]
+    assert "256x256" not in offered  # the demo checkpoint admits its own 64x64 only
+    label = browser.execute_script("return document.getElementById('size').options[0].textContent;")
+    assert label == f"default ({DEMO_SERVING['width']}×{DEMO_SERVING['height']})"
+    # The camera preview is hidden while the webcam is off: no black box.
+    box = browser.execute_script("return document.getElementById('camera').getBoundingClientRect().height;")
+    assert box == 0
+
+
+@pytest.mark.multiprocess
+def test_a_browser_without_webrtc_streams_over_the_websocket_with_a_message(system, browser):
+    browser.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument",
+        {
+            "source": "delete window.RTCPeerConnection; delete window.webkitRTCPeerConnection;"
+            "window.scriptErrors = []; addEventListener('error', (e) => window.scriptErrors.push(String(e.message)));"
+        },
+    )
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready")
+    assert browser.execute_script("return typeof RTCPeerConnection;") == "undefined"
+    assert browser.find_element(By.CSS_SELECTOR, "input[name=transport][value=webrtc]").get_attribute("disabled")
+    browser.find_element(By.ID, "start").click()
+    until(browser, "window.stagecast.frames >= 4")
+    state = browser.execute_script("return window.stagecast;")
+    assert state["transport"] == "ws" and state["errors"] == []
+    assert any("this browser has no WebRTC" in e["text"] for e in state["events"])
+    assert browser.execute_script("return window.scriptErrors;") == []  # no script error on the way
+    browser.find_element(By.ID, "stop").click()
+    until(browser, "window.stagecast.ends.length")
