@@ -1,4 +1,4 @@
-"""The ``stagecast`` command line: a table of subcommands, each owned by the floor that implements it.
+"""stagecast: real-time streaming video generation. Try `stagecast demo` (CPU, a minute), then `up` and `generate`.
 
 stagecast up --checkpoint DIR --stages K        coordinator + K stages + gateway on this machine
 stagecast coordinator --stages K ...            one coordinator process
@@ -45,10 +45,20 @@ COMMANDS: list[tuple[str, str]] = [
 ]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stagecast")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagecast", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module, function in COMMANDS:
         getattr(importlib.import_module(module), function)(sub)

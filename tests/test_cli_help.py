@@ -52,3 +52,21 @@ def test_a_stage_without_a_usable_index_says_which_field_on_stderr(capsys, monke
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("stagecast stage: error:") and names in err, err
+
+
+@pytest.mark.unit
+def test_stagecast_version_answers_with_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"stagecast {version('stagecast')}"
+
+
+@pytest.mark.unit
+def test_stagecast_help_opens_with_what_it_is_and_where_to_start():
+    first = build_parser().format_help().split("\n\n")[1].splitlines()[0]
+    assert first.startswith("stagecast: real-time streaming video generation.") and "stagecast demo" in first
+    for jargon in ("floor", "owned by"):
+        assert jargon not in first

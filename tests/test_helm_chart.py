@@ -395,9 +395,14 @@ def test_gpu_requests_equal_limits(helm, name):
         assert "nvidia.com/gpu" not in stage.get("limits", {}) and "nvidia.com/gpu" not in gateway.get("limits", {})
 
 
-def test_gpus_per_stage_is_honoured(helm):
-    res = main_container(render(helm, stages={"gpusPerStage": 2}).component("StatefulSet", "stage"))["resources"]
-    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 2
+@pytest.mark.unit
+def test_more_than_one_gpu_per_stage_is_refused_since_a_stage_drives_one(helm):
+    err = render_error(helm, stages={"gpusPerStage": 2})
+    assert "stages.gpusPerStage is 2 but a stage process drives one GPU" in err and "stages.sp" in err
+    res = main_container(render(helm, stages={"gpusPerStage": 1}).component("StatefulSet", "stage"))["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
+    cpu = render(helm, "cpu", stages={"gpusPerStage": 2})  # no GPU is requested on cpu, so nothing to refuse
+    assert "nvidia.com/gpu" not in str(main_container(cpu.component("StatefulSet", "stage"))["resources"])
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))

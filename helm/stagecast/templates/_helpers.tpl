@@ -327,6 +327,9 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and (eq $v.device "cuda") (lt (int $v.stages.gpusPerStage) 1) -}}
 {{- fail "stagecast: device is \"cuda\" but stages.gpusPerStage < 1: give every stage a GPU or use device: cpu" -}}
 {{- end -}}
+{{- if and (eq $v.device "cuda") (gt (int $v.stages.gpusPerStage) 1) -}}
+{{- fail (printf "stagecast: stages.gpusPerStage is %d but a stage process drives one GPU, so the others would sit idle: for more GPUs per stage set stages.sp (sequence parallel: one pod per GPU) or split the model over more stages.count" (int $v.stages.gpusPerStage)) -}}
+{{- end -}}
 {{- $sources := 0 -}}
 {{- if $v.model.pvc.claimName }}{{ $sources = add1 $sources }}{{ end -}}
 {{- if $v.model.hostPath.path }}{{ $sources = add1 $sources }}{{ end -}}
