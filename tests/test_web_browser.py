@@ -1,7 +1,9 @@
 """The live page in a real browser: Debian's headless chromium, driven through /usr/bin/chromedriver (Selenium never
 downloads a driver), against a demo-sized system with the web process in front.  Over WebRTC and over the WebSocket
 fallback, the page receives frames it can draw, switches the prompt live and sees ``prompt_updated``, and a
-screenshot is taken with the video playing.
+screenshot is taken with the video playing.  It recovers by itself: from a network namespace whose UDP cannot reach
+the media address it falls back to the WebSocket, without WebRTC it uses the WebSocket, a server error shows in its
+status line and Start retries; its size list holds only what the gateway's cost budget admits.
 
 Traffic stays on loopback: the web process offers 127.0.0.1 only, the browser may use loopback candidates
 (``--allow-loopback-in-peer-connection``, mDNS hiding off), resolves no host name but 127.0.0.1, and its background
@@ -14,6 +16,8 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import subprocess
+import uuid
 
 import numpy as np
 import pytest
@@ -91,14 +95,75 @@ def browser(tmp_path):
         shutil.rmtree(tmp_path / "profile", ignore_errors=True)
 
 
+UDP_NET = "10.231.88"  # the browser's network namespace (.2) and the web process's side of it (.1)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
 @pytest.fixture
-def browser_without_udp(tmp_path):
-    """Chromium that sends WebRTC over no UDP at all (its policy for networks that block UDP): ICE cannot connect."""
-    driver = _chromium(tmp_path, ["--force-webrtc-ip-handling-policy=disable_non_proxied_udp"])
+def browser_without_udp(system, tmp_path):
+    """Chromium in a network namespace of its own, joined to this one by a veth pair: it reaches the page and the
+    WebSocket over TCP (a second web process serves them on the veth address), but no UDP packet gets between it and
+    the web process's WebRTC media address (loopback here, which that namespace cannot reach), as behind a network
+    that carries only the page.  Needs root and iproute2; skips and says why elsewhere."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and iproute2 (`ip`)")
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"sc-udp-{tag}", f"vhu{tag}", f"vnu{tag}"
+    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
+    driver = chromedriver = web = None
     try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _ip("link", "set", ns_if, "netns", ns)
+        _ip("addr", "add", f"{UDP_NET}.1/30", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("netns", "exec", ns, "ip", "addr", "add", f"{UDP_NET}.2/30", "dev", ns_if)
+        _ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        args = ["web", "--gateway", system.gateway, "--host", f"{UDP_NET}.1", "--port", "0", "--ice-host", "127.0.0.1"]
+        args.append("--allow-anonymous")  # the veth reaches only the test's own namespace
+        web = system.launcher.spawn(f"web-{tag}", args)
+        chromedriver = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                CHROMEDRIVER,
+                "--port=9515",
+                f"--allowed-ips={UDP_NET}.1",
+                "--allowed-origins=*",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for line in chromedriver.stdout:  # it says when it listens
+            if "started successfully" in line:
+                break
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in [*BROWSER_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]:
+            if flag.startswith("--host-resolver-rules="):  # the page's address is the veth's, not loopback
+                flag += f", EXCLUDE {UDP_NET}.1"
+            options.add_argument(flag)
+        driver = webdriver.Remote(command_executor=f"http://{UDP_NET}.2:9515", options=options)
+        driver.set_script_timeout(30)
+        driver.page_url = web.info["url"]
         yield driver
     finally:
-        driver.quit()
+        if driver is not None:
+            driver.quit()
+        if chromedriver is not None:
+            chromedriver.kill()
+            chromedriver.wait(timeout=30)
+        if web is not None:
+            system.launcher.stop(web)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # takes the veth pair with it
         shutil.rmtree(tmp_path / "profile", ignore_errors=True)
 
 
@@ -206,7 +271,7 @@ def _status(driver) -> tuple[str, str]:
 @pytest.mark.multiprocess
 def test_with_udp_blocked_the_page_falls_back_to_the_websocket_by_itself(system, browser_without_udp):
     driver = browser_without_udp
-    driver.get(system.url)
+    driver.get(driver.page_url)
     until(driver, "window.stagecast && window.stagecast.ready")
     assert driver.find_element(By.CSS_SELECTOR, "input[name=transport][value=webrtc]").is_selected()
     driver.find_element(By.ID, "start").click()  # WebRTC chosen; nothing else pressed
