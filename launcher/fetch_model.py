@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(
             f"fetch_model: error: {args.out} is not complete after {args.timeout:g} s: see the model Job's log "
-            "(kubectl logs job/<release>-stagecast-model)",
+            "(kubectl logs -l app.kubernetes.io/component=model)",
             file=sys.stderr,
         )
         return 1

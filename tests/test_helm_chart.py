@@ -1154,6 +1154,7 @@ def test_the_chart_creates_the_model_pvc_and_a_job_that_fills_it_and_the_pods_wa
         "self-forcing",
     )
     assert env_of(c)["HF_HUB_OFFLINE"]["value"] == "0"  # the one place that downloads
+    assert f"logs -f -l app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=model" in _notes(r)
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert not mounts["model"].get("readOnly") and pod["volumes"][0]["persistentVolumeClaim"] == {
         "claimName": "stagecast-models"

@@ -354,3 +354,22 @@ def test_a_browser_without_webrtc_streams_over_the_websocket_with_a_message(syst
     assert browser.execute_script("return window.scriptErrors;") == []  # no script error on the way
     browser.find_element(By.ID, "stop").click()
     until(browser, "window.stagecast.ends.length")
+
+
+@pytest.mark.multiprocess
+def test_the_page_says_why_frames_are_late(system, browser):
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready")
+    # The page's own reasoning over the frame stats it keeps (late_ms from the server, held_ms in the web process).
+    reason = """
+      const s = window.stagecast; s.running = true; s.frames = 3; s.started = {config: {target_fps: 16}};
+      const now = performance.now();
+      windowFrames = arguments[0].map((f) => ({at: now, late: f[0], held: f[1]}));
+      return lateReason(arguments[1], arguments[2]);
+    """
+    behind = browser.execute_script(reason, [[400, 2], [420, 3]], 2, 0.0)
+    assert behind.startswith("frames arrive 410 ms late: the server makes fewer than 16 fps"), behind
+    encoder = browser.execute_script(reason, [[300, 250], [300, 250]], 2, 0.0)
+    assert encoder == "frames wait 250 ms in the web process's encoder (CPU)"
+    assert browser.execute_script(reason, [], 0, None).startswith("no frames this second: the server is behind")
+    assert browser.execute_script(reason, [[5, 1], [6, 1]], 2, 1.0) == ""  # on time: nothing to explain

@@ -119,7 +119,8 @@ function onMessage(msg) {
     case "prompt_updated":
       state.promptUpdates.push(msg.prompt); log("prompt_updated", msg.prompt); break;
     case "end":
-      state.running = false; state.ends.push(msg); log("end", `${msg.reason} after ${msg.frames} frames`); setStatus(`ended: ${msg.reason}`);
+      state.running = false; state.ends.push(msg); log("end", `${msg.reason} after ${msg.frames} frames`);
+      setStatus(`ended: ${msg.reason}`);
       $("update").disabled = true; $("stop").disabled = true;
       break;
     case "error": // the server's refusal or the stream's failure: it is over
@@ -224,7 +225,10 @@ function startWebSocket() {
     };
     ws.onopen = () => resolve(c);
     ws.onerror = () => reject(new Error("WebSocket failed"));
-    ws.onclose = (e) => log("websocket", `closed ${e.code} ${e.reason}`);
+    ws.onclose = (e) => {
+      log("websocket", `closed ${e.code} ${e.reason}`);
+      if (state.running && conn === c) fail(`the WebSocket closed (${e.code}${e.reason ? ` ${e.reason}` : ""})`);
+    };
     ws.onmessage = (e) => {
       if (typeof e.data === "string") onMessage(JSON.parse(e.data));
       else { pending.push(e.data); pump(); }
