@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
         help="2: two pipelines of --stages stages, one per classifier-free guidance branch (needs stages x 2 GPUs"
         " on cuda)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:i: one GPU per stage)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
