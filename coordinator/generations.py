@@ -200,14 +200,16 @@ class Generations:
                 return
         self.fail(message, lost=None)
 
-    def fail(self, reason: str, lost: int | None, lost_address: str | None = None) -> None:
-        """End the current generation: fail its streams, reset survivors, re-form when possible."""
+    def fail(self, reason: str, lost: int | None, lost_address: str | None = None, orderly: bool = False) -> None:
+        """End the current generation: fail its streams, reset survivors, re-form when possible.  ``orderly``: a stage
+        left on purpose (it was shut down), which is logged as a warning, not an error."""
         with self.cond:
             if not self.ready:
                 if lost is not None:
                     self.registry.mark_lost(lost, lost_address)
                 return
-            logger.error("generation %d failed: %s", self.generation, reason)
+            log = logger.warning if orderly else logger.error
+            log("generation %d %s: %s", self.generation, "ended" if orderly else "failed", reason)
             self.ready = False
             self.last_error = reason
             self.sched = None
@@ -299,7 +301,9 @@ class Generations:
         with self.cond:
             current = gen == self.generation and self.ready
         if current:
-            self.fail(f"stage {link.record.index} closed its results stream", lost=None)
+            # A stage ends its Results stream itself only when it leaves the generation: on SIGTERM (a normal
+            # shutdown of `up` or a pod) or on a reset; its own log says which.
+            self.fail(f"stage {link.record.index} left (it closed its results stream)", lost=None, orderly=True)
 
     def _monitor(self, gen: int, links: list[StageLink], stop: threading.Event) -> None:
         """Catch stages that hang without dropping their connections."""

@@ -462,10 +462,11 @@ def resolve_config(
     if msg.HasField("strength"):
         strength = as_f32(msg.strength)
         if strength not in timesteps:  # NaN is never in it
+            ladder = ", ".join(f"{t:g}" for t in timesteps)
             raise ConfigError(
                 "strength",
-                f"must be one of the stream's ladder timesteps {[f'{t:g}' for t in timesteps]} (the level the input "
-                f"is noised to), got {msg.strength:g}",
+                f"must be one of the stream's ladder timesteps [{ladder}] (the level the input is noised to), "
+                f"got {msg.strength:g}",
             )
         if seconds is not None:
             raise ConfigError(

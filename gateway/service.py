@@ -43,7 +43,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from gateway.admission import Admission, CostBudget, Refused
+from gateway.admission import Admission, CostBudget, Refused, passes
 from gateway.checkpoint import ModelInfo, ServingDefaults, tiny_decoder_file
 from gateway.config import (
     MAX_REQUEST_BYTES,
@@ -253,6 +253,7 @@ class Gateway:
         # Admission, in order: count cap, cost budget (later checks, e.g. capacity, are appended).
         self.admission = Admission([self._count_cap, self.budget.check])
         self.quotas = Quotas(opts.quotas, opts.max_streams)  # per client, within the global bounds (gateway.quotas)
+        self.cost_budget = self._describe_budget()
         self.version = 0  # bumped on every change WatchStatus reports
         self.started = 0
         self.finished = 0
@@ -315,6 +316,20 @@ class Gateway:
         if opts.health_port is not None:
             self.health_server, health_port = make_health_server(self.health, opts.health_port, host=opts.host)
             self.health_address = f"{host}:{health_port}"
+
+    def _describe_budget(self) -> pb.CostBudget:
+        """The cost budget as GatewayStatus tells clients (the page offers only the sizes it admits)."""
+        default = resolve_config(pb.StreamConfig(prompt="budget"), defaults=self.defaults, model=self.model)
+        return pb.CostBudget(
+            max_frame_pixels=self.budget.max_frame_pixels,
+            max_stream_cost=self.budget.max_stream_cost,
+            min_fps=self.budget.floor_fps,
+            default_width=default.width,
+            default_height=default.height,
+            default_fps=default.fps,
+            default_steps=default.steps,
+            default_passes=passes(default),
+        )
 
     def _warm_pipeline(self, wait_s: float) -> int:
         """One stream of the serving defaults through the pipeline before serving (``gateway.pipeline_warmup``): what
@@ -580,7 +595,9 @@ class Gateway:
         everything = who is None or who.sees_all
         with self.cond:
             runs = [run for run in self.streams.values() if everything or getattr(run, "tenant", None) == who.tenant]
-            msg = pb.GatewayStatus(active_streams=len(runs), max_streams=self.opts.max_streams)
+            msg = pb.GatewayStatus(
+                active_streams=len(runs), max_streams=self.opts.max_streams, cost_budget=self.cost_budget
+            )
             if everything:
                 msg.streams_started = self.started
                 msg.streams_finished = self.finished

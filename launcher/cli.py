@@ -1,4 +1,4 @@
-"""The ``stagecast`` command line: a table of subcommands, each owned by the floor that implements it.
+"""stagecast: real-time streaming video generation. Try `stagecast demo` (CPU, a minute), then `up` and `generate`.
 
 stagecast up --checkpoint DIR --stages K        coordinator + K stages + gateway on this machine
 stagecast coordinator --stages K ...            one coordinator process
@@ -47,6 +47,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stagecast")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand ``argv`` names (its first word that is not an option), or None."""
     first = next((arg for arg in argv if not arg.startswith("-")), None)
@@ -58,6 +67,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagecast", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in [command] if command else COMMANDS:
         module, function = COMMANDS[name]
@@ -68,6 +78,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # answered before any subcommand's module is imported
+        print(f"stagecast {_version()}")
+        return 0
     args = build_parser(chosen_command(argv)).parse_args(argv)
     setup_logging()
     try:

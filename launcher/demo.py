@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.demo_checkpoint import write_demo_checkpoint
+from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from launcher.local_cluster import start_pipeline, web_args
 from launcher.process import Launcher
 from stagecast.generate import generate_clip
@@ -61,7 +61,11 @@ def run_demo(cfg: DemoConfig) -> int:
     # One torch thread per process: K stages + the gateway share a few cores, and oversubscribed OpenMP spins.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with Launcher(env=env) as launcher:
-        print(f"starting a coordinator, {cfg.stages} stages and a gateway on CPU ...", flush=True)
+        print(
+            f"starting a coordinator, {cfg.stages} stages and a gateway on CPU for a {DEMO_SERVING['width']}x"
+            f"{DEMO_SERVING['height']}, {cfg.seconds:g} s clip of a tiny random model (noise, not pictures) ...",
+            flush=True,
+        )
         pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=cfg.stages)
         gateway = launcher.spawn(
             "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
@@ -70,7 +74,8 @@ def run_demo(cfg: DemoConfig) -> int:
         print(f"up in {time.monotonic() - t0:.1f} s: gateway {address}, coordinator {pipe.coordinator}", flush=True)
         if cfg.web_port >= 0:
             page = launcher.spawn("web", web_args(address, "127.0.0.1", cfg.web_port))
-            print(f"live page: {page.info['url']}", flush=True)
+            until = "until Ctrl-C" if cfg.serve else "while the clip streams (--serve keeps it up after)"
+            print(f"live page: {page.info['url']} ({until})", flush=True)
         report = generate_clip(
             address,
             cfg.out,
@@ -81,6 +86,10 @@ def run_demo(cfg: DemoConfig) -> int:
             progress=cfg.progress,
         )
         print(report.summary(), flush=True)
+        if not cfg.serve and cfg.web_port >= 0:
+            print(
+                "the live page stops with the demo now: `stagecast demo --serve` keeps it up for a browser", flush=True
+            )
         if cfg.serve and cfg.web_port >= 0:
             print(f"serving the live page at {page.info['url']} until Ctrl-C", flush=True)
             stop_event().wait()

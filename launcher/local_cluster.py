@@ -138,24 +138,33 @@ def start_pipeline(
 
 
 def check_gpu_fit(device: str, stages: int, cfg_parallel: int, gpus: int | None = None) -> None:
-    """CFG-parallel on GPUs gives every stage process a GPU of its own: raise ValueError naming the flags when
-    ``stages x cfg_parallel`` GPUs are not there (one pipeline may share GPUs, as before)."""
+    """On GPUs every stage process needs a GPU of its own: the stages talk NCCL, which cannot put two ranks of one
+    group on one device (the start would hang).  Raise ValueError, in one line naming the stages, the device and
+    what to do, when ``stages x cfg_parallel`` GPUs are not there."""
     if cfg_parallel < 1 or cfg_parallel > 2:
         raise ValueError(f"--cfg-parallel: must be 1 or 2, got {cfg_parallel}")
     if stages < 1:
         raise ValueError(f"--stages: must be >= 1, got {stages}")
-    if cfg_parallel == 1 or not device.startswith("cuda"):
+    if not device.startswith("cuda"):
         return
     if gpus is None:
         import torch
 
         gpus = torch.cuda.device_count()
     need = stages * cfg_parallel
-    if need > gpus:
+    if need <= gpus:
+        return
+    if cfg_parallel > 1:
         raise ValueError(
             f"--cfg-parallel {cfg_parallel} with --stages {stages} needs {need} GPUs (one per stage of each CFG group),"
             f" this machine has {gpus}"
         )
+    if gpus == 0:
+        raise ValueError(f"--device {device}: this machine has no GPU that torch can use; use --device cpu")
+    raise ValueError(
+        f"--stages {stages} on {gpus} GPU(s): stages 0 and {gpus} would share cuda:0, and NCCL cannot put two "
+        f"stages on one GPU; give --stages {gpus} or fewer on this machine (or --device cpu)"
+    )
 
 
 @dataclass(frozen=True)

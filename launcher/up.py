@@ -53,10 +53,17 @@ def add_parser(sub) -> None:
         help="2: two pipelines of --stages stages, one per classifier-free guidance branch (needs stages x 2 GPUs"
         " on cuda)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:(i %% GPUs))")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:i: one GPU per stage)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=-1,
+        help="the coordinator's plaintext grpc.health.v1 on --host, for health checks without the throwaway mTLS "
+        "certificates (e.g. grpc_health_probe -addr HOST:PORT); none: -1",
+    )
     p.add_argument("--gateway-port", type=int, default=50051, help="public API port (no gateway: -1)")
     p.add_argument(
         "--web-port", type=int, default=8080, help="the live browser page (stagecast web) on --host (none: -1)"
@@ -138,8 +145,15 @@ def main(args: argparse.Namespace) -> int:
         except Fp8Unavailable as exc:
             print(f"stagecast up: error: {exc}", file=sys.stderr)
             return 2
+    if args.health_port == 0 or args.health_port > 65535:
+        print(
+            "stagecast up: error: --health-port: a port in [1, 65535] (a prober must know it), or -1 for none",
+            file=sys.stderr,
+        )
+        return 2
     web_port = args.web_port if args.gateway_port >= 0 else -1  # the page needs the gateway
-    for role, port in (("coordinator", args.port), ("gateway", args.gateway_port), ("web", web_port)):
+    ports = (("coordinator", args.port), ("gateway", args.gateway_port), ("web", web_port))
+    for role, port in (*ports, ("coordinator health", args.health_port)):
         try:
             check_port_free(args.host, max(port, 0))  # before anything starts: fail at once
         except AddressInUseError as exc:
@@ -179,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 sp=args.sp,
                 cfg_parallel=args.cfg_parallel,
+                coordinator_args=["--health-port", str(args.health_port)] if args.health_port > 0 else [],
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
@@ -225,6 +240,8 @@ def main(args: argparse.Namespace) -> int:
         shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
         shape += f" × {args.cfg_parallel} CFG-parallel groups" if args.cfg_parallel > 1 else ""
         print(f"stagecast is up: {where}, {shape}", flush=True)
+        if args.health_port > 0:
+            print(f"coordinator health (plaintext grpc.health.v1): {args.host}:{args.health_port}", flush=True)
         if "web" in ready:
             print(f"watch and steer it in a browser: {ready['web']}", flush=True)
         announce_ready(**ready)

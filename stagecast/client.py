@@ -666,6 +666,18 @@ def _read_roots(root_certificates: bytes | str | os.PathLike | None) -> bytes | 
         return f.read()
 
 
+def tls_name_options(tls_name: str | None, secure: bool) -> list[tuple[str, object]]:
+    """The channel option that verifies the gateway's certificate against ``tls_name`` instead of the address
+    dialled (``grpc.ssl_target_name_override``): for an address the certificate does not name."""
+    if tls_name is None:
+        return []
+    if not secure:
+        raise ValueError("tls_name: needs TLS (tls=True or root_certificates; CLI: --tls or --tls-ca)")
+    if not tls_name.strip() or len(tls_name) > 253 or any(c.isspace() for c in tls_name):
+        raise ValueError(f"tls_name: a DNS name or IP of at most 253 characters, no spaces; got {tls_name[:80]!r}")
+    return [("grpc.ssl_target_name_override", tls_name)]
+
+
 def channel_credentials(
     token: str | None = None, tls: bool | None = None, root_certificates: bytes | str | os.PathLike | None = None
 ) -> grpc.ChannelCredentials | None:
@@ -688,7 +700,8 @@ class Client:
     """A connection to one gateway (``host:port``).  Thread-safe; one client can run many streams.
 
     ``token``: the bearer token of a gateway started with ``--tokens``; ``tls`` / ``root_certificates`` (PEM bytes
-    or a file): TLS to a gateway started with ``--tls-cert``."""
+    or a file): TLS to a gateway started with ``--tls-cert``; ``tls_name``: the name its certificate is checked
+    against when it does not name ``target`` (e.g. dialling a load balancer's IP)."""
 
     def __init__(
         self,
@@ -697,11 +710,13 @@ class Client:
         token: str | None = None,
         tls: bool | None = None,
         root_certificates: bytes | str | os.PathLike | None = None,
+        tls_name: str | None = None,
         options: Sequence[tuple[str, object]] = (),
     ):
         self.target = target
         creds = channel_credentials(token, tls, root_certificates)
-        opts = [*DEFAULT_OPTIONS, *options]
+        secure = bool(tls) or root_certificates is not None
+        opts = [*DEFAULT_OPTIONS, *tls_name_options(tls_name, secure), *options]
         if creds:
             self._channel = grpc.secure_channel(target, creds, options=opts)
         else:
@@ -787,11 +802,13 @@ class AsyncClient:
         token: str | None = None,
         tls: bool | None = None,
         root_certificates: bytes | str | os.PathLike | None = None,
+        tls_name: str | None = None,
         options: Sequence[tuple[str, object]] = (),
     ):
         self.target = target
         creds = channel_credentials(token, tls, root_certificates)
-        opts = [*DEFAULT_OPTIONS, *options]
+        secure = bool(tls) or root_certificates is not None
+        opts = [*DEFAULT_OPTIONS, *tls_name_options(tls_name, secure), *options]
         if creds:
             self._channel = grpc.aio.secure_channel(target, creds, options=opts)
         else:

@@ -120,13 +120,47 @@ _BY_CODE: dict[grpc.StatusCode, type[StagecastError]] = {
 }
 
 
+# What gRPC says when the connection's security does not match the gateway's, and what to do about it.
+_CONNECTION_HINTS = (
+    (
+        "Hostname Verification Check failed",
+        "the gateway's certificate does not name the address dialled: dial a name it holds, or pass --tls-name "
+        "NAME (SDK: tls_name=) with one (the chart: add the address to gateway.tls.extraNames)",
+    ),
+    (
+        "WRONG_VERSION_NUMBER",
+        "the gateway does not speak TLS: drop --tls / --tls-ca (SDK: tls, root_certificates)",
+    ),
+    (
+        "CERTIFICATE_VERIFY_FAILED",
+        "the gateway's certificate is not signed by the CA given: pass the gateway's CA with --tls-ca "
+        "(SDK: root_certificates=)",
+    ),
+    (
+        "Socket closed",
+        "the gateway closed the connection while it was being set up; a gateway that speaks TLS does that to a "
+        "plaintext client: pass --tls-ca or --tls (SDK: root_certificates= or tls=True)",
+    ),
+)
+
+
+def connection_hint(details: str) -> str | None:
+    """A plain explanation for a connection that failed on TLS (or its absence), else None."""
+    if "failed to connect" not in details and "handshake" not in details.lower():
+        return None
+    return next((hint for marker, hint in _CONNECTION_HINTS if marker in details), None)
+
+
 def from_rpc_error(exc: grpc.RpcError) -> StagecastError:
-    """The SDK exception for a failed call (works for sync and ``grpc.aio`` errors)."""
+    """The SDK exception for a failed call (works for sync and ``grpc.aio`` errors).  A connection that failed on
+    TLS says so, and what to pass, before gRPC's own text."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and (hint := connection_hint(details)):
+        details = f"{hint} ({details})"
     from stagecast.grpc_util import retry_after_of
 
     return _BY_CODE.get(code, StagecastError)(details, code, retry_after_of(exc))
 
 
-__all__ = ["StagecastError", "from_rpc_error", *(cls.__name__ for cls in _BY_CODE.values())]
+__all__ = ["StagecastError", "connection_hint", "from_rpc_error", *(cls.__name__ for cls in _BY_CODE.values())]

@@ -69,11 +69,12 @@ def generate_clip(
     token: str | None = None,
     tls: bool | None = None,
     root_certificates: str | None = None,
+    tls_name: str | None = None,
     **config,
 ) -> GenerateReport:
     """Stream a clip from the gateway at ``target`` into ``out``; ``config`` as for ``Client.generate``; ``token``,
-    ``tls`` and ``root_certificates`` as for ``Client``."""
-    with Client(target, token=token, tls=tls, root_certificates=root_certificates) as client:
+    ``tls``, ``root_certificates`` and ``tls_name`` as for ``Client``."""
+    with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
         gen = client.generate(prompt, timeout=timeout, **config)
         info = gen.info
         bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
@@ -192,6 +193,9 @@ def add_parser(sub) -> None:
     p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
     p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
     p.add_argument("--tls-ca", default=None, help="TLS, trusting this CA certificate (PEM) for the gateway")
+    p.add_argument(
+        "--tls-name", default=None, help="check the gateway's certificate for this name, not --target's host"
+    )
     p.set_defaults(run=main)
 
 
@@ -225,6 +229,7 @@ def main(args: argparse.Namespace) -> int:
             token=token,
             tls=args.tls or None,
             root_certificates=args.tls_ca,
+            tls_name=args.tls_name,
             seconds=args.seconds,
             width=args.width,
             height=args.height,
@@ -247,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
     except StagecastError as exc:
         print(f"stagecast generate: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # --image or --out
+    except (OSError, ValueError) as exc:  # --image or --out; --tls-name
         print(f"stagecast generate: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -57,6 +57,25 @@ REFLECTION_STREAMS = (
 )
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection_v1(names: Sequence[str], server: grpc.Server) -> None:
+    """grpc.reflection.v1 beside v1alpha (grpcio-reflection serves v1alpha only; grpcurl and Postman ask v1 first).
+    The two protocols are the same messages under another package name, so v1alpha's servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    servicer = reflection.ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
 class ConcurrencyLimits(grpc.ServerInterceptor):
     """A server interceptor that bounds the open calls of each listed streaming method: a call over its method's
     limit ends at once with RESOURCE_EXHAUSTED instead of holding one of the server's threads.
@@ -145,7 +164,9 @@ def make_server(
         health_servicer.set(name, NOT_SERVING)
     health_servicer.set("", NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names.append(REFLECTION_V1)
     reflection.enable_server_reflection(names, server)
+    _add_reflection_v1(names, server)
     address = _join(host, port)
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

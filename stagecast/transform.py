@@ -9,9 +9,10 @@ Usage::
 
 The input is decoded with PyAV and sent as fast as the gateway takes it (``input_pacing="backpressure"``: nothing is
 dropped, gRPC flow control holds the sender back); output frame i is made from input frame i.  ``--strength`` is the
-ladder timestep the input is noised to (default: the ladder's first, i.e. every step runs).  A clip's last frames that
-do not fill a chunk (after frame 0, the VAE takes frames in groups of 4) are not restyled.  TTFF is measured from
-sending the config to receiving the first frame; FPS over the frames after the first.
+ladder timestep the input is noised to; by default the first timestep that keeps some of the input
+(``default_strength``: the ladder's second when its first is pure noise, 1000, as in [1000, 750, 500, 250] -> 750;
+else its first, as in [700, 500, 400, 200] -> 700).  TTFF is measured from sending the config to receiving the
+first frame; FPS over the frames after the first.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ class TransformReport:
     end_reason: str
     ttff: float | None
     fps: float | None
+    seed: int = 0
+    timesteps: tuple[float, ...] = ()  # the stream's ladder; strength is one of them
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
         fps = f"{self.fps:.1f}" if self.fps is not None else "n/a"
+        ladder = ", ".join(f"{t:g}" for t in self.timesteps)
+        # Stop is how the input's end reaches the gateway: a clip restyled to its last frame ended as asked.
+        done = self.end_reason == "stopped" and self.frames == self.frames_in
+        end = "to the input's end" if done else self.end_reason
         return (
             f"wrote {self.out}: {self.frames} of {self.frames_in} input frames restyled, {self.width}x{self.height} "
-            f"(strength {self.strength:g}, {self.end_reason}); TTFF {ttff}; FPS {fps}"
+            f"(seed {self.seed}, strength {self.strength:g} on timesteps [{ladder}], {end}); TTFF {ttff}; FPS {fps}"
         )
 
 
@@ -62,14 +69,15 @@ def transform_clip(
     token: str | None = None,
     tls: bool | None = None,
     root_certificates: str | None = None,
+    tls_name: str | None = None,
     **config,
 ) -> TransformReport:
-    """Restyle the video file ``source`` through the gateway at ``target`` into ``out``.  ``strength`` None: the
-    first timestep of the stream's ladder (asked from the gateway with a config the stream then repeats)."""
+    """Restyle the video file ``source`` through the gateway at ``target`` into ``out``.  ``strength`` None:
+    ``default_strength`` of the stream's ladder (asked from the gateway with a config the stream then repeats)."""
     _, _, _, count = video_info(source)
-    with Client(target, token=token, tls=tls, root_certificates=root_certificates) as client:
+    with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
         if strength is None:
-            strength = _first_timestep(client, prompt, config)
+            strength = default_strength(_ladder(client, prompt, config))
         tr = client.transform(os.fspath(source), prompt, strength=strength, timeout=timeout, **config)
         info = tr.info
         bar = tqdm(total=count or None, unit="frame", disable=not progress, desc="transforming")
@@ -87,18 +95,34 @@ def transform_clip(
             end_reason=tr.end.reason if tr.end else "unknown",
             ttff=tr.ttff,
             fps=tr.fps,
+            seed=info.seed,
+            timesteps=tuple(info.timesteps),
         )
 
 
-def _first_timestep(client: Client, prompt: str, config: dict) -> float:
-    """The first timestep of the ladder the gateway would run for ``config``: from the timesteps given, else from
-    a short text stream's Started (cancelled at once)."""
+PURE_NOISE_TIMESTEP = 1000.0  # the top of the training schedule: the input would be gone
+
+
+def default_strength(ladder) -> float:
+    """The first timestep of ``ladder`` that keeps some of the input: its second when its first is pure noise (and
+    there is a second), else its first."""
+    ladder = [float(t) for t in ladder]
+    if not ladder:
+        raise ValueError("timesteps: an empty ladder has no strength")
+    if ladder[0] >= PURE_NOISE_TIMESTEP and len(ladder) > 1:
+        return ladder[1]
+    return ladder[0]
+
+
+def _ladder(client: Client, prompt: str, config: dict) -> list[float]:
+    """The ladder the gateway would run for ``config``: the timesteps given, else a short text stream's Started
+    (cancelled at once)."""
     if config.get("timesteps"):
-        return float(config["timesteps"][0])
-    probe = {k: v for k, v in config.items() if k in ("steps", "width", "height")}
+        return [float(t) for t in config["timesteps"]]
+    probe = {k: v for k, v in config.items() if k in ("steps", "width", "height") and v is not None}
     gen = client.generate(prompt, seconds=0.1, **probe)
     try:
-        return gen.info.timesteps[0]
+        return list(gen.info.timesteps)
     finally:
         gen.cancel()
 
@@ -114,7 +138,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="what the video should look like")
     p.add_argument("--out", default="out.mp4", help="the MP4 file to write")
     p.add_argument(
-        "--strength", type=float, default=None, help="ladder timestep the input is noised to (default: the first)"
+        "--strength",
+        type=float,
+        default=None,
+        help="ladder timestep the input is noised to (default: the first that keeps some input: 750 on 1000,750,...)",
     )
     p.add_argument("--steps", type=int, default=None, help="ladder length (default: the gateway's)")
     p.add_argument("--timesteps", type=ladder_arg, default=None, help="the stream's own ladder, e.g. 700,500")
@@ -133,6 +160,9 @@ def add_parser(sub) -> None:
     p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
     p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
     p.add_argument("--tls-ca", default=None, help="TLS, trusting this CA certificate (PEM) for the gateway")
+    p.add_argument(
+        "--tls-name", default=None, help="check the gateway's certificate for this name, not --target's host"
+    )
     p.set_defaults(run=main)
 
 
@@ -159,6 +189,7 @@ def main(args: argparse.Namespace) -> int:
             token=token,
             tls=args.tls or None,
             root_certificates=args.tls_ca,
+            tls_name=args.tls_name,
             input_format=args.input_format,
             width=args.width,
             height=args.height,
@@ -175,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
     except StagecastError as exc:
         print(f"stagecast transform: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # --tls-name
+        print(f"stagecast transform: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stagecast transform: aborted", file=sys.stderr)
         return INTERRUPTED

@@ -68,3 +68,21 @@ def test_each_subcommand_is_built_from_its_own_module_alone(name):
 def test_a_command_line_without_a_known_subcommand_gets_every_subcommand_in_its_help():
     assert chosen_command(["--help"]) is None and chosen_command(["nonsense"]) is None
     assert set(_subcommands()) == set(COMMANDS)
+
+
+@pytest.mark.unit
+def test_stagecast_version_answers_with_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"stagecast {version('stagecast')}"
+
+
+@pytest.mark.unit
+def test_stagecast_help_opens_with_what_it_is_and_where_to_start():
+    first = build_parser().format_help().split("\n\n")[1].splitlines()[0]
+    assert first.startswith("stagecast: real-time streaming video generation.") and "stagecast demo" in first
+    for jargon in ("floor", "owned by"):
+        assert jargon not in first

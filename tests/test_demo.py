@@ -45,6 +45,9 @@ def test_demo_writes_a_one_second_mp4_and_stops_every_process(tmp_path):
     assert proc.returncode == 0, log
     assert "TTFF" in log and "FPS" in log, log
     assert "live page: http://127.0.0.1:" in log, log  # the browser page's URL
+    # ... with how long it lives: without --serve it goes with the demo, and the demo says how to keep it
+    assert "(while the clip streams (--serve keeps it up after))" in log and "stagecast demo --serve" in log, log
+    assert f"a {DEMO_SERVING['width']}x{DEMO_SERVING['height']}, 1 s clip" in log, log
     frames = read_mp4_frames(out)
     # 1 s at the demo's 16 fps is exactly 16 frames, at the demo checkpoint's default size.
     assert len(frames) == 16

@@ -281,3 +281,12 @@ def test_a_guidance_distilled_checkpoint_refuses_guidance_naming_the_field(tmp_p
     (tmp_path / "stagecast.json").write_text('{"guidance_distilled": "yes"}')
     with pytest.raises(ValueError, match="guidance_distilled: must be true or false"):
         ServingDefaults.load(tmp_path)
+
+
+@pytest.mark.unit
+def test_a_strength_off_the_ladder_quotes_the_ladder_as_numbers():
+    with pytest.raises(ConfigError) as info:
+        resolve(strength=600.0)
+    message = str(info.value)
+    assert "must be one of the stream's ladder timesteps [1000, 750, 500, 250]" in message, message
+    assert "'1000'" not in message and "got 600" in message

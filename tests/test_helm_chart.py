@@ -64,9 +64,15 @@ def kv():
     return _need("kubernetes_validate", "kubernetes_validate (PyPI: kubernetes-validate)")
 
 
+# No image is published: an operator sets image.repository (an empty one stops the render), and so do the tests.
+TEST_IMAGE = "registry.example.com/stagecast"
+
+
 def _load_values(name: str) -> dict:
     path = VALUES_FILES[name]
-    return yaml.safe_load(path.read_text()) if path else {}
+    values = yaml.safe_load(path.read_text()) if path else {}
+    values.setdefault("image", {}).setdefault("repository", TEST_IMAGE)
+    return values
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -383,7 +389,7 @@ def test_multinode_spreads_stages_with_partition(helm):
     sts = r.component("StatefulSet", "stage")
     assert sts["spec"]["replicas"] == 4
     coord_args = main_container(r.component("Deployment", "coordinator"))["args"]
-    assert arg_value(coord_args, "--partition") == "8,12,12,8"
+    assert arg_value(coord_args, "--partition") == "6,8,8,8"
     terms = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]
@@ -426,9 +432,14 @@ def test_gpu_requests_equal_limits(helm, name):
         assert "nvidia.com/gpu" not in stage.get("limits", {}) and "nvidia.com/gpu" not in gateway.get("limits", {})
 
 
-def test_gpus_per_stage_is_honoured(helm):
-    res = main_container(render(helm, stages={"gpusPerStage": 2}).component("StatefulSet", "stage"))["resources"]
-    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 2
+@pytest.mark.unit
+def test_more_than_one_gpu_per_stage_is_refused_since_a_stage_drives_one(helm):
+    err = render_error(helm, stages={"gpusPerStage": 2})
+    assert "stages.gpusPerStage is 2 but a stage process drives one GPU" in err and "stages.sp" in err
+    res = main_container(render(helm, stages={"gpusPerStage": 1}).component("StatefulSet", "stage"))["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
+    cpu = render(helm, "cpu", stages={"gpusPerStage": 2})  # no GPU is requested on cpu, so nothing to refuse
+    assert "nvidia.com/gpu" not in str(main_container(cpu.component("StatefulSet", "stage"))["resources"])
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))
@@ -456,7 +467,8 @@ def test_model_volume_and_shm(helm, name):
             )
         elif v["model"]["pvc"]["claimName"]:
             assert model_vol["persistentVolumeClaim"]["claimName"] == v["model"]["pvc"]["claimName"]
-            assert "initContainers" not in pod
+            inits = [c["name"] for c in pod.get("initContainers", [])]
+            assert inits == (["wait-for-model"] if v["model"]["fill"]["enabled"] else [])
         shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
         assert shm["medium"] == "Memory"
         assert shm["sizeLimit"] == v[{"stage": "stages"}.get(component, component)]["shm"]["sizeLimit"]
@@ -487,7 +499,7 @@ def test_every_container_has_a_read_only_root_and_writes_only_to_empty_dirs(helm
                 assert "emptyDir" in vol or m.get("readOnly") is True, (where, m)
             # What caches on disk (HOME, torch.compile, Triton, CUDA) writes under /tmp.
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            if c["name"] != "demo-checkpoint":
+            if c["name"] not in ("demo-checkpoint", "wait-for-model"):  # these two cache nothing
                 for var in ("HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"):
                     assert env[var].startswith("/tmp"), (where, var)
 
@@ -838,6 +850,7 @@ def test_helm_test_pod_generates_through_gateway(helm, name):
         ({"model": {"pvc": {"claimName": ""}}}, "no model path"),
         ({"model": {"pvc": {"claimName": "x"}, "hostPath": {"path": "/data"}}}, "set only one of"),
         ({"stages": {"gpusPerStage": 0}}, "stages.gpusPerStage < 1"),
+        ({"image": {"repository": ""}}, "image.repository is empty: stagecast publishes no image. Build docker/"),
     ],
 )
 def test_bad_values_fail_with_clear_message(helm, overrides, message):
@@ -848,7 +861,7 @@ def test_bad_values_fail_with_clear_message(helm, overrides, message):
 
 def test_multinode_partition_must_match_count(helm):
     err = render_error(helm, "multinode", stages={"count": 3})
-    assert "stages.partition [8 12 12 8] has 4 entries but stages.count is 3" in err
+    assert "stages.partition [6 8 8 8] has 4 entries but stages.count is 3" in err
 
 
 @pytest.mark.parametrize(
@@ -930,7 +943,7 @@ def test_dockerfiles_match_the_chart(dockerfile):
     args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for cmd, rest in ins if cmd == "ARG" and "=" in rest}
     if dockerfile == "Dockerfile":
         assert "nvidia/cuda" in args["CUDA_IMAGE"] and "runtime" in args["CUDA_IMAGE"]
-        assert 'pip install "/src[gpu,fp8]"' in runs  # torchao: the chart's stages.fp8 runs on this image
+        assert '"/src[gpu,fp8]"' in runs  # torchao: the chart's stages.fp8 runs on this image
     else:
         assert args["PYTHON_IMAGE"] == "python:3.11-slim"
         assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
@@ -942,7 +955,7 @@ def test_dockerfiles_match_the_chart(dockerfile):
 def test_long_release_name_keeps_names_valid(helm):
     release = "a-very-long-release-name-for-testing-the-dns-limits1"  # 53: Helm's maximum
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render({}, name=release, namespace=NAMESPACE)
+        manifests = chart.render(_load_values("default"), name=release, namespace=NAMESPACE)
     for template, text in manifests.items():
         if template.endswith("NOTES.txt"):
             continue
@@ -1065,3 +1078,233 @@ def test_sequence_parallel_stages_run_count_times_sp_ranks(helm):
     assert "--sp" not in main_container(plain.component("Deployment", "coordinator"))["args"]
     err = render_error(helm, "default", stages={"sp": 2, "cudaGraphs": True})
     assert "stages.cudaGraphs is not supported with stages.sp > 1" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# The gateway's public certificate names the address clients dial.
+
+EXTRA_NAMES = ["stagecast.example.com", "203.0.113.7"]
+
+
+def _gateway_tls(r: Rendered) -> dict[str, bytes]:
+    return _secret_data(r.get("Secret", f"{RELEASE}-stagecast-gateway-tls"))
+
+
+def _notes(r: Rendered) -> str:
+    return next(text for template, text in r.manifests.items() if template.endswith("NOTES.txt"))
+
+
+def _serve_tls(cert: bytes, key: bytes):
+    from concurrent import futures
+
+    import grpc
+
+    from stagecast.v1 import stream_pb2 as pb
+    from stagecast.v1 import stream_pb2_grpc as pb_grpc
+
+    class Status(pb_grpc.StreamServiceServicer):
+        def GetStatus(self, request, context):
+            return pb.GatewayStatus(max_streams=2)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_StreamServiceServicer_to_server(Status(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.unit
+def test_a_load_balancer_certificate_with_extra_names_verifies_against_them(helm):
+    from cryptography import x509
+
+    from stagecast.client import Client
+    from stagecast.errors import UnavailableError
+
+    r = render(helm, gateway={"service": {"type": "LoadBalancer"}, "tls": {"extraNames": EXTRA_NAMES}})
+    tls = _gateway_tls(r)
+    cert = x509.load_pem_x509_certificate(tls["tls.crt"])
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"stagecast.example.com", fqdn(f"{RELEASE}-stagecast-gateway"), "localhost"} <= set(
+        san.get_values_for_type(x509.DNSName)
+    )
+    assert {"203.0.113.7", "127.0.0.1"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    # Real TLS on loopback with the rendered key and certificate: the client checks the extra name.
+    server, target = _serve_tls(tls["tls.crt"], tls["tls.key"])
+    try:
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="stagecast.example.com") as client:
+            assert client.status(timeout=10).max_streams == 2
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="203.0.113.7") as client:
+            assert client.status(timeout=10).max_streams == 2
+        with Client(target, root_certificates=tls["ca.crt"], tls_name="elsewhere.example.com") as client:
+            with pytest.raises(UnavailableError, match="does not name the address dialled"):
+                client.status(timeout=10)
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("service", "extra", "target", "tls_name"),
+    [
+        ("ClusterIP", [], "localhost:50051", None),
+        ("LoadBalancer", [], "<ADDRESS>:50051", fqdn(f"{RELEASE}-stagecast-gateway").removesuffix(".cluster.local")),
+        ("LoadBalancer", EXTRA_NAMES, "stagecast.example.com:50051", None),
+        ("NodePort", EXTRA_NAMES, "stagecast.example.com:<NODE-PORT>", None),
+    ],
+)
+def test_notes_print_a_client_command_the_certificate_verifies(helm, service, extra, target, tls_name):
+    from cryptography import x509
+
+    r = render(helm, gateway={"service": {"type": service}, "tls": {"extraNames": extra}})
+    line = next(line for line in _notes(r).splitlines() if "stagecast generate" in line).split()
+    assert arg_value(line, "--target") == target and arg_value(line, "--tls-ca") == "gateway-ca.crt"
+    assert arg_value(line, "--tls-name") == tls_name
+    cert = x509.load_pem_x509_certificate(_gateway_tls(r)["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert (tls_name or target.rsplit(":", 1)[0]) in names
+
+
+@pytest.mark.unit
+def test_cert_manager_issues_the_gateway_certificate_with_the_extra_names(helm):
+    issuer = {"name": "public-ca", "kind": "ClusterIssuer"}
+    r = render(helm, gateway={"tls": {"extraNames": EXTRA_NAMES, "certManager": {"issuerRef": issuer}}})
+    name = f"{RELEASE}-stagecast-gateway-tls"
+    assert name not in {s["metadata"]["name"] for s in r.of_kind("Secret")}
+    spec = r.get("Certificate", name)["spec"]
+    assert spec["secretName"] == name and spec["issuerRef"] == {**issuer, "group": "cert-manager.io"}
+    assert {"stagecast.example.com", fqdn(f"{RELEASE}-stagecast-gateway")} <= set(spec["dnsNames"])
+    assert "203.0.113.7" in spec["ipAddresses"] and "203.0.113.7" not in spec["dnsNames"]
+    assert _mounted_secret(r.component("Deployment", "gateway"), "/etc/stagecast/gateway-tls") == name
+
+
+@pytest.mark.unit
+def test_a_generated_gateway_certificate_records_its_names_so_a_change_reissues_it(helm):
+    r = render(helm, gateway={"tls": {"extraNames": EXTRA_NAMES}})
+    recorded = r.get("Secret", f"{RELEASE}-stagecast-gateway-tls")["metadata"]["annotations"]["stagecast.io/tls-names"]
+    assert set(EXTRA_NAMES) <= set(recorded.split(","))
+    plain = render(helm).get("Secret", f"{RELEASE}-stagecast-gateway-tls")["metadata"]["annotations"]
+    assert plain["stagecast.io/tls-names"] != recorded
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["has space.example.com", "-leading.example.com", ""])
+def test_values_schema_rejects_a_bad_extra_name(helm, bad):
+    err = render_error(helm, gateway={"tls": {"extraNames": [bad]}})
+    assert "schema" in err and "/gateway/tls/extraNames/0" in err, err
+
+
+@pytest.mark.unit
+def test_the_chart_as_shipped_asks_for_an_image_before_anything_is_pulled(helm):
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmError) as info:
+            chart.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    message = str(info.value)
+    assert "image.repository is empty" in message and "push it to a registry" in message and "kind load" in message
+    # The CPU demo names the image `kind load docker-image` puts on the nodes, as docker/README.md builds it.
+    cpu = yaml.safe_load(VALUES_FILES["cpu"].read_text())["image"]
+    built = f"{cpu['repository']}:{cpu['tag']}"
+    assert f"-t {built} ." in (REPO / "docker" / "README.md").read_text()
+    r = render(helm, "cpu")
+    assert {c["image"] for wl in r.workloads() for c in _containers(wl)} == {built}
+
+
+# ----------------------------------------------------------------------------------------------
+# The model volume: a PVC the chart may create, a Job that fills it once, pods that wait for it.
+
+SELF_FORCING_FILL = {
+    "enabled": True,
+    "repo": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    "convert": {"repo": "gdhe17/Self-Forcing", "file": "checkpoints/self_forcing_dmd.pt", "source": "self-forcing"},
+}
+
+
+def _fill_job(r: Rendered) -> dict:
+    (job,) = r.of_kind("Job")
+    assert job["metadata"]["name"].startswith(f"{RELEASE}-stagecast-model-")
+    return job
+
+
+@pytest.mark.unit
+def test_the_chart_creates_the_model_pvc_and_a_job_that_fills_it_and_the_pods_wait(helm):
+    from launcher.fetch_model import build_parser
+
+    r = render(helm, model={"pvc": {"create": {"enabled": True, "size": "40Gi"}}, "fill": SELF_FORCING_FILL})
+    pvc = r.get("PersistentVolumeClaim", "stagecast-models")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # weights outlive the release
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    job = _fill_job(r)
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "launcher.fetch_model"]
+    args = build_parser().parse_args(c["args"])  # the Job's arguments parse with the real parser
+    checkpoint = f"{r.values['model']['mountPath']}/{r.values['model']['subPath']}"
+    assert (args.command, args.out, args.repo) == ("fill", checkpoint, SELF_FORCING_FILL["repo"])
+    assert (args.convert_repo, args.convert_file, args.convert_source) == (
+        "gdhe17/Self-Forcing",
+        "checkpoints/self_forcing_dmd.pt",
+        "self-forcing",
+    )
+    assert env_of(c)["HF_HUB_OFFLINE"]["value"] == "0"  # the one place that downloads
+    assert f"logs -f -l app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=model" in _notes(r)
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert not mounts["model"].get("readOnly") and pod["volumes"][0]["persistentVolumeClaim"] == {
+        "claimName": "stagecast-models"
+    }
+    for wl in (r.component("Deployment", "gateway"), r.component("StatefulSet", "stage")):
+        (init,) = wl["spec"]["template"]["spec"]["initContainers"]
+        wait = build_parser().parse_args(init["args"])
+        assert init["command"] == c["command"] and (wait.command, wait.out) == ("wait", checkpoint)
+        assert wait.timeout == r.values["model"]["fill"]["waitSeconds"]
+    # A changed fill is a new Job (a Job's template cannot be patched); the same values keep the name.
+    other = render(helm, model={"fill": {**SELF_FORCING_FILL, "revision": "v2"}})
+    assert _fill_job(other)["metadata"]["name"] != job["metadata"]["name"]
+    assert _fill_job(render(helm, model={"fill": SELF_FORCING_FILL}))["metadata"]["name"] == job["metadata"]["name"]
+
+
+@pytest.mark.unit
+def test_a_fill_can_copy_from_a_mounted_volume_without_internet(helm):
+    seed = {"persistentVolumeClaim": {"claimName": "seed", "readOnly": True}}
+    r = render(helm, model={"fill": {"enabled": True, "copyFrom": {"volume": seed, "path": "/wan-1.3b"}}})
+    pod = _fill_job(r)["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert arg_value(args, "--copy-from") == "/seed/wan-1.3b" and "--repo" not in args
+    assert {"name": "seed", **seed} in pod["volumes"]
+
+
+@pytest.mark.unit
+def test_without_fill_there_is_no_job_and_no_wait(helm):
+    r = render(helm)
+    assert not r.of_kind("Job") and not r.of_kind("PersistentVolumeClaim")
+    assert "initContainers" not in r.component("StatefulSet", "stage")["spec"]["template"]["spec"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"pvc": {"claimName": ""}, "hostPath": {"path": "/data"}, "fill": SELF_FORCING_FILL}, "needs a PVC to fill"),
+        ({"fill": {"enabled": True}}, "set exactly one of model.fill.repo (Hugging Face) and model.fill.copyFrom.path"),
+        ({"fill": {"enabled": True, "copyFrom": {"path": "x"}}}, "model.fill.copyFrom.path needs model.fill.copyFrom"),
+        (
+            {"fill": {"enabled": True, "repo": "a/b", "convert": {"repo": "c/d"}}},
+            "model.fill.convert: set repo, file and source together",
+        ),
+        (
+            {"pvc": {"claimName": "", "create": {"enabled": True}}, "demo": {"enabled": True}},
+            "needs model.pvc.claimName",
+        ),
+    ],
+)
+def test_bad_model_fill_values_fail_naming_the_value(helm, model, message):
+    err = render_error(helm, model=model)
+    assert message in err, err
+
+
+@pytest.mark.unit
+def test_the_multinode_example_serves_a_real_time_model(helm):
+    r = render(helm, "multinode")
+    args = build = _fill_job(r)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert arg_value(build, "--convert-source") in ("self-forcing", "causvid", "streamdiffusionv2")
+    assert "14B" not in " ".join(args) and "14B" not in r.values["model"]["subPath"]
+    assert r.values["model"]["numLayers"] == 30  # Self-Forcing is Wan2.1-1.3B's 30 blocks
+    assert r.get("PersistentVolumeClaim", r.values["model"]["pvc"]["claimName"])

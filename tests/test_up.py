@@ -12,7 +12,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import stagecast
 from gateway.checkpoint import ModelInfo
@@ -22,6 +24,14 @@ from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.v1 import stream_pb2 as spb
 from tests.pipeline_helpers import coordinator_stub, run_stream, tiny_spec, wait_for_generation, wait_until
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def descendants(pid):
@@ -54,7 +64,12 @@ def test_up_serves_and_sigterm_stops_every_process():
         args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "0"]
         args += ["--credentials", launcher.credentials]  # the deployment CA this test holds an operator's cert of
         args += ["--tiny-decoder", str(tiny)]
+        health_port = _free_port()
+        args += ["--health-port", str(health_port)]  # plaintext grpc.health.v1: no certificate needed to probe
         up = launcher.spawn("up", [*args, "--vae-devices", "cpu,cpu"])  # the gateway's VAE cut in two parts
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            reply = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
         channel, stub = coordinator_stub(up.info["coordinator"], launcher)
         assert stub.Status(pb.Empty()).ready
         chunks, reason = run_stream(stub, tiny_spec(num_chunks=2))
@@ -79,6 +94,9 @@ def test_up_serves_and_sigterm_stops_every_process():
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
         assert not [pid for pid in children if alive(pid)]
+        # A normal shutdown is no error: nothing in up's output (its services' logs included) says ERROR.
+        wait_until(lambda: any("shutting down" in line for line in up.log), 30, what="up's last line")
+        assert not [line for line in up.log if " ERROR " in line or "Traceback" in line], up.log[-40:]
 
 
 @pytest.mark.multiprocess

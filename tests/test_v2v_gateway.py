@@ -203,7 +203,8 @@ def test_transform_cli_restyles_a_file_with_progress_ttff_and_fps(cluster, tmp_p
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "17 of 17 input frames restyled" in proc.stdout and "TTFF" in proc.stdout and "FPS" in proc.stdout
-    assert "strength 1000" in proc.stdout
+    # The default strength keeps the input (the demo's ladder [1000, 500]: 500), and the summary says what ran.
+    assert "seed 3, strength 500 on timesteps [1000, 500], to the input's end" in proc.stdout, proc.stdout
     assert [f.shape for f in read_mp4_frames(out)] == [(H, W, 3)] * 17
     bad = subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args, "--strength", "600"], capture_output=True, text=True, timeout=300

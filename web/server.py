@@ -10,6 +10,8 @@ Routes:
 
     GET  /                 the page (``web/static``: one HTML file, one script, one stylesheet; no build step)
     GET  /api/info         what the page needs: ICE servers, limits, whether a token is needed
+    GET  /api/budget       the gateway's per-stream cost budget (GetStatus), with the page's bearer token: which
+                           sizes the page offers
     POST /api/offer        {"sdp": "<offer>", "type": "offer"} -> {"sdp": "<answer>", "type": "answer", "peer": id}
     GET  /api/ws           the WebSocket fallback (``web.fallback``); a token in ``Sec-WebSocket-Protocol:
                            stagecast, bearer.<token>`` or in the first message (never in the URL)
@@ -36,6 +38,7 @@ from aiohttp import web
 from aiortc import RTCIceServer
 
 from stagecast.client import AsyncClient
+from stagecast.errors import StagecastError
 from stagecast.security import TokenAuth
 from web.control import MAX_MESSAGE_BYTES
 from web.fallback import FIRST_MESSAGE_S, serve_socket
@@ -44,6 +47,18 @@ from web.session import Session
 from web.slots import PREAUTH_S, PeerSlots, PreAuthPool
 
 logger = logging.getLogger(__name__)
+
+BUDGET_TTL_S = 60.0  # the gateway's cost budget is fixed at its start: asked at most once a minute
+BUDGET_FIELDS = (
+    "max_frame_pixels",
+    "max_stream_cost",
+    "min_fps",
+    "default_width",
+    "default_height",
+    "default_fps",
+    "default_steps",
+    "default_passes",
+)
 
 STATIC = Path(__file__).resolve().parent / "static"
 # A WebSocket may carry its bearer token in its headers as ``Sec-WebSocket-Protocol: stagecast, bearer.<token>`` (a
@@ -97,10 +112,12 @@ class WebApp:
         for path in PAGES:
             self.app.router.add_get(path, self.page)
         self.app.router.add_get("/api/info", self.info)
+        self.app.router.add_get("/api/budget", self.budget)
         self.app.router.add_post("/api/offer", self.offer)
         self.app.router.add_get("/api/ws", self.socket)
         self.app.router.add_get("/healthz", self.health)
         self._runner: web.AppRunner | None = None
+        self._budget: tuple[float, dict] | None = None  # (when asked, the budget) from the gateway
 
     # ---- auth ----------------------------------------------------------------------------------------------
 
@@ -174,6 +191,26 @@ class WebApp:
                 "max_message_bytes": MAX_MESSAGE_BYTES,
             }
         )
+
+    async def budget(self, request: web.Request) -> web.Response:
+        """The gateway's cost budget (``GatewayStatus.cost_budget``), asked with the caller's token."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else None
+        problem = self.token_problem(token)
+        if problem is not None:
+            return _refuse(*problem)
+        now = asyncio.get_running_loop().time()
+        if self._budget is None or now - self._budget[0] > BUDGET_TTL_S:
+            client = self.client_for(token)()
+            try:
+                status = await client.status(timeout=5.0)
+            except StagecastError as exc:
+                return _refuse(502, f"gateway: {exc}")
+            finally:
+                await client.close()
+            budget = status.cost_budget
+            self._budget = (now, {name: getattr(budget, name) for name in BUDGET_FIELDS})
+        return web.json_response(self._budget[1])
 
     async def offer(self, request: web.Request) -> web.Response:
         header = request.headers.get("Authorization", "")

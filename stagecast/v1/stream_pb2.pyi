@@ -298,8 +298,28 @@ class Capacity(_message.Message):
     streams: float
     def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ...) -> None: ...
 
+class CostBudget(_message.Message):
+    __slots__ = ("max_frame_pixels", "max_stream_cost", "min_fps", "default_width", "default_height", "default_fps", "default_steps", "default_passes")
+    MAX_FRAME_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAM_COST_FIELD_NUMBER: _ClassVar[int]
+    MIN_FPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PASSES_FIELD_NUMBER: _ClassVar[int]
+    max_frame_pixels: int
+    max_stream_cost: float
+    min_fps: float
+    default_width: int
+    default_height: int
+    default_fps: float
+    default_steps: int
+    default_passes: int
+    def __init__(self, max_frame_pixels: _Optional[int] = ..., max_stream_cost: _Optional[float] = ..., min_fps: _Optional[float] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., default_fps: _Optional[float] = ..., default_steps: _Optional[int] = ..., default_passes: _Optional[int] = ...) -> None: ...
+
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "paced_streams", "unpaced_streams")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "cost_budget", "paced_streams", "unpaced_streams")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +337,7 @@ class GatewayStatus(_message.Message):
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    COST_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     UNPACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
@@ -329,6 +350,7 @@ class GatewayStatus(_message.Message):
     coordinator: str
     waiting_calls: int
     capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
+    cost_budget: CostBudget
     paced_streams: int
     unpaced_streams: int
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ...) -> None: ...
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cost_budget: _Optional[_Union[CostBudget, _Mapping]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ...) -> None: ...

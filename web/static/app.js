@@ -1,14 +1,20 @@
 // stagecast live page: WebRTC (video track + "control" data channel) or the WebSocket fallback (fMP4 into MSE).
 // Control messages are the same on both: config, prompt, stop, ping; the server answers started, frame (stats),
-// prompt_updated, end, error.  window.stagecast exposes the page's state (tests read it).
+// prompt_updated, end, error.  WebRTC that does not connect within 5 s, or a browser without it, falls back to the
+// WebSocket by itself; an error shows in the status line and leaves the page idle.  The size list offers what the
+// gateway's cost budget admits (api/budget).  window.stagecast exposes the page's state (tests read it).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const state = (window.stagecast = {
   transport: null, started: null, frames: 0, firstFrameMs: null, promptUpdates: [], ends: [], errors: [],
-  events: [], framesReceived: 0,
+  events: [], framesReceived: 0, running: false, fallbacks: 0, budget: null,
 });
 let info = { token_required: false, ice_servers: [] };
+let budget = null; // the gateway's cost budget (api/budget): which sizes it admits
+let allSizes = []; // the size list as the page ships it: [{value, text}]
+// WebRTC that has not connected by then gives way to the WebSocket (UDP blocked, no TURN): the user waits 5 s, not 15.
+const ICE_TIMEOUT_MS = 5000;
 let conn = null; // {send(obj), close()}
 let t0 = 0;
 const perSecond = []; // [{fps, ontime}] one point a second, for the sparkline
@@ -23,7 +29,51 @@ function log(kind, text) {
   while ($("events").children.length > 200) $("events").lastChild.remove();
 }
 
-function setStatus(text) { $("status").textContent = text; }
+function setStatus(text, kind) { $("status").textContent = text; $("status").className = kind || ""; }
+
+function authHeaders() { return token() ? { Authorization: `Bearer ${token()}` } : {}; }
+
+// A failure ends the attempt: the status line says what (red) and the page is idle again, so Start retries.
+function fail(text, record) {
+  state.errors.push(record || { message: text }); log("error", text);
+  state.running = false;
+  setStatus(`idle: ${text} (press Start to retry)`, "error");
+  $("update").disabled = true; $("stop").disabled = true;
+}
+
+// ---- sizes: only what the gateway's cost budget admits -------------------------------------------------------
+
+function admits(w, h) {
+  const steps = parseInt($("steps").value, 10) || budget.default_steps;
+  const passes = steps + (budget.default_passes - budget.default_steps);
+  const fps = Math.max(budget.default_fps, budget.min_fps);
+  return w * h <= budget.max_frame_pixels && w * h * fps * passes <= budget.max_stream_cost;
+}
+
+function offerSizes() {
+  if (!budget || !budget.max_frame_pixels) return; // unknown: offer the whole list
+  const select = $("size"); const chosen = select.value;
+  select.replaceChildren();
+  for (const { value, text } of allSizes) {
+    if (value) {
+      const [w, h] = value.split("x").map(Number);
+      if (!admits(w, h)) continue;
+    }
+    const opt = document.createElement("option"); opt.value = value;
+    opt.textContent = value ? text : `default (${budget.default_width}×${budget.default_height})`;
+    select.append(opt);
+  }
+  select.value = [...select.options].some((o) => o.value === chosen) ? chosen : "";
+}
+
+async function loadBudget() {
+  try {
+    const resp = await fetch("api/budget", { headers: authHeaders() });
+    const body = await resp.json();
+    if (!resp.ok) { log("budget", body.error || resp.statusText); return; }
+    budget = body; state.budget = body; offerSizes();
+  } catch (err) { log("budget", err.message); }
+}
 
 function token() {
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("token");
@@ -50,9 +100,9 @@ function config() {
 function onMessage(msg) {
   switch (msg.type) {
     case "started":
-      state.started = msg; state.frames = 0; state.firstFrameMs = null; windowFrames = [];
-      setStatus(`streaming ${msg.config.width}×${msg.config.height} @ ${msg.config.target_fps} fps, ` +
-        `${msg.config.steps} steps`);
+      state.started = msg; state.running = true; state.frames = 0; state.firstFrameMs = null; windowFrames = [];
+      setStatus(`streaming (${state.transport}) ${msg.config.width}×${msg.config.height} @ ` +
+        `${msg.config.target_fps} fps, ${msg.config.steps} steps`);
       log("started", `stream ${msg.stream_id}, seed ${msg.config.seed}`);
       $("update").disabled = false; $("stop").disabled = false;
       break;
@@ -63,18 +113,19 @@ function onMessage(msg) {
         $("ttff").textContent = `${(state.firstFrameMs / 1000).toFixed(2)} s`;
       }
       state.frames += 1; state.framesReceived += 1;
-      windowFrames.push({ at: now, late: msg.late_ms });
+      windowFrames.push({ at: now, late: msg.late_ms, held: (msg.sent_s - msg.received_s) * 1000 });
       $("frames").textContent = state.frames;
       break;
     }
     case "prompt_updated":
       state.promptUpdates.push(msg.prompt); log("prompt_updated", msg.prompt); break;
     case "end":
-      state.ends.push(msg); log("end", `${msg.reason} after ${msg.frames} frames`); setStatus(`ended: ${msg.reason}`);
+      state.running = false; state.ends.push(msg); log("end", `${msg.reason} after ${msg.frames} frames`);
+      setStatus(`ended: ${msg.reason}`);
       $("update").disabled = true; $("stop").disabled = true;
       break;
-    case "error":
-      state.errors.push(msg); log("error", `${msg.code}: ${msg.message}`); break;
+    case "error": // the server's refusal or the stream's failure: it is over
+      fail(`${msg.code}: ${msg.message}`, msg); break;
     case "init":
       if (conn && conn.init) conn.init(msg.mime);
       break;
@@ -97,9 +148,12 @@ async function startWebRTC() {
   const dc = pc.createDataChannel("control");
   let ping = null;
   pc.ontrack = (e) => { $("video").srcObject = e.streams[0] || new MediaStream([e.track]); };
+  let connectFailed = null; let connected = false;
+  const notConnected = new Promise((resolve) => { connectFailed = resolve; });
   pc.onconnectionstatechange = () => {
     log("webrtc", pc.connectionState);
-    if (pc.connectionState === "failed") setStatus("WebRTC failed: try the WebSocket");
+    if (pc.connectionState !== "failed") return;
+    if (connected) fail("the WebRTC connection was lost"); else connectFailed("WebRTC failed to connect");
   };
   dc.onmessage = (e) => onMessage(JSON.parse(e.data));
   const opened = new Promise((resolve) => { dc.onopen = resolve; });
@@ -112,8 +166,7 @@ async function startWebRTC() {
       if (pc.iceGatheringState === "complete") { clearTimeout(timer); resolve(); }
     };
   });
-  const headers = { "Content-Type": "application/json" };
-  if (token()) headers.Authorization = `Bearer ${token()}`;
+  const headers = { "Content-Type": "application/json", ...authHeaders() };
   const resp = await fetch("api/offer", {
     method: "POST", headers, body: JSON.stringify({ sdp: pc.localDescription.sdp, type: "offer" }),
   });
@@ -124,7 +177,12 @@ async function startWebRTC() {
     send: (obj) => { if (dc.readyState === "open") dc.send(JSON.stringify(obj)); },
     close: () => { clearInterval(ping); dc.close(); pc.close(); },
   };
-  await opened;
+  const timer = setTimeout(() => connectFailed(`WebRTC did not connect within ${ICE_TIMEOUT_MS / 1000} s ` +
+    "(UDP blocked? a TURN server would relay it)"), ICE_TIMEOUT_MS);
+  const why = await Promise.race([opened.then(() => null), notConnected]);
+  clearTimeout(timer);
+  if (why) { c.close(); const err = new Error(why); err.fallback = true; throw err; }
+  connected = true;
   ping = setInterval(() => c.send({ type: "ping" }), 1000);
   return c;
 }
@@ -168,7 +226,10 @@ function startWebSocket() {
     };
     ws.onopen = () => resolve(c);
     ws.onerror = () => reject(new Error("WebSocket failed"));
-    ws.onclose = (e) => log("websocket", `closed ${e.code} ${e.reason}`);
+    ws.onclose = (e) => {
+      log("websocket", `closed ${e.code} ${e.reason}`);
+      if (state.running && conn === c) fail(`the WebSocket closed (${e.code}${e.reason ? ` ${e.reason}` : ""})`);
+    };
     ws.onmessage = (e) => {
       if (typeof e.data === "string") onMessage(JSON.parse(e.data));
       else { pending.push(e.data); pump(); }
@@ -180,7 +241,10 @@ function startWebSocket() {
 
 async function start() {
   if (conn) { conn.close(); conn = null; }
-  const transport = document.querySelector("input[name=transport]:checked").value;
+  let transport = document.querySelector("input[name=transport]:checked").value;
+  if (transport === "webrtc" && !window.RTCPeerConnection && !$("webcam").checked) {
+    log("webrtc", "this browser has no WebRTC: using the WebSocket"); transport = "ws";
+  }
   state.transport = transport;
   if ($("webcam").checked && transport !== "webrtc") {
     log("error", "the webcam needs WebRTC (the WebSocket fallback carries the output only)"); return;
@@ -192,7 +256,12 @@ async function start() {
   try {
     conn = transport === "ws" ? await startWebSocket() : await startWebRTC();
   } catch (err) {
-    setStatus("not connected"); log("error", err.message); state.errors.push({ message: err.message }); return;
+    if (!err.fallback || $("webcam").checked) { fail(err.message); return; }
+    // The WebRTC path is blocked: the WebSocket carries the same stream through anything that carries the page.
+    log("webrtc", `${err.message}: using the WebSocket`);
+    transport = "ws"; state.transport = "ws"; state.fallbacks += 1;
+    setStatus("connecting (ws: WebRTC did not connect) ...");
+    try { conn = await startWebSocket(); } catch (err2) { fail(err2.message); return; }
   }
   t0 = performance.now();
   const cfg = config();
@@ -209,6 +278,8 @@ function drawSpark() {
     $("fps").textContent = fps.toFixed(0);
     if (ontime !== null) $("ontime").textContent = `${Math.round(ontime * 100)}%`;
   }
+  $("late-reason").textContent = lateReason(fps, ontime);
+  $("late-reason").hidden = !$("late-reason").textContent;
   perSecond.push({ fps, ontime });
   if (perSecond.length > 60) perSecond.shift();
   const canvas = $("spark"); const g = canvas.getContext("2d");
@@ -227,9 +298,30 @@ function drawSpark() {
   line("#69f", (p) => p.ontime);
 }
 
+// Why frames are late, from the frame stats: held in this page's encoder, or late from the server already.
+function lateReason(fps, ontime) {
+  if (!state.running || state.frames === 0) return "";
+  if (fps === 0) return "no frames this second: the server is behind (fewer steps or a smaller size helps)";
+  if (ontime === null || ontime >= 0.5) return "";
+  const mean = (key) => windowFrames.reduce((a, f) => a + f[key], 0) / windowFrames.length;
+  if (mean("held") > 50) return `frames wait ${Math.round(mean("held"))} ms in the web process's encoder (CPU)`;
+  return `frames arrive ${Math.round(mean("late"))} ms late: the server makes fewer than ` +
+    `${state.started.config.target_fps} fps at this size and steps (fewer steps or a smaller size helps)`;
+}
+
 async function init() {
   try { info = await (await fetch("api/info")).json(); } catch (err) { log("error", "no /api/info"); }
   $("token-row").hidden = !info.token_required;
+  allSizes = [...$("size").options].map((o) => ({ value: o.value, text: o.textContent }));
+  if (!info.token_required || token()) loadBudget();
+  $("token").onchange = () => { if (token()) loadBudget(); };
+  $("steps").oninput = offerSizes;
+  if (!window.RTCPeerConnection) {  // e.g. WebRTC disabled by policy: the WebSocket is the only way
+    document.querySelector("input[name=transport][value=ws]").checked = true;
+    document.querySelector("input[name=transport][value=webrtc]").disabled = true;
+    $("webcam").disabled = true;
+    log("webrtc", "this browser has no WebRTC: the page uses the WebSocket");
+  }
   $("start").onclick = start;
   $("update").onclick = () => conn && conn.send({ type: "prompt", prompt: $("prompt").value });
   $("stop").onclick = () => conn && conn.send({ type: "stop" });

@@ -206,6 +206,36 @@ configuration (standard OTEL_* variables only). Call with (dict "ctx" $ "compone
   readOnly: true
 {{- end -}}
 
+{{/* initContainer waiting for the model Job to fill the volume (model.fill.enabled). */}}
+{{- define "stagecast.modelWaitInitContainer" -}}
+{{- if .Values.model.fill.enabled -}}
+- name: wait-for-model
+  image: {{ include "stagecast.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-m", "launcher.fetch_model"]
+  args:
+    - wait
+    - --out
+    - {{ include "stagecast.checkpointDir" . }}
+    - --timeout
+    - {{ .Values.model.fill.waitSeconds | quote }}
+  {{- with .Values.containerSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 64Mi
+    limits:
+      memory: 256Mi
+  volumeMounts:
+    {{- include "stagecast.modelVolumeMount" . | nindent 4 }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end -}}
+
 {{/* initContainer writing the tiny demo checkpoint (model.demo.enabled). */}}
 {{- define "stagecast.demoInitContainer" -}}
 {{- if .Values.model.demo.enabled -}}
@@ -247,6 +277,9 @@ Render-time validation. Included by every workload template so that `helm templa
 */}}
 {{- define "stagecast.validate" -}}
 {{- $v := .Values -}}
+{{- if not $v.image.repository -}}
+{{- fail "stagecast: image.repository is empty: stagecast publishes no image. Build docker/Dockerfile (GPU) or docker/Dockerfile.cpu, push it to a registry your nodes pull from (or `kind load docker-image` it), and set image.repository (and image.tag); see the chart README, \"From nothing to a stream\"" -}}
+{{- end -}}
 {{- $count := int $v.stages.count -}}
 {{- if lt $count 1 -}}
 {{- fail (printf "stagecast: stages.count must be >= 1 (got %d): the pipeline needs at least one stage" $count) -}}
@@ -311,6 +344,9 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- if and (eq $v.device "cuda") (lt (int $v.stages.gpusPerStage) 1) -}}
 {{- fail "stagecast: device is \"cuda\" but stages.gpusPerStage < 1: give every stage a GPU or use device: cpu" -}}
 {{- end -}}
+{{- if and (eq $v.device "cuda") (gt (int $v.stages.gpusPerStage) 1) -}}
+{{- fail (printf "stagecast: stages.gpusPerStage is %d but a stage process drives one GPU, so the others would sit idle: for more GPUs per stage set stages.sp (sequence parallel: one pod per GPU) or split the model over more stages.count" (int $v.stages.gpusPerStage)) -}}
+{{- end -}}
 {{- $sources := 0 -}}
 {{- if $v.model.pvc.claimName }}{{ $sources = add1 $sources }}{{ end -}}
 {{- if $v.model.hostPath.path }}{{ $sources = add1 $sources }}{{ end -}}
@@ -320,6 +356,28 @@ Render-time validation. Included by every workload template so that `helm templa
 {{- end -}}
 {{- if gt (int $sources) 1 -}}
 {{- fail "stagecast: set only one of model.pvc.claimName, model.hostPath.path and model.demo.enabled" -}}
+{{- end -}}
+{{- $fill := $v.model.fill -}}
+{{- if $fill.enabled -}}
+{{- if not $v.model.pvc.claimName -}}
+{{- fail "stagecast: model.fill.enabled needs a PVC to fill: model.pvc.claimName (model.pvc.create.enabled=true makes it); a hostPath or the demo checkpoint cannot be filled by a Job" -}}
+{{- end -}}
+{{- if eq (len (compact (list $fill.repo $fill.copyFrom.path))) 1 | not -}}
+{{- fail "stagecast: model.fill.enabled: set exactly one of model.fill.repo (Hugging Face) and model.fill.copyFrom.path (with model.fill.copyFrom.volume)" -}}
+{{- end -}}
+{{- if and $fill.copyFrom.path (not $fill.copyFrom.volume) -}}
+{{- fail "stagecast: model.fill.copyFrom.path needs model.fill.copyFrom.volume (the Volume source it lies in)" -}}
+{{- end -}}
+{{- $convert := compact (list $fill.convert.repo $fill.convert.file $fill.convert.source) -}}
+{{- if and (gt (len $convert) 0) (lt (len $convert) 3) -}}
+{{- fail "stagecast: model.fill.convert: set repo, file and source together (or none)" -}}
+{{- end -}}
+{{- if and $fill.convert.repo (not $fill.repo) -}}
+{{- fail "stagecast: model.fill.convert needs model.fill.repo: the diffusers base whose VAE and text encoder the converted model uses" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.model.pvc.create.enabled (not $v.model.pvc.claimName) -}}
+{{- fail "stagecast: model.pvc.create.enabled needs model.pvc.claimName (the name of the PVC to create)" -}}
 {{- end -}}
 {{- if not (hasPrefix "/" (toString $v.model.mountPath)) -}}
 {{- fail (printf "stagecast: model.mountPath must be an absolute path (got %q)" (toString $v.model.mountPath)) -}}
@@ -409,4 +467,29 @@ Security flags of a service container: its role's mTLS Secret (mounted by stagec
 
 {{- define "stagecast.gatewayTLSSecret" -}}
 {{- default (printf "%s-gateway-tls" (include "stagecast.fullname" .)) .Values.security.gatewayTLS.secretName -}}
+{{- end -}}
+
+{{/*
+The names the gateway's public certificate carries, as a JSON list: the gateway Service's in-cluster names,
+localhost, 127.0.0.1, gateway.tls.extraNames (the address clients dial: a DNS name or an IP), and with a
+LoadBalancer Service the address it was given (looked up, so an upgrade after the first install adds it).
+*/}}
+{{- define "stagecast.gatewayTLSNames" -}}
+{{- $gw := include "stagecast.gateway.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list $gw (printf "%s.%s" $gw $ns) (printf "%s.%s.svc" $gw $ns) (printf "%s.%s.svc.%s" $gw $ns .Values.clusterDomain) "localhost" "127.0.0.1" -}}
+{{- range .Values.gateway.tls.extraNames }}{{ $names = append $names . }}{{ end -}}
+{{- if eq .Values.gateway.service.type "LoadBalancer" -}}
+{{- $svc := lookup "v1" "Service" $ns $gw -}}
+{{- range (dig "status" "loadBalancer" "ingress" list $svc) -}}
+{{- with .ip }}{{ $names = append $names . }}{{ end -}}
+{{- with .hostname }}{{ $names = append $names . }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (uniq $names) -}}
+{{- end -}}
+
+{{/* Whether a certificate name is an IP address (IPv4 dotted quad or IPv6) rather than a DNS name. */}}
+{{- define "stagecast.isIP" -}}
+{{- if or (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$" .) (contains ":" .) }}true{{ end -}}
 {{- end -}}
