@@ -34,6 +34,7 @@ from benchmarks.harness import (
     write_assets,
 )
 from launcher.process import Launcher
+from stagecast.api import DEFAULT_FPS
 
 
 def measure(gateway: str, args) -> dict:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     system_flags(ap, steps=2, stages=1)
     ap.add_argument("--seconds", type=float, default=10.0, help="video of the paced stream")
     ap.add_argument("--unpaced", type=int, default=8, help="unpaced streams of the hostile client")
-    ap.add_argument("--target-fps", type=float, default=16.0)
+    ap.add_argument("--target-fps", type=float, default=DEFAULT_FPS)
     ap.add_argument("--codec", default="jpeg", choices=["jpeg", "h264", "raw"])
     ap.add_argument("--min-ratio", type=float, default=0.9)
     ap.add_argument("--json", default=None)

@@ -163,7 +163,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.cfg_parallel > 1 and args.sp > 1:
             raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")
-        check_gpu_fit(args.device, args.stages, args.cfg_parallel)
+        if args.sp == 1:  # a sequence-parallel layout's GPUs are checked by its own rule, which names --sp
+            check_gpu_fit(args.device, args.stages, args.cfg_parallel)
         check_layout(resolve_transformer(args.checkpoint), args.stages, args.sp)
         placement = Placement.plan(
             args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel

@@ -8,7 +8,8 @@ from benchmarks import decoder_bench, report
 
 
 @pytest.mark.unit
-def test_decoder_bench_smoke_times_every_row_and_the_report_renders_the_decoder_table(tmp_path):
+def test_decoder_bench_smoke_times_every_row_and_the_report_renders_the_decoder_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGECAST_COMMIT", "test0000")  # the commit from the environment, not a git process
     out = tmp_path / "decoder_smoke.json"
     assert decoder_bench.main(["--smoke", "--json", str(out)]) == 0
     r = json.loads(out.read_text())

@@ -78,7 +78,11 @@ def test_the_web_container_reaches_the_gateway_with_its_tls_and_offers_the_media
     # TLS is on by default: the gateway is reached by the Service name its certificate holds, with its CA.
     assert ns.gateway == fqdn(gateway["metadata"]["name"], grpc_port)
     assert ns.gateway_ca == "/etc/stagecast/gateway-tls/ca.crt" and ns.tokens == "/etc/stagecast/tokens/tokens"
-    assert ns.host == "0.0.0.0" and next(p for p in gateway["spec"]["ports"] if p["name"] == "http")
+    # The page has a Service of its own (ClusterIP), off the public gateway Service.
+    page = rendered.get("Service", "sc-stagecast-gateway-web")
+    assert ns.host == "0.0.0.0" and next(p for p in page["spec"]["ports"] if p["name"] == "http")
+    assert page["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert not any(p["name"] == "http" for p in gateway["spec"]["ports"])
     if media["mode"] == "turn":
         assert ns.turn == "turn:turn.example.com:3478" and ns.turn_credential_file == "/etc/stagecast/turn/credential"
         assert any(v.get("secret", {}).get("secretName") == "t" for v in pod["volumes"])
@@ -92,12 +96,15 @@ def test_web_values_that_cannot_work_are_refused_and_web_can_be_left_out(helm): 
     from tests.test_helm_chart import render_error
 
     assert "web.media.turn.url is empty" in render_error(helm, web={"media": {"mode": "turn"}})
-    off = render(helm, web={"enabled": False, "ingress": {"enabled": True}})
+    tls = [{"secretName": "live-tls", "hosts": ["live.example.com"]}]  # an exposed page needs TLS and an allow-list
+    controller = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]
+    off = render(helm, web={"enabled": False, "ingress": {"enabled": True, "tls": tls, "from": controller}})
     pod = off.component("Deployment", "gateway")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["gateway"]
     assert [p["name"] for p in off.get("Service", "sc-stagecast-gateway")["spec"]["ports"]] == ["grpc"]
     assert not off.of_kind("Ingress")
-    ingress = render(helm, web={"ingress": {"enabled": True, "host": "live.example.com"}}).of_kind("Ingress")
+    exposed = {"enabled": True, "host": "live.example.com", "tls": tls, "from": controller}
+    ingress = render(helm, web={"ingress": exposed}).of_kind("Ingress")
     rule = ingress[0]["spec"]["rules"][0]
     assert rule["host"] == "live.example.com"
     assert rule["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "http"}
