@@ -9,6 +9,9 @@ Usage::
         --convert-repo gdhe17/Self-Forcing --convert-file checkpoints/self_forcing_dmd.pt --convert-source self-forcing
     # a folder already on another volume (a bucket mounted by a CSI driver, an NFS share)
     python -m launcher.fetch_model fill --out /models/wan --copy-from /seed/Wan2.1-T2V-1.3B-Diffusers
+    # ... and a tiny decoder placed as the checkpoint's tiny_decoder/ (the gateway then serves DECODER_TINY)
+    python -m launcher.fetch_model fill --out /models/wan --repo Wan-AI/Wan2.1-T2V-1.3B-Diffusers \
+        --tiny-decoder-repo madebyollin/taehv --tiny-decoder-file taew2_1.pth
     # the stages and the gateway, before they start
     python -m launcher.fetch_model wait --out /models/sf --timeout 7200
 
@@ -30,6 +33,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+from gateway.checkpoint import TINY_DECODER_DIR, TINY_DECODER_SUFFIXES
 
 logger = logging.getLogger("stagecast.fetch_model")
 
@@ -64,6 +69,18 @@ def _check(args: argparse.Namespace) -> None:
         raise FetchError(f"--convert-file {args.convert_file!r}: a file path inside --convert-repo")
     if args.convert_repo and args.copy_from:
         raise FetchError("--convert-repo needs --repo (the base whose VAE and text encoder the converted model uses)")
+    if bool(args.tiny_decoder_repo) != bool(args.tiny_decoder_file):
+        raise FetchError("--tiny-decoder-repo and --tiny-decoder-file go together")
+    if args.tiny_decoder_repo and not _REPO_ID.match(args.tiny_decoder_repo):
+        raise FetchError(f"--tiny-decoder-repo {args.tiny_decoder_repo!r}: a Hugging Face repository id, owner/name")
+    if args.tiny_decoder_file and (
+        not _REPO_FILE.match(args.tiny_decoder_file)
+        or ".." in args.tiny_decoder_file.split("/")
+        or not args.tiny_decoder_file.endswith(TINY_DECODER_SUFFIXES)
+    ):
+        raise FetchError(
+            f"--tiny-decoder-file {args.tiny_decoder_file!r}: a .pth or .safetensors path inside --tiny-decoder-repo"
+        )
     if args.copy_from and not Path(args.copy_from).is_dir():
         raise FetchError(f"--copy-from {args.copy_from}: not a folder")
 
@@ -105,10 +122,28 @@ def fill(args: argparse.Namespace) -> Path:
         )
     else:
         _download(args.repo, args.revision, partial)
+    if args.tiny_decoder_repo:
+        place_tiny_decoder(args.tiny_decoder_repo, args.tiny_decoder_file, partial)
     partial.rename(out)
     (out / READY).write_text("complete\n")
     logger.info("%s is ready", out)
     return out
+
+
+def place_tiny_decoder(repo: str, file: str, checkpoint: Path) -> Path:
+    """The tiny decoder's weights as the checkpoint's ``tiny_decoder/<name>``, the one file the gateway looks for there
+    (an earlier one is replaced): the gateway then serves ``DECODER_TINY`` streams without a flag."""
+    from huggingface_hub import hf_hub_download
+
+    folder = checkpoint / TINY_DECODER_DIR
+    shutil.rmtree(folder, ignore_errors=True)
+    staging = checkpoint.parent / ".stagecast-base" / repo
+    logger.info("downloading the tiny decoder %s from %s", file, repo)
+    got = Path(hf_hub_download(repo, file, local_dir=staging))
+    folder.mkdir(parents=True)
+    target = folder / Path(file).name
+    shutil.copyfile(got, target)
+    return target
 
 
 def wait(out: Path, timeout: float, poll: float = 5.0) -> bool:
@@ -135,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--convert-source", default=None, choices=["causvid", "self-forcing", "streamdiffusionv2"], help="who wrote it"
     )
+    f.add_argument(
+        "--tiny-decoder-repo", default=None, help="Hugging Face repository of a tiny decoder, e.g. madebyollin/taehv"
+    )
+    f.add_argument("--tiny-decoder-file", default=None, help="its weights inside --tiny-decoder-repo, e.g. taew2_1.pth")
     w = sub.add_parser("wait", help="wait until --out is complete (the pods' initContainer)")
     w.add_argument("--out", required=True, help="the checkpoint folder to wait for")
     w.add_argument("--timeout", type=float, default=7200.0, help="seconds before giving up")

@@ -66,6 +66,11 @@ def test_an_unfinished_earlier_fill_is_refused_and_a_stale_partial_is_redone(tmp
             "--convert-file '../x.pt': a file path inside --convert-repo",
         ),
         (["--copy-from", "/nonexistent/stagecast"], "--copy-from /nonexistent/stagecast: not a folder"),
+        (["--repo", "a/b", "--tiny-decoder-repo", "c/d"], "--tiny-decoder-repo and --tiny-decoder-file go together"),
+        (
+            ["--repo", "a/b", "--tiny-decoder-repo", "c/d", "--tiny-decoder-file", "taew2_1.txt"],
+            "--tiny-decoder-file 'taew2_1.txt': a .pth or .safetensors path",
+        ),
     ],
 )
 def test_bad_fill_arguments_exit_2_naming_the_flag(tmp_path, capsys, argv, message):
@@ -91,3 +96,29 @@ def test_wait_returns_when_the_marker_appears_and_gives_up_after_its_timeout(tmp
     assert written.wait(10)
     assert wait(out, timeout=10, poll=0.01) is True
     assert main(["wait", "--out", str(out), "--timeout", "0"]) == 2
+
+
+@pytest.mark.unit
+def test_a_fill_places_the_tiny_decoder_as_the_checkpoints_tiny_decoder_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from gateway.checkpoint import tiny_decoder_file
+
+    asked = []
+
+    def fake_download(repo, filename, local_dir, **_):  # huggingface_hub's call, offline
+        asked.append((repo, filename))
+        path = tmp_path / "hub" / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"weights")
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    out = tmp_path / "models" / "wan"
+    out.parent.mkdir()
+    argv = ["fill", "--out", str(out), "--copy-from", str(_seed(tmp_path))]
+    assert main([*argv, "--tiny-decoder-repo", "madebyollin/taehv", "--tiny-decoder-file", "taew2_1.pth"]) == 0
+    assert asked == [("madebyollin/taehv", "taew2_1.pth")]
+    placed = out / "tiny_decoder" / "taew2_1.pth"
+    assert placed.read_bytes() == b"weights" and (out / READY).is_file()
+    assert tiny_decoder_file(out) == placed  # the file the gateway serves DECODER_TINY from

@@ -1255,6 +1255,11 @@ def test_the_chart_creates_the_model_pvc_and_a_job_that_fills_it_and_the_pods_wa
         wait = build_parser().parse_args(init["args"])
         assert init["command"] == c["command"] and (wait.command, wait.out) == ("wait", checkpoint)
         assert wait.timeout == r.values["model"]["fill"]["waitSeconds"]
+    assert args.tiny_decoder_repo is None
+    tiny = {**SELF_FORCING_FILL, "tinyDecoder": {"repo": "madebyollin/taehv", "file": "taew2_1.pth"}}
+    (placed,) = _fill_job(render(helm, model={"fill": tiny}))["spec"]["template"]["spec"]["containers"]
+    placing = build_parser().parse_args(placed["args"])
+    assert (placing.tiny_decoder_repo, placing.tiny_decoder_file) == ("madebyollin/taehv", "taew2_1.pth")
     # A changed fill is a new Job (a Job's template cannot be patched); the same values keep the name.
     other = render(helm, model={"fill": {**SELF_FORCING_FILL, "revision": "v2"}})
     assert _fill_job(other)["metadata"]["name"] != job["metadata"]["name"]
