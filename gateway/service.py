@@ -490,7 +490,11 @@ class Gateway:
     # ---- admission ---------------------------------------------------------------------------------
 
     def admit(self, cfg, client: str):
-        """The client's stream quotas, then the admission chain; returns what gives everything back."""
+        """The client's stream quotas, then the admission chain; returns what gives everything back.  A gateway that
+        is full says so, not that the client is over its quota (the default quota is the gateway's whole bound)."""
+        with self.cond:
+            if self.admitted >= self.opts.max_streams:
+                raise self._too_many_streams()
         quota = self.quotas.take_stream(not cfg.pace, client)
         try:
             release = self.admission.admit(cfg)
@@ -508,12 +512,15 @@ class Gateway:
         """The first admission check: at most ``max_streams`` streams, from admission until they are forgotten."""
         with self.cond:
             if self.admitted >= self.opts.max_streams:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"too many streams: this gateway serves at most {self.opts.max_streams} at once (--max-streams)",
-                )
+                raise self._too_many_streams()
             self.admitted += 1
         return self._uncount
+
+    def _too_many_streams(self) -> Refused:
+        return Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"too many streams: this gateway serves at most {self.opts.max_streams} at once (--max-streams)",
+        )
 
     def _uncount(self) -> None:
         with self.cond:

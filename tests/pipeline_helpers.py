@@ -74,3 +74,10 @@ def wait_until(predicate, timeout, interval=0.05, what="condition"):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not hold within {timeout}s")
         time.sleep(interval)
+
+
+def fixed_fast_stages(stages: int) -> list[str]:
+    """Coordinator flags for a test system whose subject is not capacity: the SLO model keeps 1 ms stages
+    (``--stage-ms``, ``--slo-fixed``) instead of measuring this loaded CPU, so paced streams are never refused as
+    over capacity while the test is about something else (tests/test_capacity.py tests that refusal)."""
+    return ["--stage-ms", ",".join(["1"] * stages), "--slo-fixed"]

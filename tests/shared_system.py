@@ -2,7 +2,8 @@
 it instead of each module forming its own pipeline (a pipeline is five interpreters importing torch, and most of
 a system test's time).
 
-It is the demo checkpoint behind a coordinator that records its plan, two float32 stages and a gateway with its
+It is the demo checkpoint behind a coordinator that records its plan (its SLO model fixed at 1 ms stages, so no test
+here is refused as over capacity by a loaded CPU), two float32 stages and a gateway with its
 default flags, on loopback with the launcher's mTLS.  A module that needs another gateway or a web process in front
 spawns just that on it (``SharedSystem.launcher``) and stops it when done.  Every test that uses it ends its own
 streams; the ``shared_system`` fixture (tests/conftest.py) checks after each test that no stream is left anywhere,
@@ -22,6 +23,7 @@ from launcher.local_cluster import start_pipeline
 from launcher.process import Child, Launcher
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
+from tests.pipeline_helpers import fixed_fast_stages
 
 STAGES = 2
 IDLE_TIMEOUT = 60.0
@@ -57,7 +59,13 @@ class SharedSystem:
 def shared_system(folder: Path) -> Iterator[SharedSystem]:
     root = write_demo_checkpoint(folder / "ckpt")
     with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=STAGES, record_plan=True)
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=str(root / "transformer"),
+            stages=STAGES,
+            record_plan=True,
+            coordinator_args=fixed_fast_stages(STAGES),
+        )
         gateway = launcher.spawn(
             "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         )

@@ -43,6 +43,7 @@ from stagecast.media import read_mp4_frames
 from stagecast.model.config import read_config
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
+from tests.pipeline_helpers import fixed_fast_stages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,6 +83,7 @@ def cluster(tmp_path_factory):
             stages=2,
             record_plan=True,
             max_streams=COORDINATOR_MAX_STREAMS,
+            coordinator_args=fixed_fast_stages(2),
         )
         base = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         metrics_port = _free_port()
@@ -391,6 +393,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field_while_a_good_stream_
 
 
 def test_too_many_streams_on_a_gateway_is_resource_exhausted(cluster):
+    # One client fills the gateway: its quota (by default the gateway's whole bound) is reached too, and the refusal
+    # says the gateway is full.
     with stagecast.Client(cluster.tight) as client:
         streams = [client.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT) for _ in range(2)]
         for gen in streams:

@@ -29,7 +29,7 @@ from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
-from tests.pipeline_helpers import wait_for_generation, wait_until
+from tests.pipeline_helpers import fixed_fast_stages, wait_for_generation, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +50,13 @@ class System:
 def system(tmp_path_factory):
     root = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
     with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2, max_streams=8)
+        pipe = start_pipeline(
+            launcher,
+            checkpoint=str(root / "transformer"),
+            stages=2,
+            max_streams=8,
+            coordinator_args=fixed_fast_stages(2),
+        )
         gw = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
         gateway = launcher.spawn("gateway", [*gw, "--max-streams", "8"])
         children = {"coordinator": pipe.coordinator_child, "gateway": gateway}
