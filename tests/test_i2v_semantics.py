@@ -24,7 +24,7 @@ from stagecast.model.vae_configs import vae_config
 from stagecast.sampling import as_f32
 from tests.oracle import chunkwise_patch_embedding, frame_mask, set_self_mask
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.parity
 
 H = W = 64  # the tiny Wan2.2 VAE is 16x spatially: 4x4 latents, 2x2 patches -> 4 tokens per frame
 TPF = 4

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLWan
 from gateway.stream_vae import StreamVAEEncoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.parity
 
 FRAMES = 13  # 1 + 4 * 3: four latent frames
 SPLITS = [[13], [1, 4, 4, 4], [3, 5, 2, 3], [1] * 13, [2, 11]]

@@ -29,7 +29,7 @@ from gateway.vae_graphs import capture_graphs
 from stagecast.cuda_graphs import rerun_capture
 from stagecast.model.vae_configs import vae_config
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.parity
 
 H, W = 4, 6
 
