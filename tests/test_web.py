@@ -31,9 +31,9 @@ OTHER = "a blue bird flying over the ocean"
 
 
 @pytest.fixture(scope="module")
-def system(system_session):
+def system(tmp_path_factory):
     use_ice_hosts(["127.0.0.1"])  # this test process's own peers offer loopback only
-    with web_cluster(system_session) as cluster:
+    with web_cluster(tmp_path_factory.mktemp("ckpt")) as cluster:
         yield cluster
 
 

@@ -69,8 +69,8 @@ BROWSER_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def system(system_session):
-    with web_cluster(system_session) as cluster:
+def system(tmp_path_factory):
+    with web_cluster(tmp_path_factory.mktemp("ckpt")) as cluster:
         yield cluster
 
 
