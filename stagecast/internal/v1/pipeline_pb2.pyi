@@ -369,7 +369,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first", "pace_offset_s")
+    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first", "pace_offset_s", "decoder")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,7 @@ class OpenStreamRequest(_message.Message):
     LADDERS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIRST_FIELD_NUMBER: _ClassVar[int]
     PACE_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     image: Tensor
@@ -392,7 +393,8 @@ class OpenStreamRequest(_message.Message):
     ladders: _containers.RepeatedCompositeFieldContainer[Ladder]
     latency_first: bool
     pace_offset_s: float
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ..., pace_offset_s: _Optional[float] = ...) -> None: ...
+    decoder: str
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ..., pace_offset_s: _Optional[float] = ..., decoder: _Optional[str] = ...) -> None: ...
 
 class Ladder(_message.Message):
     __slots__ = ("timesteps",)
@@ -409,18 +411,24 @@ class ChunksConsumed(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
 class VaeCost(_message.Message):
-    __slots__ = ("chunk_ms", "parts", "latent_height", "latent_width", "device")
+    __slots__ = ("chunk_ms", "parts", "latent_height", "latent_width", "device", "decoder", "batch_ms", "state_bytes")
     CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     chunk_ms: float
     parts: int
     latent_height: int
     latent_width: int
     device: str
-    def __init__(self, chunk_ms: _Optional[float] = ..., parts: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    decoder: str
+    batch_ms: _containers.RepeatedScalarFieldContainer[float]
+    state_bytes: int
+    def __init__(self, chunk_ms: _Optional[float] = ..., parts: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., device: _Optional[str] = ..., decoder: _Optional[str] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
     __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead", "steps", "chunk_rate")
