@@ -53,7 +53,7 @@ CALIBRATION_SINK = 3
 DEFAULT_BUDGET_S = 5.0
 MAX_BUDGET_S = 600.0
 MAX_CALIBRATION_BATCH = 64
-SERVING_DEFAULTS_FILE = "stagecast.json"  # the checkpoint's serving defaults (README: stagecast.json)
+SERVING_DEFAULTS_FILE = "stagecast.json"  # the checkpoint's serving defaults (docs/checkpoints.md: stagecast.json)
 DEFAULT_SIZE = (480, 832)  # height, width: the serving default without a stagecast.json
 DEFAULT_TEXT_LEN = 512
 
