@@ -173,3 +173,9 @@ def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
                 probe.stop(0)
 
     serve_lifecycle("vae-stage", start, shutdown, stop)
+
+
+if __name__ == "__main__":  # python -m gateway.vae_stage: the VAE stage service as itself (stagecast vae-stage)
+    from stagecast.service import service_main
+
+    service_main("vae-stage")

@@ -22,8 +22,7 @@ import argparse
 import importlib
 import sys
 
-from stagecast.log import setup_logging
-from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent
+from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent, run_command
 
 # Each subcommand's name -> (module, function adding its parser): each parser sets ``run`` to its entry point.  The
 # services own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
@@ -81,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--version"]:  # answered before any subcommand's module is imported
         print(f"stagecast {_version()}")
         return 0
-    args = build_parser(chosen_command(argv)).parse_args(argv)
-    setup_logging()
-    try:
-        return args.run(args)
-    except KeyboardInterrupt:
-        # A second Ctrl-C (the first one stops gracefully where a command supports it) ends without a traceback.
-        print(f"\nstagecast {args.command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+    command = chosen_command(argv)
+    if command is not None:  # one subcommand: only its module is imported (stagecast.service.run_command)
+        module, function = COMMANDS[command]
+        rest = list(argv)
+        rest.remove(command)
+        return run_command(command, module, function, rest)
+    args = build_parser().parse_args(argv)  # no subcommand named: argparse says what is missing, or prints --help
+    return args.run(args)
 
 
 def run() -> None:

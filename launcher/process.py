@@ -48,12 +48,21 @@ import grpc
 from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
-from stagecast.service import PARENT_PID_ENV, READY_PREFIX
+from stagecast.service import PARENT_PID_ENV, READY_PREFIX, SERVICE_MODULES
 
 # The certificate each service command runs with.
 SERVICE_ROLES = {"coordinator": "coordinator", "stage": "stage", "gateway": "gateway", "vae-stage": "vae-stage"}
 
 logger = logging.getLogger(__name__)
+
+
+def _entry(args: list[str]) -> list[str]:
+    """A child's ``python -m`` arguments: a service starts as itself (``coordinator --stages 2``: its package's
+    ``__main__``, ``stagecast.service.SERVICE_MODULES``), so no service process imports the launcher; any other
+    command runs through ``launcher.cli``."""
+    if args and args[0] in SERVICE_MODULES:
+        return [SERVICE_MODULES[args[0]][0], *args[1:]]
+    return ["launcher.cli", *args]
 
 
 @dataclass
@@ -134,7 +143,7 @@ class Launcher:
         # the launcher's own long-lived thread, whichever thread calls start().
         proc = self._spawner.submit(
             subprocess.Popen,
-            [*prefix, sys.executable, "-m", "launcher.cli", *args],
+            [*prefix, sys.executable, "-m", *_entry(args)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

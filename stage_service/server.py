@@ -440,7 +440,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         telemetry.shutdown(timeout_s=2.0)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "launcher.cli", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # the same command line, as started
 
     def Reset(self, request: pb.ResetRequest, context):
         reason = request.reason or "reset by coordinator"

@@ -184,6 +184,50 @@ def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
     os._exit(code)
 
 
+# Each service's own entry point: its role -> (the module ``python -m`` runs, the module and function that add its
+# parser).  ``stagecast <role>`` stays the user-facing spelling (``launcher.cli``); a launcher starts each service as
+# itself (``python -m coordinator``), so no service process imports the launcher.
+SERVICE_MODULES: dict[str, tuple[str, str, str]] = {
+    "coordinator": ("coordinator", "coordinator.cli", "add_parser"),
+    "stage": ("stage_service", "stage_service.cli", "add_parser"),
+    "gateway": ("gateway", "gateway.cli", "add_parser"),
+    "vae-stage": ("gateway.vae_stage", "gateway.cli", "add_vae_stage_parser"),
+    "web": ("web", "web.cli", "add_parser"),
+}
+
+
+def run_command(command: str, module: str, function: str, argv: list[str]) -> int:
+    """Parse ``argv`` with the parser ``module.function(sub)`` adds for ``command`` and run it: what
+    ``stagecast <command> ...`` and ``python -m <service> ...`` both do.  Returns the command's exit status
+    (``INTERRUPTED`` after a second Ctrl-C)."""
+    import importlib
+
+    from stagecast.log import setup_logging
+
+    parser = argparse.ArgumentParser(prog="stagecast", formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    getattr(importlib.import_module(module), function)(sub)
+    args = parser.parse_args([command, *argv])
+    setup_logging()
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        # A second Ctrl-C (the first one stops gracefully where a command supports it) ends without a traceback.
+        print(f"\nstagecast {command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def service_main(role: str) -> None:
+    """``python -m <service>``: the service ``role`` (a ``SERVICE_MODULES`` key) with this process's arguments; ends
+    the process with its status (killed by SIGINT after a second Ctrl-C, as shells expect)."""
+    die_with_parent()
+    _, module, function = SERVICE_MODULES[role]
+    code = run_command(role, module, function, sys.argv[1:])
+    if code == INTERRUPTED:
+        die_of_sigint()
+    sys.exit(code)
+
+
 def resolve_transformer(path: str) -> str:
     """A checkpoint root holding ``transformer/``, or the transformer folder itself (or ``random:...``)."""
     if path.startswith("random:"):

@@ -13,6 +13,7 @@ so a leak is reported at the test that caused it.  New system tests use it unles
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,22 @@ from tests.pipeline_helpers import fixed_fast_stages
 STAGES = 2
 IDLE_TIMEOUT = 60.0
 
+# Put on every child's PYTHONPATH as ``sitecustomize``: it records each process that armed it, and every import of
+# the launcher package a child attempts, in IMPORTS_LOG, so the session checks at run time that no service process
+# imports the launcher (services start as themselves: ``python -m coordinator``).
+_WATCH = """import os, sys
+_LOG = {log!r}
+with open(_LOG, "a") as f:
+    f.write(f"armed {{os.getpid()}}\\n")
+class _LauncherImports:
+    def find_spec(self, name, path=None, target=None):
+        if name == "launcher" or name.startswith("launcher."):
+            with open(_LOG, "a") as f:
+                f.write(f"import {{os.getpid()}} {{name}}\\n")
+        return None
+sys.meta_path.insert(0, _LauncherImports())
+"""
+
 
 @dataclass
 class SharedSystem:
@@ -36,6 +53,13 @@ class SharedSystem:
     gateway: str
     launcher: Launcher  # holds the operator's certificate for the internal services
     children: dict[str, Child] = field(default_factory=dict)
+    imports_log: Path | None = None  # what the children's import watch recorded (``_WATCH``)
+
+    def launcher_imports(self) -> tuple[set[int], list[str]]:
+        """The pids whose import watch was armed, and every ``pid name`` of a launcher import a child attempted."""
+        lines = self.imports_log.read_text().splitlines() if self.imports_log and self.imports_log.exists() else []
+        armed = {int(line.split()[1]) for line in lines if line.startswith("armed ")}
+        return armed, [line.split(" ", 1)[1] for line in lines if line.startswith("import ")]
 
     def assert_idle(self, timeout: float = IDLE_TIMEOUT) -> None:
         """No stream left: the gateway holds none (nor any VAE state), then the coordinator has none."""
@@ -44,6 +68,8 @@ class SharedSystem:
         with self.launcher.channel(self.coordinator, "coordinator") as ch:
             status = ipb_grpc.CoordinatorServiceStub(ch).Status(ipb.Empty(), timeout=10)
         assert status.active_streams == 0, f"{status.active_streams} streams left on the shared system's coordinator"
+        _, imports = self.launcher_imports()
+        assert imports == [], f"service processes imported the launcher: {imports}"
 
     @contextlib.contextmanager
     def spawned(self, name: str, args: list[str]) -> Iterator[Child]:
@@ -58,7 +84,12 @@ class SharedSystem:
 @contextlib.contextmanager
 def shared_system(folder: Path) -> Iterator[SharedSystem]:
     root = write_demo_checkpoint(folder / "ckpt")
-    with Launcher() as launcher:
+    watch = folder / "import-watch"
+    watch.mkdir()
+    imports_log = folder / "imports.log"
+    (watch / "sitecustomize.py").write_text(_WATCH.format(log=str(imports_log)))
+    path = os.pathsep.join(p for p in (str(watch), os.environ.get("PYTHONPATH", "")) if p)
+    with Launcher(env={"PYTHONPATH": path}) as launcher:
         pipe = start_pipeline(
             launcher,
             checkpoint=str(root / "transformer"),
@@ -71,4 +102,4 @@ def shared_system(folder: Path) -> Iterator[SharedSystem]:
         )
         children = {"coordinator": pipe.coordinator_child, "gateway": gateway}
         children.update({f"stage-{i}": child for i, child in pipe.stage_children.items()})
-        yield SharedSystem(root, pipe.coordinator, gateway.info["address"], launcher, children)
+        yield SharedSystem(root, pipe.coordinator, gateway.info["address"], launcher, children, imports_log)

@@ -1,0 +1,53 @@
+"""Services start as themselves: ``python -m coordinator`` (and stage_service, gateway, web, gateway.vae_stage) is
+the same command as ``stagecast <role>``, and a service process the launcher starts never imports the launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from launcher.process import _entry
+from stagecast.service import SERVICE_MODULES
+
+pytestmark = pytest.mark.multiprocess
+
+
+def launcher_modules(importtime_log: str) -> list[str]:
+    """The modules of the ``launcher`` package in a ``-X importtime`` log (its last column is the module name)."""
+    names = [line.rsplit("|", 1)[-1].strip() for line in importtime_log.splitlines() if line.startswith("import time:")]
+    return [name for name in names if name == "launcher" or name.startswith("launcher.")]
+
+
+def test_the_check_sees_a_launcher_import():
+    log = "import time:       339 |        339 |   launcher.process\nimport time: 1 | 1 | accelerate.launchers\n"
+    assert launcher_modules(log) == ["launcher.process"]
+
+
+@pytest.mark.parametrize("role", sorted(SERVICE_MODULES))
+def test_python_m_service_help_is_the_stagecast_role_and_imports_no_launcher(role):
+    module = SERVICE_MODULES[role][0]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", module, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: stagecast {role} "), proc.stdout[:200]
+    assert launcher_modules(proc.stderr) == []
+
+
+def test_a_launcher_starts_services_as_themselves_and_other_commands_through_its_cli():
+    assert _entry(["coordinator", "--stages", "1"]) == ["coordinator", "--stages", "1"]
+    assert _entry(["vae-stage", "--index", "0"]) == ["gateway.vae_stage", "--index", "0"]
+    assert _entry(["selftest", "--stages", "1"]) == ["launcher.cli", "selftest", "--stages", "1"]
+
+
+def test_no_running_service_process_imports_the_launcher(shared_system):
+    """The shared system's children run with an import watch (tests/shared_system.py): every one of them armed it,
+    each runs as its own module, and none has tried to import the launcher (the check repeats after every test that
+    uses the system, in ``assert_idle``)."""
+    armed, imports = shared_system.launcher_imports()
+    for name, child in shared_system.children.items():
+        assert child.proc.args[1] == "-m" and not child.proc.args[2].startswith("launcher"), (name, child.proc.args)
+        assert child.pid in armed, f"{name}: its import watch never ran"
+    assert imports == []
