@@ -19,7 +19,7 @@ Every ladder and shift is rounded to float32 (``as_f32``), the precision the wir
 the coordinator, every stage and the single-process reference hold the very same numbers and derive the very
 same sigmas from ``sigmas()``; parity stays bit for bit.
 
-A checkpoint names its sampler in the ``sampler`` section of ``stagecast.json`` (docs/checkpoints.md, "stagecast.json")::
+A checkpoint names its sampler in the ``sampler`` section of ``stagecast.json`` (docs/checkpoints.md)::
 
     "sampler": {
       "update": "x0",                        # "x0": predict x0, re-noise (CausVid / Self-Forcing / SDV2); "euler"
