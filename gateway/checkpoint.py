@@ -16,9 +16,8 @@ The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`
 ``tiny_decoder/`` with one weights file of a tiny streaming decoder (``gateway.tiny_decoder``).  An optional
 ``stagecast.json`` beside them overrides the serving defaults and names the checkpoint's sampler (its ``sampler``
 section, see ``stagecast.sampling`` and docs/checkpoints.md); ``stagecast demo-checkpoint`` writes one so the
-tiny model runs
-with a short text length and small frames.  An unknown key, or a value the sampler cannot use, is an error that
-names the key.
+tiny model runs with a short text length and small frames.  An unknown key, or a value the sampler cannot use, is
+an error that names the key.
 """
 
 from __future__ import annotations
