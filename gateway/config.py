@@ -362,19 +362,9 @@ def _step_bounds(msg: pb.StreamConfig, sampler, steps: int, timesteps: tuple[flo
     return lo, hi, tuple(sampler.ladder_for(n) for n in offered), timesteps
 
 
-def resolve_config(
-    msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo, decoders: Decoders = Decoders()
-) -> EffectiveConfig:
-    """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults;
-    ``decoders`` says which decoders the deployment holds (the full VAE only, unless told)."""
-    prompt = check_prompt(msg.prompt)
-
-    sf, (p_h, p_w) = model.spatial_factor, model.patch_hw
-    width = _size("width", msg.width if msg.HasField("width") else defaults.width, model.width_multiple, sf, p_w)
-    height = _size("height", msg.height if msg.HasField("height") else defaults.height, model.height_multiple, sf, p_h)
-
-    chunk_frames = msg.chunk_frames if msg.HasField("chunk_frames") else defaults.chunk_frames
-    _int_in("chunk_frames", chunk_frames, 1, MAX_CHUNK_FRAMES)
+def _resolve_steps(msg: pb.StreamConfig, defaults: ServingDefaults) -> tuple[list[float], int, int, list]:
+    """``steps`` / ``timesteps`` / ``shift`` and the SLO bounds: the stream's ladder, its min and max steps and the
+    ladders it may switch between."""
     steps = msg.steps if msg.HasField("steps") else None
     if steps is not None:
         _int_in("steps", steps, 1, MAX_STEPS)
@@ -389,14 +379,12 @@ def resolve_config(
             f"this checkpoint's sampler runs at shift {sampler.shift:g} (stagecast.json); leave shift out or send "
             f"{sampler.shift:g}, got {msg.shift:g}",
         )
-    steps = len(timesteps)
-    min_steps, max_steps, ladders, timesteps = _step_bounds(msg, sampler, steps, timesteps)
-    steps = len(timesteps)
-    steps_preference = _enum(
-        "steps_preference", msg.steps_preference, api.STEPS_PREFERENCES, api.DEFAULT_STEPS_PREFERENCE
-    )
-    seed = msg.seed if msg.HasField("seed") else random.randrange(2**31)
+    min_steps, max_steps, ladders, timesteps = _step_bounds(msg, sampler, len(timesteps), timesteps)
+    return timesteps, min_steps, max_steps, ladders
 
+
+def _resolve_guidance(msg: pb.StreamConfig, defaults: ServingDefaults) -> tuple[float, str]:
+    """``guidance_scale`` and ``negative_prompt``."""
     guidance = as_f32(msg.guidance_scale) if msg.HasField("guidance_scale") else 1.0
     if not 1.0 <= guidance <= MAX_GUIDANCE:  # also NaN
         raise ConfigError("guidance_scale", f"must be in [1, {MAX_GUIDANCE:g}] (1: no guidance), got {guidance:.6g}")
@@ -415,28 +403,37 @@ def resolve_config(
             raise ConfigError(
                 "negative_prompt", f"is {len(negative_prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
             )
+    return guidance, negative_prompt
 
-    codec = _enum("codec", msg.codec, api.CODECS, api.DEFAULT_CODEC)
-    assert codec in CODECS
 
+def _resolve_timing(
+    msg: pb.StreamConfig,
+    defaults: ServingDefaults,
+    model: ModelInfo,
+    codec: str,
+    width: int,
+    height: int,
+    chunk_frames: int,
+) -> tuple[float, float | None, int | None, int | None]:
+    """``target_fps`` and ``seconds``: the rate, the length (None: until stopped), and its frames and chunks."""
     fps = msg.target_fps if msg.HasField("target_fps") else defaults.fps
     if not (MIN_FPS <= fps <= MAX_FPS) or math.isnan(fps):
         raise ConfigError("target_fps", f"must be in [{MIN_FPS:g}, {MAX_FPS:g}], got {fps:.6g}")
     if codec == "h264" and (width % 2 or height % 2):  # yuv420p: whole chroma samples
         raise ConfigError("width" if width % 2 else "height", f"must be even with codec H264, got {width}x{height}")
+    if not msg.HasField("seconds"):
+        return fps, None, None, None
+    seconds = msg.seconds
+    if not (0 < seconds <= MAX_SECONDS) or math.isnan(seconds):
+        raise ConfigError("seconds", f"must be in (0, {MAX_SECONDS:.0f}] (leave it out to stream until stopped)")
+    total_frames, num_chunks = duration_plan(seconds, fps, chunk_frames, model.temporal_factor)
+    return fps, seconds, total_frames, num_chunks
 
-    seconds: float | None = None
-    total_frames = num_chunks = None
-    if msg.HasField("seconds"):
-        seconds = msg.seconds
-        if not (0 < seconds <= MAX_SECONDS) or math.isnan(seconds):
-            raise ConfigError("seconds", f"must be in (0, {MAX_SECONDS:.0f}] (leave it out to stream until stopped)")
-        total_frames, num_chunks = duration_plan(seconds, fps, chunk_frames, model.temporal_factor)
 
-    policy = _enum("policy", msg.policy, api.POLICIES, api.DEFAULT_POLICY)
-    assert policy in POLICIES
-    # Left out: the checkpoint's serving default (stagecast.json ``window``/``sink``; 0: unbounded).  The default
-    # sink comes only with the default window: a request's own window keeps sink 0 unless it sends one.
+def _resolve_window(msg: pb.StreamConfig, defaults: ServingDefaults) -> tuple[int, int]:
+    """``window`` and ``sink``.  Left out: the checkpoint's serving default (stagecast.json ``window``/``sink``; 0:
+    unbounded).  The default sink comes only with the default window: a request's own window keeps sink 0 unless it
+    sends one."""
     window = msg.window if msg.HasField("window") else defaults.window
     if not 0 <= window <= MAX_WINDOW:
         raise ConfigError(
@@ -446,9 +443,11 @@ def resolve_config(
     sink = msg.sink if msg.HasField("sink") else (0 if msg.HasField("window") else defaults.sink)
     if not 0 <= sink <= (window or MAX_WINDOW):
         raise ConfigError("sink", f"must be in [0, window] (window {window or 'unbounded'}), got {sink}")
-    quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]
-    _int_in("quality", quality, 1, 100)
+    return window, sink
 
+
+def _resolve_decoder(msg: pb.StreamConfig, decoders: Decoders) -> str:
+    """``decoder``: one the deployment holds."""
     decoder = _enum("decoder", msg.decoder, api.DECODERS, decoders.default)
     if decoder == "tiny" and not decoders.tiny:
         raise ConfigError(
@@ -456,40 +455,84 @@ def resolve_config(
             "DECODER_TINY: this deployment has no tiny decoder (its gateway runs without --tiny-decoder and the "
             "checkpoint has no tiny_decoder/); ask for DECODER_FULL or leave decoder out",
         )
+    return decoder
 
-    strength = None
-    input_pacing, input_timeout = api.DEFAULT_INPUT_PACING, DEFAULT_INPUT_TIMEOUT
-    if msg.HasField("strength"):
-        strength = as_f32(msg.strength)
-        if strength not in timesteps:  # NaN is never in it
-            ladder = ", ".join(f"{t:g}" for t in timesteps)
-            raise ConfigError(
-                "strength",
-                f"must be one of the stream's ladder timesteps [{ladder}] (the level the input is noised to), "
-                f"got {msg.strength:g}",
-            )
-        if seconds is not None:
-            raise ConfigError(
-                "seconds", "a video-to-video stream (strength) runs as long as its input: leave seconds out"
-            )
-        input_pacing = _enum("input_pacing", msg.input_pacing, api.INPUT_PACINGS, api.DEFAULT_INPUT_PACING)
-        if msg.HasField("input_timeout"):
-            input_timeout = msg.input_timeout
-            if not (0 < input_timeout <= MAX_INPUT_TIMEOUT) or math.isnan(input_timeout):
-                raise ConfigError(
-                    "input_timeout", f"must be in (0, {MAX_INPUT_TIMEOUT:g}] seconds, got {input_timeout:.6g}"
-                )
-    image = None
-    if msg.image:
-        image = decode_image(msg.image, width, height)
-        if strength is not None:
-            raise ConfigError("image", "a video-to-video stream (strength) takes its first frame from its input")
-        if not model.per_token_timesteps:
-            raise ConfigError(
-                "image",
-                "this checkpoint cannot condition on an image: its first frame would need timestep 0 beside noisy "
-                "frames, and its transformer takes one timestep per item (Wan2.2-TI2V takes one per token)",
-            )
+
+def _resolve_video_input(
+    msg: pb.StreamConfig, timesteps: list[float], seconds: float | None
+) -> tuple[float | None, str, float]:
+    """``strength``, ``input_pacing`` and ``input_timeout``: a video-to-video stream's (strength None: not one)."""
+    if not msg.HasField("strength"):
+        return None, api.DEFAULT_INPUT_PACING, DEFAULT_INPUT_TIMEOUT
+    strength = as_f32(msg.strength)
+    if strength not in timesteps:  # NaN is never in it
+        ladder = ", ".join(f"{t:g}" for t in timesteps)
+        raise ConfigError(
+            "strength",
+            f"must be one of the stream's ladder timesteps [{ladder}] (the level the input is noised to), "
+            f"got {msg.strength:g}",
+        )
+    if seconds is not None:
+        raise ConfigError("seconds", "a video-to-video stream (strength) runs as long as its input: leave seconds out")
+    input_pacing = _enum("input_pacing", msg.input_pacing, api.INPUT_PACINGS, api.DEFAULT_INPUT_PACING)
+    input_timeout = DEFAULT_INPUT_TIMEOUT
+    if msg.HasField("input_timeout"):
+        input_timeout = msg.input_timeout
+        if not (0 < input_timeout <= MAX_INPUT_TIMEOUT) or math.isnan(input_timeout):
+            bound = f"(0, {MAX_INPUT_TIMEOUT:g}]"
+            raise ConfigError("input_timeout", f"must be in {bound} seconds, got {input_timeout:.6g}")
+    return strength, input_pacing, input_timeout
+
+
+def _resolve_image(
+    msg: pb.StreamConfig, model: ModelInfo, width: int, height: int, strength: float | None
+) -> object | None:  # (height, width, 3) uint8 (decode_image)
+    """``image``: an image-to-video stream's first frame, decoded at the stream's size (None: not one)."""
+    if not msg.image:
+        return None
+    image = decode_image(msg.image, width, height)
+    if strength is not None:
+        raise ConfigError("image", "a video-to-video stream (strength) takes its first frame from its input")
+    if not model.per_token_timesteps:
+        raise ConfigError(
+            "image",
+            "this checkpoint cannot condition on an image: its first frame would need timestep 0 beside noisy "
+            "frames, and its transformer takes one timestep per item (Wan2.2-TI2V takes one per token)",
+        )
+    return image
+
+
+def resolve_config(
+    msg: pb.StreamConfig, *, defaults: ServingDefaults, model: ModelInfo, decoders: Decoders = Decoders()
+) -> EffectiveConfig:
+    """Validate ``msg`` field by field (the first bad field raises ``ConfigError``) and fill in defaults;
+    ``decoders`` says which decoders the deployment holds (the full VAE only, unless told).  The steps below run in
+    this order, so which field a request with several bad ones is told about does not change."""
+    prompt = check_prompt(msg.prompt)
+    sf, (p_h, p_w) = model.spatial_factor, model.patch_hw
+    width = _size("width", msg.width if msg.HasField("width") else defaults.width, model.width_multiple, sf, p_w)
+    height = _size("height", msg.height if msg.HasField("height") else defaults.height, model.height_multiple, sf, p_h)
+    chunk_frames = msg.chunk_frames if msg.HasField("chunk_frames") else defaults.chunk_frames
+    _int_in("chunk_frames", chunk_frames, 1, MAX_CHUNK_FRAMES)
+    sampler = defaults.sampler
+    timesteps, min_steps, max_steps, ladders = _resolve_steps(msg, defaults)
+    steps = len(timesteps)
+    steps_preference = _enum(
+        "steps_preference", msg.steps_preference, api.STEPS_PREFERENCES, api.DEFAULT_STEPS_PREFERENCE
+    )
+    seed = msg.seed if msg.HasField("seed") else random.randrange(2**31)
+    guidance, negative_prompt = _resolve_guidance(msg, defaults)
+    codec = _enum("codec", msg.codec, api.CODECS, api.DEFAULT_CODEC)
+    assert codec in CODECS
+    fps, seconds, total_frames, num_chunks = _resolve_timing(msg, defaults, model, codec, width, height, chunk_frames)
+    policy = _enum("policy", msg.policy, api.POLICIES, api.DEFAULT_POLICY)
+    assert policy in POLICIES
+    window, sink = _resolve_window(msg, defaults)
+    quality = msg.quality if msg.HasField("quality") else DEFAULT_QUALITY[codec]
+    _int_in("quality", quality, 1, 100)
+    decoder = _resolve_decoder(msg, decoders)
+    strength, input_pacing, input_timeout = _resolve_video_input(msg, timesteps, seconds)
+    image = _resolve_image(msg, model, width, height, strength)
     if strength is None:
         for name in ("input_pacing", "input_timeout"):
             if msg.HasField(name) if name == "input_timeout" else msg.input_pacing:
