@@ -230,6 +230,54 @@ class StageExecutor:
                 self.runner.put_latent(step, latent)
             want.discard(step)
 
+    def _finish_last(self, item: PlanEvent, out, distributed: bool) -> int:
+        """The last stage's end of a batch: the guidance exchange (CFG-parallel), the sampler, each next-level latent
+        to the first stage, each finished chunk reported.  Returns when the compute ended (ns)."""
+        runner, tp, steps = self.runner, self.transport, item.steps
+        peer = None
+        if runner.cfg_size == 2:
+            own = runner.exchanged_rows(list(steps), out)
+            if own is not None:
+                assert tp is not None
+                peer = tp.exchange_guidance(own)
+        results = runner.finish(steps, out, peer)
+        t_compute = time.time_ns()
+        for res in results:
+            if res.next_latent is not None and distributed:
+                tp.send_latent(res.next_latent)
+            # One report per stage, not per rank, and only from CFG group 0.
+            if res.finished is not None and runner.sp.rank == 0 and runner.cfg_rank == 0:
+                self.on_event(
+                    ExecutorEvent(
+                        "chunk",
+                        item.seq,
+                        stream_id=res.step.stream,
+                        chunk=res.step.chunk,
+                        latents=res.finished,
+                        steps=runner.spec_at(res.step.stream, res.step.chunk).steps,
+                    )
+                )
+        return t_compute
+
+    def _measured(
+        self, wall_ms: float, rows: int, sample_ms: float, counted: bool
+    ) -> tuple[float, int, int, list[float]]:
+        """What a batch reports of its time: ``(forward_ms, micro_steps, batches, samples)``.  On a CPU, this batch's
+        wall time (nothing when it captured a graph in line); on a GPU, every earlier batch whose CUDA events have
+        completed (reading this one's would wait for the GPU)."""
+        if not self._cuda:
+            return (wall_ms, rows, 1, [sample_ms]) if counted else (0.0, 0, 0, [])
+        forward_ms, micro_steps, batches, samples = 0.0, 0, 0, []
+        while self._timings and self._timings[0][2].query():
+            n, a, b, timed = self._timings.popleft()
+            if not timed:
+                continue
+            samples.append(a.elapsed_time(b))
+            forward_ms += samples[-1]
+            micro_steps += n
+            batches += 1
+        return forward_ms, micro_steps, batches, samples
+
     def _run_batch(self, item: PlanEvent) -> None:
         steps = item.steps
         runner, tp = self.runner, self.transport
@@ -272,49 +320,16 @@ class StageExecutor:
             assert tp is not None
             tp.send_hidden(out)
         else:
-            peer = None
-            if runner.cfg_size == 2:
-                own = runner.exchanged_rows(list(steps), out)
-                if own is not None:
-                    assert tp is not None
-                    peer = tp.exchange_guidance(own)
-            results = runner.finish(steps, out, peer)
-            t_compute = time.time_ns()
-            for res in results:
-                if res.next_latent is not None and distributed:
-                    tp.send_latent(res.next_latent)
-                # One report per stage, not per rank, and only from CFG group 0.
-                if res.finished is not None and runner.sp.rank == 0 and runner.cfg_rank == 0:
-                    self.on_event(
-                        ExecutorEvent(
-                            "chunk",
-                            item.seq,
-                            stream_id=res.step.stream,
-                            chunk=res.step.chunk,
-                            latents=res.finished,
-                            steps=runner.spec_at(res.step.stream, res.step.chunk).steps,
-                        )
-                    )
+            t_compute = self._finish_last(item, out, distributed)
         if self.first and distributed:
             # The last stage will send, in this order, the next-level input of every item that has one.
             for st in mine:
                 spec = runner.spec_at(st.stream, st.chunk)
                 if st.level + 1 < spec.levels:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
-        forward_ms, micro_steps, batches = (time.perf_counter() - start) * 1e3, len(rows), 1
-        forward_samples = [(t_compute - t_recv) / 1e6]  # forward (+ sampler) ms per batch, for the histogram
-        if not self._cuda and not counted:
-            forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
-        elif self._cuda:
-            forward_ms, micro_steps, batches, forward_samples = 0.0, 0, 0, []
-            while self._timings and self._timings[0][2].query():
-                n, a, b, timed = self._timings.popleft()
-                if not timed:
-                    continue
-                forward_samples.append(a.elapsed_time(b))
-                forward_ms += forward_samples[-1]
-                micro_steps += n
-                batches += 1
+        forward_ms, micro_steps, batches, forward_samples = self._measured(
+            (time.perf_counter() - start) * 1e3, len(rows), (t_compute - t_recv) / 1e6, counted
+        )
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
         if self.telemetry is not None:
             received = distributed and (not self.first or any(st.level > 0 for st in steps))
