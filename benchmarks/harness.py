@@ -976,7 +976,7 @@ def capacity_of(rows: list[dict]) -> int | None:
 # ---- capacity -------------------------------------------------------------------------------------------
 
 # How long the capacity mode waits for a newly admitted stream's first frame before it gives up on the row.
-CAPACITY_FIRST_FRAME_S = 120.0
+CAPACITY_FIRST_FRAME_S = 30.0
 FREEZE_MS = 250.0
 
 
@@ -1180,8 +1180,12 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
     after = stage_stats(coordinator, launcher)
     for rec in recs:
         rec.gen.stop()
-    for th in threads:
-        th.join(60)
+    deadline = time.monotonic() + 60  # chunks in flight still arrive; a stream that does not end is cancelled
+    for rec, th in zip(recs, threads):
+        th.join(max(0.0, deadline - time.monotonic()))
+        if th.is_alive():
+            rec.gen.cancel()
+            th.join(10)
     per_stream = [capacity_stream(r, t_all - r.gen.t0, t_end - r.gen.t0, args.target_fps) for r in recs]
     held = sum(s["held"] for s in per_stream)
     frames = sum(s["window_frames_due"] for s in per_stream)  # frames delivered over the window (paced: one per due)
@@ -1389,7 +1393,8 @@ def main(argv: list[str] | None = None) -> int:
         "--load-min-steps",
         type=int,
         default=None,
-        help="load rows' streams are SLO-adaptive: min_steps this, max_steps --steps (default: fixed --steps)",
+        help="load rows' and capacity rows' streams are SLO-adaptive: min_steps this, max_steps --steps (default: "
+        "fixed --steps)",
     )
     ap.add_argument(
         "--slo-vae-ms",
