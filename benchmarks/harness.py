@@ -10,6 +10,9 @@ Usage (on a machine with GPUs; one command per configuration)::
                                                   # from a measured profile (python -m benchmarks.balance)
     python -m benchmarks.harness ... --decoder full,tiny   # every stream on the full VAE, and the main stream again
                                                   # on a tiny decoder (random weights, or --tiny-decoder PATH)
+    python -m benchmarks.harness --stages 1 --decoder tiny,full --capacity --seconds 0 --first-seconds 0 \
+        --ttff-runs 0 --interactive-updates 0 --no-peers ...   # capacity rows only (benchmarks/gpu_suite.sh capacity-*)
+    python -m benchmarks.harness --smoke --capacity --slo-stage-ms 320,320   # CPU: the capacity mode, refused past 2
     python -m benchmarks.report                   # BENCHMARKS.md's tables from benchmarks/results/v2_*.json
 
 What one run does (the benchmark protocol, BENCHMARKS.md):
@@ -33,8 +36,28 @@ What one run does (the benchmark protocol, BENCHMARKS.md):
    the new prompt (the coordinator's recorded plan names that chunk);
 7. **load** (``--load 1,2,4,8``): N concurrent streams, per-stream steady FPS, on-time share, TTFF p50/p95, and the
    aggregate;
-8. JSON with all of it, the versions (torch, CUDA, NCCL, diffusers, driver, GPU count), the commit and whether the
-   tree was dirty.
+8. **capacity** (``--capacity``), once per ``--decoder`` listed (every stream closed between): paced streams
+   (``--target-fps``; SLO-adaptive with ``--load-min-steps``) opened one at a time, each once the previous one's first
+   frame arrived, until admission refuses one or ``--capacity-max`` are open.  The refusal: its status code, details
+   and ms from the request to the error ("at once" is well under a second).  Then every admitted stream runs
+   ``--capacity-seconds`` more, the **measured window**, and is stopped.  Per stream: TTFF, the on-time share of the
+   frames due inside the window (frame i due at its first frame + i / fps, as above; **held** at >= 99%), its
+   on-time share from the first frame (the ramp included), steady FPS over the window, freezes (gaps > 250 ms).  Per
+   row: admitted, held, ``capacity`` (the held count only where admission refused the stream right past them and
+   every admitted one held; else None, and ``verdict`` says which: admitted but not held, no refusal up to the max,
+   failed), TTFF p50/p95, the steps the SLO controller chose (the coordinator's status per stream, sampled), each
+   stage's batch and ms per forward over the window (and, in ``ramp``, between successive admissions), memory per
+   stream (the gateway's ``vae_state_bytes`` per active stream; the stages' ``kv_bytes`` per open stream, from their
+   ``Describe``, summed over stages; read with ``getattr``, None where a status lacks them) and the gateway process's
+   CPU seconds over the window (``/proc/<pid>/stat``) per frame delivered;
+9. JSON with all of it, the versions (torch, CUDA, NCCL, diffusers, driver, GPU count), the commit and whether the
+   tree was dirty.  What is measured is also in ``<json>.partial`` as each phase ends; a run cut by SIGTERM (e.g.
+   ``timeout``) writes it as its result with ``partial`` saying where it was cut, and exits 124.
+
+Parts a run may skip (a capacity run fits a 10-minute device call so): ``--first-seconds 0`` (no first stream),
+``--seconds 0`` (no main stream), ``--ttff-runs 0``, ``--interactive-updates 0``, no ``--load``, ``--no-peers`` (no
+peers and no floor: the DiT is never built in the harness's process).  ``--slo-stage-ms`` fixes the coordinator's SLO
+model (``--stage-ms ... --slo-fixed``; tests and what-ifs).
 
 Decoders (``--decoder full|tiny|full,tiny``): every measured stream asks for the first decoder listed; the main
 stream runs once more for each other one, in the same system right after it, and ``system.main_by_decoder`` holds

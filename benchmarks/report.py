@@ -168,22 +168,33 @@ def capacity_table(runs: list[dict]) -> str:
                 + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
                 f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
             )
+    if not rows:
+        out.append("| (no capacity rows yet: see Missing) |||||||||||||")
+    looks = []
     for r in runs:  # a look from load rows (streams opened together): no refusal timing, batch, memory nor CPU
         look = _load_capacity(r) if not (r.get("system") or {}).get("capacity") else None
         if look is None:
             continue
-        rows += 1
         a, row = r["args"], look["row"]
         gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
         held = f"**{look['held'] / gpus:g}**" if look["exact"] else f"– ({look['held']} of {look['admitted']} held)"
-        out.append(
+        looks.append(
             f"| {_capacity_config(a, (a.get('decoders') or ['full'])[0])} (load rows: {row['streams']} opened at once, "
-            f"`{r['_file']}`) | {gpus} | {held} | {look['admitted']} / {look['held']} | {look['code']}, – ms | "
+            f"`{r['_file']}`) | {gpus} | {held} | {look['admitted']} / {look['held']} | {look['code']} | "
             f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
-            f"– | {_share(look['steps'])} (frames) | – | – | – / – | – | {r['commit']} |"
+            f"{_share(look['steps'])} (frames) | {r['commit']} |"
         )
-    if not rows:
-        out.append("| (no capacity rows yet) |||||||||||||| ")
+    if looks:
+        out.append(
+            "\nA look from load rows (not the capacity mode: the streams of a row opened together, on time over the "
+            "whole stream; the first row of each run that met a refusal):\n"
+        )
+        out.append(
+            "| config | GPUs | held per GPU | admitted / held | refusal | TTFF p50 / p95 (ms) | on time min "
+            "| steps run | commit |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        out += looks
     missing = sorted(
         {
             (part, _capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))

@@ -150,6 +150,9 @@ def test_the_capacity_table_reads_a_load_row_that_met_a_refusal_as_a_look(tmp_pa
     ]
     r["args"] |= {"load_min_steps": None, "steps": 1, "decoders": ["tiny"], "load": [4, 6]}
     table = report.capacity_table([{**r, "_file": "v2_x.json"}])
-    [line] = [x for x in table.splitlines() if "load rows" in x]
+    [line] = [x for x in table.splitlines() if "(load rows:" in x]
     assert line.startswith("| 1.3B, 1 step, 832×480, tiny (load rows: 6 opened at once, `v2_x.json`) | 1 | **5** |")
-    assert "| 5 / 5 | RESOURCE_EXHAUSTED, – ms | 449 / 613 |" in line and "1: 100% (frames)" in line
+    assert line.endswith("| 5 / 5 | RESOURCE_EXHAUSTED | 449 / 613 | 100.0% | 1: 100% (frames) | abc1234 |")
+    # Not in the capacity mode's table: that one has no rows and says so.
+    assert "| (no capacity rows yet: see Missing) |" in table
+    assert table.index("(no capacity rows yet") < table.index("A look from load rows") < table.index(line)
