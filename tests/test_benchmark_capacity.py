@@ -156,3 +156,33 @@ def test_the_capacity_table_reads_a_load_row_that_met_a_refusal_as_a_look(tmp_pa
     # Not in the capacity mode's table: that one has no rows and says so.
     assert "| (no capacity rows yet: see Missing) |" in table
     assert table.index("(no capacity rows yet") < table.index("A look from load rows") < table.index(line)
+
+
+def _rec(arrivals: list[float], error: str | None = None):
+    from types import SimpleNamespace
+
+    gen = SimpleNamespace(info=SimpleNamespace(pipeline_stream_id=7))
+    return SimpleNamespace(arrivals=arrivals, gen=gen, ttff_s=arrivals[0], steps={1: len(arrivals)}, error=error)
+
+
+@pytest.mark.unit
+def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_that_never_came_is_late():
+    from benchmarks.harness import capacity_stream
+
+    paced = [1.0 + i / 16 for i in range(16 * 10)]  # 10 s at 16 FPS from t = 1 s
+    # Late in its first second (the ramp: frames 2..9, 300 ms late), on time inside the window [3 s, 9 s].
+    ramp_late = [t + (0.3 if 2 <= i < 10 else 0.0) for i, t in enumerate(paced)]
+    s = capacity_stream(_rec(ramp_late), 3.0, 9.0, 16.0)
+    assert s["held"] and s["on_time"] == 1.0 and s["window_frames_due"] == 97  # due at 3.0, 3.0625, ..., 9.0
+    assert s["on_time_to_stop"] == (129 - 8) / 129 and s["steady_fps"] == pytest.approx(16.0)
+    assert s["freezes"] == 1 and s["pipeline_stream_id"] == 7  # the ramp's 362 ms gap counts: from the first frame
+    # Frames stop at 6 s: the ones due after it count late, so the stream is not held.
+    cut = [t for t in paced if t <= 6.0]
+    s = capacity_stream(_rec(cut), 3.0, 9.0, 16.0)
+    assert not s["held"] and s["on_time"] == pytest.approx(49 / 97)
+    # A 400 ms freeze inside the window: one gap over 250 ms, and the frames after it late.
+    frozen = [t + (0.4 if t >= 5.0 else 0.0) for t in paced]
+    s = capacity_stream(_rec(frozen), 3.0, 9.0, 16.0)
+    assert s["freezes"] == 1 and s["max_gap_ms"] == pytest.approx(462.5) and not s["held"]
+    # A stream that ended with an error is not held whatever its punctuality.
+    assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]
