@@ -1582,6 +1582,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt as exc:
             cut_by = f"cut ({exc}) after phase '{PARTIAL.get('phase', 'none')}'"
             system = {k: v for k, v in PARTIAL.items() if k != "phase"}
+            if system.get("main"):  # the main stream finished: its figures where a whole run has them
+                system.setdefault("steady_fps", system["main"].get("steady_fps"))
+                system.setdefault("whole_fps", system["main"].get("whole_fps"))
             print(f"[harness] {cut_by}: writing what was measured", flush=True)
 
     steady = system.get("steady_fps")

@@ -232,7 +232,7 @@ def load(results: Path) -> list[dict]:
 def _has_main(r: dict) -> bool:
     """A run with the main stream's measurements (a capacity run with ``--seconds 0``, or one cut short, has none)."""
     s = r.get("system") or {}
-    return bool(s.get("main") and s.get("lead"))
+    return bool(s.get("main") and s.get("lead") and "steady_fps" in s)
 
 
 def tables(runs: list[dict]) -> str:
@@ -341,7 +341,7 @@ def decoder_guidance_tables(runs: list[dict]) -> list[str]:
                 out.append(
                     f"| {config_name(r)} | {name} | **{_f(m['steady_fps'])}** | {_f(m.get('whole_fps'))} | "
                     f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
-                    f"{_ms(m['ttff_s'])} | {m['frames']} | {_f(peer.get('fps'))} | {_f(floor.get('fps'), '.0f')} |"
+                    f"{_ms(m.get('ttff_s'))} | {m['frames']} | {_f(peer.get('fps'))} | {_f(floor.get('fps'), '.0f')} |"
                 )
     guided = [r for r in runs if r["args"].get("guidance", 1.0) > 1.0 and r["system"].get("comm")]
     if guided:
