@@ -195,6 +195,37 @@ def capacity_table(runs: list[dict]) -> str:
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         out += looks
+    ramps = []
+    for r in runs:  # the stages' ms per forward at each batch on the way to capacity (DiT ms per chunk at 1 step)
+        a = r["args"]
+        main_stages = (r.get("system") or {}).get("stages") or (r.get("system") or {}).get("main_stages") or []
+        for row in (r.get("system") or {}).get("capacity") or []:
+            parts = [
+                f"{e['streams']} open: "
+                + " / ".join(
+                    f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}"
+                    for st in e["stages"]
+                )
+                for e in row.get("ramp") or []
+                if all(st.get("mean_forward_ms") is not None for st in e["stages"])
+            ]
+            if main_stages and (r.get("system") or {}).get("main"):
+                parts.insert(
+                    0,
+                    "the unpaced main stream alone: "
+                    + " / ".join(
+                        f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}"
+                        for st in main_stages
+                    ),
+                )
+            if parts:
+                ramps.append(f"- {_capacity_config(a, row['decoder'])} ({r['commit']}): " + "; ".join(parts))
+    if ramps:
+        out.append(
+            "\nStages' ms per forward on the way to capacity (from one admission to the next: k streams running and "
+            "the next one's first chunk; per stage):\n"
+        )
+        out += ramps
     missing = sorted(
         {
             (part, _capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))

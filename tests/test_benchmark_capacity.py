@@ -82,6 +82,7 @@ def _run(**capacity) -> dict:
         "stages": [{"index": 0, "mean_forward_ms": 37.25, "mean_batch": 3.5}],
         "memory": {"decoder_state_bytes_per_stream": 64 << 20, "kv_bytes_per_stream": 300 << 20},
         "gateway_cpu_ms_per_frame": 1.234,
+        "ramp": [{"streams": 1, "stages": [{"mean_forward_ms": 21.04, "mean_batch": 1.0}]}],
         **capacity,
     }
     return {
@@ -118,6 +119,7 @@ def test_the_capacity_table_renders_each_cell_from_the_json_and_names_what_is_mi
     )
     full = lines["| 1.3B, SLO 1–2 steps, 832×480, full"]
     assert "| – (admitted but not held: 5 of 7 admitted streams held) | 7 / 5 |" in full and "def5678" in full
+    assert "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 1 open: 21.0 ms at batch 1.00" in text  # the ramp
     # No main stream: no main-stream table rows for these runs; every expected configuration is named as missing.
     assert "### Steady state" in text and "| 1.3B @ 832×480" not in text
     missing = text.split("Missing (no `--capacity` JSON yet): ", 1)[1].split("\n", 1)[0]
