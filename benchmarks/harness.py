@@ -1162,6 +1162,9 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
     threads: list[threading.Thread] = []
     refusal, failure = None, None
     ramp: list[dict] = []  # stage stats from each admission to the next (k streams running, plus a first chunk)
+    # What admission prices each stream's decode at (the gateway's measured VAE, or --slo-vae-ms): where the
+    # coordinator does not price streams by their decoder, a tiny-decoder row is admitted at the full VAE's cost.
+    priced = slo_model(coordinator_status(coordinator, launcher))
     snap = stage_stats(coordinator, launcher)
     t_open = time.monotonic()
     while len(recs) < args.capacity_max:
@@ -1244,6 +1247,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
         "verdict": verdict,
         "refusal": refusal,
         "failure": failure,
+        "slo_model": priced,
         "ttff_p50_s": statistics.median(ttffs) if ttffs else None,
         "ttff_p95_s": percentile(ttffs, 0.95) if ttffs else None,
         "steady_fps_min": min((s["steady_fps"] or 0.0 for s in per_stream), default=None),

@@ -159,7 +159,11 @@ def capacity_table(runs: list[dict]) -> str:
             held = f"**{cap / gpus:g}**" if cap is not None else f"– ({row['verdict']})"
             stages = row.get("stages") or []
             mem = row.get("memory") or {}
-            cfg = _capacity_config(a, row["decoder"]) + (" ¹" if r.get("partial") else "")
+            cfg = _capacity_config(a, row["decoder"])
+            priced = row.get("slo_model") or {}
+            if priced.get("vae_source"):  # the decode cost admission counted per chunk, and where it came from
+                cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
+            cfg += " ¹" if r.get("partial") else ""
             out.append(
                 f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
                 f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "

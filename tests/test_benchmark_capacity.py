@@ -49,6 +49,7 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     assert row["mean_batch"] >= 1 and len(row["stages"]) == 2 and all(st["batches"] > 0 for st in row["stages"])
     assert row["memory"]["decoder_state_bytes_per_stream"] > 0  # the gateway's tiny decoder state
     assert row["frames_delivered"] > 0 and row["gateway_cpu_ms_per_frame"] > 0
+    assert row["slo_model"]["vae_source"] in ("none", "operator", "gateway")  # what admission priced the decode at
 
     # The report's capacity table renders the row.
     doc = tmp_path / "BENCHMARKS.md"
@@ -61,7 +62,8 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     )
     assert done.returncode == 0, done.stderr
     text = doc.read_text()
-    assert "| tiny, 1 step, 64×64, tiny | 2 | " in text and f"RESOURCE_EXHAUSTED, {refusal['ms']:.0f} ms" in text
+    priced = f"(VAE priced {row['slo_model']['vae_chunk_ms']:.3g} ms/chunk, {row['slo_model']['vae_source']}) | 2 | "
+    assert f"| tiny, 1 step, 64×64, tiny {priced}" in text and f"RESOURCE_EXHAUSTED, {refusal['ms']:.0f} ms" in text
 
 
 def _run(**capacity) -> dict:
