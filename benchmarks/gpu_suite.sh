@@ -56,6 +56,18 @@
 #                                         # refused naming window or run to the end, then windowed streams (6, 3
 #                                         # sinks) opened until one is refused and all run at once; actual KV against
 #                                         # the reservation (benchmarks/kv_admission_check.py, ~5 min per part)
+#   STAGES=1 bash benchmarks/gpu_suite.sh capacity-1.3b   # the capacity table (harness --capacity, one GPU): 1.3B
+#                                         # 1 step, paced 16 FPS streams opened one at a time until admission refuses
+#                                         # one, held 20 s; the tiny decoder, then the full VAE in the same system
+#                                         # (no main stream, TTFF, interactive stream nor peers; ~4 min)
+#   STAGES=1 bash benchmarks/gpu_suite.sh capacity-1.3b-4 # the same, SLO-adaptive 1..4 steps (~4 min)
+#   STAGES=1 bash benchmarks/gpu_suite.sh capacity-14b    # 14B 1 step, tiny decoder: one unpaced 20 s main stream
+#                                         # (goal >= 28 FPS; the stages' ms per forward at batch 1 in system.stages),
+#                                         # then capacity (its batch and ms per forward in the row; ~5-6 min)
+#   STAGES=1 bash benchmarks/gpu_suite.sh capacity-5b     # 5B 1280x704 1 step, tiny decoder (random taew2_2-shaped
+#                                         # weights: 48 latent channels, patch 2); capacity only (~4 min)
+#                                         # SLO_VAE_MS=N before any capacity part: admission prices each stream's decode
+#                                         # at N ms per chunk (--slo-vae-ms, a what-if; JSON names end _vaeNms)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -67,7 +79,7 @@
 set -uo pipefail
 out="${OUT:-benchmarks/results}"
 # STAGES=1 runs the parts that take it (quick, 1.3b, 1.3b-4, 14b, 5b, warmup-ab, v2v, slo, webrtc, fp8,
-# vae-graphs-1.3b, kv-admission*) as one stage on one GPU; their JSON names then say 1gpu.  The parity parts (check, sp-*, cfg-*)
+# vae-graphs-1.3b, kv-admission*, capacity-*) as one stage on one GPU; their JSON names then say 1gpu.  The parity parts (check, sp-*, cfg-*)
 # need two GPUs whatever it says.
 stages="${STAGES:-2}"
 case "$stages" in 1|2) ;; *) echo "gpu_suite: STAGES must be 1 or 2, not '$stages'"; exit 2 ;; esac
@@ -209,6 +221,31 @@ for part in "$@"; do
       steps=4; [ "$part" = kv-admission-1step ] && steps=1
       timeout 560 python -m benchmarks.kv_admission_check --model wan2.1-1.3b --stages "$stages" --steps "$steps" \
         --seconds 15 --max-open 12 --cuda-graphs --vae-compile --json "$out/kv_admission_13b_${steps}step_${stages}gpu.json"
+      ;;
+    capacity-1.3b|capacity-1.3b-4|capacity-14b|capacity-5b)
+      # Capacity rows only (harness --capacity): each part skips the first stream, TTFF, the interactive stream and
+      # the peers; the JSON is written as each decoder's row finishes (<json>.partial) and, when `timeout` cuts
+      # the run, as a result marked partial.
+      # SLO_VAE_MS=N prices every stream's decode at N ms per chunk (--slo-vae-ms; a what-if: the coordinator here
+      # prices every stream at the gateway's measured full-VAE cost, whatever decoder it runs on).
+      cap=(--capacity --capacity-seconds 20 --first-seconds 0 --ttff-runs 0 --interactive-updates 0 --no-peers)
+      sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); sfx="_vae${SLO_VAE_MS}ms"; }
+      case "$part" in
+        capacity-1.3b)
+          timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" \
+            --decoder tiny,full --capacity-max 12 --seconds 0 --json "$out/v2_cap_13b_1step_${stages}gpu${sfx}.json" ;;
+        capacity-1.3b-4)
+          timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 \
+            --stages "$stages" --decoder tiny,full --capacity-max 12 --seconds 0 \
+            --json "$out/v2_cap_13b_slo4_${stages}gpu${sfx}.json" ;;
+        capacity-14b)
+          timeout 540 "${harness[@]}" "${cap[@]}" --model wan2.1-14b --steps 1 --stages "$stages" --decoder tiny \
+            --capacity-max 8 --seconds 20 --json "$out/v2_cap_14b_1step_${stages}gpu${sfx}.json" ;;
+        capacity-5b)
+          timeout 480 "${harness[@]}" "${cap[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 1 \
+            --stages "$stages" --decoder tiny --capacity-max 10 --seconds 0 \
+            --json "$out/v2_cap_5b_1step_${stages}gpu${sfx}.json" ;;
+      esac
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \

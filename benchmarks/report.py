@@ -48,6 +48,8 @@ def config_name(r: dict) -> str:
         name += f", guidance {a['guidance']:g}, {topology}"
     if a.get("fp8"):
         name += ", FP8 blocks"
+    if (a.get("decoders") or ["full"])[0] == "tiny":  # every measured stream on the tiny decoder
+        name += ", tiny decoder"
     if a.get("vae_cudnn_benchmark"):
         name += ", VAE cuDNN search"
     if a.get("pipeline_warmup") is False:
@@ -76,6 +78,182 @@ def _steps(per_stream: list[dict] | None) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(total.items(), key=lambda kv: -int(kv[0])))
 
 
+# The capacity table's configurations: (model, steps, min_steps or None, width, height, decoder) -> the gpu_suite
+# part that measures it.  A configuration without a capacity-mode JSON is named as missing under the table.
+CAPACITY_CONFIGS = {
+    ("wan2.1-1.3b", 1, None, 832, 480, "tiny"): "capacity-1.3b",
+    ("wan2.1-1.3b", 1, None, 832, 480, "full"): "capacity-1.3b",
+    ("wan2.1-1.3b", 4, 1, 832, 480, "tiny"): "capacity-1.3b-4",
+    ("wan2.1-1.3b", 4, 1, 832, 480, "full"): "capacity-1.3b-4",
+    ("wan2.1-14b", 1, None, 832, 480, "tiny"): "capacity-14b",
+    ("wan2.2-ti2v-5b", 1, None, 1280, 704, "tiny"): "capacity-5b",
+}
+
+
+def _capacity_key(a: dict, decoder: str) -> tuple:
+    return (a["model"], a["steps"], a.get("load_min_steps"), a["width"], a["height"], decoder)
+
+
+def _capacity_config(a: dict, decoder: str) -> str:
+    lo = a.get("load_min_steps")
+    steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
+    return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}"
+
+
+def _mib(x) -> str:
+    return _f(None if x is None else x / (1 << 20), ".0f")
+
+
+def _share(counts: dict | None) -> str:
+    """Step counts by share of samples (or frames), most steps first, e.g. "4: 20%, 1: 80%"."""
+    total = sum((counts or {}).values())
+    if not total:
+        return "–"
+    return ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(counts.items(), key=lambda kv: -int(kv[0])))
+
+
+def _load_capacity(r: dict) -> dict | None:
+    """A capacity look from a run's load rows (all streams opened at once, not one at a time): the first row with a
+    refusal, when every admitted stream of it held."""
+    for row in r["system"].get("load") or []:
+        if row.get("refused"):
+            errors = [p.get("error") or "" for p in row.get("per_stream", []) if p.get("refused")]
+            code = "RESOURCE_EXHAUSTED" if any("RESOURCE_EXHAUSTED" in e for e in errors) else "?"
+            admitted = row["streams"] - row["refused"]
+            steps: dict[str, int] = {}
+            for counts in row.get("steps") or []:
+                for k, v in counts.items():
+                    steps[k] = steps.get(k, 0) + v
+            return {
+                "row": row,
+                "admitted": admitted,
+                "held": row["held"],
+                "exact": bool(row.get("all_held")) and row["held"] == admitted and not row["failed"] - row["refused"],
+                "code": code,
+                "steps": steps,
+            }
+    return None
+
+
+def capacity_table(runs: list[dict]) -> str:
+    """Capacity per GPU: paced streams (16 FPS) held (>= 99% of frames on time over the measured window) with the
+    next one refused at once; from the harness's ``--capacity`` rows, and a look from load rows that met a refusal."""
+    out = ["### Capacity: paced streams held per GPU (the headline)\n"]
+    out.append(
+        "| config | GPUs | **held per GPU** | admitted / held | first refusal (code, ms) | TTFF p50 / p95 at capacity "
+        "(ms) | on time min | freezes | steps chosen | batch (micro-steps per forward) | DiT ms per batch "
+        "| decoder state / KV per stream (MiB) | gateway CPU per frame (ms) | commit |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    seen: set[tuple] = set()
+    rows = 0
+    for r in runs:
+        a = r["args"]
+        gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
+        for row in (r.get("system") or {}).get("capacity") or []:
+            rows += 1
+            seen.add(_capacity_key(a, row["decoder"]))
+            ref = row.get("refusal") or {}
+            refusal = f"{ref.get('code')}, {_f(ref.get('ms'), '.0f')} ms" if ref else "none"
+            cap = row.get("capacity")
+            held = f"**{cap / gpus:g}**" if cap is not None else f"– ({row['verdict']})"
+            stages = row.get("stages") or []
+            mem = row.get("memory") or {}
+            cfg = _capacity_config(a, row["decoder"])
+            priced = row.get("slo_model") or {}
+            if priced.get("vae_source"):  # the decode cost admission counted per chunk, and where it came from
+                cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
+            cfg += " ¹" if r.get("partial") else ""
+            out.append(
+                f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
+                f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
+                f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {_f(row.get('mean_batch'), '.2f')} | "
+                + " / ".join(_f(s.get("mean_forward_ms"), ".1f") for s in stages)
+                + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
+                f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
+            )
+    if not rows:
+        out.append("| (no capacity rows yet: see Missing) |||||||||||||")
+    looks = []
+    for r in runs:  # a look from load rows (streams opened together): no refusal timing, batch, memory nor CPU
+        look = _load_capacity(r) if not (r.get("system") or {}).get("capacity") else None
+        if look is None:
+            continue
+        a, row = r["args"], look["row"]
+        gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
+        held = f"**{look['held'] / gpus:g}**" if look["exact"] else f"– ({look['held']} of {look['admitted']} held)"
+        looks.append(
+            f"| {_capacity_config(a, (a.get('decoders') or ['full'])[0])} (load rows: {row['streams']} opened at once, "
+            f"`{r['_file']}`) | {gpus} | {held} | {look['admitted']} / {look['held']} | {look['code']} | "
+            f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
+            f"{_share(look['steps'])} (frames) | {r['commit']} |"
+        )
+    if looks:
+        out.append(
+            "\nA look from load rows (not the capacity mode: the streams of a row opened together, on time over the "
+            "whole stream; the first row of each run that met a refusal):\n"
+        )
+        out.append(
+            "| config | GPUs | held per GPU | admitted / held | refusal | TTFF p50 / p95 (ms) | on time min "
+            "| steps run | commit |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        out += looks
+    ramps = []
+    for r in runs:  # the stages' ms per forward at each batch on the way to capacity (DiT ms per chunk at 1 step)
+        a = r["args"]
+        main_stages = (r.get("system") or {}).get("stages") or (r.get("system") or {}).get("main_stages") or []
+        for row in (r.get("system") or {}).get("capacity") or []:
+            parts = [
+                f"{e['streams']} open: "
+                + " / ".join(
+                    f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}"
+                    for st in e["stages"]
+                )
+                for e in row.get("ramp") or []
+                if all(st.get("mean_forward_ms") is not None for st in e["stages"])
+            ]
+            if main_stages and (r.get("system") or {}).get("main"):
+                parts.insert(
+                    0,
+                    "the unpaced main stream alone: "
+                    + " / ".join(
+                        f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}"
+                        for st in main_stages
+                    ),
+                )
+            if parts:
+                ramps.append(f"- {_capacity_config(a, row['decoder'])} ({r['commit']}): " + "; ".join(parts))
+    if ramps:
+        out.append(
+            "\nStages' ms per forward on the way to capacity (from one admission to the next: k streams running and "
+            "the next one's first chunk; per stage):\n"
+        )
+        out += ramps
+    missing = sorted(
+        {
+            (part, _capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))
+            for k, part in CAPACITY_CONFIGS.items()
+            if k not in seen
+        }
+    )
+    if missing:
+        out.append(
+            "\nMissing (no `--capacity` JSON yet): "
+            + "; ".join(f"{cfg} (`STAGES=1 bash benchmarks/gpu_suite.sh {part}`)" for part, cfg in missing)
+            + "."
+        )
+    out.append(
+        "\nHeld per GPU is the capacity only where admission refused the stream right past the admitted ones and every "
+        "admitted stream held (≥ 99% of its frames due in the measured window on time); otherwise the cell says what "
+        "happened. Steps chosen: the SLO controller's choice per stream, as shares of the coordinator's status samples "
+        "(or of frames, for a load-row look). Batch and DiT ms: the stages' forwards over the window (per stage). "
+        "Memory: the gateway's decoder state per active stream and the stages' KV bytes per open stream, summed over "
+        "stages (largest sample). Gateway CPU: its process's CPU seconds over the window per frame delivered.\n"
+    )
+    return "\n".join(out)
+
+
 def load(results: Path) -> list[dict]:
     runs = []
     for path in sorted(results.glob("v2_*.json")):
@@ -86,7 +264,31 @@ def load(results: Path) -> list[dict]:
     return runs
 
 
+def _has_main(r: dict) -> bool:
+    """A run with the main stream's measurements (a capacity run with ``--seconds 0``, or one cut short, has none)."""
+    s = r.get("system") or {}
+    return bool(s.get("main") and s.get("lead") and "steady_fps" in s)
+
+
 def tables(runs: list[dict]) -> str:
+    out = []
+    capacity = capacity_table(runs)
+    if capacity:
+        out.append(capacity)
+    mains = [r for r in runs if _has_main(r)]
+    out += main_tables(mains)
+    loaded = [r for r in runs if (r.get("system") or {}).get("load")]
+    if loaded:
+        out += load_table(loaded)
+    out += decoder_guidance_tables(mains)
+    notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
+    if notes:
+        out.append("\n" + "\n".join(notes))
+    out += runs_table(runs)
+    return "\n".join(out) + "\n"
+
+
+def main_tables(runs: list[dict]) -> list[str]:
     out = []
     out.append("### Steady state and punctuality (the main stream)\n")
     out.append(
@@ -97,14 +299,14 @@ def tables(runs: list[dict]) -> str:
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         s, m, pc = r["system"], r["system"]["main"], r.get("peer_compiled")
-        peer, floor = r.get("peer") or {}, r.get("floor") or {}
+        peer, floor, ratios = r.get("peer") or {}, r.get("floor") or {}, r.get("ratios") or {}
         out.append(
             f"| {config_name(r)} | {_gpus(r['args'])} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
             f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
             f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(peer.get('fps'))} | "
             f"{_f(pc['fps'] if pc else None)} | {_f(floor.get('fps'), '.0f')} | "
-            f"{_x(r['ratios']['vs_peer'])} | {_x(r['ratios']['vs_peer_compiled'])} | "
-            f"{_f(r['ratios']['of_floor'], '.1%')} |"
+            f"{_x(ratios.get('vs_peer'))} | {_x(ratios.get('vs_peer_compiled'))} | "
+            f"{_f(ratios.get('of_floor'), '.1%')} |"
         )
     out.append(
         "\nFrames of the main stream: "
@@ -119,16 +321,22 @@ def tables(runs: list[dict]) -> str:
     )
     out.append("|---|---|---|---|---|---|---|")
     for r in runs:
-        s, fs, parts = r["system"], r["system"]["first_stream"], r["system"]["ttff_parts_p50_ms"] or {}
-        inter = s["interactive"]
+        # A part a run skipped (--first-seconds 0, --ttff-runs 0, --interactive-updates 0) shows as –.
+        s, parts = r["system"], r["system"].get("ttff_parts_p50_ms") or {}
+        fs = s.get("first_stream") or {"steady_fps": None, "on_time": None, "max_gap_ms": None, "ttff_s": None}
+        inter = s.get("interactive") or {"p50_ms": None, "p95_ms": None}
         out.append(
             f"| {config_name(r)} | {_f(s['time_to_ready_s'])} | {_f(fs['steady_fps'])} / {_f(fs['on_time'], '.1%')} / "
-            f"{_f(fs['max_gap_ms'], '.0f')} / {fs['gaps_over_250ms']} | {_ms(fs['ttff_s'])} | "
-            f"{_ms(s['ttff_p50_s'])} / {_ms(s['ttff_p95_s'])} | "
+            f"{_f(fs['max_gap_ms'], '.0f')} / {fs.get('gaps_over_250ms', '–')} | {_ms(fs['ttff_s'])} | "
+            f"{_ms(s.get('ttff_p50_s'))} / {_ms(s.get('ttff_p95_s'))} | "
             + " / ".join(_f(parts.get(k), ".0f") for k in ("pipeline", "vae", "encode", "rest"))
             + f" | {_f(inter['p50_ms'], '.0f')} / {_f(inter['p95_ms'], '.0f')} |"
         )
-    loaded = [r for r in runs if r["system"].get("load")]
+    return out
+
+
+def load_table(loaded: list[dict]) -> list[str]:
+    out = []
     if loaded:
         out.append("\n### Load: concurrent streams\n")
         out.append(
@@ -148,6 +356,11 @@ def tables(runs: list[dict]) -> str:
                 )
             if r["system"].get("capacity_streams") is not None:
                 out.append(f"| {config_name(r)} | capacity: {r['system']['capacity_streams']} streams held |||||||||")
+    return out
+
+
+def decoder_guidance_tables(runs: list[dict]) -> list[str]:
+    out = []
     by_decoder = [r for r in runs if r["system"].get("main_by_decoder")]
     if by_decoder:
         out.append("\n### The main stream by decoder (one system, the same run)\n")
@@ -163,7 +376,7 @@ def tables(runs: list[dict]) -> str:
                 out.append(
                     f"| {config_name(r)} | {name} | **{_f(m['steady_fps'])}** | {_f(m.get('whole_fps'))} | "
                     f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
-                    f"{_ms(m['ttff_s'])} | {m['frames']} | {_f(peer.get('fps'))} | {_f(floor.get('fps'), '.0f')} |"
+                    f"{_ms(m.get('ttff_s'))} | {m['frames']} | {_f(peer.get('fps'))} | {_f(floor.get('fps'), '.0f')} |"
                 )
     guided = [r for r in runs if r["args"].get("guidance", 1.0) > 1.0 and r["system"].get("comm")]
     if guided:
@@ -183,9 +396,11 @@ def tables(runs: list[dict]) -> str:
                 f"{waits} | "
                 f"{_f(comm['exchange_ms_per_batch'], '.2f')} | {comm['data_plane_bytes_per_micro_step']:,} |"
             )
-    notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
-    if notes:
-        out.append("\n" + "\n".join(notes))
+    return out
+
+
+def runs_table(runs: list[dict]) -> list[str]:
+    out = []
     out.append("\n### Runs\n")
     out.append("| file | commit | dirty | torch | CUDA | NCCL | diffusers | driver | GPUs | timesteps | command |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -196,7 +411,7 @@ def tables(runs: list[dict]) -> str:
             f"| `{r['_file']}` | {r['commit']} | {r['dirty']} | {v['torch']} | {v['cuda']} | {v['nccl']} | "
             f"{v['diffusers']} | {v['driver']} | {v['gpu_count']}× {v['gpu']} | {steps} | `{r['command']}` |"
         )
-    return "\n".join(out) + "\n"
+    return out
 
 
 def load_decoders(results: Path) -> list[dict]:

@@ -1,0 +1,192 @@
+"""The harness's capacity mode (``--capacity``) and the report's capacity table.
+
+The system test runs the capacity smoke on the CPU with the coordinator's SLO model fixed at 320 ms per stage forward
+of one micro-step (``--slo-stage-ms 320,320``: batches of 4 with 5% growth, 92 ms of the slowest stage per
+micro-step).  A paced stream at 16 FPS (4 chunks/s) at 1 step needs 36.8% of it; admission holds 90%, so two streams
+are admitted and the third is refused at once with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import report
+from benchmarks.report import BEGIN, END
+
+
+@pytest.mark.multiprocess
+def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_row(tmp_path):
+    out = tmp_path / "v2_cap_smoke.json"
+    cmd = [sys.executable, "-m", "benchmarks.harness", "--smoke", "--capacity", "--decoder", "tiny"]
+    cmd += ["--slo-stage-ms", "320,320", "--capacity-max", "4", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    s = r["system"]
+    assert r["peer"] is None and r["floor"] is None  # capacity smoke: no peers
+    assert s["ttff_s"] == [] and s["interactive"] is None and s["load"] == []  # skipped parts
+    assert s["main"]["frames"] == 32  # the one unpaced main stream (2 s) still runs, on the tiny decoder
+    [row] = s["capacity"]
+    assert row["decoder"] == "tiny" and row["admitted"] == 2 and len(row["per_stream"]) == 2
+    refusal = row["refusal"]
+    assert refusal["stream"] == 3 and refusal["code"] == "RESOURCE_EXHAUSTED"
+    assert "over capacity" in refusal["details"] and 0 < refusal["ms"] < 1000  # at once
+    assert row["failure"] is None
+    # Held or not, it is said: capacity is the held count only when every admitted stream held.
+    assert row["held"] == sum(p["held"] for p in row["per_stream"])
+    assert row["capacity"] == (2 if row["held"] == 2 else None)
+    assert ("capacity 2" in row["verdict"]) == (row["held"] == 2)
+    for p in row["per_stream"]:
+        assert p["frames"] > 2 and p["window_frames_due"] > 0 and 0 <= p["on_time"] <= 1
+        assert p["held"] == (p["on_time"] >= 0.99) and p["error"] is None and p["ttff_s"] > 0
+    assert 0 < row["ttff_p50_s"] <= row["ttff_p95_s"] and row["window_s"] >= 3.0
+    assert set(row["steps_chosen"]) == {"1"}  # fixed 1 step, from the coordinator's status samples
+    assert row["mean_batch"] >= 1 and len(row["stages"]) == 2 and all(st["batches"] > 0 for st in row["stages"])
+    assert row["memory"]["decoder_state_bytes_per_stream"] > 0  # the gateway's tiny decoder state
+    assert row["frames_delivered"] > 0 and row["gateway_cpu_ms_per_frame"] > 0
+    assert row["slo_model"]["vae_source"] in ("none", "operator", "gateway")  # what admission priced the decode at
+
+    # The report's capacity table renders the row.
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# B\n\n{BEGIN}\n{END}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.report", "--results", str(tmp_path), "--out", str(doc)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    text = doc.read_text()
+    priced = f"(VAE priced {row['slo_model']['vae_chunk_ms']:.3g} ms/chunk, {row['slo_model']['vae_source']}) | 2 | "
+    assert f"| tiny, 1 step, 64×64, tiny {priced}" in text and f"RESOURCE_EXHAUSTED, {refusal['ms']:.0f} ms" in text
+
+
+def _run(**capacity) -> dict:
+    """A capacity-only harness result (no main stream) with one capacity row."""
+    row = {
+        "decoder": "tiny",
+        "admitted": 7,
+        "held": 7,
+        "capacity": 7,
+        "verdict": "capacity 7: every admitted stream held, stream 8 refused",
+        "refusal": {"stream": 8, "code": "RESOURCE_EXHAUSTED", "details": "over capacity", "ms": 41.6},
+        "ttff_p50_s": 0.612,
+        "ttff_p95_s": 0.777,
+        "on_time_min": 0.9951,
+        "freezes": 0,
+        "steps_chosen": {"1": 30, "2": 90},
+        "mean_batch": 3.5,
+        "stages": [{"index": 0, "mean_forward_ms": 37.25, "mean_batch": 3.5}],
+        "memory": {"decoder_state_bytes_per_stream": 64 << 20, "kv_bytes_per_stream": 300 << 20},
+        "gateway_cpu_ms_per_frame": 1.234,
+        "ramp": [{"streams": 1, "stages": [{"mean_forward_ms": 21.04, "mean_batch": 1.0}]}],
+        **capacity,
+    }
+    return {
+        "harness": 2,
+        "commit": "abc1234",
+        "dirty": False,
+        "versions": {k: "v" for k in ("torch", "cuda", "nccl", "diffusers", "driver", "gpu")} | {"gpu_count": 1},
+        "command": "python -m benchmarks.harness --capacity",
+        "timesteps": [700.0],
+        "args": {"model": "wan2.1-1.3b", "width": 832, "height": 480, "steps": 2, "load_min_steps": 1, "stages": 1},
+        "system": {"main": None, "lead": None, "load": [], "capacity": [row]},
+        "peer": None,
+        "floor": None,
+        "ratios": {"vs_peer": None, "vs_peer_compiled": None, "of_floor": None},
+    }
+
+
+@pytest.mark.unit
+def test_the_capacity_table_renders_each_cell_from_the_json_and_names_what_is_missing(tmp_path):
+    (tmp_path / "v2_cap_a.json").write_text(json.dumps(_run()))
+    not_held = _run(
+        held=5, capacity=None, verdict="admitted but not held: 5 of 7 admitted streams held", decoder="full"
+    )
+    not_held["commit"] = "def5678"
+    (tmp_path / "v2_cap_b.json").write_text(json.dumps(not_held))
+    doc = tmp_path / "B.md"
+    assert report.main(["--results", str(tmp_path), "--out", str(doc)]) == 0
+    text = doc.read_text()
+    lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| 1.3B, SLO 1–2 steps")}
+    tiny = lines["| 1.3B, SLO 1–2 steps, 832×480, tiny"]
+    assert tiny == (
+        "| 1.3B, SLO 1–2 steps, 832×480, tiny | 1 | **7** | 7 / 7 | RESOURCE_EXHAUSTED, 42 ms | 612 / 777 | 99.5% | 0 "
+        "| 2: 75%, 1: 25% | 3.50 | 37.2 | 64 / 300 | 1.23 | abc1234 |"
+    )
+    full = lines["| 1.3B, SLO 1–2 steps, 832×480, full"]
+    assert "| – (admitted but not held: 5 of 7 admitted streams held) | 7 / 5 |" in full and "def5678" in full
+    assert "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 1 open: 21.0 ms at batch 1.00" in text  # the ramp
+    # No main stream: no main-stream table rows for these runs; every expected configuration is named as missing.
+    assert "### Steady state" in text and "| 1.3B @ 832×480" not in text
+    missing = text.split("Missing (no `--capacity` JSON yet): ", 1)[1].split("\n", 1)[0]
+    assert "capacity-14b" in missing and "capacity-5b" in missing and "capacity-1.3b`" in missing
+    assert "SLO 1–2" not in missing  # the fixture's configurations are not in the expected list: nothing hides them
+
+
+@pytest.mark.unit
+def test_the_capacity_table_reads_a_load_row_that_met_a_refusal_as_a_look(tmp_path):
+    r = copy.deepcopy(_run())
+    r["system"]["capacity"] = []
+    refused = "ResourceExhaustedError: RESOURCE_EXHAUSTED: over capacity"
+    r["system"]["load"] = [
+        {"streams": 4, "failed": 0, "refused": 0, "held": 3, "all_held": False, "per_stream": [], "steps": []},
+        {
+            "streams": 6,
+            "failed": 1,
+            "refused": 1,
+            "held": 5,
+            "all_held": True,
+            "ttff_p50_s": 0.449,
+            "ttff_p95_s": 0.613,
+            "on_time_min": 1.0,
+            "per_stream": [{"refused": False, "error": None}] * 5 + [{"refused": True, "error": refused}],
+            "steps": [{"1": 240}] * 5,
+            "steady_fps_min": 16.0,
+            "steady_fps_mean": 16.0,
+            "aggregate_fps": 80.0,
+        },
+    ]
+    r["args"] |= {"load_min_steps": None, "steps": 1, "decoders": ["tiny"], "load": [4, 6]}
+    table = report.capacity_table([{**r, "_file": "v2_x.json"}])
+    [line] = [x for x in table.splitlines() if "(load rows:" in x]
+    assert line.startswith("| 1.3B, 1 step, 832×480, tiny (load rows: 6 opened at once, `v2_x.json`) | 1 | **5** |")
+    assert line.endswith("| 5 / 5 | RESOURCE_EXHAUSTED | 449 / 613 | 100.0% | 1: 100% (frames) | abc1234 |")
+    # Not in the capacity mode's table: that one has no rows and says so.
+    assert "| (no capacity rows yet: see Missing) |" in table
+    assert table.index("(no capacity rows yet") < table.index("A look from load rows") < table.index(line)
+
+
+def _rec(arrivals: list[float], error: str | None = None):
+    from types import SimpleNamespace
+
+    gen = SimpleNamespace(info=SimpleNamespace(pipeline_stream_id=7))
+    return SimpleNamespace(arrivals=arrivals, gen=gen, ttff_s=arrivals[0], steps={1: len(arrivals)}, error=error)
+
+
+@pytest.mark.unit
+def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_that_never_came_is_late():
+    from benchmarks.harness import capacity_stream
+
+    paced = [1.0 + i / 16 for i in range(16 * 10)]  # 10 s at 16 FPS from t = 1 s
+    # Late in its first second (the ramp: frames 2..9, 300 ms late), on time inside the window [3 s, 9 s].
+    ramp_late = [t + (0.3 if 2 <= i < 10 else 0.0) for i, t in enumerate(paced)]
+    s = capacity_stream(_rec(ramp_late), 3.0, 9.0, 16.0)
+    assert s["held"] and s["on_time"] == 1.0 and s["window_frames_due"] == 97  # due at 3.0, 3.0625, ..., 9.0
+    assert s["on_time_to_stop"] == (129 - 8) / 129 and s["steady_fps"] == pytest.approx(16.0)
+    assert s["freezes"] == 1 and s["pipeline_stream_id"] == 7  # the ramp's 362 ms gap counts: from the first frame
+    # Frames stop at 6 s: the ones due after it count late, so the stream is not held.
+    cut = [t for t in paced if t <= 6.0]
+    s = capacity_stream(_rec(cut), 3.0, 9.0, 16.0)
+    assert not s["held"] and s["on_time"] == pytest.approx(49 / 97)
+    # A 400 ms freeze inside the window: one gap over 250 ms, and the frames after it late.
+    frozen = [t + (0.4 if t >= 5.0 else 0.0) for t in paced]
+    s = capacity_stream(_rec(frozen), 3.0, 9.0, 16.0)
+    assert s["freezes"] == 1 and s["max_gap_ms"] == pytest.approx(462.5) and not s["held"]
+    # A stream that ended with an error is not held whatever its punctuality.
+    assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]
