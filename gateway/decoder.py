@@ -70,6 +70,39 @@ def _held_bytes(state) -> int:
     return int(held() if callable(held) else held)
 
 
+def load_checked_tiny(
+    path,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    latent_channels: int,
+    spatial_factor: int,
+    temporal_factor: int,
+    compile: bool = False,
+):
+    """A tiny streaming decoder (``gateway.tiny_decoder``) checked against the checkpoint it serves: a file for other
+    latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or another frame geometry is refused,
+    naming ``--tiny-decoder``."""
+    from gateway.tiny_decoder import load_tiny_decoder
+
+    try:
+        part = load_tiny_decoder(path, device=device, dtype=dtype, compile=compile)
+    except ValueError as exc:
+        raise ValueError(f"--tiny-decoder: {exc}") from None
+    if part.latent_channels != latent_channels:
+        raise ValueError(
+            f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
+            f"{latent_channels} (taew2_1: 16, Wan2.1 and Wan2.2-A14B; taew2_2: 48, Wan2.2-TI2V-5B)"
+        )
+    if part.spatial_factor != spatial_factor or temporal_factor != 4:
+        raise ValueError(
+            f"--tiny-decoder {path}: gives {part.spatial_factor}x pixels per latent pixel and 4 frames per latent "
+            f"frame; this checkpoint's VAE gives {spatial_factor}x and {temporal_factor}"
+        )
+    logger.info("tiny decoder %s: %d latent channels, on %s (%s)", path, latent_channels, device, dtype)
+    return part
+
+
 class LocalDecoder:
     """The VAE in this process: one ``StreamVAE``, or ``StreamVAESlice`` s (each on its own device) as a pipeline.
 
@@ -87,27 +120,18 @@ class LocalDecoder:
     def tiny(
         cls, path, *, device: str, dtype: torch.dtype, latent_channels: int, spatial_factor: int, temporal_factor: int
     ) -> LocalDecoder:
-        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, checked against the checkpoint it
-        serves: a file for other latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or
-        another frame geometry is refused, naming ``--tiny-decoder``."""
-        from gateway.tiny_decoder import load_tiny_decoder
-
-        try:
-            part = load_tiny_decoder(path, device=device, dtype=dtype)
-        except ValueError as exc:
-            raise ValueError(f"--tiny-decoder: {exc}") from None
-        if part.latent_channels != latent_channels:
-            raise ValueError(
-                f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
-                f"{latent_channels} (taew2_1: 16, Wan2.1 and Wan2.2-A14B; taew2_2: 48, Wan2.2-TI2V-5B)"
+        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, decoding one stream per call
+        (``load_checked_tiny``; the gateway shares one across its streams instead: ``gateway.batched_decoder``)."""
+        return cls(
+            load_checked_tiny(
+                path,
+                device=device,
+                dtype=dtype,
+                latent_channels=latent_channels,
+                spatial_factor=spatial_factor,
+                temporal_factor=temporal_factor,
             )
-        if part.spatial_factor != spatial_factor or temporal_factor != 4:
-            raise ValueError(
-                f"--tiny-decoder {path}: gives {part.spatial_factor}x pixels per latent pixel and 4 frames per latent "
-                f"frame; this checkpoint's VAE gives {spatial_factor}x and {temporal_factor}"
-            )
-        logger.info("tiny decoder %s: %d latent channels, on %s (%s)", path, latent_channels, device, dtype)
-        return cls(part)
+        )
 
     @classmethod
     def from_folder(
@@ -159,7 +183,9 @@ class LocalDecoder:
 
         return capture_graphs(self.parts, latent_hw=latent_hw, slots=slots, capture_for=capture_for or default_capture)
 
-    def open(self, capacity: int) -> LocalSession:
+    def open(self, capacity: int, paced: bool = False) -> LocalSession:
+        """``paced`` is for decoders shared by streams (``gateway.batched_decoder``); each session here has its own
+        threads."""
         return LocalSession(self.parts, capacity)
 
     def depth(self, capacity: int) -> int:
@@ -262,7 +288,7 @@ class RemoteDecoder:
         self.channel = connect(address, mtls, "vae-stage", CHANNEL_OPTIONS)
         self.stub = vpb_grpc.VAEStageServiceStub(self.channel)
 
-    def open(self, capacity: int) -> RemoteSession:
+    def open(self, capacity: int, paced: bool = False) -> RemoteSession:
         return RemoteSession(self, capacity)
 
     def depth(self, capacity: int) -> int:
