@@ -172,6 +172,8 @@ class BatchedDecoder:
         )
         if buckets is None and part.device.type == "cuda":
             buckets = DEFAULT_BUCKETS
+        if compile:
+            allow_variants(len(buckets or DEFAULT_BUCKETS))
         return cls(part, buckets=buckets)
 
     # ---- the LocalDecoder surface -----------------------------------------------------------------------------
@@ -357,6 +359,15 @@ class BatchedDecoder:
                 else:
                     s.out.append(item)
             self.cond.notify_all()
+
+
+def allow_variants(buckets: int) -> None:
+    """Let dynamo keep a compiled pass per bucket (and a few sizes each) rather than falling back to eager after its
+    default cache limit of 8."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, 4 * buckets)
 
 
 def _to_host_uint8(videos: list[torch.Tensor]) -> list[np.ndarray]:
