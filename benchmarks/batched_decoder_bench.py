@@ -126,9 +126,7 @@ def serve(decoder: BatchedDecoder, args, paced: int, unpaced: int) -> dict:
         reader.join()
 
     sessions = [decoder.open(4, paced=True) for _ in range(paced)] + [decoder.open(4) for _ in range(unpaced)]
-    threads = [
-        threading.Thread(target=producer, args=(s, i < paced), daemon=True) for i, s in enumerate(sessions)
-    ]
+    threads = [threading.Thread(target=producer, args=(s, i < paced), daemon=True) for i, s in enumerate(sessions)]
     for t in threads:
         t.start()
     stop.wait(args.seconds)
@@ -137,7 +135,11 @@ def serve(decoder: BatchedDecoder, args, paced: int, unpaced: int) -> dict:
         t.join()
     for s in sessions:
         s.close()
-    sizes = decoder.batch_sizes[sizes_before - len(decoder.batch_sizes) :] if len(decoder.batch_sizes) > sizes_before else []
+    sizes = (
+        decoder.batch_sizes[sizes_before - len(decoder.batch_sizes) :]
+        if len(decoder.batch_sizes) > sizes_before
+        else []
+    )
     lat = sorted(latencies)
     return {
         "row": "served",
@@ -189,7 +191,9 @@ def main(argv=None) -> int:
         measured = decoder.warm((1, 16, args.latent_frames, *args.hw))
         warm_s = time.perf_counter() - t0
         for rows_n, ms in measured.items():
-            rows.append({"row": "bucket", "streams": rows_n, "call_ms": round(ms, 3), "per_stream_ms": round(ms / rows_n, 3)})
+            rows.append(
+                {"row": "bucket", "streams": rows_n, "call_ms": round(ms, 3), "per_stream_ms": round(ms / rows_n, 3)}
+            )
         exact = exactness(decoder, args)
         for n in args.streams:
             rows.append(serve(decoder, args, n, args.unpaced))

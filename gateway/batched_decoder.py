@@ -24,9 +24,10 @@ session's results.  A chunk that fails alone (bad shape, another size than its s
 group whose call fails is decoded again stream by stream (``decode_batch`` changes no state before it finishes), so
 that only the streams that fail alone fail.  Waiting is on one condition variable, never by polling.
 
-Costs: every call is timed (CUDA events on a GPU, wall time on a CPU) and kept as an exponential average of the
-per-stream ms at each batch size; ``warm`` measures each bucket before serving.  ``batch_ms`` merges both for the
-coordinator's SLO model (``VaeCost.batch_ms``, ``gateway.vae_cost``).
+Costs: every call is timed, its uint8 conversion and copy to the host included (CUDA events on a GPU, wall time on a
+CPU), and kept as an exponential average of the per-stream ms at each batch size; ``warm`` measures each bucket
+before serving.  ``batch_ms`` merges both for the coordinator's SLO model (``VaeCost.batch_ms``,
+``gateway.vae_cost``).
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ class BatchedDecoder:
                     xs = [torch.randn(latent_shape, generator=gen) for _ in range(rows)]
                     start, stop = self._start_timer()
                     start()
-                    self.part.decode_batch(states, xs)
+                    _to_host_uint8(self.part.decode_batch(states, xs, pad_to=rows))
                     ms = stop()
                     if c >= STEADY_FROM:
                         samples.append(ms)
@@ -329,7 +330,6 @@ class BatchedDecoder:
             start, stop = self._start_timer()
             start()
             videos = self.part.decode_batch(states, xs, pad_to=self.bucket(len(group)))
-            ms = stop()
         except Exception as exc:  # noqa: BLE001 - find the stream(s) at fault: each alone
             if len(group) == 1:
                 logger.exception("tiny decoder: a stream's chunk failed")
@@ -338,13 +338,13 @@ class BatchedDecoder:
             for item in group:
                 out += self._decode_group([item])
             return out
-        self.times.record(len(group), ms)
+        frames = _to_host_uint8(videos)  # its copy waits for the call: the timer's end has passed then
+        self.times.record(len(group), stop())
+        ended_ns = time.time_ns()
         with self.cond:
             self.calls += 1
             self.batch_sizes.append(len(group))
             del self.batch_sizes[:-1000]
-        frames = _to_host_uint8(videos)
-        ended_ns = time.time_ns()
         return [(s, (tag, f, (started_ns, ended_ns))) for (s, tag, _x), f in zip(group, frames, strict=True)]
 
     def _deliver(self, results: list) -> None:
@@ -440,11 +440,13 @@ class BatchedSession:
         while True:
             with cond:
                 cond.wait_for(
-                    lambda: self.out
-                    or self.aborted
-                    or self.failure is not None
-                    or (self.finished and not self.pending and not self.busy)
-                    or self.decoder.closed
+                    lambda: (
+                        self.out
+                        or self.aborted
+                        or self.failure is not None
+                        or (self.finished and not self.pending and not self.busy)
+                        or self.decoder.closed
+                    )
                 )
                 if self.out:
                     item = self.out.popleft()

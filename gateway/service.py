@@ -250,7 +250,9 @@ class Gateway:
         # Each decoder's measured cost goes to the coordinator's SLO model (unless its operator fixed one); the tiny
         # decoder's again whenever its served batches move it.
         self.vae_reporter = (
-            VaeReporter(self.coordinator, self.decoder_costs) if self.vae_cost is not None or self.tiny_measured else None
+            VaeReporter(self.coordinator, self.decoder_costs)
+            if self.vae_cost is not None or self.tiny_measured
+            else None
         )
         wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
         self.pipeline_warmup_chunks = self._warm_pipeline(wait_s) if wait_s > 0 else 0
@@ -471,8 +473,11 @@ class Gateway:
         if isinstance(self.decoder, LocalDecoder):
             measured = self.vae_cost.state_bytes if self.vae_cost is not None else 0
             per_stream["full"] = measured or int(
-                FULL_VAE_STATE_BYTES * DTYPES[self.opts.vae_dtype].itemsize / FULL_VAE_STATE_ITEMSIZE
-                * (self.defaults.height * self.defaults.width) / (480 * 832)
+                FULL_VAE_STATE_BYTES
+                * DTYPES[self.opts.vae_dtype].itemsize
+                / FULL_VAE_STATE_ITEMSIZE
+                * (self.defaults.height * self.defaults.width)
+                / (480 * 832)
             )
         if self.tiny_decoder is not None:
             per_stream["tiny"] = self.tiny_decoder.state_bytes_at((shape[-2], shape[-1]))

@@ -277,9 +277,7 @@ class TinyStreamDecoder:
         if not x.is_floating_point():
             raise ValueError(f"{name}: latents must be floating point, got {x.dtype}")
 
-    def _decode_locked(
-        self, states: list[TinyStreamState], xs: list[torch.Tensor], rows: int
-    ) -> list[torch.Tensor]:
+    def _decode_locked(self, states: list[TinyStreamState], xs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
         hw = (xs[0].shape[3], xs[0].shape[4])
         for i, s in enumerate(states):
             if s.released:
