@@ -5,7 +5,7 @@ Usage (one GPU; random weights in the published layout unless ``--tiny-weights``
 
     python -m benchmarks.batched_decoder_bench --compile --streams 1,4,6,8,10,16 --unpaced 8 \\
         --json benchmarks/results/batched_decoder.json
-    python -m benchmarks.batched_decoder_bench --smoke --json /tmp/batched_smoke.json     # CPU, 8x8 latents
+    python -m benchmarks.batched_decoder_bench --smoke --json /tmp/batched_smoke.json     # CPU, 4x4 latents
 
 Rows:
 
@@ -52,7 +52,7 @@ def parse_ints(text: str) -> tuple[int, ...]:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU, 8x8 latents, 1 s: a quick check")
+    ap.add_argument("--smoke", action="store_true", help="CPU, 4x4 latents, 1 s: a quick check")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
     ap.add_argument("--compile", action="store_true", help="torch.compile each bucket's pass (as --vae-compile)")
@@ -67,7 +67,7 @@ def parse_args(argv):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.device, args.dtype, args.latent, args.seconds = "cpu", "float32", "8x8", 1.0
+        args.device, args.dtype, args.latent, args.seconds = "cpu", "float32", "4x4", 1.0
         args.buckets, args.streams, args.fps = (1, 2), (1, 2), 4.0
     try:
         h, w = (int(v) for v in args.latent.split("x"))
