@@ -208,3 +208,27 @@ def test_a_memory_refusal_in_the_chain_gives_back_what_earlier_checks_took():
     assert len(taken) == 1  # the refused stream's slot was given back
     release()
     assert taken == [] and memory.held == 0
+
+
+def test_the_gateway_serves_tiny_streams_on_the_batched_decoder_and_admits_by_decoder_memory(tmp_path):
+    from gateway import service
+    from launcher.demo_checkpoint import write_demo_checkpoint
+
+    root = write_demo_checkpoint(tmp_path / "ckpt", tiny_decoder=True)
+    opts = service.GatewayOptions(
+        coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=0, decoder_memory_gib=1e-9
+    )
+    gw = service.Gateway(opts)
+    try:
+        assert isinstance(gw.tiny_decoder, BatchedDecoder)
+        assert gw.vae_reporter is None and gw.decoder_costs() == [None]  # a CPU measures nothing for the GPUs' model
+        memory = gw.decoder_memory
+        assert memory.per_pixel["full"] > memory.per_pixel["tiny"] > 0
+        full_cfg = resolve_config(
+            stream_config("a cat", decoder="full"), defaults=gw.defaults, model=gw.model, decoders=gw.decoders
+        )
+        with pytest.raises(Refused, match="decoder memory: .* on the full decoder holds"):
+            gw.admit(full_cfg, "client")
+        assert gw.admitted == 0  # the count cap's slot was given back
+    finally:
+        gw.stop(grace=0)
