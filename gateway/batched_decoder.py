@@ -64,10 +64,11 @@ class BatchTimes:
     """Per-stream ms per chunk at each batch size: measured at start-up (per bucket, the whole call's ms) and the
     exponential average of the calls served since.  Thread-safe."""
 
-    def __init__(self, weight: float = EMA_WEIGHT):
+    def __init__(self, weight: float = EMA_WEIGHT, *, padded: bool = True):
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.weight = weight
+        self.padded = padded  # calls run at the measured sizes (buckets); else at any size, interpolated
         self.lock = threading.Lock()
         self.served: dict[int, float] = {}  # streams in the call -> per-stream ms (average)
         self.measured: dict[int, float] = {}  # rows of the call (a bucket) -> whole call's ms
@@ -85,9 +86,11 @@ class BatchTimes:
             self.measured[rows] = call_ms
 
     def per_stream_ms(self, up_to: int) -> list[float]:
-        """[i]: per-stream ms with i + 1 streams in a call: served if seen, else the smallest measured batch of at
-        least i + 1 rows shared by i + 1 streams (what padding to it costs), else the largest measured one scaled
-        up; empty when nothing is known."""
+        """[i]: per-stream ms with i + 1 streams in a call: served if seen, else from the start-up measurements:
+        padded, the smallest measured batch of at least i + 1 rows shared by i + 1 streams (what padding to it
+        costs); not padded, the call's ms interpolated between the measured sizes around i + 1; past the largest
+        measured size its per-stream cost; with no measurement the nearest served size's.  Empty when nothing is
+        known."""
         with self.lock:
             served, measured = dict(self.served), dict(self.measured)
         if not served and not measured:
@@ -98,8 +101,13 @@ class BatchTimes:
                 out.append(served[n])
                 continue
             above = [r for r in measured if r >= n]
-            if above:
+            below = [r for r in measured if r <= n]
+            if above and (self.padded or not below):
                 out.append(measured[min(above)] / n)
+            elif above:
+                lo, hi = max(below), min(above)
+                call = measured[lo] if lo == hi else measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+                out.append(call / n)
             elif measured:
                 top = max(measured)
                 out.append(measured[top] / top)  # beyond the largest bucket: at least its per-stream cost
@@ -134,7 +142,7 @@ class BatchedDecoder:
         self.parts = [part]  # as LocalDecoder's: what the gateway's warm-up and cost measurement look at
         self.max_batch = max_batch
         self.buckets = buckets
-        self.times = BatchTimes()
+        self.times = BatchTimes(padded=buckets is not None)
         self._timer = timer  # tests: () -> (start(), stop() -> ms)
         self.cond = threading.Condition()
         self.sessions: list[BatchedSession] = []
@@ -158,8 +166,8 @@ class BatchedDecoder:
         compile: bool = False,
         buckets: tuple[int, ...] | None = None,
     ) -> BatchedDecoder:
-        """The checked tiny decoder (``gateway.decoder.load_checked_tiny``) behind one worker; on a GPU padded to
-        ``buckets`` (default ``DEFAULT_BUCKETS``), on a CPU not padded."""
+        """The checked tiny decoder (``gateway.decoder.load_checked_tiny``) behind one worker; compiled on a GPU,
+        padded to ``buckets`` (default ``DEFAULT_BUCKETS``), else not padded."""
         from gateway.decoder import load_checked_tiny
 
         part = load_checked_tiny(
@@ -171,8 +179,8 @@ class BatchedDecoder:
             temporal_factor=temporal_factor,
             compile=compile,
         )
-        if buckets is None and part.device.type == "cuda":
-            buckets = DEFAULT_BUCKETS
+        if buckets is None and part.device.type == "cuda" and compile:
+            buckets = DEFAULT_BUCKETS  # eager kernels take any batch: padding would only add work
         if compile:
             allow_variants(len(buckets or DEFAULT_BUCKETS))
         return cls(part, buckets=buckets)

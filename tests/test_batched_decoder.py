@@ -320,6 +320,11 @@ def test_batch_times_average_each_size_and_fall_back_to_measurements():
     assert times.per_stream_ms(3) == [8.0, 15.0, 8.0]  # past the largest measurement: its per-stream cost
     with pytest.raises(ValueError, match="weight"):
         BatchTimes(weight=0)
+    unpadded = BatchTimes(padded=False)
+    unpadded.set_measured(2, 20.0)
+    unpadded.set_measured(4, 28.0)
+    # 1 stream: at most the smallest call; 3 streams: a 24 ms call between 2 streams' and 4's; 5: 4's per-stream
+    assert unpadded.per_stream_ms(5) == [20.0, 10.0, 8.0, 7.0, 7.0]
 
 
 def test_the_state_a_stream_holds_is_known_before_it_starts(tiny_path):
