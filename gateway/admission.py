@@ -8,6 +8,9 @@ Usage::
     admission = Admission([count_cap, budget.check])        # the gateway's; later checks append (e.g. capacity)
     release = admission.admit(cfg)                          # raises Refused; release() gives back what was taken
 
+    memory = DecoderMemory.derive("cuda:0", {"full": vae_bytes, "tiny": tiny_bytes}, (480, 832), budget_gib=0)
+    memory.check(cfg)                                       # Refused(RESOURCE_EXHAUSTED, "decoder memory: ...")
+
 A check is ``check(cfg) -> release | None``: it raises ``Refused`` to refuse the stream, or returns a callable that
 gives back what it took (a slot) when a later check refuses or the stream ends before it started.  The gateway's
 order is: count cap (``--max-streams``), cost budget, then whatever is appended (capacity admission).
@@ -24,8 +27,9 @@ kind (``HEADROOM``); ``stagecast.json`` (``max_frame_pixels``, ``max_stream_cost
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -120,6 +124,90 @@ class CostBudget:
                 f"{cost:.4g} pixel-passes/s is over this gateway's {self.max_stream_cost:.4g} per stream "
                 f"(--max-stream-cost; {self.origin}); lower width, height, target_fps, steps or chunk_frames",
             )
+
+
+GIB = 1024**3
+# What is left on the decoder's device besides the decoder states: activations of a decode call, the allocator's
+# slack, and a stage beside the gateway growing after it started.  At least this, or this fraction of the device.
+MEMORY_RESERVE_BYTES = 8 * GIB
+MEMORY_RESERVE_FRACTION = 0.1
+MAX_BUDGET_GIB = 1 << 20  # a budget past a petabyte is not a budget
+
+
+@dataclass
+class DecoderMemory:
+    """Admission by the memory a stream's decoder state holds on the gateway's device (``--decoder-memory-gib``).
+
+    ``per_pixel`` is each decoder kind's state bytes per frame pixel (its state at the serving size over that size's
+    pixels: the caches scale with the frame); a stream holds ``per_pixel[cfg.decoder] x width x height`` from
+    admission until it is forgotten.  ``budget`` None: unbounded (a CPU, where the host's memory is not the limit
+    this guards)."""
+
+    budget: int | None
+    per_pixel: dict[str, float]
+    device: str
+    origin: str = ""
+    held: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @classmethod
+    def derive(
+        cls,
+        device: str,
+        state_bytes: dict[str, int],
+        serving_hw: tuple[int, int],
+        *,
+        budget_gib: float = 0,
+        free_bytes: Callable[[], tuple[int, int]] | None = None,
+    ) -> DecoderMemory:
+        """``state_bytes``: each decoder kind's one-stream state at the serving size ``serving_hw`` (height, width).
+        ``budget_gib`` > 0 is the budget; 0 derives it: on a GPU its free memory now (``free_bytes() -> (free,
+        total)``, by default ``torch.cuda.mem_get_info``) less a reserve, on a CPU unbounded."""
+        if not 0 <= budget_gib <= MAX_BUDGET_GIB:
+            raise ValueError(f"--decoder-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {budget_gib}")
+        for kind, held in state_bytes.items():
+            if held < 0:
+                raise ValueError(f"decoder state bytes of {kind!r} must be >= 0, got {held}")
+        pixels = serving_hw[0] * serving_hw[1]
+        if pixels <= 0:
+            raise ValueError(f"serving size must be positive, got {serving_hw[0]}x{serving_hw[1]}")
+        per_pixel = {kind: held / pixels for kind, held in state_bytes.items()}
+        if budget_gib > 0:
+            return cls(int(budget_gib * GIB), per_pixel, device, "set")
+        if not device.startswith("cuda"):
+            return cls(None, per_pixel, device, "unbounded on a CPU")
+        if free_bytes is None:
+            import torch
+
+            free_bytes = lambda: torch.cuda.mem_get_info(torch.device(device))  # noqa: E731
+        free, total = free_bytes()
+        reserve = max(MEMORY_RESERVE_BYTES, int(MEMORY_RESERVE_FRACTION * total))
+        budget = max(0, free - reserve)
+        origin = f"{device}'s {free / GIB:.1f} GiB free at start-up less a {reserve / GIB:.1f} GiB reserve"
+        return cls(budget, per_pixel, device, origin)
+
+    def need(self, cfg: EffectiveConfig) -> int:
+        return int(self.per_pixel.get(cfg.decoder, 0.0) * cfg.width * cfg.height)
+
+    def check(self, cfg: EffectiveConfig) -> Release | None:
+        need = self.need(cfg)
+        if need == 0:
+            return None
+        with self.lock:
+            if self.budget is not None and self.held + need > self.budget:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decoder memory: a {cfg.width}x{cfg.height} stream on the {cfg.decoder} decoder holds "
+                    f"{need / GIB:.2f} GiB of decoder state on {self.device}; this gateway's streams hold "
+                    f"{self.held / GIB:.2f} of its {self.budget / GIB:.2f} GiB (--decoder-memory-gib; {self.origin}); "
+                    "ask for the tiny decoder or a smaller frame, or retry later",
+                )
+            self.held += need
+        return lambda: self._give_back(need)
+
+    def _give_back(self, need: int) -> None:
+        with self.lock:
+            self.held -= need
 
 
 class Admission:

@@ -40,7 +40,19 @@ def add_parser(sub) -> None:
         help="run the text encoder eagerly on a GPU (default: one captured CUDA graph, checked against eager at start)",
     )
     p.add_argument("--vae-dtype", default="float32", choices=DTYPES, help="VAE weights and activations")
-    p.add_argument("--vae-compile", action="store_true", help="torch.compile the VAE decoder (GPU)")
+    p.add_argument(
+        "--vae-compile",
+        action="store_true",
+        help="torch.compile the VAE decoder, and the tiny decoder's pass at each batch size it pads to (GPU)",
+    )
+    p.add_argument(
+        "--decoder-memory-gib",
+        type=float,
+        default=0,
+        help="device memory the streams' decoder states may hold (full VAE ~1.8 GiB per 480x832 stream, tiny ~64 MiB)"
+        "; a stream past it is refused with RESOURCE_EXHAUSTED. 0: on a GPU its free memory at start-up less a "
+        "reserve (8 GiB or 10%%), on a CPU unbounded",
+    )
     p.add_argument(
         "--vae-cuda-graphs",
         action="store_true",
@@ -221,6 +233,7 @@ def _gateway_options(args: argparse.Namespace):
         vae_split=args.vae_split,
         tiny_decoder=args.tiny_decoder,
         default_decoder=args.default_decoder,
+        decoder_memory_gib=args.decoder_memory_gib,
         mtls=mtls_from_flags(args.mtls, args.insecure_internal, "stagecast gateway"),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

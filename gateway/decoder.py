@@ -24,6 +24,7 @@ Each part says what range its video is in (``output_range``: the Wan VAE's [-1, 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -70,44 +71,114 @@ def _held_bytes(state) -> int:
     return int(held() if callable(held) else held)
 
 
+def load_checked_tiny(
+    path,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    latent_channels: int,
+    spatial_factor: int,
+    temporal_factor: int,
+    compile: bool = False,
+):
+    """A tiny streaming decoder (``gateway.tiny_decoder``) checked against the checkpoint it serves: a file for other
+    latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or another frame geometry is refused,
+    naming ``--tiny-decoder``."""
+    from gateway.tiny_decoder import load_tiny_decoder
+
+    try:
+        part = load_tiny_decoder(path, device=device, dtype=dtype, compile=compile)
+    except ValueError as exc:
+        raise ValueError(f"--tiny-decoder: {exc}") from None
+    if part.latent_channels != latent_channels:
+        raise ValueError(
+            f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
+            f"{latent_channels} (taew2_1: 16, Wan2.1 and Wan2.2-A14B; taew2_2: 48, Wan2.2-TI2V-5B)"
+        )
+    if part.spatial_factor != spatial_factor or temporal_factor != 4:
+        raise ValueError(
+            f"--tiny-decoder {path}: gives {part.spatial_factor}x pixels per latent pixel and 4 frames per latent "
+            f"frame; this checkpoint's VAE gives {spatial_factor}x and {temporal_factor}"
+        )
+    logger.info("tiny decoder %s: %d latent channels, on %s (%s)", path, latent_channels, device, dtype)
+    return part
+
+
+MAX_GATE_SLOTS = 64
+GPU_GATE_SLOTS = 2  # decodes in flight per GPU part: one launching while one finishes; the rest wait, paced first
+
+
+class DecodeGate:
+    """At most ``slots`` decodes at once on one part (one device); a paced stream's waiting decode goes before any
+    unpaced one's, so unpaced streams' decodes never queue ahead of a paced stream's on a shared GPU.
+
+    Usage: ``with gate.hold(paced): ...decode...``.  Unpaced waiters wait while any paced one does (paced streams
+    run at their frame rate, so they leave room unless the GPU is over-committed, when they should win)."""
+
+    def __init__(self, slots: int):
+        if not 1 <= slots <= MAX_GATE_SLOTS:
+            raise ValueError(f"decode gate slots must be in 1..{MAX_GATE_SLOTS}, got {slots}")
+        self.slots = slots
+        self.free = slots
+        self.waiting = [0, 0]  # paced, unpaced
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, paced: bool):
+        kind = 0 if paced else 1
+        with self.cond:
+            self.waiting[kind] += 1
+            try:
+                self.cond.wait_for(lambda: self.free > 0 and (paced or self.waiting[0] == 0))
+            finally:
+                self.waiting[kind] -= 1
+            self.free -= 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.free += 1
+                self.cond.notify_all()
+
+
 class LocalDecoder:
     """The VAE in this process: one ``StreamVAE``, or ``StreamVAESlice`` s (each on its own device) as a pipeline.
 
     ``parts`` is a decoder or a list of them, first to last: the first takes latents, the last gives video.  Every
     part runs in its own thread per stream, so with several parts a stream's consecutive chunks are in different
     parts (and devices) at once, and with one part the next chunk decodes while the consumer encodes this one.
+
+    ``gate_slots``: each part's decodes pass a ``DecodeGate`` of that many slots (paced streams' first); None: one of
+    ``GPU_GATE_SLOTS`` for a part on a GPU, none on a CPU (where the threads share the cores); 0: none.
     """
 
-    def __init__(self, parts: ChunkDecoder | list[ChunkDecoder]):
+    def __init__(self, parts: ChunkDecoder | list[ChunkDecoder], gate_slots: int | None = None):
         self.parts = list(parts) if isinstance(parts, list | tuple) else [parts]
         if not self.parts or not self.parts[0].takes_latents or not self.parts[-1].gives_video:
             raise ValueError("a local decoder needs parts that take latents first and give video last")
+        self.gates = []
+        for part in self.parts:
+            slots = gate_slots
+            if slots is None:
+                slots = GPU_GATE_SLOTS if getattr(part.device, "type", "cpu") == "cuda" else 0
+            self.gates.append(DecodeGate(slots) if slots else None)
 
     @classmethod
     def tiny(
         cls, path, *, device: str, dtype: torch.dtype, latent_channels: int, spatial_factor: int, temporal_factor: int
     ) -> LocalDecoder:
-        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, checked against the checkpoint it
-        serves: a file for other latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or
-        another frame geometry is refused, naming ``--tiny-decoder``."""
-        from gateway.tiny_decoder import load_tiny_decoder
-
-        try:
-            part = load_tiny_decoder(path, device=device, dtype=dtype)
-        except ValueError as exc:
-            raise ValueError(f"--tiny-decoder: {exc}") from None
-        if part.latent_channels != latent_channels:
-            raise ValueError(
-                f"--tiny-decoder {path}: decodes {part.latent_channels}-channel latents; this checkpoint's DiT makes "
-                f"{latent_channels} (taew2_1: 16, Wan2.1 and Wan2.2-A14B; taew2_2: 48, Wan2.2-TI2V-5B)"
+        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, decoding one stream per call
+        (``load_checked_tiny``; the gateway shares one across its streams instead: ``gateway.batched_decoder``)."""
+        return cls(
+            load_checked_tiny(
+                path,
+                device=device,
+                dtype=dtype,
+                latent_channels=latent_channels,
+                spatial_factor=spatial_factor,
+                temporal_factor=temporal_factor,
             )
-        if part.spatial_factor != spatial_factor or temporal_factor != 4:
-            raise ValueError(
-                f"--tiny-decoder {path}: gives {part.spatial_factor}x pixels per latent pixel and 4 frames per latent "
-                f"frame; this checkpoint's VAE gives {spatial_factor}x and {temporal_factor}"
-            )
-        logger.info("tiny decoder %s: %d latent channels, on %s (%s)", path, latent_channels, device, dtype)
-        return cls(part)
+        )
 
     @classmethod
     def from_folder(
@@ -159,8 +230,9 @@ class LocalDecoder:
 
         return capture_graphs(self.parts, latent_hw=latent_hw, slots=slots, capture_for=capture_for or default_capture)
 
-    def open(self, capacity: int) -> LocalSession:
-        return LocalSession(self.parts, capacity)
+    def open(self, capacity: int, paced: bool = False) -> LocalSession:
+        """``paced``: the stream's decodes go before unpaced streams' at each part's gate."""
+        return LocalSession(self.parts, capacity, paced=paced, gates=self.gates)
 
     def depth(self, capacity: int) -> int:
         """Chunks a stream needs queued here to keep every part busy: one per part and one waiting (at most
@@ -179,8 +251,10 @@ class _Failure:
 class LocalSession:
     """Latents wait in a bounded queue; one worker thread per part decodes, each handing on to the next."""
 
-    def __init__(self, parts: list[ChunkDecoder], capacity: int):
+    def __init__(self, parts: list[ChunkDecoder], capacity: int, *, paced: bool = False, gates: list | None = None):
         self.parts = parts
+        self.paced = paced
+        self.gates = gates or [None] * len(parts)
         self.states = [part.new_state() for part in parts]
         # inbox (capacity) -> part 0 -> [1] -> part 1 -> ... -> [1] -> results()
         self.channels = [BoundedChannel(capacity)] + [BoundedChannel(1) for _ in parts]
@@ -201,10 +275,12 @@ class LocalSession:
                     outbox.put_final(item)
                     return
                 tag, x, started_ns = item
-                started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
-                y = part.decode_chunk(state, x)
-                if part.gives_video:
-                    y = uint8_frames(part, y).cpu().numpy()
+                gate = self.gates[i]
+                with gate.hold(self.paced) if gate is not None else contextlib.nullcontext():
+                    started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
+                    y = part.decode_chunk(state, x)
+                    if part.gives_video:
+                        y = uint8_frames(part, y).cpu().numpy()
                 if not outbox.put((tag, y, started_ns)):
                     inbox.close(drop=True)  # aborted downstream: stop the parts upstream too
                     return
@@ -262,7 +338,7 @@ class RemoteDecoder:
         self.channel = connect(address, mtls, "vae-stage", CHANNEL_OPTIONS)
         self.stub = vpb_grpc.VAEStageServiceStub(self.channel)
 
-    def open(self, capacity: int) -> RemoteSession:
+    def open(self, capacity: int, paced: bool = False) -> RemoteSession:
         return RemoteSession(self, capacity)
 
     def depth(self, capacity: int) -> int:

@@ -94,6 +94,7 @@ def warm_pipeline(
     text: torch.Tensor,
     consumer_depth: int,
     wait_s: float,
+    decoder: str = "full",
     clock: Callable[[], float] = time.monotonic,
     stop: threading.Event | None = None,
 ) -> int:
@@ -114,6 +115,7 @@ def warm_pipeline(
         text=wire.tensor_to_proto(text),
         acknowledges=True,
         consumer_depth=consumer_depth,
+        decoder=decoder,
     )
     received = 0
     try:

@@ -43,7 +43,8 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from gateway.admission import Admission, CostBudget, Refused, passes
+from gateway.admission import Admission, CostBudget, DecoderMemory, Refused, passes
+from gateway.batched_decoder import BatchedDecoder
 from gateway.checkpoint import ModelInfo, ServingDefaults, tiny_decoder_file
 from gateway.config import (
     MAX_REQUEST_BYTES,
@@ -63,7 +64,7 @@ from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
-from gateway.vae_cost import VaeCost, VaeReporter, measure_vae
+from gateway.vae_cost import VaeCost, VaeReporter, measure_vae, tiny_cost
 from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
 from stagecast import api, telemetry
 from stagecast.cuda_graphs import cuda_graph_capture
@@ -107,6 +108,10 @@ def max_request_bytes(max_frame_pixels: int) -> int:
 
 
 HEADROOM_THREADS = 16  # beyond every bounded kind of call: health checks, GetStatus, refusals in flight
+# The Wan VAE's per-stream caches when not measured (VAE on the CPU, or the measurement failed): ~1.8 GiB at 480x832
+# in bfloat16 (scaled by the dtype and frame pixels).
+FULL_VAE_STATE_BYTES = int(1.8 * 1024**3)
+FULL_VAE_STATE_ITEMSIZE = 2
 
 
 @dataclass
@@ -124,7 +129,9 @@ class GatewayOptions:
     text_graph: bool = True  # on a GPU, the text encoder's forward as one captured CUDA graph (checked at start)
     text_cache: int = 256
     vae_dtype: str = "float32"
-    vae_compile: bool = False  # torch.compile the VAE decoder (GPU; compiled before the gateway serves)
+    # torch.compile the VAE decoder, and the tiny decoder's pass at each batch bucket (GPU; compiled before the
+    # gateway serves)
+    vae_compile: bool = False
     # A stream's steady-state VAE frames as CUDA graph replays (gateway.vae_graphs), captured before serving for
     # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
     vae_cuda_graphs: bool = False
@@ -146,6 +153,9 @@ class GatewayOptions:
     # weights file (None: the checkpoint's tiny_decoder/, if any), on ``device`` in ``vae_dtype``.
     tiny_decoder: str | None = None
     default_decoder: str = "full"  # what DECODER_UNSPECIFIED gets: "full" (the VAE) or "tiny"
+    # Device memory the streams' decoder states may hold (gateway.admission.DecoderMemory); 0: on a GPU its free
+    # memory at start-up less a reserve, on a CPU unbounded.
+    decoder_memory_gib: float = 0
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
     slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
@@ -204,14 +214,16 @@ class Gateway:
                 compile=opts.vae_compile,
             )
         tiny_path = tiny_decoder_file(root, opts.tiny_decoder)
+        # Every tiny stream's ready chunk in one call (gateway.batched_decoder): one worker for all of them.
         self.tiny_decoder = (
-            LocalDecoder.tiny(
+            BatchedDecoder.tiny(
                 tiny_path,
                 device=opts.device,
                 dtype=DTYPES[opts.vae_dtype],
                 latent_channels=self.model.latent_channels,
                 spatial_factor=self.model.spatial_factor,
                 temporal_factor=self.model.temporal_factor,
+                compile=opts.vae_compile and torch.device(opts.device).type == "cuda",
             )
             if tiny_path is not None
             else None
@@ -232,10 +244,16 @@ class Gateway:
             logger.info("VAE graphs: parts graphed %s, captured in %.1f s", graphed, time.perf_counter() - start)
         # Measured after the capture: what streams will cost, graphed where they hold a slot.
         self.vae_cost = self._measure_vae()
+        self.tiny_measured = self._warm_tiny()
         self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
-        # The measured VAE cost goes to the coordinator's SLO model (unless its operator fixed one).
-        self.vae_reporter = VaeReporter(self.coordinator, self.vae_cost) if self.vae_cost is not None else None
+        # Each decoder's measured cost goes to the coordinator's SLO model (unless its operator fixed one); the tiny
+        # decoder's again whenever its served batches move it.
+        self.vae_reporter = (
+            VaeReporter(self.coordinator, self.decoder_costs)
+            if self.vae_cost is not None or self.tiny_measured
+            else None
+        )
         wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
         self.pipeline_warmup_chunks = self._warm_pipeline(wait_s) if wait_s > 0 else 0
 
@@ -250,8 +268,9 @@ class Gateway:
             max_frame_pixels=opts.max_frame_pixels,
             max_stream_cost=opts.max_stream_cost,
         )
-        # Admission, in order: count cap, cost budget (later checks, e.g. capacity, are appended).
-        self.admission = Admission([self._count_cap, self.budget.check])
+        self.decoder_memory = self._decoder_memory()
+        # Admission, in order: count cap, cost budget, decoder memory (later checks, e.g. capacity, are appended).
+        self.admission = Admission([self._count_cap, self.budget.check, self.decoder_memory.check])
         self.quotas = Quotas(opts.quotas, opts.max_streams)  # per client, within the global bounds (gateway.quotas)
         self.cost_budget = self._describe_budget()
         self.version = 0  # bumped on every change WatchStatus reports
@@ -346,6 +365,7 @@ class Gateway:
                 text=self.encoder.encode("warm-up"),
                 consumer_depth=decoder.depth(self.opts.buffer_chunks),
                 wait_s=wait_s,
+                decoder=cfg.decoder,
             )
         except Exception:  # noqa: BLE001 - a warm-up is never a reason not to serve
             logger.warning("pipeline warm-up failed; serving without it", exc_info=True)
@@ -412,6 +432,62 @@ class Gateway:
                 ", ".join(f"{ms:.2f}" for ms in cost.part_ms),
             )
         return cost
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        """One chunk of the serving defaults' latents."""
+        sf = self.model.spatial_factor
+        return (
+            1,
+            self.model.latent_channels,
+            self.defaults.chunk_frames,
+            self.defaults.height // sf,
+            self.defaults.width // sf,
+        )
+
+    def _warm_tiny(self) -> bool:
+        """A tiny decoder on a GPU: every batch bucket's pass built (compiled with ``--vae-compile``) and timed before
+        serving, the start-up ``batch_ms`` the coordinator hears.  Returns whether it was measured."""
+        if self.tiny_decoder is None or self.tiny_decoder.part.device.type != "cuda":
+            return False
+        start = time.perf_counter()
+        try:
+            self.tiny_decoder.warm(self._latent_shape())
+        except Exception:  # noqa: BLE001 - a measurement for the SLO model, never a reason not to serve
+            logger.warning("warming and measuring the tiny decoder's batches failed", exc_info=True)
+            return False
+        self.warmup_s += time.perf_counter() - start
+        return True
+
+    def decoder_costs(self) -> list[VaeCost | None]:
+        """What the reporter sends: the full VAE's measured cost, and the tiny decoder's as it stands now."""
+        costs: list[VaeCost | None] = [self.vae_cost]
+        if self.tiny_measured:
+            costs.append(tiny_cost(self.tiny_decoder, self._latent_shape()))
+        return costs
+
+    def _decoder_memory(self) -> DecoderMemory:
+        """The admission bound on decoder state (``--decoder-memory-gib``): each local decoder's one-stream state at
+        the serving size (the VAE's as measured, else estimated; VAE stages hold theirs elsewhere)."""
+        shape = self._latent_shape()
+        per_stream: dict[str, int] = {}
+        if isinstance(self.decoder, LocalDecoder):
+            measured = self.vae_cost.state_bytes if self.vae_cost is not None else 0
+            per_stream["full"] = measured or int(
+                FULL_VAE_STATE_BYTES
+                * DTYPES[self.opts.vae_dtype].itemsize
+                / FULL_VAE_STATE_ITEMSIZE
+                * (self.defaults.height * self.defaults.width)
+                / (480 * 832)
+            )
+        if self.tiny_decoder is not None:
+            per_stream["tiny"] = self.tiny_decoder.state_bytes_at((shape[-2], shape[-1]))
+        devices = self.opts.vae_devices or [self.opts.device]
+        return DecoderMemory.derive(
+            devices[0],
+            per_stream,
+            (self.defaults.height, self.defaults.width),
+            budget_gib=self.opts.decoder_memory_gib,
+        )
 
     def start(self) -> None:
         if self.vae_reporter is not None:

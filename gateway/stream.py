@@ -171,6 +171,7 @@ class StreamRun:
             pace_offset_s=self.cfg.pace_offset_s,
             ladders=[ipb.Ladder(timesteps=ladder) for ladder in self.cfg.ladders],
             latency_first=self.cfg.steps_preference == "latency_first",
+            decoder=self.cfg.decoder,  # the SLO model prices the stream's chunks at this decoder's reported cost
         )
         if self.cfg.image is not None:  # image-to-video: the first frame's latent, encoded as the pipeline does
             request.image.CopyFrom(wire.tensor_to_proto(encode_image(self.host.input_encoder(), self.cfg.image)))
@@ -190,7 +191,8 @@ class StreamRun:
                 temporal_factor=self.host.temporal_factor,
             )
         with self._lock:
-            self.session = self.decoder.open(self.limits.buffer_chunks)
+            # A decoder shared by streams (the batched tiny one) decodes paced streams' chunks first.
+            self.session = self.decoder.open(self.limits.buffer_chunks, paced=self.cfg.pace)
             ended = self.outcome is not None  # the client left while we were opening
         if ended:
             self.session.abort()

@@ -126,6 +126,10 @@ class TinyDecoder(nn.Module):
         layers += [nn.ReLU(), _conv3(n[3], 3 * patch_size**2)]
         self.decoder = nn.Sequential(*layers)
 
+    def state_bytes(self, latent_hw: tuple[int, int], element_size: int) -> int:
+        """What one stream's state holds for latents of ``latent_hw`` at ``element_size`` bytes per value."""
+        return sum(c * h * w for c, h, w in self.memory_shapes(latent_hw)) * element_size
+
     def memory_shapes(self, latent_hw: tuple[int, int]) -> list[tuple[int, int, int]]:
         """(C, H, W) of each MemBlock's input, in layer order, for latents of ``latent_hw``."""
         shapes, (h, w), scale = [], latent_hw, 1
@@ -232,9 +236,16 @@ class TinyStreamDecoder:
         return self.decode_batch([state], [x])[0]
 
     @torch.no_grad()
-    def decode_batch(self, states: list[TinyStreamState], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def decode_batch(
+        self, states: list[TinyStreamState], xs: list[torch.Tensor], *, pad_to: int | None = None
+    ) -> list[torch.Tensor]:
         """Several streams' chunks, all of one shape, in one pass: each layer runs once per frame for all of them.
-        Returns each stream's video, as ``decode_chunk`` of it alone would (bit for bit on a CPU)."""
+        Returns each stream's video, as ``decode_chunk`` of it alone would (bit for bit on a CPU).
+
+        ``pad_to``: run the pass at this batch size, the rows past the streams' being zeros that no stream keeps (so
+        a compiled pass sees a few batch sizes only, ``gateway.batched_decoder``'s buckets)."""
+        if pad_to is not None and not len(states) <= pad_to <= MAX_BATCH:
+            raise ValueError(f"pad_to must be in {len(states)}..{MAX_BATCH} (the streams..MAX_BATCH), got {pad_to}")
         if len(states) != len(xs):
             raise ValueError(f"got {len(states)} states and {len(xs)} chunks")
         if not 1 <= len(states) <= MAX_BATCH:
@@ -249,7 +260,7 @@ class TinyStreamDecoder:
         for s in ordered:
             s.lock.acquire()
         try:
-            return self._decode_locked(states, xs)
+            return self._decode_locked(states, xs, pad_to or len(states))
         finally:
             for s in ordered:
                 s.lock.release()
@@ -266,7 +277,7 @@ class TinyStreamDecoder:
         if not x.is_floating_point():
             raise ValueError(f"{name}: latents must be floating point, got {x.dtype}")
 
-    def _decode_locked(self, states: list[TinyStreamState], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _decode_locked(self, states: list[TinyStreamState], xs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
         hw = (xs[0].shape[3], xs[0].shape[4])
         for i, s in enumerate(states):
             if s.released:
@@ -277,12 +288,16 @@ class TinyStreamDecoder:
                 )
         x = torch.cat([x.to(self.device, self.dtype) for x in xs])
         memory = self._gather(states, hw)
+        if rows > len(states):  # scratch rows: zeros in, dropped after
+            pad = rows - len(states)
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            memory = [torch.cat([m, m.new_zeros(pad, *m.shape[1:])]) for m in memory]
         frames: list[torch.Tensor] = []
         for t in range(x.shape[2]):
             # contiguous: elementwise kernels' bits may depend on the layout, which depends on T
             raw, memory = self._frame(x[:, :, t].contiguous(), memory)
             frames += [self.model.postprocess(f) for f in raw]
-        self._scatter(states, memory, hw)
+        self._scatter(states, memory, hw, padded=rows > len(states))
         videos = []
         for b, s in enumerate(states):
             skip = max(0, FRAMES_TO_TRIM - s.frames_out)
@@ -304,10 +319,12 @@ class TinyStreamDecoder:
         per_stream = [s.memory or [torch.zeros(1, *shape, **stats) for shape in shapes] for s in states]
         return [torch.cat(ms) for ms in zip(*per_stream, strict=True)]
 
-    def _scatter(self, states: list[TinyStreamState], memory: list[torch.Tensor], hw: tuple[int, int]) -> None:
+    def _scatter(
+        self, states: list[TinyStreamState], memory: list[torch.Tensor], hw: tuple[int, int], *, padded: bool = False
+    ) -> None:
         for b, s in enumerate(states):
             # A copy per stream: a view would keep the whole batch's tensor alive until every stream moved on.
-            s.memory = list(memory) if len(states) == 1 else [m[b : b + 1].clone() for m in memory]
+            s.memory = list(memory) if len(states) == 1 and not padded else [m[b : b + 1].clone() for m in memory]
             s.latent_hw = hw
 
 

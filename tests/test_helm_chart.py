@@ -384,6 +384,17 @@ def test_a_tiny_decoder_on_the_model_volume_reaches_the_gateways_args(helm):
     assert "gateway.tinyDecoder" in escape and "inside the model volume" in escape
 
 
+def test_the_decoder_memory_budget_reaches_the_gateways_args_and_parses(helm):
+    from tests.test_helm_cli_contract import parse
+
+    args = main_container(render(helm, gateway={"decoderMemoryGib": 40.5}).component("Deployment", "gateway"))["args"]
+    assert arg_value(args, "--decoder-memory-gib") == "40.5"
+    assert parse(args).decoder_memory_gib == 40.5  # the real CLI takes it
+    plain = main_container(render(helm).component("Deployment", "gateway"))["args"]
+    assert "--decoder-memory-gib" not in plain  # 0: derived by the gateway
+    assert "decoderMemoryGib" in render_error(helm, gateway={"decoderMemoryGib": -1})
+
+
 def test_multinode_spreads_stages_with_partition(helm):
     r = render(helm, "multinode")
     sts = r.component("StatefulSet", "stage")
