@@ -239,7 +239,9 @@ for part in "$@"; do
             --stages "$stages" --decoder tiny,full --capacity-max 12 --seconds 0 \
             --json "$out/v2_cap_13b_slo4_${stages}gpu${sfx}.json" ;;
         capacity-14b)
-          timeout 540 "${harness[@]}" "${cap[@]}" --model wan2.1-14b --steps 1 --stages "$stages" --decoder tiny \
+          # Stages eager: a graphed 14B forward is no faster (123 vs 119 ms per chunk, attention_14b_b12_1gpu.json),
+          # and on one GPU the graphs' buffer cap left 5.9 GiB for KV, less than one 6-frame window (8.3 GiB).
+          timeout 540 python -m benchmarks.harness --vae-compile "${cap[@]}" --model wan2.1-14b --steps 1 --stages "$stages" --decoder tiny \
             --capacity-max 8 --seconds 20 --json "$out/v2_cap_14b_1step_${stages}gpu${sfx}.json" ;;
         capacity-5b)
           timeout 480 "${harness[@]}" "${cap[@]}" --model wan2.2-ti2v-5b --width 1280 --height 704 --steps 1 \
