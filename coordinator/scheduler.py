@@ -204,6 +204,8 @@ class StreamBatchScheduler:
         if spec.input_latents:
             # The input is the clock: a stop ends the stream after the chunks whose input has arrived.
             can_start = st.next_chunk < st.inputs and len(st.inflight) < cap
+        if nxt_spec.levels == 1 and c - 1 in st.inflight:
+            can_start = False  # its one level is its last: it finishes after the chunk before it (see below)
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
             can_start = False
         if st.credit is not None and st.next_chunk >= st.credit:
