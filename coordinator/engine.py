@@ -794,8 +794,9 @@ class PipelineEngine(Generations):
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
         retry = self._retry_after()
         detail = (
-            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps would need "
-            f"{need:.0%} of the slowest stage (the limit is {self.controller.target:.0%})"
+            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
+            f"{newcomer.decoder} decoder would need {need:.0%} of the slowest stage (the limit is "
+            f"{self.controller.target:.0%})"
         )
         return Capacity(False, detail, retry)
 
