@@ -55,11 +55,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--vae-ms-per-chunk",
-        type=float,
         default=None,
-        help="SLO controller: ms of each stage GPU one chunk's VAE decode takes (the gateway's VAE split over the "
-        "stage GPUs), counted per chunk whatever its steps; overrides what the gateway measures and reports "
-        "(default: the gateway's measurement; 0 until it reports, or with --slo-fixed)",
+        help="SLO controller: ms of the busiest stage GPU one chunk's decode takes (the gateway's decoder shares the "
+        "stage GPUs), counted per chunk whatever its steps: a number for the full VAE, or KIND=MS per decoder kind "
+        "(full=26,tiny=5); overrides what the gateway measures and reports for those kinds (default: the gateway's "
+        "measurement; 0 until it reports, or with --slo-fixed)",
     )
     p.add_argument(
         "--slo-fixed",
@@ -97,8 +97,6 @@ def _options(args: argparse.Namespace, mtls):
 
     if args.slo_fixed and not args.stage_ms:
         raise SystemExit("--slo-fixed keeps the --stage-ms calibration: give --stage-ms too")
-    if args.vae_ms_per_chunk is not None and not 0 <= args.vae_ms_per_chunk < 1e5:
-        raise SystemExit(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {args.vae_ms_per_chunk}")
 
     return CoordinatorOptions(
         stages=args.stages,
@@ -115,12 +113,32 @@ def _options(args: argparse.Namespace, mtls):
         playout_s=args.playout_s,
         stage_ms=_stage_ms(args.stage_ms, args.stages),
         slo_learn=not args.slo_fixed,
-        vae_ms_per_chunk=args.vae_ms_per_chunk,
+        vae_ms_per_chunk=_vae_ms(args.vae_ms_per_chunk),
         metrics_port=args.metrics_port,
         mtls=mtls,
         metrics_host=args.metrics_host,
         health_port=args.health_port,
     )
+
+
+def _vae_ms(text: str | None) -> dict[str, float] | None:
+    """``--vae-ms-per-chunk``: a number (the full VAE's ms per chunk) or ``KIND=MS[,KIND=MS]``."""
+    from coordinator.slo import decoder_kind
+
+    if text is None:
+        return None
+    values: dict[str, float] = {}
+    try:
+        for item in text.split(",") if "=" in text else [f"full={text}"]:
+            kind, _, ms = item.partition("=")
+            values[decoder_kind(kind.strip())] = float(ms)
+    except ValueError as exc:
+        what = f"a number of ms or KIND=MS[,KIND=MS] ({exc}), got {text[:80]!r}"
+        raise SystemExit(f"--vae-ms-per-chunk: {what}") from None
+    for kind, ms in values.items():
+        if not 0 <= ms < 1e5:  # NaN too
+            raise SystemExit(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {ms} for {kind}")
+    return values
 
 
 def _stage_ms(text: str | None, stages: int) -> list[float] | None:

@@ -44,9 +44,9 @@ from coordinator.generations import Generations, StageLink, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
-from coordinator.slo import CostModel, Demand, SloController
+from coordinator.slo import FULL, CostModel, Demand, SloController, decoder_kind
 from stagecast import wire
-from stagecast.api import DEFAULT_FPS
+from stagecast.api import DECODERS, DEFAULT_FPS
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import stream_kv_bytes
@@ -123,6 +123,7 @@ class StreamSession:
     finished: dict[int, pb.Tensor] = field(default_factory=dict)  # the clean latents a recache would need
     inputs_received: int = 0
     kv: dict[int, int] = field(default_factory=dict)  # worst-case KV bytes reserved on each stage while it is open
+    decoder: str = FULL  # the decoder the gateway runs it on ("full" | "tiny"): what its chunks' decode costs
 
     @property
     def best_effort(self) -> bool:
@@ -182,7 +183,7 @@ class PipelineEngine(Generations):
         stage_ms: list[float] | None = None,
         slo_interval_s: float = 1.0,
         slo_learn: bool = True,
-        vae_ms_per_chunk: float | None = None,
+        vae_ms_per_chunk: float | dict[str, float] | None = None,
     ):
         self.registry = registry
         # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
@@ -202,10 +203,12 @@ class PipelineEngine(Generations):
         self.clock = clock
         self._idle_ticks = 0
         # The SLO controller's model of stage time per batch: the operator's --stage-ms, else each stage's calibration
-        # at READY (on_formed), refined by measured batches; the VAE per chunk: the operator's, else the gateway's
-        # measurement (report_vae).  --slo-fixed (slo_learn False) keeps the operator's numbers only.
-        if not slo_learn and vae_ms_per_chunk is None:
-            vae_ms_per_chunk = 0.0
+        # at READY (on_formed), refined by measured batches; each decoder kind's cost per chunk: the operator's (a
+        # number: the full VAE's; or ms per kind), else the gateway's measurement (report_vae).  --slo-fixed
+        # (slo_learn False) keeps the operator's numbers only.
+        if not slo_learn:  # every decoder kind fixed: the operator's number, else 0
+            given = vae_ms_per_chunk if isinstance(vae_ms_per_chunk, dict) else {FULL: vae_ms_per_chunk}
+            vae_ms_per_chunk = {kind: given.get(kind) or 0.0 for kind in DECODERS}
         self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk)
         self.calibrated: set[int] = set()  # stages whose model started from their own calibration
         self.controller = SloController(self.cost)
@@ -312,7 +315,9 @@ class PipelineEngine(Generations):
         ladders: list[tuple[float, ...]] | None = None,
         latency_first: bool = False,
         negative_text: torch.Tensor | None = None,
+        decoder: str = "",
     ) -> StreamSession:
+        decoder = decoder_kind(decoder)  # ValueError naming decoder: INVALID_ARGUMENT
         if not (chunk_rate == 0 or 0 < chunk_rate <= MAX_CHUNK_RATE):  # also catches NaN
             raise ValueError(f"chunk_rate must be 0 (unpaced) or in (0, {MAX_CHUNK_RATE}] chunks/s, got {chunk_rate}")
         if pace_offset_s != 0 and not (chunk_rate > 0 and 0 < pace_offset_s < 1 / chunk_rate):  # NaN too
@@ -330,6 +335,7 @@ class PipelineEngine(Generations):
                 clean=spec.policy == "clean",
                 latency_first=latency_first,
                 rows=self._rows(spec),
+                decoder=decoder,
             )
             state = AdmissionState(
                 ready=self.ready,
@@ -368,6 +374,7 @@ class PipelineEngine(Generations):
                 latency_first=latency_first,
                 steps=spec.steps,
                 kv=self._stage_kv(spec, max(by_steps)),
+                decoder=decoder,
             )
             self.sessions[sid] = session
             self._decided_at = None  # the set of streams changed: decide steps at the next tick
@@ -550,13 +557,32 @@ class PipelineEngine(Generations):
                     cal.seconds,
                 )
 
-    def report_vae(self, chunk_ms: float, what: str = "") -> bool:
-        """The gateway measured its VAE: ``chunk_ms`` per chunk on the busiest GPU (ignored when the operator fixed
-        it with --vae-ms-per-chunk or --slo-fixed)."""
+    def report_vae(
+        self,
+        chunk_ms: float,
+        what: str = "",
+        *,
+        decoder: str = FULL,
+        batch_ms: tuple[float, ...] | list[float] = (),
+        state_bytes: int = 0,
+    ) -> bool:
+        """The gateway measured decoder kind ``decoder``: ``chunk_ms`` per chunk alone on the busiest GPU, ``batch_ms``
+        per stream at 1..n streams decoding together (empty: it does not batch).  Each report replaces that kind's
+        numbers (ignored when the operator fixed them with --vae-ms-per-chunk or --slo-fixed); a change makes the
+        controller decide again, and admission uses it from the next open.  ``ValueError`` names a field out of
+        range."""
         with self.cond:
-            changed = self.cost.report_vae(chunk_ms)
+            changed = self.cost.report_vae(decoder, chunk_ms, batch_ms, state_bytes)
             if changed:
-                logger.info("the SLO model counts the gateway's VAE at %.2f ms per chunk%s", chunk_ms, what)
+                kind = decoder_kind(decoder)
+                batched = f", per stream {', '.join(f'{m:.2f}' for m in batch_ms)} at 1..{len(batch_ms)} in one call"
+                logger.info(
+                    "the SLO model counts the gateway's %s decoder at %.2f ms per chunk%s%s",
+                    kind,
+                    chunk_ms,
+                    batched if batch_ms else "",
+                    what,
+                )
                 self._decided_at = None  # decide steps again with the new cost
                 self._wake()
             return changed
@@ -682,6 +708,7 @@ class PipelineEngine(Generations):
             clean=session.spec.policy == "clean",
             latency_first=session.latency_first,
             rows=self._rows(session.spec),
+            decoder=session.decoder,
         )
 
     def _rows(self, spec: StreamSpec) -> int:
@@ -767,18 +794,20 @@ class PipelineEngine(Generations):
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
         retry = self._retry_after()
         detail = (
-            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps would need "
-            f"{need:.0%} of the slowest stage (the limit is {self.controller.target:.0%})"
+            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
+            f"{newcomer.decoder} decoder would need {need:.0%} of the slowest stage (the limit is "
+            f"{self.controller.target:.0%})"
         )
         return Capacity(False, detail, retry)
 
-    def capacity(self) -> list[tuple[int, float]]:
-        """(steps, streams): more streams at 16 FPS, one latent frame per chunk, the pipeline holds now."""
+    def capacity(self, decoder: str = FULL) -> list[tuple[int, float]]:
+        """(steps, streams): more streams at 16 FPS, one latent frame per chunk, on ``decoder``, the pipeline holds
+        now."""
         with self.cond:
             admitted = self._demands()
             out = []
             for steps in CAPACITY_STEPS:
-                n = self.controller.capacity_streams(admitted, CAPACITY_CHUNK_RATE, steps)
+                n = self.controller.capacity_streams(admitted, CAPACITY_CHUNK_RATE, steps, decoder=decoder)
                 if n is not None:
                     out.append((steps, n))
             return out
@@ -1040,8 +1069,19 @@ class PipelineEngine(Generations):
                     )
                     for s in sorted(self.sessions.values(), key=lambda s: s.id)
                 ],
-                capacity=[pb.Capacity(steps=n, streams=c) for n, c in self.capacity()],
+                capacity=[pb.Capacity(steps=n, streams=c, decoder=FULL) for n, c in self.capacity()],
                 vae_chunk_ms=self.cost.chunk_ms,
                 vae_source=self.cost.vae_source,
                 calibrated_stages=sorted(self.calibrated),
+                decoders=[
+                    pb.DecoderCostStatus(
+                        decoder=kind,
+                        chunk_ms=cost.chunk_ms,
+                        batch_ms=list(cost.batch_ms),
+                        state_bytes=cost.state_bytes,
+                        source=cost.source,
+                        capacity=[pb.Capacity(steps=n, streams=c, decoder=kind) for n, c in self.capacity(kind)],
+                    )
+                    for kind, cost in self.cost.decoders.items()
+                ],
             )

@@ -23,8 +23,10 @@ Readiness rules for micro-step (s, c, i):
   * ``clean``: the clean pass of (s, c-1) entered in an earlier tick before any level of chunk c;
   * i > 0: (s, c, i-1) entered at least P ticks ago (its latent has come back from the last stage);
   * a step change (``set_steps``) applies from the next chunk not yet started; under ``per_level`` that chunk
-    starts a new KV segment and waits until every earlier chunk of the stream has left the pipeline
-    (``stagecast.microstep.ChunkSpecs``).
+    starts a new KV segment (``stagecast.microstep.ChunkSpecs``), which reads none of the earlier chunks' K/V, so
+    it enters while the chunks of the old ladder finish: the pipeline does not drain at a step change;
+  * a chunk's last level waits until the chunk before it has issued its own (chunks of a stream finish in order,
+    also when a chunk on a shorter ladder follows one on a longer).
 Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
 up to ``max_batch`` rows that share a latent shape form the batch.
 
@@ -190,6 +192,10 @@ class StreamBatchScheduler:
             # every stream was asked, so a level issued at all was issued before now.
             if spec.policy == "per_level" and prev is not None and prev.level < nxt:
                 continue
+            # A chunk's last level waits for the chunk before it to finish: chunks of a stream finish in order, also
+            # across a step change, where a chunk on the shorter ladder would otherwise overtake one on the longer.
+            if nxt == ch.levels - 1 and prev is not None:
+                continue
             out.append(((st.best_effort, ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
         c = st.next_chunk
         nxt_spec = st.specs.at(c)
@@ -198,8 +204,8 @@ class StreamBatchScheduler:
         if spec.input_latents:
             # The input is the clock: a stop ends the stream after the chunks whose input has arrived.
             can_start = st.next_chunk < st.inputs and len(st.inflight) < cap
-        if st.inflight and st.specs.starts_segment(c):
-            can_start = False  # a new per_level KV segment: the earlier chunks leave the pipeline first
+        if nxt_spec.levels == 1 and c - 1 in st.inflight:
+            can_start = False  # its one level is its last: it finishes after the chunk before it (see below)
         if spec.num_chunks is not None and st.next_chunk >= spec.num_chunks:
             can_start = False
         if st.credit is not None and st.next_chunk >= st.credit:

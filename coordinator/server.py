@@ -68,8 +68,9 @@ class CoordinatorOptions:
     playout_s: float = 0.5  # how far ahead of its real-time slot a paced stream may start a chunk
     stage_ms: list[float] | None = None  # SLO controller calibration: ms per batch of one per stage (None: measure)
     slo_learn: bool = True  # False: the controller keeps the calibration instead of learning from measured batches
-    # SLO controller: each chunk's VAE decode on each stage GPU, the operator's (None: the gateway's measurement)
-    vae_ms_per_chunk: float | None = None
+    # SLO controller: each chunk's decode on the busiest stage GPU, the operator's: the full VAE's ms, or ms per decoder
+    # kind (None, or a kind not named: the gateway's measurement)
+    vae_ms_per_chunk: float | dict[str, float] | None = None
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -155,6 +156,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 ladders=[tuple(ladder.timesteps) for ladder in request.ladders],
                 latency_first=request.latency_first,
                 negative_text=negative,
+                decoder=request.decoder,
             )
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
@@ -224,7 +226,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         if not 0 <= request.parts <= 1024:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"parts: must be in [0, 1024], got {request.parts}")
         where = f" ({request.parts} part(s), the slowest on {request.device[:64]})" if request.parts else ""
-        self.engine.report_vae(request.chunk_ms, where)
+        try:
+            self.engine.report_vae(
+                request.chunk_ms,
+                where,
+                decoder=request.decoder,
+                batch_ms=list(request.batch_ms),
+                state_bytes=request.state_bytes,
+            )
+        except ValueError as exc:  # names the field: decoder, batch_ms[i], state_bytes
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.Empty()
 
     def SubmitInput(self, request: pb.InputLatents, context):

@@ -26,11 +26,16 @@ configuration cannot keep every stage busy.
 
 ``--controller`` asks the SLO controller (``coordinator.slo``) instead: with these stage times, how many streams
 at ``--fps`` (one latent frame per chunk) the topology holds and at which steps, as streams arrive one by one
-(each may run ``--min-steps`` .. ``--steps``), and where admission refuses.  Each row is checked against this
+(each may run ``--min-steps`` .. ``--steps``), and where admission refuses.  Each chunk's decode is priced by the
+decoder the streams run on (``--decoder``): the full VAE at ``--vae-ms-per-chunk``, the tiny decoder at
+``--tiny-ms-per-chunk``, or, for a tiny decoder that decodes several streams in one call, ``--tiny-batch-ms`` (its
+per-stream ms at 1, 2, .. streams together).  Each row is checked against this
 simulator: the real scheduler, run at that load and those steps, must produce the chunks the streams need
 (``simulated`` column)::
 
     stagecast simulate --controller --stages 2 --stage-ms 20,20 --steps 4 --min-steps 1 --streams 12
+    stagecast simulate --controller --stages 1 --stage-ms 20 --steps 1 --streams 16 --decoder tiny \\
+        --tiny-batch-ms 6,5,4.5
 """
 
 from __future__ import annotations
@@ -236,14 +241,25 @@ class ControllerRow:
 
 
 def simulate_controller(
-    cfg: SimConfig, *, min_steps: int = 1, fps: float = DEFAULT_FPS, frames_per_chunk: int = 4, vae_ms: float = 0.0
+    cfg: SimConfig,
+    *,
+    min_steps: int = 1,
+    fps: float = DEFAULT_FPS,
+    frames_per_chunk: int = 4,
+    vae_ms: float = 0.0,
+    decoder: str = "full",
+    tiny_ms: float = 0.0,
+    tiny_batch_ms: tuple[float, ...] = (),
 ) -> tuple[list[ControllerRow], dict[int, float]]:
-    """Streams arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks steps.
-    Returns the rows and the capacity (streams at ``fps``) of an empty pipeline per step count."""
-    from coordinator.slo import CostModel, Demand, SloController
+    """Streams on ``decoder`` arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks
+    steps.  The full VAE costs ``vae_ms`` per chunk; the tiny decoder ``tiny_ms``, or with ``tiny_batch_ms`` the
+    per-stream ms at 1..n streams decoding in one call.  Returns the rows and the capacity (streams at ``fps`` on
+    ``decoder``) of an empty pipeline per step count."""
+    from coordinator.slo import CostModel, DecoderCost, Demand, SloController
 
     stage_ms = cfg.stage_ms or [10.0] * cfg.stages
-    cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth, chunk_ms=vae_ms)
+    decoders = {"full": DecoderCost(vae_ms), "tiny": DecoderCost(tiny_ms, tuple(tiny_batch_ms))}
+    cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth, chunk_ms=decoders)
     ctl = SloController(cost)
     rate = fps / frames_per_chunk
     allowed = tuple(range(min_steps, cfg.steps + 1))
@@ -251,7 +267,7 @@ def simulate_controller(
     admitted: list[Demand] = []
     rows = []
     for i in range(1, cfg.streams + 1):
-        newcomer = Demand(i, rate, allowed, clean=clean)
+        newcomer = Demand(i, rate, allowed, clean=clean, decoder=decoder)
         ok = ctl.admits(newcomer, admitted)
         if ok:
             admitted.append(newcomer)
@@ -285,7 +301,7 @@ def simulate_controller(
         )
         if not ok:
             break
-    capacity = {s: ctl.capacity_streams([], rate, s, clean) or 0.0 for s in allowed}
+    capacity = {s: ctl.capacity_streams([], rate, s, clean, decoder=decoder) or 0.0 for s in allowed}
     return rows, capacity
 
 
@@ -324,7 +340,25 @@ def add_simulate_parser(sub) -> None:
         "--fps", type=float, default=DEFAULT_FPS, help="--controller: each stream's frame rate (4 frames/chunk)"
     )
     p.add_argument(
-        "--vae-ms-per-chunk", type=float, default=0.0, help="--controller: VAE ms per chunk on each stage GPU"
+        "--vae-ms-per-chunk",
+        type=float,
+        default=0.0,
+        help="--controller: the full VAE's ms per chunk on each stage GPU",
+    )
+    p.add_argument(
+        "--decoder",
+        choices=["full", "tiny"],
+        default="full",
+        help="--controller: the decoder the streams run on (the full VAE or the tiny decoder)",
+    )
+    p.add_argument(
+        "--tiny-ms-per-chunk", type=float, default=0.0, help="--controller: the tiny decoder's ms per chunk, alone"
+    )
+    p.add_argument(
+        "--tiny-batch-ms",
+        default=None,
+        help="--controller: the tiny decoder's ms per chunk per stream when 1, 2, .. streams decode in one call, e.g. "
+        "6,5.2,4.8,4.5 (beyond the last: the last; default: it does not batch)",
     )
     p.add_argument(
         "--balance-profile",
@@ -481,6 +515,8 @@ def balance_from_profile(args: argparse.Namespace) -> dict:
 
 
 def _controller_main(cfg: SimConfig, args: argparse.Namespace) -> int:
+    from coordinator.slo import MAX_DECODE_BATCH
+
     if not 1 <= args.min_steps <= cfg.steps:
         print(f"stagecast simulate: error: --min-steps must be in [1, --steps={cfg.steps}]")
         return 2
@@ -490,14 +526,32 @@ def _controller_main(cfg: SimConfig, args: argparse.Namespace) -> int:
     if not 0 <= args.vae_ms_per_chunk < 1e5:
         print("stagecast simulate: error: --vae-ms-per-chunk must be in [0, 100000)")
         return 2
-    rows, capacity = simulate_controller(cfg, min_steps=args.min_steps, fps=args.fps, vae_ms=args.vae_ms_per_chunk)
+    if not 0 <= args.tiny_ms_per_chunk < 1e5:
+        print("stagecast simulate: error: --tiny-ms-per-chunk must be in [0, 100000)")
+        return 2
+    try:
+        batch = tuple(float(x) for x in args.tiny_batch_ms.split(",")) if args.tiny_batch_ms else ()
+    except ValueError:
+        batch = (float("nan"),)
+    if len(batch) > MAX_DECODE_BATCH or not all(0 <= ms < 1e5 for ms in batch):
+        print(f"stagecast simulate: error: --tiny-batch-ms: at most {MAX_DECODE_BATCH} ms values in [0, 100000)")
+        return 2
+    rows, capacity = simulate_controller(
+        cfg,
+        min_steps=args.min_steps,
+        fps=args.fps,
+        vae_ms=args.vae_ms_per_chunk,
+        decoder=args.decoder,
+        tiny_ms=args.tiny_ms_per_chunk,
+        tiny_batch_ms=batch,
+    )
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "capacity": capacity}, indent=2))
         return 0
     stage_ms = cfg.stage_ms or [10.0] * cfg.stages
     print(
         f"stages={cfg.stages} stage_ms={','.join(f'{m:g}' for m in stage_ms)} batch={cfg.batch} "
-        f"policy={cfg.policy} fps={args.fps:g} steps={args.min_steps}..{cfg.steps}"
+        f"policy={cfg.policy} fps={args.fps:g} steps={args.min_steps}..{cfg.steps} decoder={args.decoder}"
     )
     print(
         "capacity of an empty pipeline (streams held at the fps): "

@@ -4,29 +4,42 @@ Usage (the engine calls it under its lock; ``stagecast simulate --controller`` d
 
     cost = CostModel(stages=2, max_batch=4, seed_ms=[20.0, 20.0])      # seed: the operator's, or None
     cost.calibrate(stage=0, ms_by_batch={1: 20.0, 2: 21.0, 4: 23.0})    # the stage's own timing at READY
-    cost.report_vae(26.0)                                               # the gateway's measured VAE decode
+    cost.report_vae("full", 26.0)                                       # the gateway's measured Wan VAE decode
+    cost.report_vae("tiny", 6.0, batch_ms=[6.0, 5.1, 4.8, 4.5])          # a cross-stream batching tiny decoder
     cost.observe(stage=0, micro_steps=4, forward_ms=41.0)               # every BatchDone
     ctl = SloController(cost)
-    steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), steps=4), ...])   # {stream: steps}
+    steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), decoder="tiny"), ...])  # {stream: steps}
     ctl.admits(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)                       # capacity admission
-    ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1)                               # streams at 16 FPS left
+    ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1, decoder="tiny")               # streams at 16 FPS left
 
-**The model.** Besides the DiT, each chunk costs ``chunk_ms`` of every stage GPU (the gateway's VAE decode, split
-over the stage GPUs it shares: the slowest slice's steady-state ms, which the gateway measures at start-up and
-reports, ``report_vae``; the operator's ``--vae-ms-per-chunk`` overrides it; 0 until either), whatever its steps.
-A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches
-are launch-bound, so g is well below a on GPUs).  The pipeline's rate is set by its slowest stage: at the
-batch size B the scheduler forms, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the bottleneck's time.
-B is the average batch of the measured batches (``typical_batch``; the largest batch before any is measured), and
-the ms at a fractional B lie between the two whole sizes around it.  Paced streams rarely fill the largest batch,
-and the batches they do form are measured while the VAE slices time-slice the same GPUs: pricing at the largest
-batch took its calibrated time, measured alone, and on one H200 judged a set of two streams under 80% that kept
-the GPU saturated (BENCHMARKS.md, "SLO-adaptive serving").  A paced stream at ``chunk_rate`` r running s steps
-needs ``r * levels(s)`` micro-steps per second (levels: s, plus the clean pass under ``clean``), so a set of
-streams is held when ``sum_s r_s levels_s * cost_ms / 1000 <= target_utilization`` (default 0.9, the headroom for
-jitter).  The fit is per stage: an exponential average of ms per batch for each batch size seen, from which a and
-g follow by least squares; until two batch sizes are seen the slope is taken as ``growth * a`` (``growth`` 0.05,
-the simulator's).
+**The model.** A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches are
+launch-bound, so g is well below a on GPUs). The pipeline's rate is set by its slowest stage: at the batch size B
+the scheduler forms, one micro-step costs ``max_p (a_p + g_p B) / B`` ms of the bottleneck's time. B is the average
+batch of the measured batches (``typical_batch``; the largest batch before any is measured), and the ms at a
+fractional B lie between the two whole sizes around it. Paced streams rarely fill the largest batch, and the batches
+they do form are measured while the VAE slices time-slice the same GPUs: pricing at the largest batch took its
+calibrated time, measured alone, and on one H200 judged a set of two streams under 80% that kept the GPU saturated
+(BENCHMARKS.md, "SLO-adaptive serving"). A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)``
+micro-steps per second (levels: s, plus the clean pass under ``clean``), so a set of streams is held when ``(sum_s
+r_s levels_s * cost_ms + decode_ms) / 1000 <= target_utilization`` (default 0.9, the headroom for jitter;
+``decode_ms``: the decode per second, below). The fit is per stage: an exponential average of ms per batch for each
+batch size seen, from which a and g follow by least squares; until two batch sizes are seen the slope is taken as
+``growth * a`` (``growth`` 0.05, the simulator's).
+
+**The decode.** Besides the DiT, each chunk costs its decode on the stage GPUs (the gateway's decoder shares them),
+whatever its steps, priced by the decoder the stream runs on (``Demand.decoder``: ``"full"``, the Wan VAE, or
+``"tiny"``; ``OpenStreamRequest.decoder``). Each kind has its own numbers (``DecoderCost``), which the gateway
+measures and reports (``report_vae(kind, chunk_ms, batch_ms, state_bytes)``; it reports again while serving, as its
+measurements at the batches formed change, and each report replaces that kind's numbers): ``chunk_ms``, the slowest
+GPU's steady-state ms for one stream's chunk (a decoder split over GPUs: its slowest slice), and for a decoder that
+decodes several streams' chunks in one call, ``batch_ms[i]``, the ms per chunk *per stream* when i + 1 of its
+streams decode together. A set of streams is charged, per decoder kind, ``sum r_s * chunk_ms`` for a decoder that
+does not batch, and ``sum r_s * batch_ms[n - 1]`` for one that does, n being the number of that kind's paced streams
+(they decode together), clamped to the measured range (beyond the largest measured batch its per-stream ms; a kind
+measured at batch 1 only is priced at it): the per-stream cost falls as a batching decoder's streams grow. A kind
+not reported yet costs the operator's ``--vae-ms-per-chunk`` for it (``full=26,tiny=5``; a plain number is the full
+VAE's), else 0 until reported; the operator's number, where given, is kept over the gateway's reports. A stream on
+the tiny decoder is never priced at the full VAE's numbers, and the reverse.
 
 **Where the stage times start.**  In order of precedence: the operator's ``--stage-ms`` (ms for a batch of one per
 stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
@@ -41,20 +54,22 @@ one stream one offered step count (the stream with the most steps; among equals,
 two thresholds keeps decisions from flapping.  ``latency_first`` streams stay at their ``min_steps``.  Unpaced
 streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their steps.
 
-**Correction from missed deadlines.** The model sees the DiT stages and a VAE cost per chunk, not everything a chunk
-costs: the stage and the VAE slices are separate processes time-slicing each GPU, per-stream decodes do not batch, and
-the gateway's CPU does work per stream. So the engine also watches what viewers see: when a paced stream's consumption
-keeps falling behind its real-time schedule (its first chunk's consumption + c / chunk_rate, the harness's on-time rule;
-``PipelineEngine._check_late``) while the model judged the set held, ``observe_late`` scales the whole model
-(``correction``, at least 1) until the set now running is judged just past the target. Steps then fall at the next
-decision, and admission refuses what would not be held. The correction relaxes (``relax``, half-life
-``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is found again.
+**Correction from missed deadlines.** The model sees the DiT stages and a decode cost per chunk, not everything a
+chunk costs: the stage and the decoder are separate processes time-slicing each GPU, a batching decoder's streams do
+not always decode together, and the gateway's CPU does work per stream. So the engine also watches what viewers see:
+when a paced stream's consumption keeps falling behind its real-time schedule (its first chunk's consumption + c /
+chunk_rate, the harness's on-time rule; ``PipelineEngine._check_late``) while the model judged the set held,
+``observe_late`` scales the whole model (``correction``, at least 1) until the set now running is judged just past
+the target. Steps then fall at the next decision, and admission refuses what would not be held. The correction
+relaxes (``relax``, half-life ``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is
+found again.
 
 **Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
 ``min_steps`` would not be held.  A paced stream on a pipeline with no other paced stream is always admitted (it can
 push no admitted stream below its rate), even where the model says it alone is not held (a CPU deployment): it
 runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams at 16 FPS" is how many more streams of
-a given rate and step count fit beside the admitted ones at their ``min_steps``.
+a given rate, step count and decoder fit beside the admitted ones at their ``min_steps``: the largest whole number
+n of such streams that is held, plus the fraction of the next one that the utilization left over pays for.
 """
 
 from __future__ import annotations
@@ -62,6 +77,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from stagecast.api import DECODERS
 from stagecast.microstep import chunk_levels
 
 TARGET_UTILIZATION = 0.9
@@ -71,6 +87,42 @@ BATCH_EWMA = 0.05  # weight of a new batch in the average batch size the stages 
 LATE_MARGIN = 1.05  # a late stream puts the set it ran in this far past the target
 MAX_CORRECTION = 20.0
 CORRECTION_HALF_LIFE_S = 300.0
+FULL = "full"  # the Wan VAE: the decoder a stream without one named runs on
+MAX_DECODE_BATCH = 256  # entries of a decoder's batch_ms (per-stream ms at 1..n streams decoding together)
+MAX_STATE_BYTES = 1 << 40
+MAX_CAPACITY_STREAMS = 1 << 20  # capacity_streams stops counting here (a model that costs next to nothing)
+
+
+def decoder_kind(name: str) -> str:
+    """A decoder kind as the wire names it (``OpenStreamRequest.decoder``, ``VaeCost.decoder``): "" reads as "full";
+    anything but a known kind is refused naming ``decoder``."""
+    kind = name or FULL
+    if kind not in DECODERS:
+        raise ValueError(f"decoder: must be one of {', '.join(DECODERS)} ('' reads as full), got {name[:64]!r}")
+    return kind
+
+
+@dataclass
+class DecoderCost:
+    """One decoder kind's cost per chunk on the busiest stage GPU (``CostModel.decoders``)."""
+
+    chunk_ms: float = 0.0  # one stream's chunk decoded alone
+    batch_ms: tuple[float, ...] = ()  # per-stream ms when i + 1 streams decode in one call; (): it does not batch
+    state_bytes: int = 0  # one stream's decoder state on the GPU (0: not known)
+    source: str = "none"  # "operator" (--vae-ms-per-chunk) | "gateway" (ReportVaeCost) | "none" (0 until reported)
+
+    def per_stream_ms(self, streams: int) -> float:
+        """The ms each of ``streams`` streams' chunks costs when they decode together; beyond the largest measured
+        batch, its per-stream ms."""
+        if not self.batch_ms or streams <= 0:
+            return self.chunk_ms
+        return self.batch_ms[min(streams, len(self.batch_ms)) - 1]
+
+
+def _check_ms(what: str, ms: float) -> float:
+    if not (math.isfinite(ms) and 0 <= ms < 1e5):
+        raise ValueError(f"{what}: must be in [0, 100000) ms, got {ms}")
+    return float(ms)
 
 
 def _levels(steps: int, clean: bool) -> int:
@@ -90,8 +142,10 @@ class Demand:
     clean: bool = False  # the clean KV policy adds one pass per chunk
     latency_first: bool = False  # hold min_steps; spare capacity goes to latency, not steps
     rows: int = 1  # batch rows per micro-step: 2 for a guided stream in one pipeline (sequential CFG)
+    decoder: str = FULL  # the decoder its chunks are decoded on ("full" | "tiny"): what each chunk's decode costs
 
     def __post_init__(self) -> None:
+        self.decoder = decoder_kind(self.decoder)
         if not self.allowed or any(s < 1 for s in self.allowed):
             raise ValueError(f"stream {self.stream_id}: allowed step counts must be >= 1, got {self.allowed}")
         self.allowed = tuple(sorted(set(self.allowed)))
@@ -163,17 +217,24 @@ class CostModel:
         max_batch: int,
         seed_ms: list[float] | None = None,
         growth: float = 0.05,
-        chunk_ms: float | None = None,
+        chunk_ms: float | dict[str, float | DecoderCost] | None = None,
     ):
         if seed_ms is not None and len(seed_ms) != stages:
             raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
-        if chunk_ms is not None and not 0 <= chunk_ms < 1e5:
-            raise ValueError(f"chunk_ms must be in [0, 100000), got {chunk_ms}")
-        # Work per chunk on each stage GPU besides the DiT, whatever the steps: the gateway's VAE decode split over
-        # the stage GPUs (it shares them).  Lowering steps does not shrink it.  Given here (the operator's): fixed;
-        # None: 0 until the gateway reports its measurement (``report_vae``).
-        self.chunk_ms = chunk_ms or 0.0
-        self.vae_source = "operator" if chunk_ms is not None else "none"  # "operator" | "gateway" | "none"
+        # Work per chunk on the busiest stage GPU besides the DiT, whatever the steps: the decode of the decoder the
+        # stream runs on (it shares the stage GPUs).  Lowering steps does not shrink it.  The operator's (``chunk_ms``:
+        # the full VAE's ms, or per decoder kind its ms or ``DecoderCost``) is fixed; any other kind is 0 until the
+        # gateway reports it (``report_vae``).
+        fixed = {} if chunk_ms is None else chunk_ms if isinstance(chunk_ms, dict) else {FULL: chunk_ms}
+        self.decoders: dict[str, DecoderCost] = {kind: DecoderCost() for kind in DECODERS}
+        for kind, value in fixed.items():
+            given = value if isinstance(value, DecoderCost) else DecoderCost(chunk_ms=value)
+            self.decoders[decoder_kind(kind)] = DecoderCost(
+                _check_ms("chunk_ms", given.chunk_ms),
+                tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(given.batch_ms[:MAX_DECODE_BATCH])),
+                given.state_bytes,
+                "operator",
+            )
 
         self.stages = stages
         self.max_batch = max_batch
@@ -199,14 +260,52 @@ class CostModel:
         self.fits[stage].calibrated = good
         return True
 
-    def report_vae(self, chunk_ms: float) -> bool:
-        """The gateway's measured VAE ms per chunk on the busiest GPU; ignored when the operator fixed it.  Returns
-        whether the model changed."""
-        if self.vae_source == "operator" or not (math.isfinite(chunk_ms) and 0 <= chunk_ms < 1e5):
+    @property
+    def chunk_ms(self) -> float:
+        """The full VAE's ms per chunk (``ClusterStatus.vae_chunk_ms``)."""
+        return self.decoders[FULL].chunk_ms
+
+    @property
+    def vae_source(self) -> str:
+        """Where the full VAE's cost came from: "operator" | "gateway" | "none"."""
+        return self.decoders[FULL].source
+
+    def report_vae(
+        self, decoder: str, chunk_ms: float, batch_ms: tuple[float, ...] | list[float] = (), state_bytes: int = 0
+    ) -> bool:
+        """The gateway's measured cost of decoder kind ``decoder`` (``decoder_kind``): ``chunk_ms`` per chunk alone on
+        the busiest GPU, ``batch_ms`` per stream at 1..n streams decoding together (empty: it does not batch), and
+        one stream's ``state_bytes``.  It replaces that kind's numbers, unless the operator fixed them.  Raises
+        ``ValueError`` naming the field for a value out of range; returns whether the model changed."""
+        kind = decoder_kind(decoder)
+        chunk_ms = _check_ms("chunk_ms", chunk_ms)
+        if len(batch_ms) > MAX_DECODE_BATCH:
+            raise ValueError(f"batch_ms: at most {MAX_DECODE_BATCH} entries, got {len(batch_ms)}")
+        batch = tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(batch_ms))
+        if not 0 <= state_bytes <= MAX_STATE_BYTES:
+            raise ValueError(f"state_bytes: must be in [0, {MAX_STATE_BYTES}], got {state_bytes}")
+        if self.decoders[kind].source == "operator":
             return False
-        changed = chunk_ms != self.chunk_ms or self.vae_source != "gateway"
-        self.chunk_ms, self.vae_source = chunk_ms, "gateway"
+        new = DecoderCost(chunk_ms, batch, int(state_bytes), "gateway")
+        changed = new != self.decoders[kind]
+        self.decoders[kind] = new
         return changed
+
+    def decode_ms(self, demands: list[Demand], extra: tuple[str, float, int] | None = None) -> float:
+        """The decode ms per second the paced ``demands`` (and ``extra``: (decoder, chunk_rate, streams) more) cost the
+        busiest GPU: per decoder kind, the sum of its streams' chunk rates times its per-stream ms at the number of
+        its paced streams (a batching decoder's streams decode together)."""
+        load: dict[str, list[float]] = {}  # kind -> [sum of chunk rates, streams]
+        for d in demands:
+            if d.chunk_rate > 0:
+                acc = load.setdefault(d.decoder, [0.0, 0])
+                acc[0] += d.chunk_rate
+                acc[1] += 1
+        if extra is not None and extra[1] > 0 and extra[2] > 0:
+            acc = load.setdefault(decoder_kind(extra[0]), [0.0, 0])
+            acc[0] += extra[1] * extra[2]
+            acc[1] += extra[2]
+        return sum(rate * self.decoders[kind].per_stream_ms(int(n)) for kind, (rate, n) in load.items())
 
     def observe(self, stage: int, micro_steps: int, forward_ms: float) -> None:
         """One stage's measured batch (``BatchDone``); batches with no micro-steps (GPU timings not read yet) skip."""
@@ -250,14 +349,20 @@ class SloController:
         self.raise_at = raise_utilization
         self.correction = 1.0  # the model's costs times this (>= 1): learned from missed deadlines
 
-    def _modelled(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
+    def _modelled(
+        self, demands: list[Demand], steps: dict[int, int] | None = None, extra: Demand | None = None, n: int = 0
+    ) -> float | None:
+        """The model's busy share (uncorrected) of ``demands`` at ``steps``, plus ``n`` more streams like ``extra``."""
         ms = self.cost.micro_step_ms()
         if ms is None:
             return None
         steps = steps or {}
-        return (
-            sum(d.load(steps.get(d.stream_id, d.steps)) * ms + d.chunk_rate * self.cost.chunk_ms for d in demands) / 1e3
-        )
+        dit = sum(d.load(steps.get(d.stream_id, d.steps)) * ms for d in demands)
+        more = None
+        if extra is not None and n > 0:
+            dit += n * extra.load(extra.steps) * ms
+            more = (extra.decoder, extra.chunk_rate, n)
+        return (dit + self.cost.decode_ms(demands, more)) / 1e3
 
     def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
         """The bottleneck stage's busy share for these streams at ``steps`` (default: their current)."""
@@ -323,12 +428,28 @@ class SloController:
         return util is None or util <= self.target
 
     def capacity_streams(
-        self, admitted: list[Demand], chunk_rate: float, steps: int, clean: bool = False
+        self, admitted: list[Demand], chunk_rate: float, steps: int, clean: bool = False, decoder: str = FULL
     ) -> float | None:
-        """How many more streams at ``chunk_rate`` and ``steps`` fit beside ``admitted`` at their min_steps."""
-        ms = self.cost.micro_step_ms()
-        if ms is None or chunk_rate <= 0:
+        """How many more streams at ``chunk_rate`` and ``steps`` on ``decoder`` fit beside ``admitted`` at their
+        min_steps: the most whole streams that are held, plus the share of one more that the headroom left pays for
+        (a batching decoder's streams cost less each as they grow, so the count is searched, not divided)."""
+        if self.cost.micro_step_ms() is None or chunk_rate <= 0:
             return None
-        used = self.utilization(admitted, {d.stream_id: d.min_steps for d in admitted}) or 0.0
-        one = self.correction * chunk_rate * (_levels(steps, clean) * ms + self.cost.chunk_ms) / 1e3
-        return max(0.0, (self.target - used) / one)
+        floor = {d.stream_id: d.min_steps for d in admitted}
+        extra = Demand(0, chunk_rate, (steps,), clean=clean, decoder=decoder)
+
+        def util(n: int) -> float:
+            return self.correction * (self._modelled(admitted, floor, extra, n) or 0.0)
+
+        if util(0) > self.target:
+            return 0.0
+        lo, hi = 0, 1  # util(lo) is held; find an hi that is not (the utilization grows with every stream)
+        while util(hi) <= self.target:
+            lo, hi = hi, hi * 2
+            if hi > MAX_CAPACITY_STREAMS:
+                return float(lo)
+        while hi - lo > 1:  # the most whole streams held
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if util(mid) <= self.target else (lo, mid)
+        at, after = util(lo), util(lo + 1)
+        return lo + (max(0.0, (self.target - at) / (after - at)) if after > at else 0.0)

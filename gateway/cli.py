@@ -23,7 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051, help="0: any free port (printed on the READY line)")
     p.add_argument("--device", default="cpu", help="where the text encoder and VAE run: cpu, cuda, cuda:N")
-    p.add_argument("--max-streams", type=int, default=8, help="concurrent streams this gateway accepts")
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=16,
+        help="concurrent streams this gateway accepts (above what one pipeline holds, so that past capacity the "
+        "coordinator's capacity check refuses, with its retry delay, not this count)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     p.add_argument("--text-len", type=int, default=None, help="text tokens (default: checkpoint's, else 512)")
     p.add_argument(

@@ -6,6 +6,7 @@ Usage::
     view = cache.view(step)          # implements dit_slice.SelfAttentionKV for one micro-step
     ... slice.run_blocks(..., AttentionContext(self_kv=[view, ...]))
     cache.commit(view)               # store the chunk's K/V (if its level writes) and evict
+    cache.prune(done)                # chunks < done ran their last level: earlier KV segments that ended go
     cache.nbytes                     # bounded: rows * (window frames) * layers
     cache.clear()                    # when the stream ends
 
@@ -41,12 +42,12 @@ class KVView:
         self.step = step
         spec = spec or cache.spec  # the chunk's spec (``ChunkSpecs.at``): its ladder and KV segment
         self.spec = spec
-        cache.enter_segment(spec.segment_start)
+        self.rows = cache.enter_segment(spec.segment_start)  # the rows of the chunk's segment
         self.row_id = spec.kv_row(step.level)
         self.frames = context_frames(spec, step.chunk, cache.rope_limit)
         self.writes = spec.writes_kv(step.level)
         self.pending: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
-        row = cache.rows.get(self.row_id)
+        row = self.rows.get(self.row_id)
         stored = row.frames if row is not None else {}
         missing = [f for f in self.frames if f not in stored]
         if missing:
@@ -65,7 +66,7 @@ class KVView:
 
     def read_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every layer's ``read`` into ``(layers, 1, context_tokens, heads, head_dim)`` buffers, one copy per layer."""
-        frames = self.cache.rows[self.row_id].frames
+        frames = self.rows[self.row_id].frames
         for layer in range(self.cache.num_layers):
             torch.cat([frames[f][layer][0] for f in self.frames], dim=1, out=keys[layer])
             torch.cat([frames[f][layer][1] for f in self.frames], dim=1, out=values[layer])
@@ -73,7 +74,7 @@ class KVView:
     def read(self, layer: int):
         if not self.frames:
             return None
-        frames = self.cache.rows[self.row_id].frames
+        frames = self.rows[self.row_id].frames
         keys = [frames[f][layer][0] for f in self.frames]
         values = [frames[f][layer][1] for f in self.frames]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
@@ -90,6 +91,7 @@ class RecacheView(KVView):
     def __init__(self, cache: StreamKVCache, chunk: int, row: int, window: list[int]):
         self.cache = cache
         self.step = MicroStep(-1, chunk, -1)
+        self.rows = cache.rows
         self.row_id = row
         f0 = chunk * cache.spec.chunk_frames
         self.frames = [f for f in window if f < f0]
@@ -108,21 +110,34 @@ class StreamKVCache:
         self.num_layers = num_layers
         self.tokens_per_frame = tokens_per_frame
         self.rope_limit = rope_limit
-        self.rows: dict[int, _Row] = {}
-        self.segment = 0  # the first chunk of the KV segment the rows hold (``StreamSpec.segment_start``)
+        self.rows: dict[int, _Row] = {}  # the newest KV segment's rows
+        self.segment = 0  # the first chunk of the KV segment ``rows`` hold (``StreamSpec.segment_start``)
+        # Earlier per_level segments whose last chunks are still in the pipeline (a step change does not wait for
+        # them): segment start -> (its last chunk, its rows).  A row goes once that last chunk has committed it.
+        self.older: dict[int, tuple[int, dict[int, _Row]]] = {}
+        self.done = 0  # chunks below this have run their last level (``prune``)
 
     def view(self, step: MicroStep, spec: StreamSpec | None = None) -> KVView:
         """``spec``: the chunk's spec when the stream's steps changed (default: the stream's)."""
         return KVView(self, step, spec)
 
-    def enter_segment(self, segment_start: int) -> None:
-        """A step change started a new per_level KV segment: every earlier chunk has left the pipeline (the
-        scheduler waits for that), so the cache starts empty."""
+    def enter_segment(self, segment_start: int) -> dict[int, _Row]:
+        """The rows of the per_level KV segment that starts at ``segment_start``.  A later segment than any seen (a
+        step change) starts empty; the earlier one's rows that its last chunk has not committed yet stay for its
+        chunks still in the pipeline (``commit`` drops each once that chunk has)."""
         if segment_start > self.segment:
-            self.rows.clear()
+            last = segment_start - 1
+            if last >= self.done:  # its last chunk still runs: keep the rows it has not committed yet
+                for r in [r for r, row in self.rows.items() if row.next_chunk > last]:
+                    del self.rows[r]  # in place: views of this batch made before hold this dict
+                self.older[self.segment] = (last, self.rows)  # until that chunk is done (``prune``)
+            self.rows = {}
             self.segment = segment_start
-        elif segment_start < self.segment:
-            raise KVOrderError(f"KV segment from chunk {segment_start} is over (the cache holds {self.segment} on)")
+        if segment_start == self.segment:
+            return self.rows
+        if segment_start in self.older:
+            return self.older[segment_start][1]
+        raise KVOrderError(f"KV segment from chunk {segment_start} is over (the cache holds {self.segment} on)")
 
     def commit(self, view: KVView) -> None:
         if not view.writes:
@@ -130,10 +145,14 @@ class StreamKVCache:
         if any(p is None for p in view.pending):
             raise KVOrderError(f"{view.step}: forward did not produce K/V for every layer")
         chunk = view.step.chunk
-        row = self.rows.setdefault(view.row_id, _Row(self.segment))
+        spec, tpf = view.spec, self.tokens_per_frame
+        row = view.rows.setdefault(view.row_id, _Row(spec.segment_start))
         if chunk != row.next_chunk:
             raise KVOrderError(f"{view.step}: KV row {view.row_id} expected chunk {row.next_chunk} next, got {chunk}")
-        spec, tpf = view.spec, self.tokens_per_frame
+        older = self.older.get(spec.segment_start)
+        if older is not None and view.rows is older[1] and chunk == older[0]:
+            del view.rows[view.row_id]  # the last chunk of an earlier segment: no chunk reads this row again
+            return
         f0 = chunk * spec.chunk_frames
         for j in range(spec.chunk_frames):
             sl = slice(j * tpf, (j + 1) * tpf)
@@ -145,6 +164,12 @@ class StreamKVCache:
         keep = set(context_frames(spec, chunk + 1, self.rope_limit))
         for f in [f for f in row.frames if f not in keep]:
             del row.frames[f]
+
+    def prune(self, done: int) -> None:
+        """Chunks below ``done`` have run their last level: forget the earlier segments that ended before it."""
+        self.done = max(self.done, done)
+        for start in [start for start, (last, _) in self.older.items() if last < done]:
+            del self.older[start]
 
     def recache_view(self, chunk: int, row: int, window: list[int]) -> RecacheView:
         return RecacheView(self, chunk, row, window)
@@ -163,7 +188,7 @@ class StreamKVCache:
     @property
     def nbytes(self) -> int:
         total = 0
-        for row in self.rows.values():
+        for row in [*self.rows.values(), *(r for _, rows in self.older.values() for r in rows.values())]:
             for per_layer in row.frames.values():
                 for k, v in per_layer:
                     total += k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -174,3 +199,4 @@ class StreamKVCache:
 
     def clear(self) -> None:
         self.rows.clear()
+        self.older.clear()

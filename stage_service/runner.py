@@ -382,6 +382,8 @@ class SliceRunner:
         for s, spec, (st, _) in zip(streams, specs, rows):
             if st.level == spec.levels - 1:
                 s.done_chunks = max(s.done_chunks, st.chunk + 1)
+                for kv in s.kv.values():
+                    kv.prune(s.done_chunks)  # a step change's earlier KV segment is over once its last chunk is
         if sl.last:
             if self.sp.size > 1:
                 hidden = torch.cat(self.sp.all_gather(hidden), dim=1)

@@ -220,9 +220,10 @@ class ChunkSpecs:
         and attends to the clean K/V of earlier chunks as before.
       * ``per_level``: KV row i holds level-i K/V, and level i is a different timestep on another ladder.  So a
         change is a window reset: its first chunk starts a new KV segment (``StreamSpec.segment_start``) with an
-        empty cache and RoPE positions from 0, exactly as an epoch reset, and the scheduler starts it only once
-        every earlier chunk of the stream has left the pipeline.  The oracle is the per_level full-sequence
-        forward over each segment on its own.
+        empty cache and RoPE positions from 0, exactly as an epoch reset.  The new segment reads nothing of the
+        old one, so the scheduler starts it while the old segment's chunks finish (the stage's cache keeps the old
+        segment's rows until its last chunk has committed each); chunks still finish in order.  The oracle is the
+        per_level full-sequence forward over each segment on its own.
 
     Usage::
 

@@ -169,3 +169,26 @@ def test_a_stage_budget_is_the_operators_else_free_memory_less_the_reserve_and_n
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="--kv-budget-gib"):
             check_kv_budget_gib(bad)
+
+
+def test_a_step_change_that_overlaps_the_old_ladder_holds_no_more_than_the_bound(monkeypatch):
+    """A per_level step change's new KV segment starts while the old ladder's chunks finish: the stage's cache holds
+    both segments' rows for a while, each old row only until the old segment's last chunk has committed it, so the
+    cache never holds more rows, nor more bytes, than the bound of the stream's longest ladder."""
+    most, rows, overlapped, commit = [0], [0], [0], StreamKVCache.commit
+
+    def watched(self, view):
+        if view.writes:
+            most[0] = max(most[0], self.nbytes + _bytes(view.pending))
+            overlapped[0] += any(r for _, r in self.older.values())
+        commit(self, view)
+        rows[0] = max(rows[0], len(self.rows) + sum(len(r) for _, r in self.older.values()))
+
+    monkeypatch.setattr(StreamKVCache, "commit", watched)
+    s = spec(timesteps=(1000.0, 700.0, 400.0), window=2, num_chunks=10)
+    # Another ladder of as many steps (each new row is written while the old ladder runs), then fewer, then more.
+    run(s, step_changes={3: (1000.0, 600.0, 200.0), 5: (1000.0, 500.0), 7: (1000.0, 700.0, 400.0)})
+    assert overlapped[0] > 0, "no step change overlapped the old ladder's chunks"
+    bound = stream_kv_bytes(s, MODEL, layers=MODEL.num_layers, element_bytes=4, max_steps=3)
+    assert 0 < most[0] <= bound
+    assert rows[0] == 3  # never more rows than the longest ladder's: an old row goes before the new one is written

@@ -83,3 +83,26 @@ def test_controller_simulation_lowers_steps_as_streams_arrive_and_refuses_at_cap
     assert all(r.utilization <= 0.9 + 1e-9 for r in admitted)
     # The real scheduler at each admitted load produces at least the chunks the streams need.
     assert all(r.simulated_chunks_per_second >= r.needed_chunks_per_second for r in admitted)
+
+
+def test_controller_simulation_prices_each_decoder(capsys):
+    from coordinator.simulator import simulate_controller
+
+    # One stage at 20 ms: a stream at 1 step takes 4 x 20 ms x 1.15 / 4 = 23 ms/s of DiT.  The full VAE at 30 ms a chunk
+    # adds 120 ms/s (6 streams fit in 90%); the tiny decoder at 6 ms adds 24 ms/s (19 fit), and batched down to 3 ms
+    # per stream at 4 streams and more, 12 ms/s (25 fit).
+    cfg = SimConfig(stages=1, steps=1, streams=40, chunks=8, batch=4, stage_ms=[20.0])
+    counts = {}
+    for name, kw in {
+        "full": {"decoder": "full"},
+        "tiny": {"decoder": "tiny", "tiny_ms": 6.0},
+        "batched": {"decoder": "tiny", "tiny_ms": 6.0, "tiny_batch_ms": (6.0, 4.5, 3.5, 3.0)},
+    }.items():
+        rows, capacity = simulate_controller(cfg, min_steps=1, fps=16.0, vae_ms=30.0, **kw)
+        counts[name] = (sum(r.admitted for r in rows), int(capacity[1]))
+    assert counts == {"full": (6, 6), "tiny": (19, 19), "batched": (25, 25)}
+    assert main(["simulate", "--controller", "--stages", "1", "--stage-ms", "20", "--steps", "1", "--streams", "30",
+                 "--decoder", "tiny", "--tiny-batch-ms", "6,4.5,3.5,3"]) == 0  # fmt: skip
+    assert "25.7 at 1 step" in capsys.readouterr().out
+    assert main(["simulate", "--controller", "--tiny-batch-ms", "6,x"]) == 2
+    assert "--tiny-batch-ms" in capsys.readouterr().out

@@ -77,7 +77,7 @@ def test_chunk_specs_resolve_each_chunks_ladder_and_segment():
     assert clean.at(2).segment_start == 0 and not clean.starts_segment(2)
 
 
-def test_scheduler_drains_before_a_per_level_segment_and_runs_each_chunks_levels():
+def test_scheduler_starts_a_per_level_segment_while_the_old_ladder_finishes_and_keeps_chunk_order():
     sched = StreamBatchScheduler(num_stages=2, max_batch=8)
     sched.add_stream(make_spec(num_chunks=6, policy="per_level"))
     issued = []
@@ -91,7 +91,11 @@ def test_scheduler_drains_before_a_per_level_segment_and_runs_each_chunks_levels
             levels.setdefault(st.chunk, []).append((tick, st.level))
     assert [len(levels[c]) for c in range(6)] == [3, 3, 2, 2, 2, 2]
     last_old = max(t for c in (0, 1) for t, _ in levels[c])
-    assert min(t for t, _ in levels[2]) > last_old  # chunk 2 waited for chunks 0 and 1 to leave
+    assert min(t for t, _ in levels[2]) < last_old  # chunk 2 did not wait for chunks 0 and 1 to leave (no drain)
+    finished = [max(t for t, _ in levels[c]) for c in range(6)]
+    assert finished == sorted(finished) and len(set(finished)) == 6  # chunks finish in order, one per tick at most
+    at = {(c, lv): t for c, ticks in levels.items() for t, lv in ticks}
+    assert at[(2, 0)] > at[(1, 0)] and at[(2, 1)] > at[(1, 1)]  # level i after the chunk before it at level i
 
 
 def test_per_level_step_changes_equal_the_masked_full_sequence_forward_of_each_segment(tiny_model):

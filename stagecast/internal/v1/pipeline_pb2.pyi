@@ -451,12 +451,30 @@ class StreamProgress(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., started: _Optional[int] = ..., received: _Optional[int] = ..., consumed: _Optional[int] = ..., bound: _Optional[int] = ..., max_lead: _Optional[int] = ..., steps: _Optional[int] = ..., chunk_rate: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("steps", "streams")
+    __slots__ = ("steps", "streams", "decoder")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    DECODER_FIELD_NUMBER: _ClassVar[int]
     steps: int
     streams: float
-    def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ...) -> None: ...
+    decoder: str
+    def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ..., decoder: _Optional[str] = ...) -> None: ...
+
+class DecoderCostStatus(_message.Message):
+    __slots__ = ("decoder", "chunk_ms", "batch_ms", "state_bytes", "source", "capacity")
+    DECODER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    decoder: str
+    chunk_ms: float
+    batch_ms: _containers.RepeatedScalarFieldContainer[float]
+    state_bytes: int
+    source: str
+    capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
+    def __init__(self, decoder: _Optional[str] = ..., chunk_ms: _Optional[float] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ..., source: _Optional[str] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("stream_id", "generation")
@@ -515,7 +533,7 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +546,7 @@ class ClusterStatus(_message.Message):
     VAE_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
     VAE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_STAGES_FIELD_NUMBER: _ClassVar[int]
+    DECODERS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -540,4 +559,5 @@ class ClusterStatus(_message.Message):
     vae_chunk_ms: float
     vae_source: str
     calibrated_stages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ...) -> None: ...
+    decoders: _containers.RepeatedCompositeFieldContainer[DecoderCostStatus]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ...) -> None: ...
