@@ -81,11 +81,11 @@ LOCAL: SequenceGroup = _Local()
 class DistSequenceGroup(SequenceGroup):
     """A torch.distributed subgroup (gloo on CPU, NCCL on GPU); every chunk has the same shape and dtype."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, stage: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, ranks: list[int] | None = None):
         self.group = group
         self.rank = rank
         self.size = size
-        self.stage = stage  # the stage this group is (for messages)
+        self.ranks = ranks  # the world ranks (registry stage indices) in the group, for messages
         self._ms = 0.0  # host-timed collectives (gloo: they block)
         self._events: deque = deque()  # CUDA event pairs around NCCL collectives, read once finished
 
@@ -105,8 +105,8 @@ class DistSequenceGroup(SequenceGroup):
         try:
             run()
         except RuntimeError as exc:
-            where = f"stage {self.stage}'s" if self.stage is not None else "this stage's"
-            raise PeerLost(f"data plane: lost a rank of {where} sequence group: {short_reason(exc)}") from None
+            group = f"stages {', '.join(map(str, self.ranks))}" if self.ranks else "this stage's ranks"
+            raise PeerLost(f"data plane: lost a peer of the sequence group of {group}: {short_reason(exc)}") from None
 
     def take_ms(self) -> float:
         ms, self._ms = self._ms, 0.0
@@ -138,7 +138,7 @@ def init_sequence_groups(layout: ParallelLayout, rank: int, backend: str | None 
         ranks = layout.sequence_ranks(stage)
         group = dist.new_group(ranks, backend=backend)
         if rank in ranks:
-            mine = DistSequenceGroup(group, layout.sp_rank_of(rank), layout.sp, stage=stage)
+            mine = DistSequenceGroup(group, layout.sp_rank_of(rank), layout.sp, ranks=list(ranks))
     assert mine is not None
     return mine
 

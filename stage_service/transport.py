@@ -241,9 +241,10 @@ class PipeTransport:
     # ---- sends ----------------------------------------------------------------------------------------
 
     def peer_name(self, rank: int) -> str:
-        """The stage a rank is, as the registry numbers them (``stage I``; ``stage I sp-rank R`` under --sp)."""
+        """A rank as the coordinator's registry names it (``stage N``: stage processes register under their rank),
+        with its pipeline stage and sequence rank under --sp."""
         sp = self.sequence.size
-        return f"stage {rank // sp} sp-rank {rank % sp}" if sp > 1 else f"stage {rank}"
+        return f"stage {rank} (pipeline stage {rank // sp}, sp-rank {rank % sp})" if sp > 1 else f"stage {rank}"
 
     def _lost(self, exc: BaseException, peer: int) -> RuntimeError:
         """What a failed operation with ``peer`` raises: our own abort, or the peer gone, named, in one line."""
