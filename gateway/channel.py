@@ -5,6 +5,9 @@ Usage::
     ch = BoundedChannel(capacity=4)
     ch.put(item)                    # blocks while full; False once the channel is closed (the consumer is gone)
     ch.put(item, timeout=5.0)       # raises TimeoutError if still full after 5 s (the consumer is too slow)
+    ch = BoundedChannel(capacity=32, max_bytes=8 << 20)   # also bounded in bytes: put(item, size=n) waits while
+    ch.put(msg, size=len(data))     # the queued sizes plus n would pass max_bytes (one item always fits when empty)
+    ch.bytes                        # the sizes queued
     ch.put_final(end)               # append past the bound and close: the last word, e.g. an error or End
     item = ch.get()                 # blocks; returns CLOSED once closed and drained
     ch.close(drop=True)             # no more puts; drop=True also discards what is queued
@@ -22,13 +25,27 @@ CLOSED = object()
 
 
 class BoundedChannel:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_bytes: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.capacity = capacity
-        self._items: deque = deque()
+        self.max_bytes = max_bytes
+        self._items: deque = deque()  # (item, size)
+        self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
+
+    def _room(self, size: int) -> bool:
+        if len(self._items) >= self.capacity:
+            return False
+        return self.max_bytes is None or not self._items or self._bytes + size <= self.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        with self._cond:
+            return self._bytes
 
     def __len__(self) -> int:
         with self._cond:
@@ -39,13 +56,15 @@ class BoundedChannel:
         with self._cond:
             return self._closed
 
-    def put(self, item, timeout: float | None = None) -> bool:
+    def put(self, item, timeout: float | None = None, size: int = 0) -> bool:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or len(self._items) < self.capacity, timeout):
-                raise TimeoutError(f"channel stayed full ({self.capacity} items) for {timeout} s")
+            if not self._cond.wait_for(lambda: self._closed or self._room(size), timeout):
+                held = f"{len(self._items)} items, {self._bytes} bytes"
+                raise TimeoutError(f"channel stayed full ({held}) for {timeout} s")
             if self._closed:
                 return False
-            self._items.append(item)
+            self._items.append((item, size))
+            self._bytes += size
             self._cond.notify_all()
             return True
 
@@ -57,7 +76,8 @@ class BoundedChannel:
                 return False
             if drop:
                 self._items.clear()
-            self._items.append(item)
+                self._bytes = 0
+            self._items.append((item, 0))
             self._closed = True
             self._cond.notify_all()
             return True
@@ -66,7 +86,8 @@ class BoundedChannel:
         with self._cond:
             self._cond.wait_for(lambda: self._items or self._closed)
             if self._items:
-                item = self._items.popleft()
+                item, size = self._items.popleft()
+                self._bytes -= size
                 self._cond.notify_all()
                 return item
             return CLOSED
@@ -76,4 +97,5 @@ class BoundedChannel:
             self._closed = True
             if drop:
                 self._items.clear()
+                self._bytes = 0
             self._cond.notify_all()

@@ -89,10 +89,17 @@ def add_parser(sub) -> None:
     p.add_argument("--buffer-chunks", type=int, default=4, help="latent chunks buffered per stream")
     p.add_argument("--buffer-messages", type=int, default=32, help="encoded frames buffered per stream")
     p.add_argument(
+        "--buffer-mib",
+        type=float,
+        default=8.0,
+        help="MiB of encoded frames buffered per stream (with --buffer-messages, whichever is reached first)",
+    )
+    p.add_argument(
         "--slow-client-timeout",
         type=float,
         default=5.0,
-        help="seconds frames may wait unread by a client before its stream ends with RESOURCE_EXHAUSTED",
+        help="seconds a frame may wait for the client to take it (the client fell that far behind) before its stream "
+        "ends with RESOURCE_EXHAUSTED",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a stopped stream may take to drain")
     p.add_argument(
@@ -226,6 +233,7 @@ def _gateway_options(args: argparse.Namespace):
         vae_graph_slots=args.vae_graph_slots,
         buffer_chunks=args.buffer_chunks,
         buffer_messages=args.buffer_messages,
+        buffer_mib=args.buffer_mib,
         slow_client_timeout=args.slow_client_timeout,
         drain_timeout=args.drain_timeout,
         config_timeout=args.config_timeout,

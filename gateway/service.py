@@ -158,7 +158,8 @@ class GatewayOptions:
     decoder_memory_gib: float = 0
     buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
     buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
-    slow_client_timeout: float = 5.0  # how long a full buffer may stay full before the stream ends
+    buffer_mib: float = 8.0  # and at most this many MiB of them (gateway.stream: the slow-client rule)
+    slow_client_timeout: float = 5.0  # how long a message may wait for the client to take it before the stream ends
     drain_timeout: float = 60.0  # how long a stopped pipeline stream may take to finish its cooldown
     abandon_timeout: float = 30.0  # how long a failed stream's client may take to read its error before cancelling
     config_timeout: float = 10.0  # how long a Generate call may take to send its config
@@ -180,6 +181,8 @@ class Gateway:
         self.opts = opts
         if not 0 <= opts.vae_graph_slots <= MAX_GRAPH_SLOTS:
             raise ValueError(f"--vae-graph-slots must be in [0, {MAX_GRAPH_SLOTS}], got {opts.vae_graph_slots}")
+        if not opts.buffer_mib * 2**20 >= 1:
+            raise ValueError(f"--buffer-mib must be above 0, got {opts.buffer_mib:g}")
         if opts.vae_cuda_graphs and opts.vae_stage:
             raise ValueError("--vae-cuda-graphs is for the in-process VAE; give the vae-stage processes --cuda-graphs")
         root = Path(opts.checkpoint)
@@ -294,6 +297,7 @@ class Gateway:
             limits=StreamLimits(
                 buffer_chunks=opts.buffer_chunks,
                 buffer_messages=opts.buffer_messages,
+                buffer_bytes=int(opts.buffer_mib * 2**20),
                 slow_client_timeout=opts.slow_client_timeout,
                 drain_timeout=opts.drain_timeout,
                 abandon_timeout=opts.abandon_timeout,

@@ -19,11 +19,18 @@ the next chunk decodes) or a chain of VAE stage processes (chunks in flight thro
 Slow clients: gRPC flow control stops the handler when the client does not read and ``out`` fills; a full ``out``
 blocks the decoder thread, and a full decode session blocks the pipeline reader (backpressure, which is also all
 that a VAE slower than the DiT causes; the coordinator paces each stream by delivery, so the pipeline then stops
-starting chunks instead of queuing them).  If ``out`` stays full for ``slow_client_timeout`` seconds, the client is
-the bottleneck and the stream ends with RESOURCE_EXHAUSTED "client too slow": the buffered frames are dropped, the
-error is queued for the client, and the pipeline stream is stopped.  A client that still does not read for
-``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers
-plus gRPC's flow-control window, whatever the client does.
+starting chunks instead of queuing them).  ``out`` is bounded in messages and in bytes (``buffer_bytes``).  A
+message that waits ``slow_client_timeout`` seconds for the client to take it (the one gRPC is sending: a send
+completes once its bytes are written to the connection, which the client's HTTP/2 flow-control window allows only
+as the client reads; or one waiting for room in ``out``) means the client fell that far behind: the stream ends
+with RESOURCE_EXHAUSTED "client too slow", the buffered frames are dropped, the error is queued for the client, and
+the pipeline stream is stopped and the VAE state freed.  A watchdog on the gateway's timer thread times the send in
+progress, so the rule holds however slowly frames come.  A client that still does not read for
+``abandon_timeout`` more seconds has its call cancelled.  Memory per stream is therefore bounded by the two buffers,
+one message in gRPC and the connection's socket buffers, whatever the client does.  What the gateway cannot see is
+the client's own window: a client that never reads holds up to its window of frames (gRPC's default client, with
+BDP probing: about 4 MiB; without: 64 KiB) before its sends stop completing, so it is ended that many bytes plus
+``slow_client_timeout`` after it stopped reading.
 
 Cleanup: when the client asks to stop, the pipeline stream is stopped with StopStream (no new chunks; the chunks in
 flight still reach the client).  Whenever the call ends otherwise (failed, cancelled or disconnected), the pipeline
@@ -68,9 +75,10 @@ __all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun"]
 class StreamLimits:
     buffer_chunks: int  # latent chunks queued between the pipeline and the VAE
     buffer_messages: int  # encoded messages queued between the encoder and the client
-    slow_client_timeout: float  # how long a full buffer may stay full before the stream ends
+    slow_client_timeout: float  # how long a message may wait for the client to take it before the stream ends
     drain_timeout: float  # how long a stopped pipeline stream may take to finish its cooldown
     abandon_timeout: float  # how long a failed stream's client may take to read its error before cancelling
+    buffer_bytes: int = 8 << 20  # bytes of encoded messages queued between the encoder and the client
 
 
 @dataclass(frozen=True)
@@ -139,8 +147,11 @@ class StreamRun:
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
         self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
         self.input_end: str | None = None  # why the input ended ("stopped", "input_stalled"), once it did
-        self.out = BoundedChannel(self.limits.buffer_messages)
+        self.out = BoundedChannel(self.limits.buffer_messages, max_bytes=self.limits.buffer_bytes)
+        self._sending_since: float | None = None  # when the handler gave gRPC the message it is sending
+        self._send_watch = None  # the watchdog's timer entry (``_watch_send``)
         self._lock = threading.Lock()
+        self._rpc_done = False  # the call is over (gRPC's callback ran)
         self._deadlines: list = []  # timer entries of this stream, cancelled when the stream is gone
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
         self.trace = StreamTrace(cfg, host.model_name, self.id, parent_span)
@@ -205,6 +216,7 @@ class StreamRun:
         for target, args in threads:
             name = f"{target.__name__.strip('_')}-{self.id[:6]}"
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
+        self._arm_send_watch(self.limits.slow_client_timeout)
 
     def started_message(self) -> pb.ServerMessage:
         cfg = self.cfg
@@ -221,8 +233,12 @@ class StreamRun:
         )
 
     def messages(self):
-        """What the handler yields to the client, in order; raises ``StreamFailed`` to end the call with a status."""
-        yield self.started_message()
+        """What the handler yields to the client, in order; raises ``StreamFailed`` to end the call with a status.
+
+        gRPC's sync server sends what we yield and asks for the next message only once the send completed, so the
+        time between a yield and the next ``next()`` is the time the client took to make room for that message
+        (``_sending_since``, which the send watchdog reads)."""
+        yield from self._sending(self.started_message())
         while True:
             item = self.out.get()
             if item is CLOSED:
@@ -231,9 +247,51 @@ class StreamRun:
                 raise item
             if item.WhichOneof("msg") == "frame":
                 self.frames_sent += 1
-            yield item
+            yield from self._sending(item)
             if item.WhichOneof("msg") == "end":
                 return
+
+    def _sending(self, msg):
+        self._sending_since = time.monotonic()
+        yield msg
+        self._sending_since = None
+
+    # ---- the slow-client rule ------------------------------------------------------------------------
+
+    def _arm_send_watch(self, seconds: float) -> None:
+        entry = self.host.timers.call_later(max(0.0, seconds), self._watch_send)
+        with self._lock:
+            if self._rpc_done:
+                stale = entry  # the call is over: no more watching
+            else:
+                stale, self._send_watch = self._send_watch, entry
+        self.host.timers.cancel(stale)
+
+    def _watch_send(self) -> None:
+        """On the timer thread: a message gRPC has been sending for ``slow_client_timeout`` ends the stream."""
+        limit = self.limits.slow_client_timeout
+        since = self._sending_since
+        now = time.monotonic()
+        if since is not None and now - since >= limit:
+            if self.outcome is None:
+                self._too_slow(f"a message waited {now - since:.1f} s for the client to take it")
+            else:  # the stream had ended (its End or error is queued behind the stuck message): release the call
+                self._after(self.limits.abandon_timeout, self.context.cancel)
+            return
+        if self._rpc_done:
+            return
+        self._arm_send_watch(limit if since is None else since + limit - now)
+
+    def _too_slow(self, what: str) -> None:
+        limit = self.limits.slow_client_timeout
+        self.fail(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"client too slow: it fell more than {limit:g} s behind ({what}, --slow-client-timeout; the gateway "
+            f"holds at most {self.out.capacity} messages or {self.limits.buffer_bytes / 2**20:g} MiB per stream "
+            "besides what the client's flow-control window holds, --buffer-messages, --buffer-mib); "
+            "the stream was ended",
+            "client_too_slow",
+        )
 
     # ---- ending --------------------------------------------------------------------------------------
 
@@ -257,9 +315,12 @@ class StreamRun:
         """gRPC callback: the call ended (normally, with an error, or the client cancelled/disconnected)."""
         self.state = "draining"
         with self._lock:
+            self._rpc_done = True
+            watch, self._send_watch = self._send_watch, None
             if self.outcome is None:
                 self.outcome = "cancelled"
                 logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
+        self.host.timers.cancel(watch)
         self.host.metrics.frames_dropped(self.outcome, len(self.out))
         self.out.close(drop=True)
         self._abort_decoding()
@@ -427,14 +488,9 @@ class StreamRun:
         """Queue a message for the client; a client that leaves the queue full too long ends the stream."""
         timeout = self.limits.slow_client_timeout
         try:
-            return self.out.put(msg, timeout=timeout)
+            return self.out.put(msg, timeout=timeout, size=msg.ByteSize())
         except TimeoutError:
-            self.fail(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"client too slow: {self.out.capacity} messages waited {timeout:g} s for the client to read; "
-                "the stream was ended",
-                "client_too_slow",
-            )
+            self._too_slow(f"{len(self.out)} messages, {self.out.bytes} bytes waited {timeout:g} s for room")
             return False
 
     def _finish(self, reason: str, trailer: bytes) -> None:

@@ -24,11 +24,16 @@ Local clusters are authenticated with no set-up: the launcher makes a throwaway 
 per role in a private temporary folder (``stagecast.security.write_deployment``), hands each service child its
 role's folder (``$STAGECAST_MTLS``), keeps an ``operator`` certificate for its own clients
 (``launcher.channel(address, "coordinator")``), and deletes the folder when it exits.  ``Launcher(mtls=False)``
-runs the services with ``--insecure-internal`` instead.
+runs the services with ``--insecure-internal`` instead.  A launcher killed with SIGKILL cannot delete it, so the
+folder names its owner (``owner.json``: pid, the pid's start time and pid namespace) and ``remove_stale_credentials()``
+(``stagecast up`` calls it at start) deletes the folders whose owner is gone::
+
+    removed = remove_stale_credentials()     # [paths] of this user's throwaway folders whose launcher died
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -42,6 +47,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -54,6 +60,58 @@ from stagecast.service import PARENT_PID_ENV, READY_PREFIX, SERVICE_MODULES
 SERVICE_ROLES = {"coordinator": "coordinator", "stage": "stage", "gateway": "gateway", "vae-stage": "vae-stage"}
 
 logger = logging.getLogger(__name__)
+
+CREDENTIALS_PREFIX = "stagecast-mtls-"  # the throwaway folders, in the temporary directory
+OWNER_FILE = "owner.json"
+
+
+def _process_identity(pid: int) -> tuple[str, str] | None:
+    """(start time in clock ticks since boot, pid namespace) of a live process of ours; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        namespace = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    return fields[19], namespace
+
+
+def _write_owner(folder: str) -> None:
+    identity = _process_identity(os.getpid())
+    start, namespace = identity if identity is not None else ("", "")
+    Path(folder, OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": start, "pidns": namespace}))
+
+
+def _owner_gone(folder: Path) -> bool:
+    """True only when the folder's owner is known and dead: a folder without an owner file (another program's, or
+    one being made), or whose owner lives in another pid namespace (we cannot see it), is kept."""
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+        pid, start, namespace = int(owner["pid"]), str(owner["start"]), str(owner["pidns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    mine = _process_identity(os.getpid())
+    if mine is None or namespace != mine[1]:
+        return False
+    now = _process_identity(pid)
+    return now is None or now[0] != start  # dead, or the pid was reused by a later process
+
+
+def remove_stale_credentials(tmp: str | os.PathLike | None = None) -> list[Path]:
+    """Delete this user's throwaway credential folders whose launcher is dead (SIGKILLed: it could not clean up)."""
+    removed = []
+    for folder in sorted(Path(tmp or tempfile.gettempdir()).glob(f"{CREDENTIALS_PREFIX}*")):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if _owner_gone(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+    return removed
 
 
 def _entry(args: list[str]) -> list[str]:
@@ -105,7 +163,8 @@ class Launcher:
     def credentials(self) -> str | None:
         """The folder of this launcher's throwaway deployment CA and role certificates (made on first use)."""
         if self.secure and self._credentials is None:
-            folder = tempfile.mkdtemp(prefix="stagecast-mtls-")  # 0700
+            folder = tempfile.mkdtemp(prefix=CREDENTIALS_PREFIX)  # 0700
+            _write_owner(folder)  # first: a folder whose owner dies while it is written is still found stale
             write_deployment(folder)
             self._credentials = folder
             self._owns_credentials = True

@@ -130,9 +130,13 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from launcher.local_cluster import Placement, check_gpu_fit, check_layout, start_pipeline, web_args
-    from launcher.process import Launcher, LaunchError, Supervisor
+    from launcher.process import Launcher, LaunchError, Supervisor, remove_stale_credentials
     from stagecast.grpc_util import AddressInUseError, check_port_free
 
+    # First, whatever else happens: the throwaway credentials of earlier runs killed with SIGKILL (they could not
+    # delete them), found by their owner's pid.
+    for stale in remove_stale_credentials():
+        print(f"stagecast up: removed {stale}, the credentials of a run that is gone", file=sys.stderr)
     if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
         print(f"stagecast up: error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ import torch
 
 from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
-from stage_service.transport import PeerLost, PipeTransport
+from stage_service.transport import PeerLost, PipeTransport, TransportAborted
 from stagecast.microstep import MicroStep, PlanEvent, recache_steps
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,15 @@ class StageExecutor:
                 self._run(item)
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which ends the generation
                 if self._stopping:
-                    logger.info("stage executor stopped during event %d (%s): %s", item.seq, item.kind, exc)
+                    # Leaving the generation released a data-plane wait: the line that says why was logged already.
+                    quiet = isinstance(exc, (PeerLost, TransportAborted))
+                    log = logger.debug if quiet else logger.info
+                    log("stage executor stopped during event %d (%s): %s", item.seq, item.kind, exc)
                     return
                 self.failed = f"stage event {item.seq} ({item.kind}) failed: {type(exc).__name__}: {exc}"
-                if isinstance(exc, PeerLost):  # a peer left the generation: expected while one ends, no traceback
+                if isinstance(exc, (PeerLost, TransportAborted)):
+                    # A peer left the generation (its message names it): expected while one ends, one line, no
+                    # traceback.
                     logger.error("stage executor stopped: %s", self.failed)
                 else:
                     logger.exception("stage executor failed")

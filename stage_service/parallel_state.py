@@ -21,6 +21,7 @@ the same bits for the same shard layout.  ``LOCAL`` is the group of one: no shar
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -29,6 +30,20 @@ import torch
 import torch.distributed as dist
 
 from stagecast.model.parallel import ParallelLayout
+
+
+class PeerLost(RuntimeError):
+    """A data-plane operation failed because a peer (or this stage, leaving) closed the generation's connections.
+    Its message names the peer and gloo's / NCCL's reason in one line (``short_reason``)."""
+
+
+def short_reason(exc: BaseException) -> str:
+    """The first sentence of a communication error, without gloo's source location: ``[.../pair.cc:553] Connection
+    closed by peer [127.0.0.1]:56455. This is typically caused by ...`` becomes ``Connection closed by peer
+    [127.0.0.1]:56455``."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0][:200]
 
 
 class SequenceGroup:
@@ -66,10 +81,11 @@ LOCAL: SequenceGroup = _Local()
 class DistSequenceGroup(SequenceGroup):
     """A torch.distributed subgroup (gloo on CPU, NCCL on GPU); every chunk has the same shape and dtype."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, ranks: list[int] | None = None):
         self.group = group
         self.rank = rank
         self.size = size
+        self.ranks = ranks  # the world ranks (registry stage indices) in the group, for messages
         self._ms = 0.0  # host-timed collectives (gloo: they block)
         self._events: deque = deque()  # CUDA event pairs around NCCL collectives, read once finished
 
@@ -77,13 +93,20 @@ class DistSequenceGroup(SequenceGroup):
         if tensor.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            run()
+            self._run(run)
             end.record()
             self._events.append((start, end))
             return
         t0 = time.perf_counter()
-        run()
+        self._run(run)
         self._ms += (time.perf_counter() - t0) * 1e3
+
+    def _run(self, run) -> None:
+        try:
+            run()
+        except RuntimeError as exc:
+            group = f"stages {', '.join(map(str, self.ranks))}" if self.ranks else "this stage's ranks"
+            raise PeerLost(f"data plane: lost a peer of the sequence group of {group}: {short_reason(exc)}") from None
 
     def take_ms(self) -> float:
         ms, self._ms = self._ms, 0.0
@@ -115,7 +138,7 @@ def init_sequence_groups(layout: ParallelLayout, rank: int, backend: str | None 
         ranks = layout.sequence_ranks(stage)
         group = dist.new_group(ranks, backend=backend)
         if rank in ranks:
-            mine = DistSequenceGroup(group, layout.sp_rank_of(rank), layout.sp)
+            mine = DistSequenceGroup(group, layout.sp_rank_of(rank), layout.sp, ranks=list(ranks))
     assert mine is not None
     return mine
 

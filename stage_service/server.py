@@ -417,7 +417,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if gen is None:
             return True
         self._set_member(False)
-        logger.info("stage %d leaving generation %d: %s", self.opts.index, gen.number, reason)
+        if gen.executor.failed is not None:  # its own line said why; the coordinator's reason would repeat it
+            logger.info("stage %d leaving generation %d: its executor stopped (above)", self.opts.index, gen.number)
+        else:
+            logger.info("stage %d leaving generation %d: %s", self.opts.index, gen.number, reason)
         gen.events.put(None)  # ends a Results stream still attached to the old generation
         gen.executor.stop(timeout)  # aborting the transport releases a receive or send blocked on a peer
         if gen.executor.alive:

@@ -57,7 +57,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from stage_service.parallel_state import LOCAL, SequenceGroup, init_sequence_groups
+from stage_service.parallel_state import LOCAL, PeerLost, SequenceGroup, init_sequence_groups, short_reason
 from stagecast.model.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -108,10 +108,6 @@ def bind_data_plane(host: str) -> str | None:
     for variable in IFNAME_VARIABLES:
         os.environ.setdefault(variable, name)
     return os.environ["GLOO_SOCKET_IFNAME"]
-
-
-class PeerLost(RuntimeError):
-    """A wait failed because a peer (or this stage, leaving) closed the generation's connections."""
 
 
 class PipeTransport:
@@ -244,9 +240,24 @@ class PipeTransport:
 
     # ---- sends ----------------------------------------------------------------------------------------
 
+    def peer_name(self, rank: int) -> str:
+        """A rank as the coordinator's registry names it (``stage N``: stage processes register under their rank),
+        with its pipeline stage and sequence rank under --sp."""
+        sp = self.sequence.size
+        return f"stage {rank} (pipeline stage {rank // sp}, sp-rank {rank % sp})" if sp > 1 else f"stage {rank}"
+
+    def _lost(self, exc: BaseException, peer: int) -> RuntimeError:
+        """What a failed operation with ``peer`` raises: our own abort, or the peer gone, named, in one line."""
+        if self._aborted.is_set():
+            return TransportAborted("data plane aborted: this stage is leaving the generation")
+        return PeerLost(f"data plane: lost {self.peer_name(peer)}: {short_reason(exc)}")
+
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=dst, tag=tag)
+        try:
+            work = dist.isend(tensor, dst=dst, tag=tag)
+        except RuntimeError as exc:  # gloo refuses a send on a pair whose peer is gone
+            raise self._lost(exc, dst) from None
         if self._reaper is not None:
             self._sends.put((work, tensor))  # kept alive until delivered
         else:
@@ -288,9 +299,9 @@ class PipeTransport:
 
     # ---- receives -------------------------------------------------------------------------------------
 
-    def _wait(self, work: dist.Work) -> None:
+    def _wait(self, work: dist.Work, peer: int) -> None:
         if self._aborted.is_set():
-            raise TransportAborted("data plane aborted")
+            raise TransportAborted("data plane aborted: this stage is leaving the generation")
         start = time.perf_counter()
         # gloo cannot interrupt a blocking receive (a timed-out wait even breaks the pair), so a stage
         # blocked on a live peer is freed by that peer leaving the group, which closes the connection.
@@ -298,12 +309,16 @@ class PipeTransport:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise PeerLost(f"data plane: {str(exc).splitlines()[0][:200]}") from None
+            raise self._lost(exc, peer) from None
         self.wait_seconds += time.perf_counter() - start
 
     def _recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(buf, src=src, tag=tag))
+        try:
+            work = dist.irecv(buf, src=src, tag=tag)
+        except RuntimeError as exc:
+            raise self._lost(exc, src) from None
+        self._wait(work, src)
         return buf
 
     def recv_hidden(self, shape, dtype) -> torch.Tensor:

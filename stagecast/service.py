@@ -11,6 +11,14 @@ stderr and exit status 2.  It installs ``stagecast.diagnostics`` (SIGUSR2 report
 once ``serve`` has returned (spans flushed, peers released) the process exits at once: tearing down torch's and
 gRPC's globals takes seconds on a busy machine and can hang in their destructors.
 When a launcher started the process (``STAGECAST_PARENT_PID`` set), the process also dies with it.
+
+The first SIGTERM always ends a service within ``STOP_DEADLINE_S`` (launchers wait 10 s before SIGKILL): a stop
+before the READY line exits at once (nothing is served yet; start-up can block for minutes loading weights,
+capturing graphs or waiting for a coordinator), and a shutdown that takes longer than the deadline (a drain waiting
+on a GPU, an NCCL teardown) is cut short with one line naming where the main thread was.  Python runs signal
+handlers only on the main thread between bytecodes, so none of this relies on one: the signal module's C handler
+writes the signal to a wakeup pipe (``signal.set_wakeup_fd``) that a thread reads, and once stopping, a SIGALRM
+with its default action ends the process even if no Python thread can run.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ PARENT_PID_ENV = "STAGECAST_PARENT_PID"
 
 logger = logging.getLogger(__name__)
 _LOADED = time.monotonic()
+STOP_DEADLINE_S = 8.0  # the most a service takes to exit after the first SIGTERM (launchers wait 10 s)
+_STOP_SIGNALS = {0, signal.SIGTERM, signal.SIGINT}  # 0: written by the Python-level handler
+_READY = threading.Event()  # the READY line is out: a stop from now on shuts down in order
 
 
 def announce_ready(role: str | None = None, **info: object) -> None:
     """Print the line a launcher waits for: ``STAGECAST_READY [role] key=value ...`` (values without spaces)."""
     fields = [role] if role else []
     fields += [f"{key}={value}" for key, value in info.items()]
+    _READY.set()  # first: a launcher may stop us the moment it reads the line, and that stop shuts down in order
     print(" ".join([READY_PREFIX, *fields]), flush=True)
 
 
@@ -88,18 +100,25 @@ def die_of_sigint() -> None:
 def stop_event() -> threading.Event:
     """An event set by SIGTERM/SIGINT, so services shut down cleanly.
 
-    The handler only writes a byte to a pipe, and a thread sets the event.  Python runs a handler in the main thread
-    between two bytecodes, possibly inside ``Event.set`` or ``Event.wait`` with the event's lock held; a handler that
-    set the event itself would then wait for that lock forever.  That happened: a second SIGTERM (a launcher sends
-    one, then another while it waits, and the parent's death sends a third) arrived inside the first handler's
-    ``Event.set``, and the gateway never exited."""
+    Nothing here waits for the main thread.  Python's C-level handler writes each signal's number to a wakeup pipe
+    at once, and a thread reading the pipe sets the event: a main thread blocked in a C call (a gRPC wait, a CUDA
+    synchronize, an NCCL collective, a ``join``) does not delay the stop.  The Python handler writes a byte to the
+    same pipe too (in case something else, e.g. an asyncio loop, takes the wakeup fd).  Neither sets the event
+    itself: Python runs a handler in the main thread between two bytecodes, possibly inside ``Event.set`` or
+    ``Event.wait`` with the event's lock held; a handler that set the event itself would then wait for that lock
+    forever.  That happened: a second SIGTERM (a launcher sends one, then another while it waits, and the parent's
+    death sends a third) arrived inside the first handler's ``Event.set``, and the gateway never exited."""
     stop = threading.Event()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 
     def watch() -> None:
-        os.read(read_fd, 1)
-        stop.set()
+        while True:
+            data = os.read(read_fd, 64)  # signal numbers; other handled signals (SIGUSR2) come through here too
+            if not data:
+                return
+            if any(number in _STOP_SIGNALS for number in data):
+                stop.set()
 
     threading.Thread(target=watch, name="stop-signal", daemon=True).start()
 
@@ -111,7 +130,39 @@ def stop_event() -> threading.Event:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the last resort of ``_exit_when_stopped``
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     return stop
+
+
+def _exit_when_stopped(name: str, stop: threading.Event, deadline: float = STOP_DEADLINE_S) -> None:
+    """The stop's deadline (a thread of ``run_service``): exit at once when stopped before READY; else give the
+    shutdown ``deadline`` seconds, then exit naming where the main thread was.  A SIGALRM one second later ends the
+    process should no Python thread get to run (a C call holding the GIL)."""
+    stop.wait()
+    if not _READY.is_set():
+        _exit_now(name, "stopped while starting: exiting now", 0)
+    signal.alarm(int(deadline) + 1)
+    if threading.Event().wait(deadline):  # never set: this is the shutdown's time
+        return
+    frame, where = sys._current_frames().get(threading.main_thread().ident), []
+    while frame is not None and len(where) < 3:  # innermost first: "wait (threading.py:327) < drain (...) < ..."
+        where.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
+        frame = frame.f_back
+    stack = " < ".join(where) or "unknown"
+    _exit_now(name, f"still shutting down {deadline:g} s after SIGTERM (main thread in {stack}): exiting now", 0)
+
+
+def _exit_now(name: str, message: str, code: int) -> None:
+    logger.warning("%s %s", name, message)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting regardless
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def csv_list(kind):
@@ -168,8 +219,12 @@ def run_service(name: str, serve: Callable[[threading.Event], None]) -> int:
     if not here:
         diagnostics.install()
     code = 0
+    stop = threading.Event()
+    if not here:
+        stop = stop_event()
+        threading.Thread(target=_exit_when_stopped, args=(name, stop), daemon=True, name="stop-deadline").start()
     try:
-        serve(threading.Event() if here else stop_event())
+        serve(stop)
     except (ValueError, OSError) as exc:
         logger.debug("%s failed to start", name, exc_info=True)
         print(f"stagecast {name}: error: {exc}", file=sys.stderr)

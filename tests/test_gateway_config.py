@@ -290,3 +290,16 @@ def test_a_strength_off_the_ladder_quotes_the_ladder_as_numbers():
     message = str(info.value)
     assert "must be one of the stream's ladder timesteps [1000, 750, 500, 250]" in message, message
     assert "'1000'" not in message and "got 600" in message
+
+
+def test_channel_bounded_in_bytes_takes_one_item_past_the_bound_only_when_empty():
+    ch = BoundedChannel(10, max_bytes=100)
+    assert ch.put("a", size=60) and ch.bytes == 60
+    with pytest.raises(TimeoutError):
+        ch.put("b", size=50, timeout=0.01)  # 110 bytes would pass the bound
+    assert ch.put("c", size=40, timeout=0.01) and ch.bytes == 100
+    assert ch.get() == "a" and ch.get() == "c" and ch.bytes == 0
+    assert ch.put("huge", size=1000, timeout=0.01)  # alone, a message larger than the bound still goes
+    with pytest.raises(TimeoutError):
+        ch.put("d", size=1, timeout=0.01)
+    assert ch.put_final("end", drop=True) and ch.bytes == 0

@@ -2,6 +2,7 @@
 a paused stage rejoins by itself once it runs again."""
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -65,6 +66,14 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
         survivor = pipe.stage_children[0].info["address"]
         wait_until(lambda: health(launcher, survivor, STAGE_HEALTH) == NOT_SERVING, timeout=30, what="stage 0 leaving")
         assert health(launcher, survivor, "") == SERVING
+        # A dead data-plane peer is one line at each survivor, naming it, and no traceback.
+        survivors = [pipe.stage_children[0], pipe.stage_children[2]]
+        for child in survivors:
+            wait_until(lambda c=child: _left(c, 1), timeout=30, what="the survivors leaving generation 1")
+        for child in survivors:
+            log = list(child.log)
+            assert not [line for line in log if "Traceback" in line], log[-30:]
+            assert len([line for line in log if re.search(r"\bstage 1\b", line)]) == 1, log[-30:]
 
         launcher.spawn("stage-1-restarted", pipe.stage_args[1])
         status = wait_for_generation(pipe.coordinator, 2, launcher)
@@ -74,6 +83,10 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
         channel.close()
     # Leaving the launcher stopped every process it started, including re-executed survivors.
     assert all(child.proc.poll() is not None for child in [pipe.coordinator_child, *pipe.stage_children.values()])
+
+
+def _left(child, generation: int) -> bool:
+    return any(f"leaving generation {generation}" in line for line in list(child.log))
 
 
 def health(launcher, address, service):

@@ -147,7 +147,14 @@ def test_losing_one_rank_of_a_sequence_group_fails_the_stream_and_the_next_gener
     from launcher.demo_checkpoint import write_transformer
     from launcher.local_cluster import start_pipeline
     from stagecast.internal.v1 import pipeline_pb2 as pb
-    from tests.pipeline_helpers import coordinator_stub, open_request, run_stream, tiny_spec, wait_for_generation
+    from tests.pipeline_helpers import (
+        coordinator_stub,
+        open_request,
+        run_stream,
+        tiny_spec,
+        wait_for_generation,
+        wait_until,
+    )
 
     write_transformer(tmp_path / "transformer", seed=0)
     with Launcher() as launcher:
@@ -165,6 +172,15 @@ def test_losing_one_rank_of_a_sequence_group_fails_the_stream_and_the_next_gener
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "generation 1" in info.value.details()
+        # No traceback at any survivor, and at most one line about the data plane (the executor's, naming the peer, or
+        # the coordinator's reason as it leaves), whichever peer's loss reached it first.
+        survivors = [pipe.stage_children[rank] for rank in (0, 1, 3)]
+        for child in survivors:
+            wait_until(lambda c=child: any("leaving generation 1" in line for line in c.log), 30, what="leaving")
+        for child in survivors:
+            log = list(child.log)
+            assert not [line for line in log if "Traceback" in line], "\n".join(log[-30:])
+            assert len([line for line in log if "data plane" in line]) <= 1, "\n".join(log[-30:])
         launcher.spawn("stage-1-sp0-restarted", pipe.stage_args[2])
         status = wait_for_generation(pipe.coordinator, 2, launcher)
         assert status.ready and status.generation >= 2

@@ -147,6 +147,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"stagecast web: open {url}", flush=True)
         announce_ready("web", url=url, address=address)
         await stop.wait()
+        # Stopping: later SIGTERMs (a launcher sends two) are ignored.  asyncio.run closes the loop's self-pipe before
+        # it resets the signal wakeup fd, and a signal arriving between the two printed a traceback ("Exception ignored
+        # when trying to write to the signal wakeup fd"); removing the handlers now resets it while the pipe is open.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         await app.stop()
 
     asyncio.run(serve())
