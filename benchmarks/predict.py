@@ -115,12 +115,21 @@ def _vae(name: str):
     return AutoencoderKLWan(**vae_config(name)).eval()
 
 
+@functools.cache
+def _unit_macs(name: str) -> tuple[int, ...]:
+    from gateway.stream_vae import unit_macs
+
+    return tuple(unit_macs(_vae(name)))
+
+
 def mac_cut(model: str, slices: int) -> list[int]:
-    """Where the gateway's default cut (by multiply-accumulates) starts VAE slices 1.. over ``slices`` GPUs."""
+    """Where the gateway's default cut (by multiply-accumulates) starts VAE slices 1.. over ``slices`` GPUs (the
+    decoder's unit counts measured once per VAE: the 1.3B and 14B models share one)."""
     from benchmarks.harness import VAE_FOR_MODEL
     from gateway.stream_vae import decoder_cut
 
-    return decoder_cut(_vae(VAE_FOR_MODEL[model]), slices)[1:-1]
+    name = VAE_FOR_MODEL[model]
+    return decoder_cut(_vae(name), slices, costs=list(_unit_macs(name)))[1:-1]
 
 
 def _fps(bottleneck_ms: float) -> float:

@@ -481,17 +481,20 @@ def split_decoder(
     return [StreamVAESlice(vae, a, b, compile=compile) for a, b in itertools.pairwise(edges)]
 
 
-def decoder_cut(vae: AutoencoderKLWan, num_slices: int, boundaries: list[int] | None = None) -> list[int]:
+def decoder_cut(
+    vae: AutoencoderKLWan, num_slices: int, boundaries: list[int] | None = None, costs: list[int] | None = None
+) -> list[int]:
     """``[0, *boundaries, units]``: where each of ``num_slices`` slices starts, and where the last one ends.
 
     ``boundaries`` are the unit indices where slices 1.. start; by default they minimise the largest slice's
-    ``unit_macs`` (a pure function of the architecture, so every process that cuts the same model agrees).
+    ``unit_macs`` (a pure function of the architecture, so every process that cuts the same model agrees; ``costs``:
+    those counts where the caller already has them).
     """
     n = len(decoder_units(vae))
     if not 1 <= num_slices <= n:
         raise ValueError(f"the decoder has {n} units; cannot cut it into {num_slices} slices")
     if boundaries is None:
-        costs = unit_macs(vae)
+        costs = unit_macs(vae) if costs is None else costs
 
         def worst(cuts):
             edges = [0, *cuts, n]

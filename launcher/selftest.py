@@ -258,10 +258,13 @@ def compare(
     inputs_by_order: list[list[torch.Tensor] | None] | None = None,
     negative_by_order: list[torch.Tensor | None] | None = None,
     updates_by_order: list[torch.Tensor | None] | None = None,
+    since: int = 0,
 ) -> SelftestResult:
+    """``since``: the length of the recorded plan before these streams opened (earlier runs on the same pipeline);
+    the reference replays this run's events only."""
     with connect() as ch:
         dump = pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60)
-    plan = plan_from_proto(list(dump.events))
+    plan = own_events(plan_from_proto(list(dump.events)[since:]))
     opened = [ev.spec.stream_id for ev in plan if ev.kind == "open" and ev.spec is not None]
     texts = {sid: texts_by_order[i] for i, sid in enumerate(opened)}
     by_order = inputs_by_order or [None] * len(opened)
@@ -342,55 +345,121 @@ def judge(chunks: dict[int, list[torch.Tensor]], reference: dict[int, list[torch
     return ok, worst
 
 
+def own_events(plan: list[PlanEvent]) -> list[PlanEvent]:
+    """The events of the streams opened in ``plan`` (a recorded plan cut where a run began): an earlier run's
+    stream may still have its close recorded after the cut.  A batch holding an earlier run's stream cannot be
+    replayed alone, and is an error: a run begins once the one before it has ended."""
+    opened = {ev.spec.stream_id for ev in plan if ev.kind == "open" and ev.spec is not None}
+    own = []
+    for ev in plan:
+        if ev.kind == "open":
+            own.append(ev)
+        elif ev.kind == "batch":
+            foreign = {s.stream for s in ev.steps} - opened
+            if foreign:
+                raise RuntimeError(f"batch {ev.seq} holds streams {sorted(foreign)} of an earlier run")
+            own.append(ev)
+        elif ev.stream_id in opened:
+            own.append(ev)
+    return own
+
+
+@dataclass
+class SelftestPipeline:
+    """A formed pipeline that selftest runs go through, one after another (``run_on``).  ``key``: what its
+    processes were started with (``pipeline_key``): a config with the same key runs on it."""
+
+    key: tuple
+    transformer: str
+    partition: str | None
+    coordinator: str
+    launcher: Launcher
+
+
+def pipeline_key(cfg: SelftestConfig) -> tuple:
+    """Everything the pipeline's processes are started with; the streams' own settings (policy, window, ladders,
+    guidance, v2v, ...) are not in it."""
+    weights = cfg.checkpoint if cfg.checkpoint is not None else (cfg.model, cfg.layers, cfg.seed)
+    return (
+        weights,
+        cfg.stages,
+        cfg.partition,
+        cfg.balance_profile,
+        cfg.sp,
+        cfg.cfg_parallel,
+        cfg.batch,
+        cfg.device,
+        cfg.dtype,
+        cfg.cuda_graphs,
+        tuple(cfg.loras),
+        tuple(adaptive_args(cfg)),
+    )
+
+
+def form_pipeline(cfg: SelftestConfig, launcher: Launcher, folder: str | Path) -> SelftestPipeline:
+    """Start ``cfg``'s pipeline under ``launcher`` (its random checkpoint written in ``folder`` when it names
+    none)."""
+    if cfg.checkpoint is None:
+        from launcher.demo_checkpoint import write_transformer
+
+        transformer = f"{folder}/transformer"
+        overrides = {"num_layers": cfg.layers} if cfg.layers else {}
+        shard = 64 * 1024 if cfg.model.startswith("tiny") else 2 * 1024**3
+        write_transformer(Path(transformer), seed=cfg.seed, name=cfg.model, max_shard_bytes=shard, **overrides)
+    else:
+        transformer = cfg.checkpoint
+    check_layout(transformer, cfg.stages, cfg.sp)  # before anything starts: LayoutError names the flag
+    if cfg.sp > 1 and cfg.device.startswith("cuda"):
+        check_gpus(cfg.stages, cfg.sp, torch.cuda.device_count())
+    partition = balanced_partition(cfg, transformer)
+    pipe = start_pipeline(
+        launcher,
+        checkpoint=transformer,
+        stages=cfg.stages,
+        partition=partition,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        max_batch=cfg.batch,
+        record_plan=True,
+        cuda_graphs=cfg.cuda_graphs,
+        loras=cfg.loras,
+        sp=cfg.sp,
+        coordinator_args=adaptive_args(cfg),
+        cfg_parallel=cfg.cfg_parallel,
+    )
+    return SelftestPipeline(pipeline_key(cfg), transformer, partition, pipe.coordinator, launcher)
+
+
+def run_on(pipeline: SelftestPipeline, cfg: SelftestConfig) -> SelftestResult:
+    """Run ``cfg``'s streams through a formed pipeline (its key must be ``cfg``'s) and compare with the reference
+    replaying this run's part of the recorded plan."""
+    if pipeline.key != pipeline_key(cfg):
+        raise ValueError(f"this pipeline was formed as {pipeline.key}, the config asks for {pipeline_key(cfg)}")
+    model_cfg = read_config(pipeline.transformer)
+    specs = stream_specs(cfg, model_cfg)
+    g = torch.Generator().manual_seed(cfg.seed)
+    texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
+    inputs = stream_inputs(cfg, specs)
+    # Drawn after the texts, so that a run without guidance or updates keeps the texts it always had.
+    negative = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) if s.cfg else None for s in specs]
+    updates = None
+    if cfg.prompt_update:  # text streams only: a video-to-video stream's input paces it
+        updates = [
+            None if s.input_latents else torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs
+        ]
+    connect = lambda: pipeline.launcher.channel(pipeline.coordinator, "coordinator")  # noqa: E731
+    with connect() as ch:  # what earlier runs on this pipeline recorded
+        since = len(pb_grpc.CoordinatorServiceStub(ch).GetPlan(pb.PlanRequest(), timeout=60).events)
+    chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req), negative, updates)
+    result = compare(cfg, pipeline.transformer, connect, texts, chunks, inputs, negative, updates, since=since)
+    result.partition = pipeline.partition
+    return result
+
+
 def execute_selftest(cfg: SelftestConfig, launcher: Launcher) -> SelftestResult:
     """Start the pipeline under ``launcher``, run the streams, compare with the reference."""
     with tempfile.TemporaryDirectory(prefix="stagecast-selftest-") as tmp:
-        if cfg.checkpoint is None:
-            from launcher.demo_checkpoint import write_transformer
-
-            transformer = f"{tmp}/transformer"
-            overrides = {"num_layers": cfg.layers} if cfg.layers else {}
-            shard = 64 * 1024 if cfg.model.startswith("tiny") else 2 * 1024**3
-            write_transformer(Path(transformer), seed=cfg.seed, name=cfg.model, max_shard_bytes=shard, **overrides)
-        else:
-            transformer = cfg.checkpoint
-        model_cfg = read_config(transformer)
-        check_layout(transformer, cfg.stages, cfg.sp)  # before anything starts: LayoutError names the flag
-        if cfg.sp > 1 and cfg.device.startswith("cuda"):
-            check_gpus(cfg.stages, cfg.sp, torch.cuda.device_count())
-        partition = balanced_partition(cfg, transformer)
-        pipe = start_pipeline(
-            launcher,
-            checkpoint=transformer,
-            stages=cfg.stages,
-            partition=partition,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            max_batch=cfg.batch,
-            record_plan=True,
-            cuda_graphs=cfg.cuda_graphs,
-            loras=cfg.loras,
-            sp=cfg.sp,
-            coordinator_args=adaptive_args(cfg),
-            cfg_parallel=cfg.cfg_parallel,
-        )
-        specs = stream_specs(cfg, model_cfg)
-        g = torch.Generator().manual_seed(cfg.seed)
-        texts = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) for s in specs]
-        inputs = stream_inputs(cfg, specs)
-        # Drawn after the texts, so that a run without guidance or updates keeps the texts it always had.
-        negative = [torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g) if s.cfg else None for s in specs]
-        updates = None
-        if cfg.prompt_update:  # text streams only: a video-to-video stream's input paces it
-            updates = [
-                None if s.input_latents else torch.randn(1, s.text_len, model_cfg["text_dim"], generator=g)
-                for s in specs
-            ]
-        connect = lambda: launcher.channel(pipe.coordinator, "coordinator")  # noqa: E731
-        chunks = run_streams(connect, specs, texts, inputs, lambda req: adaptive_request(cfg, req), negative, updates)
-        result = compare(cfg, transformer, connect, texts, chunks, inputs, negative, updates)
-        result.partition = partition
-        return result
+        return run_on(form_pipeline(cfg, launcher, tmp), cfg)
 
 
 def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:

@@ -38,6 +38,18 @@ def system_session(tmp_path_factory):
         yield system
 
 
+@pytest.fixture(scope="module")
+def selftest_pipelines(tmp_path_factory):
+    """The module's parity cases run through formed pipelines, one alive at a time (tests/selftest_pipelines.py)."""
+    from tests.selftest_pipelines import SelftestPipelines
+
+    pipelines = SelftestPipelines(tmp_path_factory.mktemp("selftest"))
+    try:
+        yield pipelines
+    finally:
+        pipelines.close()
+
+
 @pytest.fixture
 def shared_system(system_session):
     """The shared running system for one test, which must end its own streams: checked after it."""
@@ -78,6 +90,10 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item not in dropped]
+    # A module's cases that run on one formed selftest pipeline run next to each other (tests/selftest_pipelines.py).
+    from tests.selftest_pipelines import grouped
+
+    items[:] = grouped(items)
 
 
 class _ProcessGuard:

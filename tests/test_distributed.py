@@ -5,9 +5,11 @@ import json
 import pytest
 import torch
 
-from launcher.process import Launcher
-from launcher.selftest import SelftestConfig, execute_selftest
+from launcher.selftest import SelftestConfig
+from tests.selftest_pipelines import on_pipeline, shares_pipeline
 
+# Cases that start the same processes run through one formed pipeline (tests/selftest_pipelines.py), each with its
+# own streams and its own part of the recorded plan.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.parity]
 
 CASES = [
@@ -20,9 +22,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("stages,partition,policy,streams,window,sink,batch", CASES)
-def test_distributed_equals_reference_bit_for_bit(stages, partition, policy, streams, window, sink, batch):
-    cfg = SelftestConfig(
+def distributed_config(stages, partition, policy, streams, window, sink, batch):
+    return SelftestConfig(
         stages=stages,
         partition=partition,
         policy=policy,
@@ -33,8 +34,15 @@ def test_distributed_equals_reference_bit_for_bit(stages, partition, policy, str
         sink=sink,
         batch=batch,
     )
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+
+
+@pytest.mark.parametrize(
+    "stages,partition,policy,streams,window,sink,batch", [on_pipeline(distributed_config(*c), *c) for c in CASES]
+)
+def test_distributed_equals_reference_bit_for_bit(
+    selftest_pipelines, stages, partition, policy, streams, window, sink, batch
+):
+    result = selftest_pipelines.run(distributed_config(stages, partition, policy, streams, window, sink, batch))
     assert set(result.chunks) == set(result.reference) and len(result.chunks) == streams
     for sid, want in result.reference.items():
         got = result.chunks[sid]
@@ -51,23 +59,24 @@ def test_distributed_equals_reference_bit_for_bit(stages, partition, policy, str
     assert result.ok and result.max_diff == 0.0
 
 
-def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for_bit():
+SAMPLERS = SelftestConfig(
+    stages=2,
+    policy="per_level",
+    streams=3,
+    chunks=4,
+    batch=4,
+    ladders=[(700.0, 500.0, 400.0, 200.0), (1000.0, 2000 / 3, 1000 / 3), (900.0, 450.0)],
+    shifts=[5.0, 1.0, 3.0],
+    updates=["x0", "euler", "x0"],
+)
+
+
+@shares_pipeline(SAMPLERS)
+def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for_bit(selftest_pipelines):
     """Three samplers at once: the protocol ladder at shift 5 (x0), an even ladder with Euler steps, and a two-step
     ladder at shift 3.  Their micro-steps share Stream Batches, and every stage derives each item's timestep and
     sigma from its own stream's ladder, exactly as the reference does."""
-    ladders = [(700.0, 500.0, 400.0, 200.0), (1000.0, 2000 / 3, 1000 / 3), (900.0, 450.0)]
-    cfg = SelftestConfig(
-        stages=2,
-        policy="per_level",
-        streams=3,
-        chunks=4,
-        batch=4,
-        ladders=ladders,
-        shifts=[5.0, 1.0, 3.0],
-        updates=["x0", "euler", "x0"],
-    )
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+    result = selftest_pipelines.run(SAMPLERS)
     specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
     assert sorted((s.steps, s.shift, s.sampler) for s in specs.values()) == [
         (2, 3.0, "x0"),
@@ -84,15 +93,20 @@ def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for
     assert result.ok and result.max_diff == 0.0
 
 
-@pytest.mark.parametrize("stages,partition,policy", [(2, "1,3", "per_level"), (3, "1,2,1", "clean")])
-def test_video_to_video_streams_equal_the_reference_fed_the_same_latents(stages, partition, policy):
+def v2v_config(stages, partition, policy):
+    return SelftestConfig(stages=stages, partition=partition, policy=policy, streams=3, chunks=4, steps=2, v2v=True)
+
+
+@pytest.mark.parametrize(
+    "stages,partition,policy",
+    [on_pipeline(v2v_config(*c), *c) for c in [(2, "1,3", "per_level"), (3, "1,2,1", "clean")]],
+)
+def test_video_to_video_streams_equal_the_reference_fed_the_same_latents(selftest_pipelines, stages, partition, policy):
     """Video-to-video streams (level 0 from submitted input latents, fed against the coordinator's pending bound and
     stopped after their last input) share batches with a text stream; every chunk equals the reference executor
     replaying the recorded plan with the same input latents, bit for bit.  The first and last stages keep the
     inputs (embedding, sampler step); a middle stage drops them."""
-    cfg = SelftestConfig(stages=stages, partition=partition, policy=policy, streams=3, chunks=4, steps=2, v2v=True)
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+    result = selftest_pipelines.run(v2v_config(stages, partition, policy))
     specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
     v2v = sorted(sid for sid, spec in specs.items() if spec.input_latents)
     assert len(v2v) == 2 and len(specs) == 3
@@ -113,13 +127,15 @@ def test_video_to_video_streams_equal_the_reference_fed_the_same_latents(stages,
     assert result.ok and result.max_diff == 0.0
 
 
-@pytest.mark.parametrize("policy", ["per_level", "clean"])
-def test_adaptive_steps_replay_bit_for_bit(policy):
+def adaptive_config(policy):
+    return SelftestConfig(stages=2, policy=policy, streams=2, chunks=8, steps=3, window=3, sink=1, adaptive=True)
+
+
+@pytest.mark.parametrize("policy", [on_pipeline(adaptive_config(p), p) for p in ["per_level", "clean"]])
+def test_adaptive_steps_replay_bit_for_bit(selftest_pipelines, policy):
     """The SLO controller lowers the steps of concurrent streams and raises them when one ends; the steps events are
     in the recorded plan, and the reference replaying them equals the distributed run bit for bit."""
-    cfg = SelftestConfig(stages=2, policy=policy, streams=2, chunks=8, steps=3, window=3, sink=1, adaptive=True)
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+    result = selftest_pipelines.run(adaptive_config(policy))
     changes = [ev for ev in result.plan if ev.kind == "steps"]
     assert changes, "the controller changed no stream's steps"
     assert {len(ev.timesteps) for ev in changes} <= {1, 2, 3} and any(len(ev.timesteps) < 3 for ev in changes)
@@ -140,14 +156,8 @@ CFG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("stages,partition,cfg_parallel,policy,steps,chunks", CFG_CASES)
-def test_classifier_free_guidance_equals_reference_bit_for_bit(stages, partition, cfg_parallel, policy, steps, chunks):
-    """A guided stream (guidance 5, its own negative prompt) and an unguided one run together (whether they share a
-    batch depends on arrival timing; tests/test_cfg.py holds mixed batches), in one pipeline (sequential CFG: two
-    rows per guided micro-step) or on two stage groups in lockstep (CFG-parallel, where the second group skips the
-    unguided stream); each stream changes its prompt after its first chunk.  Every chunk equals the reference bit
-    for bit."""
-    cfg = SelftestConfig(
+def cfg_config(stages, partition, cfg_parallel, policy, steps, chunks):
+    return SelftestConfig(
         stages=stages,
         partition=partition,
         policy=policy,
@@ -159,8 +169,20 @@ def test_classifier_free_guidance_equals_reference_bit_for_bit(stages, partition
         cfg_parallel=cfg_parallel,
         prompt_update=True,
     )
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+
+
+@pytest.mark.parametrize(
+    "stages,partition,cfg_parallel,policy,steps,chunks", [on_pipeline(cfg_config(*c), *c) for c in CFG_CASES]
+)
+def test_classifier_free_guidance_equals_reference_bit_for_bit(
+    selftest_pipelines, stages, partition, cfg_parallel, policy, steps, chunks
+):
+    """A guided stream (guidance 5, its own negative prompt) and an unguided one run together (whether they share a
+    batch depends on arrival timing; tests/test_cfg.py holds mixed batches), in one pipeline (sequential CFG: two
+    rows per guided micro-step) or on two stage groups in lockstep (CFG-parallel, where the second group skips the
+    unguided stream); each stream changes its prompt after its first chunk.  Every chunk equals the reference bit
+    for bit."""
+    result = selftest_pipelines.run(cfg_config(stages, partition, cfg_parallel, policy, steps, chunks))
     specs = {ev.spec.stream_id: ev.spec for ev in result.plan if ev.kind == "open"}
     assert sorted(s.guidance_scale for s in specs.values()) == [1.0, 5.0]
     assert set(result.negative_texts) == {sid for sid, s in specs.items() if s.cfg}
@@ -174,7 +196,7 @@ def test_classifier_free_guidance_equals_reference_bit_for_bit(stages, partition
     assert result.ok and result.max_diff == 0.0
 
 
-def test_a_pipeline_partitioned_by_the_balance_planner_equals_the_reference_bit_for_bit(tmp_path):
+def test_a_pipeline_partitioned_by_the_balance_planner_equals_the_reference_bit_for_bit(selftest_pipelines, tmp_path):
     """``--partition auto``: the planner's partition (uneven here: block 0 is measured slow) changes where layers run,
     never what they compute."""
     from launcher.balance import resolve_balance
@@ -185,8 +207,7 @@ def test_a_pipeline_partitioned_by_the_balance_planner_equals_the_reference_bit_
     cfg = SelftestConfig(
         stages=3, partition="auto", balance_profile=str(profile), policy="per_level", streams=2, chunks=5, window=3
     )
-    with Launcher() as launcher:
-        result = execute_selftest(cfg, launcher)
+    result = selftest_pipelines.run(cfg)  # its own pipeline: the profile is in its key
     planned = resolve_balance(profile, transformer="random:tiny-wan2.1", stage_devices=["cpu"] * 3).partition
     assert result.partition == planned != "2,1,1"  # the planner's answer, not the even split
     assert result.ok and result.max_diff == 0.0 and len(result.chunks) == 2

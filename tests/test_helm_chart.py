@@ -37,6 +37,24 @@ VALUES_FILES = {
     "multinode": CHART / "values-multinode.yaml",
     "cpu": CHART / "values-cpu.yaml",
 }
+# Parsing the rendered manifests is most of these tests' time: libyaml's safe loader where PyYAML has it (the same
+# safe schema), the pure-Python one otherwise.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(text: str):
+    return yaml.load(text, Loader=SAFE_LOADER)
+
+
+def load_yaml_all(text: str):
+    return yaml.load_all(text, Loader=SAFE_LOADER)
+
+
+def chart_defaults() -> dict:
+    """The chart's values.yaml, parsed."""
+    return load_yaml((CHART / "values.yaml").read_text())
+
+
 INSTALL_HINT = "run `bash .ci/install-helm.sh` (installs .ci/helm-requirements.txt into the active Python)"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 COMPONENT_SERVICE = {"coordinator": "stagecast-coordinator", "stage": "stagecast-stage", "gateway": "stagecast-gateway"}
@@ -70,7 +88,7 @@ TEST_IMAGE = "registry.example.com/stagecast"
 
 def _load_values(name: str) -> dict:
     path = VALUES_FILES[name]
-    values = yaml.safe_load(path.read_text()) if path else {}
+    values = load_yaml(path.read_text()) if path else {}
     values.setdefault("image", {}).setdefault("repository", TEST_IMAGE)
     return values
 
@@ -95,7 +113,7 @@ class Rendered:
         for template, text in sorted(manifests.items()):
             if template.endswith("NOTES.txt"):
                 continue
-            for doc in yaml.safe_load_all(text):
+            for doc in load_yaml_all(text):
                 if doc:
                     doc.setdefault("metadata", {}).setdefault("annotations", {})
                     self.objects.append({**doc, "_template": template})
@@ -130,7 +148,7 @@ def _render_cached(helm, values_json: str) -> dict[str, str]:
 def render(helm, name: str = "default", **overrides) -> Rendered:
     values = _deep_merge(_load_values(name), overrides)
     manifests = _render_cached(helm, json.dumps(values, sort_keys=True))
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    defaults = chart_defaults()
     return Rendered(manifests, _deep_merge(defaults, values))
 
 
@@ -903,7 +921,7 @@ def _leaf_paths(node, prefix=""):
 
 
 def test_readme_documents_every_value():
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    defaults = chart_defaults()
     readme = (CHART / "README.md").read_text().split("\n## Values\n", 1)[1]
     documented = set(re.findall(r"^\| `([^`]+)` \|", readme, flags=re.M))
     # Maps meant to be filled by the user (resources, probes, selectors...) are documented as a whole.
@@ -915,7 +933,7 @@ def test_readme_documents_every_value():
 
 def test_schema_covers_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    defaults = chart_defaults()
 
     def walk(node, sch, path):
         if sch.get("additionalProperties") is False and isinstance(node, dict):
@@ -948,7 +966,7 @@ def test_dockerfiles_match_the_chart(dockerfile):
     entrypoints = [json.loads(rest) for cmd, rest in final_stage if cmd == "ENTRYPOINT"]
     assert entrypoints == [["stagecast"]], "the chart passes only sub-commands: ENTRYPOINT must be exec-form stagecast"
     users = [rest for cmd, rest in final_stage if cmd == "USER"]
-    run_as = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]
+    run_as = chart_defaults()["podSecurityContext"]["runAsUser"]
     assert users and users[-1].split(":")[0] == str(run_as), (users, run_as)
     runs = " ".join(rest for cmd, rest in ins if cmd == "RUN")
     args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for cmd, rest in ins if cmd == "ARG" and "=" in rest}
@@ -970,7 +988,7 @@ def test_long_release_name_keeps_names_valid(helm):
     for template, text in manifests.items():
         if template.endswith("NOTES.txt"):
             continue
-        for doc in yaml.safe_load_all(text):
+        for doc in load_yaml_all(text):
             if doc:
                 assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
                 if doc["kind"] == "StatefulSet":
@@ -1212,7 +1230,7 @@ def test_the_chart_as_shipped_asks_for_an_image_before_anything_is_pulled(helm):
     message = str(info.value)
     assert "image.repository is empty" in message and "push it to a registry" in message and "kind load" in message
     # The CPU demo names the image `kind load docker-image` puts on the nodes, as docker/README.md builds it.
-    cpu = yaml.safe_load(VALUES_FILES["cpu"].read_text())["image"]
+    cpu = load_yaml(VALUES_FILES["cpu"].read_text())["image"]
     built = f"{cpu['repository']}:{cpu['tag']}"
     assert f"-t {built} ." in (REPO / "docker" / "README.md").read_text()
     r = render(helm, "cpu")
