@@ -121,7 +121,7 @@ class GatewayOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "cpu"
-    max_streams: int = 8
+    max_streams: int = 16
     metrics_port: int = 0
     text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
     text_dtype: str = "auto"  # the text encoder's weights: auto (bfloat16 on a GPU, float32 on CPU) or a dtype name
