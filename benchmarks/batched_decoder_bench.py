@@ -37,6 +37,7 @@ import torch
 
 from gateway.batched_decoder import DEFAULT_BUCKETS, BatchedDecoder, allow_variants
 from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames, write_tiny_decoder
+from stagecast.api import DEFAULT_FPS
 from stagecast.names import DTYPES
 
 
@@ -64,7 +65,7 @@ def parse_args(argv):
     )
     ap.add_argument("--streams", type=parse_ints, default=(1, 4, 6, 8, 10, 16), help="paced streams per served row")
     ap.add_argument("--unpaced", type=int, default=0, help="unpaced streams beside the paced ones")
-    ap.add_argument("--fps", type=float, default=16.0)
+    ap.add_argument("--fps", type=float, default=DEFAULT_FPS)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

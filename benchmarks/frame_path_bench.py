@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from stagecast.api import DEFAULT_FPS
 from stagecast.media import make_encoder
 from stagecast.v1 import stream_pb2 as pb
 
@@ -94,7 +95,7 @@ def parse_args(argv):
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--width", type=int, default=832)
     ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--fps", type=float, default=16.0)
+    ap.add_argument("--fps", type=float, default=DEFAULT_FPS)
     ap.add_argument("--frames", type=int, default=64, help="frames per stream")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None)
