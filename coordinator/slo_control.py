@@ -58,7 +58,7 @@ class SloControl:
         self.telemetry = telemetry
         self.clock = clock
         # The SLO controller's model of stage time per batch: the operator's --stage-ms, else each stage's calibration
-        # at READY (on_formed), refined by measured batches; each decoder kind's cost per chunk: the operator's (a
+        # at READY (seed), refined by measured batches; each decoder kind's cost per chunk: the operator's (a
         # number: the full VAE's; or ms per kind), else the gateway's measurement (report_vae).  --slo-fixed
         # (slo_learn False) keeps the operator's numbers only.
         if not slo_learn:  # every decoder kind fixed: the operator's number, else 0

@@ -1,6 +1,6 @@
 """Pacing: a stream with a chunk rate starts chunk c no earlier than its real-time slot less the playout buffer.
 
-The engine's plan loop is driven by hand here (no stages): ``_plan_tick`` under a fake clock, so the test sees
+The engine's plan loop is driven by hand here (no stages): ``PlanLoop.tick`` under a fake clock, so the test sees
 exactly which chunks the scheduler was allowed to start at which time.
 """
 
