@@ -72,12 +72,7 @@ class PlanLoop:
     def has_work(self) -> bool:
         if not self.gens.ready or self.gens.sched is None:
             return False
-        if (
-            self.streams.pending_opens
-            or self.streams.pending_stops
-            or self.streams.pending_cancels
-            or self.streams.pending_prompts
-        ):
+        if self.streams.has_pending():
             return True
         # After P empty ticks in a row nothing waits on pipeline latency any more: only an outside event
         # (a batch done, a chunk delivered, an open or stop) can make work, and each one wakes the loop.

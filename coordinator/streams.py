@@ -123,6 +123,10 @@ class StreamTable:
         self.pending_prompts: deque[tuple[int, torch.Tensor, bool]] = deque()
         self._ids = itertools.count(1)
 
+    def has_pending(self) -> bool:
+        """Opens, stops, cancels or prompt changes the plan loop has yet to take."""
+        return bool(self.pending_opens or self.pending_stops or self.pending_cancels or self.pending_prompts)
+
     def get(self, stream_id: int) -> StreamSession:
         session = self.sessions.get(stream_id)
         if session is None:
