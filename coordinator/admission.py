@@ -21,19 +21,31 @@ open and given back when it ends, however it ends.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
+from coordinator.registry import StageRegistry
 from stagecast.grpc_util import StatusError
-from stagecast.kv_memory import format_bytes, max_context_frames
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.kv_memory import format_bytes, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig, check_image, check_spec
-from stagecast.model.dit_configs import expands_timesteps
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
+
+if TYPE_CHECKING:  # the stream table and the SLO glue import this module's AdmissionError
+    from coordinator.slo import Demand
+    from coordinator.slo_control import SloControl
+    from coordinator.streams import StreamTable
+
+logger = logging.getLogger("coordinator.engine")
 
 MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
+RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
 
 
 class AdmissionError(StatusError):
@@ -197,3 +209,130 @@ def check_negative_text(spec: StreamSpec, text: torch.Tensor, negative_text: tor
         raise ValueError("negative_text: only a guided stream (guidance_scale > 1) takes a negative prompt")
     if negative_text is not None and tuple(negative_text.shape) != tuple(text.shape):
         raise ValueError(f"negative_text: has shape {tuple(negative_text.shape)}, expected {tuple(text.shape)}")
+
+
+def model_config(registry: StageRegistry) -> dict | None:
+    """The stages' model config (None before any stage registered)."""
+    recs = registry.records()
+    return recs[0].config if recs else None
+
+
+class Admission:
+    """The coordinator's admission accounting: each stage's KV budget and the open streams' reservations on it, the
+    capacity verdict of the SLO controller (``slo``), and when a refused stream may retry.  ``PipelineEngine.open``
+    asks it for the ``AdmissionState`` of a stream under the engine's lock; every method runs under that lock."""
+
+    def __init__(self, registry: StageRegistry, streams: StreamTable, slo: SloControl, *, max_streams: int = 16):
+        self.registry = registry
+        self.streams = streams
+        self.slo = slo
+        self.max_streams = max_streams
+        # Each stage process's KV budget and K/V element size from its FormReply (index -> bytes; 0: no limit).
+        self.kv_budgets: dict[int, int] = {}
+        self.kv_elements: dict[int, int] = {}
+
+    def on_formed(self, replies: dict[int, pb.FormReply]) -> None:
+        """Take each stage's KV budget for admission (every stage answered Form)."""
+        self.kv_budgets = {index: max(0, reply.kv_budget_bytes) for index, reply in replies.items()}
+        self.kv_elements = {index: max(0, reply.kv_element_bytes) for index, reply in replies.items()}
+        for index, budget in sorted(self.kv_budgets.items()):
+            if budget:
+                logger.info("stage %d gives streams' KV %.3f GiB", index, budget / (1 << 30))
+
+    def state(
+        self, spec: StreamSpec, newcomer: Demand, max_steps: int, *, ready: bool, last_error: str, model: dict | None
+    ) -> AdmissionState:
+        """What ``admit`` judges a stream by: the pipeline, the open streams, its KV memory and the capacity."""
+        return AdmissionState(
+            ready=ready,
+            registered=len([r for r in self.registry.records() if not r.lost]),
+            world_size=self.registry.world_size,
+            active=len(self.streams.sessions),
+            max_streams=self.max_streams,
+            model=model,
+            last_error=last_error,
+            capacity=self.capacity_verdict(newcomer),
+            kv_memory=self.kv_verdict(spec, max_steps),
+        )
+
+    def retry_after(self) -> float:
+        """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks
+        at its pace), else ``RETRY_AFTER_S``."""
+        ends = [
+            (s.spec.num_chunks - s.delivered) / s.chunk_rate
+            for s in self.streams.sessions.values()
+            if s.spec.num_chunks is not None and s.chunk_rate > 0
+        ]
+        return max(0.1, min(ends)) if ends else RETRY_AFTER_S
+
+    def stage_kv(self, spec: StreamSpec, max_steps: int) -> dict[int, int]:
+        """The stream's worst-case KV bytes on each stage process with a KV budget (``stagecast.kv_memory``): its
+        layers, its share of the heads under --sp, its CFG group's branches under --cfg-parallel."""
+        cfg = model_config(self.registry)
+        if cfg is None or not any(self.kv_budgets.values()):
+            return {}
+        model = DiTConfig.from_kwargs(cfg)
+        ranks_per_group = self.registry.layout.world_size  # stage processes of one CFG group
+        return {
+            r.index: stream_kv_bytes(
+                spec,
+                model,
+                layers=len(r.layers),
+                element_bytes=self.kv_elements.get(r.index) or 4,  # unknown: the widest dtype a stage runs
+                max_steps=max_steps,
+                sp=self.registry.sp,
+                cfg_rank=r.index // ranks_per_group,
+                cfg_size=self.registry.cfg_parallel,
+            )
+            for r in self.registry.records()
+            if self.kv_budgets.get(r.index, 0) > 0
+        }
+
+    def kv_reserved(self) -> dict[int, int]:
+        """Worst-case KV bytes of the open streams on each stage process (released as each stream ends)."""
+        reserved: dict[int, int] = {}
+        for session in self.streams.sessions.values():
+            for index, nbytes in session.kv.items():
+                reserved[index] = reserved.get(index, 0) + nbytes
+        return reserved
+
+    def kv_status(self) -> list[tuple[int, int, int]]:
+        """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
+        reserved = self.kv_reserved()
+        return [(i, b, reserved.get(i, 0)) for i, b in sorted(self.kv_budgets.items()) if b > 0]
+
+    def kv_verdict(self, spec: StreamSpec, max_steps: int) -> KvMemory | None:
+        """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
+        if not any(self.kv_budgets.values()):
+            return None
+        rope = int((model_config(self.registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
+        try:
+            return kv_verdict(
+                spec,
+                lambda s: self.stage_kv(s, max_steps),
+                self.kv_reserved(),
+                self.kv_budgets,
+                rope_limit=rope,
+                retry_after_s=self.retry_after(),
+            )
+        except (ValueError, TypeError, KeyError):
+            return None  # a stream the model cannot run: check_spec refuses it with its reason
+
+    def capacity_verdict(self, newcomer: Demand) -> Capacity | None:
+        """Whether the pipeline holds one more stream (every stream at its min_steps); None when not checked."""
+        if newcomer.chunk_rate <= 0 or self.slo.cost.micro_step_ms() is None:
+            return None
+        admitted = self.slo.demands()
+        if self.slo.controller.admits(newcomer, admitted):
+            return Capacity(True)
+        need = (
+            self.slo.controller.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted}) or 0.0
+        )
+        # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
+        retry = self.retry_after()
+        detail = (
+            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
+            f"{newcomer.decoder} decoder would need {need:.0%} of the slowest stage (the limit is "
+            f"{self.slo.controller.target:.0%})"
+        )
+        return Capacity(False, detail, retry)

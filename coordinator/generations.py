@@ -1,14 +1,15 @@
 """Generations, rendezvous and stage health: the half of the coordinator's engine that forms the pipeline.
 
-``Generations`` is the base of ``coordinator.engine.PipelineEngine``: it forms a generation once every stage is
-registered (each stage joins the process group through the rendezvous the coordinator serves), reads every stage's
+``Generations`` is one of the parts ``coordinator.engine.PipelineEngine`` holds: it forms a generation once every stage
+is registered (each stage joins the process group through the rendezvous the coordinator serves), reads every stage's
 results, health-checks the stages, and when one is lost ends the generation, resets the survivors and forms the
-next one.  The plan loop (``engine``) and admission (``admission``) are the other two parts; they share the
-engine's one lock (``cond``) and hand work to each other only through these calls:
+next one.  It shares the engine's one lock (``cond``) with the other parts and hands work to them only through the
+callbacks it is given and these calls:
 
-- ``_on_chunk`` / ``_on_done`` (plan loop): a stage's results of the current generation;
-- ``_end_all`` (plan loop): every active stream ends with a failure when a generation does;
-- ``heartbeat`` / ``on_registered`` (coordinator.server): a stage says where it stands.
+- ``on_formed`` (engine): every stage answered Form; the plan restarts, admission and the SLO model take the replies;
+- ``on_chunk`` / ``on_done`` (engine): a stage's results of the current generation;
+- ``end_all`` (stream table): every active stream ends with a failure when a generation does;
+- ``heartbeat`` / ``on_registered`` / ``fail`` (coordinator.server, through the engine): a stage says where it stands.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.registry import StageRecord
+from coordinator.metrics import CoordinatorTelemetry
+from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -77,7 +79,87 @@ class StageLink:
 
 
 class Generations:
-    """Forming, failing and re-forming generations (see the module docstring); state lives on the engine."""
+    """Forming, failing and re-forming generations (see the module docstring).  Its state (the generation, whether it
+    is ready or forming, its stage links and scheduler, the resets under way) is guarded by the engine's lock
+    (``cond``); what it does for the rest of the coordinator it does through the callbacks it is given."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        registry: StageRegistry,
+        telemetry: CoordinatorTelemetry,
+        *,
+        connect: Callable[[str], grpc.Channel],
+        backend: str,
+        max_batch: int,
+        form_timeout: float,
+        on_ready_change: Callable[[bool], None],
+        on_formed: Callable[[dict[int, pb.FormReply]], None],
+        on_chunk: Callable[[int, pb.ChunkResult], None],
+        on_done: Callable[[int, int, pb.BatchDone, bool], None],
+        end_all: Callable[[StreamFailure], None],
+    ):
+        self.cond = cond
+        self.registry = registry
+        self.telemetry = telemetry
+        self.connect = connect
+        self.backend = backend
+        self.max_batch = max_batch
+        self.form_timeout = form_timeout
+        self.on_ready_change = on_ready_change
+        # Under the lock, once every stage answered Form (index -> ``FormReply``), before the generation is ready.
+        self.on_formed = on_formed
+        self.on_chunk = on_chunk  # a stage's chunk result of the current generation (plan loop's side)
+        self.on_done = on_done  # a stage's batch done (plan loop's side)
+        self.end_all = end_all  # every active stream ends with a failure when a generation does
+        self.generation = 0
+        self.ready = False
+        self.forming = False
+        self.stopped = False  # the engine is shutting down: nothing more forms
+        self.links: list[StageLink] = []
+        self.sched: StreamBatchScheduler | None = None
+        self.stage_stats: dict[int, pb.StageStats] = {}
+        self.last_error = ""
+        self.resetting = 0
+        self._monitor_stop = threading.Event()
+        self._workers: set[threading.Thread] = set()  # forming and resetting threads, joined by close
+
+    def shut(self) -> tuple[list[StageLink], list[threading.Thread]]:
+        """Under the lock, as the engine shuts down: nothing more forms; the links and workers to close and join."""
+        self.stopped = True
+        links, self.links = self.links, []
+        return links, list(self._workers)
+
+    def close(self, links: list[StageLink], workers: list[threading.Thread], timeout: float) -> None:
+        """After ``shut``, outside the lock: stop the health monitor, close the links, join the workers."""
+        self._monitor_stop.set()
+        for link in links:
+            link.close()
+        # Forming and resetting talk to stages with deadlines; wait for them so that none is still running
+        # (and starting threads) while the interpreter shuts down.
+        for worker in workers:
+            worker.join(timeout)
+
+    def _spawn(self, target, *args, name: str) -> None:
+        """Run a forming or resetting job in its own thread, unless the engine is shutting down.  A reset is
+        counted in ``resetting`` from now on, so that no generation forms before it has run."""
+        with self.cond:
+            if self.stopped:
+                if target == self._form:
+                    self.forming = False
+                return
+            if target == self._reset_then_reform:
+                self.resetting += 1
+            thread = threading.Thread(target=self._tracked, args=(target, *args), daemon=True, name=name)
+            self._workers.add(thread)
+            thread.start()
+
+    def _tracked(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self.cond:
+                self._workers.discard(threading.current_thread())
 
     def on_registered(self, record: StageRecord) -> None:
         with self.cond:
@@ -89,7 +171,7 @@ class Generations:
 
     def _maybe_form(self) -> None:
         with self.cond:
-            if self.ready or self.forming or self.resetting or self._stopped or not self.registry.complete:
+            if self.ready or self.forming or self.resetting or self.stopped or not self.registry.complete:
                 return
             self.forming = True
             self.generation += 1
@@ -143,7 +225,7 @@ class Generations:
             self._reset_then_reform(records, f"forming generation {gen} failed", gen)
             return
         with self.cond:
-            if self.generation != gen or self._stopped:
+            if self.generation != gen or self.stopped:
                 for link in links:
                     link.close()
                 return
@@ -155,10 +237,10 @@ class Generations:
                 max_batch=self.max_batch,
                 cfg_parallel=self.registry.cfg_parallel,
             )
-            self.seq = 0
-            self.batches_planned = self.batches_done = 0
             self.stage_stats = {}
-            self.on_formed(replies)  # before ready: the SLO model is seeded once the pipeline is formed
+            self.on_formed(
+                replies
+            )  # before ready: the plan restarts, the SLO model is seeded once the pipeline is formed
             self.forming = False
             self.ready = True
             self._monitor_stop = threading.Event()
@@ -169,9 +251,6 @@ class Generations:
         logger.info("generation %d formed with %d stages", gen, world)
         self.on_ready_change(True)
 
-    def on_formed(self, replies: dict) -> None:
-        """Under the lock, once every stage answered Form (index -> ``FormReply``), before the generation is ready."""
-
     def _wait_forming(self, futures: list, links: list[StageLink]) -> tuple[set, StageRecord | None]:
         """Wait for every stage's Form, health-checking them meanwhile: a stage that hangs without dropping its
         connection (paused, wedged) is caught in about two seconds, not at the form timeout.  Returns the done
@@ -181,7 +260,7 @@ class Generations:
         while True:
             left = deadline - time.monotonic()
             done, pending = wait(futures, timeout=min(0.5, max(left, 0.0)), return_when=FIRST_EXCEPTION)
-            if not pending or any(f.exception() is not None for f in done) or left <= 0 or self._stopped:
+            if not pending or any(f.exception() is not None for f in done) or left <= 0 or self.stopped:
                 return done, None
             for link, future in zip(links, futures, strict=True):
                 if future.done():
@@ -215,7 +294,7 @@ class Generations:
             self.sched = None
             self.telemetry.generation_ended(reason, failed=True)
             msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
-            self._end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
+            self.end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
             links, self.links = self.links, []
             self._monitor_stop.set()
             if lost is not None:
@@ -254,6 +333,22 @@ class Generations:
         for thread in threads:
             thread.join()
 
+    def stage_descriptions(self, kv_budgets: dict[int, int], kv_reserved: dict[int, int]) -> list:
+        """Under the lock: every registered stage, whether it is in the formed generation, its KV budget and use."""
+        return [
+            pb.StageDescription(
+                index=r.index,
+                address=r.address,
+                layer_start=r.layers.start,
+                layer_stop=r.layers.stop,
+                device=r.device,
+                formed=self.ready and not r.lost,
+                kv_budget_bytes=kv_budgets.get(r.index, 0),
+                kv_reserved_bytes=kv_reserved.get(r.index, 0),
+            )
+            for r in self.registry.records()
+        ]
+
     def heartbeat(self, index: int, address: str, generation: int) -> tuple[bool, str]:
         """A stage says it is alive and holds ``generation`` (0: none).  Returns (rejoin, reason): whether it
         is outside the current generation, so that it must drop its state and register again."""
@@ -280,9 +375,9 @@ class Generations:
             for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "chunk":
-                    self._on_chunk(gen, ev.chunk)
+                    self.on_chunk(gen, ev.chunk)
                 elif kind == "done":
-                    self._on_done(gen, link.record.index, ev.done, last)
+                    self.on_done(gen, link.record.index, ev.done, last)
                 elif kind == "error":
                     self.fail(f"stage {ev.error.stage_index}: {ev.error.message}", lost=None)
                     return

@@ -159,12 +159,16 @@ class CoordinatorTelemetry:
             (
                 "stagecast_coordinator_pending_events",
                 "Stream opens, stops and prompt updates waiting for the next tick",
-                lambda: len(engine.pending_opens) + len(engine.pending_stops) + len(engine.pending_prompts),
+                lambda: (
+                    len(engine.streams.pending_opens)
+                    + len(engine.streams.pending_stops)
+                    + len(engine.streams.pending_prompts)
+                ),
             ),
             (
                 "stagecast_coordinator_batches_in_flight",
                 "Batches planned and not yet finished by the last stage",
-                lambda: engine.batches_planned - engine.batches_done,
+                lambda: engine.planner.batches_planned - engine.planner.batches_done,
             ),
             ("stagecast_coordinator_lookahead_batches", "Limit on batches in flight", lambda: engine.lookahead),
             ("stagecast_coordinator_ready", "1 while a generation is formed", lambda: 1 if engine.ready else 0),

@@ -58,7 +58,7 @@ streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their 
 chunk costs: the stage and the decoder are separate processes time-slicing each GPU, a batching decoder's streams do
 not always decode together, and the gateway's CPU does work per stream. So the engine also watches what viewers see:
 when a paced stream's consumption keeps falling behind its real-time schedule (its first chunk's consumption + c /
-chunk_rate, the harness's on-time rule; ``PipelineEngine._check_late``) while the model judged the set held,
+chunk_rate, the harness's on-time rule; ``SloControl.check_late``) while the model judged the set held,
 ``observe_late`` scales the whole model (``correction``, at least 1) until the set now running is judged just past
 the target. Steps then fall at the next decision, and admission refuses what would not be held. The correction
 relaxes (``relax``, half-life ``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is

@@ -100,14 +100,14 @@ def test_a_lone_unpaced_stream_is_scheduled_exactly_as_before():
 def test_unpaced_streams_take_no_paced_capacity_at_the_coordinator():
     # 174 ms x 1.15 / 4 = 50 ms per micro-step: a paced stream at 3 steps and 4 chunks/s needs 60% of a stage.
     eng = PipelineEngine(StageRegistry(P), lookahead=10**6, stage_ms=[174.0] * P, slo_learn=False, clock=lambda: 0.0)
-    eng.ready = True
-    eng.sched = StreamBatchScheduler(num_stages=P, max_batch=4)
+    eng.generations.ready = True
+    eng.generations.sched = StreamBatchScheduler(num_stages=P, max_batch=4)
     s3 = spec(0, steps=3)
     unpaced = [eng.open(s3, TEXT, acknowledges=True, consumer_depth=8) for _ in range(8)]
     assert all(s.best_effort for s in unpaced)
     paced = eng.open(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0)
     assert not paced.best_effort
-    eng._plan_tick()
+    eng.planner.tick()
     assert {sid for sid, st in eng.sched.streams.items() if st.best_effort} == {s.id for s in unpaced}
     with pytest.raises(AdmissionError) as info:  # a second paced one does not fit beside the first (120%)
         eng.open(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0)

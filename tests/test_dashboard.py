@@ -70,11 +70,8 @@ def exported_metric_names() -> set[str]:
 
     engine = SimpleNamespace(
         sessions={},
-        pending_opens=[],
-        pending_stops=set(),
-        pending_prompts=[],
-        batches_planned=0,
-        batches_done=0,
+        streams=SimpleNamespace(pending_opens=[], pending_stops=set(), pending_prompts=[]),
+        planner=SimpleNamespace(batches_planned=0, batches_done=0),
         lookahead=6,
         ready=False,
         generation=0,

@@ -1,6 +1,6 @@
 """Pacing: a stream with a chunk rate starts chunk c no earlier than its real-time slot less the playout buffer.
 
-The engine's plan loop is driven by hand here (no stages): ``_plan_tick`` under a fake clock, so the test sees
+The engine's plan loop is driven by hand here (no stages): ``PlanLoop.tick`` under a fake clock, so the test sees
 exactly which chunks the scheduler was allowed to start at which time.
 """
 
@@ -29,8 +29,8 @@ class Clock:
 
 def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
     eng = PipelineEngine(StageRegistry(2), playout_s=playout_s, clock=clock, lookahead=10**6)
-    eng.ready = True
-    eng.sched = StreamBatchScheduler(num_stages=2, max_batch=8)
+    eng.generations.ready = True
+    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=8)
     return eng
 
 
@@ -48,8 +48,8 @@ def open_stream(eng: PipelineEngine, rate: float, depth: int = 64, offset: float
 
 def run_ticks(eng: PipelineEngine, n: int) -> None:
     for _ in range(n):
-        eng._plan_tick()
-        eng.batches_done = eng.batches_planned  # every batch completes at once
+        eng.planner.tick()
+        eng.planner.batches_done = eng.planner.batches_planned  # every batch completes at once
 
 
 def test_a_paced_stream_starts_chunks_at_its_rate_plus_the_playout_buffer():
@@ -59,7 +59,7 @@ def test_a_paced_stream_starts_chunks_at_its_rate_plus_the_playout_buffer():
     run_ticks(eng, 50)
     # At the open: chunks whose slot is within 0.5 s: 0, 0.25, 0.5 -> 3 chunks.
     assert eng.sched.started_chunks[s.id] == 3
-    assert eng._pace_timeout() == pytest.approx(0.25, abs=1e-3)
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(0.25, abs=1e-3)
     clock.t += 0.25
     run_ticks(eng, 50)
     assert eng.sched.started_chunks[s.id] == 4
@@ -73,8 +73,8 @@ def test_an_unpaced_stream_runs_as_far_as_its_lead_allows():
     eng = engine(clock)
     s = open_stream(eng, rate=0.0, depth=0)
     run_ticks(eng, 50)
-    assert eng.sched.started_chunks[s.id] == eng.lead_bound(s)  # the delivery bound, not the clock
-    assert eng._pace_timeout() is None
+    assert eng.sched.started_chunks[s.id] == eng.pacing.lead_bound(s)  # the delivery bound, not the clock
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) is None
 
 
 def test_pacing_leaves_the_pipeline_to_other_streams():
@@ -108,7 +108,7 @@ def test_the_plan_loop_wakes_for_each_paced_chunk_without_spinning():
         ticks = eng.sched.now
         clock.t += 1.0  # four more slots
         wait_until(lambda: eng.sched.started_chunks.get(s.id) == 5, 10, what="four paced chunks")
-        assert eng._pace_timeout() == pytest.approx(0.25)
+        assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(0.25)
         # Idle until the next slot: the loop does not tick in a busy loop meanwhile.
         with eng.cond:
             now = eng.sched.now
@@ -126,11 +126,11 @@ def test_when_the_loop_ticks_for_a_paced_chunk_the_credit_lets_it_start(rate):
     clock = Clock()
     eng = engine(clock, playout_s=0.5)
     s = open_stream(eng, rate=rate)
-    eng._plan_tick()  # the open is planned: the stream's real-time schedule starts
+    eng.planner.tick()  # the open is planned: the stream's real-time schedule starts
     for started in range(1, 200):
         due = s.paced_since + started / rate - 0.5
         clock.t = due - PACE_EARLY_S  # the earliest moment the loop ticks for chunk `started`
-        assert eng.paced_credit(s, clock()) >= started + 1, (rate, started)
+        assert eng.pacing.paced_credit(s, clock()) >= started + 1, (rate, started)
 
 
 def test_chunks_after_the_first_are_paced_sooner_by_the_offset():
@@ -141,7 +141,7 @@ def test_chunks_after_the_first_are_paced_sooner_by_the_offset():
     s = open_stream(eng, rate=4.0, offset=3 / 16)
     run_ticks(eng, 20)
     assert eng.sched.started_chunks[s.id] == 1  # chunk 1 is due 1/16 s after chunk 0
-    assert eng._pace_timeout() == pytest.approx(1 / 16, abs=1e-3)
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(1 / 16, abs=1e-3)
     for c in range(1, 40):
         due = s.paced_since + (4 * c - 3) / 16  # chunk c's first frame
         clock.t = due - 0.01
@@ -189,7 +189,7 @@ def test_a_paced_chunk_is_started_when_an_earlier_stream_was_kicked_at_the_same_
     def idle_after(chunks: int, sid: int) -> bool:
         # The loop started `chunks` chunks of the stream and then ran out of work: only the clock can move it on.
         with eng.cond:
-            return eng.sched.started_chunks.get(sid) == chunks and eng._idle_ticks >= stages
+            return eng.sched.started_chunks.get(sid) == chunks and eng.planner._idle_ticks >= stages
 
     def advance(seconds: float) -> None:
         with eng.cond:

@@ -128,7 +128,7 @@ def test_a_micro_step_is_priced_at_the_batches_the_stages_form_not_at_the_larges
 LADDERS = [(1000.0,), (1000.0, 500.0), (1000.0, 667.0, 333.0)]
 
 
-def _engine(stage_ms: float):
+def _engine(stage_ms: float, clock=lambda: 0.0):
     import torch
 
     from coordinator.engine import PipelineEngine
@@ -138,11 +138,9 @@ def _engine(stage_ms: float):
     from stagecast.model.dit_configs import model_config
 
     text = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])
-    eng = PipelineEngine(
-        StageRegistry(2), lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=lambda: 0.0
-    )
-    eng.ready = True
-    eng.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
+    eng = PipelineEngine(StageRegistry(2), lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock)
+    eng.generations.ready = True
+    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
 
     def open_stream(**kw):
         spec = StreamSpec(
@@ -167,10 +165,10 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     # 174 ms x 1.15 / 4 = 50 ms per micro-step: one stream at 3 steps needs 60% of the slowest stage, two need 120%.
     eng, open_stream = _engine(174.0)
     a = open_stream()
-    events = eng._plan_tick()
+    events = eng.planner.tick()
     assert not [e for e in events if e.WhichOneof("event") == "steps"] and a.steps == 3
     b = open_stream()
-    events = eng._plan_tick()
+    events = eng.planner.tick()
     changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
     assert sorted(changes) == [(a.id, 2), (b.id, 2)]  # 2 x 4 chunks/s x 2 steps x 50 ms = 80%
     status = eng.status()
@@ -186,7 +184,7 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     # A latency-first stream holds its min_steps.
     eng2, open2 = _engine(174.0)
     c = open2(latency_first=True)
-    eng2._plan_tick()
+    eng2.planner.tick()
     assert c.steps == 1
 
 
@@ -233,10 +231,10 @@ def test_a_late_stream_scales_the_model_so_steps_fall_and_admission_refuses_what
 
 def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     now = [0.0]
-    eng, open_stream = _engine(40.0)  # 40 x 1.15 / 4 = 11.5 ms per micro-step: 2 streams at 3 steps need 28%
-    eng.clock = lambda: now[0]
+    # 40 x 1.15 / 4 = 11.5 ms per micro-step: 2 streams at 3 steps need 28%
+    eng, open_stream = _engine(40.0, clock=lambda: now[0])
     a, b = open_stream(), open_stream()
-    eng._plan_tick()
+    eng.planner.tick()
     assert (a.steps, b.steps) == (3, 3) and eng.slo_correction() == 1.0
     capacity = dict(eng.capacity())[1]
     a.received = b.received = 400
@@ -260,9 +258,9 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
         assert t < 0.5 + 31 / 4 + 2 * 2.0 + 2.0, "not caught within two windows"
     assert eng.slo_correction() > 1.0
     assert dict(eng.capacity())[1] < capacity
-    events = eng._plan_tick()  # the controller decides again at once, with the corrected model
+    events = eng.planner.tick()  # the controller decides again at once, with the corrected model
     # The set that ran (2 x 3 steps) is now judged 94.5%: the newest stream gives a step, 2 x 4 x (3 + 2) x 11.5 ms
     # x 3.42 = 79%, and nothing rises back over the 80% raise threshold.
     changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
     assert changes == [(b.id, 2)] and (a.steps, b.steps) == (3, 2)
-    assert eng.controller.utilization(eng._demands()) <= eng.controller.target
+    assert eng.slo.controller.utilization(eng.slo.demands()) <= eng.slo.controller.target

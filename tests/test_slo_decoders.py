@@ -30,8 +30,8 @@ def _engine(vae_ms=None):
     eng = PipelineEngine(
         StageRegistry(2), lookahead=10**6, stage_ms=[STAGE_MS, STAGE_MS], clock=lambda: 0.0, vae_ms_per_chunk=vae_ms
     )
-    eng.ready = True
-    eng.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
+    eng.generations.ready = True
+    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
 
     def open_stream(**kw):
         spec = StreamSpec(
@@ -70,7 +70,7 @@ def test_a_set_of_tiny_decoder_streams_is_admitted_where_the_same_set_on_the_ful
     tiny_eng.report_vae(6.0, decoder="tiny")
     assert _open_until_refused(open_tiny, decoder="tiny") == 12
     # The same six streams: held on the tiny decoder, not on the full VAE.
-    ctl = tiny_eng.controller
+    ctl = tiny_eng.slo.controller
     six = [Demand(i, RATE, (1,), decoder="tiny") for i in range(6)]
     assert ctl.utilization(six) == pytest.approx(6 * (DIT + 4 * 6.0 / 1000))
     assert ctl.utilization(six) <= 0.9 < ctl.utilization([Demand(i, RATE, (1,)) for i in range(6)])
@@ -136,13 +136,13 @@ def test_a_report_while_serving_changes_admission_and_steps():
     eng, open_stream = _engine()
     eng.report_vae(6.0, decoder="tiny")
     streams = [open_stream(decoder="tiny") for _ in range(6)]  # 6 x (4.6% + 2.4%) at 1 step: 42%
-    eng._plan_tick()
+    eng.planner.tick()
     assert [s.steps for s in streams] == [2, 2, 2, 2, 2, 2]  # 6 x (9.2% + 2.4%) = 70%, under the raise threshold
     status = eng.status()
     tiny = next(d for d in status.decoders if d.decoder == "tiny")
     assert (tiny.chunk_ms, tiny.source, list(tiny.batch_ms)) == (6.0, "gateway", [])
     before = {c.steps: c.streams for c in tiny.capacity}
-    assert eng.controller.admits(Demand(99, RATE, (1,), decoder="tiny"), eng._demands())  # 7 x 7% = 49%
+    assert eng.slo.controller.admits(Demand(99, RATE, (1,), decoder="tiny"), eng.slo.demands())  # 7 x 7% = 49%
     # The gateway measures again at the batches it forms (it is slower there than alone): 24 ms a chunk per stream
     # at 6 streams and beyond.
     batch = [6.0, 12.0, 16.0, 20.0, 22.0, 24.0]
@@ -150,7 +150,7 @@ def test_a_report_while_serving_changes_admission_and_steps():
     assert not eng.report_vae(6.0, decoder="tiny", batch_ms=batch, state_bytes=64 << 20)  # nothing new
     # Decided again at once: 6 x (9.2% + 9.6%) = 113% at 2 steps is over the target; five at 1 step and one at 2 are
     # held (32.2% + 57.6% = 89.8%).
-    events = eng._plan_tick()
+    events = eng.planner.tick()
     assert [e.WhichOneof("event") for e in events].count("steps") == 5
     assert sorted(s.steps for s in streams) == [1, 1, 1, 1, 1, 2]
     with pytest.raises(AdmissionError) as info:
@@ -167,12 +167,12 @@ def test_a_report_while_serving_changes_admission_and_steps():
 
 def test_the_operators_cost_per_kind_is_kept_and_slo_fixed_fixes_every_kind():
     eng, _ = _engine(vae_ms={"full": 26.0, "tiny": 5.0})
-    assert not eng.report_vae(7.0, decoder="tiny") and eng.cost.decoders["tiny"].chunk_ms == 5.0
+    assert not eng.report_vae(7.0, decoder="tiny") and eng.slo.cost.decoders["tiny"].chunk_ms == 5.0
     from coordinator.engine import PipelineEngine
     from coordinator.registry import StageRegistry
 
     fixed = PipelineEngine(StageRegistry(2), stage_ms=[10.0, 10.0], slo_learn=False, vae_ms_per_chunk=None)
-    assert {k: (c.chunk_ms, c.source) for k, c in fixed.cost.decoders.items()} == {
+    assert {k: (c.chunk_ms, c.source) for k, c in fixed.slo.cost.decoders.items()} == {
         "full": (0.0, "operator"),
         "tiny": (0.0, "operator"),
     }
@@ -223,4 +223,4 @@ def test_an_unknown_decoder_is_refused_naming_decoder():
             servicer.ReportVaeCost(report, context)
         assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.message.startswith(field)
     servicer.ReportVaeCost(pb.VaeCost(chunk_ms=5.0, decoder="tiny", batch_ms=[5.0, 4.0]), _Context())
-    assert eng.cost.decoders["tiny"].batch_ms == (5.0, 4.0)
+    assert eng.slo.cost.decoders["tiny"].batch_ms == (5.0, 4.0)

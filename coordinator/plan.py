@@ -1,0 +1,233 @@
+"""The plan loop: the coordinator's one scheduling thread, which turns the streams' changes into plan events.
+
+``PlanLoop`` is one of the parts ``coordinator.engine.PipelineEngine`` holds.  Its thread waits on the engine's
+condition (``cond``) until there is work (``has_work``) or a paced stream's next chunk is due (``Pacing.pace_timeout``),
+then under the lock takes the stream table's pending opens, stops, cancels and prompt changes, lets the SLO glue pick
+steps, gives each stream its credit and ticks the scheduler (``tick``); outside the lock it hands the tick's events to
+every stage's ordered sender.  The number of batches planned but not yet completed by the last stage is bounded
+(``lookahead``), so plans run ahead of execution without queuing unboundedly.  Anything that makes work calls ``wake``
+under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+from coordinator.admission import model_config
+from coordinator.generations import Generations
+from coordinator.metrics import CoordinatorTelemetry
+from coordinator.pacing import PACE_EARLY_S, Pacing
+from coordinator.registry import StageRegistry
+from coordinator.scheduler import StreamBatchScheduler
+from coordinator.slo_control import SloControl
+from coordinator.streams import StreamSession, StreamTable
+from stagecast import wire
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.microstep import PlanEvent, recache_steps
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
+
+
+class PlanLoop:
+    """The scheduling thread and its counters: plan sequence, batches planned and done, the idle ticks."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        registry: StageRegistry,
+        gens: Generations,
+        streams: StreamTable,
+        pacing: Pacing,
+        slo: SloControl,
+        telemetry: CoordinatorTelemetry,
+        *,
+        lookahead: int,
+        record_plan: bool = False,
+    ):
+        self.cond = cond
+        self.registry = registry
+        self.gens = gens  # the generation's scheduler, links and number; whether it is ready or shutting down
+        self.streams = streams
+        self.pacing = pacing
+        self.slo = slo
+        self.telemetry = telemetry
+        self.lookahead = lookahead
+        self.record_plan = record_plan
+        self.seq = 0
+        self.batches_planned = 0
+        self.batches_done = 0
+        self.plan: list[pb.PlanEvent] = []
+        self._idle_ticks = 0
+        # Chunks started since the engine began, across streams and generations (it never falls), and its value when
+        # the plan loop last woke for a paced chunk: the loop ticks for a paced chunk once per chunk started.
+        self._chunks_started = 0
+        self._kicked = -1
+        self.thread = threading.Thread(target=self.run, daemon=True, name="scheduler")
+
+    def restart(self) -> None:
+        """Under the lock, as a new generation forms: its plan starts from sequence 0 with nothing in flight."""
+        self.seq = 0
+        self.batches_planned = self.batches_done = 0
+
+    def has_work(self) -> bool:
+        if not self.gens.ready or self.gens.sched is None:
+            return False
+        if self.streams.has_pending():
+            return True
+        # After P empty ticks in a row nothing waits on pipeline latency any more: only an outside event
+        # (a batch done, a chunk delivered, an open or stop) can make work, and each one wakes the loop.
+        return (
+            self.gens.sched.active
+            and self.batches_planned - self.batches_done < self.lookahead
+            and self._idle_ticks < self.registry.pipeline_stages
+        )
+
+    def wake(self) -> None:
+        self._idle_ticks = 0
+        self.cond.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.gens.stopped and not self.has_work():
+                    timeout = self.pacing.pace_timeout(self.gens.sched, self.streams.sessions)
+                    started = self._chunks_started
+                    if timeout is not None and timeout <= PACE_EARLY_S and self._idle_ticks and started != self._kicked:
+                        # A paced stream's next chunk is due: tick again (once per chunk started, so a stream that
+                        # cannot start for another reason is not ticked in a busy loop).  The count never falls: the
+                        # sum of the open streams' started chunks did when one closed, and a later stream that reached
+                        # the sum the loop last ticked for was never ticked for again (it stalled for good).
+                        self._kicked = started
+                        self._idle_ticks = 0
+                        continue
+                    if timeout is not None and timeout <= PACE_EARLY_S:
+                        timeout = 0.005 if self._idle_ticks else None
+                    self.cond.wait(timeout)
+                if self.gens.stopped:
+                    return
+                events = self.tick()
+                links = list(self.gens.links)
+            for ev in events:
+                for link in links:
+                    link.outbox.put(ev)
+
+    def next_event(self, kind: str, **kw) -> pb.PlanEvent:
+        self.seq += 1
+        event = PlanEvent(kind, seq=self.seq, **kw)
+        if self.record_plan:
+            # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
+            stripped = replace(
+                event,
+                text=None,
+                latents=None,
+                negative_text=None,
+                window=tuple((c, None) for c, _ in event.window),
+            )
+            self.plan.append(wire.event_to_proto(stripped, self.gens.generation))
+        return wire.event_to_proto(event, self.gens.generation)
+
+    def tick(self) -> list[pb.PlanEvent]:
+        sched = self.gens.sched
+        assert sched is not None
+        events = []
+        while self.streams.pending_opens:
+            session = self.streams.pending_opens.popleft()
+            sched.add_stream(session.spec, best_effort=session.best_effort)
+            session.paced_since = self.pacing.clock()
+            events.append(
+                self.next_event(
+                    "open",
+                    spec=session.spec,
+                    text=session.text,
+                    latents=session.image,
+                    negative_text=session.negative_text,
+                    traceparent=session.traceparent,
+                )
+            )
+            session.events.put(
+                pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.gens.generation))
+            )
+        before = set(sched.streams)  # a stream that leaves the scheduler from here on gets its close event
+        for sid in sorted(self.streams.pending_stops):
+            if sid in sched.streams:
+                sched.stop_stream(sid)
+        self.streams.pending_stops.clear()
+        for sid in sorted(self.streams.pending_cancels):
+            sched.cancel_stream(sid)  # its close (below) follows the batches already planned
+        self.streams.pending_cancels.clear()
+        while self.streams.pending_prompts:
+            sid, text, recache = self.streams.pending_prompts.popleft()
+            st = sched.streams.get(sid)
+            session = self.streams.sessions.get(sid)
+            if st is None or session is None:
+                continue
+            if recache:  # planned below once the chunks in flight are back
+                session.recache = text
+                sched.hold(sid, True)
+                continue
+            # Effective from the next chunk not yet started: chunks in flight keep their prompt.
+            events.append(self.next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
+        for session in [s for s in self.streams.sessions.values() if s.recache is not None]:
+            self.plan_recache(sched, session, events)
+        self.slo.control(sched, events, self.next_event)
+        for sid in sched.streams:
+            session = self.streams.sessions.get(sid)
+            if session is not None:
+                sched.set_credit(sid, self.pacing.credit(session))
+                if session.spec.input_latents:
+                    sched.set_inputs(sid, session.inputs_received)
+        if sched.active and self.batches_planned - self.batches_done < self.lookahead:
+            batch = sched.tick()
+            self._idle_ticks = 0 if batch else self._idle_ticks + 1
+            for sid in before:
+                session = self.streams.sessions.get(sid)
+                if session is not None:
+                    session.started = sched.started_chunks.get(sid, 0)
+                    session.max_lead = max(session.max_lead, session.started - session.delivered)
+            if batch:
+                self.batches_planned += 1
+                self._chunks_started += sum(1 for st in batch if st.level == 0)
+                for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
+                    session = self.streams.sessions.get(st.stream)
+                    if st.level == 0 and session is not None and session.spec.input_latents:
+                        latents = session.inputs.pop(st.chunk)
+                        events.append(self.next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
+                events.append(self.next_event("batch", steps=tuple(batch)))
+                steps = [
+                    sched.streams[st.stream].specs.at(st.chunk).steps if st.stream in sched.streams else 0
+                    for st in batch
+                ]
+                self.telemetry.batch_planned(events[-1], batch, self.streams.sessions, steps)
+            else:
+                self.telemetry.empty_tick()
+        for sid in sorted(before - set(sched.streams)):
+            events.append(self.next_event("close", stream_id=sid))
+            started = sched.started_chunks.pop(sid, 0)
+            session = self.streams.sessions.get(sid)
+            if session is not None:
+                session.expected = started
+                self.streams.maybe_complete(session)
+        return events
+
+    def plan_recache(self, sched: StreamBatchScheduler, session: StreamSession, events: list) -> None:
+        """Plan a waiting recache once the stream has nothing in flight and every chunk it started is back: the
+        prompt event carries the window chunks' clean latents, and the stream may start chunks again."""
+        sid = session.id
+        st = sched.streams.get(sid)
+        if st is None:
+            session.recache = None
+            return
+        started = sched.started_chunks.get(sid, 0)
+        if sched.inflight(sid) or session.received < started:
+            return
+        spec = st.specs.at(started)
+        rope = int((model_config(self.registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
+        chunks = sorted({c for c, _ in recache_steps(spec, started, rope)})
+        window = tuple((c, wire.tensor_from_proto(session.finished[c])) for c in chunks)
+        events.append(
+            self.next_event(
+                "prompt", stream_id=sid, from_chunk=started, text=session.recache, recache=True, window=window
+            )
+        )
+        session.recache = None
+        sched.hold(sid, False)

@@ -1,0 +1,264 @@
+"""The SLO glue: the coordinator's streams as the SLO controller's demands, its step decisions, and its cost model's
+seeding and learning.
+
+``SloControl`` is one of the parts ``coordinator.engine.PipelineEngine`` holds; every method runs under the engine's
+lock.  It owns the cost model (``coordinator.slo.CostModel``) and the controller (``SloController``): the plan loop
+asks it to decide steps (``control``) at most every ``slo_interval_s``; the consumed counts tell it when a paced stream
+falls behind (``check_late``); each stage's calibration at Form seeds the model (``seed``), the measured batches refine
+it (``observe``) and the gateway's decoder measurements price each stream's decode (``report_vae``).  Admission
+(``coordinator.admission``) asks the controller whether one more stream fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from coordinator.metrics import CoordinatorTelemetry
+from coordinator.registry import StageRegistry
+from coordinator.scheduler import StreamBatchScheduler
+from coordinator.slo import FULL, CostModel, Demand, SloController, decoder_kind
+from coordinator.streams import StreamSession, StreamTable
+from stagecast.api import DECODERS, DEFAULT_FPS
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.microstep import StreamSpec
+
+logger = logging.getLogger("coordinator.engine")
+
+# GetStatus capacity: streams at 16 FPS with one latent frame per chunk (4 video frames): 4 chunks per second.
+CAPACITY_CHUNK_RATE = DEFAULT_FPS / 4
+CAPACITY_STEPS = (1, 2, 3, 4)
+# A paced stream is falling behind (the SLO controller's correction) when a consumed chunk is more than this many chunk
+# periods past its real-time schedule (the first chunk's consumption + c / chunk_rate) and its lateness grew by more
+# than that in each of the last LATE_WINDOWS windows of LATE_WINDOW_S: a stream short of its rate by more than
+# 0.5 / (4 chunks/s x 2 s) = 6% is caught within about 4 s, while a one-off stall that the stream then rides out is not.
+LATE_TOLERANCE_CHUNKS = 0.5
+LATE_WINDOW_S = 2.0
+LATE_WINDOWS = 2
+
+
+class SloControl:
+    """The SLO controller's view of the open streams (``streams``), with its cost model and decision clock."""
+
+    def __init__(
+        self,
+        registry: StageRegistry,
+        streams: StreamTable,
+        telemetry: CoordinatorTelemetry,
+        *,
+        max_batch: int,
+        clock: Callable[[], float],
+        stage_ms: list[float] | None = None,
+        slo_interval_s: float = 1.0,
+        slo_learn: bool = True,
+        vae_ms_per_chunk: float | dict[str, float] | None = None,
+    ):
+        self.registry = registry
+        self.streams = streams
+        self.telemetry = telemetry
+        self.clock = clock
+        # The SLO controller's model of stage time per batch: the operator's --stage-ms, else each stage's calibration
+        # at READY (seed), refined by measured batches; each decoder kind's cost per chunk: the operator's (a
+        # number: the full VAE's; or ms per kind), else the gateway's measurement (report_vae).  --slo-fixed
+        # (slo_learn False) keeps the operator's numbers only.
+        if not slo_learn:  # every decoder kind fixed: the operator's number, else 0
+            given = vae_ms_per_chunk if isinstance(vae_ms_per_chunk, dict) else {FULL: vae_ms_per_chunk}
+            vae_ms_per_chunk = {kind: given.get(kind) or 0.0 for kind in DECODERS}
+        self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk)
+        self.calibrated: set[int] = set()  # stages whose model started from their own calibration
+        self.controller = SloController(self.cost)
+        self.slo_interval_s = slo_interval_s
+        self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
+        self._decided_at: float | None = None  # clock time of the last controller decision (None: decide now)
+        self._late_at: float | None = None  # clock time a paced stream was last seen late
+        self._relaxed_at: float | None = None  # clock time the controller's correction last relaxed
+
+    def decide_now(self) -> None:
+        """The set of streams or their costs changed: decide steps at the next tick."""
+        self._decided_at = None
+
+    def demand(self, session: StreamSession) -> Demand:
+        return Demand(
+            session.id,
+            session.chunk_rate,
+            tuple(session.ladders),
+            steps=session.steps,
+            clean=session.spec.policy == "clean",
+            latency_first=session.latency_first,
+            rows=self.rows(session.spec),
+            decoder=session.decoder,
+        )
+
+    def newcomer(
+        self, spec: StreamSpec, chunk_rate: float, ladders: dict, *, latency_first: bool, decoder: str
+    ) -> Demand:
+        """A stream asking to open, as admission's capacity verdict counts it (its id not yet given)."""
+        return Demand(
+            0,
+            chunk_rate,
+            tuple(ladders),
+            clean=spec.policy == "clean",
+            latency_first=latency_first,
+            rows=self.rows(spec),
+            decoder=decoder,
+        )
+
+    def rows(self, spec: StreamSpec) -> int:
+        """Batch rows a micro-step of the stream takes on a stage: a guided stream's two branches in one pipeline
+        (under CFG-parallel each group runs one)."""
+        return 2 if spec.cfg and self.registry.cfg_parallel == 1 else 1
+
+    def demands(self) -> list[Demand]:
+        sessions = self.streams.sessions
+        return [self.demand(s) for s in sorted(sessions.values(), key=lambda s: s.id) if not s.ended]
+
+    def capacity(self, decoder: str = FULL) -> list[tuple[int, float]]:
+        """(steps, streams): more streams at 16 FPS, one latent frame per chunk, on ``decoder``, the pipeline holds
+        now."""
+        admitted = self.demands()
+        out = []
+        for steps in CAPACITY_STEPS:
+            n = self.controller.capacity_streams(admitted, CAPACITY_CHUNK_RATE, steps, decoder=decoder)
+            if n is not None:
+                out.append((steps, n))
+        return out
+
+    def decoder_status(self) -> list[pb.DecoderCostStatus]:
+        """Each decoder kind's cost as the SLO model counts it, and the capacity on it, for GetStatus."""
+        return [
+            pb.DecoderCostStatus(
+                decoder=kind,
+                chunk_ms=cost.chunk_ms,
+                batch_ms=list(cost.batch_ms),
+                state_bytes=cost.state_bytes,
+                source=cost.source,
+                capacity=[pb.Capacity(steps=n, streams=c, decoder=kind) for n, c in self.capacity(kind)],
+            )
+            for kind, cost in self.cost.decoders.items()
+        ]
+
+    def utilization(self) -> float | None:
+        return self.controller.utilization([d for d in self.demands() if d.chunk_rate > 0])
+
+    def control(self, sched: StreamBatchScheduler, events: list, next_event: Callable[..., pb.PlanEvent]) -> None:
+        """Let the SLO controller pick steps; a change applies from each stream's next chunk (a ``steps`` event)."""
+        now = self.clock()
+        if self._decided_at is not None and now - self._decided_at < self.slo_interval_s:
+            return
+        self._decided_at = now
+        if self._relaxed_at is not None and (self._late_at is None or self._late_at < self._relaxed_at):
+            self.controller.relax(now - self._relaxed_at)  # no stream was late since the last decision
+        self._relaxed_at = now
+        sessions = self.streams.sessions
+        demands = [self.demand(sessions[sid]) for sid in sorted(sched.streams) if sid in sessions]
+        if not any(len(d.allowed) > 1 for d in demands):
+            return
+        decision = self.controller.decide(demands)
+        for d in demands:
+            session, want = sessions[d.stream_id], decision[d.stream_id]
+            if want == session.steps or sched.streams[d.stream_id].stopping:
+                continue
+            ladder = session.ladders[want]
+            first = sched.set_steps(session.id, ladder)
+            self.telemetry.steps_changed(session.steps, want)
+            session.steps = want
+            if first is not None:
+                events.append(next_event("steps", stream_id=session.id, from_chunk=first, timesteps=ladder))
+
+    def check_late(self, session: StreamSession) -> None:
+        """Under the lock, when a stream's consumed count rose: a paced stream that keeps falling behind its real-time
+        schedule tells the SLO controller that its model undercounts what the running set costs."""
+        if session.chunk_rate <= 0 or session.delivered <= 0:
+            return
+        now = self.clock()
+        newest = session.delivered - 1
+        if session.first_consumed_at is None:
+            session.first_consumed_at = now - newest / session.chunk_rate
+            session.late_mark = (now, 0.0)
+            return
+        late_s = now - (session.first_consumed_at + newest / session.chunk_rate)
+        mark_at, mark_late = session.late_mark or (now, late_s)
+        if now - mark_at < LATE_WINDOW_S:
+            return
+        tolerance = LATE_TOLERANCE_CHUNKS / session.chunk_rate
+        falling = late_s > tolerance and late_s - mark_late > tolerance
+        session.late_windows = session.late_windows + 1 if falling else 0
+        session.late_mark = (now, late_s)
+        if session.late_windows < LATE_WINDOWS:
+            return
+        session.late_windows = 0  # the next finding needs fresh windows, with the corrected model deciding
+        session.late_chunks += 1
+        self._late_at = now
+        if self.controller.observe_late(self.demands()):
+            self._decided_at = None  # decide steps at the next tick, with the corrected model
+            logger.info(
+                "stream %d is late (chunk %d): the SLO model now counts %.2fx its costs",
+                session.id,
+                newest,
+                self.controller.correction,
+            )
+
+    def seed(self, replies: dict[int, pb.FormReply]) -> None:
+        """Seed the SLO model with each stage's calibration (full KV window; empty where only that was timed), unless
+        the operator's --stage-ms or --slo-fixed takes precedence."""
+        for index, reply in sorted(replies.items()):
+            if not reply.HasField("calibration"):
+                logger.info("stage %d reported no calibration: its times are learnt from measured batches", index)
+                continue
+            cal = reply.calibration
+            per = list(cal.full_ms) or list(cal.empty_ms)
+            if cal.error:
+                logger.warning("stage %d calibration incomplete: %s", index, cal.error)
+            if not 0 <= index < self.cost.stages:
+                continue
+            if not self.slo_learn or self.cost.fits[index].seed_ms is not None:
+                logger.info("stage %d calibration not used: the operator's --stage-ms takes precedence", index)
+                continue
+            if self.cost.calibrate(index, {b + 1: ms for b, ms in enumerate(per)}):
+                self.calibrated.add(index)
+                logger.info(
+                    "stage %d calibration seeds the SLO model: %s ms per forward of 1..%d micro-steps (%dx%d latents,"
+                    " %d-frame window%s, %.2fs)",
+                    index,
+                    ", ".join(f"{ms:.2f}" for ms in per),
+                    len(per),
+                    cal.latent_height,
+                    cal.latent_width,
+                    cal.window,
+                    ", CUDA graphs" if cal.graphs else "",
+                    cal.seconds,
+                )
+
+    def report_vae(
+        self,
+        chunk_ms: float,
+        what: str = "",
+        *,
+        decoder: str = FULL,
+        batch_ms: tuple[float, ...] | list[float] = (),
+        state_bytes: int = 0,
+    ) -> bool:
+        """The gateway measured decoder kind ``decoder``: ``chunk_ms`` per chunk alone on the busiest GPU, ``batch_ms``
+        per stream at 1..n streams decoding together (empty: it does not batch).  Each report replaces that kind's
+        numbers (ignored when the operator fixed them with --vae-ms-per-chunk or --slo-fixed); a change makes the
+        controller decide again, and admission uses it from the next open.  ``ValueError`` names a field out of
+        range."""
+        changed = self.cost.report_vae(decoder, chunk_ms, batch_ms, state_bytes)
+        if changed:
+            kind = decoder_kind(decoder)
+            batched = f", per stream {', '.join(f'{m:.2f}' for m in batch_ms)} at 1..{len(batch_ms)} in one call"
+            logger.info(
+                "the SLO model counts the gateway's %s decoder at %.2f ms per chunk%s%s",
+                kind,
+                chunk_ms,
+                batched if batch_ms else "",
+                what,
+            )
+            self._decided_at = None  # decide steps again with the new cost
+        return changed
+
+    def observe(self, index: int, done: pb.BatchDone) -> None:
+        """A stage's measured batches: the model's mean ms per batch at the mean size (unless --slo-fixed)."""
+        if done.batches > 0 and self.slo_learn:
+            size = max(1, round(done.micro_steps / done.batches))
+            self.cost.observe(index, size, done.forward_ms / done.batches)
