@@ -268,6 +268,8 @@ class Generations:
                 try:
                     link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                     misses[link.record.index] = 0
+                except ValueError:  # grpc: "Cannot invoke RPC on closed channel": its links were closed (shutting
+                    return  # down, or the generation ended), so there is nothing left to watch
                 except grpc.RpcError:
                     misses[link.record.index] += 1
                     if misses[link.record.index] >= 2:
@@ -408,6 +410,8 @@ class Generations:
                 try:
                     link.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                     misses[link.record.index] = 0
+                except ValueError:  # grpc: "Cannot invoke RPC on closed channel": its links were closed (shutting
+                    return  # down, or the generation ended), so there is nothing left to watch
                 except grpc.RpcError:
                     misses[link.record.index] += 1
                     if misses[link.record.index] >= 2:
