@@ -118,13 +118,17 @@ def test_up_serves_a_checkpoint_whose_transformer_has_original_wan_keys_and_conf
 
 
 def _service_pid(up_pid, command):
-    """The pid of ``up``'s child running ``stagecast <command>``."""
+    """The pid of ``up``'s child running ``stagecast <command>``: a service runs as its own module
+    (``python -m stage_service``, ``stagecast.service.SERVICE_MODULES``), any other command through the CLI."""
+    from stagecast.service import SERVICE_MODULES
+
+    word = (SERVICE_MODULES[command][0] if command in SERVICE_MODULES else command).encode()
     for pid in descendants(up_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if command.encode() in argv[:4]:
+        if word in argv[:4]:
             return pid
     return None
 
