@@ -128,10 +128,13 @@ class DecodeGate:
         kind = 0 if paced else 1
         with self.cond:
             self.waiting[kind] += 1
+            self.cond.notify_all()  # whoever watches the queue (a test) sees it grow
             try:
                 self.cond.wait_for(lambda: self.free > 0 and (paced or self.waiting[0] == 0))
             finally:
                 self.waiting[kind] -= 1
+                # The last paced waiter leaving may let an unpaced one take a slot still free (slots > 1).
+                self.cond.notify_all()
             self.free -= 1
         try:
             yield
