@@ -118,6 +118,10 @@ def stop_event() -> threading.Event:
             if not data:
                 return
             if any(number in _STOP_SIGNALS for number in data):
+                if not stop.is_set():
+                    # Armed here, before the event wakes anyone: once set, the main thread may enter a shutdown
+                    # that holds the GIL (a C call) before the deadline thread runs again; the alarm still fires.
+                    signal.alarm(int(STOP_DEADLINE_S) + 1)
                 stop.set()
 
     threading.Thread(target=watch, name="stop-signal", daemon=True).start()
@@ -137,12 +141,12 @@ def stop_event() -> threading.Event:
 
 def _exit_when_stopped(name: str, stop: threading.Event, deadline: float = STOP_DEADLINE_S) -> None:
     """The stop's deadline (a thread of ``run_service``): exit at once when stopped before READY; else give the
-    shutdown ``deadline`` seconds, then exit naming where the main thread was.  A SIGALRM one second later ends the
-    process should no Python thread get to run (a C call holding the GIL)."""
+    shutdown ``deadline`` seconds, then exit naming where the main thread was.  A SIGALRM one second later (armed by
+    ``stop_event``'s reader as it sets the event) ends the process should no Python thread get to run (a C call
+    holding the GIL)."""
     stop.wait()
     if not _READY.is_set():
         _exit_now(name, "stopped while starting: exiting now", 0)
-    signal.alarm(int(deadline) + 1)
     if threading.Event().wait(deadline):  # never set: this is the shutdown's time
         return
     frame, where = sys._current_frames().get(threading.main_thread().ident), []

@@ -129,8 +129,10 @@ def test_a_client_that_stops_reading_holds_the_dit_through_the_gateway(cluster):
             threading.Event().wait(0.05)
         assert p.max_lead == p.bound
         # Consumed means decoded and handed to the client: the frames of the consumed chunks (1, then 4 per chunk)
-        # are the one read, two queued messages and what a 64 KiB window and the transport hold (about 6).
-        assert 1 <= p.consumed <= 3, p
+        # are the one read, two queued messages and what gRPC holds in transit: the client's 64 KiB window (5 frames)
+        # and, at most, as much again that the client's transport parsed ahead of the application and reopened the
+        # window for (seen in CI: 13 frames, consumed 4).  More would mean the gateway buffers past its bound.
+        assert 1 <= p.consumed <= 1 + (1 + 2 + 2 * 5 - 1) // 4, p
         rest = [next(frames) for _ in range(4 * (p.consumed - 1))]
         assert [f.index for f in rest] == list(range(1, 1 + len(rest)))
         gen.cancel()
