@@ -51,7 +51,7 @@ from coordinator.metrics import CoordinatorTelemetry
 from coordinator.pacing import MAX_CHUNK_RATE, PACE_EARLY_S, PLAYOUT_S, Pacing
 from coordinator.plan import PlanLoop
 from coordinator.registry import StageRecord, StageRegistry
-from coordinator.slo import FULL, decoder_kind
+from coordinator.slo import FULL, VaeReport, decoder_kind
 from coordinator.slo_control import SloControl
 from coordinator.streams import StreamSession, StreamTable, ladders_by_steps
 from stagecast.grpc_util import CHANNEL_OPTIONS
@@ -306,18 +306,10 @@ class PipelineEngine:
 
     # ---- the SLO controller ----------------------------------------------------------------------------
 
-    def report_vae(
-        self,
-        chunk_ms: float,
-        what: str = "",
-        *,
-        decoder: str = FULL,
-        batch_ms: tuple[float, ...] | list[float] = (),
-        state_bytes: int = 0,
-    ) -> bool:
-        """The gateway measured decoder kind ``decoder`` (``SloControl.report_vae``); a change wakes the plan loop."""
+    def report_vae(self, report: VaeReport, what: str = "") -> bool:
+        """The gateway measured one decoder kind (``SloControl.report_vae``); a change wakes the plan loop."""
         with self.cond:
-            changed = self.slo.report_vae(chunk_ms, what, decoder=decoder, batch_ms=batch_ms, state_bytes=state_bytes)
+            changed = self.slo.report_vae(report, what)
             if changed:
                 self.planner.wake()
             return changed

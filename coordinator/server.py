@@ -20,6 +20,7 @@ import grpc
 from coordinator import rendezvous
 from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
 from coordinator.registry import RegistrationError, StageRegistry
+from coordinator.slo import VaeReport
 from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -227,13 +228,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"parts: must be in [0, 1024], got {request.parts}")
         where = f" ({request.parts} part(s), the slowest on {request.device[:64]})" if request.parts else ""
         try:
-            self.engine.report_vae(
-                request.chunk_ms,
-                where,
-                decoder=request.decoder,
-                batch_ms=list(request.batch_ms),
-                state_bytes=request.state_bytes,
-            )
+            report = VaeReport(request.decoder, request.chunk_ms, tuple(request.batch_ms), request.state_bytes)
+            self.engine.report_vae(report, where)
         except ValueError as exc:  # names the field: decoder, batch_ms[i], state_bytes
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.Empty()

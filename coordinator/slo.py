@@ -4,8 +4,8 @@ Usage (the engine calls it under its lock; ``stagecast simulate --controller`` d
 
     cost = CostModel(stages=2, max_batch=4, seed_ms=[20.0, 20.0])      # seed: the operator's, or None
     cost.calibrate(stage=0, ms_by_batch={1: 20.0, 2: 21.0, 4: 23.0})    # the stage's own timing at READY
-    cost.report_vae("full", 26.0)                                       # the gateway's measured Wan VAE decode
-    cost.report_vae("tiny", 6.0, batch_ms=[6.0, 5.1, 4.8, 4.5])          # a cross-stream batching tiny decoder
+    cost.report_vae(VaeReport("full", 26.0))                            # the gateway's measured Wan VAE decode
+    cost.report_vae(VaeReport("tiny", 6.0, (6.0, 5.1, 4.8, 4.5)))       # a cross-stream batching tiny decoder
     cost.observe(stage=0, micro_steps=4, forward_ms=41.0)               # every BatchDone
     ctl = SloController(cost)
     steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), decoder="tiny"), ...])  # {stream: steps}
@@ -29,8 +29,8 @@ batch size seen, from which a and g follow by least squares; until two batch siz
 **The decode.** Besides the DiT, each chunk costs its decode on the stage GPUs (the gateway's decoder shares them),
 whatever its steps, priced by the decoder the stream runs on (``Demand.decoder``: ``"full"``, the Wan VAE, or
 ``"tiny"``; ``OpenStreamRequest.decoder``). Each kind has its own numbers (``DecoderCost``), which the gateway
-measures and reports (``report_vae(kind, chunk_ms, batch_ms, state_bytes)``; it reports again while serving, as its
-measurements at the batches formed change, and each report replaces that kind's numbers): ``chunk_ms``, the slowest
+measures and reports (``report_vae(VaeReport(...))``; it reports again while serving, as its measurements at the
+batches formed change, and each report replaces that kind's numbers): ``chunk_ms``, the slowest
 GPU's steady-state ms for one stream's chunk (a decoder split over GPUs: its slowest slice), and for a decoder that
 decodes several streams' chunks in one call, ``batch_ms[i]``, the ms per chunk *per stream* when i + 1 of its
 streams decode together. A set of streams is charged, per decoder kind, ``sum r_s * chunk_ms`` for a decoder that
@@ -117,6 +117,18 @@ class DecoderCost:
         if not self.batch_ms or streams <= 0:
             return self.chunk_ms
         return self.batch_ms[min(streams, len(self.batch_ms)) - 1]
+
+
+@dataclass(frozen=True)
+class VaeReport:
+    """What the gateway measured of one decoder kind (``pb.VaeCost``): ``chunk_ms`` per chunk alone on the busiest
+    GPU, ``batch_ms`` per stream at 1..n streams decoding together (empty: it does not batch), and one stream's
+    ``state_bytes``.  Checked by ``SloCost.report_vae``."""
+
+    decoder: str
+    chunk_ms: float
+    batch_ms: tuple[float, ...] = ()
+    state_bytes: int = 0
 
 
 def _check_ms(what: str, ms: float) -> float:
@@ -270,23 +282,20 @@ class CostModel:
         """Where the full VAE's cost came from: "operator" | "gateway" | "none"."""
         return self.decoders[FULL].source
 
-    def report_vae(
-        self, decoder: str, chunk_ms: float, batch_ms: tuple[float, ...] | list[float] = (), state_bytes: int = 0
-    ) -> bool:
-        """The gateway's measured cost of decoder kind ``decoder`` (``decoder_kind``): ``chunk_ms`` per chunk alone on
-        the busiest GPU, ``batch_ms`` per stream at 1..n streams decoding together (empty: it does not batch), and
-        one stream's ``state_bytes``.  It replaces that kind's numbers, unless the operator fixed them.  Raises
-        ``ValueError`` naming the field for a value out of range; returns whether the model changed."""
-        kind = decoder_kind(decoder)
-        chunk_ms = _check_ms("chunk_ms", chunk_ms)
-        if len(batch_ms) > MAX_DECODE_BATCH:
-            raise ValueError(f"batch_ms: at most {MAX_DECODE_BATCH} entries, got {len(batch_ms)}")
-        batch = tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(batch_ms))
-        if not 0 <= state_bytes <= MAX_STATE_BYTES:
-            raise ValueError(f"state_bytes: must be in [0, {MAX_STATE_BYTES}], got {state_bytes}")
+    def report_vae(self, report: VaeReport) -> bool:
+        """The gateway's measured cost of one decoder kind (``VaeReport``).  It replaces that kind's numbers, unless
+        the operator fixed them.  Raises ``ValueError`` naming the field for a value out of range; returns whether
+        the model changed."""
+        kind = decoder_kind(report.decoder)
+        chunk_ms = _check_ms("chunk_ms", report.chunk_ms)
+        if len(report.batch_ms) > MAX_DECODE_BATCH:
+            raise ValueError(f"batch_ms: at most {MAX_DECODE_BATCH} entries, got {len(report.batch_ms)}")
+        batch = tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(report.batch_ms))
+        if not 0 <= report.state_bytes <= MAX_STATE_BYTES:
+            raise ValueError(f"state_bytes: must be in [0, {MAX_STATE_BYTES}], got {report.state_bytes}")
         if self.decoders[kind].source == "operator":
             return False
-        new = DecoderCost(chunk_ms, batch, int(state_bytes), "gateway")
+        new = DecoderCost(chunk_ms, batch, int(report.state_bytes), "gateway")
         changed = new != self.decoders[kind]
         self.decoders[kind] = new
         return changed

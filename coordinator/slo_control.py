@@ -17,7 +17,7 @@ from collections.abc import Callable
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
-from coordinator.slo import FULL, CostModel, Demand, SloController, decoder_kind
+from coordinator.slo import FULL, CostModel, Demand, SloController, VaeReport, decoder_kind
 from coordinator.streams import StreamSession, StreamTable
 from stagecast.api import DECODERS, DEFAULT_FPS
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -229,28 +229,19 @@ class SloControl:
                     cal.seconds,
                 )
 
-    def report_vae(
-        self,
-        chunk_ms: float,
-        what: str = "",
-        *,
-        decoder: str = FULL,
-        batch_ms: tuple[float, ...] | list[float] = (),
-        state_bytes: int = 0,
-    ) -> bool:
-        """The gateway measured decoder kind ``decoder``: ``chunk_ms`` per chunk alone on the busiest GPU, ``batch_ms``
-        per stream at 1..n streams decoding together (empty: it does not batch).  Each report replaces that kind's
-        numbers (ignored when the operator fixed them with --vae-ms-per-chunk or --slo-fixed); a change makes the
-        controller decide again, and admission uses it from the next open.  ``ValueError`` names a field out of
-        range."""
-        changed = self.cost.report_vae(decoder, chunk_ms, batch_ms, state_bytes)
+    def report_vae(self, report: VaeReport, what: str = "") -> bool:
+        """The gateway measured one decoder kind (``VaeReport``; ``what``: where, for the log).  Each report replaces
+        that kind's numbers (ignored when the operator fixed them with --vae-ms-per-chunk or --slo-fixed); a change
+        makes the controller decide again, and admission uses it from the next open.  ``ValueError`` names a field
+        out of range."""
+        changed = self.cost.report_vae(report)
         if changed:
-            kind = decoder_kind(decoder)
+            batch_ms = report.batch_ms
             batched = f", per stream {', '.join(f'{m:.2f}' for m in batch_ms)} at 1..{len(batch_ms)} in one call"
             logger.info(
                 "the SLO model counts the gateway's %s decoder at %.2f ms per chunk%s%s",
-                kind,
-                chunk_ms,
+                decoder_kind(report.decoder),
+                report.chunk_ms,
                 batched if batch_ms else "",
                 what,
             )

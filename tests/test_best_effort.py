@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from coordinator.admission import AdmissionError
-from coordinator.engine import PipelineEngine
-from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from gateway.admission import Refused
 from gateway.quotas import QuotaOptions, Quotas
 from stagecast.microstep import MicroStep, StreamSpec
 from stagecast.model.dit_configs import model_config
+from tests.engine_helpers import hand_driven_engine
 
 P = 2  # pipeline stages
 TEXT = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])
@@ -99,9 +98,7 @@ def test_a_lone_unpaced_stream_is_scheduled_exactly_as_before():
 @pytest.mark.unit
 def test_unpaced_streams_take_no_paced_capacity_at_the_coordinator():
     # 174 ms x 1.15 / 4 = 50 ms per micro-step: a paced stream at 3 steps and 4 chunks/s needs 60% of a stage.
-    eng = PipelineEngine(StageRegistry(P), lookahead=10**6, stage_ms=[174.0] * P, slo_learn=False, clock=lambda: 0.0)
-    eng.generations.ready = True
-    eng.generations.sched = StreamBatchScheduler(num_stages=P, max_batch=4)
+    eng = hand_driven_engine(P, lookahead=10**6, stage_ms=[174.0] * P, slo_learn=False, clock=lambda: 0.0)
     s3 = spec(0, steps=3)
     unpaced = [eng.open(s3, TEXT, acknowledges=True, consumer_depth=8) for _ in range(8)]
     assert all(s.best_effort for s in unpaced)

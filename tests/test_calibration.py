@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from coordinator.slo import EWMA, CostModel, Demand, SloController
+from coordinator.slo import EWMA, CostModel, Demand, SloController, VaeReport
 from gateway.vae_cost import STEADY_FROM, measure_vae
 from stage_service.calibration import ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import random_slice_state_dict
@@ -174,7 +174,7 @@ def test_cost_model_precedence_seed_calibration_and_refinement():
     assert cost.stage_ms(4)[1] == pytest.approx((1 - EWMA) * 24.0 + EWMA * 34.0)
 
     operator = CostModel(stages=2, max_batch=4, seed_ms=[50.0, 50.0], chunk_ms=7.0)
-    assert not operator.calibrate(0, {1: 1.0}) and not operator.report_vae("full", 30.0)
+    assert not operator.calibrate(0, {1: 1.0}) and not operator.report_vae(VaeReport("full", 30.0))
     assert operator.stage_ms(1) == [50.0, 50.0] and (operator.chunk_ms, operator.vae_source) == (7.0, "operator")
 
 
@@ -183,7 +183,7 @@ def test_the_gateways_vae_cost_lowers_capacity():
     cost.calibrate(0, {1: 20.0})
     ctl = SloController(cost)
     assert ctl.capacity_streams([], chunk_rate=4.0, steps=1) == pytest.approx(0.9 / (4 * 20 / 1000))
-    assert cost.report_vae("full", 25.0) and cost.vae_source == "gateway"
+    assert cost.report_vae(VaeReport("full", 25.0)) and cost.vae_source == "gateway"
     assert ctl.capacity_streams([], chunk_rate=4.0, steps=1) == pytest.approx(0.9 / (4 * 45 / 1000))
     admitted = [Demand(i, chunk_rate=4.0, allowed=(1,)) for i in range(5)]  # 18% of the GPU each
     newcomer = Demand(9, chunk_rate=4.0, allowed=(1,))

@@ -77,8 +77,9 @@ def test_capacity_is_reported_and_the_first_stream_past_it_is_refused_with_a_ret
     for t in threads:
         t.join(TIMEOUT)
     assert len(frames["a"]) == len(frames["b"]) == 48
-    # Alone, a ran its max_steps; once b came the controller lowered both to min_steps.
-    assert frames["a"][0] == 4 and frames["b"][-1] == 2 and frames["a"][-1] == 2
+    # Alone, a ran its max_steps; once b came the controller lowered both to min_steps (b from its start).  After a
+    # ends the controller may raise b again (below 80%): b's last frames depend on how far apart the two started.
+    assert frames["a"][0] == 4 and frames["a"][-1] == 2 and frames["b"][0] == 2, frames
     assert set(frames["a"]) <= {2, 3, 4} and set(frames["b"]) <= {2, 3, 4}
     wait_until(lambda: capacity(client)[2] > 2, 10, what="the capacity to come back once both ended")
     assert capacity(client) == expected(0)

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from coordinator.engine import PipelineEngine
-from coordinator.registry import StageRegistry
-from coordinator.scheduler import StreamBatchScheduler
 from stagecast.microstep import StreamSpec
 from stagecast.model.dit_configs import model_config
+from tests.engine_helpers import hand_driven_engine
 from tests.pipeline_helpers import wait_until
 
 pytestmark = pytest.mark.unit
@@ -28,10 +27,7 @@ class Clock:
 
 
 def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
-    eng = PipelineEngine(StageRegistry(2), playout_s=playout_s, clock=clock, lookahead=10**6)
-    eng.generations.ready = True
-    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=8)
-    return eng
+    return hand_driven_engine(max_batch=8, playout_s=playout_s, clock=clock, lookahead=10**6)
 
 
 def spec(**kw) -> StreamSpec:

@@ -129,32 +129,10 @@ LADDERS = [(1000.0,), (1000.0, 500.0), (1000.0, 667.0, 333.0)]
 
 
 def _engine(stage_ms: float, clock=lambda: 0.0):
-    import torch
+    from tests.engine_helpers import hand_driven_engine, stream_opener
 
-    from coordinator.engine import PipelineEngine
-    from coordinator.registry import StageRegistry
-    from coordinator.scheduler import StreamBatchScheduler
-    from stagecast.microstep import StreamSpec
-    from stagecast.model.dit_configs import model_config
-
-    text = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])
-    eng = PipelineEngine(StageRegistry(2), lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock)
-    eng.generations.ready = True
-    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
-
-    def open_stream(**kw):
-        spec = StreamSpec(
-            stream_id=0,
-            latent_channels=16,
-            chunk_frames=1,
-            latent_height=4,
-            latent_width=6,
-            text_len=8,
-            timesteps=LADDERS[-1],
-        )
-        return eng.open(spec, text, acknowledges=True, consumer_depth=8, chunk_rate=4.0, ladders=LADDERS, **kw)
-
-    return eng, open_stream
+    eng = hand_driven_engine(lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock)
+    return eng, stream_opener(eng, chunk_rate=4.0, ladders=LADDERS)
 
 
 def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_delay():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from coordinator.admission import AdmissionError
-from coordinator.slo import CostModel, DecoderCost, Demand, SloController
+from coordinator.slo import CostModel, DecoderCost, Demand, SloController, VaeReport
+from tests.engine_helpers import hand_driven_engine, stream_opener
 
 pytestmark = pytest.mark.unit
 
@@ -19,33 +20,9 @@ DIT = 4 * 11.5 / 1000
 
 
 def _engine(vae_ms=None):
-    from coordinator.engine import PipelineEngine
-    from coordinator.registry import StageRegistry
-    from coordinator.scheduler import StreamBatchScheduler
-    from stagecast.microstep import StreamSpec
-    from stagecast.model.dit_configs import model_config
-
-    text = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])
     # slo_learn: the gateway's reports count (no batch is ever measured here, so the seeds stay as they are).
-    eng = PipelineEngine(
-        StageRegistry(2), lookahead=10**6, stage_ms=[STAGE_MS, STAGE_MS], clock=lambda: 0.0, vae_ms_per_chunk=vae_ms
-    )
-    eng.generations.ready = True
-    eng.generations.sched = StreamBatchScheduler(num_stages=2, max_batch=4)
-
-    def open_stream(**kw):
-        spec = StreamSpec(
-            stream_id=0,
-            latent_channels=16,
-            chunk_frames=1,
-            latent_height=4,
-            latent_width=6,
-            text_len=8,
-            timesteps=LADDERS[-1],
-        )
-        return eng.open(spec, text, acknowledges=True, consumer_depth=8, chunk_rate=RATE, ladders=LADDERS, **kw)
-
-    return eng, open_stream
+    eng = hand_driven_engine(lookahead=10**6, stage_ms=[STAGE_MS, STAGE_MS], clock=lambda: 0.0, vae_ms_per_chunk=vae_ms)
+    return eng, stream_opener(eng, chunk_rate=RATE, ladders=LADDERS)
 
 
 def _open_until_refused(open_stream, limit=40, **kw) -> int:
@@ -62,12 +39,12 @@ def test_a_set_of_tiny_decoder_streams_is_admitted_where_the_same_set_on_the_ful
     # Full VAE 30 ms a chunk: 4.6% + 12% = 16.6% a stream, 5 fit (83%) and the 6th is refused (99.6%).  Tiny decoder
     # 6 ms a chunk: 4.6% + 2.4% = 7% a stream, 12 fit (84%).
     full_eng, open_full = _engine()
-    full_eng.report_vae(30.0, decoder="full")
-    full_eng.report_vae(6.0, decoder="tiny")
+    full_eng.report_vae(VaeReport("full", 30.0))
+    full_eng.report_vae(VaeReport("tiny", 6.0))
     assert _open_until_refused(open_full) == 5
     tiny_eng, open_tiny = _engine()
-    tiny_eng.report_vae(30.0, decoder="full")
-    tiny_eng.report_vae(6.0, decoder="tiny")
+    tiny_eng.report_vae(VaeReport("full", 30.0))
+    tiny_eng.report_vae(VaeReport("tiny", 6.0))
     assert _open_until_refused(open_tiny, decoder="tiny") == 12
     # The same six streams: held on the tiny decoder, not on the full VAE.
     ctl = tiny_eng.slo.controller
@@ -82,18 +59,20 @@ def test_a_set_of_tiny_decoder_streams_is_admitted_where_the_same_set_on_the_ful
 def test_a_tiny_stream_is_never_priced_at_the_full_vaes_cost():
     cost = CostModel(stages=1, max_batch=1, seed_ms=[10.0])
     ctl = SloController(cost)
-    assert cost.report_vae("full", 64.0) and cost.vae_source == "gateway"
+    assert cost.report_vae(VaeReport("full", 64.0)) and cost.vae_source == "gateway"
     tiny = [Demand(1, RATE, (1,), decoder="tiny")]
     # Not reported yet: the tiny decoder costs nothing in the model (0 until reported), never the full VAE's 64 ms.
     assert cost.decoders["tiny"] == DecoderCost() and ctl.utilization(tiny) == pytest.approx(RATE * 10.0 / 1000)
     assert ctl.utilization([Demand(1, RATE, (1,))]) == pytest.approx(RATE * (10.0 + 64.0) / 1000)
-    assert cost.report_vae("tiny", 5.0)
+    assert cost.report_vae(VaeReport("tiny", 5.0))
     assert ctl.utilization(tiny) == pytest.approx(RATE * 15.0 / 1000)
     # The operator's --vae-ms-per-chunk as a plain number is the full VAE's: it does not price the tiny decoder.
     operator = SloController(CostModel(stages=1, max_batch=1, seed_ms=[10.0], chunk_ms=64.0))
     assert operator.utilization(tiny) == pytest.approx(RATE * 10.0 / 1000)
-    assert not operator.cost.report_vae("full", 5.0) and operator.cost.chunk_ms == 64.0  # the operator's is kept
-    assert operator.cost.report_vae("tiny", 5.0) and operator.utilization(tiny) == pytest.approx(RATE * 15.0 / 1000)
+    assert not operator.cost.report_vae(VaeReport("full", 5.0))
+    assert operator.cost.chunk_ms == 64.0  # the operator's is kept
+    assert operator.cost.report_vae(VaeReport("tiny", 5.0))
+    assert operator.utilization(tiny) == pytest.approx(RATE * 15.0 / 1000)
     # Capacity for a kind counts that kind's cost.
     assert operator.capacity_streams([], RATE, 1, decoder="tiny") == pytest.approx(0.9 / (RATE * 15.0 / 1000))
     assert operator.capacity_streams([], RATE, 1) == pytest.approx(0.9 / (RATE * 74.0 / 1000))
@@ -101,7 +80,7 @@ def test_a_tiny_stream_is_never_priced_at_the_full_vaes_cost():
 
 def test_a_batching_decoders_per_stream_cost_falls_with_its_streams():
     cost = CostModel(stages=1, max_batch=1, seed_ms=[10.0])
-    cost.report_vae("tiny", 6.0, batch_ms=[6.0, 4.0, 3.0, 2.5])
+    cost.report_vae(VaeReport("tiny", 6.0, batch_ms=[6.0, 4.0, 3.0, 2.5]))
     tiny = cost.decoders["tiny"]
     per = [tiny.per_stream_ms(n) for n in range(1, 8)]
     assert per == [6.0, 4.0, 3.0, 2.5, 2.5, 2.5, 2.5]  # beyond the largest measured batch: its per-stream cost
@@ -122,19 +101,19 @@ def test_a_batching_decoders_per_stream_cost_falls_with_its_streams():
     assert batched == pytest.approx(0.9 / (RATE * 12.5 / 1000))  # beyond 4 streams every one costs 10 + 2.5 ms
     # Reports are bounded, naming the field.
     with pytest.raises(ValueError, match=r"batch_ms\[1\]"):
-        cost.report_vae("tiny", 6.0, batch_ms=[6.0, float("nan")])
+        cost.report_vae(VaeReport("tiny", 6.0, batch_ms=[6.0, float("nan")]))
     with pytest.raises(ValueError, match="decoder"):
-        cost.report_vae("huge", 6.0)
+        cost.report_vae(VaeReport("huge", 6.0))
     with pytest.raises(ValueError, match="state_bytes"):
-        cost.report_vae("tiny", 6.0, state_bytes=-1)
+        cost.report_vae(VaeReport("tiny", 6.0, state_bytes=-1))
     with pytest.raises(ValueError, match="batch_ms: at most"):
-        cost.report_vae("tiny", 6.0, batch_ms=[1.0] * 1000)
+        cost.report_vae(VaeReport("tiny", 6.0, batch_ms=[1.0] * 1000))
     assert cost.decoders["tiny"].batch_ms == (6.0, 4.0, 3.0, 2.5)  # a refused report changed nothing
 
 
 def test_a_report_while_serving_changes_admission_and_steps():
     eng, open_stream = _engine()
-    eng.report_vae(6.0, decoder="tiny")
+    eng.report_vae(VaeReport("tiny", 6.0))
     streams = [open_stream(decoder="tiny") for _ in range(6)]  # 6 x (4.6% + 2.4%) at 1 step: 42%
     eng.planner.tick()
     assert [s.steps for s in streams] == [2, 2, 2, 2, 2, 2]  # 6 x (9.2% + 2.4%) = 70%, under the raise threshold
@@ -146,8 +125,8 @@ def test_a_report_while_serving_changes_admission_and_steps():
     # The gateway measures again at the batches it forms (it is slower there than alone): 24 ms a chunk per stream
     # at 6 streams and beyond.
     batch = [6.0, 12.0, 16.0, 20.0, 22.0, 24.0]
-    assert eng.report_vae(6.0, decoder="tiny", batch_ms=batch, state_bytes=64 << 20)
-    assert not eng.report_vae(6.0, decoder="tiny", batch_ms=batch, state_bytes=64 << 20)  # nothing new
+    assert eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20))
+    assert not eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20))  # nothing new
     # Decided again at once: 6 x (9.2% + 9.6%) = 113% at 2 steps is over the target; five at 1 step and one at 2 are
     # held (32.2% + 57.6% = 89.8%).
     events = eng.planner.tick()
@@ -167,7 +146,7 @@ def test_a_report_while_serving_changes_admission_and_steps():
 
 def test_the_operators_cost_per_kind_is_kept_and_slo_fixed_fixes_every_kind():
     eng, _ = _engine(vae_ms={"full": 26.0, "tiny": 5.0})
-    assert not eng.report_vae(7.0, decoder="tiny") and eng.slo.cost.decoders["tiny"].chunk_ms == 5.0
+    assert not eng.report_vae(VaeReport("tiny", 7.0)) and eng.slo.cost.decoders["tiny"].chunk_ms == 5.0
     from coordinator.engine import PipelineEngine
     from coordinator.registry import StageRegistry
 
@@ -176,7 +155,7 @@ def test_the_operators_cost_per_kind_is_kept_and_slo_fixed_fixes_every_kind():
         "full": (0.0, "operator"),
         "tiny": (0.0, "operator"),
     }
-    assert not fixed.report_vae(7.0, decoder="tiny")
+    assert not fixed.report_vae(VaeReport("tiny", 7.0))
 
 
 class _Aborted(Exception):

@@ -1,0 +1,43 @@
+"""A coordinator engine driven by hand, in process: no stages, the plan loop ticked by the test.
+
+The engine's generation is marked formed and given a scheduler, so streams open and plan as they would against
+real stages; nothing is sent anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coordinator.engine import PipelineEngine
+from coordinator.registry import StageRegistry
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast.microstep import StreamSpec
+from stagecast.model.dit_configs import model_config
+
+TEXT = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])  # a prompt's embedding for the tiny model
+
+
+def hand_driven_engine(stages: int = 2, *, max_batch: int = 4, **engine_kw) -> PipelineEngine:
+    """A ``PipelineEngine`` of ``stages`` stages (keywords: its options), formed, with no stage process."""
+    eng = PipelineEngine(StageRegistry(stages), **engine_kw)
+    eng.generations.ready = True
+    eng.generations.sched = StreamBatchScheduler(num_stages=stages, max_batch=max_batch)
+    return eng
+
+
+def small_spec(**kw) -> StreamSpec:
+    """A 4x6-latent, one-frame-per-chunk stream of the tiny model (keywords: any ``StreamSpec`` field)."""
+    fields = dict(stream_id=0, latent_channels=16, chunk_frames=1, latent_height=4, latent_width=6, text_len=8)
+    return StreamSpec(**(fields | kw))
+
+
+def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders, timesteps=None):
+    """``open_stream(**kw)``: a paced, acknowledging stream on ``ladders`` (starting on ``timesteps``, default the
+    last ladder), each call a new one."""
+    start = tuple(timesteps or ladders[-1])
+
+    def open_stream(**kw):
+        spec = small_spec(timesteps=start)
+        return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
+
+    return open_stream
