@@ -154,31 +154,13 @@ class BatchedDecoder:
         self.worker.start()
 
     @classmethod
-    def tiny(
-        cls,
-        path,
-        *,
-        device: str,
-        dtype: torch.dtype,
-        latent_channels: int,
-        spatial_factor: int,
-        temporal_factor: int,
-        compile: bool = False,
-        buckets: tuple[int, ...] | None = None,
-    ) -> BatchedDecoder:
-        """The checked tiny decoder (``gateway.decoder.load_checked_tiny``) behind one worker; compiled on a GPU,
-        padded to ``buckets`` (default ``DEFAULT_BUCKETS``), else not padded."""
+    def tiny(cls, path, *, compile: bool = False, buckets: tuple[int, ...] | None = None, **checks) -> BatchedDecoder:
+        """The checked tiny decoder (``gateway.decoder.load_checked_tiny``, given ``checks``: its device, dtype and the
+        geometry it must fit) behind one worker; compiled on a GPU, padded to ``buckets`` (default
+        ``DEFAULT_BUCKETS``), else not padded."""
         from gateway.decoder import load_checked_tiny
 
-        part = load_checked_tiny(
-            path,
-            device=device,
-            dtype=dtype,
-            latent_channels=latent_channels,
-            spatial_factor=spatial_factor,
-            temporal_factor=temporal_factor,
-            compile=compile,
-        )
+        part = load_checked_tiny(path, compile=compile, **checks)
         if buckets is None and part.device.type == "cuda" and compile:
             buckets = DEFAULT_BUCKETS  # eager kernels take any batch: padding would only add work
         if compile:
