@@ -228,9 +228,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"parts: must be in [0, 1024], got {request.parts}")
         where = f" ({request.parts} part(s), the slowest on {request.device[:64]})" if request.parts else ""
         try:
-            report = VaeReport(request.decoder, request.chunk_ms, tuple(request.batch_ms), request.state_bytes)
+            report = VaeReport(
+                request.decoder, request.chunk_ms, tuple(request.batch_ms), request.state_bytes, request.formed_batch
+            )
             self.engine.report_vae(report, where)
-        except ValueError as exc:  # names the field: decoder, batch_ms[i], state_bytes
+        except ValueError as exc:  # names the field: decoder, batch_ms[i], state_bytes, formed_batch
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.Empty()
 

@@ -253,12 +253,16 @@ def simulate_controller(
 ) -> tuple[list[ControllerRow], dict[int, float]]:
     """Streams on ``decoder`` arrive one by one (up to ``cfg.streams``); the controller admits or refuses each and picks
     steps.  The full VAE costs ``vae_ms`` per chunk; the tiny decoder ``tiny_ms``, or with ``tiny_batch_ms`` the
-    per-stream ms at 1..n streams decoding in one call.  Returns the rows and the capacity (streams at ``fps`` on
-    ``decoder``) of an empty pipeline per step count."""
+    per-stream ms at 1..n streams decoding in one call, every stream's chunks decoding together (the best case: the
+    live coordinator prices the batch the gateway's calls form, ``DecoderCost.formed_batch``).  Returns the rows and
+    the capacity (streams at ``fps`` on ``decoder``) of an empty pipeline per step count."""
     from coordinator.slo import CostModel, DecoderCost, Demand, SloController
 
     stage_ms = cfg.stage_ms or [10.0] * cfg.stages
-    decoders = {"full": DecoderCost(vae_ms), "tiny": DecoderCost(tiny_ms, tuple(tiny_batch_ms))}
+    decoders = {
+        "full": DecoderCost(vae_ms),
+        "tiny": DecoderCost(tiny_ms, tuple(tiny_batch_ms), formed_batch=len(tiny_batch_ms)),
+    }
     cost = CostModel(cfg.stages, cfg.batch, seed_ms=stage_ms, growth=cfg.growth, chunk_ms=decoders)
     ctl = SloController(cost)
     rate = fps / frames_per_chunk

@@ -110,25 +110,34 @@ class DecoderCost:
     batch_ms: tuple[float, ...] = ()  # per-stream ms when i + 1 streams decode in one call; (): it does not batch
     state_bytes: int = 0  # one stream's decoder state on the GPU (0: not known)
     source: str = "none"  # "operator" (--vae-ms-per-chunk) | "gateway" (ReportVaeCost) | "none" (0 until reported)
+    formed_batch: float = 0.0  # streams per call the gateway's recent calls held (0: none served yet)
 
     def per_stream_ms(self, streams: int) -> float:
-        """The ms each of ``streams`` streams' chunks costs when they decode together; beyond the largest measured
-        batch, its per-stream ms."""
+        """The ms each of ``streams`` streams' chunks costs: at the batch its calls form, which is ``streams`` at
+        most and the gateway's measured ``formed_batch`` (paced streams' chunks are ready at different times, so a
+        call rarely holds them all; none measured yet: one stream a call), interpolated between the measured sizes
+        around it; beyond the largest measured batch, its per-stream ms."""
         if not self.batch_ms or streams <= 0:
             return self.chunk_ms
-        return self.batch_ms[min(streams, len(self.batch_ms)) - 1]
+        batch = min(float(streams), max(1.0, self.formed_batch), float(len(self.batch_ms)))
+        lo = int(batch)
+        ms = self.batch_ms[lo - 1]
+        if batch > lo:
+            ms += (self.batch_ms[lo] - ms) * (batch - lo)
+        return ms
 
 
 @dataclass(frozen=True)
 class VaeReport:
     """What the gateway measured of one decoder kind (``pb.VaeCost``): ``chunk_ms`` per chunk alone on the busiest
-    GPU, ``batch_ms`` per stream at 1..n streams decoding together (empty: it does not batch), and one stream's
-    ``state_bytes``.  Checked by ``SloCost.report_vae``."""
+    GPU, ``batch_ms`` per stream at 1..n streams decoding together (empty: it does not batch), one stream's
+    ``state_bytes``, and ``formed_batch``, the streams its recent calls held.  Checked by ``CostModel.report_vae``."""
 
     decoder: str
     chunk_ms: float
     batch_ms: tuple[float, ...] = ()
     state_bytes: int = 0
+    formed_batch: float = 0.0  # streams per call its recent calls held (0: none served yet)
 
 
 def _check_ms(what: str, ms: float) -> float:
@@ -246,6 +255,7 @@ class CostModel:
                 tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(given.batch_ms[:MAX_DECODE_BATCH])),
                 given.state_bytes,
                 "operator",
+                min(max(0.0, float(given.formed_batch)), float(MAX_DECODE_BATCH)),
             )
 
         self.stages = stages
@@ -293,9 +303,11 @@ class CostModel:
         batch = tuple(_check_ms(f"batch_ms[{i}]", ms) for i, ms in enumerate(report.batch_ms))
         if not 0 <= report.state_bytes <= MAX_STATE_BYTES:
             raise ValueError(f"state_bytes: must be in [0, {MAX_STATE_BYTES}], got {report.state_bytes}")
+        if not (math.isfinite(report.formed_batch) and 0 <= report.formed_batch <= MAX_DECODE_BATCH):
+            raise ValueError(f"formed_batch: must be in [0, {MAX_DECODE_BATCH}], got {report.formed_batch}")
         if self.decoders[kind].source == "operator":
             return False
-        new = DecoderCost(chunk_ms, batch, int(report.state_bytes), "gateway")
+        new = DecoderCost(chunk_ms, batch, int(report.state_bytes), "gateway", float(report.formed_batch))
         changed = new != self.decoders[kind]
         self.decoders[kind] = new
         return changed

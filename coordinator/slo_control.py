@@ -132,6 +132,7 @@ class SloControl:
                 batch_ms=list(cost.batch_ms),
                 state_bytes=cost.state_bytes,
                 source=cost.source,
+                formed_batch=cost.formed_batch,
                 capacity=[pb.Capacity(steps=n, streams=c, decoder=kind) for n, c in self.capacity(kind)],
             )
             for kind, cost in self.cost.decoders.items()
@@ -238,6 +239,9 @@ class SloControl:
         if changed:
             batch_ms = report.batch_ms
             batched = f", per stream {', '.join(f'{m:.2f}' for m in batch_ms)} at 1..{len(batch_ms)} in one call"
+            batched += (
+                f" (its calls hold {report.formed_batch:.2f} streams)" if report.formed_batch else " (no call yet)"
+            )
             logger.info(
                 "the SLO model counts the gateway's %s decoder at %.2f ms per chunk%s%s",
                 decoder_kind(report.decoder),

@@ -49,6 +49,7 @@ OUT_CAPACITY = 2  # decoded chunks a session holds for its consumer before the w
 EMA_WEIGHT = 0.2  # of a new call in the per-batch-size average
 MAX_CAPACITY = 1024  # chunks a session may hold waiting
 REPORTED_BATCH = 16  # batch sizes whose cost is reported (VaeCost.batch_ms) by default
+FORMED_CALLS = 64  # the recent calls whose streams per call are reported (VaeCost.formed_batch)
 
 
 def _held_bytes(state) -> int:
@@ -197,6 +198,13 @@ class BatchedDecoder:
         """Per-stream ms per chunk at 1..``up_to`` streams per call (default: ``max_batch``, at most
         ``REPORTED_BATCH``)."""
         return self.times.per_stream_ms(up_to or min(self.max_batch, REPORTED_BATCH))
+
+    def formed_batch(self, calls: int = FORMED_CALLS) -> float:
+        """Streams per call over the last ``calls`` calls (0.0 before any): the batch serving forms, which the
+        coordinator prices streams at (paced streams' chunks are ready at different times)."""
+        with self.cond:
+            recent = self.batch_sizes[-calls:]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def bucket(self, n: int) -> int:
         """The batch size a call of ``n`` streams runs at."""

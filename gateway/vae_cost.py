@@ -5,7 +5,8 @@ Usage (the gateway runs it after its warm-up, then reports it with ``Coordinator
     cost = measure_vae(decoder.parts, latent_shape=(1, 16, 1, 60, 104))
     cost.chunk_ms, cost.device                          # the slowest decoder part's ms per chunk, and where it runs
     cost.state_bytes                                    # one stream's caches after the steady chunks
-    tiny = tiny_cost(batched, latent_shape)             # the batched tiny decoder: ms per stream at each batch size
+    tiny = tiny_cost(batched, latent_shape)             # the batched tiny decoder: ms per stream at each batch size,
+                                                        # and the streams per call its recent calls held
     VaeReporter(stub, lambda: [cost, tiny_cost(batched, latent_shape)]).start(); ...; reporter.stop()
 
 Each decoder kind is reported on its own (``VaeCost.decoder``: "full", "tiny"); the coordinator prices each stream
@@ -53,6 +54,7 @@ class VaeCost:
     decoder: str = "full"  # "full" (the Wan VAE) or "tiny"
     batch_ms: tuple[float, ...] = ()  # [i]: per-stream ms per chunk at i + 1 streams in one call (batched decoders)
     state_bytes: int = 0  # one stream's decoder state (0: not known)
+    formed_batch: float = 0.0  # streams per call of the recent calls served (batched decoders; 0: none yet)
 
     def to_proto(self) -> pb.VaeCost:
         return pb.VaeCost(
@@ -64,13 +66,18 @@ class VaeCost:
             decoder=self.decoder,
             batch_ms=list(self.batch_ms),
             state_bytes=int(self.state_bytes),
+            formed_batch=float(self.formed_batch),
         )
 
     def differs(self, other: VaeCost | None, fraction: float = MATERIAL_CHANGE) -> bool:
         """Whether ``other`` (the one last sent) is off by more than ``fraction`` anywhere that prices a stream."""
         if other is None or len(other.batch_ms) != len(self.batch_ms) or other.state_bytes != self.state_bytes:
             return True
-        pairs = [(self.chunk_ms, other.chunk_ms), *zip(self.batch_ms, other.batch_ms, strict=True)]
+        pairs = [
+            (self.chunk_ms, other.chunk_ms),
+            (self.formed_batch, other.formed_batch),
+            *zip(self.batch_ms, other.batch_ms, strict=True),
+        ]
         return any(abs(a - b) > fraction * max(abs(b), 1e-9) for a, b in pairs)
 
 
@@ -134,7 +141,8 @@ def _state_bytes(state) -> int:
 
 def tiny_cost(decoder, latent_shape: tuple[int, ...], up_to: int | None = None) -> VaeCost | None:
     """The batched tiny decoder's (``gateway.batched_decoder``) cost as it stands: per-stream ms at each batch size
-    (start-up measurements merged with the calls served), ``chunk_ms`` one stream alone; None before any is known."""
+    (start-up measurements merged with the calls served), ``chunk_ms`` one stream alone, and the streams its recent
+    calls held; None before any is known."""
     batch = decoder.batch_ms(up_to)
     if not batch:
         return None
@@ -146,6 +154,7 @@ def tiny_cost(decoder, latent_shape: tuple[int, ...], up_to: int | None = None) 
         decoder="tiny",
         batch_ms=tuple(batch),
         state_bytes=decoder.state_bytes_at((latent_shape[-2], latent_shape[-1])),
+        formed_batch=decoder.formed_batch(),
     )
 
 

@@ -1,6 +1,7 @@
 """The batched tiny decoder (gateway.batched_decoder): one call for every stream's ready chunk, exact per stream,
 paced streams first, failures isolated, state freed on close."""
 
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import torch
 
 from gateway.batched_decoder import BatchedDecoder, BatchTimes
 from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames, write_tiny_decoder
+from gateway.vae_cost import tiny_cost
 
 pytestmark = pytest.mark.unit
 
@@ -112,6 +114,11 @@ def test_a_waiting_round_becomes_one_call_of_every_ready_stream(tiny_path):
         for s in others:
             (frames,) = drain_one(s)
             assert frames.shape == (1, 64, 64, 3)
+        # The batch serving formed (1 stream, then 4) is what the coordinator prices streams at.
+        assert decoder.formed_batch() == 2.5 and decoder.formed_batch(calls=1) == 4.0
+        cost = tiny_cost(decoder, (1, 16, 1, 8, 8))
+        assert cost.formed_batch == 2.5 and cost.to_proto().formed_batch == 2.5
+        assert cost.differs(dataclasses.replace(cost, formed_batch=1.0))  # a change the reporter sends at once
     finally:
         gated.hold = False
         for s in [blocker, *others]:

@@ -78,9 +78,19 @@ def test_a_tiny_stream_is_never_priced_at_the_full_vaes_cost():
     assert operator.capacity_streams([], RATE, 1) == pytest.approx(0.9 / (RATE * 74.0 / 1000))
 
 
-def test_a_batching_decoders_per_stream_cost_falls_with_its_streams():
+def test_a_batching_decoder_is_priced_at_the_batch_its_calls_form():
     cost = CostModel(stages=1, max_batch=1, seed_ms=[10.0])
-    cost.report_vae(VaeReport("tiny", 6.0, batch_ms=[6.0, 4.0, 3.0, 2.5]))
+    batch = [6.0, 4.0, 3.0, 2.5]
+    # No call served yet: every stream is priced as decoding alone, however many there are.
+    cost.report_vae(VaeReport("tiny", 6.0, batch_ms=batch))
+    assert [cost.decoders["tiny"].per_stream_ms(n) for n in range(1, 6)] == [6.0] * 5
+    # Calls holding 2.5 streams on average: at most that batch, interpolated between 2 and 3 streams a call.
+    assert cost.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, formed_batch=2.5))
+    assert [cost.decoders["tiny"].per_stream_ms(n) for n in range(1, 6)] == [6.0, 4.0, 3.5, 3.5, 3.5]
+    with pytest.raises(ValueError, match="formed_batch"):
+        cost.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, formed_batch=float("inf")))
+    # Every stream's chunks in one call: the per-stream cost falls with the streams.
+    assert cost.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, formed_batch=8.0))
     tiny = cost.decoders["tiny"]
     per = [tiny.per_stream_ms(n) for n in range(1, 8)]
     assert per == [6.0, 4.0, 3.0, 2.5, 2.5, 2.5, 2.5]  # beyond the largest measured batch: its per-stream cost
@@ -125,8 +135,8 @@ def test_a_report_while_serving_changes_admission_and_steps():
     # The gateway measures again at the batches it forms (it is slower there than alone): 24 ms a chunk per stream
     # at 6 streams and beyond.
     batch = [6.0, 12.0, 16.0, 20.0, 22.0, 24.0]
-    assert eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20))
-    assert not eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20))  # nothing new
+    assert eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20, formed_batch=6.0))
+    assert not eng.report_vae(VaeReport("tiny", 6.0, batch_ms=batch, state_bytes=64 << 20, formed_batch=6.0))
     # Decided again at once: 6 x (9.2% + 9.6%) = 113% at 2 steps is over the target; five at 1 step and one at 2 are
     # held (32.2% + 57.6% = 89.8%).
     events = eng.planner.tick()
@@ -136,7 +146,7 @@ def test_a_report_while_serving_changes_admission_and_steps():
         open_stream(decoder="tiny")  # 7 x (4.6% + 9.6%) = 99% at 1 step
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     tiny = next(d for d in eng.status().decoders if d.decoder == "tiny")
-    assert list(tiny.batch_ms) == batch and tiny.state_bytes == 64 << 20
+    assert list(tiny.batch_ms) == batch and tiny.state_bytes == 64 << 20 and tiny.formed_batch == 6.0
     assert {c.steps: c.streams for c in tiny.capacity}[1] < before[1]
     # The full VAE's numbers and the compatible fields are untouched.
     status = eng.status()

@@ -411,7 +411,7 @@ class ChunksConsumed(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
 
 class VaeCost(_message.Message):
-    __slots__ = ("chunk_ms", "parts", "latent_height", "latent_width", "device", "decoder", "batch_ms", "state_bytes")
+    __slots__ = ("chunk_ms", "parts", "latent_height", "latent_width", "device", "decoder", "batch_ms", "state_bytes", "formed_batch")
     CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,7 @@ class VaeCost(_message.Message):
     DECODER_FIELD_NUMBER: _ClassVar[int]
     BATCH_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORMED_BATCH_FIELD_NUMBER: _ClassVar[int]
     chunk_ms: float
     parts: int
     latent_height: int
@@ -428,7 +429,8 @@ class VaeCost(_message.Message):
     decoder: str
     batch_ms: _containers.RepeatedScalarFieldContainer[float]
     state_bytes: int
-    def __init__(self, chunk_ms: _Optional[float] = ..., parts: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., device: _Optional[str] = ..., decoder: _Optional[str] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    formed_batch: float
+    def __init__(self, chunk_ms: _Optional[float] = ..., parts: _Optional[int] = ..., latent_height: _Optional[int] = ..., latent_width: _Optional[int] = ..., device: _Optional[str] = ..., decoder: _Optional[str] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ..., formed_batch: _Optional[float] = ...) -> None: ...
 
 class StreamProgress(_message.Message):
     __slots__ = ("stream_id", "started", "received", "consumed", "bound", "max_lead", "steps", "chunk_rate")
@@ -461,20 +463,22 @@ class Capacity(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., streams: _Optional[float] = ..., decoder: _Optional[str] = ...) -> None: ...
 
 class DecoderCostStatus(_message.Message):
-    __slots__ = ("decoder", "chunk_ms", "batch_ms", "state_bytes", "source", "capacity")
+    __slots__ = ("decoder", "chunk_ms", "batch_ms", "state_bytes", "source", "capacity", "formed_batch")
     DECODER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    FORMED_BATCH_FIELD_NUMBER: _ClassVar[int]
     decoder: str
     chunk_ms: float
     batch_ms: _containers.RepeatedScalarFieldContainer[float]
     state_bytes: int
     source: str
     capacity: _containers.RepeatedCompositeFieldContainer[Capacity]
-    def __init__(self, decoder: _Optional[str] = ..., chunk_ms: _Optional[float] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ..., source: _Optional[str] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ...) -> None: ...
+    formed_batch: float
+    def __init__(self, decoder: _Optional[str] = ..., chunk_ms: _Optional[float] = ..., batch_ms: _Optional[_Iterable[float]] = ..., state_bytes: _Optional[int] = ..., source: _Optional[str] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., formed_batch: _Optional[float] = ...) -> None: ...
 
 class StreamStarted(_message.Message):
     __slots__ = ("stream_id", "generation")
