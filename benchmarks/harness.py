@@ -668,12 +668,22 @@ def coordinator_status(coordinator: str, launcher):
 
 
 def slo_model(status) -> dict:
-    """Where the coordinator's SLO model started: the stages calibrated at READY and the VAE's cost per chunk (the
-    gateway's measurement, or the operator's --vae-ms-per-chunk), read after the first stream."""
+    """What the coordinator's SLO model prices: the stages calibrated at READY, the full VAE's cost per chunk (the
+    gateway's measurement, or the operator's --vae-ms-per-chunk), and each decoder kind's (``decoders``: per chunk
+    alone, per stream at 1..n a call, and the streams its calls formed)."""
     return {
         "calibrated_stages": list(status.calibrated_stages),
         "vae_chunk_ms": round(status.vae_chunk_ms, 3),
         "vae_source": status.vae_source,
+        "decoders": {
+            d.decoder: {
+                "chunk_ms": round(d.chunk_ms, 3),
+                "batch_ms": [round(ms, 3) for ms in d.batch_ms],
+                "formed_batch": round(d.formed_batch, 3),
+                "source": d.source,
+            }
+            for d in status.decoders
+        },
     }
 
 
@@ -1206,6 +1216,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
     cpu1 = process_cpu_s(pid)
     t_end = time.monotonic()
     after = stage_stats(coordinator, launcher)
+    priced_end = slo_model(coordinator_status(coordinator, launcher))  # as learned over the window
     for rec in recs:
         rec.gen.stop()
     deadline = time.monotonic() + 60  # chunks in flight still arrive; a stream that does not end is cancelled
@@ -1248,6 +1259,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
         "refusal": refusal,
         "failure": failure,
         "slo_model": priced,
+        "slo_model_end": priced_end,
         "ttff_p50_s": statistics.median(ttffs) if ttffs else None,
         "ttff_p95_s": percentile(ttffs, 0.95) if ttffs else None,
         "steady_fps_min": min((s["steady_fps"] or 0.0 for s in per_stream), default=None),

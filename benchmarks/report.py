@@ -161,7 +161,12 @@ def capacity_table(runs: list[dict]) -> str:
             mem = row.get("memory") or {}
             cfg = _capacity_config(a, row["decoder"])
             priced = row.get("slo_model") or {}
-            if priced.get("vae_source"):  # the decode cost admission counted per chunk, and where it came from
+            kind = (priced.get("decoders") or {}).get(row["decoder"])
+            if kind:  # the decode cost admission counted for this row's decoder, and where it came from
+                end = ((row.get("slo_model_end") or {}).get("decoders") or {}).get(row["decoder"]) or kind
+                formed = f", calls formed {end['formed_batch']:.2f} streams" if end.get("batch_ms") else ""
+                cfg += f" ({row['decoder']} priced {kind['chunk_ms']:.3g} ms/chunk alone{formed}, {kind['source']})"
+            elif priced.get("vae_source"):  # older results: the full VAE's cost only
                 cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
             cfg += " ¹" if r.get("partial") else ""
             out.append(

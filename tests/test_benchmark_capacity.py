@@ -50,6 +50,19 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     assert row["memory"]["decoder_state_bytes_per_stream"] > 0  # the gateway's tiny decoder state
     assert row["frames_delivered"] > 0 and row["gateway_cpu_ms_per_frame"] > 0
     assert row["slo_model"]["vae_source"] in ("none", "operator", "gateway")  # what admission priced the decode at
+    # This row's decoder as priced when the first stream opened, and after the window: --slo-stage-ms fixes the
+    # model (--slo-fixed), so the gateway's reports are not counted and the decode costs the operator's 0.
+    tiny = row["slo_model"]["decoders"]["tiny"]
+    assert (
+        tiny
+        == row["slo_model_end"]["decoders"]["tiny"]
+        == {
+            "chunk_ms": 0.0,
+            "batch_ms": [],
+            "formed_batch": 0.0,
+            "source": "operator",
+        }
+    )
 
     # The report's capacity table renders the row.
     doc = tmp_path / "BENCHMARKS.md"
@@ -62,7 +75,7 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     )
     assert done.returncode == 0, done.stderr
     text = doc.read_text()
-    priced = f"(VAE priced {row['slo_model']['vae_chunk_ms']:.3g} ms/chunk, {row['slo_model']['vae_source']}) | 2 | "
+    priced = "(tiny priced 0 ms/chunk alone, operator) | 2 | "
     assert f"| tiny, 1 step, 64×64, tiny {priced}" in text and f"RESOURCE_EXHAUSTED, {refusal['ms']:.0f} ms" in text
 
 
