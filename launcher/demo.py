@@ -27,6 +27,7 @@ from pathlib import Path
 from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from launcher.local_cluster import start_pipeline, web_args
 from launcher.process import Launcher
+from stagecast.flags import HelpFormatter
 from stagecast.generate import generate_clip
 from stagecast.service import stop_event
 
@@ -101,7 +102,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="run everything on CPU with a tiny random model and write an MP4",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--seconds", type=float, default=2.0, help="seconds of video")
     p.add_argument("--out", default="demo.mp4", help="MP4 file to write")

@@ -36,6 +36,7 @@ import torch
 from launcher.local_cluster import check_layout, start_pipeline
 from launcher.process import Launcher
 from stagecast import wire
+from stagecast.flags import HelpFormatter
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -567,7 +568,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "selftest",
         help="run the real multi-process pipeline and compare with the reference",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--stages", type=int, default=2, help="DiT stage processes")
     p.add_argument(

@@ -89,7 +89,7 @@ def test_the_web_container_reaches_the_gateway_with_its_tls_and_offers_the_media
     else:
         assert ns.turn is None
     assert pod.get("hostNetwork", False) == (media["mode"] == "hostNetwork")
-    assert (ns.ice_host == ["$(HOST_IP)"]) == (media["mode"] == "hostNetwork")
+    assert (ns.ice_hosts == ["$(HOST_IP)"]) == (media["mode"] == "hostNetwork")
 
 
 def test_web_values_that_cannot_work_are_refused_and_web_can_be_left_out(helm):  # noqa: F811
