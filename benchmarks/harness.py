@@ -1403,12 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--balance-profile", default=None, help="measured costs (python -m benchmarks.balance) for --partition auto"
     )
-    ap.add_argument(
-        "--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses); stages × sp GPUs, one per rank"
-    )
-    ap.add_argument(
-        "--cfg-parallel", type=int, choices=[1, 2], default=1, help="2: two pipelines of --stages, one per CFG branch"
-    )
+    add_flags(ap, CoordinatorOptions, only=["sp", "cfg_parallel"])  # the layout's, passed on; one GPU per rank
     ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
     ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
