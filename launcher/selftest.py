@@ -33,10 +33,11 @@ from pathlib import Path
 import grpc
 import torch
 
+from coordinator.options import CoordinatorOptions
 from launcher.local_cluster import check_layout, start_pipeline
 from launcher.process import Launcher
 from stagecast import wire
-from stagecast.flags import HelpFormatter
+from stagecast.flags import HelpFormatter, to_argv
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -479,7 +480,8 @@ def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:
 def adaptive_args(cfg: SelftestConfig) -> list[str]:
     if not cfg.adaptive:
         return []
-    return ["--stage-ms", ",".join([f"{cfg.stage_ms:g}"] * cfg.stages), "--slo-fixed"]
+    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[cfg.stage_ms] * cfg.stages, slo_learn=False)
+    return to_argv(fixed, only=["stage_ms", "slo_learn"])  # --stage-ms ... --slo-fixed
 
 
 def adaptive_request(cfg: SelftestConfig, req: pb.OpenStreamRequest) -> None:
