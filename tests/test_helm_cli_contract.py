@@ -118,14 +118,12 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "helm" / "stagecast" / "tem
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SECURITY = ["--mtls", "--insecure-internal"]  # every internal service's, added by stagecast.service
 
-# The service flags the chart does not set, each with why; every other flag must appear in the container's args.
-# A flag here can still be given through the component's `extraArgs` value.
-NOT_IN_CHART = {
+# The service flags the chart does not set, each with why (two kinds, below); every other flag must appear in its
+# container's args.
+# The chart must not set these: it fixes the answer (mTLS, metrics on the pod's address, tokens, the pod index as
+# the rank), or they are for tests and what-ifs.
+MUST_NOT_SET = {
     "coordinator": {
-        "--backend": "auto picks nccl on GPU stages and gloo on CPU ones, which is what a deployment wants",
-        "--max-batch": "the Stream Batch default; tuning through extraArgs",
-        "--max-streams": "admission by the SLO controller's capacity; the count through extraArgs",
-        "--playout-s": "pacing tuning through extraArgs",
         "--stage-ms": "a what-if calibration; the stages calibrate themselves at READY",
         "--vae-ms-per-chunk": "a what-if; the gateway measures and reports its decoders' cost",
         "--slo-fixed": "tests and what-ifs: it needs --stage-ms",
@@ -136,11 +134,37 @@ NOT_IN_CHART = {
     "stage": {
         "--expected-stages": "the coordinator's --stages is the one size the chart sets",
         "--sp-rank": "a StatefulSet's pod index is the global rank (--index from STAGECAST_STAGE_INDEX)",
+        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
+        "--insecure-internal": "the chart always runs mTLS",
+    },
+    "gateway": {
+        "--vae-stage": "the chart runs the VAE in the gateway pod, cut over its GPUs with --vae-devices",
+        "--allow-anonymous": "the chart always gives --tokens",
+        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
+        "--insecure-internal": "the chart always runs mTLS",
+    },
+    "web": {
+        "--allow-anonymous": "the chart always gives --tokens",
+        "--tls-cert": "the page is served behind the chart's Ingress, which terminates TLS",
+        "--tls-key": "the page is served behind the chart's Ingress, which terminates TLS",
+        "--gateway-tls": "--gateway-ca names the chart's own CA instead of the system roots",
+        "--gateway-tls-name": "the web container reaches the gateway by the Service name its certificate holds",
+    },
+}
+
+# The service's default is the deployment's (the Stream Batch, buffers, timeouts: `tests/test_one_home.py` wants the
+# services' constants to run): a release tunes it through the component's `extraArgs`.
+SERVICE_DEFAULT = {
+    "coordinator": {
+        "--backend": "auto picks nccl on GPU stages and gloo on CPU ones, which is what a deployment wants",
+        "--max-batch": "the Stream Batch default; tuning through extraArgs",
+        "--max-streams": "admission by the SLO controller's capacity; the count through extraArgs",
+        "--playout-s": "pacing tuning through extraArgs",
+    },
+    "stage": {
         "--calibration-s": "the GPU default (5 s) is the deployment's; through extraArgs",
         "--kv-budget-gib": "derived from free GPU memory by default; through extraArgs",
         "--lora": "LoRA files are per deployment; through extraArgs with the model volume's paths",
-        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
-        "--insecure-internal": "the chart always runs mTLS",
     },
     "gateway": {
         "--text-len": "the checkpoint's serving defaults",
@@ -161,23 +185,16 @@ NOT_IN_CHART = {
         "--max-frame-pixels": "the checkpoint's stagecast.json budget",
         "--max-stream-cost": "the checkpoint's stagecast.json budget",
         "--threads": "torch's default in a container sized by its resources",
-        "--vae-stage": "the chart runs the VAE in the gateway pod, cut over its GPUs with --vae-devices",
         "--vae-split": "balanced by multiply-accumulates; through extraArgs",
-        "--allow-anonymous": "the chart always gives --tokens",
-        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
-        "--insecure-internal": "the chart always runs mTLS",
     },
     "web": {
-        "--allow-anonymous": "the chart always gives --tokens",
-        "--tls-cert": "the page is served behind the chart's Ingress, which terminates TLS",
-        "--tls-key": "the page is served behind the chart's Ingress, which terminates TLS",
-        "--gateway-tls": "--gateway-ca names the chart's own CA instead of the system roots",
-        "--gateway-tls-name": "the web container reaches the gateway by the Service name its certificate holds",
         "--max-peers-per-tenant": "half of --max-peers; through extraArgs",
         "--max-preauth": "limit tuning through extraArgs",
         "--max-preauth-per-address": "limit tuning through extraArgs",
     },
 }
+
+NOT_IN_CHART = {cmd: {**MUST_NOT_SET[cmd], **SERVICE_DEFAULT[cmd]} for cmd in MUST_NOT_SET}
 
 
 def service_flags() -> dict[str, list[str]]:
@@ -215,6 +232,7 @@ def test_every_service_flag_is_set_by_the_chart_or_exempted_with_a_reason(comman
     stale = [f for f in NOT_IN_CHART[command] if f not in flags or mentions(text, f)]
     assert not stale, f"stagecast {command}: NOT_IN_CHART names flags that are gone or set: {stale}"
     assert all(NOT_IN_CHART[command].values()), "each exemption says why"
+    assert not set(MUST_NOT_SET[command]) & set(SERVICE_DEFAULT[command]), "one kind of exemption per flag"
 
 
 def test_every_service_flag_has_a_line_in_the_docs():
