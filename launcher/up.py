@@ -92,7 +92,10 @@ def add_parser(sub) -> None:
         help="a stage whose health checks fail this long (stopped, or its executor hung) is killed and restarted",
     )
     # The services' own flags, declared once in their options and passed on as given.
-    add_flags(p.add_argument_group("coordinator flags, passed on"), CoordinatorOptions, only=COORDINATOR_FLAGS)
+    layout = p.add_argument_group(
+        "coordinator flags, passed on", "with --device cuda, one GPU per stage process: stages × sp × cfg-parallel"
+    )
+    add_flags(layout, CoordinatorOptions, only=COORDINATOR_FLAGS)
     stage = p.add_argument_group("stage flags, passed to every stage", "with --device cuda, --dtype is the VAE's too")
     add_flags(stage, StageOptions, only=STAGE_FLAGS)
     gateway = p.add_argument_group(
