@@ -16,8 +16,9 @@ action.  Three functions use the declaration, so nothing else spells a service f
 
 ``to_argv`` writes only values other than the default (and every required one), so ``from_args(parse(to_argv(o)))
 == o``.  A field whose value is itself an options dataclass (``nested``) contributes its own fields' flags.
-``HelpFormatter`` prints each default once: after the help, unless the help already says ``default:`` or the
-default is None/False.
+``HelpFormatter`` prints each default once: after the help, unless the help already says ``default:``, the default
+is None or empty, or the flag is a switch.  Fields without ``flag`` (objects a CLI builds, such as ``mtls``) are
+left to the code that makes the options.
 """
 
 from __future__ import annotations
