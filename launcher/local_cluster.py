@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.options import CoordinatorOptions
 from launcher.process import Child, Launcher
@@ -202,12 +203,16 @@ class Placement:
         return cls(stage_devices, stage_devices[-1], vae_devices)
 
 
-def web_args(gateway: str, host: str, port: int, tokens: str | None = None, gateway_ca: str | None = None) -> list[str]:
+def web_args(
+    gateway: str, host: str, port: int, tokens: str | None = None, gateway_ca: str | None = None, **options: Any
+) -> list[str]:
     """``stagecast web`` in front of ``gateway``: the page on ``host:port``, offering WebRTC media on ``host`` too
-    (every socket binds ``--host``; on a wildcard, every interface).  ``--port`` comes last (a restart replaces it)."""
+    (every socket binds ``--host``; on a wildcard, every interface), with other ``WebConfig`` fields from ``options``.
+    ``--port`` comes last (a restart replaces it)."""
     name = certificate_name(gateway_ca) if gateway_ca else None
-    options = WebConfig(gateway=gateway, host=host, tokens=tokens, gateway_ca=gateway_ca, gateway_tls_name=name)
-    return ["web", *to_argv(options), "--port", str(port)]
+    config = WebConfig(gateway=gateway, host=host, tokens=tokens, gateway_ca=gateway_ca, gateway_tls_name=name)
+    config = dataclasses.replace(config, **options)
+    return ["web", *to_argv(config), "--port", str(port)]
 
 
 def certificate_name(pem_file: str) -> str | None:

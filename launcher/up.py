@@ -16,7 +16,7 @@ import sys
 from coordinator.options import CoordinatorOptions
 from gateway.options import GatewayOptions
 from stage_service.options import StageOptions
-from stagecast.flags import HelpFormatter, add_flags, from_args, to_argv
+from stagecast.flags import HelpFormatter, add_flags, argv_for, from_args, to_argv
 from stagecast.service import announce_ready, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
@@ -175,9 +175,7 @@ def main(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 sp=args.sp,
                 cfg_parallel=args.cfg_parallel,
-                coordinator_args=to_argv(
-                    CoordinatorOptions(stages=args.stages, health_port=max(args.health_port, 0)), only=["health_port"]
-                ),
+                coordinator_args=argv_for(CoordinatorOptions, health_port=max(args.health_port, 0)),
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():

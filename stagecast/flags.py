@@ -203,19 +203,26 @@ def to_argv(options: Any, *, only: Iterable[str] | None = None, skip: Iterable[s
         value = options
         for name in spec.path:
             value = getattr(value, name)
-        if not spec.flag.required and value == spec.default():
-            continue
-        if value is None:
-            continue
-        action = spec.flag.action
-        if action in ("store_true", "store_false"):
-            argv.append(spec.name)
-        elif action == "append":
-            for item in value:
-                argv += [spec.name, _text(spec, item)]
-        else:
-            argv += [spec.name, _text(spec, value)]
+        argv += _argv(spec, value)
     return argv
+
+
+def argv_for(cls: type, **values: Any) -> list[str]:
+    """The flags of some of ``cls``'s fields (by namespace attribute), without the rest of an options object: e.g.
+    ``argv_for(StageOptions, kv_budget_gib=4.0)`` for the extra arguments of every stage; defaults write nothing."""
+    chosen = {spec.dest: spec for spec in _select(cls, values, ())}
+    return [arg for dest, value in values.items() for arg in _argv(chosen[dest], value)]
+
+
+def _argv(spec: _Spec, value: Any) -> list[str]:
+    if value is None or (not spec.flag.required and value == spec.default()):
+        return []
+    action = spec.flag.action
+    if action in ("store_true", "store_false"):
+        return [spec.name]
+    if action == "append":
+        return [arg for item in value for arg in (spec.name, _text(spec, item))]
+    return [spec.name, _text(spec, value)]
 
 
 def _text(spec: _Spec, value: Any) -> str:

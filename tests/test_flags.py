@@ -12,7 +12,7 @@ from coordinator.options import CoordinatorOptions
 from gateway.options import GatewayOptions, VAEStageOptions
 from gateway.quotas import QuotaOptions
 from stage_service.options import StageOptions
-from stagecast.flags import HelpFormatter, add_flags, flag, from_args, nested, to_argv
+from stagecast.flags import HelpFormatter, add_flags, argv_for, flag, from_args, nested, to_argv
 from web.options import WebConfig
 
 pytestmark = pytest.mark.unit
@@ -85,6 +85,12 @@ def test_only_and_skip_choose_the_flags_and_an_unknown_one_is_refused():
     assert to_argv(Example(target="x", count=3, verbose=True), skip=["target"]) == ["--count", "3", "--verbose"]
     with pytest.raises(ValueError, match="no flags"):
         add_flags(argparse.ArgumentParser(), Example, only=["nothing"])
+
+
+def test_argv_for_writes_the_named_fields_alone_and_nothing_for_a_default():
+    assert argv_for(Example, count=3, verbose=True, files=("a",)) == ["--count", "3", "--verbose", "--file", "a"]
+    assert argv_for(Example, count=2, cache=True) == []
+    assert argv_for(StageOptions, kv_budget_gib=4.0) == ["--kv-budget-gib", "4.0"]
 
 
 def test_a_bad_value_names_the_flag(capsys):
