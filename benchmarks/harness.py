@@ -90,7 +90,12 @@ from pathlib import Path
 
 import torch
 
+from coordinator.options import CoordinatorOptions, parse_stage_ms
+from gateway.options import GatewayOptions
+from gateway.quotas import QuotaOptions
+from stage_service.options import StageOptions
 from stagecast.api import DEFAULT_FPS
+from stagecast.flags import add_flags, to_argv
 from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.dit_configs import model_config
 
@@ -521,8 +526,8 @@ def system_flags(ap, *, steps: int, stages: int, steps_help: str | None = None) 
     ap.add_argument("--partition", default=None)
     ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cuda-graphs", action="store_true")
-    ap.add_argument("--vae-compile", action="store_true")
+    add_flags(ap, StageOptions, only=["cuda_graphs"])  # passed to every stage as its own flag
+    add_flags(ap, GatewayOptions, only=["vae_compile"])  # passed to the gateway
     ap.add_argument("--text-encoder", default=None, choices=["umt5-xxl", "tiny"])
     ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6)")
     ap.add_argument("--sink", type=int, default=3, help="sink frames of the window (protocol: 3)")
@@ -577,24 +582,26 @@ def start_system(launcher, root: Path, args, device_kind: str):
         stage_extra_args=list(getattr(args, "stage_extra_args", None) or []),  # e.g. --kv-budget-gib
     )
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
-    gw_args = ["gateway", "--port", "0", "--coordinator", pipe.coordinator, "--checkpoint", str(root)]
-    gw_args += ["--device", gw_device if device_kind == "cuda" else "cpu", "--vae-dtype", args.dtype]
     most = max(8, most_streams(args) + 2)
-    # The benchmarks open every stream from one client, unpaced ones too (--load-unpaced, the KV admission check).
-    gw_args += ["--max-streams", str(most), "--max-unpaced-per-client", str(most)]
-    if args.vae_compile and device_kind == "cuda":
-        gw_args.append("--vae-compile")
-    if getattr(args, "vae_cuda_graphs", False):  # the other benchmarks that start a cluster here lack the flag
-        gw_args.append("--vae-cuda-graphs")
-    if getattr(args, "vae_cudnn_benchmark", False):
-        gw_args.append("--vae-cudnn-benchmark")
-    if not getattr(args, "pipeline_warmup", True):
-        gw_args += ["--pipeline-warmup-s", "0"]
-    gw_args += ["--vae-devices", ",".join(vae_devices)]
-    if vae_split:
-        gw_args += ["--vae-split", vae_split]
-    if getattr(args, "tiny_decoder", None):  # else a tiny decoder, if listed, is the checkpoint's tiny_decoder/
-        gw_args += ["--tiny-decoder", os.path.abspath(args.tiny_decoder)]
+    tiny = getattr(args, "tiny_decoder", None)  # else a tiny decoder, if listed, is the checkpoint's tiny_decoder/
+    gateway_options = GatewayOptions(
+        coordinator=pipe.coordinator,
+        checkpoint=str(root),
+        port=0,
+        device=gw_device if device_kind == "cuda" else "cpu",
+        vae_dtype=args.dtype,
+        # The benchmarks open every stream from one client, unpaced ones too (--load-unpaced, the KV admission check).
+        max_streams=most,
+        quotas=QuotaOptions(unpaced=most),
+        vae_compile=args.vae_compile and device_kind == "cuda",
+        vae_cuda_graphs=getattr(args, "vae_cuda_graphs", False),  # the other benchmarks here lack these flags
+        vae_cudnn_benchmark=getattr(args, "vae_cudnn_benchmark", False),
+        pipeline_warmup_s=None if getattr(args, "pipeline_warmup", True) else 0.0,
+        vae_devices=vae_devices,
+        vae_split=[int(v) for v in vae_split.split(",")] if vae_split else None,
+        tiny_decoder=os.path.abspath(tiny) if tiny else None,
+    )
+    gw_args = ["gateway", *to_argv(gateway_options)]
     gateway = launcher.spawn("gateway", gw_args, timeout=900)
     return pipe, gateway.info["address"]
 
@@ -607,10 +614,14 @@ def most_streams(args) -> int:
 def coordinator_args(args) -> list[str]:
     """The SLO model's fixed parts: ``--slo-vae-ms`` (the VAE's ms per chunk), ``--slo-stage-ms`` (the stages' ms,
     kept fixed: the coordinator's ``--stage-ms ... --slo-fixed``)."""
-    out = ["--vae-ms-per-chunk", str(args.slo_vae_ms)] if args.slo_vae_ms else []
-    if getattr(args, "slo_stage_ms", None):
-        out += ["--stage-ms", args.slo_stage_ms, "--slo-fixed"]
-    return out
+    stage_ms = getattr(args, "slo_stage_ms", None)
+    options = CoordinatorOptions(
+        stages=args.stages,
+        vae_ms_per_chunk={"full": float(args.slo_vae_ms)} if args.slo_vae_ms else None,
+        stage_ms=parse_stage_ms(stage_ms) if stage_ms else None,
+        slo_learn=not stage_ms,
+    )
+    return to_argv(options, only=["vae_ms_per_chunk", "stage_ms", "slo_learn"])
 
 
 def vae_devices_of(args, device_kind: str) -> list[str]:
@@ -1404,12 +1415,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--balance-profile", default=None, help="measured costs (python -m benchmarks.balance) for --partition auto"
     )
-    ap.add_argument(
-        "--sp", type=int, default=1, help="sequence-parallel ranks per stage (Ulysses); stages × sp GPUs, one per rank"
-    )
-    ap.add_argument(
-        "--cfg-parallel", type=int, choices=[1, 2], default=1, help="2: two pipelines of --stages, one per CFG branch"
-    )
+    add_flags(ap, CoordinatorOptions, only=["sp", "cfg_parallel"])  # the layout's, passed on; one GPU per rank
     ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
     ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
@@ -1470,25 +1476,14 @@ def main(argv: list[str] | None = None) -> int:
         "--text-encoder", choices=("umt5-xxl", "tiny"), default=None, help="default: umt5-xxl on GPU, tiny on CPU"
     )
     ap.add_argument("--gateway-gpu", type=int, default=None, help="GPU for text encoder + VAE (default: last stage's)")
-    ap.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder")
-    ap.add_argument("--vae-cuda-graphs", action="store_true", help="the gateway's VAE frames as CUDA graph replays")
-    ap.add_argument(
-        "--vae-cudnn-benchmark",
-        action="store_true",
-        help="the gateway's VAE with cuDNN's algorithm search (gateway --vae-cudnn-benchmark)",
-    )
+    # The gateway's and the stages' own flags, passed on as given.
+    add_flags(ap, GatewayOptions, only=["vae_compile", "vae_cuda_graphs", "vae_cudnn_benchmark", "tiny_decoder"])
+    add_flags(ap, StageOptions, only=["cuda_graphs", "fp8"])
     ap.add_argument(
         "--no-pipeline-warmup",
         dest="pipeline_warmup",
         action="store_false",
         help="no warm-up stream before the gateway's READY (gateway --pipeline-warmup-s 0), to measure what it buys",
-    )
-    ap.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs")
-    ap.add_argument(
-        "--fp8",
-        action="store_true",
-        help="stages run their block linears in float8 (torchao; GPU of compute capability 8.9+, bfloat16); the peers"
-        " and the floor stay bf16",
     )
     ap.add_argument(
         "--vae-gpus", default=None, help="GPUs the VAE decoder is cut over, e.g. 0,1 (default: every stage's GPU)"
@@ -1500,13 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
         type=decoder_list,
         default=["full"],
         help="full (the VAE), tiny, or full,tiny: every stream asks for the first; the main stream runs again on the "
-        "other (side by side, same system)",
-    )
-    ap.add_argument(
-        "--tiny-decoder",
-        default=None,
-        metavar="PATH",
-        help="the gateway's --tiny-decoder (e.g. taew2_1.pth); default with a tiny --decoder: random weights",
+        "other (side by side, same system); tiny without --tiny-decoder: random weights",
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="append a one-line table row here")

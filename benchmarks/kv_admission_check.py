@@ -31,7 +31,9 @@ from pathlib import Path
 import stagecast
 from benchmarks.harness import smoke_system, start_system, system_device, system_flags, write_assets
 from launcher.process import Launcher
+from stage_service.options import StageOptions
 from stagecast.api import DEFAULT_FPS
+from stagecast.flags import argv_for
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_budget_gib = smoke_budget_gib(args)
     device_kind = system_device(args)
     args.load = [args.max_open]  # the gateway's and the coordinator's stream caps leave room for every stream
-    args.stage_extra_args = ["--kv-budget-gib", repr(args.kv_budget_gib)] if args.kv_budget_gib else []
+    args.stage_extra_args = argv_for(StageOptions, kv_budget_gib=args.kv_budget_gib)  # 0 (derive it): nothing
     env = {"OMP_NUM_THREADS": "1"} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="stagecast-kv-") as tmp, Launcher(env=env) as launcher:
         root = Path(tmp)

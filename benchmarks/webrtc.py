@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write_assets(root, args)
         _pipe, gateway = start_system(launcher, root, args, device_kind)
-        web = launcher.spawn("web", [*web_args(gateway, "127.0.0.1", 0), "--max-peers", "2"])
+        web = launcher.spawn("web", web_args(gateway, "127.0.0.1", 0, max_peers=2))
         result = asyncio.run(measure(gateway, web.info["url"], args))
     result = {"benchmark": "webrtc", "device": device_kind, "args": vars(args), **result}
     print(json.dumps({k: result[k] for k in ("grpc", "webrtc", "v2v") if k in result}, indent=2))

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
 
 import grpc
 
 from coordinator import rendezvous
 from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
+from coordinator.options import CoordinatorOptions
 from coordinator.registry import RegistrationError, StageRegistry
 from coordinator.slo import VaeReport
 from stagecast import telemetry, wire
@@ -26,7 +26,6 @@ from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 from stagecast.internal.v1 import rendezvous_pb2_grpc as rpb_grpc
-from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.names import COORDINATOR_SERVICE
 from stagecast.security import MTLS, RoleGuard, connect
 from stagecast.service import serve_lifecycle
@@ -47,31 +46,6 @@ ROLE_RULES = {
     f"/{SERVICE_NAME}/GetPlan": [],
     f"/{rendezvous.SERVICE_NAME}/": ["stage"],
 }
-
-
-@dataclass
-class CoordinatorOptions:
-    stages: int  # pipeline stages; the stage processes are stages x cfg_parallel
-    cfg_parallel: int = 1  # CFG-parallel groups: 2 runs a guided stream's two branches on two pipelines
-    partition: str | None = None
-    sp: int = 1  # sequence-parallel ranks per stage (``--sp``): the pipeline has stages × sp stage processes
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    backend: str = ""  # "": each stage picks nccl (GPU) or gloo (CPU)
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_streams: int = 16
-    record_plan: bool = False
-    metrics_port: int = 0  # Prometheus /metrics (0: off)
-    mtls: MTLS | None = None  # deployment credentials (role "coordinator"); None: plaintext (--insecure-internal)
-    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
-    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
-    playout_s: float = 0.5  # how far ahead of its real-time slot a paced stream may start a chunk
-    stage_ms: list[float] | None = None  # SLO controller calibration: ms per batch of one per stage (None: measure)
-    slo_learn: bool = True  # False: the controller keeps the calibration instead of learning from measured batches
-    # SLO controller: each chunk's decode on the busiest stage GPU, the operator's: the full VAE's ms, or ms per decoder
-    # kind (None, or a kind not named: the gateway's measurement)
-    vae_ms_per_chunk: float | dict[str, float] | None = None
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -267,7 +241,7 @@ class Coordinator:
         self.engine = PipelineEngine(
             self.registry,
             connect=lambda address: connect(address, opts.mtls, "stage", CHANNEL_OPTIONS),
-            backend=opts.backend,
+            backend="" if opts.backend == "auto" else opts.backend,  # "": each stage picks nccl or gloo
             max_batch=opts.max_batch,
             max_streams=opts.max_streams,
             record_plan=opts.record_plan,

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.api import DEFAULT_FPS
+from stagecast.flags import HelpFormatter
 from stagecast.microstep import DEFAULT_MAX_BATCH, MicroStep, StreamSpec
 from stagecast.model.parallel import check_gpus
 from stagecast.model.partition import even_partition, parse_partition
@@ -313,7 +314,7 @@ def add_simulate_parser(sub) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate the scheduler: utilization and bubble fraction",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages")
     p.add_argument(

@@ -2,7 +2,7 @@
 
 Usage::
 
-    quotas = Quotas(QuotaOptions(pending=32), max_streams=8)   # the flags: add_quota_flags / quota_options
+    quotas = Quotas(QuotaOptions(pending=32), max_streams=8)   # its flags: a nested part of GatewayOptions
     who = client_of(auth, context)             # "tenant alice" with --tokens, else "connection ipv4:10.0.0.7:51234"
     release = quotas.take("pending", who)      # raises Refused(RESOURCE_EXHAUSTED, "quota: ...") naming the flag
     ...
@@ -26,12 +26,13 @@ streams at once has each call wait for its config only while it sends it).
 
 from __future__ import annotations
 
-import argparse
 import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from stagecast.flags import flag
 
 if TYPE_CHECKING:  # the flags are read by gateway.cli, which stays light to import
     import grpc
@@ -51,54 +52,33 @@ KINDS = {
 
 @dataclass(frozen=True)
 class QuotaOptions:
-    streams: int = 0  # 0: the gateway's --max-streams
-    unpaced: int = 2
-    pending: int = 32
-    watchers: int = 4
+    """The gateway's per-client quota flags (a nested part of ``GatewayOptions``)."""
+
+    streams: int = flag(
+        0,
+        name=KINDS["streams"][0],
+        help="streams one client (its tenant with --tokens, else its connection) holds at once (0: --max-streams)",
+    )
+    unpaced: int = flag(
+        2,
+        name=KINDS["unpaced"][0],
+        help="of those, unpaced (pace: false) streams: best effort, they yield to paced streams",
+    )
+    pending: int = flag(
+        32,
+        name=KINDS["pending"][0],
+        help="Generate calls of one client waiting for their config at once (within --max-pending)",
+    )
+    watchers: int = flag(
+        4, name=KINDS["watchers"][0], help="WatchStatus calls of one client at once (within --max-watchers)"
+    )
 
     def __post_init__(self) -> None:
-        for kind, (flag, _) in KINDS.items():
+        for kind, (flag_name, _) in KINDS.items():
             value = getattr(self, kind)
             least = 0 if kind == "streams" else 1
             if not least <= value <= MAX_QUOTA:
-                raise ValueError(f"{flag} must be in [{least}, {MAX_QUOTA}], got {value}")
-
-
-def add_quota_flags(p: argparse.ArgumentParser) -> None:
-    d = QuotaOptions()
-    p.add_argument(
-        "--max-streams-per-client",
-        type=int,
-        default=d.streams,
-        help="streams one client (its tenant with --tokens, else its connection) holds at once (0: --max-streams)",
-    )
-    p.add_argument(
-        "--max-unpaced-per-client",
-        type=int,
-        default=d.unpaced,
-        help="of those, unpaced (pace: false) streams: best effort, they yield to paced streams",
-    )
-    p.add_argument(
-        "--max-pending-per-client",
-        type=int,
-        default=d.pending,
-        help="Generate calls of one client waiting for their config at once (within --max-pending)",
-    )
-    p.add_argument(
-        "--max-watchers-per-client",
-        type=int,
-        default=d.watchers,
-        help="WatchStatus calls of one client at once (within --max-watchers)",
-    )
-
-
-def quota_options(args: argparse.Namespace) -> QuotaOptions:
-    return QuotaOptions(
-        streams=args.max_streams_per_client,
-        unpaced=args.max_unpaced_per_client,
-        pending=args.max_pending_per_client,
-        watchers=args.max_watchers_per_client,
-    )
+                raise ValueError(f"{flag_name} must be in [{least}, {MAX_QUOTA}], got {value}")
 
 
 def client_of(auth: TokenAuth | None, context: grpc.ServicerContext) -> str:

@@ -35,7 +35,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,8 +56,9 @@ from gateway.config import (
 )
 from gateway.decoder import LocalDecoder, RemoteDecoder
 from gateway.metrics import GatewayMetrics
+from gateway.options import GatewayOptions
 from gateway.pipeline_warmup import wait_budget, warm_pipeline
-from gateway.quotas import QuotaOptions, Quotas, client_of
+from gateway.quotas import Quotas, client_of
 from gateway.revocation import RevocationWatch, credentials_of
 from gateway.stream import StreamFailed, StreamHost, StreamLimits, StreamRun
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
@@ -83,7 +83,7 @@ from stagecast.grpc_util import (
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.names import DTYPES, STREAM_SERVICE
-from stagecast.security import MTLS, Principal, TokenAuth, connect, principal_of, server_tls
+from stagecast.security import Principal, TokenAuth, connect, principal_of, server_tls
 from stagecast.service import serve_lifecycle
 from stagecast.v1 import stream_pb2 as pb
 
@@ -112,68 +112,6 @@ HEADROOM_THREADS = 16  # beyond every bounded kind of call: health checks, GetSt
 # in bfloat16 (scaled by the dtype and frame pixels).
 FULL_VAE_STATE_BYTES = int(1.8 * 1024**3)
 FULL_VAE_STATE_ITEMSIZE = 2
-
-
-@dataclass
-class GatewayOptions:
-    coordinator: str
-    checkpoint: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    device: str = "cpu"
-    max_streams: int = 16
-    metrics_port: int = 0
-    text_len: int | None = None  # None: the checkpoint's serving defaults (512 for real Wan checkpoints)
-    text_dtype: str = "auto"  # the text encoder's weights: auto (bfloat16 on a GPU, float32 on CPU) or a dtype name
-    text_device: str | None = None  # where the text encoder runs (None: ``device``)
-    text_graph: bool = True  # on a GPU, the text encoder's forward as one captured CUDA graph (checked at start)
-    text_cache: int = 256
-    vae_dtype: str = "float32"
-    # torch.compile the VAE decoder, and the tiny decoder's pass at each batch bucket (GPU; compiled before the
-    # gateway serves)
-    vae_compile: bool = False
-    # A stream's steady-state VAE frames as CUDA graph replays (gateway.vae_graphs), captured before serving for
-    # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
-    vae_cuda_graphs: bool = False
-    vae_graph_slots: int = 0
-    # cuDNN picks each VAE convolution's algorithm by timing (gateway.stream_vae.use_cudnn_autotune; GPU only).
-    vae_cudnn_benchmark: bool = False
-    # Decode a few chunks at the default size before serving, so that every compiled variant is built (dynamo is not
-    # thread-safe and a compile on the serving path freezes streams for seconds, and cuDNN's algorithm search runs
-    # now).  None: when ``vae_compile`` or the cuDNN search is on for a VAE on a GPU.
-    warmup: bool | None = None
-    # Before serving, one stream of the serving defaults through the pipeline (gateway.pipeline_warmup), so that the
-    # stages capture the CUDA graphs a first stream needs: the most seconds it may take, waiting for the pipeline to
-    # be ready included (0: off).  None: 120 on a GPU, off on a CPU.
-    pipeline_warmup_s: float | None = None
-    vae_stage: str | None = None  # host:port of the first ``stagecast vae-stage``; None: decode in this process
-    vae_devices: list[str] | None = None  # in-process VAE cut into one slice per device (None: all on ``device``)
-    vae_split: list[int] | None = None  # decoder units where slices 1.. start (None: balanced by MACs)
-    # A tiny streaming decoder (gateway.tiny_decoder) beside the VAE, for streams that ask for DECODER_TINY: its
-    # weights file (None: the checkpoint's tiny_decoder/, if any), on ``device`` in ``vae_dtype``.
-    tiny_decoder: str | None = None
-    default_decoder: str = "full"  # what DECODER_UNSPECIFIED gets: "full" (the VAE) or "tiny"
-    # Device memory the streams' decoder states may hold (gateway.admission.DecoderMemory); 0: on a GPU its free
-    # memory at start-up less a reserve, on a CPU unbounded.
-    decoder_memory_gib: float = 0
-    buffer_chunks: int = 4  # latent chunks queued per stream between the pipeline and the VAE
-    buffer_messages: int = 32  # encoded messages queued per stream between the encoder and the client
-    buffer_mib: float = 8.0  # and at most this many MiB of them (gateway.stream: the slow-client rule)
-    slow_client_timeout: float = 5.0  # how long a message may wait for the client to take it before the stream ends
-    drain_timeout: float = 60.0  # how long a stopped pipeline stream may take to finish its cooldown
-    abandon_timeout: float = 30.0  # how long a failed stream's client may take to read its error before cancelling
-    config_timeout: float = 10.0  # how long a Generate call may take to send its config
-    max_pending: int = 128  # Generate calls waiting for their config at once
-    max_watchers: int = 16  # WatchStatus calls at once (and as many health Watch and reflection calls)
-    health_port: int | None = None  # grpc.health.v1 also on a server of its own (0: any free port); None: off
-    max_frame_pixels: int = 0  # per-stream cost budget (gateway.admission); 0: stagecast.json's, else derived
-    max_stream_cost: float = 0
-    mtls: MTLS | None = None  # deployment credentials (role "gateway") towards the coordinator and VAE stages
-    tls_cert: str | None = None  # public TLS certificate (PEM file); None with tls_key: plaintext
-    tls_key: str | None = None
-    tokens: str | None = None  # bearer-token file (``token tenant [role]`` lines); None: no tokens asked
-    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
-    quotas: QuotaOptions = QuotaOptions()  # per client (tenant, else connection): gateway.quotas
 
 
 class Gateway:

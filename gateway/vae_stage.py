@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
 
+from gateway.options import VAEStageOptions
 from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames, use_cudnn_autotune
 from gateway.vae_graphs import capture_graphs, default_capture
 from stagecast import wire
@@ -31,32 +31,13 @@ from stagecast.internal.v1 import vae_pb2 as vpb
 from stagecast.internal.v1 import vae_pb2_grpc as vpb_grpc
 from stagecast.model import vae_configs
 from stagecast.names import DTYPES, VAE_STAGE_SERVICE
-from stagecast.security import MTLS, RoleGuard, connect
+from stagecast.security import RoleGuard, connect
 from stagecast.service import serve_lifecycle
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = VAE_STAGE_SERVICE
 ROLE_RULES = {f"/{SERVICE_NAME}/": ["gateway", "vae-stage"]}  # the gateway, or the previous slice of the chain
-
-
-@dataclass
-class VAEStageOptions:
-    checkpoint: str  # a folder holding vae/, or the VAE folder itself
-    index: int
-    num_slices: int
-    next: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 50070
-    device: str = "cpu"
-    dtype: str = "float32"
-    mtls: MTLS | None = None  # deployment credentials (role "vae-stage"); None: plaintext (--insecure-internal)
-    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
-    # Frame size (height, width) whose streams decode their steady-state frames as CUDA graph replays
-    # (gateway.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
-    cuda_graphs: tuple[int, int] | None = None
-    graph_slots: int = 8
-    cudnn_benchmark: bool = False  # cuDNN times each convolution's candidates on first use (GPU only)
 
 
 class VAEStageServicer(vpb_grpc.VAEStageServiceServicer):

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from stagecast.flags import HelpFormatter
 from stagecast.model import wan_keys
 from stagecast.model.config import CONFIG_NAME, CheckpointError, read_vae_config
 from stagecast.model.dit_configs import CONFIGS, WAN_ROPE_MAX_SEQ_LEN
@@ -597,7 +598,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "convert",
         help="turn a CausVid / Self-Forcing / StreamDiffusionV2 .pt into a stagecast checkpoint folder",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("src", help="the published .pt file (e.g. self_forcing_dmd.pt, CausVid's model.pt)")
     p.add_argument("--out", required=True, help="new folder to write (transformer/, stagecast.json, base parts)")

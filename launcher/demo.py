@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.options import GatewayOptions
 from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from launcher.local_cluster import start_pipeline, web_args
 from launcher.process import Launcher
+from stagecast.flags import HelpFormatter, to_argv
 from stagecast.generate import generate_clip
 from stagecast.service import stop_event
 
@@ -67,9 +69,8 @@ def run_demo(cfg: DemoConfig) -> int:
             flush=True,
         )
         pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=cfg.stages)
-        gateway = launcher.spawn(
-            "gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-        )
+        gateway_options = GatewayOptions(coordinator=pipe.coordinator, checkpoint=str(root), port=0)
+        gateway = launcher.spawn("gateway", ["gateway", *to_argv(gateway_options)])
         address = gateway.info["address"]  # the READY line comes once it serves
         print(f"up in {time.monotonic() - t0:.1f} s: gateway {address}, coordinator {pipe.coordinator}", flush=True)
         if cfg.web_port >= 0:
@@ -101,7 +102,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="run everything on CPU with a tiny random model and write an MP4",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--seconds", type=float, default=2.0, help="seconds of video")
     p.add_argument("--out", default="demo.mp4", help="MP4 file to write")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from stagecast.api import DEFAULT_FPS
+from stagecast.flags import HelpFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo-checkpoint",
         help="write the tiny random demo checkpoint",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", required=True, help="folder to write (transformer/, vae/, text_encoder/, tokenizer/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")

@@ -10,14 +10,20 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from coordinator.options import CoordinatorOptions
 from launcher.process import Child, Launcher
+from stage_service.options import StageOptions
+from stagecast.flags import to_argv
 from stagecast.grpc_util import wait_healthy
 from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.parallel import ParallelLayout, check_gpus, check_sp
 from stagecast.names import COORDINATOR_SERVICE
+from web.options import WebConfig
 
 
 @dataclass
@@ -43,32 +49,23 @@ def stage_args(
     sp_rank: int = 0,
     fp8: bool = False,
 ) -> list[str]:
-    args = [
-        "stage",
-        "--index",
-        str(index),
-        "--coordinator",
-        coordinator,
-        "--checkpoint",
-        checkpoint,
-        "--device",
-        device,
-        "--dtype",
-        dtype,
-        "--host",
-        host,
-        "--port",
-        "0",
-    ]
-    for lora in loras:
-        args += ["--lora", lora]
-    if metrics_port:
-        args += ["--metrics-port", str(metrics_port)]
-    if sp > 1:
-        args += ["--sp", str(sp), "--sp-rank", str(sp_rank)]
-    if fp8:
-        args.append("--fp8")
-    return args + (["--cuda-graphs"] if cuda_graphs else [])
+    """A stage's command line on ``host`` (any free port), from its ``StageOptions``."""
+    options = StageOptions(
+        index=index,
+        coordinator=coordinator,
+        checkpoint=checkpoint,
+        device=device,
+        dtype=dtype,
+        host=host,
+        port=0,
+        loras=tuple(loras),
+        metrics_port=metrics_port,
+        sp=sp,
+        sp_rank=sp_rank if sp > 1 else None,
+        fp8=fp8,
+        cuda_graphs=cuda_graphs,
+    )
+    return ["stage", *to_argv(options)]
 
 
 def start_pipeline(
@@ -99,24 +96,23 @@ def start_pipeline(
     ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1).
     ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run).
     ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``)."""
-    args = ["coordinator", "--stages", str(stages), "--host", host, "--port", str(port)]
-    if sp > 1:
-        args += ["--sp", str(sp)]
-    if cfg_parallel != 1:
-        args += ["--cfg-parallel", str(cfg_parallel)]
-    if metrics_port:
-        args += ["--metrics-port", str(metrics_port)]
-    args += ["--max-batch", str(max_batch), "--max-streams", str(max_streams)]
-    args += ["--backend", "nccl" if device.startswith("cuda") else "gloo"]
-    if partition:
-        args += ["--partition", partition]
-    if record_plan:
-        args.append("--record-plan")
-    args += list(coordinator_args)
-    coord = launcher.spawn("coordinator", args)
+    options = CoordinatorOptions(
+        stages=stages,
+        partition=partition or None,
+        sp=sp,
+        cfg_parallel=cfg_parallel,
+        host=host,
+        port=port,
+        backend="nccl" if device.startswith("cuda") else "gloo",
+        max_batch=max_batch,
+        max_streams=max_streams,
+        record_plan=record_plan,
+        metrics_port=metrics_port,
+    )
+    coord = launcher.spawn("coordinator", ["coordinator", *to_argv(options), *coordinator_args])
     address = coord.info["address"]
-    bound = address.rsplit(":", 1)[1]
-    again = [*args[: args.index("--port") + 1], bound, *args[args.index("--port") + 2 :]]
+    bound = int(address.rsplit(":", 1)[1])
+    again = ["coordinator", *to_argv(dataclasses.replace(options, port=bound)), *coordinator_args]
     pipe = LocalPipeline(address, coord, again)
     for g in range(cfg_parallel):
         for i in range(stages):
@@ -207,18 +203,16 @@ class Placement:
         return cls(stage_devices, stage_devices[-1], vae_devices)
 
 
-def web_args(gateway: str, host: str, port: int, tokens: str | None = None, gateway_ca: str | None = None) -> list[str]:
+def web_args(
+    gateway: str, host: str, port: int, tokens: str | None = None, gateway_ca: str | None = None, **options: Any
+) -> list[str]:
     """``stagecast web`` in front of ``gateway``: the page on ``host:port``, offering WebRTC media on ``host`` too
-    (every socket binds ``--host``; on a wildcard, every interface)."""
-    args = ["web", "--gateway", gateway, "--host", host, "--port", str(port)]
-    if tokens:
-        args += ["--tokens", tokens]
-    if gateway_ca:
-        args += ["--gateway-ca", gateway_ca]
-        name = certificate_name(gateway_ca)
-        if name:
-            args += ["--gateway-tls-name", name]
-    return args
+    (every socket binds ``--host``; on a wildcard, every interface), with other ``WebConfig`` fields from ``options``.
+    ``--port`` comes last (a restart replaces it)."""
+    name = certificate_name(gateway_ca) if gateway_ca else None
+    config = WebConfig(gateway=gateway, host=host, tokens=tokens, gateway_ca=gateway_ca, gateway_tls_name=name)
+    config = dataclasses.replace(config, **options)
+    return ["web", *to_argv(config), "--port", str(port)]
 
 
 def certificate_name(pem_file: str) -> str | None:

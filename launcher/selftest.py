@@ -33,9 +33,11 @@ from pathlib import Path
 import grpc
 import torch
 
+from coordinator.options import CoordinatorOptions
 from launcher.local_cluster import check_layout, start_pipeline
 from launcher.process import Launcher
 from stagecast import wire
+from stagecast.flags import HelpFormatter, to_argv
 from stagecast.generate import ladder_arg
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
@@ -478,7 +480,8 @@ def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:
 def adaptive_args(cfg: SelftestConfig) -> list[str]:
     if not cfg.adaptive:
         return []
-    return ["--stage-ms", ",".join([f"{cfg.stage_ms:g}"] * cfg.stages), "--slo-fixed"]
+    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[cfg.stage_ms] * cfg.stages, slo_learn=False)
+    return to_argv(fixed, only=["stage_ms", "slo_learn"])  # --stage-ms ... --slo-fixed
 
 
 def adaptive_request(cfg: SelftestConfig, req: pb.OpenStreamRequest) -> None:
@@ -567,7 +570,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "selftest",
         help="run the real multi-process pipeline and compare with the reference",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--stages", type=int, default=2, help="DiT stage processes")
     p.add_argument(

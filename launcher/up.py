@@ -13,17 +13,32 @@ import argparse
 import os
 import sys
 
-from gateway.cli import add_decoder_flags, decoder_args
-from stagecast.microstep import DEFAULT_MAX_BATCH
-from stagecast.names import DTYPE_NAMES
-from stagecast.service import announce_ready, csv_list, resolve_transformer, stop_event
+from coordinator.options import CoordinatorOptions
+from gateway.options import GatewayOptions
+from stage_service.options import StageOptions
+from stagecast.flags import HelpFormatter, add_flags, argv_for, from_args, to_argv
+from stagecast.service import announce_ready, resolve_transformer, stop_event
+
+# The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
+COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch")
+STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "loras")
+GATEWAY_FLAGS = (
+    "vae_compile",
+    "vae_cuda_graphs",
+    "vae_devices",
+    "tiny_decoder",
+    "default_decoder",
+    "tokens",
+    "tls_cert",
+    "tls_key",
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "up",
         help="start coordinator, stages and gateway on this machine; SIGTERM stops all",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint folder (transformer/, vae/, text_encoder/, ...)")
     p.add_argument("--stages", type=int, default=2, help="DiT stages (one process each)")
@@ -38,23 +53,7 @@ def add_parser(sub) -> None:
         default=None,
         help="measured ms per chunk of every block and VAE unit (python -m benchmarks.balance), for --partition auto",
     )
-    p.add_argument(
-        "--sp",
-        type=int,
-        default=1,
-        help="sequence-parallel ranks per stage (Ulysses): stages × sp processes; with --device cuda, one GPU each "
-        "(stages × sp must equal the GPUs)",
-    )
-    p.add_argument(
-        "--cfg-parallel",
-        type=int,
-        choices=[1, 2],
-        default=1,
-        help="2: two pipelines of --stages stages, one per classifier-free guidance branch (needs stages x 2 GPUs"
-        " on cuda)",
-    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:i: one GPU per stage)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument(
@@ -75,44 +74,11 @@ def add_parser(sub) -> None:
         help="Prometheus ports from here: coordinator N, gateway N+1, stage i N+2+i, all on --host (0: off)",
     )
     p.add_argument(
-        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)"
-    )
-    p.add_argument("--cuda-graphs", action="store_true", help="stages run their blocks as CUDA graphs (GPU)")
-    p.add_argument(
-        "--fp8",
-        action="store_true",
-        help="stages run their block linears in float8 (torchao; GPU of compute capability 8.9+, --dtype bfloat16,"
-        " the fp8 extra; not bit-exact)",
-    )
-    p.add_argument("--vae-compile", action="store_true", help="torch.compile the gateway's VAE decoder (GPU)")
-    p.add_argument(
-        "--vae-cuda-graphs",
-        action="store_true",
-        help="the gateway's VAE frames as CUDA graph replays, one graph per stream slot (gateway --vae-cuda-graphs)",
-    )
-    p.add_argument(
         "--credentials",
         default=None,
         help="deployment credentials folder (ca.crt and one folder per role, e.g. made for a test) instead of a"
         " throwaway CA in a private temporary folder",
     )
-    p.add_argument("--tokens", default=None, help="the gateway's bearer-token file ('token tenant [role]' lines)")
-    p.add_argument("--tls-cert", default=None, help="the gateway's public TLS certificate (PEM), with --tls-key")
-    p.add_argument("--tls-key", default=None, help="the gateway's public TLS key (PEM)")
-    p.add_argument(
-        "--vae-devices",
-        type=csv_list(str),
-        default=None,
-        help="devices the gateway's VAE is cut over (default with --device cuda: every stage's GPU)",
-    )
-    p.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="LoRA file merged into every stage's layers at load (diffusers, PEFT or kohya keys); repeatable",
-    )
-    add_decoder_flags(p)  # --tiny-decoder, --default-decoder: passed to the gateway
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -125,6 +91,17 @@ def add_parser(sub) -> None:
         default=15.0,
         help="a stage whose health checks fail this long (stopped, or its executor hung) is killed and restarted",
     )
+    # The services' own flags, declared once in their options and passed on as given.
+    layout = p.add_argument_group(
+        "coordinator flags, passed on", "with --device cuda, one GPU per stage process: stages × sp × cfg-parallel"
+    )
+    add_flags(layout, CoordinatorOptions, only=COORDINATOR_FLAGS)
+    stage = p.add_argument_group("stage flags, passed to every stage", "with --device cuda, --dtype is the VAE's too")
+    add_flags(stage, StageOptions, only=STAGE_FLAGS)
+    gateway = p.add_argument_group(
+        "gateway flags, passed on", "with --device cuda, --vae-devices defaults to every stage's GPU"
+    )
+    add_flags(gateway, GatewayOptions, only=GATEWAY_FLAGS)
     p.set_defaults(run=main)
 
 
@@ -194,11 +171,11 @@ def main(args: argparse.Namespace) -> int:
                 port=args.port,
                 cuda_graphs=args.cuda_graphs,
                 fp8=args.fp8,
-                loras=args.lora,
+                loras=args.loras,
                 metrics_port=args.metrics_port,
                 sp=args.sp,
                 cfg_parallel=args.cfg_parallel,
-                coordinator_args=["--health-port", str(args.health_port)] if args.health_port > 0 else [],
+                coordinator_args=argv_for(CoordinatorOptions, health_port=max(args.health_port, 0)),
             )
             supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
             for index, child in pipe.stage_children.items():
@@ -206,28 +183,21 @@ def main(args: argparse.Namespace) -> int:
             ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
-                gw_args = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", root]
-                gw_args += ["--device", placement.gateway_device, "--host", args.host]
-                if placement.vae_devices:
-                    gw_args += ["--vae-devices", ",".join(placement.vae_devices)]
-                if vae_split:
-                    gw_args += ["--vae-split", ",".join(map(str, vae_split))]
-                if args.device.startswith("cuda"):
-                    gw_args += ["--vae-dtype", args.dtype]
-                if args.vae_compile:
-                    gw_args.append("--vae-compile")
-                if args.vae_cuda_graphs:
-                    gw_args.append("--vae-cuda-graphs")
-                if args.metrics_port:
-                    gw_args += ["--metrics-port", str(args.metrics_port + 1)]
-                gw_args += decoder_args(args)
-                for flag, value in (
-                    ("--tokens", args.tokens),
-                    ("--tls-cert", args.tls_cert),
-                    ("--tls-key", args.tls_key),
-                ):
-                    if value:
-                        gw_args += [flag, value]
+                gateway_options = from_args(
+                    GatewayOptions,
+                    args,
+                    only=GATEWAY_FLAGS,
+                    coordinator=pipe.coordinator,
+                    checkpoint=root,
+                    device=placement.gateway_device,
+                    host=args.host,
+                    vae_devices=placement.vae_devices,
+                    vae_split=vae_split,
+                    vae_dtype=args.dtype if args.device.startswith("cuda") else "float32",
+                    metrics_port=args.metrics_port + 1 if args.metrics_port else 0,
+                    tiny_decoder=os.path.abspath(args.tiny_decoder) if args.tiny_decoder else None,
+                )
+                gw_args = ["gateway", *to_argv(gateway_options, skip=("port",))]
                 gateway = launcher.spawn("gateway", [*gw_args, "--port", str(args.gateway_port)])
                 ready["gateway"] = gateway.info["address"]
                 bound = ready["gateway"].rsplit(":", 1)[1]

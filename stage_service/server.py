@@ -31,7 +31,6 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -44,6 +43,7 @@ from stage_service.fp8 import convert_to_fp8
 from stage_service.graphs import GraphedBlocks
 from stage_service.kv_budget import check_kv_budget_gib, graph_buffer_cap, measure_kv_budget
 from stage_service.metrics import StageTelemetry
+from stage_service.options import StageOptions
 from stage_service.parallel_state import LOCAL
 from stage_service.rendezvous import GrpcStore
 from stage_service.runner import SliceRunner, check_sequence_split, validate_batch
@@ -66,7 +66,7 @@ from stagecast.model.config import DiTConfig, check_image, check_spec, read_conf
 from stagecast.model.dit_configs import expands_timesteps, model_config
 from stagecast.model.parallel import check_sp
 from stagecast.names import DTYPES, STAGE_SERVICE
-from stagecast.security import MTLS, RoleGuard, connect
+from stagecast.security import RoleGuard, connect
 from stagecast.service import process_age, serve_lifecycle
 
 logger = logging.getLogger(__name__)
@@ -76,29 +76,6 @@ ROLE_RULES = {f"/{SERVICE_NAME}/": ["coordinator"]}
 # One plan event running longer than this means a hung executor (a batch takes milliseconds to seconds; a peer that
 # died releases the data plane when its generation fails, within seconds): the process then reports NOT_SERVING.
 EXECUTOR_STALL_S = 20.0
-
-
-@dataclass
-class StageOptions:
-    index: int
-    coordinator: str
-    checkpoint: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    expected_world_size: int = 0
-    metrics_port: int = 0  # Prometheus /metrics (0: off)
-    cuda_graphs: bool = False  # run the blocks as CUDA graphs (``stage_service.graphs``); ignored on CPU
-    loras: tuple = ()  # ``stage_service.lora.LoraSpec`` s merged into the slice at load, in order
-    mtls: MTLS | None = None  # deployment credentials (role "stage"); None: plaintext (--insecure-internal)
-    metrics_host: str | None = None  # where /metrics binds (None: ``host``)
-    health_port: int = 0  # plaintext grpc.health.v1 only, for Kubernetes probes (0: off)
-    sp: int = 1  # sequence-parallel ranks of this stage (``--sp``); ``index`` is then the rank stage * sp + sp_rank
-    fp8: bool = False  # block linears as torchao float8 (``stage_service.fp8``); refused where it cannot run
-    calibration_s: float | None = None  # READY calibration's budget (0: none; None: 5 s on a GPU, none on a CPU)
-    kv_budget_gib: float = 0.0  # bytes given to streams' KV (``stage_service.kv_budget``); 0: derive it
 
 
 class _Generation:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from stagecast.client import Client
+from stagecast.flags import HelpFormatter
 from stagecast.service import INTERRUPTED
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="stream a clip from a gateway into an MP4 (progress bar, TTFF, FPS)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--target", default="localhost:50051", help="gateway host:port")
     p.add_argument("--prompt", required=True, help="what to generate")

@@ -35,6 +35,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from stagecast.flags import flag
 
 READY_PREFIX = "STAGECAST_READY"
 PARENT_PID_ENV = "STAGECAST_PARENT_PID"
@@ -182,21 +185,24 @@ def csv_list(kind):
     return parse
 
 
-def add_security_flags(parser, *, metrics: bool = True, health: bool = True) -> None:
-    """The flags every service shares: ``--mtls DIR`` / ``--insecure-internal`` (deployment credentials),
-    ``--metrics-host`` (where /metrics binds; default ``--host``) and ``--health-port`` (plaintext health only)."""
+def add_security_flags(parser) -> None:
+    """The deployment-credential flags every internal service shares: ``--mtls DIR`` / ``--insecure-internal``
+    (``stagecast.security.mtls_from_flags`` turns them into the options' ``mtls``)."""
     from stagecast.security import add_mtls_flags
 
     add_mtls_flags(parser)
-    if metrics:
-        parser.add_argument("--metrics-host", default=None, help="address /metrics binds (default: --host)")
-    if health:
-        parser.add_argument(
-            "--health-port",
-            type=int,
-            default=0,
-            help="plaintext port serving only grpc.health.v1, for probes that cannot present a certificate (0: off)",
-        )
+
+
+def metrics_host_flag() -> Any:
+    """The ``--metrics-host`` field of a service's options (one declaration, every service's)."""
+    return flag(help="address /metrics binds (default: --host)")
+
+
+def health_port_flag() -> Any:
+    """The ``--health-port`` field of an internal service's options: plaintext health for probes (0: off)."""
+    return flag(
+        0, help="plaintext port serving only grpc.health.v1, for probes that cannot present a certificate (0: off)"
+    )
 
 
 _IN_PROCESS = contextvars.ContextVar("stagecast_service_in_process", default=False)

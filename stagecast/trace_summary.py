@@ -16,7 +16,6 @@ its resource has ``stagecast.stage.index`` = N; other spans are grouped by ``sta
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -24,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from stagecast.flags import HelpFormatter
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "trace-summary",
         help="per-stage span latency table (count, p50, p95, max) of an OTLP JSON file",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("file", help="OTLP/JSON traces (ExportTraceServiceRequest; one per line also accepted); - for stdin")
     p.add_argument("--by", choices=["stage", "service"], default="stage", help="group rows by stage or by service")

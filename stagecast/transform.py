@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from stagecast.client import Client
+from stagecast.flags import HelpFormatter
 from stagecast.generate import add_decoder_flag, ladder_arg, token_from
 from stagecast.media import video_info
 from stagecast.service import INTERRUPTED
@@ -131,7 +132,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "transform",
         help="restyle a video file through a gateway into an MP4 (video-to-video; progress bar, TTFF, FPS)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--target", default="localhost:50051", help="gateway host:port")
     p.add_argument("--input", required=True, help="the video file to restyle (anything PyAV reads)")

@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from launcher.cli import COMMANDS, build_parser, chosen_command
+from stagecast.flags import HelpFormatter, shows_default
 
 pytestmark = pytest.mark.unit
 
@@ -22,11 +23,22 @@ def test_every_flag_has_a_help_line_and_help_shows_the_defaults(name):
     assert actions, name
     missing = [a.option_strings[0] if a.option_strings else a.dest for a in actions if not (a.help or "").strip()]
     assert not missing, f"stagecast {name}: flags without a help line: {missing}"
-    text = sub.format_help()
+    text = " ".join(sub.format_help().split())
     for action in actions:
-        has_default = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
-        if has_default and not action.required:
-            assert f"(default: {action.default})" in " ".join(text.split()), (name, action.option_strings)
+        if shows_default(action) and not action.required:
+            assert f"(default: {action.default})" in text, (name, action.option_strings)
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_help_states_each_default_once(name):
+    """A help line that says its own default gets no second one, and one that does not gets it from the formatter."""
+    sub = _subcommands()[name]
+    assert sub.formatter_class is HelpFormatter, name
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if action.option_strings and action.help and not isinstance(action, argparse._HelpAction):
+            line = formatter._expand_help(action)
+            assert line.count("default:") <= 1, (name, action.option_strings, line)
 
 
 def test_the_gateway_help_names_its_limits():

@@ -1,6 +1,8 @@
 """Every command the chart runs is accepted by the real ``stagecast`` CLI, and the rendezvous is reachable."""
 
 import argparse
+import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -89,7 +91,7 @@ def test_the_web_container_reaches_the_gateway_with_its_tls_and_offers_the_media
     else:
         assert ns.turn is None
     assert pod.get("hostNetwork", False) == (media["mode"] == "hostNetwork")
-    assert (ns.ice_host == ["$(HOST_IP)"]) == (media["mode"] == "hostNetwork")
+    assert (ns.ice_hosts == ["$(HOST_IP)"]) == (media["mode"] == "hostNetwork")
 
 
 def test_web_values_that_cannot_work_are_refused_and_web_can_be_left_out(helm):  # noqa: F811
@@ -108,3 +110,139 @@ def test_web_values_that_cannot_work_are_refused_and_web_can_be_left_out(helm): 
     rule = ingress[0]["spec"]["rules"][0]
     assert rule["host"] == "live.example.com"
     assert rule["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "http"}
+
+
+# ---- every service flag reaches the chart and the docs ------------------------------------------------------
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "helm" / "stagecast" / "templates"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+SECURITY = ["--mtls", "--insecure-internal"]  # every internal service's, added by stagecast.service
+
+# The service flags the chart does not set, each with why (two kinds, below); every other flag must appear in its
+# container's args.
+# The chart must not set these: it fixes the answer (mTLS, metrics on the pod's address, tokens, the pod index as
+# the rank), or they are for tests and what-ifs.
+MUST_NOT_SET = {
+    "coordinator": {
+        "--stage-ms": "a what-if calibration; the stages calibrate themselves at READY",
+        "--vae-ms-per-chunk": "a what-if; the gateway measures and reports its decoders' cost",
+        "--slo-fixed": "tests and what-ifs: it needs --stage-ms",
+        "--record-plan": "selftest only: the plan grows without bound",
+        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
+        "--insecure-internal": "the chart always runs mTLS",
+    },
+    "stage": {
+        "--expected-stages": "the coordinator's --stages is the one size the chart sets",
+        "--sp-rank": "a StatefulSet's pod index is the global rank (--index from STAGECAST_STAGE_INDEX)",
+        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
+        "--insecure-internal": "the chart always runs mTLS",
+    },
+    "gateway": {
+        "--vae-stage": "the chart runs the VAE in the gateway pod, cut over its GPUs with --vae-devices",
+        "--allow-anonymous": "the chart always gives --tokens",
+        "--metrics-host": "the chart binds metrics with --host (the pod's address)",
+        "--insecure-internal": "the chart always runs mTLS",
+    },
+    "web": {
+        "--allow-anonymous": "the chart always gives --tokens",
+        "--tls-cert": "the page is served behind the chart's Ingress, which terminates TLS",
+        "--tls-key": "the page is served behind the chart's Ingress, which terminates TLS",
+        "--gateway-tls": "--gateway-ca names the chart's own CA instead of the system roots",
+        "--gateway-tls-name": "the web container reaches the gateway by the Service name its certificate holds",
+    },
+}
+
+# The service's default is the deployment's (the Stream Batch, buffers, timeouts: `tests/test_one_home.py` wants the
+# services' constants to run): a release tunes it through the component's `extraArgs`.
+SERVICE_DEFAULT = {
+    "coordinator": {
+        "--backend": "auto picks nccl on GPU stages and gloo on CPU ones, which is what a deployment wants",
+        "--max-batch": "the Stream Batch default; tuning through extraArgs",
+        "--max-streams": "admission by the SLO controller's capacity; the count through extraArgs",
+        "--playout-s": "pacing tuning through extraArgs",
+    },
+    "stage": {
+        "--calibration-s": "the GPU default (5 s) is the deployment's; through extraArgs",
+        "--kv-budget-gib": "derived from free GPU memory by default; through extraArgs",
+        "--lora": "LoRA files are per deployment; through extraArgs with the model volume's paths",
+    },
+    "gateway": {
+        "--text-len": "the checkpoint's serving defaults",
+        "--text-dtype": "auto: bfloat16 on a GPU",
+        "--text-device": "the gateway's --device",
+        "--no-text-graph": "the captured text encoder is checked against eager at start; through extraArgs",
+        "--vae-cudnn-benchmark": "off: it slows every stream's first frames; through extraArgs",
+        "--vae-graph-slots": "--max-streams slots; fewer through extraArgs (values.yaml says so)",
+        "--pipeline-warmup-s": "the GPU default (120 s) is the deployment's; through extraArgs",
+        "--buffer-chunks": "buffer tuning through extraArgs",
+        "--buffer-messages": "buffer tuning through extraArgs",
+        "--buffer-mib": "buffer tuning through extraArgs",
+        "--slow-client-timeout": "timeout tuning through extraArgs",
+        "--drain-timeout": "timeout tuning through extraArgs",
+        "--config-timeout": "timeout tuning through extraArgs",
+        "--max-pending": "limit tuning through extraArgs",
+        "--max-watchers": "limit tuning through extraArgs",
+        "--max-frame-pixels": "the checkpoint's stagecast.json budget",
+        "--max-stream-cost": "the checkpoint's stagecast.json budget",
+        "--threads": "torch's default in a container sized by its resources",
+        "--vae-split": "balanced by multiply-accumulates; through extraArgs",
+    },
+    "web": {
+        "--max-peers-per-tenant": "half of --max-peers; through extraArgs",
+        "--max-preauth": "limit tuning through extraArgs",
+        "--max-preauth-per-address": "limit tuning through extraArgs",
+    },
+}
+
+NOT_IN_CHART = {cmd: {**MUST_NOT_SET[cmd], **SERVICE_DEFAULT[cmd]} for cmd in MUST_NOT_SET}
+
+
+def service_flags() -> dict[str, list[str]]:
+    from launcher.flag_reference import service_options
+    from stagecast.flags import flag_names
+
+    return {
+        command: flag_names(cls) + ([] if command == "web" else SECURITY) for command, cls in service_options().items()
+    }
+
+
+def container_args_template(command: str) -> str:
+    """The chart's template text of ``command``'s container args (the gateway pod holds the web container)."""
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    security = helpers[helpers.index('define "stagecast.securityArgs"') :].split("{{- end -}}", 2)
+    if command == "coordinator":
+        return (TEMPLATES / "coordinator-deployment.yaml").read_text() + security[0]
+    if command == "stage":
+        return (TEMPLATES / "stage-statefulset.yaml").read_text() + security[0]
+    pod = (TEMPLATES / "gateway-deployment.yaml").read_text()
+    gateway, web = pod.split("- name: web\n", 1)
+    return gateway + security[0] if command == "gateway" else web
+
+
+def mentions(text: str, flag: str) -> bool:
+    return re.search(re.escape(flag) + r"(?![\w-])", text) is not None
+
+
+@pytest.mark.parametrize("command", sorted(NOT_IN_CHART))
+def test_every_service_flag_is_set_by_the_chart_or_exempted_with_a_reason(command):
+    flags = service_flags()[command]
+    text = container_args_template(command)
+    unset = [f for f in flags if not mentions(text, f) and f not in NOT_IN_CHART[command]]
+    assert not unset, f"stagecast {command}: flags the chart neither sets nor exempts (NOT_IN_CHART): {unset}"
+    stale = [f for f in NOT_IN_CHART[command] if f not in flags or mentions(text, f)]
+    assert not stale, f"stagecast {command}: NOT_IN_CHART names flags that are gone or set: {stale}"
+    assert all(NOT_IN_CHART[command].values()), "each exemption says why"
+    assert not set(MUST_NOT_SET[command]) & set(SERVICE_DEFAULT[command]), "one kind of exemption per flag"
+
+
+def test_every_service_flag_has_a_line_in_the_docs():
+    text = (DOCS / "operator-guide.md").read_text() + (DOCS / "api-guide.md").read_text()
+    missing = {cmd: [f for f in flags if not mentions(text, f)] for cmd, flags in service_flags().items()}
+    assert not any(missing.values()), f"flags no guide mentions: {missing}"
+
+
+def test_the_guides_flag_reference_is_what_the_options_declare():
+    from launcher import flag_reference
+
+    text = flag_reference.GUIDE.read_text()
+    assert flag_reference.updated(text) == text, "the flag reference is stale: run python -m launcher.flag_reference"

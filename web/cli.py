@@ -17,7 +17,9 @@ import logging
 import signal
 import ssl
 
-from stagecast.service import announce_ready, csv_list
+from stagecast.flags import HelpFormatter, add_flags, from_args
+from stagecast.service import announce_ready
+from web.options import WebConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,51 +28,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "web",
         help="serve the live browser page (WebRTC, WebSocket fallback) in front of a gateway",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--gateway", required=True, help="host:port of the gateway's public API")
-    p.add_argument("--host", default="127.0.0.1", help="address the page (HTTP) binds")
-    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
-    p.add_argument(
-        "--ice-host",
-        type=csv_list(str),
-        default=None,
-        help="addresses offered as WebRTC host candidates, where media sockets bind (default: --host unless it is"
-        " a wildcard, then every interface but loopback)",
-    )
-    p.add_argument("--turn", default=None, help="TURN server for peers that cannot reach --ice-host (turn:HOST:PORT)")
-    p.add_argument("--turn-username", default=None, help="TURN username")
-    p.add_argument("--turn-credential-file", default=None, help="file holding the TURN credential")
-    p.add_argument("--tokens", default=None, help="bearer-token file (the gateway's): a browser must send one")
-    p.add_argument(
-        "--allow-anonymous",
-        action="store_true",
-        help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
-    )
-    p.add_argument("--tls-cert", default=None, help="the page TLS certificate (PEM)")
-    p.add_argument("--tls-key", default=None, help="the page's TLS key (PEM)")
-    p.add_argument("--gateway-tls", action="store_true", help="the gateway speaks TLS (system roots)")
-    p.add_argument("--gateway-ca", default=None, help="PEM file of the CA of the gateway's TLS certificate")
-    p.add_argument(
-        "--gateway-tls-name",
-        default=None,
-        help="the name the gateway's TLS certificate holds, when --gateway addresses it otherwise (e.g. 127.0.0.1)",
-    )
-    p.add_argument("--max-peers", type=int, default=4, help="browsers connected at once (WebRTC and WebSocket)")
-    p.add_argument("--peer-timeout", type=float, default=5.0, help="seconds of silence after which a peer is gone")
-    p.add_argument(
-        "--max-peers-per-tenant",
-        type=int,
-        default=0,
-        help="with --tokens, browsers of one tenant connected at once (0: half of --max-peers, at least 1)",
-    )
-    p.add_argument(
-        "--max-preauth",
-        type=int,
-        default=16,
-        help="WebSockets waiting to authenticate (token in their first message, within 1 s), together",
-    )
-    p.add_argument("--max-preauth-per-address", type=int, default=8, help="of those, from one client address")
+    add_flags(p, WebConfig)  # its flags: web.options
     p.set_defaults(run=main)
 
 
@@ -84,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     from aiortc import RTCIceServer
 
     from stagecast.security import is_loopback
-    from web.server import WebApp, WebConfig
+    from web.server import WebApp
     from web.slots import PeerSlots, PreAuthPool
 
     if not args.tokens and not args.allow_anonymous and not is_loopback(args.host):
@@ -111,20 +71,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(args.tls_cert, args.tls_key)
-    cfg = WebConfig(
-        gateway=args.gateway,
-        tokens=args.tokens,
-        gateway_tls=args.gateway_tls,
-        gateway_ca=args.gateway_ca,
-        gateway_tls_name=args.gateway_tls_name,
-        ice_hosts=ice_hosts(args.host, args.ice_host),
-        ice_servers=servers,
-        max_peers=args.max_peers,
-        peer_timeout=args.peer_timeout,
-        max_peers_per_tenant=args.max_peers_per_tenant,
-        max_preauth=args.max_preauth,
-        max_preauth_per_address=args.max_preauth_per_address,
-    )
+    cfg = from_args(WebConfig, args, ice_hosts=ice_hosts(args.host, args.ice_hosts), ice_servers=servers)
     try:
         PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or 1)
         PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)

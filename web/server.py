@@ -31,17 +31,16 @@ import asyncio
 import itertools
 import logging
 import ssl
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from aiortc import RTCIceServer
 
 from stagecast.client import AsyncClient
 from stagecast.errors import StagecastError
 from stagecast.security import TokenAuth
 from web.control import MAX_MESSAGE_BYTES
 from web.fallback import FIRST_MESSAGE_S, serve_socket
+from web.options import WebConfig
 from web.rtc import MAX_SDP_BYTES, BadOffer, RtcPeer, use_ice_hosts
 from web.session import Session
 from web.slots import PREAUTH_S, PeerSlots, PreAuthPool
@@ -77,23 +76,6 @@ CSP = (
 )
 
 
-@dataclass
-class WebConfig:
-    gateway: str  # host:port of the gateway's public API
-    tokens: str | None = None  # bearer-token file (the gateway's), or None: anyone may use the page
-    gateway_tls: bool = False
-    gateway_ca: str | None = None  # PEM file of the gateway's CA
-    gateway_tls_name: str | None = None  # the name in the gateway's certificate, when the address is another
-    ice_hosts: list[str] = field(default_factory=list)  # host candidates to offer (empty: aioice's choice)
-    ice_servers: list[RTCIceServer] = field(default_factory=list)  # TURN (or STUN) for peers behind NAT
-    max_peers: int = 4  # WebRTC and WebSocket peers together
-    max_peers_per_tenant: int = 0  # with tokens, peers of one tenant (0: half of max_peers, at least 1)
-    max_preauth: int = 16  # WebSockets waiting to authenticate, together
-    max_preauth_per_address: int = 8  # of those, from one client address
-    peer_timeout: float = 5.0  # a peer silent this long is gone
-    connect_timeout: float = 15.0  # an answered peer must connect within this
-
-
 def _refuse(status: int, text: str) -> web.Response:
     return web.json_response({"error": text}, status=status)
 
@@ -102,7 +84,7 @@ class WebApp:
     def __init__(self, cfg: WebConfig):
         self.cfg = cfg
         self.auth = TokenAuth(cfg.tokens) if cfg.tokens else None
-        use_ice_hosts(cfg.ice_hosts)
+        use_ice_hosts(cfg.ice_hosts or [])
         self.peers: dict[str, object] = {}  # id -> RtcPeer or WebSocketResponse, each holding a slot
         self.slots = PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or max(1, cfg.max_peers // 2))
         self.preauth = PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)
