@@ -1,6 +1,6 @@
 """One client stream inside the gateway: pipeline chunks -> StreamVAE -> frame encoder -> the client's gRPC call.
 
-Usage (the servicer in ``gateway.service`` does this per ``Generate`` call)::
+Usage (the servicer in ``gateway.handlers`` does this per ``Generate`` call)::
 
     run = StreamRun(gateway.stream_host, cfg, text, context, t0)   # StreamHost: what a stream needs
     run.open_pipeline()                  # coordinator OpenStream; raises grpc.RpcError as the coordinator says
