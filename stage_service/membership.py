@@ -7,7 +7,7 @@ Usage (``stage_service.server.StageServicer`` holds one of each)::
     threading.Thread(target=members.run, args=(stop,)).start()   # heartbeats until ``stop``
 
     health = StageHealth(index)
-    health.health = servicer_of_grpc_health   # once the server serves
+    health.attach(health_servicer)       # the server's grpc.health.v1 servicer, once it serves
     health.report_progress(gen)          # "" NOT_SERVING while one plan event has run for EXECUTOR_STALL_S
     health.set_member(True)              # StageService SERVING while in a formed generation
 
@@ -134,6 +134,9 @@ class StageHealth:
         self.index = index
         self.health = None  # the server's grpc.health.v1 servicer, once serving
         self._progressing = True  # what "" health last said of the executor's progress
+
+    def attach(self, health) -> None:
+        self.health = health
 
     def report_progress(self, gen) -> None:
         """The process's ``""`` health follows its executor: NOT_SERVING while one plan event has run for longer than

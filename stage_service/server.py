@@ -316,7 +316,7 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
         credentials=opts.mtls.server_credentials() if opts.mtls else None,
         interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
     )
-    servicer.health.health = health
+    servicer.health.attach(health)
     server.start()
     probe = serve_health(health, opts.host, opts.health_port)
     bind_data_plane(opts.host if opts.host not in ("0.0.0.0", "::") else (opts.advertise_host or opts.host))
