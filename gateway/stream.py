@@ -1,6 +1,6 @@
 """One client stream inside the gateway: pipeline chunks -> StreamVAE -> frame encoder -> the client's gRPC call.
 
-Usage (the servicer in ``gateway.service`` does this per ``Generate`` call)::
+Usage (the servicer in ``gateway.handlers`` does this per ``Generate`` call)::
 
     run = StreamRun(gateway.stream_host, cfg, text, context, t0)   # StreamHost: what a stream needs
     run.open_pipeline()                  # coordinator OpenStream; raises grpc.RpcError as the coordinator says
@@ -56,10 +56,12 @@ from typing import Any
 import grpc
 import torch
 
-from gateway.channel import CLOSED, BoundedChannel
-from gateway.config import ConfigError, EffectiveConfig, RequestTooLarge, check_prompt, check_transition
+from gateway.config import EffectiveConfig
 from gateway.pipeline import PipelineCall, StreamFailed
+from gateway.stream_client import ClientRequests, Outbox
+from gateway.stream_frames import ChunkTag, FrameEmitter
 from gateway.stream_trace import StreamTrace
+from gateway.timers import Deadlines
 from gateway.video_input import InputPath, encode_image
 from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
@@ -103,18 +105,11 @@ class StreamHost:
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
 
 
-@dataclass(frozen=True)
-class _ChunkTag:
-    """What the decoder needs to know about a chunk besides its frames."""
-
-    index: int
-    arrived_ms: float
-    arrived_ns: int = 0  # wall clock, for the VAE decode span
-    span: object = None  # the chunk's span, when the stream is traced
-    steps: int = 0  # the denoising steps the chunk ran (the SLO controller's choice)
-
-
 class StreamRun:
+    """One client stream: its threads, its pipeline call, its decode session and how it ends.  The parts it holds:
+    ``outbox`` (messages out, the slow-client rule), ``frames`` (encoded frames), ``requests`` (the client's later
+    messages, a video-to-video stream's input), ``deadlines`` (its timer entries)."""
+
     def __init__(
         self,
         host: StreamHost,
@@ -137,33 +132,40 @@ class StreamRun:
         self.outcome: str | None = None  # why the stream ended: "completed", "stopped", "cancelled", ...
         self.chunks_received = 0
         self.last_steps = cfg.steps  # the steps of the last chunk received
-        self.frames_emitted = 0  # frames the decoder queued for the client
-        self.frames_sent = 0  # frames handed to gRPC
-        self.first_frame_ms: float | None = None
-        self.first_pts = 0.0
-        self.last_frame_ms: float | None = None
         self.decoder = host.decoders[cfg.decoder]  # the one this stream asked for (resolve_config checked it exists)
         self.session = None  # the decode session (gateway.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
         self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
-        self.input_end: str | None = None  # why the input ended ("stopped", "input_stalled"), once it did
-        self.out = BoundedChannel(self.limits.buffer_messages, max_bytes=self.limits.buffer_bytes)
-        self._sending_since: float | None = None  # when the handler gave gRPC the message it is sending
-        self._send_watch = None  # the watchdog's timer entry (``_watch_send``)
         self._lock = threading.Lock()
-        self._rpc_done = False  # the call is over (gRPC's callback ran)
-        self._deadlines: list = []  # timer entries of this stream, cancelled when the stream is gone
+        self.deadlines = Deadlines(host.timers)  # this stream's timer entries, cancelled when the stream is gone
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished
         self.trace = StreamTrace(cfg, host.model_name, self.id, parent_span)
         self.pipeline = PipelineCall(host.coordinator, host.coordinator_target, self.trace)
+        # The call's outgoing side: the bounded buffer, the handler's messages, the slow-client watchdog.
+        self.outbox = Outbox(
+            self.limits,
+            host.timers,
+            ended=lambda: self.outcome is not None,
+            fail=self.fail,
+            release_call=self._release_call,
+        )
+        self.out = self.outbox.out
+        # The decoder thread's frames: encoded, stamped and queued through the outbox.
+        self.frames = FrameEmitter(
+            cfg,
+            metrics=host.metrics,
+            trace=self.trace,
+            now_ms=self.ms,
+            send=self.outbox.send,
+            outcome=lambda: self.outcome,
+        )
 
-    @property
-    def pipeline_id(self) -> int:
-        return self.pipeline.pipeline_id
+    frames_emitted = property(lambda self: self.frames.frames_emitted)  # frames the decoder queued for the client
+    frames_sent = property(lambda self: self.outbox.frames_sent)  # frames handed to gRPC
+    first_frame_ms = property(lambda self: self.frames.first_frame_ms)
 
-    @property
-    def span(self):
-        return self.trace.span
+    pipeline_id = property(lambda self: self.pipeline.pipeline_id)  # the coordinator's id of the stream
+    span = property(lambda self: self.trace.span)
 
     def ms(self) -> float:
         return (time.monotonic() - self.t0) * 1000.0
@@ -210,13 +212,27 @@ class StreamRun:
             if self.input is not None:
                 self.input.abort()
             self.pipeline.cancel()
-        threads = [(self._read_pipeline, ()), (self._decode, ()), (self._read_requests, (request_iterator,))]
+        self.requests = ClientRequests(
+            self.id,
+            self.cfg,
+            input=self.input,
+            pipeline=self.pipeline,
+            trace=self.trace,
+            encode_prompt=self.host.encode_prompt,
+            send=self.outbox.send,
+            stop_pipeline=self.stop_pipeline,
+            fail=self.fail,
+        )
+        threads = [
+            ("read_pipeline", self._read_pipeline, ()),
+            ("decode", self._decode, ()),
+            ("read_requests", self.requests.read, (request_iterator,)),
+        ]
         if self.input is not None:
-            threads.append((self._feed_input, ()))
-        for target, args in threads:
-            name = f"{target.__name__.strip('_')}-{self.id[:6]}"
-            threading.Thread(target=target, args=args, daemon=True, name=name).start()
-        self._arm_send_watch(self.limits.slow_client_timeout)
+            threads.append(("feed_input", self.requests.feed_input, ()))
+        for name, target, args in threads:
+            threading.Thread(target=target, args=args, daemon=True, name=f"{name}-{self.id[:6]}").start()
+        self.outbox.arm(self.limits.slow_client_timeout)
 
     def started_message(self) -> pb.ServerMessage:
         cfg = self.cfg
@@ -233,65 +249,9 @@ class StreamRun:
         )
 
     def messages(self):
-        """What the handler yields to the client, in order; raises ``StreamFailed`` to end the call with a status.
-
-        gRPC's sync server sends what we yield and asks for the next message only once the send completed, so the
-        time between a yield and the next ``next()`` is the time the client took to make room for that message
-        (``_sending_since``, which the send watchdog reads)."""
-        yield from self._sending(self.started_message())
-        while True:
-            item = self.out.get()
-            if item is CLOSED:
-                return  # the call ended underneath us (client cancel): nothing more to send
-            if isinstance(item, StreamFailed):
-                raise item
-            if item.WhichOneof("msg") == "frame":
-                self.frames_sent += 1
-            yield from self._sending(item)
-            if item.WhichOneof("msg") == "end":
-                return
-
-    def _sending(self, msg):
-        self._sending_since = time.monotonic()
-        yield msg
-        self._sending_since = None
-
-    # ---- the slow-client rule ------------------------------------------------------------------------
-
-    def _arm_send_watch(self, seconds: float) -> None:
-        entry = self.host.timers.call_later(max(0.0, seconds), self._watch_send)
-        with self._lock:
-            if self._rpc_done:
-                stale = entry  # the call is over: no more watching
-            else:
-                stale, self._send_watch = self._send_watch, entry
-        self.host.timers.cancel(stale)
-
-    def _watch_send(self) -> None:
-        """On the timer thread: a message gRPC has been sending for ``slow_client_timeout`` ends the stream."""
-        limit = self.limits.slow_client_timeout
-        since = self._sending_since
-        now = time.monotonic()
-        if since is not None and now - since >= limit:
-            if self.outcome is None:
-                self._too_slow(f"a message waited {now - since:.1f} s for the client to take it")
-            else:  # the stream had ended (its End or error is queued behind the stuck message): release the call
-                self._after(self.limits.abandon_timeout, self.context.cancel)
-            return
-        if self._rpc_done:
-            return
-        self._arm_send_watch(limit if since is None else since + limit - now)
-
-    def _too_slow(self, what: str) -> None:
-        limit = self.limits.slow_client_timeout
-        self.fail(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"client too slow: it fell more than {limit:g} s behind ({what}, --slow-client-timeout; the gateway "
-            f"holds at most {self.out.capacity} messages or {self.limits.buffer_bytes / 2**20:g} MiB per stream "
-            "besides what the client's flow-control window holds, --buffer-messages, --buffer-mib); "
-            "the stream was ended",
-            "client_too_slow",
-        )
+        """What the handler yields to the client, in order (``Outbox.messages``); raises ``StreamFailed`` to end the
+        call with a status."""
+        return self.outbox.messages(self.started_message())
 
     # ---- ending --------------------------------------------------------------------------------------
 
@@ -309,23 +269,24 @@ class StreamRun:
         self.pipeline.cancel()
         self.host.touch()
         # A client that never reads never takes the error either; cancel its call rather than hold it forever.
-        self._after(self.limits.abandon_timeout, self.context.cancel)
+        self._release_call()
+
+    def _release_call(self) -> None:
+        self.deadlines.after(self.limits.abandon_timeout, self.context.cancel)
 
     def on_rpc_done(self) -> None:
         """gRPC callback: the call ended (normally, with an error, or the client cancelled/disconnected)."""
         self.state = "draining"
+        self.outbox.call_done()
         with self._lock:
-            self._rpc_done = True
-            watch, self._send_watch = self._send_watch, None
             if self.outcome is None:
                 self.outcome = "cancelled"
                 logger.info("stream %s: client went away after %d frames", self.id, self.frames_sent)
-        self.host.timers.cancel(watch)
         self.host.metrics.frames_dropped(self.outcome, len(self.out))
         self.out.close(drop=True)
         self._abort_decoding()
         self.pipeline.cancel()  # nobody reads any more: plan nothing more, free the stream everywhere
-        self._clear_deadlines()
+        self.deadlines.clear()
         self.host.touch()
 
     def _abort_decoding(self) -> None:
@@ -339,33 +300,21 @@ class StreamRun:
     def stop_pipeline(self) -> None:
         """StopStream (no new chunks) once; the reader keeps draining until the coordinator ends the stream,
         within the drain timeout (then the pipeline call is cancelled)."""
-        self.pipeline.stop(lambda ok: ok and self._after(self.limits.drain_timeout, self.pipeline.cancel))
-
-    def _after(self, seconds: float, fn) -> None:
-        # Deadlines that fire after the fact are harmless: cancelling a finished call is a no-op.
-        entry = self.host.timers.call_later(seconds, fn)
-        with self._lock:
-            self._deadlines.append(entry)
-
-    def _clear_deadlines(self) -> None:
-        with self._lock:
-            entries, self._deadlines = self._deadlines, []
-        for entry in entries:
-            self.host.timers.cancel(entry)
+        self.pipeline.stop(lambda ok: ok and self.deadlines.after(self.limits.drain_timeout, self.pipeline.cancel))
 
     def _part_done(self) -> None:
         with self._lock:
             self._live_parts -= 1
             last = self._live_parts == 0
         if last:
-            self._clear_deadlines()
+            self.deadlines.clear()
             self._end_trace()
             self.host.forget(self)
 
     def _end_trace(self) -> None:
-        first, last = self.first_frame_ms, self.last_frame_ms
-        if first is not None and last is not None and last > first and self.frames_emitted >= 2:
-            self.host.metrics.stream_fps((self.frames_emitted - 1) * 1000.0 / (last - first))
+        fps = self.frames.fps()
+        if fps is not None:
+            self.host.metrics.stream_fps(fps)
         self.trace.end(
             self.outcome or "unknown",
             frames=self.frames_emitted,
@@ -386,7 +335,7 @@ class StreamRun:
                     if self.input is not None:
                         self.input.progress()
                     span = self.trace.chunk_span(ev.chunk.chunk, self.last_steps)
-                    tag = _ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), span, self.last_steps)
+                    tag = ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), span, self.last_steps)
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
                         tag.span.set_attribute("stagecast.chunk.dropped", True)
@@ -413,7 +362,7 @@ class StreamRun:
                     if when is None:  # VAE stage processes: from when it both had arrived and the last one was out
                         when = (max(resumed_ns, tag.arrived_ns), time.time_ns())
                     self.trace.post_hoc("vae.decode", tag.index, tag.span, *when)
-                emitted = self._emit(tag, frames, encoder)
+                emitted = self.frames.emit(tag, frames, encoder, self.input)
                 if tag.span is not None:
                     tag.span.end()
                 if not emitted:
@@ -421,7 +370,8 @@ class StreamRun:
                 self.pipeline.acknowledge(tag.index + 1)
                 resumed_ns = time.time_ns()
             if self.end_reason is not None:
-                reason = self.input_end if self.input_end == "input_stalled" else self.end_reason
+                input_end = self.requests.input_end
+                reason = input_end if input_end == "input_stalled" else self.end_reason
                 self._finish(reason, encoder.flush() if cfg.codec == "h264" else b"")
             elif self.outcome is None:  # the reader ends with an end reason or a failure; this guards against bugs
                 self.fail(grpc.StatusCode.INTERNAL, "pipeline stream ended without an end event", "error")
@@ -434,65 +384,6 @@ class StreamRun:
                 encoder.close()
             self._part_done()
 
-    def _emit(self, chunk: _ChunkTag, frames, encoder) -> bool:
-        cfg, metrics = self.cfg, self.host.metrics
-        decoded_ms = self.ms()
-        if cfg.total_frames is not None:
-            frames = frames[: max(0, cfg.total_frames - self.frames_emitted)]  # trim the last chunk's tail
-        # Video-to-video: output frame i of a chunk is made from the chunk's input frame i and carries its pts.  The
-        # input's last chunk may end in repeats of its last frame (``InputPath``): only real input's frames go out.
-        inputs = self.input.frames_of(chunk.index) if self.input is not None else []
-        if inputs and len(inputs) < len(frames):
-            frames = frames[: len(inputs)]
-        for position, frame in enumerate(frames):
-            encode_start, encode_start_ns = time.perf_counter(), time.time_ns()
-            data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
-            encode_s = time.perf_counter() - encode_start
-            index = self.frames_emitted
-            pts, input_ms = inputs[position] if position < len(inputs) else (index / cfg.fps, 0.0)
-            self.trace.post_hoc(
-                "frame.encode", chunk.index, chunk.span, encode_start_ns, time.time_ns(), {"stagecast.frame": index}
-            )
-            msg = pb.ServerMessage(
-                frame=pb.Frame(
-                    data=data,
-                    codec=api.codec_value(cfg.codec),
-                    index=index,
-                    pts=pts,
-                    chunk=chunk.index,
-                    latents_ms=chunk.arrived_ms,
-                    decoded_ms=decoded_ms,
-                    encoded_ms=self.ms(),
-                    width=cfg.width,
-                    height=cfg.height,
-                    input_ms=input_ms,
-                    steps=chunk.steps or cfg.steps,
-                )
-            )
-            if not self._send(msg):
-                metrics.frames_dropped(self.outcome or "unknown", len(frames) - position)
-                return False  # the call ended or the stream failed
-            if index == 0:
-                self.first_frame_ms = msg.frame.encoded_ms
-                self.first_pts = pts
-                metrics.first_frame(msg.frame.encoded_ms / 1000.0)
-            # Late: encoded after its presentation time on a clock that starts with the first frame.
-            late = msg.frame.encoded_ms > self.first_frame_ms + 1000.0 * (pts - self.first_pts)
-            metrics.frame_sent(late=late, encode_seconds=encode_s)
-            self.last_frame_ms = msg.frame.encoded_ms
-            self.frames_emitted += 1
-        metrics.chunk_decoded((decoded_ms - chunk.arrived_ms) / 1000.0)
-        return True
-
-    def _send(self, msg: pb.ServerMessage) -> bool:
-        """Queue a message for the client; a client that leaves the queue full too long ends the stream."""
-        timeout = self.limits.slow_client_timeout
-        try:
-            return self.out.put(msg, timeout=timeout, size=msg.ByteSize())
-        except TimeoutError:
-            self._too_slow(f"{len(self.out)} messages, {self.out.bytes} bytes waited {timeout:g} s for room")
-            return False
-
     def _finish(self, reason: str, trailer: bytes) -> None:
         with self._lock:
             if self.outcome is not None:
@@ -503,83 +394,3 @@ class StreamRun:
                 end=pb.End(reason=api.end_reason_value(reason), frames=self.frames_emitted, trailer=trailer)
             )
         )
-
-    def _read_requests(self, request_iterator) -> None:
-        """Reads the client's later messages; ``request_iterator`` parses them (``ConfigError`` for bytes that are
-        not a ClientMessage)."""
-        try:
-            for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
-                if kind == "prompt":
-                    if not self._update_prompt(msg.prompt.prompt, msg.prompt.transition):
-                        return
-                elif kind == "stop":
-                    logger.info("stream %s: client asked to stop", self.id)
-                    if self.input is not None:
-                        self.input.end()  # the input thread stops the pipeline after the input already here
-                    else:
-                        self.stop_pipeline()
-                elif kind == "frame":
-                    if self.input is None:
-                        self.fail(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            "frame: this stream takes no input frames (set strength in its config for video-to-video)",
-                            "invalid_argument",
-                        )
-                        return
-                    if not self.input.offer(msg.frame):
-                        return  # the stream ended
-                elif kind == "config":
-                    self.fail(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        "config: sent twice; a stream takes exactly one config, as its first message",
-                        "invalid_argument",
-                    )
-                    return
-                else:
-                    self.fail(grpc.StatusCode.INVALID_ARGUMENT, "msg: empty ClientMessage", "invalid_argument")
-                    return
-            if self.input is not None:
-                self.input.end()  # the client closed its side: its input is over
-        except RequestTooLarge as exc:
-            self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "invalid_argument")
-        except ConfigError as exc:
-            self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument")
-        except Exception as exc:  # the call ended while we were waiting for the next message
-            logger.debug("stream %s: request stream ended: %s", self.id, exc)
-
-    def _feed_input(self) -> None:
-        """Video-to-video: encode, noise and submit the input until it ends, then stop the pipeline stream (the chunks
-        already submitted finish and are delivered)."""
-        try:
-            reason = self.input.run()
-        except grpc.RpcError as exc:
-            self.fail(exc.code(), f"pipeline: submitting input failed: {exc.details()}", "pipeline_error")
-            return
-        except Exception as exc:
-            logger.exception("stream %s: input encoding failed", self.id)
-            self.fail(grpc.StatusCode.INTERNAL, f"gateway: encoding the input failed: {exc}", "error")
-            return
-        if reason is None:
-            return  # aborted: the stream ended otherwise
-        logger.info("stream %s: input ended (%s) after %d frames", self.id, reason, self.input.received)
-        self.input_end = reason
-        self.stop_pipeline()
-
-    def _update_prompt(self, prompt: str, transition: int = 0) -> bool:
-        try:
-            recache = check_transition(transition, self.cfg)
-            # The config's limits, before tokenising.
-            text = self.host.encode_prompt(check_prompt(prompt), parent_span=self.span)
-        except ConfigError as exc:
-            self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"prompt update: {exc}", "invalid_argument")
-            return False
-        try:
-            self.pipeline.update_prompt(text, recache=recache)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return True  # the pipeline stream already finished its last chunk: nothing left to change
-            self.fail(exc.code(), f"pipeline: prompt update failed: {exc.details()}", "pipeline_error")
-            return False
-        logger.info("stream %s: prompt updated", self.id)
-        return self._send(pb.ServerMessage(prompt_updated=pb.PromptUpdated(prompt=prompt)))

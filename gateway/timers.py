@@ -7,6 +7,9 @@ Usage::
     timers.cancel(entry)                           # drops the callback (and what it refers to) at once
     timers.close()
 
+    deadlines = Deadlines(timers)                  # one stream's entries
+    deadlines.after(60.0, call.cancel); deadlines.clear()
+
 Callbacks must be quick (they cancel calls, queue messages); one that raises is logged.
 """
 
@@ -96,3 +99,24 @@ class Timers:
                 fn()
             except Exception:  # noqa: BLE001 - a deadline's action failing must not stop the others
                 logger.exception("timer callback failed")
+
+
+class Deadlines:
+    """One stream's entries on the gateway's ``Timers``, cancelled together when the stream is gone."""
+
+    def __init__(self, timers: Timers):
+        self.timers = timers
+        self._lock = threading.Lock()
+        self._entries: list[TimerEntry] = []
+
+    def after(self, seconds: float, fn: Callable[[], object]) -> None:
+        # Deadlines that fire after the fact are harmless: cancelling a finished call is a no-op.
+        entry = self.timers.call_later(seconds, fn)
+        with self._lock:
+            self._entries.append(entry)
+
+    def clear(self) -> None:
+        with self._lock:
+            entries, self._entries = self._entries, []
+        for entry in entries:
+            self.timers.cancel(entry)

@@ -61,7 +61,7 @@ class BatchTiming:
 class StageTelemetry:
     def __init__(self, index: int, state: Callable[[], object]):
         self.index = index
-        self._state = state  # () -> the current _Generation or None
+        self._state = state  # () -> the current stage_service.generation.Generation or None
         self.layers = range(0, 0)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...

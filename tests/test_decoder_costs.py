@@ -220,15 +220,16 @@ def test_the_gateway_serves_tiny_streams_on_the_batched_decoder_and_admits_by_de
     )
     gw = service.Gateway(opts)
     try:
-        assert isinstance(gw.tiny_decoder, BatchedDecoder)
-        assert gw.vae_reporter is None and gw.decoder_costs() == [None]  # a CPU measures nothing for the GPUs' model
-        memory = gw.decoder_memory
+        assert isinstance(gw.models.tiny_decoder, BatchedDecoder)
+        # A CPU measures nothing for the GPUs' model.
+        assert gw.vae_reporter is None and gw.models.decoder_costs() == [None]
+        memory = gw.table.decoder_memory
         assert memory.per_pixel["full"] > memory.per_pixel["tiny"] > 0
         full_cfg = resolve_config(
-            stream_config("a cat", decoder="full"), defaults=gw.defaults, model=gw.model, decoders=gw.decoders
+            stream_config("a cat", decoder="full"), defaults=gw.defaults, model=gw.model, decoders=gw.models.decoders
         )
         with pytest.raises(Refused, match="decoder memory: .* on the full decoder holds"):
-            gw.admit(full_cfg, "client")
-        assert gw.admitted == 0  # the count cap's slot was given back
+            gw.table.admit(full_cfg, "client")
+        assert gw.table.admitted == 0  # the count cap's slot was given back
     finally:
         gw.stop(grace=0)

@@ -149,12 +149,13 @@ def test_the_gateway_refuses_a_warm_up_budget_out_of_range(tmp_path):
 
 @pytest.mark.unit
 def test_a_warm_up_that_fails_never_stops_the_gateway(tmp_path, monkeypatch, caplog):
+    import gateway.models as models
     import gateway.service as service
 
     def broken(*args, **kwargs):
         raise RuntimeError("no pipeline here")
 
-    monkeypatch.setattr(service, "warm_pipeline", broken)
+    monkeypatch.setattr(models, "warm_pipeline", broken)
     root = write_demo_checkpoint(tmp_path / "ckpt")
     opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=5.0)
     gateway = service.Gateway(opts)

@@ -302,8 +302,8 @@ def test_the_gateway_captures_its_slots_before_serving_and_refuses_bad_slot_coun
     opts = dict(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, max_streams=3)  # nothing is served
     gateway = Gateway(GatewayOptions(**opts, vae_cuda_graphs=True, vae_devices=["cpu", "cpu"]))
     try:
-        assert [p.graphs.free_slots for p in gateway.decoder.parts] == [3, 3]  # --max-streams slots per part
-        part = gateway.decoder.parts[0]
+        assert [p.graphs.free_slots for p in gateway.models.decoder.parts] == [3, 3]  # --max-streams slots per part
+        part = gateway.models.decoder.parts[0]
         assert part.graphs.slots[0].x.shape[-2:] == (64 // 8, 64 // 8)  # the checkpoint's serving size
     finally:
         gateway.stop(grace=0)  # never started: stops its timers, channel and metrics

@@ -1,0 +1,269 @@
+"""The public ``stagecast.v1.StreamService`` handlers: each takes the request's bytes and parses them.
+
+Usage (``gateway.service.Gateway`` builds its server with these)::
+
+    servicer = StreamServicer(gateway)
+    make_server(port, [(add_stream_service, servicer, SERVICE_NAME)], ...)
+
+``Generate`` waits for its config within a bounded budget of pending calls (each client within its quota), resolves
+and admits the config, encodes the prompt, opens the pipeline stream (``gateway.stream.StreamRun``) and yields its
+messages; every refusal ends the call with a gRPC status (``_abort``) and counts in the rejected-calls metric.
+``GetStatus`` and ``WatchStatus`` report ``gateway.status.StatusReport`` as the caller may see it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gateway.admission import Refused
+from gateway.config import (
+    MAX_REQUEST_BYTES,
+    ConfigError,
+    RequestTooLarge,
+    parse_client_message,
+    parse_status_request,
+    resolve_config,
+)
+from gateway.quotas import client_of
+from gateway.revocation import credentials_of
+from gateway.stream import StreamFailed, StreamRun
+from stagecast import telemetry
+from stagecast.grpc_util import abort_with_retry, retry_after_of
+from stagecast.names import STREAM_SERVICE
+from stagecast.security import principal_of
+from stagecast.v1 import stream_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.service import Gateway
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = STREAM_SERVICE
+
+
+_TIMED_OUT = object()
+_NO_MESSAGE = object()
+
+
+def _read_first(request_iterator, box: queue.SimpleQueue) -> None:
+    """Reads the first request (bytes) into ``box`` in a thread of its own, so that the handler can stop waiting."""
+    try:
+        box.put(next(request_iterator))
+    except StopIteration:
+        box.put(_NO_MESSAGE)
+    except Exception as exc:  # the call ended (cancelled, or aborted when its deadline passed)
+        box.put(exc)
+
+
+def _parsed(request_iterator):
+    """The call's later requests as ClientMessages; raises ``ConfigError`` at bytes that are not one and
+    ``RequestTooLarge`` at a message other than an input frame over ``MAX_REQUEST_BYTES`` (the server's own limit
+    leaves room for a raw frame)."""
+    for data in request_iterator:
+        msg = parse_client_message(data)
+        if len(data) > MAX_REQUEST_BYTES and msg.WhichOneof("msg") != "frame":
+            raise RequestTooLarge(
+                "request", f"{len(data)} bytes; a message other than an input frame is at most {MAX_REQUEST_BYTES}"
+            )
+        yield msg
+
+
+def add_stream_service(servicer: StreamServicer, server: grpc.Server) -> None:
+    """Registers StreamService with handlers that take the request bytes (``request_deserializer=None``) and parse
+    them: a sync grpc server answers INTERNAL (and logs a traceback) for bytes its deserializer cannot decode."""
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate, response_serializer=pb.ServerMessage.SerializeToString
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus, response_serializer=pb.GatewayStatus.SerializeToString
+        ),
+        "WatchStatus": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchStatus, response_serializer=pb.GatewayStatus.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class StreamServicer:
+    """``stagecast.v1.StreamService``; every method takes the request's bytes (see ``add_stream_service``)."""
+
+    def __init__(self, gw: Gateway):  # gateway.service.Gateway: its parts and its options
+        self.gw = gw
+
+    def Generate(self, request_iterator, context):
+        with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.gw.address) as span:
+            yield from self._generate(request_iterator, context, span)
+
+    def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
+        """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
+        gw = self.gw
+        try:  # the client's own quota first: a client over it takes no slot of the global bound
+            give_back = gw.table.quotas.take("pending", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        if not gw.table.enter_pending():
+            give_back()
+            self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many calls waiting for their config: this gateway holds at most {gw.opts.max_pending} "
+                "(--max-pending); send the config as the first message",
+            )
+        try:
+            box: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_read_first, args=(request_iterator, box), daemon=True, name="config").start()
+            try:
+                first = box.get(timeout=gw.opts.config_timeout)
+            except queue.Empty:
+                first = _TIMED_OUT
+        finally:
+            gw.table.leave_pending()
+            give_back()
+        if first is _TIMED_OUT:
+            self._abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"config: none arrived within {gw.opts.config_timeout:g} s of the call's start (--config-timeout)",
+            )
+        if first is _NO_MESSAGE:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "config: the client sent no message; send a config")
+        if isinstance(first, Exception):
+            logger.debug("call ended before its config: %s", first)
+            return None
+        try:
+            msg = parse_client_message(first)
+        except ConfigError as exc:
+            if len(first) > MAX_REQUEST_BYTES:
+                self._abort(
+                    context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"request: {len(first)} bytes that are not a config"
+                )
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # A config is at most MAX_REQUEST_BYTES besides its first-frame image (bounded by the server's own limit).
+        if len(first) - len(msg.config.image) > MAX_REQUEST_BYTES:
+            self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request: {len(first)} bytes; a config is at most {MAX_REQUEST_BYTES} besides its image",
+            )
+        return msg
+
+    def _generate(self, request_iterator, context, rpc_span):
+        t0 = time.monotonic()
+        gw = self.gw
+        first = self._first_message(request_iterator, context)
+        if first is None:
+            return
+        kind = first.WhichOneof("msg")
+        if kind != "config":
+            self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"config: the first message must be a config, got {kind or 'an empty message'}",
+            )
+        try:
+            cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model, decoders=gw.models.decoders)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            release = gw.table.admit(cfg, client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        run = self._open(cfg, context, t0, rpc_span, release)
+        run.tenant = principal_of(gw.auth, context).tenant  # whose stream: status shows it to its tenant only
+        run.credentials = credentials_of(context) if gw.auth else None  # checked again while it runs (revocation)
+        gw.table.register(run, release)
+        if not context.add_callback(run.on_rpc_done):
+            run.on_rpc_done()  # the client left while we were opening
+        run.start(_parsed(request_iterator))
+        logger.info(
+            "stream %s (pipeline %d): %dx%d, %s frames, codec %s, %s decoder",
+            run.id,
+            run.pipeline_id,
+            cfg.width,
+            cfg.height,
+            cfg.total_frames or "unbounded",
+            cfg.codec,
+            cfg.decoder,
+        )
+        try:
+            yield from run.messages()
+        except StreamFailed as exc:
+            self._abort(context, exc.code, exc.message)
+
+    def _open(self, cfg, context, t0: float, rpc_span, release) -> StreamRun:
+        """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
+        gw = self.gw
+        retry_after = None  # a capacity refusal's retry delay, from the coordinator's status details
+        try:
+            text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span)
+            negative = None
+            if cfg.guidance_scale > 1.0:
+                negative = gw.encode_prompt(cfg.negative_prompt, parent_span=rpc_span, field="negative_prompt")
+            run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span, negative_text=negative)
+            run.open_pipeline()
+            return run
+        except ConfigError as exc:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except grpc.RpcError as exc:
+            code, message = exc.code(), f"pipeline (coordinator {gw.opts.coordinator}): {exc.details()}"
+            retry_after = retry_after_of(exc)  # a capacity refusal's retry delay reaches the client
+        except StreamFailed as exc:
+            code, message = exc.code, exc.message
+        release()
+        self._abort(context, code, message, retry_after)
+
+    def _abort(self, context, code: grpc.StatusCode, message: str, retry_after: float | None = None):
+        self.gw.metrics.rejected(code.name)
+        logger.info("call ended with %s: %s", code.name, message)
+        abort_with_retry(context, code, message, retry_after or 0.0)
+
+    def GetStatus(self, request: bytes, context):
+        try:
+            parse_status_request(request)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        msg = self.gw.report.status(principal_of(self.gw.auth, context))
+        msg.capacity.extend(self.gw.report.capacity())
+        return msg
+
+    def WatchStatus(self, request: bytes, context):
+        gw = self.gw
+        try:
+            parse_status_request(request)
+        except ConfigError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        who = principal_of(gw.auth, context)
+        try:
+            give_back = gw.table.quotas.take("watchers", client_of(gw.auth, context))
+        except Refused as exc:
+            self._abort(context, exc.code, exc.message)
+        try:
+            yield from self._watch(who, context)
+        finally:
+            give_back()
+
+    def _watch(self, who, context):
+        gw = self.gw
+        done = threading.Event()
+
+        def on_done():
+            done.set()
+            gw.table.touch()
+
+        context.add_callback(on_done)
+        seen = [-1]  # a cell, so the predicate sees the current value
+        table = gw.table
+        while True:
+            with table.cond:
+                table.cond.wait_for(lambda: table.version != seen[0] or done.is_set())
+                if done.is_set():
+                    return
+                seen[0] = table.version
+            yield gw.report.status(who)

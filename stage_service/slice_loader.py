@@ -1,0 +1,129 @@
+"""A stage's DiT slice: the layers the coordinator assigns, loaded, converted, timed and budgeted.
+
+Usage (``stage_service.server.StageServicer`` holds one)::
+
+    loader = SliceLoader(opts, config, device=device, dtype=dtype, telemetry=telemetry)
+    took = loader.load(range(0, 15))     # 0.0 when those layers are already loaded
+    loader.slice, loader.layers          # the DiTSlice and its layer range
+    loader.calibration                   # its timings for the SLO model (FormReply.calibration), or None
+    loader.kv_budget                     # the bytes it gives streams' KV (FormReply.kv_budget_bytes; 0: no limit)
+
+After loading (only the assigned layers: ``stage_service.checkpoint``), FP8 conversion (``--fp8``), a calibration
+within ``--calibration-s`` (``stage_service.calibration``) and the KV budget measured after it
+(``stage_service.kv_budget``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, calibrate, serving_shape
+from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
+from stage_service.dit_slice import DiTSlice
+from stage_service.fp8 import convert_to_fp8
+from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
+from stage_service.metrics import StageTelemetry
+from stagecast.microstep import DEFAULT_MAX_BATCH
+
+logger = logging.getLogger(__name__)
+
+
+class SliceLoader:
+    """The loaded slice, its layer range, its calibration and its KV budget."""
+
+    def __init__(self, opts, config: dict, *, device: torch.device, dtype: torch.dtype, telemetry: StageTelemetry):
+        self.opts = opts  # stage_service.server.StageOptions
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.telemetry = telemetry
+        self.layers: range | None = None
+        self.slice: DiTSlice | None = None
+        # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
+        self.max_batch = DEFAULT_MAX_BATCH
+        self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
+        self.kv_budget = 0  # bytes for streams' KV, measured after loading (FormReply.kv_budget_bytes; 0: no limit)
+        # What the CUDA graphs' static buffers may hold (None: no cap, no graphs); kept out of the KV budget.
+        self.graph_cap = graph_buffer_cap(device, opts.cuda_graphs)
+
+    def load(self, layers: range) -> float:
+        """Load ``layers`` unless they are loaded already; returns the seconds it took (the caller holds the lock)."""
+        if self.layers == layers and self.slice is not None:
+            return 0.0
+        start = time.perf_counter()
+        n = self.config["num_layers"]
+        first, last = layers.start == 0, layers.stop == n
+        if self.opts.checkpoint.startswith(RANDOM_PREFIX):
+            config = self.config
+            sd = random_slice_state_dict(
+                config, layers=layers, first=first, last=last, dtype=self.dtype, device=self.device
+            )
+        else:
+            config, sd = load_slice_state_dict(
+                self.opts.checkpoint,
+                layers=layers,
+                first=first,
+                last=last,
+                dtype=self.dtype,
+                device=self.device,
+                loras=self.opts.loras,
+            )
+        self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
+        if self.opts.fp8:  # before Form builds CUDA graphs over the blocks
+            convert_to_fp8(self.slice)
+        self.layers = layers
+        self.telemetry.set_layers(layers)
+        took = time.perf_counter() - start
+        logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
+        self.telemetry.startup("load", took)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            loaded = torch.cuda.memory_allocated(self.device)
+        self.calibration = self._calibrate()
+        peak = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
+        if cuda:
+            torch.cuda.empty_cache()
+        self.kv_budget = measure_kv_budget(
+            self.device, operator_gib=self.opts.kv_budget_gib, activation_peak=peak, graph_bytes=self.graph_cap or 0
+        )
+        gib = self.kv_budget / (1 << 30)
+        limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
+        logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
+        return took
+
+    def _calibrate(self) -> Calibration | None:
+        """Time the freshly loaded slice for the coordinator's SLO model (never raises: a stage that cannot calibrate
+        still serves, and the coordinator learns its times from measured batches)."""
+        budget = self.opts.calibration_s
+        if budget is None:
+            # On a CPU the stages, the gateway and the text encoder share the cores, and a timing taken while they all
+            # start says little about serving: calibrate there only when asked.
+            budget = DEFAULT_BUDGET_S if self.device.type == "cuda" else 0.0
+        if budget <= 0:
+            return None
+        if self.opts.sp > 1:
+            logger.info("stage %d: no calibration under --sp (its forwards need the whole group)", self.opts.index)
+            return None
+        assert self.slice is not None
+        try:
+            shape = serving_shape(self.opts.checkpoint, self.config)
+            cal = calibrate(
+                self.slice,
+                min(max(self.max_batch, 1), 64),
+                shape,
+                budget_s=budget,
+                graphs=self.opts.cuda_graphs,
+            )
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("stage %d: calibration failed: %s; times come from batches", self.opts.index, exc)
+            return None
+        if cal.error:
+            logger.warning("stage %d: calibration incomplete: %s", self.opts.index, cal.summary())
+        else:
+            logger.info("stage %d: calibration: %s", self.opts.index, cal.summary())
+        self.telemetry.startup("calibration", cal.seconds)
+        return cal
