@@ -226,8 +226,7 @@ def ti2v(tmp_path_factory):
     """A Wan2.2-TI2V-style tiny checkpoint (48 latent channels, per-token timesteps, the 16x Wan2.2 VAE)."""
     import shutil
 
-    from gateway.stream_vae import write_tiny_vae
-    from launcher.demo_checkpoint import write_transformer
+    from launcher.demo_checkpoint import write_tiny_vae, write_transformer
 
     root = write_demo_checkpoint(tmp_path_factory.mktemp("ti2v"))
     shutil.rmtree(root / "transformer")
