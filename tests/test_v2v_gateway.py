@@ -350,4 +350,4 @@ def test_a_recache_needs_a_bounded_window_and_a_known_transition(client):
     with pytest.raises(stagecast.InvalidArgumentError, match="prompt update: transition: RECACHE rebuilds"):
         gen.collect()
     with pytest.raises(ValueError, match="transition: must be one of"):
-        stagecast.client._prompt_update("x", "blend")
+        gen.update_prompt("x", transition="blend")  # refused by the SDK before it is sent
