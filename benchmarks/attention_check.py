@@ -55,7 +55,7 @@ from benchmarks.fp8_check import (
     write_result,
 )
 from stage_service.checkpoint import random_slice_state_dict
-from stage_service.dit_slice import AttentionContext, DiTSlice, _attend_grouped, _attend_per_item
+from stage_service.dit_slice import AttentionContext, DiTSlice, attend_grouped, attend_per_item
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
 
@@ -119,10 +119,10 @@ def attention_only(cfg: dict, inputs: dict, args, device: torch.device, dtype: t
     cached = [(w.keys[0], w.values[0]) for w in inputs["windows"]]
     out = {}
     with torch.no_grad():
-        per_item = _attend_per_item(q, k, v, cached)
-        grouped = _attend_grouped(q, k, v, cached)
-        out["per_item"] = time_forwards(lambda: _attend_per_item(q, k, v, cached), device, args.warmup, args.iters)
-        out["grouped"] = time_forwards(lambda: _attend_grouped(q, k, v, cached), device, args.warmup, args.iters)
+        per_item = attend_per_item(q, k, v, cached)
+        grouped = attend_grouped(q, k, v, cached)
+        out["per_item"] = time_forwards(lambda: attend_per_item(q, k, v, cached), device, args.warmup, args.iters)
+        out["grouped"] = time_forwards(lambda: attend_grouped(q, k, v, cached), device, args.warmup, args.iters)
     out["speedup"] = out["per_item"]["median_ms"] / out["grouped"]["median_ms"]
     out["grouped_vs_per_item_max_abs"] = max_abs(grouped, per_item)
     return out
@@ -167,7 +167,7 @@ def kv_copies(cfg: dict, inputs: dict, args, device: torch.device, dtype: torch.
     k_all = torch.empty(batch, inputs["context"] + tokens, heads, head_dim, device=device, dtype=dtype)
     v_all = torch.empty_like(k_all)
 
-    def attention_cat() -> None:  # _attend_grouped's copy of window and new K/V, every layer
+    def attention_cat() -> None:  # attend_grouped's copy of window and new K/V, every layer
         for layer in range(layers):
             for b, (k_in, v_in) in enumerate(slots):
                 torch.cat([k_in[layer], new_k[b : b + 1]], dim=1, out=k_all[b : b + 1])

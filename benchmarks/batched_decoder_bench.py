@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from gateway.batched_decoder import DEFAULT_BUCKETS, BatchedDecoder, allow_variants
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames, write_tiny_decoder
+from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.api import DEFAULT_FPS
 from stagecast.names import DTYPES
 

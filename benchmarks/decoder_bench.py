@@ -45,7 +45,8 @@ from diffusers import AutoencoderKLWan
 
 from benchmarks.harness import git_commit
 from gateway.stream_vae import StreamVAE
-from gateway.tiny_decoder import load_tiny_decoder, write_tiny_decoder
+from gateway.tiny_decoder import load_tiny_decoder
+from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

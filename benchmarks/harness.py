@@ -63,7 +63,7 @@ Decoders (``--decoder full|tiny|full,tiny``): every measured stream asks for the
 stream runs once more for each other one, in the same system right after it, and ``system.main_by_decoder`` holds
 each one's steady FPS side by side.  The gateway gets ``--tiny-decoder PATH`` when given, else (when a tiny decoder is
 listed) a tiny decoder with random weights written into the checkpoint's ``tiny_decoder/`` (the protocol's random
-weights; ``gateway.tiny_decoder.write_tiny_decoder``).
+weights; ``launcher.demo_checkpoint.write_tiny_decoder``).
 
 Classifier-free guidance (``--guidance 5``): every stream runs a conditional and an unconditional branch (the
 negative prompt, ``--negative-prompt``, empty by default), sequentially through one pipeline of ``--stages`` stages,
@@ -142,16 +142,12 @@ def sync(device: torch.device) -> None:
 
 
 def write_assets(root: Path, args) -> None:
-    from diffusers import AutoencoderKLWan
-
-    from gateway.text_encoder import write_random_text_encoder, write_tiny_text_encoder
-    from stagecast.model.vae_configs import vae_config
+    from launcher.demo_checkpoint import write_random_text_encoder, write_tiny_text_encoder, write_tiny_vae
 
     cfg = model_config(args.model)
     (root / "transformer").mkdir(parents=True)
     (root / "transformer" / "config.json").write_text(json.dumps(cfg, default=list))
-    torch.manual_seed(0)
-    AutoencoderKLWan(**vae_config(VAE_FOR_MODEL[args.model])).save_pretrained(root / "vae")
+    write_tiny_vae(root / "vae", name=VAE_FOR_MODEL[args.model], seed=0)  # the real VAE's config, random weights
     if args.text_encoder == "umt5-xxl":
         # The real UMT5-XXL (5.7B): its config only; the gateway draws the weights on its GPU.
         write_random_text_encoder(root)
@@ -167,7 +163,7 @@ def write_assets(root: Path, args) -> None:
     defaults["sampler"] = {"ladder": list(LADDER)}
     (root / "stagecast.json").write_text(json.dumps(defaults))
     if "tiny" in decoders_of(args) and not getattr(args, "tiny_decoder", None):
-        from gateway.tiny_decoder import write_tiny_decoder
+        from launcher.demo_checkpoint import write_tiny_decoder
 
         patch = 2 if VAE_FOR_MODEL[args.model] == "wan2.2" else 1
         (root / "tiny_decoder").mkdir()

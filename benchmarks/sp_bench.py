@@ -6,8 +6,8 @@ Usage::
     python -m benchmarks.sp_bench --gpus 2 --json benchmarks/results/sp_a2a_2gpu.json     # NCCL, one rank per GPU
     python -m benchmarks.sp_bench --cpu                                                    # gloo, tiny shapes (CI)
 
-Each rank runs the stage's own exchange code (``stage_service.dit_slice._sequence_to_heads`` and
-``_heads_to_sequence`` over a ``DistSequenceGroup``) on one micro-step of each model at 480x832, one latent frame
+Each rank runs the stage's own exchange code (``stage_service.dit_slice.sequence_to_heads`` and
+``heads_to_sequence`` over a ``DistSequenceGroup``) on one micro-step of each model at 480x832, one latent frame
 (1560 tokens), bf16; GPU times are CUDA events around the collectives after a warm-up.  "Per forward" is what one
 whole-model forward at SP=S spends exchanging: layers × (q/k/v in + output back), plus the gather before the head.
 The size sweep of ``all_to_all_single`` is fitted to ``t = latency + bytes / bandwidth`` (least squares), which is
@@ -64,7 +64,7 @@ def _time(fn, device: torch.device, iters: int) -> float:
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, models: list[str], tokens: int, iters: int, out: str):
-    from stage_service.dit_slice import _heads_to_sequence, _sequence_to_heads
+    from stage_service.dit_slice import heads_to_sequence, sequence_to_heads
     from stage_service.parallel_state import DistSequenceGroup
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -83,8 +83,8 @@ def _rank_main(rank: int, world: int, port: int, backend: str, models: list[str]
             q, k, v = (torch.randn(1, shard, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
             out_heads = torch.randn(1, tokens, heads // world, head_dim, device=device, dtype=dtype)
             hidden = torch.randn(1, shard, heads * head_dim, device=device, dtype=dtype)
-            qkv_ms = _time(lambda q=q, k=k, v=v: _sequence_to_heads(group, q, k, v), device, iters)
-            out_ms = _time(lambda o=out_heads: _heads_to_sequence(group, o), device, iters)
+            qkv_ms = _time(lambda q=q, k=k, v=v: sequence_to_heads(group, q, k, v), device, iters)
+            out_ms = _time(lambda o=out_heads: heads_to_sequence(group, o), device, iters)
             gather_ms = _time(lambda h=hidden: group.all_gather(h), device, iters)
             rows.append(
                 {

@@ -26,43 +26,14 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from launcher.convert import WEIGHTS_INDEX_NAME, shard_groups
+from launcher.convert import WEIGHTS_INDEX_NAME
+from launcher.demo_checkpoint import write_random_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
-from stage_service.checkpoint import _load_dtype, model_shapes
-from stagecast.model.config import CONFIG_NAME
-from stagecast.model.dit_configs import model_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LOADED = re.compile(r"stage (\d+) loaded layers (\d+):(\d+) in ([0-9.]+)s")
-
-
-def write_random_checkpoint(folder: Path, name: str, dtype: torch.dtype, seed: int = 0) -> int:
-    """Write the layer-ordered shards of a random ``name`` model (one shard in memory at a time); return bytes."""
-    config = model_config(name)
-    shapes = model_shapes(config)
-    folder.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 14B numbers on the CPU takes minutes
-    gen = torch.Generator(device=device).manual_seed(seed)
-    groups = shard_groups(list(shapes), config["num_layers"])
-    weight_map, total = {}, 0
-    for i, (_, names) in enumerate(groups, start=1):
-        file = f"diffusion_pytorch_model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {}
-        for key in names:
-            t = torch.randn(shapes[key], generator=gen, device=device, dtype=torch.float32) * 0.02
-            tensors[key] = t.to(_load_dtype(key, torch.float32, dtype)).cpu().contiguous()
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        total += sum(t.nbytes for t in tensors.values())
-        weight_map.update(dict.fromkeys(names, file))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (folder / CONFIG_NAME).write_text(
-        json.dumps({"_class_name": "WanTransformer3DModel", **config}, indent=2, default=list) + "\n"
-    )
-    return total
 
 
 def drop_page_cache() -> bool:

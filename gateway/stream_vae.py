@@ -25,8 +25,8 @@ To run the decoder as pipeline stages, ``split_decoder(vae, 2)`` cuts it by bloc
 the same ``new_state``/``decode_chunk``/``release`` API; each owns the cache slots of its own blocks, the first
 takes latents, the last returns video, and what passes between them is one tensor per chunk.
 
-Tests and the CPU demo write a random tiny VAE with ``write_tiny_vae(folder, name="tiny-wan2.1")`` and load it with
-``StreamVAE.from_folder(folder)``.
+Tests and the CPU demo write a random tiny VAE with ``launcher.demo_checkpoint.write_tiny_vae(folder,
+name="tiny-wan2.1")`` and load it with ``StreamVAE.from_folder(folder)``.
 
 Not handled: tiled decode (``vae.enable_tiling()`` is ignored, and the one-shot reference is the untiled decode)
 and model-offload hooks (they sit on ``vae.decode``, which this bypasses; keep the module on its device).
@@ -598,17 +598,3 @@ class StreamVAEEncoder:
             outs.append((mean - self._mean) * self._inv_std)
             state.latent_frames += 1
         return torch.cat(outs, dim=2) if outs else None
-
-
-def write_tiny_vae(folder: str | PathLike, *, name: str = "tiny-wan2.1", seed: int = 0) -> Path:
-    """Write a random ``AutoencoderKLWan`` of the named ``vae_configs`` preset to ``folder`` (diffusers layout).
-
-    Same arguments give the same weights; the caller's torch RNG state is left untouched.
-    """
-    folder = Path(folder)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae = AutoencoderKLWan(**vae_configs.vae_config(name))
-    vae.eval().save_pretrained(folder)
-    logger.debug("wrote random %s VAE to %s", name, folder)
-    return folder

@@ -22,8 +22,8 @@ threads hold the GIL, every launch can wait a switch interval (5 ms), the suspec
 seconds on a busy gateway (BENCHMARKS.md).  A replay is one launch.  The graph is checked against the eager forward
 once when it is built; a capture that fails or differs leaves the encoder eager (a warning says why).
 
-Tests and the CPU demo have no model hub; ``write_tiny_text_encoder`` writes a tiny random UMT5 encoder
-and a tokenizer built in-process (a fixed Unigram vocabulary, no download, no training) that
+Tests and the CPU demo have no model hub; ``launcher.demo_checkpoint.write_tiny_text_encoder`` writes a tiny random
+UMT5 encoder and a tokenizer built in-process (a fixed Unigram vocabulary, no download, no training) that
 ``AutoTokenizer.from_pretrained`` loads like the real one.
 """
 
@@ -33,7 +33,6 @@ import html
 import json
 import logging
 import os
-import string
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -60,12 +59,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEN = 512  # WanPipeline.__call__'s max_sequence_length; the Wan DiT was trained with 512 text tokens.
 
+# A text_encoder/config.json with this key set true and no weights: the encoder is built with random weights on the
+# device (``launcher.demo_checkpoint.write_random_text_encoder``; benchmarks of the real-size UMT5-XXL).
+RANDOM_WEIGHTS_KEY = "stagecast_random_weights"
+
 __all__ = [
     "DEFAULT_MAX_LEN",
+    "RANDOM_WEIGHTS_KEY",
     "CacheStats",
     "TextEncoder",
     "prompt_clean",
-    "write_tiny_text_encoder",
 ]
 
 
@@ -327,120 +330,3 @@ class _GraphedForward:
             self.replay()
             assert self.out is not None
             return self.out.clone()
-
-
-# --- tiny offline model for tests and the CPU demo -------------------------------------------------------------
-
-# Whole-word pieces so typical test prompts tokenize into few tokens; anything else falls back to characters.
-_TINY_WORDS = (
-    "a an the of in on at to and with by from for is are over under into through near "
-    "cat dog fox bird fish horse person man woman child robot car city street forest river ocean sea beach "
-    "mountain snow rain sky sun moon night day light fire water tree flower field road house room "
-    "red green blue yellow white black orange purple golden dark bright small big tall old young "
-    "running walking flying swimming dancing jumping sitting standing driving falling "
-    "slow fast motion camera shot close up wide view scene video cinematic realistic style "
-    "high quality detailed beautiful sunset sunrise"
-).split()
-
-_SPM_SPACE = "\u2581"  # sentencepiece's word-boundary marker, as in the real T5/UMT5 tokenizers
-
-
-def _build_tiny_tokenizer(model_max_length: int):
-    """A T5-style Unigram tokenizer with a fixed vocabulary: deterministic, offline, no training step.
-
-    Ids follow UMT5: <pad>=0, </s>=1, <unk>=2; ``</s>`` is appended to every sequence.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if not c.isspace()]
-    # Unigram picks the segmentation with the highest total log-probability, so whole words (-2) beat spelling
-    # them out from word-initial (-4) and inner (-5) characters.
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (_SPM_SPACE, -3.0)]
-    vocab += [(_SPM_SPACE + w, -2.0) for w in _TINY_WORDS]
-    vocab += [(_SPM_SPACE + c, -4.0) for c in chars]
-    vocab += [(c, -5.0) for c in chars]
-
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPM_SPACE, prepend_scheme="always", split=True)
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    tok.decoder = decoders.Metaspace(replacement=_SPM_SPACE, prepend_scheme="always", split=True)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        model_max_length=model_max_length,
-    )
-
-
-# A text_encoder/config.json with this key set true and no weights: the encoder is built with random weights on the
-# device (``write_random_text_encoder``; benchmarks of the real-size UMT5-XXL).
-RANDOM_WEIGHTS_KEY = "stagecast_random_weights"
-
-UMT5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=256384)
-
-
-def write_random_text_encoder(folder: str | os.PathLike, **dims) -> Path:
-    """Write ``folder/text_encoder/config.json`` for a UMT5 encoder of ``dims`` (default: UMT5-XXL, Wan's) whose
-    weights are drawn at random where it is loaded, and the tiny tokenizer (its ids are a subset of the vocabulary)."""
-    from transformers import UMT5Config
-
-    folder = Path(folder)
-    tokenizer = _build_tiny_tokenizer(model_max_length=DEFAULT_MAX_LEN)
-    config = UMT5Config(
-        **{**UMT5_XXL, **dims}, dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1
-    )
-    if config.vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} ids")
-    config.save_pretrained(folder / "text_encoder")
-    data = json.loads((folder / "text_encoder" / "config.json").read_text())
-    data[RANDOM_WEIGHTS_KEY] = True
-    (folder / "text_encoder" / "config.json").write_text(json.dumps(data, indent=2))
-    tokenizer.save_pretrained(folder / "tokenizer")
-    return folder
-
-
-def write_tiny_text_encoder(
-    folder: str | os.PathLike,
-    *,
-    d_model: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    d_kv: int = 8,
-    d_ff: int = 64,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Write ``folder/text_encoder`` (random UMT5EncoderModel) and ``folder/tokenizer``; return ``folder``.
-
-    Same arguments give byte-identical files.  The caller's torch RNG state is left untouched.
-    """
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    folder = Path(folder)
-    tokenizer = _build_tiny_tokenizer(model_max_length=DEFAULT_MAX_LEN)
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=d_model,
-        d_kv=d_kv,
-        d_ff=d_ff,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",  # as in umt5-xxl, which Wan uses
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = UMT5EncoderModel(config)
-    model.to(dtype).eval()
-
-    model.save_pretrained(folder / "text_encoder")
-    tokenizer.save_pretrained(folder / "tokenizer")
-    logger.debug("wrote tiny UMT5 encoder (d_model=%d, vocab=%d) to %s", d_model, len(tokenizer), folder)
-    return folder

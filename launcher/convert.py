@@ -423,7 +423,7 @@ def write_transformer(
     from diffusers import WanTransformer3DModel
     from diffusers import __version__ as diffusers_version
 
-    from stage_service.checkpoint import _load_dtype
+    from stage_service.checkpoint import load_dtype
 
     folder.mkdir(parents=True)
     groups = shard_groups(list(names), config["num_layers"])
@@ -434,7 +434,7 @@ def write_transformer(
         tensors = {}
         for name in group:
             t = sd[names[name]]
-            tensors[name] = t.to(dtype=_load_dtype(name, t.dtype, dtype)).contiguous().clone()
+            tensors[name] = t.to(dtype=load_dtype(name, t.dtype, dtype)).contiguous().clone()
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update(dict.fromkeys(group, file))

@@ -114,7 +114,7 @@ def remove_stale_credentials(tmp: str | os.PathLike | None = None) -> list[Path]
     return removed
 
 
-def _entry(args: list[str]) -> list[str]:
+def module_args(args: list[str]) -> list[str]:
     """A child's ``python -m`` arguments: a service starts as itself (``coordinator --stages 2``: its package's
     ``__main__``, ``stagecast.service.SERVICE_MODULES``), so no service process imports the launcher; any other
     command runs through ``launcher.cli``."""
@@ -202,7 +202,7 @@ class Launcher:
         # the launcher's own long-lived thread, whichever thread calls start().
         proc = self._spawner.submit(
             subprocess.Popen,
-            [*prefix, sys.executable, "-m", *_entry(args)],
+            [*prefix, sys.executable, "-m", *module_args(args)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

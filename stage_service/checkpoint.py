@@ -1,4 +1,4 @@
-"""Load only one pipeline stage's slice of a Wan transformer checkpoint (and write test checkpoints).
+"""Load only one pipeline stage's slice of a Wan transformer checkpoint.
 
 A stage owning blocks ``[s:e)`` calls::
 
@@ -20,8 +20,8 @@ diffusers or the original Wan / CausVid / Self-Forcing layout (see ``wan_keys``)
 on the fly.  The key names are checked against the config before any tensor is read; every problem raises a
 ``CheckpointError`` naming the file and the key.
 
-``write_checkpoint`` writes a diffusers state dict in either layout, as one file or shards; tests and the CPU
-demo use it to make tiny random checkpoints.
+Tests and the CPU demo write checkpoints in these layouts with ``launcher.demo_checkpoint.write_checkpoint``; a
+``random:<model>`` stage draws its slice on its device instead (``random_slice_state_dict``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 from diffusers import WanTransformer3DModel
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from stagecast.model import wan_keys
 from stagecast.model.config import CONFIG_NAME, CheckpointError, read_config
@@ -112,7 +111,9 @@ def slice_shapes(
     return out
 
 
-def _load_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+def load_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor stored as ``stored`` under diffusers name ``key`` is loaded as when a stage asks for ``dtype``
+    (None: as stored); ``stagecast convert`` writes with the same rule."""
     if dtype is None or not stored.is_floating_point:
         return stored
     # Same rule as diffusers' from_pretrained(torch_dtype=...): these modules stay fp32 for accuracy.
@@ -128,7 +129,7 @@ def slice_parameter_bytes(
     """Bytes a stage slice occupies once loaded with ``dtype`` (fp32 modules counted as fp32)."""
     total = 0
     for key, shape in slice_shapes(config, layers=layers, first=first, last=last).items():
-        itemsize = _load_dtype(key, torch.float32, dtype).itemsize
+        itemsize = load_dtype(key, torch.float32, dtype).itemsize
         total += itemsize * torch.Size(shape).numel()
     return total
 
@@ -309,7 +310,7 @@ def _load_slice_state_dict(
 
             merge_loras(loaded, loras, model_shapes=model_shapes(config))
             for name, tensor in loaded.items():
-                loaded[name] = tensor.to(_load_dtype(name, tensor.dtype, dtype))
+                loaded[name] = tensor.to(load_dtype(name, tensor.dtype, dtype))
         state_dict = {_renumber(name, layers.start): loaded[name] for name in wanted}
     except BaseException:
         # Nothing half-loaded stays behind: the traceback keeps this frame alive, so drop the tensors explicitly.
@@ -368,7 +369,7 @@ def _read_files(
                     key = names[name]
                     tensor = f.get_tensor(key)
                     # copy=True always: CPU tensors from safe_open are unaligned mmap views (5e-7 output differences).
-                    got[name] = tensor.to(dtype=_load_dtype(name, tensor.dtype, dtype), copy=True)
+                    got[name] = tensor.to(dtype=load_dtype(name, tensor.dtype, dtype), copy=True)
                     del tensor
         except CheckpointError:
             got.clear()
@@ -407,73 +408,7 @@ def _renumber(name: str, start: int) -> str:
     return ".".join(parts)
 
 
-# --- writing ------------------------------------------------------------------------------------------------
-
-
-def write_checkpoint(
-    folder: str | Path,
-    state_dict: Mapping[str, torch.Tensor],
-    config: Mapping,
-    *,
-    layout: wan_keys.Layout = "diffusers",
-    max_shard_bytes: int | None = None,
-    key_prefix: str = "",
-) -> Path:
-    """Write a diffusers-named ``state_dict`` (``model.state_dict()``) and ``config`` as a checkpoint folder.
-
-    ``layout="diffusers"`` writes what ``WanTransformer3DModel.save_pretrained`` would (loadable by
-    ``from_pretrained``); ``layout="original"`` renames keys to the original Wan names (behind ``key_prefix``,
-    e.g. ``"model.diffusion_model."``) and writes a Wan-AI ``WanModel`` config.  With ``max_shard_bytes`` the
-    tensors are split, in order, into ``diffusion_pytorch_model-0000k-of-0000n.safetensors`` shards of at most
-    that size (a bigger tensor gets a shard of its own) plus the index json.  Returns the folder.
-    """
-    folder = Path(folder)
-    if layout not in ("diffusers", "original"):
-        raise ValueError(f"layout must be 'diffusers' or 'original', not {layout!r}")
-    if key_prefix and layout != "original":
-        raise ValueError("key_prefix only applies to layout='original'")
-    folder.mkdir(parents=True, exist_ok=True)
-    # Stale weights next to new ones would make the folder ambiguous (index vs single file), so refuse.
-    existing = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".index.json")))
-    if existing:
-        raise FileExistsError(f"{folder} already holds weights: {', '.join(existing)}")
-
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    if layout == "original":
-        config_json = wan_keys.diffusers_config_to_original(config)
-        rename = functools.partial(wan_keys.diffusers_to_original, prefix=key_prefix)
-    else:
-        from diffusers import __version__ as diffusers_version
-
-        config_json = {"_class_name": "WanTransformer3DModel", "_diffusers_version": diffusers_version, **config}
-        rename = str
-    (folder / CONFIG_NAME).write_text(json.dumps(config_json, indent=2, default=list) + "\n")
-
-    # save_file needs contiguous, unshared CPU tensors.
-    tensors = {rename(k): v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    metadata = {"format": "pt"}
-    if max_shard_bytes is None:
-        save_file(tensors, str(folder / WEIGHTS_NAME), metadata=metadata)
-        logger.info("wrote %d tensors to %s", len(tensors), folder / WEIGHTS_NAME)
-        return folder
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in tensors.items():
-        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += tensor.nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    logger.info("wrote %d tensors in %d shards to %s", len(tensors), len(shards), folder)
-    return folder
+# --- random weights (benchmarks: ``--checkpoint random:<model>``) ----------------------------------------
 
 
 RANDOM_PREFIX = "random:"
@@ -500,7 +435,7 @@ def random_slice_state_dict(
     gen = torch.Generator(device=device).manual_seed(seed * 7919 + layers.start)
     out = {}
     for key, shape in slice_shapes(config, layers=layers, first=first, last=last).items():
-        target = _load_dtype(key, torch.float32, dtype)
+        target = load_dtype(key, torch.float32, dtype)
         if ".norm" in key and key.endswith(".weight"):
             t = torch.ones(shape, dtype=target, device=device)
         else:

@@ -87,7 +87,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.permute(0, 2, 1, 3)
 
 
-def _sequence_to_heads(sp: SequenceGroup, *qkv: torch.Tensor) -> list[torch.Tensor]:
+def sequence_to_heads(sp: SequenceGroup, *qkv: torch.Tensor) -> list[torch.Tensor]:
     """Ulysses' first all-to-all: (B, L/sp, H, Dh) sequence shards -> (B, L, H/sp, Dh) head groups, q, k and v
     in one exchange.  Rank j receives head group j; shards are concatenated in rank (= sequence) order."""
     stacked = torch.stack(qkv)  # (3, B, Ls, H, Dh)
@@ -96,14 +96,14 @@ def _sequence_to_heads(sp: SequenceGroup, *qkv: torch.Tensor) -> list[torch.Tens
     return list(torch.cat(parts, dim=2).unbind(0))
 
 
-def _heads_to_sequence(sp: SequenceGroup, out: torch.Tensor) -> torch.Tensor:
+def heads_to_sequence(sp: SequenceGroup, out: torch.Tensor) -> torch.Tensor:
     """Ulysses' second all-to-all: (B, L, H/sp, Dh) -> (B, L/sp, H, Dh), heads concatenated in rank order."""
     tokens = out.shape[1] // sp.size
     parts = sp.all_to_all([out[:, j * tokens : (j + 1) * tokens] for j in range(sp.size)])
     return torch.cat(parts, dim=2)
 
 
-def _attend_per_item(query, key, value, cached: list) -> torch.Tensor:
+def attend_per_item(query, key, value, cached: list) -> torch.Tensor:
     """One SDPA per batch item over its cached K/V (if any) followed by its own (``DiTSlice.grouped_attention`` off)."""
     outs = []
     for b, kv in enumerate(cached):
@@ -115,8 +115,8 @@ def _attend_per_item(query, key, value, cached: list) -> torch.Tensor:
     return torch.cat(outs, dim=0)
 
 
-def _in_place(views: list, layer: int):
-    """For ``_attend_grouped``: where every item's view is a row of one static K/V stack (``GraphedBlocks``), whose
+def in_place_reader(views: list, layer: int):
+    """For ``attend_grouped``: where every item's view is a row of one static K/V stack (``GraphedBlocks``), whose
     window the forward's new K/V follow in place, a group's K/V are one view of the stack, with no copy.  Returns a
     function of (the group's items, their context length, new tokens) that gives (K, V) or None."""
     stacks = [getattr(kv, "stack", None) for kv in views]
@@ -139,14 +139,14 @@ def _in_place(views: list, layer: int):
     return group
 
 
-def _attend_grouped(query, key, value, cached: list, in_place=None) -> torch.Tensor:
+def attend_grouped(query, key, value, cached: list, in_place=None) -> torch.Tensor:
     """Self-attention of a batch whose items attend to different cached contexts: items with the same context
     length (or none) form one group and run one SDPA over their stacked q/k/v, so a Stream Batch of streams with
     full KV windows launches one attention kernel per layer instead of one per item.
 
     Each item's result equals its own batch-1 SDPA bit for bit: the CPU kernels compute every (item, head) apart
     (``tests/test_dit_slice_attention.py`` holds this for the models' dtypes and shapes), and a GPU benchmark
-    (``benchmarks/attention_check.py``) reports the difference there.  ``in_place`` (``_in_place``): the group's
+    (``benchmarks/attention_check.py``) reports the difference there.  ``in_place`` (``in_place_reader``): the group's
     window and new K/V already lie together in static buffers, read as they are."""
     groups: dict[int, list[int]] = {}
     for b, kv in enumerate(cached):
@@ -212,8 +212,8 @@ class _SliceAttnProcessor:
         key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         if ctx.sp.size > 1:
-            query, key, value = _sequence_to_heads(ctx.sp, query, key, value)
-            return _heads_to_sequence(ctx.sp, self._attend(query, key, value, ctx))
+            query, key, value = sequence_to_heads(ctx.sp, query, key, value)
+            return heads_to_sequence(ctx.sp, self._attend(query, key, value, ctx))
         return self._attend(query, key, value, ctx)
 
     def _attend(self, query, key, value, ctx: AttentionContext):
@@ -228,9 +228,9 @@ class _SliceAttnProcessor:
             if kv is not None:
                 kv.write(self.layer, key[b : b + 1], value[b : b + 1])
         if not self._owner[0].grouped_attention:
-            return _attend_per_item(query, key, value, cached).type_as(query)
-        in_place = _in_place(ctx.self_kv, self.layer) if self._owner[0].kv_in_place else None
-        return _attend_grouped(query, key, value, cached, in_place).type_as(query)
+            return attend_per_item(query, key, value, cached).type_as(query)
+        in_place = in_place_reader(ctx.self_kv, self.layer) if self._owner[0].kv_in_place else None
+        return attend_grouped(query, key, value, cached, in_place).type_as(query)
 
     def _cross(self, attn, hidden_states, ctx: AttentionContext):
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from gateway.batched_decoder import BatchedDecoder, BatchTimes
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames, write_tiny_decoder
+from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.vae_cost import tiny_cost
+from launcher.demo_checkpoint import write_tiny_decoder
 
 pytestmark = pytest.mark.unit
 

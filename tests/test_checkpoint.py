@@ -18,13 +18,13 @@ from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import save_file
 
+from launcher.demo_checkpoint import write_checkpoint
 from stage_service import checkpoint
 from stage_service.checkpoint import (
     CheckpointError,
     load_slice_state_dict,
     read_config,
     slice_parameter_bytes,
-    write_checkpoint,
 )
 from stagecast.model.dit_configs import CONFIGS, model_config
 from stagecast.model.wan_keys import (

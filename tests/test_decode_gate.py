@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gateway.decoder import DecodeGate, LocalDecoder
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames, write_tiny_decoder
+from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from launcher.demo_checkpoint import write_tiny_decoder
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,9 @@ from gateway.batched_decoder import BatchedDecoder
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import Decoders, resolve_config
 from gateway.stream import StreamHost, StreamLimits, StreamRun
-from gateway.tiny_decoder import load_tiny_decoder, write_tiny_decoder
+from gateway.tiny_decoder import load_tiny_decoder
 from gateway.vae_cost import VaeCost, VaeReporter, measure_vae, tiny_cost
+from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.client import stream_config
 
 pytestmark = pytest.mark.unit

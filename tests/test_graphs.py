@@ -368,7 +368,7 @@ def test_graph_buffers_stay_within_their_cap_and_the_rest_runs_eagerly_bit_for_b
 def test_attention_reads_consecutive_rows_of_the_kv_stack_in_place(tiny_model):
     # The static K/V stack holds each row's window with the forward's new K/V right after it: a group of consecutive
     # rows with full windows is one view of the stack (no copy); shorter windows, other stacks or a gap fall back.
-    from stage_service.dit_slice import _in_place
+    from stage_service.dit_slice import in_place_reader
     from stage_service.graphs import _StaticKV
 
     model = tiny_model()
@@ -381,20 +381,20 @@ def test_attention_reads_consecutive_rows_of_the_kv_stack_in_place(tiny_model):
     for slot in slots:
         slot.stack.k.copy_(torch.randn(slot.stack.k.shape, generator=gen))
     views = [_StaticKV(s, tokens=window, writes=True) for s in slots]
-    group = _in_place(views, layer=1)
+    group = in_place_reader(views, layer=1)
     k, v = group([0, 1, 2], window, tokens)
     assert k.data_ptr() == slots[0].stack.k[1].data_ptr() and k.shape == (3, window + tokens, 2, 12)
     new = torch.randn(1, tokens, 2, 12, generator=gen)
     views[1].write(1, new, new)  # the new K/V land right after row 1's window, where the view reads them
     assert torch.equal(k[1:2, window:], new) and torch.equal(v[1:2, window:], new)
     short = [_StaticKV(s, tokens=window - 2, writes=False) for s in slots]
-    k, _ = _in_place(short, layer=0)([0, 1], window - 2, tokens)
+    k, _ = in_place_reader(short, layer=0)([0, 1], window - 2, tokens)
     assert k.is_contiguous() and k.data_ptr() != slots[0].stack.k.data_ptr()
     assert torch.equal(k, slots[0].stack.k[0, 0:2, : window - 2 + tokens])
-    assert _in_place(views, layer=0)([0, 2], window, tokens) is None  # not consecutive rows
+    assert in_place_reader(views, layer=0)([0, 2], window, tokens) is None  # not consecutive rows
     mixed = [views[0], _StaticKV(other[0], tokens=window, writes=True)]
-    assert _in_place(mixed, layer=0)([0, 1], window, tokens) is None  # two stacks
-    assert _in_place([None, None], layer=0) is None  # no windows at all
+    assert in_place_reader(mixed, layer=0)([0, 1], window, tokens) is None  # two stacks
+    assert in_place_reader([None, None], layer=0) is None  # no windows at all
 
 
 def test_the_kv_stack_is_made_for_the_reserved_rows_and_more_rows_add_a_stack(tiny_model):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gateway.decoder import LocalDecoder
-from gateway.stream_vae import StreamVAE, decoder_units, to_uint8_frames, write_tiny_vae
+from gateway.stream_vae import StreamVAE, decoder_units, to_uint8_frames
+from launcher.demo_checkpoint import write_tiny_vae
 
 pytestmark = pytest.mark.parity
 

@@ -17,11 +17,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from safetensors.torch import save_file
 
+from launcher.demo_checkpoint import write_checkpoint
 from launcher.process import Launcher
 from launcher.reference import ReferenceExecutor
 from launcher.selftest import SelftestConfig, execute_selftest
 from stage_service import lora as lora_mod
-from stage_service.checkpoint import CheckpointError, load_slice_state_dict, write_checkpoint
+from stage_service.checkpoint import CheckpointError, load_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.lora import LoraSpec, parse_lora
 from stagecast.model.dit_configs import model_config

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.process import _entry
+from launcher.process import module_args
 from stagecast.service import SERVICE_MODULES
 
 pytestmark = pytest.mark.multiprocess
@@ -37,9 +37,9 @@ def test_python_m_service_help_is_the_stagecast_role_and_imports_no_launcher(rol
 
 
 def test_a_launcher_starts_services_as_themselves_and_other_commands_through_its_cli():
-    assert _entry(["coordinator", "--stages", "1"]) == ["coordinator", "--stages", "1"]
-    assert _entry(["vae-stage", "--index", "0"]) == ["gateway.vae_stage", "--index", "0"]
-    assert _entry(["selftest", "--stages", "1"]) == ["launcher.cli", "selftest", "--stages", "1"]
+    assert module_args(["coordinator", "--stages", "1"]) == ["coordinator", "--stages", "1"]
+    assert module_args(["vae-stage", "--index", "0"]) == ["gateway.vae_stage", "--index", "0"]
+    assert module_args(["selftest", "--stages", "1"]) == ["launcher.cli", "selftest", "--stages", "1"]
 
 
 def test_no_running_service_process_imports_the_launcher(shared_system):

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from gateway.text_encoder import CacheStats, TextEncoder, prompt_clean, write_tiny_text_encoder
+from gateway.text_encoder import CacheStats, TextEncoder, prompt_clean
+from launcher.demo_checkpoint import write_tiny_text_encoder
 
 pytestmark = pytest.mark.unit
 
@@ -200,7 +201,8 @@ def test_missing_folder(tmp_path):
 
 
 def test_a_random_weight_encoder_is_built_where_it_loads_from_its_config_alone(tmp_path):
-    from gateway.text_encoder import RANDOM_WEIGHTS_KEY, write_random_text_encoder
+    from gateway.text_encoder import RANDOM_WEIGHTS_KEY
+    from launcher.demo_checkpoint import write_random_text_encoder
 
     # The real UMT5-XXL's shape but small, so it builds on a CPU: a config and a tokenizer, no weight files.
     write_random_text_encoder(tmp_path, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=1000)
@@ -226,7 +228,8 @@ def test_text_dtype_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
 
 
 def test_text_encoder_loads_in_the_asked_dtype_and_reports_cache_hits(tmp_path):
-    from gateway.text_encoder import TextEncoder, write_tiny_text_encoder
+    from gateway.text_encoder import TextEncoder
+    from launcher.demo_checkpoint import write_tiny_text_encoder
 
     write_tiny_text_encoder(tmp_path, d_model=32)
     enc = TextEncoder(tmp_path, max_len=16, dtype=torch.bfloat16)

@@ -18,8 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import stagecast
 from gateway.checkpoint import ModelInfo
-from gateway.tiny_decoder import write_tiny_decoder
-from launcher.demo_checkpoint import write_demo_checkpoint, write_transformer
+from launcher.demo_checkpoint import write_demo_checkpoint, write_tiny_decoder, write_transformer
 from launcher.process import Launcher
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.v1 import stream_pb2 as spb

@@ -226,8 +226,7 @@ def ti2v(tmp_path_factory):
     """A Wan2.2-TI2V-style tiny checkpoint (48 latent channels, per-token timesteps, the 16x Wan2.2 VAE)."""
     import shutil
 
-    from gateway.stream_vae import write_tiny_vae
-    from launcher.demo_checkpoint import write_transformer
+    from launcher.demo_checkpoint import write_tiny_vae, write_transformer
 
     root = write_demo_checkpoint(tmp_path_factory.mktemp("ti2v"))
     shutil.rmtree(root / "transformer")
@@ -351,4 +350,4 @@ def test_a_recache_needs_a_bounded_window_and_a_known_transition(client):
     with pytest.raises(stagecast.InvalidArgumentError, match="prompt update: transition: RECACHE rebuilds"):
         gen.collect()
     with pytest.raises(ValueError, match="transition: must be one of"):
-        stagecast.client._prompt_update("x", "blend")
+        gen.update_prompt("x", transition="blend")  # refused by the SDK before it is sent

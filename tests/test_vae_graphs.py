@@ -23,9 +23,9 @@ from gateway.stream_vae import (
     StreamVAESlice,
     split_decoder,
     to_uint8_frames,
-    write_tiny_vae,
 )
 from gateway.vae_graphs import capture_graphs
+from launcher.demo_checkpoint import write_tiny_vae
 from stagecast.cuda_graphs import rerun_capture
 from stagecast.model.vae_configs import vae_config
 
