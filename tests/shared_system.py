@@ -3,11 +3,12 @@ it instead of each module forming its own pipeline (a pipeline is five interpret
 a system test's time).
 
 It is the demo checkpoint behind a coordinator that records its plan (its SLO model fixed at 1 ms stages, so no test
-here is refused as over capacity by a loaded CPU), two float32 stages and a gateway with its
-default flags, on loopback with the launcher's mTLS.  A module that needs another gateway or a web process in front
-spawns just that on it (``SharedSystem.launcher``) and stops it when done.  Every test that uses it ends its own
-streams; the ``shared_system`` fixture (tests/conftest.py) checks after each test that no stream is left anywhere,
-so a leak is reported at the test that caused it.  New system tests use it unless they need other pipeline flags.
+here is refused as over capacity by a loaded CPU) and admits ``MAX_STREAMS`` streams, two float32 stages and a
+gateway with its default flags, on loopback with the launcher's mTLS.  A module that needs another gateway or a web
+process (or VAE stages) in front spawns just that on it (``SharedSystem.spawned``) and stops it when done.  Every test
+that uses it ends its own streams; the ``shared_system`` fixture (tests/conftest.py) checks after each test that no
+stream is left anywhere, so a leak is reported at the test that caused it.  New system tests use it unless they need
+other pipeline flags.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from tests.pipeline_helpers import fixed_fast_stages
 
 STAGES = 2
+MAX_STREAMS = 4  # the coordinator's admission limit: small, so a test reaches it with a few streams
 IDLE_TIMEOUT = 60.0
 
 # Put on every child's PYTHONPATH as ``sitecustomize``: it records each process that armed it, and every import of
@@ -95,6 +97,7 @@ def shared_system(folder: Path) -> Iterator[SharedSystem]:
             checkpoint=str(root / "transformer"),
             stages=STAGES,
             record_plan=True,
+            max_streams=MAX_STREAMS,
             coordinator_args=fixed_fast_stages(STAGES),
         )
         gateway = launcher.spawn(

@@ -93,8 +93,15 @@ def test_streams_with_different_ladders_shifts_and_updates_share_batches_bit_for
     assert result.ok and result.max_diff == 0.0
 
 
+# Each on the pipeline of a case above (the same stages, partition and max batch), so they form none of their own.
+V2V_BATCH = {(2, "1,3"): 4, (3, "1,2,1"): 2}
+
+
 def v2v_config(stages, partition, policy):
-    return SelftestConfig(stages=stages, partition=partition, policy=policy, streams=3, chunks=4, steps=2, v2v=True)
+    batch = V2V_BATCH[(stages, partition)]
+    return SelftestConfig(
+        stages=stages, partition=partition, policy=policy, streams=3, chunks=4, steps=2, batch=batch, v2v=True
+    )
 
 
 @pytest.mark.parametrize(

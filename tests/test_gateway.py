@@ -1,12 +1,11 @@
 """The public streaming API end to end: real processes (coordinator, 2 stages, 2 gateways) on loopback, driven
 through the client SDK (and, for malformed call shapes, the generated gRPC stub).
 
-One cluster serves the whole module.  Gateway ``main`` has generous limits and decodes in-process; gateway ``tight``
-allows 2 streams, buffers almost nothing (so the stream limit and the slow-client policy are cheap to reach) and
-decodes through a chain of two VAE stage processes.  The coordinator admits
-4 streams and records its plan, which lets the reference executor replay exactly what the pipeline ran.  Every test
-leaves the cluster idle (no streams anywhere) so the next one's plan replays in isolation.
-"""
+The module runs on the session's shared system (tests/shared_system.py).  Gateway ``main`` is the shared one: generous
+limits, decoding in-process; gateway ``tight``, this module's own, allows 2 streams, buffers almost nothing (so the
+stream limit and the slow-client policy are cheap to reach) and decodes through a chain of two VAE stage processes.
+The coordinator admits 4 streams and records its plan, which lets the reference executor replay exactly what the
+pipeline ran.  Every test leaves the system idle (no streams anywhere) so the next one's plan replays in isolation."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import stagecast
 from gateway.stream_vae import StreamVAE, to_uint8_frames
 from gateway.text_encoder import TextEncoder
-from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
-from launcher.local_cluster import start_pipeline
+from launcher.demo_checkpoint import DEMO_SERVING
 from launcher.process import Launcher
 from launcher.reference import ReferenceExecutor
 from launcher.selftest import plan_from_proto
@@ -43,14 +41,13 @@ from stagecast.media import read_mp4_frames
 from stagecast.model.config import read_config
 from stagecast.v1 import stream_pb2 as pb
 from stagecast.v1 import stream_pb2_grpc as pb_grpc
-from tests.pipeline_helpers import fixed_fast_stages
+from tests.shared_system import MAX_STREAMS as COORDINATOR_MAX_STREAMS
 
 pytestmark = pytest.mark.multiprocess
 
 PROMPT = "a red fox running through snow"
 OTHER_PROMPT = "a blue bird flying over the ocean"
 W, H = 48, 32  # non-square, so a width/height mix-up shows; latents 6x4
-COORDINATOR_MAX_STREAMS = 4
 TIGHT_MAX_STREAMS = 2
 TIMEOUT = 120
 
@@ -74,41 +71,31 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    with Launcher() as launcher:
-        pipe = start_pipeline(
-            launcher,
-            checkpoint=str(root / "transformer"),
-            stages=2,
-            record_plan=True,
-            max_streams=COORDINATOR_MAX_STREAMS,
-            coordinator_args=fixed_fast_stages(2),
-        )
-        base = ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-        metrics_port = _free_port()
-        tight = base + ["--max-streams", str(TIGHT_MAX_STREAMS), "--buffer-chunks", "1", "--buffer-messages", "2"]
-        tight += ["--slow-client-timeout", "2", "--metrics-port", str(metrics_port)]
-        # The VAE chain is started from its end: each stage needs the next one's address.
-        vae = ["vae-stage", "--checkpoint", str(root), "--num-slices", "2", "--port", "0"]
-        vae += ["--cuda-graphs", f"{H}x{W}", "--graph-slots", "2"]  # on CPU a replay re-runs the slice (exactness)
-        vae_last = launcher.spawn("vae-1", vae + ["--index", "1"])
-        vae_first = launcher.spawn("vae-0", vae + ["--index", "0", "--next", vae_last.info["address"]])
-        tight += ["--vae-stage", vae_first.info["address"]]
-        # Spawned from this thread: children get PR_SET_PDEATHSIG, which fires when the spawning *thread* exits.
-        main_child = launcher.spawn("main", base)
-        tight_child = launcher.spawn("tight", tight)
-        stage_addresses = [child.info["address"] for child in pipe.stage_children.values()]
-        yield Cluster(
-            root=root,
-            coordinator=pipe.coordinator,
-            main=main_child.info["address"],
-            tight=tight_child.info["address"],
-            metrics_port=metrics_port,
-            stage_addresses=stage_addresses,
-            vae_stage_addresses=[vae_first.info["address"], vae_last.info["address"]],
-            launcher=launcher,
-        )
+def cluster(system_session):
+    """The session's shared system (its coordinator admits COORDINATOR_MAX_STREAMS) with its gateway as ``main``, and a
+    ``tight`` gateway of this module's own in front of a chain of two VAE stage processes."""
+    s = system_session
+    metrics_port = _free_port()
+    tight = ["gateway", "--coordinator", s.coordinator, "--checkpoint", str(s.root), "--port", "0"]
+    tight += ["--max-streams", str(TIGHT_MAX_STREAMS), "--buffer-chunks", "1", "--buffer-messages", "2"]
+    tight += ["--slow-client-timeout", "2", "--metrics-port", str(metrics_port)]
+    # The VAE chain is started from its end: each stage needs the next one's address.
+    vae = ["vae-stage", "--checkpoint", str(s.root), "--num-slices", "2", "--port", "0"]
+    vae += ["--cuda-graphs", f"{H}x{W}", "--graph-slots", "2"]  # on CPU a replay re-runs the slice (exactness)
+    with s.spawned("gateway-vae-1", vae + ["--index", "1"]) as vae_last:
+        with s.spawned("gateway-vae-0", vae + ["--index", "0", "--next", vae_last.info["address"]]) as vae_first:
+            with s.spawned("tight", tight + ["--vae-stage", vae_first.info["address"]]) as tight_child:
+                yield Cluster(
+                    root=s.root,
+                    coordinator=s.coordinator,
+                    main=s.gateway,
+                    tight=tight_child.info["address"],
+                    metrics_port=metrics_port,
+                    stage_addresses=[c.info["address"] for n, c in s.children.items() if n.startswith("stage-")],
+                    vae_stage_addresses=[vae_first.info["address"], vae_last.info["address"]],
+                    launcher=s.launcher,
+                )
+    s.assert_idle()
 
 
 @pytest.fixture(scope="module")
@@ -407,7 +394,9 @@ def test_too_many_streams_on_a_gateway_is_resource_exhausted(cluster):
 
 
 def test_the_coordinators_stream_limit_passes_through_as_resource_exhausted(main, cluster):
-    streams = [main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT) for _ in range(4)]
+    streams = [
+        main.generate(PROMPT, width=W, height=H, codec="raw", timeout=TIMEOUT) for _ in range(COORDINATOR_MAX_STREAMS)
+    ]
     for gen in streams:
         gen.wait_started()
     with pytest.raises(stagecast.ResourceExhaustedError, match="pipeline.*too many streams"):

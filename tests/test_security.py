@@ -16,7 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import stagecast
 from coordinator.rendezvous import RendezvousServicer
 from launcher.demo_checkpoint import write_demo_checkpoint
-from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
 from stage_service.rendezvous import GrpcStore
 from stagecast import errors
@@ -40,10 +39,11 @@ TOKENS = {
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    """Coordinator, 2 stages, one VAE stage and a gateway (public TLS + tokens), all with mTLS on loopback."""
+def deployment(system_session, tmp_path_factory):
+    """A VAE stage and a gateway (public TLS + tokens) of this module's own on the session's shared system
+    (coordinator and 2 stages), all with mTLS on loopback."""
+    s = system_session
     tmp = tmp_path_factory.mktemp("auth")
-    root = write_demo_checkpoint(tmp / "ckpt")
     tokens = tmp / "tokens"
     tokens.write_text(
         "# token tenant [role]\n"
@@ -55,26 +55,22 @@ def deployment(tmp_path_factory):
     (tmp / "gw.crt").write_bytes(cert)
     (tmp / "gw.key").write_bytes(key)
     (tmp / "public-ca.crt").write_bytes(public_ca)
-    with Launcher() as launcher:
-        pipe = start_pipeline(launcher, checkpoint=str(root / "transformer"), stages=2)
-        vae = launcher.spawn(
-            "vae", ["vae-stage", "--checkpoint", str(root), "--index", "0", "--num-slices", "1", "--port", "0"]
-        )
-        gateway = launcher.spawn(
-            "gateway",
-            ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root), "--port", "0"]
-            + ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")]
-            + ["--config-timeout", "60"],  # calls held without a config stay held for as long as a test needs
-        )
+    vae_args = ["vae-stage", "--checkpoint", str(s.root), "--index", "0", "--num-slices", "1", "--port", "0"]
+    gateway_args = ["gateway", "--coordinator", s.coordinator, "--checkpoint", str(s.root), "--port", "0"]
+    gateway_args += ["--tokens", str(tokens), "--tls-cert", str(tmp / "gw.crt"), "--tls-key", str(tmp / "gw.key")]
+    gateway_args += ["--config-timeout", "60"]  # calls held without a config stay held for as long as a test needs
+    with s.spawned("security-vae", vae_args) as vae, s.spawned("security-gateway", gateway_args) as gateway:
         yield {
-            "launcher": launcher,
-            "coordinator": pipe.coordinator,
-            "stages": [child.info["address"] for child in pipe.stage_children.values()],
+            "system": s,
+            "launcher": s.launcher,
+            "coordinator": s.coordinator,
+            "stages": [child.info["address"] for name, child in s.children.items() if name.startswith("stage-")],
             "vae": vae.info["address"],
             "gateway": gateway.info["address"],
             "public_ca": tmp / "public-ca.crt",
             "tmp": tmp,
         }
+    s.assert_idle()
 
 
 def _raw_call(channel: grpc.Channel, service, method, timeout: float = 10.0):
@@ -360,16 +356,16 @@ def test_the_live_page_reaches_a_tls_gateway_with_the_browsers_own_token(deploym
     tokens = deployment["tmp"] / "tokens"
     args = ["web", "--gateway", deployment["gateway"], "--gateway-ca", str(deployment["public_ca"])]
     args += ["--tokens", str(tokens), "--port", "0"]
-    url = deployment["launcher"].spawn("web", args).info["url"]
 
-    async def scenario():
+    async def scenario(url):
         with pytest.raises(OfferRefused) as refused:
             await RtcViewer(url).connect()
         async with RtcViewer(url, token=TOKENS["alice"]) as viewer:
             viewer.send({"type": "config", "prompt": "a red fox", "seconds": 0.5})
             return refused.value, await viewer.wait_for("end", timeout=TIMEOUT)
 
-    refused, end = asyncio.run(scenario())
+    with deployment["system"].spawned("security-web", args) as web:
+        refused, end = asyncio.run(scenario(web.info["url"]))
     assert refused.status == 401
     # The gateway wants TLS and a token for every call: the stream ran on alice's token, over TLS.
     assert end == {"type": "end", "reason": "completed", "frames": 8}
