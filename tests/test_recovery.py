@@ -66,14 +66,19 @@ def test_sigkill_of_a_stage_fails_streams_then_a_new_generation_serves(checkpoin
         survivor = pipe.stage_children[0].info["address"]
         wait_until(lambda: health(launcher, survivor, STAGE_HEALTH) == NOT_SERVING, timeout=30, what="stage 0 leaving")
         assert health(launcher, survivor, "") == SERVING
-        # A dead data-plane peer is one line at each survivor, naming it, and no traceback.
+        # A dead data-plane peer is at most one line at each survivor, naming it, and no traceback.  A survivor whose
+        # data plane met the dead peer says so; one reset first (the coordinator's reason may name another survivor
+        # that left) need not name it, but the death is named at one survivor at least.
         survivors = [pipe.stage_children[0], pipe.stage_children[2]]
         for child in survivors:
             wait_until(lambda c=child: _left(c, 1), timeout=30, what="the survivors leaving generation 1")
+        naming = []
         for child in survivors:
             log = list(child.log)
             assert not [line for line in log if "Traceback" in line], log[-30:]
-            assert len([line for line in log if re.search(r"\bstage 1\b", line)]) == 1, log[-30:]
+            naming.append([line for line in log if re.search(r"\bstage 1\b", line)])
+            assert len(naming[-1]) <= 1, naming[-1]
+        assert any(naming), [list(child.log)[-30:] for child in survivors]
 
         launcher.spawn("stage-1-restarted", pipe.stage_args[1])
         status = wait_for_generation(pipe.coordinator, 2, launcher)
