@@ -19,7 +19,7 @@ on that GPU.  A chunk passes every part, so the GPU that limits the rate is the 
 part's ms is what each chunk costs the busiest stage GPU (``CostModel.chunk_ms``).  Each part is timed on its own
 device (CUDA events on a GPU, wall time on a CPU) over chunks after the first two (latent frame 0 and the cache
 filling are not the steady state), on fresh per-stream states that are released afterwards: no stream's cache and no
-global random generator is touched.  The gateway measures only a VAE on GPUs (``Gateway._measure_vae``): a VAE on
+global random generator is touched.  The gateway measures only a VAE on GPUs (``GatewayModels._measure_vae``): a VAE on
 the CPU takes none of the stage GPUs' time.
 """
 
