@@ -31,13 +31,12 @@ def small_spec(**kw) -> StreamSpec:
     return StreamSpec(**(fields | kw))
 
 
-def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders, timesteps=None):
-    """``open_stream(**kw)``: a paced, acknowledging stream on ``ladders`` (starting on ``timesteps``, default the
-    last ladder), each call a new one."""
-    start = tuple(timesteps or ladders[-1])
+def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders):
+    """``open_stream(**kw)``: a paced, acknowledging stream on ``ladders`` (starting on the last), each call a new
+    one."""
 
     def open_stream(**kw):
-        spec = small_spec(timesteps=start)
+        spec = small_spec(timesteps=tuple(ladders[-1]))
         return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
 
     return open_stream

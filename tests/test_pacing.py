@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from coordinator.engine import PipelineEngine
-from stagecast.microstep import StreamSpec
 from stagecast.model.dit_configs import model_config
-from tests.engine_helpers import hand_driven_engine
+from tests.engine_helpers import hand_driven_engine, small_spec
 from tests.pipeline_helpers import wait_until
 
 pytestmark = pytest.mark.unit
@@ -30,16 +29,10 @@ def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
     return hand_driven_engine(max_batch=8, playout_s=playout_s, clock=clock, lookahead=10**6)
 
 
-def spec(**kw) -> StreamSpec:
-    return StreamSpec(
-        stream_id=0, latent_channels=16, chunk_frames=1, latent_height=4, latent_width=6, text_len=8, **kw
-    )
-
-
 def open_stream(eng: PipelineEngine, rate: float, depth: int = 64, offset: float = 0.0):
     text = torch.zeros(1, 8, MODEL["text_dim"])
     # acknowledges with a large consumer depth: the delivery credit does not bind, the pace does.
-    return eng.open(spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate, pace_offset_s=offset)
+    return eng.open(small_spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate, pace_offset_s=offset)
 
 
 def run_ticks(eng: PipelineEngine, n: int) -> None:
