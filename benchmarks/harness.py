@@ -703,6 +703,7 @@ def stage_stats(coordinator: str, launcher) -> list[dict]:
             "micro_steps": s.micro_steps,
             "wait_ms": s.wait_ms_total,
             "exchange_ms": s.exchange_ms_total,
+            "eager_batches": s.eager_batches,
         }
         for s in coordinator_status(coordinator, launcher).stage_stats
     ]
@@ -889,6 +890,7 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                     "mean_batch": (a["micro_steps"] - b["micro_steps"]) / n,
                     # Host time blocked on data-plane receives (hidden states, returned latents) per batch.
                     "mean_wait_ms": (a["wait_ms"] - b["wait_ms"]) / n,
+                    "eager_batches": a.get("eager_batches", 0) - b.get("eager_batches", 0),
                     # Forward time over the frames' span. CUDA events time the GPU stream, so where the gateway's
                     # VAE shares the GPU its kernels count in (time-slicing).
                     "utilization": busy / max(span["last_s"] - span["first_s"], 1e-9),
@@ -1134,6 +1136,8 @@ def stage_delta(before: list[dict], after: list[dict]) -> list[dict]:
                 "micro_steps": micro,
                 "mean_batch": micro / batches if batches else None,
                 "mean_forward_ms": (a["forward_ms"] - b["forward_ms"]) / batches if batches else None,
+                # Batches that ran without a CUDA graph on a stage that has them (a signature not captured).
+                "eager_batches": a.get("eager_batches", 0) - b.get("eager_batches", 0),
             }
         )
     return out

@@ -94,6 +94,12 @@ def _capacity_key(a: dict, decoder: str) -> tuple:
     return (a["model"], a["steps"], a.get("load_min_steps"), a["width"], a["height"], decoder)
 
 
+def _eager(stage: dict) -> str:
+    """`` (k of n eager)`` where a stage with CUDA graphs ran batches without one (results that record it)."""
+    eager = stage.get("eager_batches")
+    return f" ({eager} of {stage.get('batches')} eager)" if eager else ""
+
+
 def _capacity_config(a: dict, decoder: str) -> str:
     lo = a.get("load_min_steps")
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
@@ -173,7 +179,7 @@ def capacity_table(runs: list[dict]) -> str:
                 f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
                 f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
                 f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {_f(row.get('mean_batch'), '.2f')} | "
-                + " / ".join(_f(s.get("mean_forward_ms"), ".1f") for s in stages)
+                + " / ".join(_f(s.get("mean_forward_ms"), ".1f") + _eager(s) for s in stages)
                 + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
                 f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
             )
@@ -212,7 +218,7 @@ def capacity_table(runs: list[dict]) -> str:
             parts = [
                 f"{e['streams']} open: "
                 + " / ".join(
-                    f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}"
+                    f"{_f(st['mean_forward_ms'], '.1f')} ms at batch {_f(st['mean_batch'], '.2f')}{_eager(st)}"
                     for st in e["stages"]
                 )
                 for e in row.get("ramp") or []

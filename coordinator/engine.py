@@ -291,6 +291,7 @@ class PipelineEngine:
             st.wait_ms_total += done.wait_ms
             st.micro_steps += done.micro_steps
             st.exchange_ms_total += done.exchange_ms
+            st.eager_batches += done.eager
             self.slo.observe(index, done)
             if last:
                 self.planner.batches_done += 1

@@ -62,6 +62,7 @@ class ExecutorEvent:
     exchange_ms: float = 0.0
     steps: int = 0  # "chunk": the denoising steps the chunk ran
     batches: int = 0  # "done": batches whose times forward_ms sums
+    eager: bool = False  # "done": this batch ran without a CUDA graph (with --cuda-graphs: a signature not captured)
 
 
 _STOP = object()
@@ -309,6 +310,7 @@ class StageExecutor:
         t_recv = time.time_ns()
         start = time.perf_counter()
         captures_before = runner.graphs.inline_captures if runner.graphs is not None else 0
+        eager_before = runner.graphs.eager_batches if runner.graphs is not None else 0
         if self._cuda:
             ev_start = torch.cuda.Event(enable_timing=True)
             ev_start.record()
@@ -352,6 +354,7 @@ class StageExecutor:
             micro_steps=micro_steps,
             exchange_ms=exchange_ms,
             batches=batches,
+            eager=runner.graphs is not None and runner.graphs.eager_batches > eager_before,
         )
         self.on_event(done)
         if self.telemetry is not None:

@@ -212,6 +212,7 @@ class Generation:
                     micro_steps=ev.micro_steps,
                     exchange_ms=ev.exchange_ms,
                     batches=ev.batches,
+                    eager=ev.eager,
                 )
             )
         return pb.StageEvent(

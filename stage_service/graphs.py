@@ -20,9 +20,14 @@ that signature run eagerly until the graph is in, then replay it.  Such a graph 
 while other graphs replayed on the shared ones).  ``run(..., inline=True)`` captures in line even then: the batches of
 the gateway's warm-up stream (``StreamSpec.warmup``), which nothing waits on, before the gateway serves.
 
-Past ``max_graphs`` signatures, or once a new signature's static buffers would take the graphs' buffers past
-``max_buffer_bytes`` (the stage's cap: a window that keeps growing makes a new signature, and buffers, every chunk),
-new ones run eagerly; if a capture fails, the stage logs it and runs every batch
+A signature is captured in the background only once it has been seen ``min_sightings`` times (default 2): while a
+stream's KV window fills, each chunk makes a signature seen once and never again, and capturing those took the
+graph-buffer cap (each background graph holds a copy of its items' windows) from the signatures that repeat: on one
+H200, six 1.3B streams left the batches that recur running eagerly at twice a graph's time.  For the same reason a
+background graph idle for ``idle_batches`` batches is evicted (its buffers freed) when a new signature would pass
+``max_graphs`` or ``max_buffer_bytes``; past them with nothing idle to evict, or once a new signature's static buffers
+would take the graphs' buffers past ``max_buffer_bytes`` (the stage's cap: a window that keeps growing makes a new
+signature, and buffers, every chunk), new ones run eagerly; if a capture fails, the stage logs it and runs every batch
 eagerly from then on (``failure`` says why; the stage metric ``stagecast_stage_eager_batches`` counts them).
 
 Static buffers are per shape class (tokens per item, text length), shared by every graph of that class, so memory
@@ -134,6 +139,8 @@ class _Graph:
     sin: torch.Tensor
     out: list  # [the blocks' output]: a graph replays into the tensor captured there; a rerun makes a new one
     slots: list[_Slot]  # the slots the graph was captured on, one per batch item
+    private: bool = False  # captured in the background on slots of its own (evictable)
+    last_run: int = 0  # the batch (GraphedBlocks.runs) that last replayed it
 
 
 class GraphedBlocks:
@@ -146,6 +153,8 @@ class GraphedBlocks:
         background: bool = False,
         max_buffer_bytes: int | None = None,
         reserve_rows: int = 1,
+        min_sightings: int = 2,
+        idle_batches: int = 64,
     ):
         self.slice = dit_slice
         # Batch rows a shape class's K/V stack is first made for (the stage's Stream Batch): a batch with more rows
@@ -162,6 +171,11 @@ class GraphedBlocks:
         self.graphs: dict[tuple, _Graph] = {}
         # Background capture: signatures being captured off the serving path, and the one worker that does it.
         self.background = background
+        self.min_sightings = max(1, min_sightings)  # sightings of a signature before it is captured in the background
+        self.idle_batches = idle_batches  # batches without a replay after which a background graph may be evicted
+        self._sightings: dict[tuple, int] = {}  # signatures seen without a graph yet (cleared past a bound)
+        self.runs = 0  # batches run so far
+        self.evictions = 0  # background graphs evicted to make room for a new signature
         self.pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()  # graphs/pending between the executor and the capture worker
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="graph-capture") if background else None
@@ -198,6 +212,7 @@ class GraphedBlocks:
         """The blocks' forward, replayed from this batch signature's graph.  A signature without one is captured in
         line first, or with ``background`` runs eagerly while a worker captures it; ``inline`` captures in line even
         then (a warm-up stream's batch: nothing waits on it), after any background capture of it already started."""
+        self.runs += 1
         if ctx.self_mask is not None or self.failure is not None:
             self.eager_batches += 1
             return self.slice.run_blocks(hidden, cond, ctx)
@@ -238,6 +253,7 @@ class GraphedBlocks:
                 return self.slice.run_blocks(hidden, cond, ctx)
             with self._lock:
                 self.graphs[sig] = graph
+        graph.last_run = self.runs
         self._copy_inputs(graph, hidden, cond, ctx)
         graph.replay()
         self._hand_over_writes(graph, ctx)
@@ -260,10 +276,14 @@ class GraphedBlocks:
         """A signature without a graph: start capturing it off the serving path (once) and run this batch eagerly."""
         need = self._stack_bytes(*self._shape(hidden, ctx, rows=hidden.shape[0], context=self._context(ctx, "now")))
         with self._lock:
-            start = sig not in self.pending and len(self.graphs) + len(self.pending) < self.max_graphs
-            if start and not self._fits(need + self._pending_bytes):
-                start = False
+            start = sig not in self.pending and self._sighted(sig)
             if start:
+                self._evict_idle(need + self._pending_bytes)
+                start = len(self.graphs) + len(self.pending) < self.max_graphs and self._fits(
+                    need + self._pending_bytes
+                )
+            if start:
+                self._sightings.pop(sig, None)
                 self.pending[sig] = Future()  # placeholder until submitted, so the signature is not started twice
                 self._pending_bytes += need
         if start:
@@ -276,6 +296,28 @@ class GraphedBlocks:
         self.eager_batches += 1
         return self.slice.run_blocks(hidden, cond, ctx)
 
+    def _sighted(self, sig: tuple) -> bool:
+        """Count a sighting of ``sig`` (no graph yet); whether it has now been seen ``min_sightings`` times."""
+        if len(self._sightings) >= 16 * self.max_graphs:  # bounded: a forgotten count only delays a capture
+            self._sightings.clear()
+        seen = self._sightings[sig] = self._sightings.get(sig, 0) + 1
+        return seen >= self.min_sightings
+
+    def _evict_idle(self, extra: int) -> None:
+        """Evict background graphs idle for ``idle_batches`` batches, least recently replayed first, until one more
+        graph fits ``max_graphs`` and ``extra`` more bytes fit ``max_buffer_bytes``.  Called on the executor thread
+        (the only one that replays) under the lock."""
+        idle = [(g.last_run, sig) for sig, g in self.graphs.items() if g.private]
+        idle = [item for item in idle if self.runs - item[0] >= self.idle_batches]
+        for _, sig in sorted(idle, key=lambda item: item[0]):
+            if len(self.graphs) + len(self.pending) < self.max_graphs and self._fits(extra, log=False):
+                return
+            graph = self.graphs.pop(sig)
+            held = {id(s) for s in graph.slots}
+            self.private_slots = [s for s in self.private_slots if id(s) not in held]
+            self.evictions += 1
+            logger.info("evicted the idle graph of batch signature %s (%d graphs)", sig, len(self.graphs))
+
     def _capture_in_background(self, sig: tuple, graph: _Graph, forward: Callable[[], None], need: int = 0) -> None:
         try:
             graph.replay = self.capture(forward)
@@ -286,6 +328,7 @@ class GraphedBlocks:
             return  # it stays pending: the signature is not retried, and runs eagerly
         with self._lock:
             self._pending_bytes -= need
+            graph.private, graph.last_run = True, self.runs
             self.graphs[sig] = graph
             self.pending.pop(sig, None)
             self.private_slots.extend(graph.slots)

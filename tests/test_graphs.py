@@ -184,11 +184,11 @@ def test_two_resolutions_keep_their_own_slots_and_graphs(tiny_model):
     assert batches == 40 and graphs.captures <= 12  # per size: context 0, 1, 2 frames x writes or not
 
 
-def background_refs(model, capture):
-    """Graphs that capture new signatures in the background with ``capture``, a reference executor that runs them
-    and an eager one beside it, over one whole-model slice."""
+def background_refs(model, capture, **kw):
+    """Graphs that capture new signatures in the background with ``capture`` (on first sight unless ``kw`` says
+    otherwise), a reference executor that runs them and an eager one beside it, over one whole-model slice."""
     full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    graphs = GraphedBlocks(full, capture=capture, background=True)
+    graphs = GraphedBlocks(full, capture=capture, background=True, **{"min_sightings": 1, **kw})
     graphed_ref, eager_ref = ReferenceExecutor(full), ReferenceExecutor(full)
     graphed_ref.runner.graphs = graphs
     return graphs, graphed_ref, eager_ref
@@ -348,7 +348,14 @@ def test_graph_buffers_stay_within_their_cap_and_the_rest_runs_eagerly_bit_for_b
 
     def graphed(cap):
         ref = ReferenceExecutor(full)
-        graphs = GraphedBlocks(full, capture=rerun_capture, background=background, max_buffer_bytes=cap)
+        graphs = GraphedBlocks(
+            full,
+            capture=rerun_capture,
+            background=background,
+            max_buffer_bytes=cap,
+            min_sightings=1,
+            idle_batches=1 << 30,
+        )
         ref.runner.graphs = graphs
         got = ref.generate(reqs, num_stages=2, max_batch=2).chunks[1]
         graphs.wait_captures(TIMEOUT)
@@ -420,3 +427,63 @@ def test_the_kv_stack_is_made_for_the_reserved_rows_and_more_rows_add_a_stack(ti
     assert len(slots) == 4 and slots[3].stack is not slots[0].stack and slots[3].row == 0
     assert graphs.captures > captured and graphs.eager_batches == 0
     assert signatures <= set(graphs.graphs)  # not captured again
+
+
+def one_step(stream_id: int, **kw) -> StreamSpec:
+    """A one-level stream: each chunk's batch is seen once, so the window's filling chunks make signatures that
+    never repeat, and the full window's signature repeats every chunk."""
+    return spec(stream_id, **{"timesteps": (1000.0,), "num_chunks": 8, "window": 2, "sink": 0, **kw})
+
+
+def test_a_background_capture_waits_for_a_signature_to_repeat(tiny_model):
+    graphs, graphed_ref, eager_ref = background_refs(tiny_model(), rerun_capture, min_sightings=2)
+    reqs = requests([one_step(1)], arrivals=[0])
+    got = graphed_ref.generate(reqs, num_stages=1, max_batch=1).chunks[1]
+    graphs.wait_captures(TIMEOUT)
+    want = eager_ref.generate(reqs, num_stages=1, max_batch=1).chunks[1]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # The filling window's contexts (0 and 1 chunk) were seen once each: only the full window's signature, seen on
+    # every later chunk, was captured, and from its third chunk on every batch replayed it.
+    tokens = {sig[0][1] for sig in graphs.graphs}  # per chunk
+    contexts = [sig[4] for sig in graphs.graphs]
+    assert graphs.captures == 1 and contexts == [((2 * min(tokens), True),)], contexts
+    assert graphs.eager_batches == 4 and graphs.runs == 8  # contexts 0 and 1, then the full window twice
+    graphs.close()
+
+
+def test_an_idle_background_graph_is_evicted_for_a_new_signature_past_the_buffer_cap(tiny_model):
+    model = tiny_model()
+    small, large = one_step(1), one_step(2, latent_height=8)
+
+    def alone(s):
+        graphs, ref, _ = background_refs(model, rerun_capture, min_sightings=2)
+        ref.generate(requests([s], arrivals=[0]), num_stages=1, max_batch=1)
+        graphs.wait_captures(TIMEOUT)
+        graphs.close()
+        (sig,) = graphs.graphs
+        return graphs.nbytes, sig[0][1]
+
+    (small_bytes, small_tokens), (large_bytes, large_tokens) = alone(small), alone(large)
+    cap = max(small_bytes, large_bytes)  # either stream's graph fits, both do not
+
+    def small_then_large(idle_batches):
+        graphs, ref, eager = background_refs(
+            model, rerun_capture, min_sightings=2, max_buffer_bytes=cap, idle_batches=idle_batches
+        )
+        for s in (small, large):
+            reqs = requests([s], arrivals=[0])
+            got = ref.generate(reqs, num_stages=1, max_batch=1).chunks[s.stream_id]
+            graphs.wait_captures(TIMEOUT)
+            want = eager.generate(reqs, num_stages=1, max_batch=1).chunks[s.stream_id]
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        graphs.close()
+        assert graphs.nbytes <= cap
+        return graphs, {sig[0][1] for sig in graphs.graphs}  # tokens per item of the graphs kept
+
+    # The small stream's graph has been idle for the large stream's 4 batches: it makes room for the large one's.
+    evicting, kept = small_then_large(idle_batches=4)
+    assert evicting.evictions == 1 and kept == {large_tokens}
+    # Not idle long enough: the small stream's graph stays, and the large stream's batches run eagerly.
+    keeping, kept = small_then_large(idle_batches=1 << 30)
+    assert keeping.evictions == 0 and kept == {small_tokens}
+    assert keeping.eager_batches > evicting.eager_batches

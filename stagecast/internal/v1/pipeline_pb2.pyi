@@ -177,20 +177,22 @@ class ChunkResult(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
-    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches")
+    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches", "eager")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     forward_ms: float
     wait_ms: float
     micro_steps: int
     exchange_ms: float
     batches: int
-    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ..., batches: _Optional[int] = ...) -> None: ...
+    eager: bool
+    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ..., batches: _Optional[int] = ..., eager: _Optional[bool] = ...) -> None: ...
 
 class StageError(_message.Message):
     __slots__ = ("generation", "seq", "message", "stage_index")
@@ -521,20 +523,22 @@ class PlanDump(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[PlanEvent, _Mapping]]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("index", "batches", "forward_ms_total", "wait_ms_total", "micro_steps", "exchange_ms_total")
+    __slots__ = ("index", "batches", "forward_ms_total", "wait_ms_total", "micro_steps", "exchange_ms_total", "eager_batches")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EAGER_BATCHES_FIELD_NUMBER: _ClassVar[int]
     index: int
     batches: int
     forward_ms_total: float
     wait_ms_total: float
     micro_steps: int
     exchange_ms_total: float
-    def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ...) -> None: ...
+    eager_batches: int
+    def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ..., eager_batches: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders")
