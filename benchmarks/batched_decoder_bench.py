@@ -14,7 +14,7 @@ Rows:
 - ``served``: N paced streams, each submitting one chunk (``--latent-frames``, 4 frames per latent frame) every
   chunk period at ``--fps``, for ``--seconds``, and ``--unpaced`` streams submitting as fast as their sessions take
   them; per paced chunk the latency from submit to its frames on the host: p50/p99, the share done within one chunk
-  period (``on_time``), the calls' mean batch size and the served ``batch_ms`` (exponential averages).
+  period (``on_time``), the calls' mean batch size and the served ``batch_ms`` (recent medians).
 
 ``exact``: a probe stream decoded beside ``max(buckets) - 1`` others against alone (max |uint8 difference|: 0 on a
 CPU by construction, rounding on a GPU).

@@ -25,9 +25,9 @@ group whose call fails is decoded again stream by stream (``decode_batch`` chang
 that only the streams that fail alone fail.  Waiting is on one condition variable, never by polling.
 
 Costs: every call is timed, its uint8 conversion and copy to the host included (CUDA events on a GPU, wall time on a
-CPU), and kept as an exponential average of the per-stream ms at each batch size; ``warm`` measures each bucket
-before serving.  ``batch_ms`` merges both for the coordinator's SLO model (``VaeCost.batch_ms``,
-``gateway.vae_cost``).
+CPU), and each batch size's cost is the median per-stream ms of its recent calls once it has a few (``BatchTimes``);
+``warm`` measures each bucket before serving.  ``batch_ms`` merges both for the coordinator's SLO model
+(``VaeCost.batch_ms``, ``gateway.vae_cost``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 OUT_CAPACITY = 2  # decoded chunks a session holds for its consumer before the worker skips it
-EMA_WEIGHT = 0.2  # of a new call in the per-batch-size average
+SERVED_WINDOW = 32  # a batch size's recent served calls, whose median is its cost
+# Served calls of a size before they replace its start-up measurement: a size's first call served can be one slow
+# outlier (on an H200, 675 ms against 9 ms steady for the tiny decoder at batch 1), which priced every stream at it.
+SERVED_MIN = 3
 MAX_CAPACITY = 1024  # chunks a session may hold waiting
 REPORTED_BATCH = 16  # batch sizes whose cost is reported (VaeCost.batch_ms) by default
 FORMED_CALLS = 64  # the recent calls whose streams per call are reported (VaeCost.formed_batch)
@@ -63,23 +66,22 @@ class _Failure:
 
 class BatchTimes:
     """Per-stream ms per chunk at each batch size: measured at start-up (per bucket, the whole call's ms) and the
-    exponential average of the calls served since.  Thread-safe."""
+    median of the last ``window`` calls served since, once ``min_calls`` were (a median: one slow call, a compile or
+    a stall, does not become a size's cost).  Thread-safe."""
 
-    def __init__(self, weight: float = EMA_WEIGHT, *, padded: bool = True):
-        if not 0 < weight <= 1:
-            raise ValueError(f"weight must be in (0, 1], got {weight}")
-        self.weight = weight
+    def __init__(self, window: int = SERVED_WINDOW, *, min_calls: int = SERVED_MIN, padded: bool = True):
+        if window < 1 or not 1 <= min_calls <= window:
+            raise ValueError(f"window must be >= 1 and min_calls in [1, window], got {window} and {min_calls}")
+        self.window, self.min_calls = window, min_calls
         self.padded = padded  # calls run at the measured sizes (buckets); else at any size, interpolated
         self.lock = threading.Lock()
-        self.served: dict[int, float] = {}  # streams in the call -> per-stream ms (average)
+        self.samples: dict[int, deque[float]] = {}  # streams in the call -> recent per-stream ms
         self.measured: dict[int, float] = {}  # rows of the call (a bucket) -> whole call's ms
         self.calls: dict[int, int] = {}
 
     def record(self, streams: int, call_ms: float) -> None:
-        per = call_ms / streams
         with self.lock:
-            old = self.served.get(streams)
-            self.served[streams] = per if old is None else old + self.weight * (per - old)
+            self.samples.setdefault(streams, deque(maxlen=self.window)).append(call_ms / streams)
             self.calls[streams] = self.calls.get(streams, 0) + 1
 
     def set_measured(self, rows: int, call_ms: float) -> None:
@@ -93,7 +95,10 @@ class BatchTimes:
         measured size its per-stream cost; with no measurement the nearest served size's.  Empty when nothing is
         known."""
         with self.lock:
-            served, measured = dict(self.served), dict(self.measured)
+            measured = dict(self.measured)
+            served = {  # with no measurement, any served size is better than nothing
+                n: float(np.median(d)) for n, d in self.samples.items() if len(d) >= self.min_calls or not measured
+            }
         if not served and not measured:
             return []
         out = []

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.batched_decoder import BatchedDecoder, BatchTimes
+from gateway.batched_decoder import SERVED_MIN, BatchedDecoder, BatchTimes
 from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.vae_cost import tiny_cost
 from launcher.demo_checkpoint import write_tiny_decoder
@@ -312,27 +312,47 @@ def test_warm_measures_every_bucket_and_batch_ms_merges_it_with_served_calls(tin
         measured = decoder.warm((1, 16, 1, 2, 2), chunks=3)
         assert measured == {1: 10.0, 2: 20.0, 4: 40.0}
         assert decoder.batch_ms(4) == [10.0, 10.0, 40.0 / 3, 10.0]  # 3 streams pad to 4 rows
-        decoder.times.record(3, 36.0)  # a served call of 3 streams
+        for _ in range(SERVED_MIN):  # served calls of 3 streams
+            decoder.times.record(3, 36.0)
         assert decoder.batch_ms(4)[2] == 12.0
     finally:
         decoder.close()
 
 
-def test_batch_times_average_each_size_and_fall_back_to_measurements():
-    times = BatchTimes(weight=0.5)
+def test_batch_times_take_each_sizes_median_and_fall_back_to_measurements():
+    times = BatchTimes(window=4, min_calls=3)
     assert times.per_stream_ms(2) == []
     times.record(2, 20.0)
     times.record(2, 40.0)
-    assert times.per_stream_ms(2) == [15.0, 15.0]  # size 1 unknown: the nearest served size
+    assert times.per_stream_ms(2) == [15.0, 15.0]  # nothing measured: size 2's median, and size 1 the nearest's
     times.set_measured(1, 8.0)
-    assert times.per_stream_ms(3) == [8.0, 15.0, 8.0]  # past the largest measurement: its per-stream cost
-    with pytest.raises(ValueError, match="weight"):
-        BatchTimes(weight=0)
+    assert times.per_stream_ms(2) == [8.0, 8.0]  # 2 calls of 2 streams do not yet replace the measurement
+    times.record(2, 60.0)
+    assert times.per_stream_ms(3) == [8.0, 20.0, 8.0]  # past the largest measurement: its per-stream cost
+    for ms in (10.0, 12.0, 14.0, 16.0):  # the window keeps the last 4 calls: 10, 20, 30 ms per stream fall out
+        times.record(2, ms)
+    assert times.per_stream_ms(2) == [8.0, 6.5]
+    with pytest.raises(ValueError, match="window"):
+        BatchTimes(window=0)
+    with pytest.raises(ValueError, match="min_calls"):
+        BatchTimes(window=2, min_calls=3)
     unpadded = BatchTimes(padded=False)
     unpadded.set_measured(2, 20.0)
     unpadded.set_measured(4, 28.0)
     # 1 stream: at most the smallest call; 3 streams: a 24 ms call between 2 streams' and 4's; 5: 4's per-stream
     assert unpadded.per_stream_ms(5) == [20.0, 10.0, 8.0, 7.0, 7.0]
+
+
+def test_one_slow_served_call_does_not_become_a_sizes_cost():
+    # On an H200 the tiny decoder's first call served at batch 1 took 675 ms (9 ms steady): averaged from there, it
+    # priced every stream at 675 ms and admission held one stream where the GPU holds several.
+    times = BatchTimes()
+    times.set_measured(1, 8.0)
+    times.record(1, 675.0)
+    assert times.per_stream_ms(1) == [8.0]
+    times.record(1, 9.0)
+    times.record(1, 10.0)
+    assert times.per_stream_ms(1) == [10.0]
 
 
 def test_the_state_a_stream_holds_is_known_before_it_starts(tiny_path):
