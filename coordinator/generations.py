@@ -30,6 +30,7 @@ from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 logger = logging.getLogger("coordinator.engine")
 
@@ -232,10 +233,13 @@ class Generations:
             self.links = links
             # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together, and
             # CFG-parallel groups run it side by side.
+            recs = self.registry.records()
             self.sched = StreamBatchScheduler(
                 num_stages=self.registry.pipeline_stages,
                 max_batch=self.max_batch,
                 cfg_parallel=self.registry.cfg_parallel,
+                equal_windows=any(r.cuda_graphs for r in replies.values()),
+                rope_limit=int((recs[0].config if recs else {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN),
             )
             self.stage_stats = {}
             self.on_formed(

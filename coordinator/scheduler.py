@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, MicroStep, StreamSpec
+from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, MicroStep, StreamSpec, context_frames
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 
 @dataclass
@@ -93,6 +94,8 @@ class StreamBatchScheduler:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_inflight: int | None = None,
         cfg_parallel: int = 1,
+        equal_windows: bool = False,
+        rope_limit: int = WAN_ROPE_MAX_SEQ_LEN,
     ):
         if cfg_parallel not in (1, 2):
             raise ValueError(f"cfg_parallel must be 1 or 2, got {cfg_parallel}")
@@ -103,6 +106,10 @@ class StreamBatchScheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.num_stages = num_stages
         self.max_batch = max_batch
+        # Batch only micro-steps whose KV windows hold equal frames (stages running CUDA graphs: a batch mixing a
+        # filling window with full ones has a signature of its own, run eagerly at about twice a graph's time).
+        self.equal_windows = equal_windows
+        self.rope_limit = rope_limit
         self.max_inflight = max_inflight
         self.now = 0
         self.streams: dict[int, _StreamState] = {}
@@ -235,8 +242,11 @@ class StreamBatchScheduler:
         shape = None
         rows = 0
         for _, step in ready:
-            spec = self.streams[step.stream].spec
+            st = self.streams[step.stream]
+            spec = st.spec
             key = (spec.latent_shape, spec.text_len)
+            if self.equal_windows:
+                key += (len(context_frames(st.specs.at(step.chunk), step.chunk, self.rope_limit)),)
             if shape is None:
                 shape = key
             if key != shape:

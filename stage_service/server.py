@@ -197,6 +197,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 calibration=cal.to_proto() if cal is not None else None,
                 kv_budget_bytes=self.loader.kv_budget,
                 kv_element_bytes=torch.empty((), dtype=self.dtype).element_size(),
+                cuda_graphs=self.gen.executor.runner.graphs is not None,
             )
 
     def Reset(self, request: pb.ResetRequest, context):

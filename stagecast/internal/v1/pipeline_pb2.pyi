@@ -243,18 +243,20 @@ class Rendezvous(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_stop: _Optional[int] = ..., sp: _Optional[int] = ..., cfg_parallel: _Optional[int] = ...) -> None: ...
 
 class FormReply(_message.Message):
-    __slots__ = ("rank", "load_seconds", "calibration", "kv_budget_bytes", "kv_element_bytes")
+    __slots__ = ("rank", "load_seconds", "calibration", "kv_budget_bytes", "kv_element_bytes", "cuda_graphs")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     load_seconds: float
     calibration: StageCalibration
     kv_budget_bytes: int
     kv_element_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ..., calibration: _Optional[_Union[StageCalibration, _Mapping]] = ..., kv_budget_bytes: _Optional[int] = ..., kv_element_bytes: _Optional[int] = ...) -> None: ...
+    cuda_graphs: bool
+    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ..., calibration: _Optional[_Union[StageCalibration, _Mapping]] = ..., kv_budget_bytes: _Optional[int] = ..., kv_element_bytes: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ...) -> None: ...
 
 class StageCalibration(_message.Message):
     __slots__ = ("empty_ms", "full_ms", "latent_height", "latent_width", "chunk_frames", "text_len", "window", "graphs", "seconds", "error")

@@ -1,0 +1,71 @@
+"""On stages that run CUDA graphs the scheduler batches only micro-steps whose KV windows hold equal frames: a graph
+is per batch signature, which holds each item's window length, so a stream whose window still fills would otherwise
+make a new signature beside every other stream's chunk, each run eagerly at about twice a graph's time."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast.microstep import MicroStep, StreamSpec, context_frames
+
+P = 1  # pipeline stages (one: every ready micro-step fits the batch)
+ROPE = 1024
+
+
+def spec(sid: int, **kw) -> StreamSpec:
+    base = dict(
+        stream_id=sid,
+        latent_channels=16,
+        chunk_frames=1,
+        latent_height=4,
+        latent_width=6,
+        text_len=8,
+        timesteps=(1000.0,),
+        window=3,
+        sink=1,
+        num_chunks=12,
+    )
+    return StreamSpec(**{**base, **kw})
+
+
+def plan(equal_windows: bool, late: int = 6) -> tuple[list[list[MicroStep]], dict[int, StreamSpec]]:
+    """Streams 1 and 2 from tick 0 and stream 3 from tick ``late`` (its window fills beside their full ones)."""
+    sched = StreamBatchScheduler(num_stages=P, max_batch=4, equal_windows=equal_windows, rope_limit=ROPE)
+    specs = {s.stream_id: s for s in (spec(1), spec(2), spec(3))}
+    sched.add_stream(specs[1])
+    sched.add_stream(specs[2])
+    batches = []
+    for tick in range(200):
+        if tick == late:
+            sched.add_stream(specs[3])
+        batches.append(sched.tick())
+        if tick > late and not sched.active:
+            break
+    return batches, specs
+
+
+def windows(batch: list[MicroStep], specs: dict[int, StreamSpec]) -> set[int]:
+    return {len(context_frames(specs[s.stream], s.chunk, ROPE)) for s in batch}
+
+
+@pytest.mark.unit
+def test_a_filling_window_is_batched_apart_only_where_the_stages_run_graphs():
+    mixed, specs = plan(equal_windows=False)
+    assert any(len(windows(b, specs)) > 1 for b in mixed)  # without the rule, a filling window rides a full batch
+    apart, _ = plan(equal_windows=True)
+    assert all(len(windows(b, specs)) <= 1 for b in apart)
+    # Every stream still ran each chunk exactly once, and full windows still batch together.
+    for sid, s in specs.items():
+        assert sorted(st.chunk for b in apart for st in b if st.stream == sid) == list(range(s.num_chunks))
+    assert max(len(b) for b in apart) > 1
+
+
+@pytest.mark.unit
+def test_windows_are_told_apart_by_their_frames_not_by_their_streams():
+    # Two streams started together fill their windows in step: they batch together from their first chunk.
+    sched = StreamBatchScheduler(num_stages=P, max_batch=4, equal_windows=True, rope_limit=ROPE)
+    sched.add_stream(spec(1))
+    sched.add_stream(spec(2))
+    first = sched.tick()
+    assert {s.stream for s in first} == {1, 2} and {s.chunk for s in first} == {0}
