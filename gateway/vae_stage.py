@@ -15,6 +15,14 @@ state lives exactly as long as its call, and is released before the call ends.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m gateway.vae_stage: the VAE stage service as itself (stagecast vae-stage)
+    # Dispatched before this module's imports: ``service_main`` exits, and serving imports ``gateway.vae_stage`` as
+    # a module (``gateway.cli``), so ``--help`` or a flag error does not import torch and diffusers first, and the
+    # module's body runs once rather than as ``__main__`` and again as itself.
+    from stagecast.service import service_main
+
+    service_main("vae-stage")
+
 import logging
 import threading
 from pathlib import Path
@@ -154,9 +162,3 @@ def serve(opts: VAEStageOptions, stop: threading.Event | None = None) -> None:
                 probe.stop(0)
 
     serve_lifecycle("vae-stage", start, shutdown, stop)
-
-
-if __name__ == "__main__":  # python -m gateway.vae_stage: the VAE stage service as itself (stagecast vae-stage)
-    from stagecast.service import service_main
-
-    service_main("vae-stage")
