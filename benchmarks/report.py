@@ -103,7 +103,8 @@ def _eager(stage: dict) -> str:
 def _capacity_config(a: dict, decoder: str) -> str:
     lo = a.get("load_min_steps")
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
-    return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}"
+    grid = ", pace grid" if a.get("pace_grid") else ""
+    return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
 
 
 def _mib(x) -> str:

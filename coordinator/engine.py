@@ -78,6 +78,7 @@ class PipelineEngine:
         form_timeout: float = 600.0,
         max_ahead: int | None = None,
         playout_s: float = PLAYOUT_S,
+        pace_grid: bool = False,
         clock: Callable[[], float] = time.monotonic,
         stage_ms: list[float] | None = None,
         slo_interval_s: float = 1.0,
@@ -87,7 +88,11 @@ class PipelineEngine:
         self.registry = registry
         self.max_batch = max_batch
         self.pacing = Pacing(
-            pipeline_stages=registry.pipeline_stages, max_ahead=max_ahead, playout_s=playout_s, clock=clock
+            pipeline_stages=registry.pipeline_stages,
+            max_ahead=max_ahead,
+            playout_s=playout_s,
+            clock=clock,
+            grid=pace_grid,
         )
         self.cond = threading.Condition()
         self.telemetry = CoordinatorTelemetry()  # Prometheus registry and batch spans (coordinator.metrics)

@@ -72,6 +72,12 @@ class CoordinatorOptions:
         0.5,
         help="pacing: a stream with a frame rate starts each chunk at most this many seconds before its real-time slot",
     )
+    pace_grid: bool = flag(
+        False,
+        action="store_true",
+        help="pacing: paced streams of one chunk rate take their slots on one grid of whole chunk periods, so their "
+        "chunks are due together and batch (each stream's slots move up to one chunk period sooner)",
+    )
     stage_ms: list[float] | None = flag(
         type=parse_stage_ms,
         help="SLO controller calibration: ms per stage forward of one micro-step, per stage, e.g. 20,21 (from "

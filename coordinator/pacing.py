@@ -37,6 +37,7 @@ class Pacing:
         max_ahead: int | None = None,
         playout_s: float = PLAYOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        grid: bool = False,
     ):
         if not 0 <= playout_s <= MAX_PLAYOUT_S:
             raise ValueError(f"playout_s must be in [0, {MAX_PLAYOUT_S}], got {playout_s}")
@@ -45,6 +46,19 @@ class Pacing:
         self.max_ahead = max_ahead
         self.playout_s = playout_s  # how far ahead of its real-time slot a paced stream may start a chunk
         self.clock = clock
+        self.grid = grid  # paced streams' slots on one grid of whole chunk periods (``start``)
+
+    def start(self, session: StreamSession) -> float:
+        """When a paced stream's real-time schedule starts (``StreamSession.paced_since``): now, or with ``grid`` now
+        moved back to the last whole chunk period of the clock, so that paced streams of one chunk rate (and offset)
+        have their slots at the same instants, their chunks become ready in the same tick and the scheduler batches
+        them (paced apart, each stream's chunks run as batches of one: more forwards, and no batch for a batching
+        decoder).  A stream's slots come at most one chunk period sooner: within its consumer's lead bound, never
+        later."""
+        now = self.clock()
+        if not self.grid or session.chunk_rate <= 0:
+            return now
+        return math.floor(now * session.chunk_rate) / session.chunk_rate
 
     def lead_bound(self, session: StreamSession) -> int:
         """Chunks a stream may run ahead of its consumer: one wavefront (every level in every stage) plus what

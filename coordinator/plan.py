@@ -133,7 +133,7 @@ class PlanLoop:
         while self.streams.pending_opens:
             session = self.streams.pending_opens.popleft()
             sched.add_stream(session.spec, best_effort=session.best_effort)
-            session.paced_since = self.pacing.clock()
+            session.paced_since = self.pacing.start(session)
             events.append(
                 self.next_event(
                     "open",

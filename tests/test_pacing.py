@@ -199,3 +199,45 @@ def test_a_paced_chunk_is_started_when_an_earlier_stream_was_kicked_at_the_same_
         wait_until(lambda: idle_after(2, second.id), 10, what="the second stream's second chunk")
     finally:
         eng.shutdown()
+
+
+def paced_pair(grid: bool) -> list[tuple[int, int]]:
+    """Two 16 fps streams opened 0.1 s apart; their started chunks every 10 ms for 4 s."""
+    clock = Clock()
+    eng = engine(clock, playout_s=0.5)
+    eng.pacing.grid = grid
+    clock.t = 100.03
+    a = open_stream(eng, rate=4.0)
+    run_ticks(eng, 10)
+    clock.t += 0.1
+    b = open_stream(eng, rate=4.0)
+    started = []
+    for _ in range(400):
+        run_ticks(eng, 10)
+        started.append((eng.sched.started_chunks[a.id], eng.sched.started_chunks[b.id]))
+        clock.t += 0.01
+    return started
+
+
+def changes(counts: list[int]) -> list[int]:
+    return [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
+
+
+def test_on_the_pace_grid_streams_opened_apart_start_their_chunks_together_and_never_later():
+    apart, grid = paced_pair(grid=False), paced_pair(grid=True)
+    a_apart, b_apart = changes([a for a, _ in apart]), changes([b for _, b in apart])
+    a_grid, b_grid = changes([a for a, _ in grid]), changes([b for _, b in grid])
+    assert len(a_grid) >= 14 and a_grid == b_grid  # one instant for both, every chunk period
+    assert not set(a_apart) & set(b_apart)  # paced apart: never the same instant
+    for (a0, b0), (a1, b1) in zip(apart, grid, strict=True):
+        assert a0 <= a1 <= a0 + 1 and b0 <= b1 <= b0 + 1  # at most one chunk sooner, never later
+
+
+def test_the_pace_grid_leaves_unpaced_streams_alone():
+    clock = Clock()
+    eng = engine(clock)
+    eng.pacing.grid = True
+    clock.t = 100.03
+    s = open_stream(eng, rate=0.0, depth=0)
+    run_ticks(eng, 5)
+    assert s.paced_since == 100.03
