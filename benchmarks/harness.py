@@ -813,6 +813,9 @@ def run_system(root: Path, args, device_kind: str) -> dict:
         t = time.perf_counter()
         pipe, gateway = start_system(launcher, root, args, device_kind)
         time_to_ready = time.perf_counter() - t
+        if args.json:  # what each service printed on its way to READY (where the start-up time went), beside the JSON
+            lines = [f"[{c.name}] {line}" for c in launcher.children for line in c.log]
+            Path(args.json + ".startup.log").write_text("\n".join(lines) + "\n")
         done("ready", time_to_ready_s=time_to_ready)
         with stagecast.Client(gateway) as client:
             # Every prompt is new to the server (its text cache), as the protocol asks for TTFF.
