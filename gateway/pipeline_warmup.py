@@ -127,8 +127,12 @@ def warm_pipeline(
                 stream_id = event.started.stream_id
             elif kind == "chunk":
                 received += 1
-                # Cumulative, as a real consumer acknowledges a decoded chunk: the lead stays a real stream's.
-                coordinator.Consumed(ipb.ChunksConsumed(stream_id=stream_id, chunks=event.chunk.chunk + 1), timeout=10)
+                # Cumulative, as a real consumer acknowledges a decoded chunk: the lead stays a real stream's.  Not
+                # the last: the stream ends with it, and an acknowledgement arriving after the end is NOT_FOUND.
+                if event.chunk.chunk + 1 < chunks:
+                    coordinator.Consumed(
+                        ipb.ChunksConsumed(stream_id=stream_id, chunks=event.chunk.chunk + 1), timeout=10
+                    )
             elif kind == "ended":
                 break
     except grpc.RpcError as exc:

@@ -132,6 +132,47 @@ def test_a_broken_warm_up_stream_is_logged_and_skipped(caplog):
     assert got == 0 and "UNAVAILABLE the coordinator went away" in caplog.text
 
 
+@pytest.mark.unit
+def test_a_warm_up_that_ran_every_chunk_says_so_though_its_stream_ended_first(caplog):
+    # On an H200 every start logged "pipeline warm-up stopped after 9 of 9 chunks: NOT_FOUND unknown stream": the
+    # last chunk's acknowledgement reached the coordinator after the stream had ended.
+    class EndsAtItsLastChunk(NeverReady):
+        def __init__(self):
+            super().__init__()
+            self.consumed: list[int] = []
+            self.chunks = 0
+
+        def Status(self, request, timeout=None):  # noqa: N802
+            return ipb.ClusterStatus(ready=True, world_size=1)
+
+        def OpenStream(self, request, timeout=None):  # noqa: N802
+            self.chunks = request.spec.num_chunks
+            yield ipb.StreamEvent(started=ipb.StreamStarted(stream_id=1))
+            for c in range(self.chunks):
+                yield ipb.StreamEvent(chunk=ipb.ChunkResult(stream_id=1, chunk=c))
+            yield ipb.StreamEvent(ended=ipb.StreamEnded(reason="completed"))
+
+        def Consumed(self, request, timeout=None):  # noqa: N802
+            if request.chunks >= self.chunks:  # the stream is gone once its last chunk was sent
+                raise _NotFound()
+            self.consumed.append(request.chunks)
+
+    class _NotFound(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "unknown stream 1"
+
+    coordinator = EndsAtItsLastChunk()
+    caplog.set_level("INFO")
+    got = warm_pipeline(
+        coordinator, spec=spec(window=3, timesteps=(700.0,)), text=_tensor(), consumer_depth=3, wait_s=5.0
+    )
+    assert got == coordinator.chunks > 1 and coordinator.consumed == list(range(1, coordinator.chunks))
+    assert "pipeline warmed up" in caplog.text and "stopped" not in caplog.text
+
+
 def _tensor():
     import torch
 
