@@ -217,6 +217,11 @@ def model_config(registry: StageRegistry) -> dict | None:
     return recs[0].config if recs else None
 
 
+def rope_limit(registry: StageRegistry) -> int:
+    """The stages' model's RoPE table length (``rope_max_seq_len``; Wan's before any stage registered)."""
+    return int((model_config(registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
+
+
 class Admission:
     """The coordinator's admission accounting: each stage's KV budget and the open streams' reservations on it, the
     capacity verdict of the SLO controller (``slo``), and when a refused stream may retry.  ``PipelineEngine.open``
@@ -305,7 +310,7 @@ class Admission:
         """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
         if not any(self.kv_budgets.values()):
             return None
-        rope = int((model_config(self.registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
+        rope = rope_limit(self.registry)
         try:
             return kv_verdict(
                 spec,

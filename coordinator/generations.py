@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.admission import rope_limit
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 logger = logging.getLogger("coordinator.engine")
 
@@ -233,13 +233,12 @@ class Generations:
             self.links = links
             # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together, and
             # CFG-parallel groups run it side by side.
-            recs = self.registry.records()
             self.sched = StreamBatchScheduler(
                 num_stages=self.registry.pipeline_stages,
                 max_batch=self.max_batch,
                 cfg_parallel=self.registry.cfg_parallel,
                 equal_windows=any(r.cuda_graphs for r in replies.values()),
-                rope_limit=int((recs[0].config if recs else {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN),
+                rope_limit=rope_limit(self.registry),
             )
             self.stage_stats = {}
             self.on_formed(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from coordinator.admission import model_config
+from coordinator.admission import rope_limit
 from coordinator.generations import Generations
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.pacing import PACE_EARLY_S, Pacing
@@ -25,7 +25,6 @@ from coordinator.streams import StreamSession, StreamTable
 from stagecast import wire
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import PlanEvent, recache_steps
-from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 
 class PlanLoop:
@@ -221,7 +220,7 @@ class PlanLoop:
         if sched.inflight(sid) or session.received < started:
             return
         spec = st.specs.at(started)
-        rope = int((model_config(self.registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
+        rope = rope_limit(self.registry)
         chunks = sorted({c for c, _ in recache_steps(spec, started, rope)})
         window = tuple((c, wire.tensor_from_proto(session.finished[c])) for c in chunks)
         events.append(

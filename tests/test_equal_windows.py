@@ -8,25 +8,14 @@ import pytest
 
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.microstep import MicroStep, StreamSpec, context_frames
+from tests.engine_helpers import small_spec
 
 P = 1  # pipeline stages (one: every ready micro-step fits the batch)
 ROPE = 1024
 
 
-def spec(sid: int, **kw) -> StreamSpec:
-    base = dict(
-        stream_id=sid,
-        latent_channels=16,
-        chunk_frames=1,
-        latent_height=4,
-        latent_width=6,
-        text_len=8,
-        timesteps=(1000.0,),
-        window=3,
-        sink=1,
-        num_chunks=12,
-    )
-    return StreamSpec(**{**base, **kw})
+def spec(sid: int) -> StreamSpec:
+    return small_spec(stream_id=sid, timesteps=(1000.0,), window=3, sink=1, num_chunks=12)
 
 
 def plan(equal_windows: bool, late: int = 6) -> tuple[list[list[MicroStep]], dict[int, StreamSpec]]:
