@@ -107,6 +107,7 @@ class PipelineEngine:
             slo_interval_s=slo_interval_s,
             slo_learn=slo_learn,
             vae_ms_per_chunk=vae_ms_per_chunk,
+            pace_grid=pace_grid,
         )
         self.admission = Admission(registry, self.streams, self.slo, max_streams=max_streams)
         self.generations = Generations(

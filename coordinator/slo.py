@@ -22,7 +22,12 @@ calibrated time, measured alone, and on one H200 judged a set of two streams und
 (BENCHMARKS.md, "SLO-adaptive serving"). A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)``
 micro-steps per second (levels: s, plus the clean pass under ``clean``), so a set of streams is held when ``(sum_s
 r_s levels_s * cost_ms + decode_ms) / 1000 <= target_utilization`` (default 0.9, the headroom for jitter;
-``decode_ms``: the decode per second, below). The fit is per stage: an exponential average of ms per batch for each
+``decode_ms``: the decode per second, below). Under the coordinator's ``--pace-grid`` (``CostModel(aligned=True)``)
+paced streams of one chunk rate have their chunks due in the same tick, so the batches a set forms follow from the
+set itself rather than from the batches measured so far (which, in a ramp of streams opened one by one, are mostly
+batches of one): each chunk period, the set's level-l micro-steps form ``floor(n_l / B)`` batches of B and one of
+the rest, B being ``max_batch`` (or fewer, to spread the rows over the stages), and each is priced at its own size
+(``aligned_ms``). The fit is per stage: an exponential average of ms per batch for each
 batch size seen, from which a and g follow by least squares; until two batch sizes are seen the slope is taken as
 ``growth * a`` (``growth`` 0.05, the simulator's).
 
@@ -239,6 +244,7 @@ class CostModel:
         seed_ms: list[float] | None = None,
         growth: float = 0.05,
         chunk_ms: float | dict[str, float | DecoderCost] | None = None,
+        aligned: bool = False,
     ):
         if seed_ms is not None and len(seed_ms) != stages:
             raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
@@ -264,6 +270,9 @@ class CostModel:
         # largest batch is assumed).  A micro-step is priced at it, not at the largest batch (``micro_step_ms``).
         self.batch_avg: float | None = None
         self.growth = growth
+        # Paced streams' slots on one grid (the coordinator's --pace-grid): the batches a set forms are predicted from
+        # the set (``aligned_ms``), not taken from the batches measured so far.
+        self.aligned = aligned
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
 
     def calibrate(self, stage: int, ms_by_batch: dict[int, float]) -> bool:
@@ -352,6 +361,34 @@ class CostModel:
             return None
         return max(per) / b  # type: ignore[type-var]
 
+    def aligned_ms(self, loads: list[tuple[float, int, int]]) -> float | None:
+        """Bottleneck-stage ms per second of paced streams whose slots share one grid (``aligned``), from the
+        batches they form: ``loads`` holds (chunk_rate, micro-steps per chunk, rows per micro-step) per stream (or per
+        group of like streams: their rows summed).
+        Streams of one chunk rate have their chunks due in the same tick, so every chunk period the scheduler
+        batches their level-l micro-steps together, in batches of its limit (``max_batch``, or fewer to spread the
+        rows over the pipeline's stages) and one of the rest: n one-step streams at ``max_batch`` B cost
+        ``floor(n / B)`` forwards at B and one at ``n mod B`` a period.  Streams of different rates are counted as
+        batching apart.  None before any data."""
+        groups: dict[float, list[tuple[int, int]]] = {}
+        for rate, levels, rows in loads:
+            if rate > 0 and levels > 0 and rows > 0:
+                groups.setdefault(rate, []).append((levels, rows))
+        total = 0.0
+        for rate, group in groups.items():
+            per_stage = [0.0] * self.stages
+            for level in range(max(levels for levels, _ in group)):
+                rows = sum(r for levels, r in group if levels > level)
+                limit = min(self.max_batch, max(1, -(-rows // self.stages)))
+                full, rest = divmod(rows, limit)
+                for p, fit in enumerate(self.fits):
+                    at_limit, at_rest = fit.ms(limit, self.growth), fit.ms(rest, self.growth) if rest else 0.0
+                    if at_limit is None or at_rest is None:
+                        return None
+                    per_stage[p] += full * at_limit + at_rest
+            total += rate * max(per_stage)
+        return total
+
     def stage_ms(self, batch: int) -> list[float | None]:
         return [f.ms(batch, self.growth) for f in self.fits]
 
@@ -378,11 +415,16 @@ class SloController:
         if ms is None:
             return None
         steps = steps or {}
-        dit = sum(d.load(steps.get(d.stream_id, d.steps)) * ms for d in demands)
-        more = None
+        more = (extra.decoder, extra.chunk_rate, n) if extra is not None and n > 0 else None
+        loads = [(d.chunk_rate, d.levels(steps.get(d.stream_id, d.steps)), d.rows) for d in demands]
         if extra is not None and n > 0:
-            dit += n * extra.load(extra.steps) * ms
-            more = (extra.decoder, extra.chunk_rate, n)
+            loads.append((extra.chunk_rate, extra.levels(extra.steps), extra.rows * n))
+        if self.cost.aligned:  # on the grid: the batches this set forms
+            dit = self.cost.aligned_ms(loads)
+            if dit is None:
+                return None
+        else:  # paced apart: each micro-step at the batch the stages have formed so far
+            dit = sum(rate * levels * rows * ms for rate, levels, rows in loads)
         return (dit + self.cost.decode_ms(demands, more)) / 1e3
 
     def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:

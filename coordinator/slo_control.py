@@ -52,6 +52,7 @@ class SloControl:
         slo_interval_s: float = 1.0,
         slo_learn: bool = True,
         vae_ms_per_chunk: float | dict[str, float] | None = None,
+        pace_grid: bool = False,
     ):
         self.registry = registry
         self.streams = streams
@@ -64,7 +65,10 @@ class SloControl:
         if not slo_learn:  # every decoder kind fixed: the operator's number, else 0
             given = vae_ms_per_chunk if isinstance(vae_ms_per_chunk, dict) else {FULL: vae_ms_per_chunk}
             vae_ms_per_chunk = {kind: given.get(kind) or 0.0 for kind in DECODERS}
-        self.cost = CostModel(registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk)
+        # Under --pace-grid the batches a set of paced streams forms are predicted from the set (CostModel.aligned_ms).
+        self.cost = CostModel(
+            registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk, aligned=pace_grid
+        )
         self.calibrated: set[int] = set()  # stages whose model started from their own calibration
         self.controller = SloController(self.cost)
         self.slo_interval_s = slo_interval_s

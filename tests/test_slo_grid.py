@@ -1,0 +1,119 @@
+"""Under --pace-grid the SLO model prices the batches a set of paced streams forms, not the batches measured so far:
+on one grid, streams of one chunk rate have their chunks due in the same tick, and the scheduler batches them.  The
+prediction is checked against the real scheduler fed one chunk of credit per stream per period."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.scheduler import StreamBatchScheduler
+from coordinator.slo import CostModel, Demand, SloController, VaeReport
+from tests.engine_helpers import small_spec
+
+pytestmark = pytest.mark.unit
+
+# A stage's ms per forward at batch 1..4 (launch-bound small batches: far from linear), so a wrong batch size
+# prices differently.
+CALIBRATION = {1: 30.0, 2: 47.0, 3: 66.0, 4: 90.0}
+RATE = 4.0  # chunks per second: 16 FPS
+TINY_MS = 3.0
+
+
+def scheduled_ms(steps: list[int], stages: int, max_batch: int = 4, periods: int = 6) -> float:
+    """Bottleneck ms per chunk period of streams that all start on one grid: the real scheduler, every stream given
+    one more chunk of credit each period, its batches of the last period priced at CALIBRATION (every stage runs
+    every batch)."""
+    sched = StreamBatchScheduler(num_stages=stages, max_batch=max_batch, equal_windows=True, rope_limit=1024)
+    for sid, s in enumerate(steps, start=1):
+        ladder = tuple(1000.0 - 250.0 * i for i in range(s))
+        sched.add_stream(small_spec(stream_id=sid, timesteps=ladder, window=3, sink=1))
+    period: list[int] = []
+    for k in range(periods):
+        for sid in range(1, len(steps) + 1):
+            sched.set_credit(sid, k + 1)
+        period = []
+        for _ in range(4 * (max(steps) + 1) * stages):  # ample ticks for every level to come back and go again
+            batch = sched.tick()
+            if batch:
+                period.append(len(batch))
+        assert sum(period) == sum(steps)  # each stream ran its chunk's levels once this period
+    return sum(CALIBRATION[b] for b in period)
+
+
+def cost(stages: int = 1, aligned: bool = True) -> CostModel:
+    model = CostModel(stages=stages, max_batch=4, aligned=aligned)
+    for p in range(stages):
+        model.calibrate(p, CALIBRATION)
+    return model
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [[1] * 5, [1] * 8, [1] * 9, [1, 1, 1, 2, 2], [2, 2, 2, 2, 2, 1]],
+    ids=lambda s: "-".join(map(str, s)),
+)
+def test_one_stage_prices_exactly_the_batches_the_scheduler_forms_on_the_grid(steps):
+    model = cost(stages=1)
+    predicted = model.aligned_ms([(RATE, s, 1) for s in steps])
+    assert predicted == pytest.approx(RATE * scheduled_ms(steps, stages=1))
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_two_stages_spread_the_rows_as_the_scheduler_does(n):
+    model = cost(stages=2)
+    assert model.aligned_ms([(RATE, 1, 1)] * n) == pytest.approx(RATE * scheduled_ms([1] * n, stages=2))
+
+
+@pytest.mark.parametrize(("steps", "stages"), [([2, 2, 2, 1, 1, 1], 2), ([3, 1, 1, 1, 1, 1, 1], 1)])
+def test_mixed_steps_are_never_priced_below_what_the_scheduler_forms(steps, stages):
+    # Counted level by level, where the scheduler may fill a batch with one stream's next level: at most a little high.
+    predicted = cost(stages=stages).aligned_ms([(RATE, s, 1) for s in steps])
+    formed = RATE * scheduled_ms(steps, stages=stages)
+    assert formed - 1e-9 <= predicted <= 1.1 * formed
+
+
+def test_streams_of_other_rates_batch_apart_and_like_streams_may_be_summed():
+    model = cost(stages=1)
+    together = model.aligned_ms([(RATE, 1, 1)] * 4)
+    apart = model.aligned_ms([(RATE, 1, 1)] * 2 + [(2 * RATE, 1, 1)] * 2)
+    assert together == pytest.approx(RATE * CALIBRATION[4])
+    assert apart == pytest.approx(RATE * CALIBRATION[2] + 2 * RATE * CALIBRATION[2])
+    assert model.aligned_ms([(RATE, 1, 6)]) == pytest.approx(model.aligned_ms([(RATE, 1, 1)] * 6))
+    assert model.aligned_ms([(0.0, 1, 1)]) == 0.0  # unpaced streams are best-effort: not priced
+
+
+def ramp_admitted(aligned: bool) -> int:
+    """Streams admitted one by one, after a ramp whose measured batches were all batches of one (each stream's first
+    chunks fill its window and batch apart), on the tiny decoder."""
+    model = cost(stages=1, aligned=aligned)
+    model.report_vae(VaeReport("tiny", TINY_MS))
+    for _ in range(50):
+        model.observe(0, 1, CALIBRATION[1])
+    ctl = SloController(model)
+    admitted: list[Demand] = []
+    while len(admitted) < 32:
+        newcomer = Demand(len(admitted) + 1, RATE, (1,), decoder="tiny")
+        if not ctl.admits(newcomer, admitted):
+            break
+        admitted.append(newcomer)
+    return len(admitted)
+
+
+def test_on_the_grid_admission_counts_the_batches_the_set_will_form_not_the_ramps_batches_of_one():
+    def held(n: int) -> bool:  # the scheduler's own batches for n streams, and their decode, within the target
+        return (RATE * scheduled_ms([1] * n, stages=1) + n * RATE * TINY_MS) / 1e3 <= 0.9
+
+    on_grid = ramp_admitted(aligned=True)
+    assert held(on_grid) and not held(on_grid + 1)  # admitted exactly the streams the scheduler's batches hold
+    apart = ramp_admitted(aligned=False)
+    assert apart < on_grid  # paced apart, each micro-step costs a batch of one
+    alone = RATE * (CALIBRATION[1] + TINY_MS) / 1e3  # one stream's share, a batch of one per chunk
+    assert apart * alone <= 0.9 < (apart + 1) * alone
+
+
+def test_capacity_on_the_grid_agrees_with_admission():
+    model = cost(stages=1)
+    model.report_vae(VaeReport("tiny", TINY_MS))
+    ctl = SloController(model)
+    capacity = ctl.capacity_streams([], RATE, 1, decoder="tiny")
+    assert capacity is not None and int(capacity) == ramp_admitted(aligned=True)
