@@ -27,8 +27,9 @@ Readiness rules for micro-step (s, c, i):
     it enters while the chunks of the old ladder finish: the pipeline does not drain at a step change;
   * a chunk's last level waits until the chunk before it has issued its own (chunks of a stream finish in order,
     also when a chunk on a shorter ladder follows one on a longer).
-Among ready micro-steps the oldest chunk goes first (it finishes soonest), ties broken by stream arrival;
-up to ``max_batch`` rows that share a latent shape form the batch.
+Among ready micro-steps a stream's first chunk goes first (its viewer is waiting for it: the time to first frame,
+while a paced stream's later chunks start up to its playout buffer before they are due), then the oldest chunk (it
+finishes soonest), ties broken by stream arrival; up to ``max_batch`` rows that share a latent shape form the batch.
 
 Best effort (``add_stream(spec, best_effort=True)``: an unpaced stream, which has no real-time clock) yields to the
 other streams: its ready micro-steps are taken only after every other stream's, so a paced stream's micro-step is
@@ -203,7 +204,9 @@ class StreamBatchScheduler:
             # across a step change, where a chunk on the shorter ladder would otherwise overtake one on the longer.
             if nxt == ch.levels - 1 and prev is not None:
                 continue
-            out.append(((st.best_effort, ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt)))
+            out.append(
+                ((st.best_effort, ch.index > 0, ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt))
+            )
         c = st.next_chunk
         nxt_spec = st.specs.at(c)
         cap = st.max_inflight or nxt_spec.levels * p
@@ -223,7 +226,7 @@ class StreamBatchScheduler:
         if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
             can_start = False
         if can_start:
-            out.append(((st.best_effort, now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
+            out.append(((st.best_effort, c > 0, now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
         return out
 
     def tick(self) -> list[MicroStep]:

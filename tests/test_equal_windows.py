@@ -58,3 +58,24 @@ def test_windows_are_told_apart_by_their_frames_not_by_their_streams():
     sched.add_stream(spec(2))
     first = sched.tick()
     assert {s.stream for s in first} == {1, 2} and {s.chunk for s in first} == {0}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("equal_windows", [False, True])
+def test_a_joining_streams_first_chunk_goes_ahead_of_the_running_streams_later_chunks(equal_windows):
+    # Its viewer waits for the first frame, while running streams' chunks start ahead of their slots.
+    ladder = (1000.0, 750.0)
+    sched = StreamBatchScheduler(num_stages=2, max_batch=1, equal_windows=equal_windows, rope_limit=ROPE)
+    for sid in (1, 2):
+        sched.add_stream(small_spec(stream_id=sid, timesteps=ladder, window=3, sink=1, num_chunks=12))
+    for _ in range(9):
+        sched.tick()
+    sched.add_stream(small_spec(stream_id=3, timesteps=ladder, window=3, sink=1, num_chunks=12))
+    first = sched.tick()
+    assert [(s.stream, s.chunk, s.level) for s in first] == [(3, 0, 0)]
+    # Its next level goes ahead too once its latent is back (two stages: two ticks later).
+    sched.tick()
+    assert [(s.stream, s.chunk, s.level) for s in sched.tick()] == [(3, 0, 1)]
+    # From its second chunk on, it takes its turn by age among the others.
+    later = [s for _ in range(40) for s in sched.tick()]
+    assert {s.stream for s in later} == {1, 2, 3}
