@@ -50,7 +50,10 @@ the tiny decoder is never priced at the full VAE's numbers, and the reverse.
 stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
 (``calibrate``: its measured ms per batch size 1..max_batch with a full KV window, ``FormReply.calibration``), else
 nothing until the first measured batches.  Either way a measured batch refines the model: the first measurement of a
-batch size is averaged into its calibrated value, not put in its place.
+batch size is averaged into its calibrated value, not put in its place.  Calibrated sizes not served yet are scaled by
+how much slower the served sizes ran than their calibration (``_StageFit.sharing``): on a GPU the stage shares with
+the decoder, its forwards stretch by the decode work between their kernels, and a ramp of streams forms its largest
+batches only once the set is in, after the admission that priced them.
 
 **The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
 one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
@@ -95,6 +98,7 @@ CORRECTION_HALF_LIFE_S = 300.0
 FULL = "full"  # the Wan VAE: the decoder a stream without one named runs on
 MAX_DECODE_BATCH = 256  # entries of a decoder's batch_ms (per-stream ms at 1..n streams decoding together)
 MAX_STATE_BYTES = 1 << 40
+MAX_SHARING = 4.0  # the most a calibrated size is scaled by (served / calibrated stage time, _StageFit.sharing)
 MAX_CAPACITY_STREAMS = 1 << 20  # capacity_streams stops counting here (a model that costs next to nothing)
 
 
@@ -201,11 +205,23 @@ class _StageFit:
     calibrated: dict[int, float] = field(default_factory=dict)  # batch size -> ms, the stage's calibration
 
     def observe(self, batch: int, ms: float) -> None:
-        old = self.by_batch.get(batch, self.calibrated.get(batch))
+        old = self.by_batch.get(batch, self.points().get(batch))
         self.by_batch[batch] = ms if old is None else (1 - EWMA) * old + EWMA * ms
 
+    def sharing(self) -> float:
+        """How much slower the stage's served batches ran than its calibration at the same sizes (the mean ratio;
+        1 before any calibrated size is served): on a GPU the stage shares with the decoder, its forwards stretch by
+        the decode work that runs between their kernels, which the calibration, alone at READY, did not see."""
+        ratios = [self.by_batch[b] / c for b, c in self.calibrated.items() if b in self.by_batch and c > 0]
+        return min(MAX_SHARING, max(1 / MAX_SHARING, sum(ratios) / len(ratios))) if ratios else 1.0
+
+    def points(self) -> dict[int, float]:
+        """ms per batch size: served sizes as served, calibrated sizes not served yet scaled by ``sharing``."""
+        share = self.sharing()
+        return {**{b: c * share for b, c in self.calibrated.items()}, **self.by_batch}
+
     def ms(self, batch: int, growth: float) -> float | None:
-        pts = {**self.calibrated, **self.by_batch}
+        pts = self.points()
         if batch in pts:
             return pts[batch]
         if len(pts) >= 2:

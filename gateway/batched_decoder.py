@@ -25,8 +25,11 @@ group whose call fails is decoded again stream by stream (``decode_batch`` chang
 that only the streams that fail alone fail.  Waiting is on one condition variable, never by polling.
 
 Costs: every call is timed, its uint8 conversion and copy to the host included (CUDA events on a GPU, wall time on a
-CPU), and each batch size's cost is the median per-stream ms of its recent calls once it has a few (``BatchTimes``);
-``warm`` measures each bucket before serving.  ``batch_ms`` merges both for the coordinator's SLO model
+CPU), and each batch size's cost is the least per-stream ms among its recent calls once it has a few (``BatchTimes``):
+the call that waited least for other work on the GPU.  On a GPU the decoder shares with the DiT stage, a call's time
+also holds the stage's kernels that ran between its own, which the stage's measured forwards count already (the SLO
+model adds both); the least-waiting call is the decoder's own work under the conditions it serves in.  ``warm``
+measures each bucket before serving.  ``batch_ms`` merges both for the coordinator's SLO model
 (``VaeCost.batch_ms``, ``gateway.vae_cost``).
 """
 
@@ -46,9 +49,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 OUT_CAPACITY = 2  # decoded chunks a session holds for its consumer before the worker skips it
-SERVED_WINDOW = 32  # a batch size's recent served calls, whose median is its cost
-# Served calls of a size before they replace its start-up measurement: a size's first call served can be one slow
-# outlier (on an H200, 675 ms against 9 ms steady for the tiny decoder at batch 1), which priced every stream at it.
+SERVED_WINDOW = 32  # a batch size's recent served calls, the least of which is its cost
+# Served calls of a size before they replace its start-up measurement (one call is one sample of how long it waited).
 SERVED_MIN = 3
 MAX_CAPACITY = 1024  # chunks a session may hold waiting
 REPORTED_BATCH = 16  # batch sizes whose cost is reported (VaeCost.batch_ms) by default
@@ -66,8 +68,9 @@ class _Failure:
 
 class BatchTimes:
     """Per-stream ms per chunk at each batch size: measured at start-up (per bucket, the whole call's ms) and the
-    median of the last ``window`` calls served since, once ``min_calls`` were (a median: one slow call, a compile or
-    a stall, does not become a size's cost).  Thread-safe."""
+    least of the last ``window`` calls served since, once ``min_calls`` were: a slow call (a compile, a stall, or
+    waiting for another process's kernels on a shared GPU, which that process's own times count) does not become a
+    size's cost.  Thread-safe."""
 
     def __init__(self, window: int = SERVED_WINDOW, *, min_calls: int = SERVED_MIN, padded: bool = True):
         if window < 1 or not 1 <= min_calls <= window:
@@ -97,7 +100,7 @@ class BatchTimes:
         with self.lock:
             measured = dict(self.measured)
             served = {  # with no measurement, any served size is better than nothing
-                n: float(np.median(d)) for n, d in self.samples.items() if len(d) >= self.min_calls or not measured
+                n: min(d) for n, d in self.samples.items() if len(d) >= self.min_calls or not measured
             }
         if not served and not measured:
             return []

@@ -82,13 +82,13 @@ def test_streams_of_other_rates_batch_apart_and_like_streams_may_be_summed():
     assert model.aligned_ms([(0.0, 1, 1)]) == 0.0  # unpaced streams are best-effort: not priced
 
 
-def ramp_admitted(aligned: bool) -> int:
+def ramp_admitted(aligned: bool, slower: float = 1.0) -> int:
     """Streams admitted one by one, after a ramp whose measured batches were all batches of one (each stream's first
-    chunks fill its window and batch apart), on the tiny decoder."""
+    chunks fill its window and batch apart), served ``slower`` times their calibration, on the tiny decoder."""
     model = cost(stages=1, aligned=aligned)
     model.report_vae(VaeReport("tiny", TINY_MS))
     for _ in range(50):
-        model.observe(0, 1, CALIBRATION[1])
+        model.observe(0, 1, CALIBRATION[1] * slower)
     ctl = SloController(model)
     admitted: list[Demand] = []
     while len(admitted) < 32:
@@ -117,3 +117,27 @@ def test_capacity_on_the_grid_agrees_with_admission():
     ctl = SloController(model)
     capacity = ctl.capacity_streams([], RATE, 1, decoder="tiny")
     assert capacity is not None and int(capacity) == ramp_admitted(aligned=True)
+
+
+def test_calibrated_sizes_not_served_yet_are_priced_as_much_slower_as_the_served_ones_ran():
+    # Beside the decoder on one GPU the stage's forwards stretch; the ramp serves small batches before the set forms
+    # its large ones, so the large ones' calibration (alone, at READY) is scaled by what the small ones showed.
+    model = cost(stages=1)
+    for _ in range(60):
+        model.observe(0, 1, CALIBRATION[1] * 1.2)
+        model.observe(0, 2, CALIBRATION[2] * 1.3)
+    assert model.stage_ms(1)[0] == pytest.approx(CALIBRATION[1] * 1.2, rel=1e-4)  # served: as served
+    assert model.stage_ms(3)[0] == pytest.approx(CALIBRATION[3] * 1.25, rel=1e-4)  # not yet: the mean ratio
+    assert model.stage_ms(4)[0] == pytest.approx(CALIBRATION[4] * 1.25, rel=1e-4)
+    # Its first served batch starts from that scaled price, not from the bare calibration.
+    model.observe(0, 3, CALIBRATION[3] * 1.25)
+    assert model.stage_ms(3)[0] == pytest.approx(CALIBRATION[3] * 1.25, rel=1e-4)
+
+
+def test_admission_counts_the_served_slowdown_in_the_batches_the_set_will_form():
+    def held(n: int, slower: float) -> bool:
+        return (slower * RATE * scheduled_ms([1] * n, stages=1) + n * RATE * TINY_MS) / 1e3 <= 0.9
+
+    alone, shared = ramp_admitted(aligned=True), ramp_admitted(aligned=True, slower=1.3)
+    assert shared < alone
+    assert held(shared, 1.3) and not held(shared + 1, 1.3)
