@@ -33,6 +33,7 @@ folder names its owner (``owner.json``: pid, the pid's start time and pid namesp
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from pathlib import Path
 
 import grpc
 
+from launcher.forkserver import ForkedProcess, ForkServer
 from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
@@ -126,7 +128,7 @@ def module_args(args: list[str]) -> list[str]:
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     info: dict[str, str] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     ready: threading.Event | None = None
@@ -140,14 +142,50 @@ class LaunchError(RuntimeError):
     pass
 
 
+FORKSERVER_ENV = "STAGECAST_FORKSERVER"  # "1": a Launcher forks its service children from a fork server
+# Launcher(forkserver=None) reads this: the environment's choice, or an embedding program's (the test suite's).
+DEFAULT_FORKSERVER = os.environ.get(FORKSERVER_ENV) == "1"
+_forkservers: dict[tuple, ForkServer] = {}
+_forkserver_lock = threading.Lock()
+
+
+def _startup_env(env: dict[str, str]) -> tuple:
+    """What of an environment acts when an interpreter starts or imports (its path, site hooks, thread pools,
+    allocator): children whose environments differ here need fork servers of their own."""
+    keys = [k for k in env if k.startswith(("PYTHON", "LD_", "MALLOC_")) or k.endswith("_NUM_THREADS")]
+    return tuple(sorted((k, env[k]) for k in [*keys, "GLIBC_TUNABLES"] if k in env))
+
+
+def shared_forkserver(env: dict[str, str]) -> ForkServer:
+    """This process's fork server (``launcher.forkserver``) for children of ``env``'s start-up environment, started on
+    first use, ended at exit."""
+    key = _startup_env(env)
+    with _forkserver_lock:
+        server = _forkservers.get(key)
+        if server is None or server.proc.poll() is not None:
+            server = _forkservers[key] = ForkServer(env)
+            atexit.register(server.close)
+        return server
+
+
 class Launcher:
     def __init__(
-        self, env: dict[str, str] | None = None, echo: bool = False, mtls: bool = True, credentials: str | None = None
+        self,
+        env: dict[str, str] | None = None,
+        echo: bool = False,
+        mtls: bool = True,
+        credentials: str | None = None,
+        forkserver: bool | None = None,
     ):
         """``credentials``: an existing deployment folder (``ca.crt`` and one folder per role, as
-        ``write_deployment`` makes) to use instead of a throwaway one; it is left in place."""
+        ``write_deployment`` makes) to use instead of a throwaway one; it is left in place.  ``forkserver``: fork the
+        children from this process's fork server (``launcher.forkserver``: the heavy imports done once) instead of
+        starting each interpreter afresh; default ``DEFAULT_FORKSERVER`` (``$STAGECAST_FORKSERVER`` == "1").  A child
+        started with a ``prefix`` (a command that execs it) always starts afresh."""
+        self.forkserver = DEFAULT_FORKSERVER if forkserver is None else forkserver
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop(FORKSERVER_ENV, None)  # how this launcher starts its children is its own: not passed down
         # Stacks of exited threads are unmapped rather than cached (stagecast.diagnostics says why).
         self.env.setdefault("GLIBC_TUNABLES", STACK_CACHE_OFF)
         self.echo = echo
@@ -198,6 +236,11 @@ class Launcher:
         runs it through a command that ``exec``s it, e.g. ``["ip", "netns", "exec", "ns1"]``."""
         args = list(args)
         extra = self._service_env(args)
+        if self.forkserver and not prefix:
+            server = shared_forkserver(self.env)
+            # The child's parent is the fork server, which ends when this process does.
+            env = {**self.env, **extra, PARENT_PID_ENV: str(server.proc.pid)}
+            return self._track(name, server.spawn(module_args(args), env))
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child is forked from
         # the launcher's own long-lived thread, whichever thread calls start().
         proc = self._spawner.submit(
@@ -210,6 +253,10 @@ class Launcher:
             # such a child (grpc/grpc#43055).  The child sets PR_SET_PDEATHSIG itself (die_with_parent).
             env={**self.env, **extra, PARENT_PID_ENV: str(os.getpid())},
         ).result()
+        return self._track(name, proc)
+
+    def _track(self, name: str, proc: subprocess.Popen | ForkedProcess) -> Child:
+        """Keep ``proc`` as a child, its output read line by line until its READY line (``wait_ready``)."""
         child = Child(name, proc)
         self.children.append(child)
         ready = threading.Event()

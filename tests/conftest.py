@@ -15,6 +15,14 @@ torch.set_num_threads(THREADS)
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_name, str(THREADS))
 
+# The services the tests start through a Launcher are forked from one fork server per test process
+# (launcher.forkserver): torch and diffusers imported once, not once per child (about 4 CPU-seconds each).
+# STAGECAST_TEST_FORKSERVER=0 starts each child afresh, as `stagecast up` does by default.  Commands the tests start
+# with subprocess (`stagecast up`, `demo`) keep the default of their own launchers.
+import launcher.process  # noqa: E402
+
+launcher.process.DEFAULT_FORKSERVER = os.environ.get("STAGECAST_TEST_FORKSERVER", "1") == "1"
+
 
 @pytest.fixture
 def tiny_model():

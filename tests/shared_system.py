@@ -91,7 +91,9 @@ def shared_system(folder: Path) -> Iterator[SharedSystem]:
     imports_log = folder / "imports.log"
     (watch / "sitecustomize.py").write_text(_WATCH.format(log=str(imports_log)))
     path = os.pathsep.join(p for p in (str(watch), os.environ.get("PYTHONPATH", "")) if p)
-    with Launcher(env={"PYTHONPATH": path}) as launcher:
+    # Started afresh, not from a fork server: its children are what tests/test_service_entry.py checks a service
+    # process is (`python -m <module>`, the import watch armed in each).
+    with Launcher(env={"PYTHONPATH": path}, forkserver=False) as launcher:
         pipe = start_pipeline(
             launcher,
             checkpoint=str(root / "transformer"),
