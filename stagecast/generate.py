@@ -75,11 +75,32 @@ def generate_clip(
 ) -> GenerateReport:
     """Stream a clip from the gateway at ``target`` into ``out``; ``config`` as for ``Client.generate``; ``token``,
     ``tls``, ``root_certificates`` and ``tls_name`` as for ``Client``."""
+    # An unbounded stream (no seconds) ends gracefully on Ctrl-C: the handler is in place before the stream opens,
+    # so a Ctrl-C that comes while it opens (the gateway already counts it) stops it as soon as it is open.
+    handle: dict = {"stop": None, "asked": False}
+
+    def stop() -> None:
+        if handle["stop"] is None:
+            handle["asked"] = True
+        else:
+            handle["stop"]()
+
+    restore = _stop_on_interrupt(stop) if config.get("seconds") is None else None
     with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
-        gen = client.generate(prompt, timeout=timeout, **config)
-        info = gen.info
+        try:
+            gen = client.generate(prompt, timeout=timeout, **config)
+            handle["stop"] = gen.stop
+            if handle["asked"]:
+                gen.stop()
+            info = gen.info
+        except BaseException:
+            if restore is not None:
+                restore()
+            raise
+        if info.total_frames is not None and restore is not None:  # bounded after all: Ctrl-C aborts
+            restore()
+            restore = None
         bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
-        restore = _stop_on_interrupt(gen.stop) if info.total_frames is None else None
         steps: dict[int, int] = {}
 
         def on_frame(frame) -> None:
