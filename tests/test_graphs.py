@@ -237,14 +237,21 @@ def test_a_new_signature_is_captured_in_the_background_and_never_stops_another_s
     assert graphs.captures == captured and graphs.pending  # nothing new was captured, the new size is waiting
     assert all(sig[0][1] != next(iter(known))[0][1] for sig in graphs.pending)  # only the new size's signatures
 
-    # Open the gate: the new size's graphs arrive and are replayed, still bit for bit.
+    # Open the gate: the new size's graphs arrive and are replayed, still bit for bit.  A stream of that size alone
+    # forms some batches the mixed run did not (its first chunks there went ahead of stream 3's, in batches of their
+    # own), and a signature is captured at its second sighting: after two such streams, a third replays every batch.
     gate.set()
     graphs.wait_captures(TIMEOUT)
     assert graphs.captures > captured and not graphs.pending and graphs.private_slots
-    eager_before = graphs.eager_batches
-    again = requests([spec(4, num_chunks=6, window=2, sink=0, latent_height=8, latent_width=6)], arrivals=[0])
-    got = graphed_ref.generate(again, num_stages=2, max_batch=2).chunks[4]
-    assert all(torch.equal(a, b) for a, b in zip(eager_ref.generate(again, num_stages=2, max_batch=2).chunks[4], got))
+    eager_before = None
+    for sid in (4, 5, 6):
+        if sid == 6:
+            graphs.wait_captures(TIMEOUT)
+            eager_before = graphs.eager_batches
+        again = requests([spec(sid, num_chunks=6, window=2, sink=0, latent_height=8, latent_width=6)], arrivals=[0])
+        got = graphed_ref.generate(again, num_stages=2, max_batch=2).chunks[sid]
+        want = eager_ref.generate(again, num_stages=2, max_batch=2).chunks[sid]
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert graphs.eager_batches == eager_before  # every signature of that size now replays a graph
     graphs.close()
 
