@@ -51,8 +51,17 @@ class FakeClient:
         return self.stream
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT as an interactive `python` has it (KeyboardInterrupt): a process started in the background, as CI may
+    start the suite, inherits it ignored."""
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, original)
+
+
 @pytest.mark.parametrize("seconds", [None, 1.0])
-def test_a_ctrl_c_while_the_stream_opens(monkeypatch, tmp_path, seconds):
+def test_a_ctrl_c_while_the_stream_opens(monkeypatch, tmp_path, seconds, python_sigint):
     stream = FakeStream(total_frames=None if seconds is None else 16)
     monkeypatch.setattr(generate, "Client", lambda target, **kw: FakeClient(stream))
     before = signal.getsignal(signal.SIGINT)
