@@ -51,6 +51,12 @@ from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, MicroStep, Stream
 from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 
 
+def batch_limit(demand: int, num_stages: int, max_batch: int) -> int:
+    """Rows a batch may take when the streams ask ``demand`` rows of the pipeline: ``max_batch`` at most, and no more
+    than 1/P of the demand, so the rows spread over the P stages (every row in flight comes back once per P ticks)."""
+    return min(max_batch, max(1, -(-demand // num_stages)))
+
+
 @dataclass
 class _Chunk:
     index: int
@@ -240,7 +246,7 @@ class StreamBatchScheduler:
         # Beside other streams, best-effort ones do not raise the batch size: their rows only fill what is left.
         others = [st for st in self.streams.values() if not st.best_effort]
         demand = sum(self._demand(st) for st in others or self.streams.values())
-        limit = min(self.max_batch, max(1, -(-demand // self.num_stages)))
+        limit = batch_limit(demand, self.num_stages, self.max_batch)
         batch: list[MicroStep] = []
         shape = None
         rows = 0

@@ -85,6 +85,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from coordinator.scheduler import batch_limit
 from stagecast.api import DECODERS
 from stagecast.microstep import chunk_levels
 
@@ -395,7 +396,7 @@ class CostModel:
             per_stage = [0.0] * self.stages
             for level in range(max(levels for levels, _ in group)):
                 rows = sum(r for levels, r in group if levels > level)
-                limit = min(self.max_batch, max(1, -(-rows // self.stages)))
+                limit = batch_limit(rows, self.stages, self.max_batch)
                 full, rest = divmod(rows, limit)
                 for p, fit in enumerate(self.fits):
                     at_limit, at_rest = fit.ms(limit, self.growth), fit.ms(rest, self.growth) if rest else 0.0
