@@ -49,13 +49,13 @@ class ForkedProcess:
     """A child of the fork server, as much of ``subprocess.Popen`` as a launcher uses: ``pid``, ``stdout`` (text,
     stdout and stderr together), ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``."""
 
-    def __init__(self, pid: int, stdout_fd: int, status_fd: int):
+    def __init__(self, pid: int, argv: list[str], stdout_fd: int, status_fd: int):
         self.pid = pid
+        self.args = [sys.executable, "-m", *argv]  # the command it runs as, as Popen.args holds it
         self.stdout = os.fdopen(stdout_fd, "r", encoding="utf-8", errors="replace")
         self._status_fd = status_fd
         self._lock = threading.Lock()
         self.returncode: int | None = None
-        self.args = pid
 
     def _read_status(self, timeout: float | None) -> int | None:
         with self._lock:
@@ -134,7 +134,7 @@ class ForkServer:
             os.close(out_r)
             os.close(status_r)
             raise ForkServerError(f"the fork server refused to start {argv[:1]}: {reply!r}")
-        return ForkedProcess(int(reply.split()[1]), out_r, status_r)
+        return ForkedProcess(int(reply.split()[1]), argv, out_r, status_r)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -258,8 +258,7 @@ def run_child(request: dict) -> None:
     sys.path[0] = os.getcwd()  # as `python -m` starts: the working directory first
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = list(request["argv"])
-    sys.argv = [argv[0], *argv[1:]]
+    argv = sys.argv = list(request["argv"])  # runpy makes argv[0] the module's path, as `python -m` does
     # What `python -m` would have been started with: a process that restarts itself (os.execv of sys.orig_argv, as
     # a stage does after a reset while busy) runs its own command again, from a fresh interpreter.
     sys.orig_argv = [sys.executable, "-m", *argv]
@@ -277,11 +276,8 @@ def run_child(request: dict) -> None:
     try:
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            status[0] = exc.code or 0
-        else:  # sys.exit("message"): printed, status 1
-            print(exc.code, file=sys.stderr)
-            status[0] = 1
+        # sys.exit("message"): the interpreter prints the message on its way out, and the status is 1.
+        status[0] = (exc.code or 0) if exc.code is None or isinstance(exc.code, int) else 1
         raise
     except BaseException:
         status[0] = 1

@@ -74,6 +74,7 @@ def test_a_child_exits_as_python_m_would(server, module, tmp_path, body, code, t
     assert got == code and text in out
     afresh = subprocess.run([sys.executable, "-m", "probe"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert afresh.returncode == code and text in afresh.stdout + afresh.stderr
+    assert out.count(text) == (afresh.stdout + afresh.stderr).count(text)  # said as often: once
 
 
 def test_signals_reach_the_child_and_its_status_reads_like_popens(server, module, tmp_path):
@@ -103,6 +104,7 @@ def test_a_launcher_on_the_fork_server_starts_services_that_serve(tmp_path):
     with Launcher(forkserver=True) as launcher:
         coord = launcher.spawn("coordinator", ["coordinator", "--stages", "1", "--port", "0"])
         assert coord.info["address"] and coord.proc.poll() is None
+        assert coord.proc.args[:5] == [sys.executable, "-m", "coordinator", "--stages", "1"]  # as Popen.args reads
         server = shared_forkserver(launcher.env)
         assert f"PPid:\t{server.proc.pid}\n" in open(f"/proc/{coord.pid}/status").read()  # forked, not started
         assert launcher.stop(coord) == 0  # SIGTERM: a clean stop
