@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from stagecast.client import Client
+from stagecast.client import Client, Generation
 from stagecast.flags import HelpFormatter
 from stagecast.service import INTERRUPTED
 
@@ -77,57 +77,55 @@ def generate_clip(
     ``tls``, ``root_certificates`` and ``tls_name`` as for ``Client``."""
     # An unbounded stream (no seconds) ends gracefully on Ctrl-C: the handler is in place before the stream opens,
     # so a Ctrl-C that comes while it opens (the gateway already counts it) stops it as soon as it is open.
-    handle: dict = {"stop": None, "asked": False}
+    gen: Generation | None = None
+    asked = False
 
     def stop() -> None:
-        if handle["stop"] is None:
-            handle["asked"] = True
+        nonlocal asked
+        if gen is None:
+            asked = True
         else:
-            handle["stop"]()
+            gen.stop()
 
     restore = _stop_on_interrupt(stop) if config.get("seconds") is None else None
-    with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
-        try:
+    try:
+        with Client(target, token=token, tls=tls, root_certificates=root_certificates, tls_name=tls_name) as client:
             gen = client.generate(prompt, timeout=timeout, **config)
-            handle["stop"] = gen.stop
-            if handle["asked"]:
+            if asked:
                 gen.stop()
             info = gen.info
-        except BaseException:
-            if restore is not None:
+            if info.total_frames is not None and restore is not None:  # bounded after all: Ctrl-C aborts
                 restore()
-            raise
-        if info.total_frames is not None and restore is not None:  # bounded after all: Ctrl-C aborts
+                restore = None
+            bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
+            steps: dict[int, int] = {}
+
+            def on_frame(frame) -> None:
+                bar.update(1)
+                steps[frame.steps] = steps.get(frame.steps, 0) + 1
+
+            try:
+                frames = gen.write_mp4(out, on_frame=on_frame)
+            finally:
+                bar.close()
+            return GenerateReport(
+                out=os.fspath(out),
+                frames=frames,
+                width=info.width,
+                height=info.height,
+                codec=info.codec,
+                seed=info.seed,
+                end_reason=gen.end.reason if gen.end else "unknown",
+                ttff=gen.ttff,
+                fps=gen.fps,
+                timesteps=info.timesteps,
+                shift=info.shift,
+                steps=steps,
+                decoder=info.decoder,
+            )
+    finally:
+        if restore is not None:
             restore()
-            restore = None
-        bar = tqdm(total=info.total_frames, unit="frame", disable=not progress, desc="generating")
-        steps: dict[int, int] = {}
-
-        def on_frame(frame) -> None:
-            bar.update(1)
-            steps[frame.steps] = steps.get(frame.steps, 0) + 1
-
-        try:
-            frames = gen.write_mp4(out, on_frame=on_frame)
-        finally:
-            bar.close()
-            if restore is not None:
-                restore()
-        return GenerateReport(
-            out=os.fspath(out),
-            frames=frames,
-            width=info.width,
-            height=info.height,
-            codec=info.codec,
-            seed=info.seed,
-            end_reason=gen.end.reason if gen.end else "unknown",
-            ttff=gen.ttff,
-            fps=gen.fps,
-            timesteps=info.timesteps,
-            shift=info.shift,
-            steps=steps,
-            decoder=info.decoder,
-        )
 
 
 def _stop_on_interrupt(stop):
