@@ -85,6 +85,21 @@ class Pacing:
         offset = session.pace_offset_s if chunk > 0 else 0.0
         return session.paced_since + chunk / session.chunk_rate - offset
 
+    @staticmethod
+    def deadline(session: StreamSession, chunk: int) -> float | None:
+        """When a paced stream's chunk is due at its viewer (None for an unpaced stream), the scheduler's order among
+        ready micro-steps (``StreamBatchScheduler.set_due``): once chunk 0 is consumed, on the viewer's own clock
+        (``first_consumed_at``, the first frame's time: chunk c is due ``c / chunk_rate`` after it, less
+        ``pace_offset_s`` past the first chunk); before, at its slot (``pace_slot``), which is no later.  A joining
+        stream's second chunk is due one frame after its first, while a running stream's next chunks start up to the
+        playout buffer before they are due: that chunk goes first, or its viewer's picture freezes after one frame."""
+        if session.chunk_rate <= 0 or session.paced_since is None:
+            return None
+        if session.first_consumed_at is None:
+            return Pacing.pace_slot(session, chunk)
+        offset = session.pace_offset_s if chunk > 0 else 0.0
+        return session.first_consumed_at + chunk / session.chunk_rate - offset
+
     def credit(self, session: StreamSession) -> int:
         credit = session.delivered + self.lead_bound(session)
         paced = self.paced_credit(session, self.clock())

@@ -11,6 +11,7 @@ under the lock.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import replace
 
@@ -133,6 +134,8 @@ class PlanLoop:
             session = self.streams.pending_opens.popleft()
             sched.add_stream(session.spec, best_effort=session.best_effort)
             session.paced_since = self.pacing.start(session)
+            if session.chunk_rate > 0:
+                sched.set_due(session.spec.stream_id, functools.partial(Pacing.deadline, session))
             events.append(
                 self.next_event(
                     "open",

@@ -27,8 +27,11 @@ Readiness rules for micro-step (s, c, i):
     it enters while the chunks of the old ladder finish: the pipeline does not drain at a step change;
   * a chunk's last level waits until the chunk before it has issued its own (chunks of a stream finish in order,
     also when a chunk on a shorter ladder follows one on a longer).
-Among ready micro-steps a stream's first chunk goes first (its viewer is waiting for it: the time to first frame,
-while a paced stream's later chunks start up to its playout buffer before they are due), then the oldest chunk (it
+Among ready micro-steps the one whose chunk its viewer needs soonest goes first (``set_due``: each paced stream's
+deadlines, ``coordinator.pacing.Pacing.deadline``; a stream without them after those with them): a joining stream's
+first chunk (its viewer is waiting for it: the time to first frame) and its second (due one frame after the first)
+before the running streams' later chunks, which start up to their playout buffer before they are due.  Among equal
+deadlines (streams on one pace grid), or without any, a stream's first chunk goes first, then the oldest chunk (it
 finishes soonest), ties broken by stream arrival; up to ``max_batch`` rows that share a latent shape form the batch.
 
 Best effort (``add_stream(spec, best_effort=True)``: an unpaced stream, which has no real-time clock) yields to the
@@ -45,6 +48,8 @@ at least its first micro-step.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stagecast.microstep import DEFAULT_MAX_BATCH, ChunkSpecs, MicroStep, StreamSpec, context_frames
@@ -82,6 +87,7 @@ class _StreamState:
     inputs: int = 0  # video-to-video: chunks whose input latents have arrived
     best_effort: bool = False  # yields to the other streams (see the module docstring)
     held: bool = False  # a recache waits for the stream's chunks in flight: start no new one
+    due: Callable[[int], float | None] | None = None  # chunk -> when its viewer needs it (``set_due``)
 
     def __post_init__(self) -> None:
         self.specs = ChunkSpecs(self.spec)
@@ -145,6 +151,13 @@ class StreamBatchScheduler:
         """Let the stream start chunks only while fewer than ``credit`` have started: the consumer's pace
         reaches the scheduler, so a slow consumer never makes finished chunks pile up."""
         self._state(stream_id).credit = credit
+
+    def set_due(self, stream_id: int, due: Callable[[int], float | None] | None) -> None:
+        """Order the stream's ready micro-steps by when its viewer needs each chunk: ``due(chunk)``, a time on any
+        one clock that every stream's ``due`` shares (the coordinator's: ``Pacing.deadline``); None: no deadline.
+        Among the ready micro-steps of streams that are not best effort the earliest deadline goes first (see the
+        module docstring)."""
+        self._state(stream_id).due = due
 
     def set_inputs(self, stream_id: int, inputs: int) -> None:
         """A video-to-video stream has the input latents of its first ``inputs`` chunks: it may start those."""
@@ -210,9 +223,8 @@ class StreamBatchScheduler:
             # across a step change, where a chunk on the shorter ladder would otherwise overtake one on the longer.
             if nxt == ch.levels - 1 and prev is not None:
                 continue
-            out.append(
-                ((st.best_effort, ch.index > 0, ch.started, st.order, -nxt), MicroStep(spec.stream_id, ch.index, nxt))
-            )
+            key = (st.best_effort, self._due(st, ch.index), ch.index > 0, ch.started, st.order, -nxt)
+            out.append((key, MicroStep(spec.stream_id, ch.index, nxt)))
         c = st.next_chunk
         nxt_spec = st.specs.at(c)
         cap = st.max_inflight or nxt_spec.levels * p
@@ -232,8 +244,15 @@ class StreamBatchScheduler:
         if can_start and c > 0 and spec.policy == "clean" and st.clean_issued.get(c - 1, now) >= now:
             can_start = False
         if can_start:
-            out.append(((st.best_effort, c > 0, now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
+            out.append(((st.best_effort, self._due(st, c), c > 0, now, st.order, 0), MicroStep(spec.stream_id, c, 0)))
         return out
+
+    @staticmethod
+    def _due(st: _StreamState, chunk: int) -> float:
+        """The chunk's deadline as a sort key: to the microsecond (streams on one pace grid tie, and the rest of the
+        key decides), a stream without one after every stream with one."""
+        due = st.due(chunk) if st.due is not None else None
+        return math.inf if due is None else round(due, 6)
 
     def tick(self) -> list[MicroStep]:
         """Advance one tick and return the batch that enters stage 0 now (empty when nothing is ready)."""

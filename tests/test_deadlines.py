@@ -1,0 +1,148 @@
+"""Earliest deadline first: among ready micro-steps, the chunk a viewer needs soonest goes first.
+
+A joining paced stream's viewer sees its first frame (chunk 0), and needs chunk 1's frames one frame period later,
+while the running streams' next chunks start up to their playout buffer (0.5 s) before they are due.  Ordered by
+stream arrival, a joining stream's chunk 1 waited behind every running stream's next chunk, and on one H200 the last
+stream of a capacity ramp froze after its first frame (4 of 320 frames late: not held).  The engine's plan loop is
+driven by hand here, under a fake clock, as in ``tests/test_pacing.py``.
+"""
+
+import pytest
+
+from coordinator.pacing import Pacing
+from coordinator.scheduler import StreamBatchScheduler
+from stagecast import wire
+from tests.engine_helpers import TEXT, hand_driven_engine, small_spec
+
+pytestmark = pytest.mark.unit
+
+ONE_STEP = (1000.0,)
+RATE = 4.0  # 16 fps, 4 frames per chunk
+OFFSET = 3 / 16  # Wan's first chunk decodes to one frame: later chunks are due three frames sooner
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def engine(clock: Clock):
+    eng = hand_driven_engine(stages=1, max_batch=2, playout_s=0.5, clock=clock, lookahead=10**6)
+    eng.pacing.grid = True
+    return eng
+
+
+def open_paced(eng):
+    spec = small_spec(timesteps=ONE_STEP, window=3, sink=1)
+    return eng.open(spec, TEXT, acknowledges=True, consumer_depth=64, chunk_rate=RATE, pace_offset_s=OFFSET)
+
+
+def tick(eng) -> list[tuple[int, int]]:
+    """One plan-loop tick, every batch completing at once: the (stream, chunk) of the batch it planned, if any."""
+    events = [wire.event_from_proto(e) for e in eng.planner.tick()]
+    eng.planner.batches_done = eng.planner.batches_planned
+    return [(s.stream, s.chunk) for e in events if e.kind == "batch" for s in e.steps]
+
+
+def run_running_set(eng, clock: Clock, n: int) -> list:
+    """``n`` paced streams opened together, each with its credited chunks started and its chunk 0 consumed."""
+    streams = [open_paced(eng) for _ in range(n)]
+    while tick(eng):
+        pass
+    for s in streams:
+        consume_first(eng, s)
+    return streams
+
+
+def consume_first(eng, stream) -> None:
+    """Its chunk 0 came back from the stages (no stage runs here) and its consumer acknowledged it."""
+    session = eng.sessions[stream.id]
+    session.received = max(session.received, 1)
+    eng.consumed(stream.id, 1)
+
+
+def ordered_by_arrival(eng) -> None:
+    """The scheduler's order before deadlines: no stream has one."""
+    for st in eng.sched.streams.values():
+        st.due = None
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+def test_a_joining_streams_second_chunk_goes_in_the_batch_right_after_its_first(deadlines):
+    clock = Clock()
+    eng = engine(clock)
+    running = run_running_set(eng, clock, 3)
+    clock.t += 1 / RATE  # one more chunk of every running stream is credited: three ready beside the newcomer
+    joining = open_paced(eng)
+    first = tick(eng)  # plans its open (its deadlines are set there) and the first batch
+    assert (joining.id, 0) in first  # its first chunk goes first either way
+    if not deadlines:
+        ordered_by_arrival(eng)
+    second = tick(eng)
+    if deadlines:
+        # Due one frame after its first frame: ahead of the running streams' chunks, due up to 0.5 s later.
+        assert (joining.id, 1) in second
+    else:
+        # By arrival, the newest stream's chunk 1 waited behind the running streams' chunks.
+        assert (joining.id, 1) not in second and {sid for sid, _ in second} <= {s.id for s in running}
+
+
+def test_a_running_stream_that_fell_behind_goes_before_one_on_time():
+    clock = Clock()
+    eng = engine(clock)
+    a, b, c = run_running_set(eng, clock, 3)
+    # c's viewer saw its first frame a whole chunk period before a's and b's: its chunks are due sooner.
+    eng.sessions[c.id].first_consumed_at -= 1 / RATE
+    clock.t += 1 / RATE
+    assert [sid for sid, _ in tick(eng)][0] == c.id
+
+
+def test_a_deadline_is_the_pace_slot_until_the_first_chunk_is_consumed_then_the_viewers_clock():
+    clock = Clock()
+    eng = engine(clock)
+    clock.t = 100.1  # the pace grid moves its schedule back to 100.0
+    s = open_paced(eng)
+    tick(eng)
+    session = eng.sessions[s.id]
+    assert session.paced_since == pytest.approx(100.0)
+    assert [Pacing.deadline(session, c) for c in range(3)] == [Pacing.pace_slot(session, c) for c in range(3)]
+    assert Pacing.deadline(session, 1) == pytest.approx(100.0 + 1 / RATE - OFFSET)
+    clock.t = 100.31  # its first frame reached the viewer
+    consume_first(eng, s)
+    assert Pacing.deadline(session, 0) == pytest.approx(100.31)
+    assert Pacing.deadline(session, 1) == pytest.approx(100.31 + 1 / RATE - OFFSET)  # one frame after the first
+    assert Pacing.deadline(session, 5) == pytest.approx(100.31 + 5 / RATE - OFFSET)
+
+
+def test_an_unpaced_stream_has_no_deadline():
+    clock = Clock()
+    eng = engine(clock)
+    unpaced = eng.open(small_spec(timesteps=ONE_STEP), TEXT, acknowledges=True, consumer_depth=64, chunk_rate=0.0)
+    tick(eng)
+    assert Pacing.deadline(eng.sessions[unpaced.id], 0) is None
+
+
+def test_deadlines_order_ready_steps_and_equal_ones_keep_the_arrival_order():
+    # Scheduler alone: three one-step streams on one stage, batches of one.
+    sched = StreamBatchScheduler(num_stages=1, max_batch=1)
+    for sid in (1, 2, 3):
+        sched.add_stream(small_spec(stream_id=sid, timesteps=ONE_STEP, num_chunks=4))
+    dues = {1: 5.0, 2: 3.0, 3: 4.0}
+    for sid, base in dues.items():
+        sched.set_due(sid, lambda c, base=base: base + 10 * c)
+    order = [s.stream for _ in range(6) for s in sched.tick()]
+    assert order == [2, 3, 1, 2, 3, 1]  # earliest deadline first, chunk by chunk
+    sched = StreamBatchScheduler(num_stages=1, max_batch=1)
+    for sid in (1, 2, 3):
+        sched.add_stream(small_spec(stream_id=sid, timesteps=ONE_STEP, num_chunks=4))
+        sched.set_due(sid, lambda c: 7.0)  # one pace grid: equal deadlines
+    assert [s.stream for _ in range(3) for s in sched.tick()] == [1, 2, 3]
+    # A stream without deadlines goes after every stream with one.
+    sched = StreamBatchScheduler(num_stages=1, max_batch=1)
+    for sid in (1, 2):
+        sched.add_stream(small_spec(stream_id=sid, timesteps=ONE_STEP, num_chunks=4))
+    sched.set_due(2, lambda c: 1e9)
+    assert [s.stream for s in sched.tick()] == [2]
