@@ -257,7 +257,16 @@ class SloControl:
         return changed
 
     def observe(self, index: int, done: pb.BatchDone) -> None:
-        """A stage's measured batches: the model's mean ms per batch at the mean size (unless --slo-fixed)."""
-        if done.batches > 0 and self.slo_learn:
+        """A stage's measured batches (unless --slo-fixed): each at its own size, except those run without their CUDA
+        graph (a signature seen before its graph was captured: a transient at about twice a graph's time, which
+        priced every size the stage has not served yet up through ``_StageFit.sharing``).  A stage that reports only
+        the sums: their mean ms at the mean size."""
+        if not self.slo_learn:
+            return
+        if done.timed:
+            for t in done.timed:
+                if not t.eager and t.micro_steps > 0:
+                    self.cost.observe(index, t.micro_steps, t.forward_ms)
+        elif done.batches > 0:
             size = max(1, round(done.micro_steps / done.batches))
             self.cost.observe(index, size, done.forward_ms / done.batches)

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,15 @@ from stage_service.transport import PeerLost, PipeTransport, TransportAborted
 from stagecast.microstep import MicroStep, PlanEvent, recache_steps
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchTime:
+    """One batch's forward time (``BatchDone.timed``): its ms, rows, and whether it ran without its CUDA graph."""
+
+    forward_ms: float
+    micro_steps: int
+    eager: bool = False
 
 
 @dataclass
@@ -63,6 +72,7 @@ class ExecutorEvent:
     steps: int = 0  # "chunk": the denoising steps the chunk ran
     batches: int = 0  # "done": batches whose times forward_ms sums
     eager: bool = False  # "done": this batch ran without a CUDA graph (with --cuda-graphs: a signature not captured)
+    timed: list[BatchTime] = field(default_factory=list)  # "done": the batches forward_ms sums, one by one
 
 
 _STOP = object()
@@ -89,8 +99,8 @@ class StageExecutor:
         # while some are in flight (a cancel) still has them received, and dropped, to keep the pair in order.
         self._owed: deque[tuple[MicroStep, tuple[int, ...]]] = deque()
         # CUDA event pairs of batches whose GPU time has not been read yet (read when done, never synced).
-        # (micro-steps, start, end, counted): a batch that captured its CUDA graph in line is not counted
-        self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, bool]] = deque()
+        # (micro-steps, start, end, counted, eager): a batch that captured its CUDA graph in line is not counted
+        self._timings: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, bool, bool]] = deque()
         self._cuda = runner.slice.device.type == "cuda"
         self._thread = threading.Thread(target=self._loop, name="stage-executor", daemon=True)
         sl = runner.slice
@@ -266,23 +276,19 @@ class StageExecutor:
         return t_compute
 
     def _measured(
-        self, wall_ms: float, rows: int, sample_ms: float, counted: bool
-    ) -> tuple[float, int, int, list[float]]:
-        """What a batch reports of its time: ``(forward_ms, micro_steps, batches, samples)``.  On a CPU, this batch's
+        self, wall_ms: float, rows: int, sample_ms: float, counted: bool, eager: bool
+    ) -> tuple[list[BatchTime], list[float]]:
+        """What a batch reports of its time: each timed batch, and the samples for its span.  On a CPU, this batch's
         wall time (nothing when it captured a graph in line); on a GPU, every earlier batch whose CUDA events have
         completed (reading this one's would wait for the GPU)."""
         if not self._cuda:
-            return (wall_ms, rows, 1, [sample_ms]) if counted else (0.0, 0, 0, [])
-        forward_ms, micro_steps, batches, samples = 0.0, 0, 0, []
+            return ([BatchTime(wall_ms, rows, eager)], [sample_ms]) if counted else ([], [])
+        timed: list[BatchTime] = []
         while self._timings and self._timings[0][2].query():
-            n, a, b, timed = self._timings.popleft()
-            if not timed:
-                continue
-            samples.append(a.elapsed_time(b))
-            forward_ms += samples[-1]
-            micro_steps += n
-            batches += 1
-        return forward_ms, micro_steps, batches, samples
+            n, a, b, was_counted, was_eager = self._timings.popleft()
+            if was_counted:
+                timed.append(BatchTime(a.elapsed_time(b), n, was_eager))
+        return timed, [t.forward_ms for t in timed]
 
     def _run_batch(self, item: PlanEvent) -> None:
         steps = item.steps
@@ -318,10 +324,11 @@ class StageExecutor:
         # A forward that captured its graph in line (a warm-up stream's) took the capture's time, seconds at worst:
         # it is not reported, or the SLO model would take it for what a batch of this size costs.
         counted = runner.graphs is None or runner.graphs.inline_captures == captures_before
+        eager = runner.graphs is not None and runner.graphs.eager_batches > eager_before
         if self._cuda:
             ev_end = torch.cuda.Event(enable_timing=True)
             ev_end.record()
-            self._timings.append((len(rows), ev_start, ev_end, counted))
+            self._timings.append((len(rows), ev_start, ev_end, counted, eager))
         if not self.last:
             t_compute = time.time_ns()
             assert tp is not None
@@ -334,9 +341,10 @@ class StageExecutor:
                 spec = runner.spec_at(st.stream, st.chunk)
                 if st.level + 1 < spec.levels:
                     self._owed.append((MicroStep(st.stream, st.chunk, st.level + 1), spec.latent_shape))
-        forward_ms, micro_steps, batches, forward_samples = self._measured(
-            (time.perf_counter() - start) * 1e3, len(rows), (t_compute - t_recv) / 1e6, counted
+        timed, forward_samples = self._measured(
+            (time.perf_counter() - start) * 1e3, len(rows), (t_compute - t_recv) / 1e6, counted, eager
         )
+        forward_ms = sum(t.forward_ms for t in timed)
         wait_ms = ((tp.wait_seconds if tp else 0.0) - wait_before) * 1e3
         if self.telemetry is not None:
             received = distributed and (not self.first or any(st.level > 0 for st in steps))
@@ -351,10 +359,11 @@ class StageExecutor:
             item.seq,
             forward_ms=forward_ms,
             wait_ms=wait_ms,
-            micro_steps=micro_steps,
+            micro_steps=sum(t.micro_steps for t in timed),
             exchange_ms=exchange_ms,
-            batches=batches,
-            eager=runner.graphs is not None and runner.graphs.eager_batches > eager_before,
+            batches=len(timed),
+            eager=eager,
+            timed=timed,
         )
         self.on_event(done)
         if self.telemetry is not None:

@@ -213,6 +213,10 @@ class Generation:
                     exchange_ms=ev.exchange_ms,
                     batches=ev.batches,
                     eager=ev.eager,
+                    timed=[
+                        pb.BatchTime(forward_ms=t.forward_ms, micro_steps=t.micro_steps, eager=t.eager)
+                        for t in ev.timed
+                    ],
                 )
             )
         return pb.StageEvent(

@@ -344,6 +344,33 @@ def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_mod
     assert runner.graphs.inline_captures == 3 and runner.graphs.background_captures == 0
 
 
+def test_a_batch_run_without_its_graph_is_reported_as_eager_in_its_own_timing(tiny_model):
+    # The SLO model learns a batch size's time from each timed batch, and skips those run eagerly (a signature not
+    # captured yet, about twice a graph's time): each BatchDone carries its batches' times one by one, flagged.
+    from stage_service.executor import StageExecutor
+    from stage_service.runner import SliceRunner
+    from stagecast.microstep import MicroStep, PlanEvent
+
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    runner = SliceRunner(full, graphs=GraphedBlocks(full, capture=rerun_capture, background=True))
+    events = []
+    ex = StageExecutor(runner, None, events.append)
+    s = spec(1, timesteps=(700.0,), num_chunks=6, window=2, sink=0)
+    text = torch.randn(1, s.text_len, model.config.text_dim)
+    ex._run(PlanEvent("open", seq=1, spec=s, text=text))
+    for c in range(4):
+        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+    runner.graphs.wait_captures(TIMEOUT)  # chunk 3 met chunk 2's signature again: its graph was captured beside it
+    for c in range(4, 6):
+        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+    done = [e for e in events if e.kind == "done"]
+    assert [[t.eager for t in e.timed] for e in done] == [[True]] * 4 + [[False]] * 2
+    assert [e.eager for e in done] == [True] * 4 + [False] * 2
+    assert all(len(e.timed) == e.batches == 1 and e.timed[0].micro_steps == 1 for e in done)
+    assert all(e.forward_ms == e.timed[0].forward_ms > 0 for e in done)
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_graph_buffers_stay_within_their_cap_and_the_rest_runs_eagerly_bit_for_bit(tiny_model, background):
     # A window that keeps growing gives every chunk a new signature: with no cap its buffers grow with it (a copy of

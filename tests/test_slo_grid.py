@@ -8,7 +8,8 @@ import pytest
 
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.slo import CostModel, Demand, SloController, VaeReport
-from tests.engine_helpers import small_spec
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from tests.engine_helpers import hand_driven_engine, small_spec
 
 pytestmark = pytest.mark.unit
 
@@ -141,3 +142,41 @@ def test_admission_counts_the_served_slowdown_in_the_batches_the_set_will_form()
     alone, shared = ramp_admitted(aligned=True), ramp_admitted(aligned=True, slower=1.3)
     assert shared < alone
     assert held(shared, 1.3) and not held(shared + 1, 1.3)
+
+
+def _seeded_engine():
+    eng = hand_driven_engine(stages=1, max_batch=4, pace_grid=True)
+    eng.slo.cost.calibrate(0, CALIBRATION)
+    return eng
+
+
+def test_each_timed_batch_is_learned_at_its_own_size_and_one_run_without_its_graph_is_not():
+    # A GPU stage reads its CUDA events in arrears: one BatchDone carries several batches.  One of them ran eagerly
+    # (its signature seen before its graph was captured, about twice a graph's time, and far more while the capture
+    # runs beside it): on one H200 such a batch took the sharing factor to ~1.5 and a sixth stream was refused at 97%
+    # of the stage with the stage 57% busy.
+    eng = _seeded_engine()
+    done = pb.BatchDone(
+        seq=1,
+        forward_ms=33.0 + 260.0 + 49.0,
+        micro_steps=1 + 2 + 2,
+        batches=3,
+        timed=[
+            pb.BatchTime(forward_ms=33.0, micro_steps=1),
+            pb.BatchTime(forward_ms=260.0, micro_steps=2, eager=True),
+            pb.BatchTime(forward_ms=49.0, micro_steps=2),
+        ],
+    )
+    eng.slo.observe(0, done)
+    fit = eng.slo.cost.fits[0]
+    ewma = 0.2
+    assert fit.by_batch[1] == pytest.approx((1 - ewma) * 30.0 + ewma * 33.0)
+    # Batch 2's first measurement is averaged into its calibration, scaled by how batch 1 ran; not the eager 260 ms.
+    assert fit.by_batch[2] == pytest.approx((1 - ewma) * 47.0 * fit.by_batch[1] / 30.0 + ewma * 49.0)
+    assert 1.0 < fit.sharing() < 1.05
+    # The same sums without the batches one by one (a stage that reports only them): their mean at the mean size.
+    eng = _seeded_engine()
+    del done.timed[:]
+    eng.slo.observe(0, done)
+    assert set(eng.slo.cost.fits[0].by_batch) == {2}  # round(5 / 3)
+    assert eng.slo.cost.fits[0].by_batch[2] == pytest.approx((1 - ewma) * 47.0 + ewma * 342.0 / 3)

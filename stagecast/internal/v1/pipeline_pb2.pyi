@@ -177,7 +177,7 @@ class ChunkResult(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
-    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches", "eager")
+    __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches", "eager", "timed")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class BatchDone(_message.Message):
     EXCHANGE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     EAGER_FIELD_NUMBER: _ClassVar[int]
+    TIMED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     forward_ms: float
     wait_ms: float
@@ -192,7 +193,18 @@ class BatchDone(_message.Message):
     exchange_ms: float
     batches: int
     eager: bool
-    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ..., batches: _Optional[int] = ..., eager: _Optional[bool] = ...) -> None: ...
+    timed: _containers.RepeatedCompositeFieldContainer[BatchTime]
+    def __init__(self, seq: _Optional[int] = ..., forward_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms: _Optional[float] = ..., batches: _Optional[int] = ..., eager: _Optional[bool] = ..., timed: _Optional[_Iterable[_Union[BatchTime, _Mapping]]] = ...) -> None: ...
+
+class BatchTime(_message.Message):
+    __slots__ = ("forward_ms", "micro_steps", "eager")
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
+    forward_ms: float
+    micro_steps: int
+    eager: bool
+    def __init__(self, forward_ms: _Optional[float] = ..., micro_steps: _Optional[int] = ..., eager: _Optional[bool] = ...) -> None: ...
 
 class StageError(_message.Message):
     __slots__ = ("generation", "seq", "message", "stage_index")
