@@ -576,6 +576,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         fp8=args.fp8,
         coordinator_args=coordinator_args(args),
         stage_extra_args=list(getattr(args, "stage_extra_args", None) or []),  # e.g. --kv-budget-gib
+        wait=False,  # the gateway loads its models while the stages load theirs
     )
     gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     most = max(8, most_streams(args) + 2)
@@ -598,7 +599,9 @@ def start_system(launcher, root: Path, args, device_kind: str):
         tiny_decoder=os.path.abspath(tiny) if tiny else None,
     )
     gw_args = ["gateway", *to_argv(gateway_options)]
-    gateway = launcher.spawn("gateway", gw_args, timeout=900)
+    gateway = launcher.start("gateway", gw_args)
+    pipe.wait_ready(launcher, 600.0)
+    launcher.wait_ready(gateway, timeout=900)
     return pipe, gateway.info["address"]
 
 

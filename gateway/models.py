@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,7 +54,20 @@ class GatewayModels:
     """The text encoder, the full VAE (or the VAE stages' client), the tiny decoder and the shared input encoder:
     built, warmed, graphed and measured at start-up."""
 
-    def __init__(self, opts, root: Path, *, defaults: ServingDefaults, model: ModelInfo, text_len: int, timers: Timers):
+    def __init__(
+        self,
+        opts,
+        root: Path,
+        *,
+        defaults: ServingDefaults,
+        model: ModelInfo,
+        text_len: int,
+        timers: Timers,
+        before_measure: Callable[[], object] | None = None,
+    ):
+        """``before_measure``: called once the decoders are built and warmed, before their costs are measured (the
+        gateway waits there for its pipeline, so that a stage's calibration and these measurements do not share the
+        GPU: the gateway starts beside the stages and loads while they load)."""
         self.opts = opts  # gateway.service.GatewayOptions
         self.defaults = defaults
         self.model = model
@@ -112,6 +126,8 @@ class GatewayModels:
             graphed = self.decoder.capture_graphs((defaults.height // sf, defaults.width // sf), slots)
             self.warmup_s += time.perf_counter() - start
             logger.info("VAE graphs: parts graphed %s, captured in %.1f s", graphed, time.perf_counter() - start)
+        if before_measure is not None:
+            before_measure()
         # Measured after the capture: what streams will cost, graphed where they hold a slot.
         self.vae_cost = self._measure_vae()
         self.tiny_measured = self._warm_tiny()

@@ -45,7 +45,7 @@ from gateway.handlers import StreamServicer, add_stream_service
 from gateway.metrics import GatewayMetrics
 from gateway.models import GatewayModels
 from gateway.options import GatewayOptions
-from gateway.pipeline_warmup import wait_budget
+from gateway.pipeline_warmup import wait_budget, wait_ready
 from gateway.quotas import Quotas
 from gateway.revocation import RevocationWatch
 from gateway.status import StatusReport, describe_budget
@@ -120,11 +120,18 @@ class Gateway:
         self.model_name = root.resolve().name  # gen_ai.request.model on the stream spans
         self.text_len = opts.text_len or self.defaults.text_len
         self.timers = Timers("gateway-deadlines")  # every stream's deadlines, on one thread
-        self.models = GatewayModels(
-            opts, root, defaults=self.defaults, model=self.model, text_len=self.text_len, timers=self.timers
-        )
         self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
+        wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
+        self.models = GatewayModels(
+            opts,
+            root,
+            defaults=self.defaults,
+            model=self.model,
+            text_len=self.text_len,
+            timers=self.timers,
+            before_measure=(lambda: self._wait_pipeline(wait_s)) if wait_s > 0 else None,
+        )
         # Each decoder's measured cost goes to the coordinator's SLO model (unless its operator fixed one); the tiny
         # decoder's again whenever its served batches move it.
         self.vae_reporter = (
@@ -132,7 +139,6 @@ class Gateway:
             if self.models.vae_cost is not None or self.models.tiny_measured
             else None
         )
-        wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
         self.pipeline_warmup_chunks = (
             self.models.warm_pipeline(self.coordinator, wait_s, opts.buffer_chunks) if wait_s > 0 else 0
         )
@@ -190,6 +196,15 @@ class Gateway:
             forget=self.table.forget,
         )
         self._build_servers(budget)
+
+    def _wait_pipeline(self, wait_s: float) -> None:
+        """Before the decoders' costs are measured: wait (within the warm-up budget) until the coordinator reports its
+        pipeline ready, so the stages' calibration at READY and these measurements do not share the GPU."""
+        start = time.monotonic()
+        if wait_ready(self.coordinator, start + wait_s, clock=time.monotonic, stop=threading.Event()) is None:
+            logger.warning("the pipeline was not ready within %.0f s: measuring the decoders beside it", wait_s)
+        else:
+            logger.info("waited %.1f s for the pipeline before measuring the decoders", time.monotonic() - start)
 
     def _build_servers(self, budget: CostBudget) -> None:
         """The public server (tokens, then the concurrency limits), and health on a port of its own if asked."""

@@ -34,6 +34,15 @@ class LocalPipeline:
     stage_children: dict[int, Child] = field(default_factory=dict)
     stage_args: dict[int, list[str]] = field(default_factory=dict)
 
+    def wait_ready(self, launcher: Launcher, timeout: float) -> LocalPipeline:
+        """Block until every stage printed its READY line and the coordinator reports itself healthy."""
+        for child in self.stage_children.values():
+            launcher.wait_ready(child, timeout=timeout)
+        address = self.coordinator
+        channel = lambda: launcher.channel(address, "coordinator")  # noqa: E731
+        wait_healthy(address, timeout, service=COORDINATOR_SERVICE, channel=channel)
+        return self
+
 
 def stage_args(
     index: int,
@@ -90,12 +99,15 @@ def start_pipeline(
     cfg_parallel: int = 1,
     fp8: bool = False,
     stage_extra_args: Sequence[str] = (),
+    wait: bool = True,
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
     ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``.
     ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1).
     ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run).
-    ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``)."""
+    ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``).
+    ``wait`` False: return once the stages are started, not ready (``LocalPipeline.wait_ready``), so that a gateway
+    loads its models while the stages load theirs."""
     options = CoordinatorOptions(
         stages=stages,
         partition=partition or None,
@@ -125,12 +137,7 @@ def start_pipeline(
                 ) + list(stage_extra_args)
                 name = f"stage-{rank}" if sp == 1 else f"stage-{i}-sp{r}"
                 pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
-    for child in pipe.stage_children.values():
-        launcher.wait_ready(child, timeout=ready_timeout)
-    wait_healthy(
-        address, ready_timeout, service=COORDINATOR_SERVICE, channel=lambda: launcher.channel(address, "coordinator")
-    )
-    return pipe
+    return pipe.wait_ready(launcher, ready_timeout) if wait else pipe
 
 
 def check_gpu_fit(device: str, stages: int, cfg_parallel: int, gpus: int | None = None) -> None:

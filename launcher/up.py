@@ -176,12 +176,11 @@ def main(args: argparse.Namespace) -> int:
                 sp=args.sp,
                 cfg_parallel=args.cfg_parallel,
                 coordinator_args=argv_for(CoordinatorOptions, health_port=max(args.health_port, 0)),
+                wait=False,  # the gateway (started below) loads its models while the stages load theirs
             )
-            supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
-            for index, child in pipe.stage_children.items():
-                supervisor.watch(child, pipe.stage_args[index], health="stage")  # a hung stage is replaced too
             ready = {"coordinator": pipe.coordinator}
             root = args.checkpoint
+            gateway = None
             if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
                 gateway_options = from_args(
                     GatewayOptions,
@@ -198,7 +197,13 @@ def main(args: argparse.Namespace) -> int:
                     tiny_decoder=os.path.abspath(args.tiny_decoder) if args.tiny_decoder else None,
                 )
                 gw_args = ["gateway", *to_argv(gateway_options, skip=("port",))]
-                gateway = launcher.spawn("gateway", [*gw_args, "--port", str(args.gateway_port)])
+                gateway = launcher.start("gateway", [*gw_args, "--port", str(args.gateway_port)])
+            pipe.wait_ready(launcher, 600.0)
+            supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
+            for index, child in pipe.stage_children.items():
+                supervisor.watch(child, pipe.stage_args[index], health="stage")  # a hung stage is replaced too
+            if gateway is not None:
+                launcher.wait_ready(gateway, timeout=300.0)
                 ready["gateway"] = gateway.info["address"]
                 bound = ready["gateway"].rsplit(":", 1)[1]
                 supervisor.watch(gateway, [*gw_args, "--port", bound])  # a restart keeps the port

@@ -198,10 +198,35 @@ def test_a_warm_up_that_fails_never_stops_the_gateway(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(models, "warm_pipeline", broken)
     root = write_demo_checkpoint(tmp_path / "ckpt")
-    opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=5.0)
+    opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=0.5)
     gateway = service.Gateway(opts)
     try:
         assert gateway.pipeline_warmup_chunks == 0
         assert "pipeline warm-up failed" in caplog.text and "no pipeline here" in caplog.text
+        # No pipeline answered within the budget before the decoders were measured either: measured anyway, and said.
+        assert "measuring the decoders beside it" in caplog.text
+    finally:
+        gateway.stop(grace=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("wait_s", [5.0, 0.0])
+def test_the_gateway_measures_its_decoders_once_its_pipeline_is_ready(tmp_path, monkeypatch, wait_s):
+    # The gateway starts beside the stages (it loads while they load); a stage's calibration at READY and the
+    # decoders' measurements would share the GPU, so the measurements wait for the pipeline (within the warm-up
+    # budget; no budget, as on a CPU by default: no wait).
+    import gateway.models as models
+    import gateway.service as service
+
+    order = []
+    monkeypatch.setattr(service, "wait_ready", lambda *a, **k: order.append("pipeline ready") or 2)
+    measure = models.GatewayModels._measure_vae
+    monkeypatch.setattr(models.GatewayModels, "_measure_vae", lambda self: order.append("measured") or measure(self))
+    monkeypatch.setattr(models, "warm_pipeline", lambda *a, **k: 0)
+    root = write_demo_checkpoint(tmp_path / "ckpt")
+    opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=wait_s)
+    gateway = service.Gateway(opts)
+    try:
+        assert order == (["pipeline ready", "measured"] if wait_s else ["measured"])
     finally:
         gateway.stop(grace=0)
