@@ -4,6 +4,8 @@ capture itself is tested in ``tests/test_graphs.py``).  End to end with real pro
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -211,22 +213,28 @@ def test_a_warm_up_that_fails_never_stops_the_gateway(tmp_path, monkeypatch, cap
 
 @pytest.mark.unit
 @pytest.mark.parametrize("wait_s", [5.0, 0.0])
-def test_the_gateway_measures_its_decoders_once_its_pipeline_is_ready(tmp_path, monkeypatch, wait_s):
+def test_the_gateway_measures_its_decoders_once_its_pipeline_is_ready(tmp_path, monkeypatch, caplog, wait_s):
     # The gateway starts beside the stages (it loads while they load); a stage's calibration at READY and the
     # decoders' measurements would share the GPU, so the measurements wait for the pipeline (within the warm-up
     # budget; no budget, as on a CPU by default: no wait).
+    import logging
+
     import gateway.models as models
     import gateway.service as service
 
-    order = []
-    monkeypatch.setattr(service, "wait_ready", lambda *a, **k: order.append("pipeline ready") or 2)
-    measure = models.GatewayModels._measure_vae
-    monkeypatch.setattr(models.GatewayModels, "_measure_vae", lambda self: order.append("measured") or measure(self))
+    asked = []
+    monkeypatch.setattr(service, "wait_ready", lambda *a, **k: asked.append(a[1] - time.monotonic()) or 2)
     monkeypatch.setattr(models, "warm_pipeline", lambda *a, **k: 0)
     root = write_demo_checkpoint(tmp_path / "ckpt")
     opts = service.GatewayOptions(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=wait_s)
-    gateway = service.Gateway(opts)
+    with caplog.at_level(logging.INFO):
+        gateway = service.Gateway(opts)
     try:
-        assert order == (["pipeline ready", "measured"] if wait_s else ["measured"])
+        said = [m for m in caplog.messages if "for the pipeline before measuring" in m or "VAE on the CPU" in m]
+        if wait_s:
+            assert len(asked) == 1 and 0 < asked[0] <= wait_s  # within the warm-up budget
+            assert said[0].startswith("waited") and "VAE on the CPU" in said[1]  # then measured (not counted here)
+        else:
+            assert not asked and len(said) == 1 and "VAE on the CPU" in said[0]
     finally:
         gateway.stop(grace=0)
