@@ -377,8 +377,11 @@ class DiTSlice(nn.Module):
                 tables.append(torch.cat([f, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
             out_cos.append(tables[0])
             out_sin.append(tables[1])
-        if len(set(frame_offsets)) == 1:
+        if len(frame_offsets) == 1:
             return out_cos[0], out_sin[0]
+        # One table per item even where the offsets agree: the same values (broadcasting one table gives the same
+        # bits), and a batch's CUDA graph signature then depends on its size and windows only, so a graph captured
+        # before serving (items at one offset) is the one a batch of streams at different offsets replays.
         return torch.cat(out_cos, dim=0), torch.cat(out_sin, dim=0)
 
     def condition(self, timestep: torch.Tensor, *, tokens: int) -> Conditioning:

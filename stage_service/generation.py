@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import torch
 
+from stage_service.calibration import ServingShape
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.graphs import GraphedBlocks
 from stage_service.metrics import StageTelemetry
 from stage_service.parallel_state import LOCAL
+from stage_service.precapture import precapture
 from stage_service.runner import SliceRunner, check_sequence_split, validate_batch
 from stage_service.transport import PipeTransport
 from stagecast import wire
@@ -61,9 +64,12 @@ class Generation:
         store,
         telemetry: StageTelemetry,
         graphs: bool,
+        shape: ServingShape | None = None,
     ) -> Generation:
         """Join the generation's process group (more than one stage) and build the runner (CUDA graphs when asked, on
-        a GPU) and its executor, which the caller starts.  ``request`` was checked by the servicer."""
+        a GPU, with the graphs of batches of 1..``max_batch`` streams at the serving ``shape`` captured now:
+        ``stage_service.precapture``) and its executor, which the caller starts.  ``request`` was checked by the
+        servicer."""
         cfg_parallel = request.cfg_parallel or 1
         transport = None
         if request.world_size > 1:
@@ -90,6 +96,8 @@ class Generation:
             cfg_rank=request.rank // group_size,
             cfg_size=cfg_parallel,
         )
+        if blocks is not None and shape is not None:
+            telemetry.startup("graph_precapture", _timed(lambda: precapture(runner, max_batch, shape)))
         gen_holder: list[Generation] = []
         executor = StageExecutor(
             runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=telemetry
@@ -226,3 +234,9 @@ class Generation:
 
 def _ignore(_event) -> None:
     pass
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -185,6 +185,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 store=GrpcStore(self.control),
                 telemetry=self.telemetry,
                 graphs=self.opts.cuda_graphs,
+                shape=self.loader.serving_shape() if self.opts.cuda_graphs else None,
             )
             self.world_size = request.world_size
             self.gen.executor.start()

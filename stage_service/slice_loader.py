@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, calibrate, serving_shape
+from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
@@ -94,6 +94,15 @@ class SliceLoader:
         limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
         logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
         return took
+
+    def serving_shape(self) -> ServingShape | None:
+        """The serving size its checkpoint gives (``stage_service.calibration.serving_shape``); None where it cannot
+        be read (logged): the graphs are then captured while serving."""
+        try:
+            return serving_shape(self.opts.checkpoint, self.config)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("stage %d: no serving size (%s); graphs are captured while serving", self.opts.index, exc)
+            return None
 
     def _calibrate(self) -> Calibration | None:
         """Time the freshly loaded slice for the coordinator's SLO model (never raises: a stage that cannot calibrate
