@@ -239,18 +239,7 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
             raise _Budget(f"budget of {budget_s:g}s spent at {what} ({done} measured)")
 
     def spec(sid: int) -> StreamSpec:
-        return StreamSpec(
-            stream_id=sid,
-            latent_channels=sl.config["in_channels"],
-            chunk_frames=shape.chunk_frames,
-            latent_height=shape.latent_height,
-            latent_width=shape.latent_width,
-            timesteps=(1000.0,),
-            policy="per_level",
-            window=window,
-            sink=min(sink, window),
-            text_len=shape.text_len,
-        )
+        return synthetic_spec(sid, shape, sl.config["in_channels"], window, sink)
 
     for b in range(1, max_batch + 1):
         twins = []
@@ -279,6 +268,26 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
                 runner.close_stream(sid)
         cal.empty_ms.append(timed[0])
         cal.full_ms.append(timed[chunks])
+
+
+def synthetic_spec(
+    sid: int, shape: ServingShape, channels: int, window: int, sink: int, *, warmup: bool = False
+) -> StreamSpec:
+    """A one-step stream of the serving ``shape`` with a bounded window: what the calibration times and what
+    ``stage_service.precapture`` captures graphs for (``warmup``: its batches capture in line)."""
+    return StreamSpec(
+        stream_id=sid,
+        latent_channels=channels,
+        chunk_frames=shape.chunk_frames,
+        latent_height=shape.latent_height,
+        latent_width=shape.latent_width,
+        timesteps=(1000.0,),
+        policy="per_level",
+        window=window,
+        sink=min(sink, window),
+        text_len=shape.text_len,
+        warmup=warmup,
+    )
 
 
 def _fill_window(runner: SliceRunner, ids: list[int], chunk: int) -> None:

@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from stage_service.calibration import CALIBRATION_SINK, CALIBRATION_WINDOW, ServingShape
+from stage_service.calibration import CALIBRATION_SINK, CALIBRATION_WINDOW, ServingShape, synthetic_spec
 from stage_service.runner import SliceRunner
-from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.microstep import MicroStep
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def precapture(
             ids = list(range(next_id, next_id + b))
             next_id += b
             for sid in ids:
-                runner.open_stream(_spec(sid, shape, sl.config["in_channels"], window, sink), text)
+                spec = synthetic_spec(sid, shape, sl.config["in_channels"], window, sink, warmup=True)
+                runner.open_stream(spec, text)
                 opened.append(sid)
             for c in range(chunks + 1):
                 if clock() - started > budget_s:
@@ -96,19 +97,3 @@ def precapture(
         clock() - started,
     )
     return captured
-
-
-def _spec(sid: int, shape: ServingShape, channels: int, window: int, sink: int) -> StreamSpec:
-    return StreamSpec(
-        stream_id=sid,
-        latent_channels=channels,
-        chunk_frames=shape.chunk_frames,
-        latent_height=shape.latent_height,
-        latent_width=shape.latent_width,
-        timesteps=(1000.0,),
-        policy="per_level",
-        window=window,
-        sink=min(sink, window),
-        text_len=shape.text_len,
-        warmup=True,
-    )

@@ -320,23 +320,28 @@ def test_a_batch_mixing_a_warm_up_stream_with_another_still_captures_in_the_back
     graphs.wait_captures(TIMEOUT)
 
 
-def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_model):
-    # A warm-up stream's forward that waited for its capture took the capture's time (seconds on a GPU): the stage
-    # reports it with no micro-steps, which the coordinator's SLO model skips; a replayed batch is reported as usual.
+def one_stream_executor(model, *, warmup: bool):
+    """A graphed stage executor (background captures) with stream 1 open (one step, a 2-frame window); its events,
+    and ``run(c)``, which runs the stream's chunk c as a batch of its own."""
     from stage_service.executor import StageExecutor
     from stage_service.runner import SliceRunner
     from stagecast.microstep import MicroStep, PlanEvent
 
-    model = tiny_model()
     full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
     runner = SliceRunner(full, graphs=GraphedBlocks(full, capture=rerun_capture, background=True))
     events = []
     ex = StageExecutor(runner, None, events.append)
-    s = spec(1, timesteps=(700.0,), num_chunks=6, window=2, sink=0, warmup=True)
-    text = torch.randn(1, s.text_len, model.config.text_dim)
-    ex._run(PlanEvent("open", seq=1, spec=s, text=text))
+    s = spec(1, timesteps=(700.0,), num_chunks=6, window=2, sink=0, warmup=warmup)
+    ex._run(PlanEvent("open", seq=1, spec=s, text=torch.randn(1, s.text_len, model.config.text_dim)))
+    return runner, events, lambda c: ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+
+
+def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_model):
+    # A warm-up stream's forward that waited for its capture took the capture's time (seconds on a GPU): the stage
+    # reports it with no micro-steps, which the coordinator's SLO model skips; a replayed batch is reported as usual.
+    runner, events, run_chunk = one_stream_executor(tiny_model(), warmup=True)
     for c in range(6):
-        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+        run_chunk(c)
     done = [e for e in events if e.kind == "done"]
     # Chunks 0, 1, 2 meet contexts of 0, 1 and 2 frames (new signatures, captured in line); 3-5 replay.
     assert [e.micro_steps for e in done] == [0, 0, 0, 1, 1, 1]
@@ -347,23 +352,12 @@ def test_a_batch_that_captured_in_line_reports_no_time_to_the_slo_model(tiny_mod
 def test_a_batch_run_without_its_graph_is_reported_as_eager_in_its_own_timing(tiny_model):
     # The SLO model learns a batch size's time from each timed batch, and skips those run eagerly (a signature not
     # captured yet, about twice a graph's time): each BatchDone carries its batches' times one by one, flagged.
-    from stage_service.executor import StageExecutor
-    from stage_service.runner import SliceRunner
-    from stagecast.microstep import MicroStep, PlanEvent
-
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    runner = SliceRunner(full, graphs=GraphedBlocks(full, capture=rerun_capture, background=True))
-    events = []
-    ex = StageExecutor(runner, None, events.append)
-    s = spec(1, timesteps=(700.0,), num_chunks=6, window=2, sink=0)
-    text = torch.randn(1, s.text_len, model.config.text_dim)
-    ex._run(PlanEvent("open", seq=1, spec=s, text=text))
+    runner, events, run_chunk = one_stream_executor(tiny_model(), warmup=False)
     for c in range(4):
-        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+        run_chunk(c)
     runner.graphs.wait_captures(TIMEOUT)  # chunk 3 met chunk 2's signature again: its graph was captured beside it
     for c in range(4, 6):
-        ex._run(PlanEvent("batch", seq=2 + c, steps=(MicroStep(1, c, 0),)))
+        run_chunk(c)
     done = [e for e in events if e.kind == "done"]
     assert [[t.eager for t in e.timed] for e in done] == [[True]] * 4 + [[False]] * 2
     assert [e.eager for e in done] == [True] * 4 + [False] * 2
