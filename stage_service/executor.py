@@ -180,6 +180,7 @@ class StageExecutor:
                 self.stream_traceparents[item.spec.stream_id] = item.traceparent
         elif item.kind == "close":
             assert item.stream_id is not None
+            self._receive_owed_of(item.stream_id)
             self.runner.close_stream(item.stream_id)
             self.stream_traceparents.pop(item.stream_id, None)
         elif item.kind == "prompt":
@@ -230,6 +231,18 @@ class StageExecutor:
             first,
             (time.perf_counter() - start) * 1e3,
         )
+
+    def _receive_owed_of(self, stream_id: int) -> None:
+        """Stage 0 of a pipeline, at a stream's close: receive now the latents the last stage still sends it for the
+        stream's next levels (a stream cancelled with chunks in flight), and those sent before them.  Left for a later
+        batch to receive, they waited for one: on gloo a send is done only once received, and a send that waits out
+        the group's timeout (an idle pipeline) closes the pair, failing the next stream on it."""
+        tp = self.transport
+        if not (self.first and tp is not None and tp.pipeline > 1):
+            return
+        owed = [step for step, _ in self._owed if step.stream == stream_id]
+        if owed:
+            self._receive_owed(owed)
 
     def _receive_owed(self, needed: list[MicroStep]) -> None:
         tp = self.transport
