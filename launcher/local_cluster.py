@@ -38,9 +38,12 @@ class LocalPipeline:
         """Block until every stage printed its READY line and the coordinator reports itself healthy."""
         for child in self.stage_children.values():
             launcher.wait_ready(child, timeout=timeout)
-        address = self.coordinator
-        channel = lambda: launcher.channel(address, "coordinator")  # noqa: E731
-        wait_healthy(address, timeout, service=COORDINATOR_SERVICE, channel=channel)
+        wait_healthy(
+            self.coordinator,
+            timeout,
+            service=COORDINATOR_SERVICE,
+            channel=lambda: launcher.channel(self.coordinator, "coordinator"),
+        )
         return self
 
 

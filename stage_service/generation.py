@@ -97,7 +97,9 @@ class Generation:
             cfg_size=cfg_parallel,
         )
         if blocks is not None and shape is not None:
-            telemetry.startup("graph_precapture", _timed(lambda: precapture(runner, max_batch, shape)))
+            start = time.perf_counter()
+            precapture(runner, max_batch, shape)
+            telemetry.startup("graph_precapture", time.perf_counter() - start)
         gen_holder: list[Generation] = []
         executor = StageExecutor(
             runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=telemetry
@@ -234,9 +236,3 @@ class Generation:
 
 def _ignore(_event) -> None:
     pass
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start

@@ -17,6 +17,7 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.executor import StageExecutor
 from stage_service.runner import SliceRunner
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
+from tests.engine_helpers import small_spec
 
 pytestmark = pytest.mark.unit
 
@@ -41,18 +42,7 @@ class RecordingTransport:
 
 
 def spec(sid: int) -> StreamSpec:
-    return StreamSpec(
-        stream_id=sid,
-        latent_channels=16,
-        chunk_frames=1,
-        latent_height=4,
-        latent_width=6,
-        timesteps=(1000.0, 750.0, 500.0),
-        text_len=16,
-        seed=sid,
-        window=2,
-        sink=0,
-    )
+    return small_spec(stream_id=sid, timesteps=(1000.0, 750.0, 500.0), text_len=16, seed=sid, window=2, sink=0)
 
 
 def stage0(tiny_model) -> tuple[StageExecutor, RecordingTransport]:

@@ -19,6 +19,7 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.graphs import GraphedBlocks, rerun_capture
 from stage_service.precapture import precapture
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
+from tests.engine_helpers import small_spec
 
 pytestmark = pytest.mark.parity
 
@@ -27,19 +28,7 @@ WINDOW, SINK = 3, 1
 
 
 def spec(sid: int) -> StreamSpec:
-    return StreamSpec(
-        stream_id=sid,
-        latent_channels=16,
-        chunk_frames=1,
-        latent_height=4,
-        latent_width=6,
-        timesteps=(1000.0,),
-        num_chunks=9,
-        text_len=16,
-        seed=sid,
-        window=WINDOW,
-        sink=SINK,
-    )
+    return small_spec(stream_id=sid, timesteps=(1000.0,), num_chunks=9, text_len=16, seed=sid, window=WINDOW, sink=SINK)
 
 
 def paced_set_plan() -> list[PlanEvent]:
