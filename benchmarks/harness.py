@@ -18,7 +18,8 @@ Usage (on a machine with GPUs; one command per configuration)::
 What one run does (the benchmark protocol, BENCHMARKS.md):
 
 1. writes a checkpoint folder holding the real VAE / DiT *configs* (stages build their own random slices on their
-   GPUs: ``--checkpoint random:<model>``) and the real-size UMT5-XXL text encoder, built with random weights on the
+   GPUs from its transformer config: ``--checkpoint random:<folder>/transformer``, so they calibrate at its serving
+   size) and the real-size UMT5-XXL text encoder, built with random weights on the
    gateway's GPU (``--text-encoder tiny`` for a 2-layer one);
 2. the **compute floor**: FLOPs per video frame (the DiT at every step, the KV-window attention, the VAE) counted with
    ``torch.utils.flop_counter``, over a bf16 matmul peak measured here, times the GPU count;
@@ -562,7 +563,9 @@ def start_system(launcher, root: Path, args, device_kind: str):
     partition, vae_split = balance(root, args, device_kind, vae_devices)
     pipe = start_pipeline(
         launcher,
-        checkpoint=f"random:{args.model}",
+        # Random weights of the config written in root (write_assets): the stages then calibrate and pre-capture at
+        # root's stagecast.json serving size, the size the gateway serves (--width x --height).
+        checkpoint=f"random:{root / 'transformer'}",
         stages=args.stages,
         sp=args.sp,
         cfg_parallel=args.cfg_parallel,

@@ -93,15 +93,12 @@ def resolve_balance(
     """The planner's partition for ``stage_devices`` and, with ``vae_folder``, its VAE cut over ``vae_devices``
     (None: one part on the last stage's device, as the gateway runs it)."""
     profile = BalanceProfile.load(profile_path)
-    if transformer.startswith("random:"):
-        from stagecast.model.dit_configs import model_config
+    from stagecast.model.config import RANDOM_PREFIX, checkpoint_config, checkpoint_folder
 
-        name = transformer[len("random:") :]
-        profile.check_model(name=name, config=model_config(name))
+    if transformer.startswith(RANDOM_PREFIX) and checkpoint_folder(transformer) is None:  # random:NAME, a preset
+        profile.check_model(name=transformer[len(RANDOM_PREFIX) :], config=checkpoint_config(transformer))
     else:
-        from stagecast.model.config import read_config
-
-        profile.check_model(config=read_config(transformer))
+        profile.check_model(config=checkpoint_config(transformer))
     vae = []
     if vae_folder is not None:
         profile.check_vae_units(vae_unit_names(vae_folder))

@@ -244,12 +244,6 @@ def check_layout(checkpoint: str, stages: int, sp: int) -> None:
     ParallelLayout(stages, sp)
     if sp == 1:
         return
-    if checkpoint.startswith("random:"):
-        from stagecast.model.dit_configs import model_config
+    from stagecast.model.config import checkpoint_config
 
-        config = model_config(checkpoint[len("random:") :])
-    else:
-        from stagecast.model.config import read_config
-
-        config = read_config(checkpoint)
-    check_sp(sp, config["num_attention_heads"])
+    check_sp(sp, checkpoint_config(checkpoint)["num_attention_heads"])

@@ -45,6 +45,7 @@ from stage_service.dit_slice import DiTSlice
 from stage_service.runner import SliceRunner
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.model.config import checkpoint_folder
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +80,12 @@ def _spatial_factor(root: Path | None, config: dict) -> int:
 
 
 def serving_shape(checkpoint: str, config: dict) -> ServingShape:
-    """The serving size the gateway defaults to for this checkpoint: ``stagecast.json``'s ``width``, ``height``,
-    ``chunk_frames`` and ``text_len`` beside ``transformer/`` (as the gateway reads them), else 832x480, one latent
+    """The serving size the gateway defaults to for this checkpoint (a folder, or ``random:FOLDER``):
+    ``stagecast.json``'s ``width``, ``height``, ``chunk_frames`` and ``text_len`` beside ``transformer/`` (as the
+    gateway reads them), else 832x480, one latent
     frame per chunk, 512 text tokens; latent pixels through the checkpoint's VAE (``vae/config.json``).  A value that
     is unusable falls back to the default (logged): the calibration is a seed, never a reason not to start."""
-    folder = Path(checkpoint) if checkpoint and not checkpoint.startswith("random:") else None
+    folder = checkpoint_folder(checkpoint)  # None for random:NAME (no folder: the defaults)
     root = None
     if folder is not None:
         root = folder.parent if folder.name == "transformer" else folder

@@ -408,10 +408,8 @@ def _renumber(name: str, start: int) -> str:
     return ".".join(parts)
 
 
-# --- random weights (benchmarks: ``--checkpoint random:<model>``) ----------------------------------------
+# --- random weights (benchmarks: ``--checkpoint random:<model>`` or ``random:<folder>``) ----------------------------------------
 
-
-RANDOM_PREFIX = "random:"
 
 
 def random_slice_state_dict(

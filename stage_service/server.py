@@ -36,7 +36,6 @@ import threading
 import grpc
 import torch
 
-from stage_service.checkpoint import RANDOM_PREFIX
 from stage_service.executor import ExecutorEvent
 from stage_service.generation import Generation
 from stage_service.kv_budget import check_kv_budget_gib
@@ -51,8 +50,7 @@ from stagecast.fp8 import check_fp8
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
-from stagecast.model.config import read_config
-from stagecast.model.dit_configs import model_config
+from stagecast.model.config import checkpoint_config
 from stagecast.model.parallel import check_sp
 from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.security import RoleGuard, connect
@@ -83,11 +81,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
         self.dtype = DTYPES[opts.dtype]
-        if opts.checkpoint.startswith(RANDOM_PREFIX):
-            # "random:wan2.1-1.3b": the real architecture with random weights (benchmarks; nothing to read).
-            self.config = model_config(opts.checkpoint[len(RANDOM_PREFIX) :])
-        else:
-            self.config = read_config(opts.checkpoint)
+        # "random:wan2.1-1.3b" or "random:FOLDER": the real architecture with random weights (benchmarks).
+        self.config = checkpoint_config(opts.checkpoint)
         check_sp(opts.sp, self.config["num_attention_heads"])  # at start-up, before registering
         check_kv_budget_gib(opts.kv_budget_gib)
         self.world_size = 0

@@ -21,12 +21,13 @@ import time
 import torch
 
 from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
-from stage_service.checkpoint import RANDOM_PREFIX, load_slice_state_dict, random_slice_state_dict
+from stage_service.checkpoint import load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
 from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
 from stage_service.metrics import StageTelemetry
 from stagecast.microstep import DEFAULT_MAX_BATCH
+from stagecast.model.config import RANDOM_PREFIX
 
 logger = logging.getLogger(__name__)
 

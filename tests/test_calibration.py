@@ -16,6 +16,7 @@ from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.runner import SliceRunner
 from stagecast.microstep import MicroStep, StreamSpec
+from stagecast.model.config import checkpoint_config, checkpoint_folder, read_config
 from stagecast.model.dit_configs import model_config
 
 pytestmark = pytest.mark.unit
@@ -131,6 +132,22 @@ def test_serving_shape_follows_stagecast_json_and_the_vae(tmp_path):
     assert serving_shape(str(tmp_path / "transformer"), CFG) == ServingShape(1, 6, 8, 16)
     wan22 = dict(CFG, in_channels=48)  # the Wan2.2 VAE: 16x
     assert serving_shape("random:wan2.2-ti2v-5b", wan22) == ServingShape(1, 30, 52, 512)
+
+
+def test_a_random_checkpoint_of_a_folder_takes_its_config_and_serving_size(tmp_path):
+    """``random:FOLDER`` (the benchmarks' stages): random weights of the folder's config, calibrated at the serving
+    size its root's stagecast.json gives the gateway, not at the 832x480 default (a 5B stage served at 1280x704 had
+    been priced at a quarter of its tokens)."""
+    cfg = model_config("wan2.2-ti2v-5b")
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(cfg, default=list))
+    (tmp_path / "stagecast.json").write_text(json.dumps({"width": 1280, "height": 704}))
+    spec = f"random:{tmp_path / 'transformer'}"
+    assert checkpoint_folder(spec) == tmp_path / "transformer" and checkpoint_folder("random:wan2.2-ti2v-5b") is None
+    assert checkpoint_config(spec) == checkpoint_config("random:wan2.2-ti2v-5b") == read_config(tmp_path / "transformer")
+    assert serving_shape(spec, cfg) == ServingShape(1, 44, 80, 512)  # 1280x704 through the 16x VAE
+    with pytest.raises(KeyError):
+        checkpoint_config("random:no-such-model")
 
 
 class _Part:

@@ -4,6 +4,8 @@ Usage::
 
     config = read_config("ckpt/transformer")   # WanTransformer3DModel keyword arguments (diffusers or Wan-AI)
     vae = read_vae_config("ckpt/vae")          # AutoencoderKLWan keyword arguments
+    config = checkpoint_config("random:wan2.1-1.3b")   # a stage's --checkpoint: a folder, or random weights of a
+    checkpoint_folder("random:/ckpt/transformer")      # named architecture or of a folder's config (benchmarks)
 
 Every problem raises ``CheckpointError`` naming the file (and the key where there is one).
 """
@@ -17,9 +19,13 @@ from pathlib import Path
 
 from stagecast.microstep import StreamSpec
 from stagecast.model import wan_keys
-from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, model_config
 
 CONFIG_NAME = "config.json"
+# A stage's ``--checkpoint random:NAME`` (a named architecture of ``stagecast.model.dit_configs``) or
+# ``random:FOLDER`` (the config.json of a transformer folder, with its checkpoint root's stagecast.json and vae/ beside
+# it): the real architecture with random weights, which the stage draws on its device (benchmarks: nothing to read).
+RANDOM_PREFIX = "random:"
 
 
 class CheckpointError(ValueError):
@@ -33,6 +39,23 @@ class CheckpointError(ValueError):
 
 
 # --- config -------------------------------------------------------------------------------------------------
+
+
+def checkpoint_folder(checkpoint: str) -> Path | None:
+    """The transformer folder a ``--checkpoint`` names (``random:FOLDER`` too); None for ``random:NAME``."""
+    if checkpoint.startswith(RANDOM_PREFIX):
+        rest = checkpoint[len(RANDOM_PREFIX) :]
+        return Path(rest) if (Path(rest) / CONFIG_NAME).is_file() else None
+    return Path(checkpoint) if checkpoint else None
+
+
+def checkpoint_config(checkpoint: str) -> dict:
+    """The transformer config of a ``--checkpoint``: its folder's config.json (``random:FOLDER`` too), or the named
+    architecture of ``random:NAME`` (``KeyError``/``ValueError`` names an unknown one)."""
+    folder = checkpoint_folder(checkpoint)
+    if folder is not None:
+        return read_config(folder)
+    return model_config(checkpoint[len(RANDOM_PREFIX) :])
 
 
 def read_config(folder: str | Path) -> dict:
