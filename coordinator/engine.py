@@ -294,13 +294,7 @@ class PipelineEngine:
         with self.cond:
             if gen != self.generations.generation:
                 return
-            st = self.generations.stage_stats.setdefault(index, pb.StageStats(index=index))
-            st.batches += 1
-            st.forward_ms_total += done.forward_ms
-            st.wait_ms_total += done.wait_ms
-            st.micro_steps += done.micro_steps
-            st.exchange_ms_total += done.exchange_ms
-            st.eager_batches += done.eager
+            self.generations.count_batch(index, done)
             self.slo.observe(index, done)
             if last:
                 self.planner.batches_done += 1
@@ -308,11 +302,13 @@ class PipelineEngine:
                 self.planner.wake()
 
     def _on_formed(self, replies: dict[int, pb.FormReply]) -> None:
-        """Under the lock, every stage answered Form: the plan restarts, admission takes each stage's KV budget and
-        the SLO model is seeded with each stage's calibration (``SloControl.seed``)."""
+        """Under the lock, every stage answered Form: the plan restarts, admission takes each stage's KV budget, the
+        SLO model is seeded with each stage's calibration (``SloControl.seed``) and the Stream Batch is picked from
+        them (``SloControl.pick_batch``)."""
         self.planner.restart()
         self.admission.on_formed(replies)
         self.slo.seed(replies)
+        self.generations.sched.max_batch = self.slo.pick_batch(waits=self.planner.lookahead)  # within --max-batch
 
     # ---- the SLO controller ----------------------------------------------------------------------------
 
@@ -361,4 +357,5 @@ class PipelineEngine:
                 vae_source=self.slo.cost.vae_source,
                 calibrated_stages=sorted(self.slo.calibrated),
                 decoders=self.slo.decoder_status(),
+                max_batch=self.slo.cost.max_batch,
             )

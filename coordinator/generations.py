@@ -338,6 +338,16 @@ class Generations:
         for thread in threads:
             thread.join()
 
+    def count_batch(self, index: int, done: pb.BatchDone) -> None:
+        """A stage's finished batch, into its ``StageStats`` (GetStatus) for this generation."""
+        st = self.stage_stats.setdefault(index, pb.StageStats(index=index))
+        st.batches += 1
+        st.forward_ms_total += done.forward_ms
+        st.wait_ms_total += done.wait_ms
+        st.micro_steps += done.micro_steps
+        st.exchange_ms_total += done.exchange_ms
+        st.eager_batches += done.eager
+
     def stage_descriptions(self, kv_budgets: dict[int, int], kv_reserved: dict[int, int]) -> list:
         """Under the lock: every registered stage, whether it is in the formed generation, its KV budget and use."""
         return [

@@ -66,7 +66,11 @@ class CoordinatorOptions:
     port: int = flag(50050, help="gRPC port (0: any free port)")
     advertise_host: str | None = flag(help="address stages use to reach this coordinator")
     backend: str = flag("auto", choices=["auto", "gloo", "nccl"], help="data plane (auto: nccl on GPU stages)")
-    max_batch: int = flag(DEFAULT_MAX_BATCH, help="micro-steps per stage forward (Stream Batch)")
+    max_batch: int = flag(
+        DEFAULT_MAX_BATCH,
+        help="the most micro-steps per stage forward (Stream Batch): the stages calibrate and pre-capture 1..this; the "
+        "scheduler forms the size their calibration picks within it",
+    )
     max_streams: int = flag(16, help="admission limit on concurrent streams")
     playout_s: float = flag(
         0.5,

@@ -55,6 +55,16 @@ how much slower the served sizes ran than their calibration (``_StageFit.sharing
 the decoder, its forwards stretch by the decode work between their kernels, and a ramp of streams forms its largest
 batches only once the set is in, after the admission that priced them.
 
+**The batch.** ``--max-batch`` is a ceiling: the stages calibrate (and pre-capture the graphs of) batches of
+1..``--max-batch`` micro-steps, and the coordinator's scheduler forms batches of at most the size their calibration
+picks (``pick_batch``, at every Form): a bigger batch costs a joining stream's first frame a longer forward for each
+one it waits behind, and on a GPU the per-micro-step cost stops falling past a few (1.3B on an H200: 26 ms at 1, 22
+at 4, 8 and 12), so it buys no stream.  Sizes whose forward, times the forwards a joining stream waits for plus its
+own, passes ``BATCH_TTFF_MS`` are out; of the rest, the smallest that holds the most one-step streams at 16 FPS by the
+calibrations (on the pace grid, with each period's remainder batch priced at its own size) is picked.  Without a
+calibration from every stage (``--stage-ms``, ``--slo-fixed``, a CPU stage without ``--calibration-s``) the ceiling
+is the batch.
+
 **The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
 one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
 ``min_steps``: quality falls evenly before anyone misses a deadline.  Steps rise again, one count at a time
@@ -101,6 +111,10 @@ MAX_DECODE_BATCH = 256  # entries of a decoder's batch_ms (per-stream ms at 1..n
 MAX_STATE_BYTES = 1 << 40
 MAX_SHARING = 4.0  # the most a calibrated size is scaled by (served / calibrated stage time, _StageFit.sharing)
 MAX_CAPACITY_STREAMS = 1 << 20  # capacity_streams stops counting here (a model that costs next to nothing)
+# The DiT's share of a joining stream's first frame a Stream Batch may cost (``CostModel.pick_batch``): the 400 ms
+# first-frame goal at capacity, less its decode, encode and delivery.
+BATCH_TTFF_MS = 300.0
+MAX_PICK_STREAMS = 4096  # pick_batch stops counting streams here
 
 
 def decoder_kind(name: str) -> str:
@@ -282,6 +296,9 @@ class CostModel:
             )
 
         self.stages = stages
+        # The operator's --max-batch: the most micro-steps a forward may take, the sizes the stages calibrate.  The
+        # batch the scheduler forms (``max_batch``) is picked from their calibrations within it (``pick_batch``).
+        self.ceiling = max_batch
         self.max_batch = max_batch
         # The average batch the stages form, from every measured batch; None until one is measured (then the
         # largest batch is assumed).  A micro-step is priced at it, not at the largest batch (``micro_step_ms``).
@@ -294,14 +311,14 @@ class CostModel:
 
     def calibrate(self, stage: int, ms_by_batch: dict[int, float]) -> bool:
         """Seed ``stage`` with its own timing (batch size -> ms per forward) unless the operator seeded the model
-        (``seed_ms``: it takes precedence).  Entries outside (0, 100000) ms or batch sizes outside 1..max_batch are
+        (``seed_ms``: it takes precedence).  Entries outside (0, 100000) ms or batch sizes outside 1..``ceiling`` are
         dropped.  Returns whether the stage's model changed."""
         if not 0 <= stage < self.stages or self.fits[stage].seed_ms is not None:
             return False
         good = {
             int(b): float(v)
             for b, v in ms_by_batch.items()
-            if 1 <= b <= self.max_batch and math.isfinite(v) and 0 < v < 1e5
+            if 1 <= b <= self.ceiling and math.isfinite(v) and 0 < v < 1e5
         }
         if not good:
             return False
@@ -408,6 +425,43 @@ class CostModel:
 
     def stage_ms(self, batch: int) -> list[float | None]:
         return [f.ms(batch, self.growth) for f in self.fits]
+
+    def pick_batch(self, *, chunk_rate: float, waits: int, target: float, ttff_ms: float = BATCH_TTFF_MS) -> int | None:
+        """The Stream Batch measurement picks (module docstring, "The batch"): of the sizes 1..``ceiling`` every
+        stage calibrated, those whose forward keeps a joining stream's first chunk within ``ttff_ms`` (it waits up to
+        ``waits`` forwards of the slowest stage, then runs its own), the smallest that holds the most one-step
+        streams at ``chunk_rate`` (``streams_held``).  None when no size was calibrated by every stage."""
+        sizes: list[int] = []
+        for b in range(1, self.ceiling + 1):
+            if not all(b in f.calibrated for f in self.fits):
+                break
+            sizes.append(b)
+        if not sizes or chunk_rate <= 0:
+            return None
+        quick = [b for b in sizes if (waits + 1) * max(f.calibrated[b] for f in self.fits) <= ttff_ms] or [1]
+        held = {b: self.streams_held(b, chunk_rate, target) for b in quick}
+        most = max(held.values())
+        return min(b for b in quick if held[b] == most)
+
+    def streams_held(self, limit: int, chunk_rate: float, target: float) -> int:
+        """One-step streams at ``chunk_rate`` an empty pipeline holds at ``target`` with batches of at most ``limit``
+        micro-steps, by the stages' calibrations alone (sizes 1..``limit`` calibrated): on the pace grid
+        (``aligned``) each chunk period runs ``floor(n / B)`` forwards at the batch limit B and one of the rest, as
+        ``aligned_ms`` prices it; paced apart, every micro-step at the per-micro-step cost of a full batch."""
+        budget = target * 1000.0 / chunk_rate  # ms of every stage per chunk period
+        n = 0
+        while n < MAX_PICK_STREAMS:
+            m = n + 1
+            if self.aligned:
+                lim = batch_limit(m, self.stages, limit)
+                full, rest = divmod(m, lim)
+                cost = max(full * f.calibrated[lim] + (f.calibrated[rest] if rest else 0.0) for f in self.fits)
+            else:
+                cost = m * max(f.calibrated[limit] for f in self.fits) / limit
+            if cost > budget:
+                break
+            n = m
+        return n
 
 
 class SloController:

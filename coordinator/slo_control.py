@@ -234,6 +234,25 @@ class SloControl:
                     cal.seconds,
                 )
 
+    def pick_batch(self, waits: int) -> int:
+        """The Stream Batch the scheduler forms from now on (``CostModel.pick_batch``, from the stages' calibrations
+        seeded at this Form; ``waits``: the forwards planned ahead of a joining stream's first chunk), else the
+        operator's --max-batch."""
+        cost = self.cost
+        picked = cost.pick_batch(chunk_rate=CAPACITY_CHUNK_RATE, waits=waits, target=self.controller.target)
+        cost.max_batch = picked or cost.ceiling
+        if picked is None:
+            logger.info("Stream Batch: --max-batch %d (no calibration from every stage to pick from)", cost.ceiling)
+        else:
+            logger.info(
+                "Stream Batch: %d of at most %d micro-steps, picked from the stages' calibrations (%d one-step streams"
+                " at 16 FPS by them)",
+                picked,
+                cost.ceiling,
+                cost.streams_held(picked, CAPACITY_CHUNK_RATE, self.controller.target),
+            )
+        return cost.max_batch
+
     def report_vae(self, report: VaeReport, what: str = "") -> bool:
         """The gateway measured one decoder kind (``VaeReport``; ``what``: where, for the log).  Each report replaces
         that kind's numbers (ignored when the operator fixed them with --vae-ms-per-chunk or --slo-fixed); a change

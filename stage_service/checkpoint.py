@@ -408,8 +408,7 @@ def _renumber(name: str, start: int) -> str:
     return ".".join(parts)
 
 
-# --- random weights (benchmarks: ``--checkpoint random:<model>`` or ``random:<folder>``) ----------------------------------------
-
+# --- random weights (benchmarks: ``--checkpoint random:<model>`` or ``random:<folder>``) -------------------------
 
 
 def random_slice_state_dict(

@@ -43,6 +43,7 @@ def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacit
             # Formed, no stream ever ran: the model comes from the stages' own calibration.
             assert status.ready and not status.stage_stats
             assert list(status.calibrated_stages) == [0, 1]
+            assert 1 <= status.max_batch <= 4  # picked from those calibrations (tests/test_batch_pick)
             assert status.vae_source == "none" and status.vae_chunk_ms == 0
             before = one_step(status)
             assert before is not None and before > 0
@@ -83,6 +84,7 @@ def test_operator_flags_take_precedence_and_a_stage_out_of_calibration_budget_st
         with channel:
             status = stub.Status(pb.Empty(), timeout=10)
             assert status.ready and list(status.calibrated_stages) == []  # --stage-ms wins over the calibration
+            assert status.max_batch == 4  # nothing calibrated to pick from: --max-batch
             assert (status.vae_source, status.vae_chunk_ms) == ("operator", 7.0)
             stub.ReportVaeCost(pb.VaeCost(chunk_ms=55.0, parts=1, device="cpu"), timeout=10)  # a gateway's report
             status = stub.Status(pb.Empty(), timeout=10)
