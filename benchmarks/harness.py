@@ -684,9 +684,11 @@ def coordinator_status(coordinator: str, launcher):
 def slo_model(status) -> dict:
     """What the coordinator's SLO model prices: the stages calibrated at READY, the full VAE's cost per chunk (the
     gateway's measurement, or the operator's --vae-ms-per-chunk), and each decoder kind's (``decoders``: per chunk
-    alone, per stream at 1..n a call, and the streams its calls formed)."""
+    alone, per stream at 1..n a call, and the streams its calls formed), and the Stream Batch the scheduler forms
+    (``max_batch``: picked from the calibrations)."""
     return {
         "calibrated_stages": list(status.calibrated_stages),
+        "max_batch": status.max_batch,
         "vae_chunk_ms": round(status.vae_chunk_ms, 3),
         "vae_source": status.vae_source,
         "decoders": {

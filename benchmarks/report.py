@@ -176,10 +176,13 @@ def capacity_table(runs: list[dict]) -> str:
             elif priced.get("vae_source"):  # older results: the full VAE's cost only
                 cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
             cfg += " ¹" if r.get("partial") else ""
+            batch = _f(row.get("mean_batch"), ".2f")
+            if priced.get("max_batch"):  # the Stream Batch picked from the stages' calibrations
+                batch += f" (at most {priced['max_batch']})"
             out.append(
                 f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
                 f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
-                f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {_f(row.get('mean_batch'), '.2f')} | "
+                f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {batch} | "
                 + " / ".join(_f(s.get("mean_forward_ms"), ".1f") + _eager(s) for s in stages)
                 + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
                 f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
