@@ -235,7 +235,7 @@ class PipelineEngine:
                 kv=self.admission.stage_kv(spec, max(by_steps)),
                 decoder=decoder,
             )
-            self.slo.decide_now()  # the set of streams changed: decide steps at the next tick
+            self.slo.joined()  # the set of streams changed: decide steps at the next tick (raises wait)
             self.planner.wake()
             return session
 

@@ -69,8 +69,10 @@ is the batch.
 one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
 ``min_steps``: quality falls evenly before anyone misses a deadline.  Steps rise again, one count at a time
 (oldest stream first), only while the set stays held at ``raise_utilization`` (default 0.8): the gap between the
-two thresholds keeps decisions from flapping.  ``latency_first`` streams stay at their ``min_steps``.  Unpaced
-streams (``chunk_rate`` 0) are best-effort: they are not counted and keep their steps.
+two thresholds keeps decisions from flapping.  Steps do not rise for a few seconds after a stream joins
+(``decide(raise_steps=False)``; the engine's ``RAISE_HOLD_S``): a ramp of joins only lowers.  ``latency_first``
+streams stay at their ``min_steps``.  Unpaced streams (``chunk_rate`` 0) are best-effort: they are not counted and
+keep their steps.
 
 **Correction from missed deadlines.** The model sees the DiT stages and a decode cost per chunk, not everything a
 chunk costs: the stage and the decoder are separate processes time-slicing each GPU, a batching decoder's streams do
@@ -520,8 +522,9 @@ class SloController:
         if seconds > 0 and self.correction > 1.0:
             self.correction = max(1.0, self.correction * 0.5 ** (seconds / CORRECTION_HALF_LIFE_S))
 
-    def decide(self, demands: list[Demand]) -> dict[int, int]:
-        """The steps each stream should run now (``demands`` in arrival order)."""
+    def decide(self, demands: list[Demand], *, raise_steps: bool = True) -> dict[int, int]:
+        """The steps each stream should run now (``demands`` in arrival order); ``raise_steps`` False only lowers (a
+        stream joined a moment ago: ``coordinator.slo_control.RAISE_HOLD_S``)."""
         steps = {d.stream_id: d.steps for d in demands}
         paced = [d for d in demands if d.chunk_rate > 0 and not d.latency_first]
         for d in demands:
@@ -540,7 +543,7 @@ class SloController:
             d = max(lowerable, key=lambda d: (steps[d.stream_id], order[d.stream_id]))
             steps[d.stream_id] = max(s for s in d.allowed if s < steps[d.stream_id])
         # Raise, fewest steps first (the oldest among equals), while the set stays under the raise threshold.
-        while True:
+        while raise_steps:
             raisable = [d for d in paced if steps[d.stream_id] < d.max_steps]
             if not raisable:
                 break

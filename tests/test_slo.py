@@ -242,3 +242,29 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
     assert changes == [(b.id, 2)] and (a.steps, b.steps) == (3, 2)
     assert eng.slo.controller.utilization(eng.slo.demands()) <= eng.slo.controller.target
+
+
+def test_steps_do_not_rise_for_a_while_after_a_stream_joins():
+    # 50 ms per micro-step: one stream at 3 steps is 60% (held), two need 2 steps each (80%).
+    from coordinator.slo_control import RAISE_HOLD_S
+
+    now = [0.0]
+    eng, open_stream = _engine(174.0, clock=lambda: now[0])
+    a = open_stream()
+    eng.planner.tick()
+    b = open_stream()
+    eng.planner.tick()
+    assert (a.steps, b.steps) == (2, 2)
+    # The second stream leaves a moment later: the first alone could run 3 steps again, but a stream joined less
+    # than RAISE_HOLD_S ago (in a ramp the next join would take the step back), so only lowering is decided.
+    eng.cancel_stream(b.id)
+    now[0] += 1.5
+    eng.planner.tick()
+    assert a.steps == 2
+    now[0] = RAISE_HOLD_S + 0.1  # settled: the next decision raises
+    eng.planner.tick()
+    assert a.steps == 3
+    # A join lowers at once, whatever the hold.
+    c = open_stream()
+    eng.planner.tick()
+    assert (a.steps, c.steps) == (2, 2)
