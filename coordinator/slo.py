@@ -59,11 +59,13 @@ batches only once the set is in, after the admission that priced them.
 1..``--max-batch`` micro-steps, and the coordinator's scheduler forms batches of at most the size their calibration
 picks (``pick_batch``, at every Form): a bigger batch costs a joining stream's first frame a longer forward for each
 one it waits behind, and on a GPU the per-micro-step cost stops falling past a few (1.3B on an H200: 26 ms at 1, 22
-at 4, 8 and 12), so it buys no stream.  Sizes whose forward, times the forwards a joining stream waits for plus its
-own, passes ``BATCH_TTFF_MS`` are out; of the rest, the smallest that holds the most one-step streams at 16 FPS by the
-calibrations (on the pace grid, with each period's remainder batch priced at its own size) is picked.  Without a
-calibration from every stage (``--stage-ms``, ``--slo-fixed``, a CPU stage without ``--calibration-s``) the ceiling
-is the batch.
+at 4, 8 and 12).  Sizes whose forward, times the forwards a joining stream waits for plus its own, passes
+``BATCH_TTFF_MS`` are out; of the rest, those that hold the most one-step streams at 16 FPS by the calibrations (on
+the pace grid, with each period's remainder batch priced at its own size), and of those the largest: fewer forwards a
+period carry less of the work each forward costs outside its timed kernels (its plan, its results, the decode
+between).  On one H200 the smallest of a tie (2, where 3 and 4 held as many by the calibration) held 6 1.3B
+tiny-decoder streams with TTFF p95 485 ms, where 4 had held 7 at 330-392 ms.  Without a calibration from every stage
+(``--stage-ms``, ``--slo-fixed``, a CPU stage without ``--calibration-s``) the ceiling is the batch.
 
 **The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
 one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
@@ -431,7 +433,7 @@ class CostModel:
     def pick_batch(self, *, chunk_rate: float, waits: int, target: float, ttff_ms: float = BATCH_TTFF_MS) -> int | None:
         """The Stream Batch measurement picks (module docstring, "The batch"): of the sizes 1..``ceiling`` every
         stage calibrated, those whose forward keeps a joining stream's first chunk within ``ttff_ms`` (it waits up to
-        ``waits`` forwards of the slowest stage, then runs its own), the smallest that holds the most one-step
+        ``waits`` forwards of the slowest stage, then runs its own), the largest of those that hold the most one-step
         streams at ``chunk_rate`` (``streams_held``).  None when no size was calibrated by every stage."""
         sizes: list[int] = []
         for b in range(1, self.ceiling + 1):
@@ -443,7 +445,7 @@ class CostModel:
         quick = [b for b in sizes if (waits + 1) * max(f.calibrated[b] for f in self.fits) <= ttff_ms] or [1]
         held = {b: self.streams_held(b, chunk_rate, target) for b in quick}
         most = max(held.values())
-        return min(b for b in quick if held[b] == most)
+        return max(b for b in quick if held[b] == most)
 
     def streams_held(self, limit: int, chunk_rate: float, target: float) -> int:
         """One-step streams at ``chunk_rate`` an empty pipeline holds at ``target`` with batches of at most ``limit``

@@ -54,12 +54,12 @@ class StageOptions:
         help="run the transformer blocks' linear layers in float8 (torchao, rowwise scales; norms, embeddings, head "
         "and attention stay bf16): GPU of compute capability 8.9+, --dtype bfloat16, the fp8 extra; not bit-exact",
     )
-    # READY calibration's budget (0: none; None: 5 s on a GPU, none on a CPU)
+    # READY calibration's budget (0: none; None: 10 s on a GPU, none on a CPU)
     calibration_s: float | None = flag(
         type=float,
         help="at READY, time this slice's forwards (batch sizes 1..the coordinator's --max-batch, the serving size of "
         "stagecast.json or 832x480, empty and full KV window) for the coordinator's SLO model, for at most this many "
-        "seconds (0: skip; the coordinator then learns from measured batches); default: 5 on a GPU, 0 on a CPU (the "
+        "seconds (0: skip; the coordinator then learns from measured batches); default: 10 on a GPU, 0 on a CPU (the "
         "processes sharing its cores make a start-up timing say little about serving)",
     )
     # bytes given to streams' KV (``stage_service.kv_budget``); 0: derive it

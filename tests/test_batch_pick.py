@@ -1,6 +1,6 @@
 """The Stream Batch from measurement (``CostModel.pick_batch``): ``--max-batch`` is the ceiling the stages calibrate,
-and the batch the scheduler forms is the smallest calibrated size that holds the most one-step streams, among those
-whose forward keeps a joining stream's first frame within ``BATCH_TTFF_MS``."""
+and the batch the scheduler forms is the largest calibrated size of those that hold the most one-step streams, among
+those whose forward keeps a joining stream's first frame within ``BATCH_TTFF_MS``."""
 
 from __future__ import annotations
 
@@ -34,17 +34,23 @@ def test_on_the_grid_each_size_holds_what_its_whole_batches_and_remainder_cost()
     assert cost.pick_batch(chunk_rate=RATE, waits=2, target=TARGET_UTILIZATION) == 4
 
 
-def test_a_size_that_buys_no_stream_is_not_picked():
-    # Compute-bound from batch 1 (5B at 1280x704 on an H200: ~40 ms a micro-step at any batch): every size holds
-    # the same streams, so the smallest wins, paced on the grid or apart.
+def test_of_sizes_that_hold_as_many_streams_the_largest_within_the_first_frame_bound_is_picked():
+    # One H200, 1.3B, a calibration that stopped at 3: every size from 2 holds 9 streams by it.  Fewer forwards a
+    # period carry less of what each costs outside its kernels: 3, not 2 (2 held 6 streams where 4 had held 7).
+    cost = model({1: 27.24, 2: 47.74, 3: 67.46})
+    assert [cost.streams_held(b, RATE, TARGET_UTILIZATION) for b in range(1, 4)] == [8, 9, 9]
+    assert cost.pick_batch(chunk_rate=RATE, waits=2, target=TARGET_UTILIZATION) == 3
+    # Compute-bound from batch 1 (5B at 1280x704 on an H200: ~40 ms a micro-step at any batch): every size holds the
+    # same streams, paced on the grid or apart; 4 and 3 cost a joining stream more than 300 ms (3 x 120 ms), so 2.
     flat = {b: 40.0 * b for b in range(1, 5)}
     for aligned in (True, False):
         cost = model(flat, aligned=aligned)
         assert {cost.streams_held(b, RATE, TARGET_UTILIZATION) for b in range(1, 5)} == {5}
-        assert cost.pick_batch(chunk_rate=RATE, waits=2, target=TARGET_UTILIZATION) == 1
-    # Paced apart, every micro-step at a full batch's per-micro-step cost: the cheapest per micro-step wins.
-    cost = model({1: 30.0, 2: 40.0, 3: 57.0, 4: 76.0}, aligned=False)
-    assert [cost.streams_held(b, RATE, TARGET_UTILIZATION) for b in range(1, 5)] == [7, 11, 11, 11]
+        assert cost.pick_batch(chunk_rate=RATE, waits=2, target=TARGET_UTILIZATION) == 2
+    # Paced apart, every micro-step at a full batch's per-micro-step cost: a size that buys streams wins over a
+    # larger one that buys none.
+    cost = model({1: 30.0, 2: 40.0, 3: 70.0, 4: 90.0}, aligned=False)
+    assert [cost.streams_held(b, RATE, TARGET_UTILIZATION) for b in range(1, 5)] == [7, 11, 9, 10]
     assert cost.pick_batch(chunk_rate=RATE, waits=2, target=TARGET_UTILIZATION) == 2
 
 
@@ -80,7 +86,7 @@ def _form_reply(full_ms: list[float]) -> pb.FormReply:
 
 def test_the_engine_runs_the_picked_batch_and_reports_it():
     eng = hand_driven_engine(stages=1, max_batch=4, pace_grid=True)
-    eng.slo.seed({0: _form_reply([40.0, 80.0, 120.0, 160.0])})  # compute-bound: batching buys nothing
+    eng.slo.seed({0: _form_reply([110.0, 220.0, 330.0, 440.0])})  # only a batch of one passes 300 ms behind 2
     assert eng.slo.pick_batch(waits=2) == 1
     assert eng.slo.cost.max_batch == 1 and eng.slo.cost.ceiling == 4
     assert eng.status().max_batch == 1

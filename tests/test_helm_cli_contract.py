@@ -163,7 +163,7 @@ SERVICE_DEFAULT = {
         "--pace-grid": "off until a GPU run shows it pays (BENCHMARKS.md); pacing tuning through extraArgs",
     },
     "stage": {
-        "--calibration-s": "the GPU default (5 s) is the deployment's; through extraArgs",
+        "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",
         "--kv-budget-gib": "derived from free GPU memory by default; through extraArgs",
         "--lora": "LoRA files are per deployment; through extraArgs with the model volume's paths",
     },
