@@ -35,11 +35,11 @@ CAPACITY_STEPS = (1, 2, 3, 4)
 LATE_TOLERANCE_CHUNKS = 0.5
 LATE_WINDOW_S = 2.0
 LATE_WINDOWS = 2
-# After a stream joins, no stream's steps rise for this long (lowering is never held): in a ramp of streams opened one
-# after another each join lowers steps, and a rise between two joins only starts chunks at more steps that the next
-# join takes back, while the chunks already started run at the higher count.  On one H200, 7 SLO-adaptive 1.3B streams
-# opened in 2.4 s ran their first seconds at 2-4 steps and 4 of them fell behind by up to 0.6 s, which a set at 90% of
-# the GPU could not win back within its 20 s window.
+# After a stream joins, no stream's steps rise for this long (lowering is never held, nor is a lone paced stream):
+# in a ramp of streams opened one after another each join lowers steps, and a rise between two joins only starts
+# chunks at more steps that the next join takes back, while the chunks already started run at the higher count.  On
+# one H200, 7 SLO-adaptive 1.3B streams opened in 2.4 s ran their first seconds at 2-4 steps and 4 of them fell behind
+# by up to 0.6 s, which a set at 90% of the GPU could not win back within its 20 s window.
 RAISE_HOLD_S = 5.0
 
 
@@ -170,7 +170,9 @@ class SloControl:
         demands = [self.demand(sessions[sid]) for sid in sorted(sched.streams) if sid in sessions]
         if not any(len(d.allowed) > 1 for d in demands):
             return
-        settled = self._joined_at is None or now - self._joined_at >= RAISE_HOLD_S
+        # A lone paced stream rises at once (no join of a ramp can take a step back from another stream).
+        alone = sum(1 for d in demands if d.chunk_rate > 0) <= 1
+        settled = alone or self._joined_at is None or now - self._joined_at >= RAISE_HOLD_S
         decision = self.controller.decide(demands, raise_steps=settled)
         for d in demands:
             session, want = sessions[d.stream_id], decision[d.stream_id]

@@ -244,27 +244,34 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     assert eng.slo.controller.utilization(eng.slo.demands()) <= eng.slo.controller.target
 
 
-def test_steps_do_not_rise_for_a_while_after_a_stream_joins():
-    # 50 ms per micro-step: one stream at 3 steps is 60% (held), two need 2 steps each (80%).
+def test_steps_do_not_rise_for_a_while_after_a_stream_joins_unless_it_is_alone():
+    # 40 x 1.15 / 4 = 11.5 ms per micro-step: each step of a stream at 4 chunks/s is 4.6%; everything fits at 3 steps.
     from coordinator.slo_control import RAISE_HOLD_S
+    from tests.engine_helpers import TEXT, small_spec
 
     now = [0.0]
-    eng, open_stream = _engine(174.0, clock=lambda: now[0])
-    a = open_stream()
+    eng, open_stream = _engine(40.0, clock=lambda: now[0])
+
+    def open_at_one_step():  # as the gateway opens a stream whose default steps lie below its max_steps
+        spec = small_spec(timesteps=LADDERS[0])
+        return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0, ladders=LADDERS)
+
+    a = open_at_one_step()
     eng.planner.tick()
-    b = open_stream()
+    assert a.steps == 3  # alone: it rises at once, right after its join
+    b = open_at_one_step()
     eng.planner.tick()
-    assert (a.steps, b.steps) == (2, 2)
-    # The second stream leaves a moment later: the first alone could run 3 steps again, but a stream joined less
-    # than RAISE_HOLD_S ago (in a ramp the next join would take the step back), so only lowering is decided.
-    eng.cancel_stream(b.id)
-    now[0] += 1.5
+    assert (a.steps, b.steps) == (3, 1)  # b joined running a: within RAISE_HOLD_S nothing rises
+    now[0] = 1.5
     eng.planner.tick()
-    assert a.steps == 2
-    now[0] = RAISE_HOLD_S + 0.1  # settled: the next decision raises
+    assert b.steps == 1
+    now[0] = RAISE_HOLD_S + 0.1  # settled: the next decision raises what fits
     eng.planner.tick()
-    assert a.steps == 3
-    # A join lowers at once, whatever the hold.
-    c = open_stream()
-    eng.planner.tick()
-    assert (a.steps, c.steps) == (2, 2)
+    assert (a.steps, b.steps) == (3, 3)
+    # Lowering is never held: a join that does not fit lowers at once (at 174 ms, 50 ms per micro-step).
+    eng2, open2 = _engine(174.0, clock=lambda: 0.0)
+    c, d = open2(), None
+    eng2.planner.tick()
+    d = open2()
+    eng2.planner.tick()
+    assert (c.steps, d.steps) == (2, 2)
