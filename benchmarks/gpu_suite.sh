@@ -68,9 +68,8 @@
 #                                         # weights: 48 latent channels, patch 2); capacity only (~4 min)
 #                                         # SLO_VAE_MS=N before any capacity part: admission prices each stream's decode
 #                                         # at N ms per chunk (--slo-vae-ms, a what-if; JSON names end _vaeNms)
-#                                         # The coordinator's pace grid is on (paced streams' chunks due together,
-#                                         # so they batch; JSON names end _grid); NO_PACE_GRID=1 before a capacity
-#                                         # part runs it with --no-pace-grid
+#                                         # PACE_GRID=1 before any capacity part: the coordinator's --pace-grid (paced
+#                                         # streams' chunks due together, so they batch; JSON names end _grid)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -233,8 +232,7 @@ for part in "$@"; do
       # prices every stream at the gateway's measured full-VAE cost, whatever decoder it runs on).
       cap=(--capacity --capacity-seconds 20 --first-seconds 0 --ttff-runs 0 --interactive-updates 0 --no-peers)
       sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); sfx="_vae${SLO_VAE_MS}ms"; }
-      # The coordinator's pace grid is on by default (names end _grid); NO_PACE_GRID=1 runs without it.
-      if [ -n "${NO_PACE_GRID:-}" ]; then cap+=(--no-pace-grid); else sfx="${sfx}_grid"; fi
+      [ -n "${PACE_GRID:-}" ] && { cap+=(--pace-grid); sfx="${sfx}_grid"; }
       case "$part" in
         capacity-1.3b)
           timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" \

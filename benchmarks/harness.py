@@ -622,7 +622,7 @@ def coordinator_args(args) -> list[str]:
         vae_ms_per_chunk={"full": float(args.slo_vae_ms)} if args.slo_vae_ms else None,
         stage_ms=parse_stage_ms(stage_ms) if stage_ms else None,
         slo_learn=not stage_ms,
-        pace_grid=getattr(args, "pace_grid", True),  # the coordinator's default: on the grid
+        pace_grid=getattr(args, "pace_grid", False),
     )
     return to_argv(options, only=["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid"])
 

@@ -76,14 +76,11 @@ class CoordinatorOptions:
         0.5,
         help="pacing: a stream with a frame rate starts each chunk at most this many seconds before its real-time slot",
     )
-    # On by default: on one H200 it took the 1.3B tiny-decoder streams held from 5 to 7 (BENCHMARKS.md)
     pace_grid: bool = flag(
-        True,
-        name="--no-pace-grid",
-        action="store_false",
-        help="pacing: paced streams take their slots apart, each on its own clock, instead of on one grid of whole "
-        "chunk periods (the default, where paced streams of one chunk rate have their chunks due together, so they "
-        "batch; each stream's slots move up to one chunk period sooner)",
+        False,
+        action="store_true",
+        help="pacing: paced streams of one chunk rate take their slots on one grid of whole chunk periods, so their "
+        "chunks are due together and batch (each stream's slots move up to one chunk period sooner)",
     )
     stage_ms: list[float] | None = flag(
         type=parse_stage_ms,

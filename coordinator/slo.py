@@ -22,7 +22,7 @@ calibrated time, measured alone, and on one H200 judged a set of two streams und
 (BENCHMARKS.md, "SLO-adaptive serving"). A paced stream at ``chunk_rate`` r running s steps needs ``r * levels(s)``
 micro-steps per second (levels: s, plus the clean pass under ``clean``), so a set of streams is held when ``(sum_s
 r_s levels_s * cost_ms + decode_ms) / 1000 <= target_utilization`` (default 0.9, the headroom for jitter;
-``decode_ms``: the decode per second, below). On the coordinator's pace grid (its default; ``CostModel(aligned=True)``)
+``decode_ms``: the decode per second, below). Under the coordinator's ``--pace-grid`` (``CostModel(aligned=True)``)
 paced streams of one chunk rate have their chunks due in the same tick, so the batches a set forms follow from the
 set itself rather than from the batches measured so far (which, in a ramp of streams opened one by one, are mostly
 batches of one): each chunk period, the set's level-l micro-steps form ``floor(n_l / B)`` batches of B and one of
@@ -308,8 +308,8 @@ class CostModel:
         # largest batch is assumed).  A micro-step is priced at it, not at the largest batch (``micro_step_ms``).
         self.batch_avg: float | None = None
         self.growth = growth
-        # Paced streams' slots on one grid (the coordinator's default; --no-pace-grid): the batches a set forms are
-        # predicted from the set (``aligned_ms``), not taken from the batches measured so far.
+        # Paced streams' slots on one grid (the coordinator's --pace-grid): the batches a set forms are predicted from
+        # the set (``aligned_ms``), not taken from the batches measured so far.
         self.aligned = aligned
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
 

@@ -71,8 +71,7 @@ class SloControl:
         if not slo_learn:  # every decoder kind fixed: the operator's number, else 0
             given = vae_ms_per_chunk if isinstance(vae_ms_per_chunk, dict) else {FULL: vae_ms_per_chunk}
             vae_ms_per_chunk = {kind: given.get(kind) or 0.0 for kind in DECODERS}
-        # On the pace grid (the default; --no-pace-grid) the batches a set of paced streams forms are predicted from
-        # the set (CostModel.aligned_ms).
+        # Under --pace-grid the batches a set of paced streams forms are predicted from the set (CostModel.aligned_ms).
         self.cost = CostModel(
             registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk, aligned=pace_grid
         )

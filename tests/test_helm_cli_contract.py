@@ -160,7 +160,7 @@ SERVICE_DEFAULT = {
         "--max-batch": "the Stream Batch default; tuning through extraArgs",
         "--max-streams": "admission by the SLO controller's capacity; the count through extraArgs",
         "--playout-s": "pacing tuning through extraArgs",
-        "--no-pace-grid": "the grid is on by default (BENCHMARKS.md: it pays); pacing tuning through extraArgs",
+        "--pace-grid": "off until a GPU run shows it pays (BENCHMARKS.md); pacing tuning through extraArgs",
     },
     "stage": {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",

@@ -1,7 +1,6 @@
-"""On the pace grid (the coordinator's default) the SLO model prices the batches a set of paced streams forms, not
-the batches measured so far: on one grid, streams of one chunk rate have their chunks due in the same tick, and the
-scheduler batches them.  The prediction is checked against the real scheduler fed one chunk of credit per stream per
-period."""
+"""Under --pace-grid the SLO model prices the batches a set of paced streams forms, not the batches measured so far:
+on one grid, streams of one chunk rate have their chunks due in the same tick, and the scheduler batches them.  The
+prediction is checked against the real scheduler fed one chunk of credit per stream per period."""
 
 from __future__ import annotations
 
