@@ -3,6 +3,7 @@
 Usage::
 
     ex = StageExecutor(runner, transport, on_event=callback)   # transport None for a single stage
+    ex = StageExecutor(runner, None, callback, prepare=fn)     # fn(stopping) runs first, on the executor's thread
     ex.start()
     ex.submit(PlanEvent("open", seq=seq, spec=..., text=...))       # validated by the caller, run in seq order
     ex.submit(PlanEvent("batch", seq=seq, steps=(...)))
@@ -19,6 +20,11 @@ Every stage executes the same events in the same order.  For a batch:
 
 The order in which the last stage sends latents is a pure function of the plan, so stage 0 tracks it
 in ``_owed`` without any handshake.
+
+``prepare`` (the graph pre-capture, ``stage_service.precapture``) runs on the executor's thread before its first
+event: events submitted meanwhile wait in the queue, and the RPC that formed the generation has already returned, so
+the stage's lock is not held through it.  It is given ``stopping()``, true once ``stop`` was called, and should return
+soon after.
 
 CFG-parallel (``transport.cfg_parallel == 2``): the stage belongs to one of two groups, each a whole pipeline.
 A batch's rows on this stage are its runner's (``SliceRunner.rows``: group 1 runs only the guided streams'
@@ -85,8 +91,10 @@ class StageExecutor:
         transport: PipeTransport | None,
         on_event: Callable[[ExecutorEvent], None],
         telemetry: StageTelemetry | None = None,
+        prepare: Callable[[Callable[[], bool]], object] | None = None,
     ):
         self.runner = runner
+        self.prepare = prepare  # run first on the executor's thread, given stopping() (module docstring)
         self.transport = transport
         self.on_event = on_event
         self.telemetry = telemetry  # metrics and spans (stage_service.metrics); None: not observed
@@ -141,6 +149,11 @@ class StageExecutor:
         if self._cuda:
             # The current device is per thread: without this, streams and events here would be cuda:0's.
             torch.cuda.set_device(self.runner.slice.device)
+        if self.prepare is not None:
+            try:
+                self.prepare(lambda: self._stopping)
+            except Exception:  # noqa: BLE001 - a head start (the graph pre-capture), never a reason not to serve
+                logger.warning("stage executor: preparing failed; serving without it", exc_info=True)
         while True:
             if self.telemetry is not None:
                 waited = time.perf_counter()

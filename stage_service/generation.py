@@ -67,9 +67,9 @@ class Generation:
         shape: ServingShape | None = None,
     ) -> Generation:
         """Join the generation's process group (more than one stage) and build the runner (CUDA graphs when asked, on
-        a GPU, with the graphs of batches of 1..``max_batch`` streams at the serving ``shape`` captured now:
-        ``stage_service.precapture``) and its executor, which the caller starts.  ``request`` was checked by the
-        servicer."""
+        a GPU, with the graphs of batches of 1..``max_batch`` streams at the serving ``shape`` captured by the
+        executor before its first event: ``stage_service.precapture``) and its executor, which the caller starts.
+        ``request`` was checked by the servicer."""
         cfg_parallel = request.cfg_parallel or 1
         transport = None
         if request.world_size > 1:
@@ -96,13 +96,21 @@ class Generation:
             cfg_rank=request.rank // group_size,
             cfg_size=cfg_parallel,
         )
+        prepare = None
         if blocks is not None and shape is not None:
-            start = time.perf_counter()
-            precapture(runner, max_batch, shape)
-            telemetry.startup("graph_precapture", time.perf_counter() - start)
+            # On the executor's thread before its first event, so Form (under the stage's lock) does not wait for it.
+            def prepare(stopping) -> None:
+                start = time.perf_counter()
+                precapture(runner, max_batch, shape, stop=stopping)
+                telemetry.startup("graph_precapture", time.perf_counter() - start)
+
         gen_holder: list[Generation] = []
         executor = StageExecutor(
-            runner, transport, on_event=lambda ev: gen_holder[0].events.put(ev), telemetry=telemetry
+            runner,
+            transport,
+            on_event=lambda ev: gen_holder[0].events.put(ev),
+            telemetry=telemetry,
+            prepare=prepare,
         )
         gen = cls(request.generation, executor, transport, slice_)
         gen_holder.append(gen)

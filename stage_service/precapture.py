@@ -1,6 +1,6 @@
 """CUDA graphs of the batches paced streams form, captured when a generation forms, before the stage serves.
 
-Usage (``Generation.form`` runs it on a runner with CUDA graphs, before its executor starts)::
+Usage (``Generation.form`` has the executor run it first, on its own thread: ``StageExecutor(prepare=...)``)::
 
     captured = precapture(runner, max_batch=4, shape=serving_shape(checkpoint, config))
 
@@ -49,9 +49,10 @@ def precapture(
     sink: int = CALIBRATION_SINK,
     budget_s: float = DEFAULT_BUDGET_S,
     clock: Callable[[], float] = time.perf_counter,
+    stop: Callable[[], bool] = lambda: False,
 ) -> int:
-    """Capture the graphs of batches of 1..``max_batch`` streams at every window length (module docstring).  Returns
-    the graphs captured."""
+    """Capture the graphs of batches of 1..``max_batch`` streams at every window length (module docstring), until
+    ``stop()`` (checked before every forward: the stage leaves its generation).  Returns the graphs captured."""
     graphs = runner.graphs
     if graphs is None or runner.sp.size > 1:
         return 0
@@ -72,6 +73,9 @@ def precapture(
                 runner.open_stream(spec, text)
                 opened.append(sid)
             for c in range(chunks + 1):
+                if stop():
+                    logger.info("graph pre-capture: stopped at batch size %d, chunk %d (leaving)", b, c)
+                    return graphs.captures - before
                 if clock() - started > budget_s:
                     logger.warning(
                         "graph pre-capture: budget of %.0f s spent at batch size %d, chunk %d", budget_s, b, c

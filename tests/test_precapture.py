@@ -91,6 +91,19 @@ def test_a_precapture_past_its_budget_stops_and_leaves_no_stream(tiny_model):
     assert not ref.runner.streams
 
 
+def test_a_precapture_told_to_stop_stops_at_once_and_leaves_no_stream(tiny_model):
+    # The stage left its generation (its executor stopped): at most the forward under way finishes.
+    model = tiny_model()
+    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    ref = ReferenceExecutor(full)
+    graphs = GraphedBlocks(full, capture=rerun_capture)
+    ref.runner.graphs = graphs
+    asked = itertools.count()
+    captured = precapture(ref.runner, 3, SHAPE, window=WINDOW, sink=SINK, stop=lambda: next(asked) >= 2)
+    assert captured == graphs.captures == 2  # the first two forwards (batch of one, windows 0 and 1) and no more
+    assert not ref.runner.streams
+
+
 def test_no_graphs_no_precapture(tiny_model):
     model = tiny_model()
     full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
