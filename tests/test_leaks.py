@@ -177,19 +177,21 @@ def test_a_cancelled_stream_is_freed_at_every_stage_and_in_the_gateway_within_2s
 
 
 def test_streams_and_generation_changes_leave_nothing_behind(system):
-    run_streams(system, 0, 12)  # warm-up: pools, caches and lazily built things reach their size
+    run_streams(system, 0, 24)  # warm-up: pools, caches and lazily built things reach their size
     wait_idle(system)
     snapshots = [reports(system)]
-    for window in range(2):
-        run_streams(system, 12 + 36 * window, 36)
+    for window in range(3):
+        run_streams(system, 24 + 36 * window, 36)
         wait_idle(system)
         snapshots.append(reports(system))
     for name in snapshots[0]:
         assert counts(snapshots[-1][name]) == counts(snapshots[0][name]), name
-        # Growth in each of two windows of 36 streams: a leak grows both; a one-off step (a gRPC worker thread
-        # started on demand on a loaded machine, with its stack and malloc arena) shows in one window only.
+        # Growth in each of three windows of 36 streams: a leak grows every one.  A one-off step (a gRPC worker
+        # thread started on demand on a loaded machine, with its stack and malloc arena) shows in one window, and the
+        # gateway's RSS swings by up to about 100 KB per stream between windows on the 2-core CI machine (measured:
+        # +85 KB then -103 KB; +70-90 KB then +19-28 KB in two CI runs, which failed the two-window check).
         grew = [(b[name]["rss_kb"] - a[name]["rss_kb"]) * 1024 / 36 for a, b in zip(snapshots, snapshots[1:])]
-        assert min(grew) < 16 * 1024, f"{name}: RSS grew {grew[0]:.0f} and {grew[1]:.0f} B per stream"
+        assert min(grew) < 16 * 1024, f"{name}: RSS grew {', '.join(f'{g:.0f}' for g in grew)} B per stream"
     check_generation_changes(system, changes=1)
 
 
