@@ -399,15 +399,15 @@ class CostModel:
             return None
         return max(per) / b  # type: ignore[type-var]
 
-    def aligned_ms(self, loads: list[tuple[float, int, int]]) -> float | None:
+    def aligned_ms(self, loads: list[tuple[float, int, int]], max_batch: int | None = None) -> float | None:
         """Bottleneck-stage ms per second of paced streams whose slots share one grid (``aligned``), from the
         batches they form: ``loads`` holds (chunk_rate, micro-steps per chunk, rows per micro-step) per stream (or per
         group of like streams: their rows summed).
         Streams of one chunk rate have their chunks due in the same tick, so every chunk period the scheduler
-        batches their level-l micro-steps together, in batches of its limit (``max_batch``, or fewer to spread the
-        rows over the pipeline's stages) and one of the rest: n one-step streams at ``max_batch`` B cost
-        ``floor(n / B)`` forwards at B and one at ``n mod B`` a period.  Streams of different rates are counted as
-        batching apart.  None before any data."""
+        batches their level-l micro-steps together, in batches of its limit (``max_batch``, the model's unless given,
+        or fewer to spread the rows over the pipeline's stages) and one of the rest: n one-step streams at
+        ``max_batch`` B cost ``floor(n / B)`` forwards at B and one at ``n mod B`` a period.  Streams of different
+        rates are counted as batching apart.  None before any data."""
         groups: dict[float, list[tuple[int, int]]] = {}
         for rate, levels, rows in loads:
             if rate > 0 and levels > 0 and rows > 0:
@@ -417,7 +417,7 @@ class CostModel:
             per_stage = [0.0] * self.stages
             for level in range(max(levels for levels, _ in group)):
                 rows = sum(r for levels, r in group if levels > level)
-                limit = batch_limit(rows, self.stages, self.max_batch)
+                limit = batch_limit(rows, self.stages, max_batch or self.max_batch)
                 full, rest = divmod(rows, limit)
                 for p, fit in enumerate(self.fits):
                     at_limit, at_rest = fit.ms(limit, self.growth), fit.ms(rest, self.growth) if rest else 0.0
@@ -442,27 +442,25 @@ class CostModel:
             sizes.append(b)
         if not sizes or chunk_rate <= 0:
             return None
-        quick = [b for b in sizes if (waits + 1) * max(f.calibrated[b] for f in self.fits) <= ttff_ms] or [1]
+        quick = [b for b in sizes if (waits + 1) * max(self.stage_ms(b)) <= ttff_ms] or [1]  # sizes all known
         held = {b: self.streams_held(b, chunk_rate, target) for b in quick}
         most = max(held.values())
         return max(b for b in quick if held[b] == most)
 
     def streams_held(self, limit: int, chunk_rate: float, target: float) -> int:
         """One-step streams at ``chunk_rate`` an empty pipeline holds at ``target`` with batches of at most ``limit``
-        micro-steps, by the stages' calibrations alone (sizes 1..``limit`` calibrated): on the pace grid
-        (``aligned``) each chunk period runs ``floor(n / B)`` forwards at the batch limit B and one of the rest, as
-        ``aligned_ms`` prices it; paced apart, every micro-step at the per-micro-step cost of a full batch."""
-        budget = target * 1000.0 / chunk_rate  # ms of every stage per chunk period
+        micro-steps (sizes 1..``limit`` known), priced as admission prices them: on the pace grid (``aligned``) the
+        batches the set forms (``aligned_ms``: ``floor(n / B)`` forwards at the limit B a chunk period and one of the
+        rest); paced apart, every micro-step at the per-micro-step cost of a full batch (``micro_step_ms``)."""
         n = 0
         while n < MAX_PICK_STREAMS:
             m = n + 1
             if self.aligned:
-                lim = batch_limit(m, self.stages, limit)
-                full, rest = divmod(m, lim)
-                cost = max(full * f.calibrated[lim] + (f.calibrated[rest] if rest else 0.0) for f in self.fits)
+                cost = self.aligned_ms([(chunk_rate, 1, m)], max_batch=limit)
             else:
-                cost = m * max(f.calibrated[limit] for f in self.fits) / limit
-            if cost > budget:
+                per = self.micro_step_ms(limit)
+                cost = None if per is None else chunk_rate * m * per
+            if cost is None or cost > target * 1000.0:  # ms of the busiest stage per second
                 break
             n = m
         return n
