@@ -90,7 +90,7 @@ class SloControl:
 
     def joined(self) -> None:
         """A stream was admitted: decide steps at the next tick, and raise none for ``RAISE_HOLD_S``."""
-        self._decided_at = None
+        self.decide_now()
         self._joined_at = self.clock()
 
     def demand(self, session: StreamSession) -> Demand:

@@ -295,7 +295,9 @@ def service_main(role: str) -> None:
 
 def resolve_transformer(path: str) -> str:
     """A checkpoint root holding ``transformer/``, or the transformer folder itself (or ``random:...``)."""
-    if path.startswith("random:"):
+    from stagecast.model.config import RANDOM_PREFIX
+
+    if path.startswith(RANDOM_PREFIX):
         return path
     sub = os.path.join(path, "transformer")
     return sub if os.path.isdir(sub) else path
