@@ -49,14 +49,24 @@ def texts() -> dict[int, torch.Tensor]:
     return {s: torch.randn(1, 16, 32, generator=gen) for s in (1, 2, 3, 4)}
 
 
-def test_a_paced_sets_batches_replay_graphs_captured_before_it_and_equal_eager(tiny_model):
+def whole_slice(tiny_model) -> DiTSlice:
     model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+    return DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+
+
+def graphed(full: DiTSlice, background: bool = False) -> tuple[ReferenceExecutor, GraphedBlocks]:
+    """A reference executor whose runner replays CPU "graphs" (``rerun_capture``); ``background``: as a stage serves,
+    a signature it has no graph for runs eagerly while its graph is captured."""
+    ref = ReferenceExecutor(full)
+    ref.runner.graphs = GraphedBlocks(full, capture=rerun_capture, background=background)
+    return ref, ref.runner.graphs
+
+
+def test_a_paced_sets_batches_replay_graphs_captured_before_it_and_equal_eager(tiny_model):
+    full = whole_slice(tiny_model)
     want = ReferenceExecutor(full).replay(paced_set_plan(), texts())
 
-    ref = ReferenceExecutor(full)
-    graphs = GraphedBlocks(full, capture=rerun_capture, background=True)  # as a stage serves: unseen runs eagerly
-    ref.runner.graphs = graphs
+    ref, graphs = graphed(full, background=True)
     captured = precapture(ref.runner, 3, SHAPE, window=WINDOW, sink=SINK)
     assert captured == graphs.captures > 0
     assert not ref.runner.streams  # its synthetic streams are gone
@@ -70,21 +80,13 @@ def test_a_paced_sets_batches_replay_graphs_captured_before_it_and_equal_eager(t
 
 def test_without_precapture_the_same_set_meets_signatures_it_has_no_graph_for(tiny_model):
     # The check above can fail: without it, the set's batches of several streams run eagerly at first.
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    ref = ReferenceExecutor(full)
-    graphs = GraphedBlocks(full, capture=rerun_capture, background=True)
-    ref.runner.graphs = graphs
+    ref, graphs = graphed(whole_slice(tiny_model), background=True)
     ref.replay(paced_set_plan(), texts())
     assert graphs.eager_batches > 0
 
 
 def test_a_precapture_past_its_budget_stops_and_leaves_no_stream(tiny_model):
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    ref = ReferenceExecutor(full)
-    graphs = GraphedBlocks(full, capture=rerun_capture)
-    ref.runner.graphs = graphs
+    ref, graphs = graphed(whole_slice(tiny_model))
     ticks = itertools.count()
     captured = precapture(ref.runner, 3, SHAPE, window=WINDOW, sink=SINK, budget_s=5.0, clock=lambda: next(ticks))
     assert 0 < captured < 3 * (WINDOW + 1)
@@ -93,11 +95,7 @@ def test_a_precapture_past_its_budget_stops_and_leaves_no_stream(tiny_model):
 
 def test_a_precapture_told_to_stop_stops_at_once_and_leaves_no_stream(tiny_model):
     # The stage left its generation (its executor stopped): at most the forward under way finishes.
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    ref = ReferenceExecutor(full)
-    graphs = GraphedBlocks(full, capture=rerun_capture)
-    ref.runner.graphs = graphs
+    ref, graphs = graphed(whole_slice(tiny_model))
     asked = itertools.count()
     captured = precapture(ref.runner, 3, SHAPE, window=WINDOW, sink=SINK, stop=lambda: next(asked) >= 2)
     assert captured == graphs.captures == 2  # the first two forwards (batch of one, windows 0 and 1) and no more
@@ -105,7 +103,5 @@ def test_a_precapture_told_to_stop_stops_at_once_and_leaves_no_stream(tiny_model
 
 
 def test_no_graphs_no_precapture(tiny_model):
-    model = tiny_model()
-    full = DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
-    ref = ReferenceExecutor(full)
+    ref = ReferenceExecutor(whole_slice(tiny_model))
     assert precapture(ref.runner, 3, SHAPE) == 0 and not ref.runner.streams
