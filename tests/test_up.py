@@ -169,6 +169,9 @@ def test_up_restarts_a_killed_coordinator_and_a_new_stream_succeeds_within_10s()
         # `stagecast generate`: Ctrl-C stops gracefully, a second Ctrl-C ends it at once, without a traceback.
         cmd = [sys.executable, "-m", "launcher.cli", "generate", "--target", up.info["gateway"]]
         cmd += ["--prompt", "a red fox", "--codec", "raw", "--out", os.path.join(tmp, "clip.mp4")]
+        # The stream above may still be listed by the gateway for a moment: counted below, it would have the Ctrl-C
+        # sent while the CLI is still starting, before its handler (a KeyboardInterrupt, no "stopping" line).
+        wait_until(lambda: _gateway_streams(up.info["gateway"]) == 0, 30, what="the previous stream leaving")
         gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_until(lambda: gen.poll() is not None or _gateway_streams(up.info["gateway"]) > 0, 120)
         gen.send_signal(signal.SIGINT)
