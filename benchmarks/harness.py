@@ -475,19 +475,29 @@ class StreamRecord:
         }
 
 
-def ttff_parts(timing, ttff_s: float) -> dict:
+def ttff_parts(timing, ttff_s: float, info=None) -> dict:
     """Where the first frame's time went, from the gateway's timestamps on it (ms since it got the config).
 
     ``pipeline``: prompt encoding, the coordinator's open, every stage and the hops back to the gateway, up to the
     first chunk's latents; ``vae``: decoding that chunk; ``encode``: the frame's codec; ``rest``: the client's
-    request reaching the gateway and the frame reaching the client.
+    request reaching the gateway and the frame reaching the client.  With the stream's ``StreamInfo`` from a gateway
+    that stamps its opening, ``pipeline`` is also split: ``prompt`` (the prompt's encoding), ``open`` (the
+    coordinator's admission, the OpenStream call) and ``first_chunk`` (from then to the first chunk's latents: the
+    wait for the stages and the forwards).
     """
-    return {
+    parts = {
         "pipeline": timing.latents_ms,
         "vae": timing.decoded_ms - timing.latents_ms,
         "encode": timing.encoded_ms - timing.decoded_ms,
         "rest": ttff_s * 1e3 - timing.encoded_ms,
     }
+    if info is not None and getattr(info, "opened_ms", 0.0) > 0:
+        parts.update(
+            prompt=info.prompt_ms,
+            open=info.opened_ms - info.prompt_ms,
+            first_chunk=timing.latents_ms - info.opened_ms,
+        )
+    return parts
 
 
 # ---- the system -----------------------------------------------------------------------------------------
@@ -1168,17 +1178,27 @@ def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: flo
 
     in_window = [(i, d) for i, d in due if d >= start]
     on_time = punctual(in_window)
+    # The window's late frames: how many, how late the worst was, and when the first was due (s into the window).
+    late = [(i, d, (arr[i] - d) * 1e3 if i < len(arr) else None) for i, d in in_window if not punctual([(i, d)])]
     before_stop = [t for t in arr if t <= end]
     gaps = [(b - a) * 1e3 for a, b in zip(before_stop, before_stop[1:])]
     win = [t for t in arr if start <= t <= end]
     return {
         "pipeline_stream_id": rec.gen.info.pipeline_stream_id if arr else None,
         "ttff_s": rec.ttff_s,
+        "ttff_parts_ms": (
+            {k: round(v, 1) for k, v in ttff_parts(rec.first.timing, rec.ttff_s, rec.gen.info).items()}
+            if rec.first is not None
+            else None
+        ),
         "frames": len(arr),
         "window_frames_due": len(in_window),
         "on_time": on_time,  # over the measured window
         "on_time_to_stop": punctual(due),  # from the first frame, the ramp included
         "held": on_time is not None and on_time >= 0.99 and rec.error is None,
+        "late_frames": len(late),
+        "late_max_ms": max((ms for _, _, ms in late if ms is not None), default=None),  # None: only frames never sent
+        "late_first_s": late[0][1] - start if late else None,
         "steady_fps": (len(win) - 1) / (win[-1] - win[0]) if len(win) > 2 and win[-1] > win[0] else None,
         "max_gap_ms": max(gaps) if gaps else None,
         "freezes": sum(g > FREEZE_MS for g in gaps),  # gaps over 250 ms from the first frame to the stop
@@ -1285,6 +1305,10 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
         "slo_model_end": priced_end,
         "ttff_p50_s": statistics.median(ttffs) if ttffs else None,
         "ttff_p95_s": percentile(ttffs, 0.95) if ttffs else None,
+        # Where the slowest first frame's time went (``ttff_parts``): the one the p95 stands for at a few streams.
+        "ttff_slowest_parts_ms": max(
+            (s for s in per_stream if s["ttff_s"] is not None), key=lambda s: s["ttff_s"], default={}
+        ).get("ttff_parts_ms"),
         "steady_fps_min": min((s["steady_fps"] or 0.0 for s in per_stream), default=None),
         "on_time_min": min((s["on_time"] or 0.0 for s in per_stream), default=None),
         "freezes": sum(s["freezes"] for s in per_stream),

@@ -127,6 +127,8 @@ class StreamRun:
         self.negative_text = negative_text
         self.context = context
         self.t0 = t0
+        self.prompt_ms = self.ms()  # the prompt is encoded: the handler encodes it before the run is made
+        self.opened_ms = 0.0  # set once the coordinator admitted the stream (open_pipeline)
         self.id = uuid.uuid4().hex[:16]
         self.state = "starting"
         self.outcome: str | None = None  # why the stream ended: "completed", "stopped", "cancelled", ...
@@ -191,6 +193,7 @@ class StreamRun:
         if self.negative_text is not None:
             request.negative_text.CopyFrom(wire.tensor_to_proto(self.negative_text))
         self.pipeline.open(request)
+        self.opened_ms = self.ms()
 
     def start(self, request_iterator) -> None:
         self.state = "streaming"
@@ -245,6 +248,8 @@ class StreamRun:
                 latent_width=cfg.latent_width,
                 latent_height=cfg.latent_height,
                 pipeline_stream_id=self.pipeline_id,
+                prompt_ms=self.prompt_ms,
+                opened_ms=self.opened_ms,
             )
         )
 

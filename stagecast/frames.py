@@ -89,6 +89,9 @@ class StreamInfo:
     num_chunks: int | None
     latent_width: int
     latent_height: int
+    # The gateway's clock (ms since it got the config, as ``FrameTiming``): the prompt encoded, the stream admitted.
+    prompt_ms: float = 0.0
+    opened_ms: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: pb.Started) -> StreamInfo:
@@ -100,6 +103,8 @@ class StreamInfo:
             num_chunks=msg.num_chunks or None,
             latent_width=msg.latent_width,
             latent_height=msg.latent_height,
+            prompt_ms=msg.prompt_ms,
+            opened_ms=msg.opened_ms,
         )
 
     @property

@@ -44,6 +44,13 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     for p in row["per_stream"]:
         assert p["frames"] > 2 and p["window_frames_due"] > 0 and 0 <= p["on_time"] <= 1
         assert p["held"] == (p["on_time"] >= 0.99) and p["error"] is None and p["ttff_s"] > 0
+        # The first frame's time, split by the gateway's stamps: the pipeline's part is prompt + open + first chunk.
+        parts = p["ttff_parts_ms"]
+        assert parts["prompt"] > 0 and parts["open"] > 0 and parts["first_chunk"] > 0 and parts["vae"] > 0
+        assert parts["pipeline"] == pytest.approx(parts["prompt"] + parts["open"] + parts["first_chunk"], abs=0.2)
+        assert sum(parts[k] for k in ("pipeline", "vae", "encode", "rest")) == pytest.approx(p["ttff_s"] * 1e3, abs=0.5)
+    slowest = max(row["per_stream"], key=lambda p: p["ttff_s"])
+    assert row["ttff_slowest_parts_ms"] == slowest["ttff_parts_ms"]
     assert 0 < row["ttff_p50_s"] <= row["ttff_p95_s"] and row["window_s"] >= 3.0
     assert set(row["steps_chosen"]) == {"1"}  # fixed 1 step, from the coordinator's status samples
     assert row["mean_batch"] >= 1 and len(row["stages"]) == 2 and all(st["batches"] > 0 for st in row["stages"])
@@ -179,7 +186,9 @@ def _rec(arrivals: list[float], error: str | None = None):
     from types import SimpleNamespace
 
     gen = SimpleNamespace(info=SimpleNamespace(pipeline_stream_id=7))
-    return SimpleNamespace(arrivals=arrivals, gen=gen, ttff_s=arrivals[0], steps={1: len(arrivals)}, error=error)
+    return SimpleNamespace(
+        arrivals=arrivals, gen=gen, ttff_s=arrivals[0], first=None, steps={1: len(arrivals)}, error=error
+    )
 
 
 @pytest.mark.unit
@@ -191,15 +200,19 @@ def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_t
     ramp_late = [t + (0.3 if 2 <= i < 10 else 0.0) for i, t in enumerate(paced)]
     s = capacity_stream(_rec(ramp_late), 3.0, 9.0, 16.0)
     assert s["held"] and s["on_time"] == 1.0 and s["window_frames_due"] == 97  # due at 3.0, 3.0625, ..., 9.0
+    assert s["late_frames"] == 0 and s["late_max_ms"] is None and s["late_first_s"] is None
     assert s["on_time_to_stop"] == (129 - 8) / 129 and s["steady_fps"] == pytest.approx(16.0)
     assert s["freezes"] == 1 and s["pipeline_stream_id"] == 7  # the ramp's 362 ms gap counts: from the first frame
     # Frames stop at 6 s: the ones due after it count late, so the stream is not held.
     cut = [t for t in paced if t <= 6.0]
     s = capacity_stream(_rec(cut), 3.0, 9.0, 16.0)
     assert not s["held"] and s["on_time"] == pytest.approx(49 / 97)
+    # The 48 frames due after the cut never came: late, with no lateness to measure; the first was due 3.0625 s in.
+    assert s["late_frames"] == 48 and s["late_max_ms"] is None and s["late_first_s"] == pytest.approx(3.0625)
     # A 400 ms freeze inside the window: one gap over 250 ms, and the frames after it late.
     frozen = [t + (0.4 if t >= 5.0 else 0.0) for t in paced]
     s = capacity_stream(_rec(frozen), 3.0, 9.0, 16.0)
     assert s["freezes"] == 1 and s["max_gap_ms"] == pytest.approx(462.5) and not s["held"]
+    assert s["late_max_ms"] == pytest.approx(400.0) and s["late_first_s"] == pytest.approx(2.0)  # due at 5.0 s
     # A stream that ended with an error is not held whatever its punctuality.
     assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]

@@ -185,7 +185,7 @@ class ClientMessage(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., frame: _Optional[_Union[InputFrame, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id")
+    __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id", "prompt_ms", "opened_ms")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,8 @@ class Started(_message.Message):
     LATENT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LATENT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_MS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     config: StreamConfig
     total_frames: int
@@ -200,7 +202,9 @@ class Started(_message.Message):
     latent_width: int
     latent_height: int
     pipeline_stream_id: int
-    def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ...) -> None: ...
+    prompt_ms: float
+    opened_ms: float
+    def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ..., prompt_ms: _Optional[float] = ..., opened_ms: _Optional[float] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height", "input_ms", "steps")
