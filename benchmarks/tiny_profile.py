@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.batched_decoder import _to_host_uint8, allow_variants
+from gateway.batched_decoder import allow_variants, to_host_uint8
 from gateway.tiny_decoder import load_tiny_decoder
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.names import DTYPES
@@ -56,7 +56,7 @@ def profile(path: Path, dtype: torch.dtype, rows: int, hw, calls: int, channels_
         dec.decode_batch(states, xs)
     torch.cuda.synchronize()
     out = {"call": timed(lambda: dec.decode_batch(states, xs), calls)}
-    out["host"] = timed(lambda: _to_host_uint8(dec.decode_batch(states, xs)), calls)
+    out["host"] = timed(lambda: to_host_uint8(dec.decode_batch(states, xs)), calls)
     launches = []
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--latent", default="60x104")
+    ap.add_argument("--layouts", default="nchw,channels_last")
+    ap.add_argument("--cudnn", choices=("heuristics", "search", "both"), default="both")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -111,10 +113,10 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_decoder(Path(tmp) / "random.pth")
-        for bench in (False, True):
+        for bench in {"heuristics": (False,), "search": (True,), "both": (False, True)}[args.cudnn]:
             torch.backends.cudnn.benchmark = bench
             for name in args.dtypes.split(","):
-                for channels_last in (False, True):
+                for channels_last in [layout == "channels_last" for layout in args.layouts.split(",")]:
                     for r in rows:
                         t0 = time.perf_counter()
                         row = profile(path, DTYPES[name], r, hw, args.calls, channels_last)
