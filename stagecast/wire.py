@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stagecast.grpc_util import MAX_MESSAGE_BYTES
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 from stagecast.names import DTYPES
@@ -26,14 +27,37 @@ _DTYPES = {
 }
 
 
+# The most bytes a tensor message may stand for: a zero tail is not on the wire, so the shape alone must be bounded.
+MAX_TENSOR_BYTES = MAX_MESSAGE_BYTES
+
+
+def _end_of_data(buf: np.ndarray) -> int:
+    """Bytes of ``buf`` (uint8) up to and including its last nonzero one, found from the end in growing blocks (a
+    tensor without a zero tail, such as latents, costs one small look)."""
+    end, step = buf.size, 4096
+    while end > 0:
+        start = max(0, end - step)
+        block = buf[start:end]
+        if block.any():
+            return start + int(np.flatnonzero(block)[-1]) + 1
+        end, step = start, min(step * 2, 1 << 20)
+    return 0
+
+
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
+    """The tensor's bytes on the wire, less any zero tail (``Tensor.zero_tail``): a prompt's embeddings padded with
+    zero rows to the text length travel as its tokens."""
     t = t.detach().to("cpu").contiguous()
     name = str(t.dtype).removeprefix("torch.")
     if name not in _DTYPES:
         raise ValueError(f"tensor dtype {name} cannot travel on the wire")
     # bfloat16 has no numpy dtype: ship its raw 16-bit pattern.
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return pb.Tensor(shape=list(t.shape), dtype=name, data=raw.numpy().tobytes())
+    buf = raw.numpy().reshape(-1).view(np.uint8)
+    end = _end_of_data(buf)
+    if end == buf.size:
+        return pb.Tensor(shape=list(t.shape), dtype=name, data=buf.tobytes())
+    return pb.Tensor(shape=list(t.shape), dtype=name, data=buf[:end].tobytes(), zero_tail=True)
 
 
 def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
@@ -41,15 +65,26 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
         raise ValueError(f"tensor dtype {msg.dtype!r} is not one of {sorted(_DTYPES)}")
     dtype = _DTYPES[msg.dtype]
     shape = tuple(msg.shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"tensor shape {shape} has a negative size")
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
-    if len(msg.data) != expected:
-        raise ValueError(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
+    if expected > MAX_TENSOR_BYTES:
+        raise ValueError(f"tensor of shape {shape} and dtype {msg.dtype} is {expected} bytes, over {MAX_TENSOR_BYTES}")
+    if msg.zero_tail and len(msg.data) <= expected:
+        buf = np.zeros(expected, dtype=np.uint8)
+        buf[: len(msg.data)] = np.frombuffer(msg.data, dtype=np.uint8)
+    elif len(msg.data) == expected:
+        buf = np.frombuffer(msg.data, dtype=np.uint8).copy()
+    else:
+        at_most = "at most " if msg.zero_tail else ""
+        raise ValueError(
+            f"tensor of shape {shape} and dtype {msg.dtype} needs {at_most}{expected} bytes, got {len(msg.data)}"
+        )
     if dtype == torch.bfloat16:
-        arr = np.frombuffer(msg.data, dtype=np.int16).copy()
-        return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16).reshape(shape)
     np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-    return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy()).reshape(shape)
+    return torch.from_numpy(buf.view(np_dtype)).reshape(shape)
 
 
 def spec_to_proto(spec: StreamSpec) -> pb.StreamSpec:
