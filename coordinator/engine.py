@@ -137,6 +137,7 @@ class PipelineEngine:
             # chunk waits behind no more than that (each batch planned beyond it was a forward more of its TTFF: at
             # 2P + 2, on one H200 at capacity, about 80 ms each).
             lookahead=lookahead or registry.pipeline_stages + 1,
+            paced_lookahead=lookahead is None,  # the default: one batch per stage while every stream is paced
             record_plan=record_plan,
         )
         self.telemetry.bind(self)

@@ -5,8 +5,9 @@ condition (``cond``) until there is work (``has_work``) or a paced stream's next
 then under the lock takes the stream table's pending opens, stops, cancels and prompt changes, lets the SLO glue pick
 steps, gives each stream its credit and ticks the scheduler (``tick``); outside the lock it hands the tick's events to
 every stage's ordered sender.  The number of batches planned but not yet completed by the last stage is bounded
-(``lookahead``), so plans run ahead of execution without queuing unboundedly.  Anything that makes work calls ``wake``
-under the lock.
+(``lookahead``), so plans run ahead of execution without queuing unboundedly; with ``paced_lookahead``, while every
+stream is paced the bound is one batch per stage (``in_flight_limit``).  Anything that makes work calls ``wake`` under
+the lock.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PlanLoop:
         telemetry: CoordinatorTelemetry,
         *,
         lookahead: int,
+        paced_lookahead: bool = False,
         record_plan: bool = False,
     ):
         self.cond = cond
@@ -52,6 +54,7 @@ class PlanLoop:
         self.slo = slo
         self.telemetry = telemetry
         self.lookahead = lookahead
+        self.paced_lookahead = paced_lookahead
         self.record_plan = record_plan
         self.seq = 0
         self.batches_planned = 0
@@ -69,6 +72,23 @@ class PlanLoop:
         self.seq = 0
         self.batches_planned = self.batches_done = 0
 
+    def in_flight_limit(self) -> int:
+        """Batches that may be planned and not yet finished by the last stage: ``lookahead``; with ``paced_lookahead``,
+        while every stream is paced, one batch per stage.  Paced streams start their chunks up to their playout
+        buffer before they are due, so the stage waiting for the next batch's plan (about a millisecond) costs them
+        nothing they see, while a batch queued beyond the stages' one each is a forward more that a joining stream's
+        first chunk waits behind (it goes first only among the micro-steps not yet planned).  An unpaced stream has no
+        buffer: while one runs, the stages never wait for a plan."""
+        sched = self.gens.sched
+        if not self.paced_lookahead or sched is None or not sched.streams:
+            return self.lookahead
+        sessions = self.streams.sessions
+        for sid in sched.streams:
+            session = sessions.get(sid)
+            if session is None or session.chunk_rate <= 0:
+                return self.lookahead
+        return min(self.lookahead, self.registry.pipeline_stages)
+
     def has_work(self) -> bool:
         if not self.gens.ready or self.gens.sched is None:
             return False
@@ -78,7 +98,7 @@ class PlanLoop:
         # (a batch done, a chunk delivered, an open or stop) can make work, and each one wakes the loop.
         return (
             self.gens.sched.active
-            and self.batches_planned - self.batches_done < self.lookahead
+            and self.batches_planned - self.batches_done < self.in_flight_limit()
             and self._idle_ticks < self.registry.pipeline_stages
         )
 
@@ -178,7 +198,7 @@ class PlanLoop:
                 sched.set_credit(sid, self.pacing.credit(session))
                 if session.spec.input_latents:
                     sched.set_inputs(sid, session.inputs_received)
-        if sched.active and self.batches_planned - self.batches_done < self.lookahead:
+        if sched.active and self.batches_planned - self.batches_done < self.in_flight_limit():
             batch = sched.tick()
             self._idle_ticks = 0 if batch else self._idle_ticks + 1
             for sid in before:
