@@ -142,6 +142,17 @@ def _load_capacity(r: dict) -> dict | None:
     return None
 
 
+# A capacity row's slowest first frame, in order (``benchmarks.harness.ttff_parts`` keys, and their names here).
+TTFF_PARTS = (
+    ("prompt", "prompt"),
+    ("open", "open"),
+    ("first_chunk", "first chunk"),
+    ("vae", "decode"),
+    ("encode", "encode"),
+    ("rest", "rest"),
+)
+
+
 def capacity_table(runs: list[dict]) -> str:
     """Capacity per GPU: paced streams (16 FPS) held (>= 99% of frames on time over the measured window) with the
     next one refused at once; from the harness's ``--capacity`` rows, and a look from load rows that met a refusal."""
@@ -245,6 +256,23 @@ def capacity_table(runs: list[dict]) -> str:
             "the next one's first chunk; per stage):\n"
         )
         out += ramps
+    slowest = []
+    for r in runs:  # where the slowest first frame's time went (results from 145e5ca on stamp the opening)
+        for row in (r.get("system") or {}).get("capacity") or []:
+            parts = row.get("ttff_slowest_parts_ms")
+            if parts and "first_chunk" in parts:
+                total = sum(parts[k] for k in ("pipeline", "vae", "encode", "rest"))
+                slowest.append(
+                    f"- {_capacity_config(r['args'], row['decoder'])} ({r['commit']}): {total:.0f} ms = "
+                    + " + ".join(f"{name} {parts[k]:.0f}" for k, name in TTFF_PARTS)
+                )
+    if slowest:
+        out.append(
+            "\nThe slowest first frame at capacity, taken apart (ms: the prompt's encoding, the coordinator's "
+            "admission, the first chunk through the stages, its decode, the frame's encoding, the rest of the way to "
+            "the client):\n"
+        )
+        out += slowest
     missing = sorted(
         {
             (part, _capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))

@@ -105,6 +105,15 @@ def _run(**capacity) -> dict:
         "memory": {"decoder_state_bytes_per_stream": 64 << 20, "kv_bytes_per_stream": 300 << 20},
         "gateway_cpu_ms_per_frame": 1.234,
         "ramp": [{"streams": 1, "stages": [{"mean_forward_ms": 21.04, "mean_batch": 1.0}]}],
+        "ttff_slowest_parts_ms": {
+            "pipeline": 600.0,
+            "vae": 150.2,
+            "encode": 9.0,
+            "rest": 17.8,
+            "prompt": 77.4,
+            "open": 62.6,
+            "first_chunk": 460.0,
+        },
         **capacity,
     }
     return {
@@ -142,6 +151,11 @@ def test_the_capacity_table_renders_each_cell_from_the_json_and_names_what_is_mi
     full = lines["| 1.3B, SLO 1–2 steps, 832×480, full"]
     assert "| – (admitted but not held: 5 of 7 admitted streams held) | 7 / 5 |" in full and "def5678" in full
     assert "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 1 open: 21.0 ms at batch 1.00" in text  # the ramp
+    # The slowest first frame taken apart: its parts add up to its TTFF (the 777 ms p95 here).
+    assert (
+        "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 777 ms = prompt 77 + open 63 + first chunk 460 + decode 150 "
+        "+ encode 9 + rest 18"
+    ) in text
     # No main stream: no main-stream table rows for these runs; every expected configuration is named as missing.
     assert "### Steady state" in text and "| 1.3B @ 832×480" not in text
     missing = text.split("Missing (no `--capacity` JSON yet): ", 1)[1].split("\n", 1)[0]
