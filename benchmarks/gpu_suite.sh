@@ -70,6 +70,8 @@
 #                                         # at N ms per chunk (--slo-vae-ms, a what-if; JSON names end _vaeNms)
 #                                         # PACE_GRID=1 before any capacity part: the coordinator's --pace-grid (paced
 #                                         # streams' chunks due together, so they batch; JSON names end _grid)
+#                                         # LOOKAHEAD=N before any capacity part: the coordinator's --lookahead N, a
+#                                         # fixed bound on batches in flight (JSON names end _laN)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -233,6 +235,7 @@ for part in "$@"; do
       cap=(--capacity --capacity-seconds 20 --first-seconds 0 --ttff-runs 0 --interactive-updates 0 --no-peers)
       sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); sfx="_vae${SLO_VAE_MS}ms"; }
       [ -n "${PACE_GRID:-}" ] && { cap+=(--pace-grid); sfx="${sfx}_grid"; }
+      [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
       case "$part" in
         capacity-1.3b)
           timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" \

@@ -633,8 +633,9 @@ def coordinator_args(args) -> list[str]:
         stage_ms=parse_stage_ms(stage_ms) if stage_ms else None,
         slo_learn=not stage_ms,
         pace_grid=getattr(args, "pace_grid", False),
+        lookahead=getattr(args, "lookahead", None),
     )
-    return to_argv(options, only=["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid"])
+    return to_argv(options, only=["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid", "lookahead"])
 
 
 def vae_devices_of(args, device_kind: str) -> list[str]:
@@ -1452,7 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
         "--balance-profile", default=None, help="measured costs (python -m benchmarks.balance) for --partition auto"
     )
     add_flags(ap, CoordinatorOptions, only=["sp", "cfg_parallel"])  # the layout's, passed on; one GPU per rank
-    add_flags(ap, CoordinatorOptions, only=["pace_grid"])  # passed on to the coordinator
+    add_flags(ap, CoordinatorOptions, only=["pace_grid", "lookahead"])  # passed on to the coordinator
     ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
     ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)

@@ -104,6 +104,7 @@ def _capacity_config(a: dict, decoder: str) -> str:
     lo = a.get("load_min_steps")
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
     grid = ", pace grid" if a.get("pace_grid") else ""
+    grid += f", lookahead {a['lookahead']}" if a.get("lookahead") else ""  # a fixed one (the coordinator's --lookahead)
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
 
 

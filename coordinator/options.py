@@ -15,6 +15,8 @@ from stagecast.flags import flag
 from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.service import health_port_flag, metrics_host_flag
 
+MAX_LOOKAHEAD = 64  # batches planned ahead of the last stage (--lookahead)
+
 if TYPE_CHECKING:
     from stagecast.security import MTLS
 
@@ -82,6 +84,12 @@ class CoordinatorOptions:
         help="pacing: paced streams of one chunk rate take their slots on one grid of whole chunk periods, so their "
         "chunks are due together and batch (each stream's slots move up to one chunk period sooner)",
     )
+    lookahead: int | None = flag(
+        type=int,
+        help="pacing: batches planned ahead of the last stage; default one per stage, plus one waiting at the first "
+        "while an unpaced stream runs (while every stream is paced, a joining stream's first chunk then waits behind "
+        "the batches running only); a number fixes it",
+    )
     stage_ms: list[float] | None = flag(
         type=parse_stage_ms,
         help="SLO controller calibration: ms per stage forward of one micro-step, per stage, e.g. 20,21 (from "
@@ -123,5 +131,7 @@ class CoordinatorOptions:
         for kind, ms in (self.vae_ms_per_chunk or {}).items():
             if not 0 <= ms < 1e5 or math.isnan(ms):
                 raise ValueError(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {ms} for {kind}")
+        if self.lookahead is not None and not 1 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"--lookahead must be in 1..{MAX_LOOKAHEAD} batches, got {self.lookahead}")
         if self.cfg_parallel > 1 and self.sp > 1:
             raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")

@@ -248,6 +248,7 @@ class Coordinator:
             on_ready_change=self._on_ready,
             playout_s=opts.playout_s,
             pace_grid=opts.pace_grid,
+            lookahead=opts.lookahead,
             stage_ms=opts.stage_ms,
             slo_learn=opts.slo_learn,
             vae_ms_per_chunk=opts.vae_ms_per_chunk,

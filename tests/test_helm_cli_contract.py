@@ -161,6 +161,7 @@ SERVICE_DEFAULT = {
         "--max-streams": "admission by the SLO controller's capacity; the count through extraArgs",
         "--playout-s": "pacing tuning through extraArgs",
         "--pace-grid": "off until a GPU run shows it pays (BENCHMARKS.md); pacing tuning through extraArgs",
+        "--lookahead": "the default bound fits every topology; an A/B knob for benchmarks, through extraArgs",
     },
     "stage": {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",

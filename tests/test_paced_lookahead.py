@@ -96,3 +96,20 @@ def test_the_bound_is_one_batch_per_stage_while_every_stream_is_paced_and_one_mo
     open_stream(fixed)
     fixed.planner.tick()
     assert fixed.planner.in_flight_limit() == 5
+
+
+def test_the_coordinators_lookahead_flag_fixes_the_bound_and_is_checked():
+    from types import SimpleNamespace
+
+    from benchmarks.harness import coordinator_args
+    from coordinator.options import MAX_LOOKAHEAD, CoordinatorOptions
+
+    assert CoordinatorOptions(stages=1).lookahead is None  # the default: the paced bound
+    for bad in (0, MAX_LOOKAHEAD + 1):
+        with pytest.raises(ValueError, match=f"--lookahead must be in 1..{MAX_LOOKAHEAD} batches, got {bad}"):
+            CoordinatorOptions(stages=1, lookahead=bad)
+    # The harness hands it to the coordinator (gpu_suite.sh LOOKAHEAD=N: an A/B against the default bound).
+    args = SimpleNamespace(stages=1, slo_vae_ms=None, slo_stage_ms=None, pace_grid=True, lookahead=2)
+    argv = coordinator_args(args)
+    assert argv[argv.index("--lookahead") + 1] == "2" and "--pace-grid" in argv
+    assert "--lookahead" not in coordinator_args(SimpleNamespace(**{**vars(args), "lookahead": None}))
