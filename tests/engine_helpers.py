@@ -40,3 +40,20 @@ def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders):
         return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
 
     return open_stream
+
+
+class Clock:
+    """A clock the test sets by hand (``clock.t``), for the engine's ``clock``."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def consume_first(eng: PipelineEngine, stream) -> None:
+    """Its chunk 0 came back from the stages (no stage runs here) and its consumer acknowledged it."""
+    session = eng.sessions[stream.id]
+    session.received = max(session.received, 1)
+    eng.consumed(stream.id, 1)

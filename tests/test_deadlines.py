@@ -12,21 +12,13 @@ import pytest
 from coordinator.pacing import Pacing
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
-from tests.engine_helpers import TEXT, hand_driven_engine, small_spec
+from tests.engine_helpers import TEXT, Clock, consume_first, hand_driven_engine, small_spec
 
 pytestmark = pytest.mark.unit
 
 ONE_STEP = (1000.0,)
 RATE = 4.0  # 16 fps, 4 frames per chunk
 OFFSET = 3 / 16  # Wan's first chunk decodes to one frame: later chunks are due three frames sooner
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def engine(clock: Clock):
@@ -55,13 +47,6 @@ def run_running_set(eng, clock: Clock, n: int) -> list:
     for s in streams:
         consume_first(eng, s)
     return streams
-
-
-def consume_first(eng, stream) -> None:
-    """Its chunk 0 came back from the stages (no stage runs here) and its consumer acknowledged it."""
-    session = eng.sessions[stream.id]
-    session.received = max(session.received, 1)
-    eng.consumed(stream.id, 1)
 
 
 def ordered_by_arrival(eng) -> None:

@@ -8,19 +8,11 @@ clock, as in ``tests/test_deadlines.py``."""
 import pytest
 
 from stagecast import wire
-from tests.engine_helpers import TEXT, hand_driven_engine, small_spec
+from tests.engine_helpers import TEXT, Clock, consume_first, hand_driven_engine, small_spec
 
 pytestmark = pytest.mark.unit
 
 RATE = 4.0  # chunks per second: 16 fps, 4 frames per chunk
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def open_stream(eng, chunk_rate: float = RATE):
@@ -40,9 +32,7 @@ def running_set(eng, clock: Clock, n: int) -> list:
     while planned(eng):
         eng.planner.batches_done = eng.planner.batches_planned
     for s in streams:
-        session = eng.sessions[s.id]
-        session.received = max(session.received, 1)
-        eng.consumed(s.id, 1)
+        consume_first(eng, s)
     clock.t += 1 / RATE
     return streams
 

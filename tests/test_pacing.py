@@ -9,20 +9,12 @@ import torch
 
 from coordinator.engine import PipelineEngine
 from stagecast.model.dit_configs import model_config
-from tests.engine_helpers import hand_driven_engine, small_spec
+from tests.engine_helpers import Clock, hand_driven_engine, small_spec
 from tests.pipeline_helpers import wait_until
 
 pytestmark = pytest.mark.unit
 
 MODEL = model_config("tiny-wan2.1")
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
