@@ -491,7 +491,7 @@ def ttff_parts(timing, ttff_s: float, info=None) -> dict:
         "encode": timing.encoded_ms - timing.decoded_ms,
         "rest": ttff_s * 1e3 - timing.encoded_ms,
     }
-    if info is not None and getattr(info, "opened_ms", 0.0) > 0:
+    if info is not None and info.opened_ms > 0:  # 0: a gateway that does not stamp its opening
         parts.update(
             prompt=info.prompt_ms,
             open=info.opened_ms - info.prompt_ms,
