@@ -22,47 +22,44 @@ def add_parser(sub) -> None:
     p.set_defaults(run=main)
 
 
+def _stage_index(args: argparse.Namespace) -> int:
+    """The rank this process registers as, from ``--index`` or ``STAGECAST_STAGE_INDEX`` (and ``--sp-rank``), with
+    every flag ``main`` checks before loading anything; ValueError names the flag."""
+    from stage_service.kv_budget import check_kv_budget_gib
+
+    index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
+    if index is None:
+        raise ValueError("stage needs --index or STAGECAST_STAGE_INDEX")
+    try:
+        index = int(index)
+    except ValueError:
+        raise ValueError(f"STAGECAST_STAGE_INDEX: not an integer: {index!r}") from None
+    if index < 0:
+        raise ValueError(f"--index: must be >= 0, got {index}")
+    if args.sp < 1:
+        raise ValueError(f"--sp: must be >= 1, got {args.sp}")
+    if args.sp_rank is not None and not 0 <= args.sp_rank < args.sp:
+        raise ValueError(f"--sp-rank: must be in [0, {args.sp}), got {args.sp_rank}")
+    if args.sp > 1 and args.cuda_graphs:
+        raise ValueError("--cuda-graphs: not supported with --sp > 1 yet")
+    if args.calibration_s is not None and not 0 <= args.calibration_s <= 600:
+        raise ValueError(f"--calibration-s: must be in [0, 600], got {args.calibration_s}")
+    check_kv_budget_gib(args.kv_budget_gib)
+    if args.sp_rank is not None:
+        index = index * args.sp + args.sp_rank  # the rank this process registers as
+    return index
+
+
 def main(args: argparse.Namespace) -> int:
     from stage_service.lora import MAX_LORAS, parse_lora
     from stage_service.server import serve
     from stagecast.security import mtls_from_flags
 
-    index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
-    if index is None:
-        print("stagecast stage: error: stage needs --index or STAGECAST_STAGE_INDEX", file=sys.stderr)
-        return 2
     try:
-        index = int(index)
-    except ValueError:
-        print(f"stagecast stage: error: STAGECAST_STAGE_INDEX: not an integer: {index!r}", file=sys.stderr)
-        return 2
-    if index < 0:
-        print(f"stagecast stage: error: --index: must be >= 0, got {index}", file=sys.stderr)
-        return 2
-    if args.sp < 1:
-        print(f"stagecast stage: error: --sp: must be >= 1, got {args.sp}", file=sys.stderr)
-        return 2
-    if args.sp_rank is not None and not 0 <= args.sp_rank < args.sp:
-        print(f"stagecast stage: error: --sp-rank: must be in [0, {args.sp}), got {args.sp_rank}", file=sys.stderr)
-        return 2
-    if args.sp > 1 and args.cuda_graphs:
-        print("stagecast stage: error: --cuda-graphs: not supported with --sp > 1 yet", file=sys.stderr)
-        return 2
-    if args.calibration_s is not None and not 0 <= args.calibration_s <= 600:
-        print(
-            f"stagecast stage: error: --calibration-s: must be in [0, 600], got {args.calibration_s}",
-            file=sys.stderr,
-        )
-        return 2
-    from stage_service.kv_budget import check_kv_budget_gib
-
-    try:
-        check_kv_budget_gib(args.kv_budget_gib)
+        index = _stage_index(args)
     except ValueError as exc:
         print(f"stagecast stage: error: {exc}", file=sys.stderr)
         return 2
-    if args.sp_rank is not None:
-        index = index * args.sp + args.sp_rank  # the rank this process registers as
     try:
         if len(args.loras) > MAX_LORAS:
             raise ValueError(f"--lora: at most {MAX_LORAS} LoRAs, got {len(args.loras)}")

@@ -140,68 +140,79 @@ class Generation:
 
     def validate(self, msg: pb.PlanEvent, config: dict, sp: int) -> PlanEvent:
         """The plan event, checked against the model (``config``) and the streams open; ValueError (bad) or KeyError
-        (unknown stream) refuses it."""
+        (unknown stream) refuses it.  One validator per event kind."""
         ev = wire.event_from_proto(msg)
         if ev.kind == "open":
-            spec = ev.spec
-            assert spec is not None
-            if spec.stream_id in self.specs:
-                raise ValueError(f"stream {spec.stream_id} is already open")
-            if ev.text is None:
-                raise ValueError(f"stream {spec.stream_id}: open carries no text embeddings")
-            check_spec(spec, DiTConfig.from_kwargs(config), tuple(ev.text.shape))
-            image_shape = None if ev.latents is None else tuple(ev.latents.shape)
-            check_image(spec, image_shape, per_token=expands_timesteps(config))
-            check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), sp)
-            if spec.cfg != (ev.negative_text is not None) or (
-                ev.negative_text is not None and ev.negative_text.shape != ev.text.shape
-            ):
-                shape = None if ev.negative_text is None else tuple(ev.negative_text.shape)
-                raise ValueError(
-                    f"stream {spec.stream_id}: guidance_scale={spec.guidance_scale} with negative_text of shape {shape}"
-                )
-            self.specs[spec.stream_id] = ChunkSpecs(spec)
+            self._validate_open(ev, config, sp)
         elif ev.kind == "close":
             self._known(ev.stream_id)
             del self.specs[ev.stream_id]
         elif ev.kind == "prompt":
-            spec = self._known(ev.stream_id)
-            if ev.text is None or tuple(ev.text.shape) != (1, spec.spec.text_len, config["text_dim"]):
-                shape = None if ev.text is None else tuple(ev.text.shape)
-                raise ValueError(f"stream {spec.spec.stream_id}: prompt update text has shape {shape}")
-            if ev.recache:
-                chunk_spec = spec.at(ev.from_chunk)
-                rope = DiTConfig.from_kwargs(config).rope_max_seq_len
-                need = {c for c, _ in recache_steps(chunk_spec, ev.from_chunk, rope)}
-                given = dict(ev.window)
-                bad = [c for c, x in given.items() if x is None or tuple(x.shape) != chunk_spec.latent_shape]
-                if self.slice.first and (set(given) != need or bad):
-                    raise ValueError(
-                        f"stream {chunk_spec.stream_id}: a recache before chunk {ev.from_chunk} needs the clean "
-                        f"latents of chunks {sorted(need)} ({chunk_spec.latent_shape}), got {sorted(given)}"
-                    )
+            self._validate_prompt(ev, config)
         elif ev.kind == "input":
-            spec = self._known(ev.stream_id).spec
-            if not spec.input_latents:
-                raise ValueError(f"stream {spec.stream_id} takes no input latents (it is not a video-to-video stream)")
-            if ev.chunk < 0 or (spec.num_chunks is not None and ev.chunk >= spec.num_chunks):
-                raise ValueError(f"stream {spec.stream_id}: input for chunk {ev.chunk} is out of range")
-            if ev.latents is None or tuple(ev.latents.shape) != spec.latent_shape or ev.latents.dtype != torch.float32:
-                got = None if ev.latents is None else (tuple(ev.latents.shape), ev.latents.dtype)
-                raise ValueError(
-                    f"stream {spec.stream_id}: input latents must be float32 {spec.latent_shape}, got {got}"
-                )
+            self._validate_input(ev)
         elif ev.kind == "steps":
             # Validated here (a bad ladder is INVALID_ARGUMENT, never an executor failure); the executor's runner
             # applies the same change in plan order.
             self._known(ev.stream_id).change(ev.from_chunk, ev.timesteps)
         else:
-            validate_batch(list(ev.steps), lambda st: self._known(st.stream).at(st.chunk))
-            for st in ev.steps:
-                specs = self.specs[st.stream]
-                if st.level == specs.at(st.chunk).levels - 1:
-                    specs.prune(st.chunk + 1)  # chunks of a stream finish in order: earlier specs are done
+            self._validate_batch(ev)
         return ev
+
+    def _validate_open(self, ev: PlanEvent, config: dict, sp: int) -> None:
+        spec = ev.spec
+        assert spec is not None
+        if spec.stream_id in self.specs:
+            raise ValueError(f"stream {spec.stream_id} is already open")
+        if ev.text is None:
+            raise ValueError(f"stream {spec.stream_id}: open carries no text embeddings")
+        check_spec(spec, DiTConfig.from_kwargs(config), tuple(ev.text.shape))
+        image_shape = None if ev.latents is None else tuple(ev.latents.shape)
+        check_image(spec, image_shape, per_token=expands_timesteps(config))
+        check_sequence_split(spec, self.slice.tokens_per_frame(spec.latent_height, spec.latent_width), sp)
+        if spec.cfg != (ev.negative_text is not None) or (
+            ev.negative_text is not None and ev.negative_text.shape != ev.text.shape
+        ):
+            shape = None if ev.negative_text is None else tuple(ev.negative_text.shape)
+            raise ValueError(
+                f"stream {spec.stream_id}: guidance_scale={spec.guidance_scale} with negative_text of shape {shape}"
+            )
+        self.specs[spec.stream_id] = ChunkSpecs(spec)
+
+    def _validate_prompt(self, ev: PlanEvent, config: dict) -> None:
+        spec = self._known(ev.stream_id)
+        if ev.text is None or tuple(ev.text.shape) != (1, spec.spec.text_len, config["text_dim"]):
+            shape = None if ev.text is None else tuple(ev.text.shape)
+            raise ValueError(f"stream {spec.spec.stream_id}: prompt update text has shape {shape}")
+        if not ev.recache:
+            return
+        chunk_spec = spec.at(ev.from_chunk)
+        rope = DiTConfig.from_kwargs(config).rope_max_seq_len
+        need = {c for c, _ in recache_steps(chunk_spec, ev.from_chunk, rope)}
+        given = dict(ev.window)
+        bad = [c for c, x in given.items() if x is None or tuple(x.shape) != chunk_spec.latent_shape]
+        if self.slice.first and (set(given) != need or bad):
+            raise ValueError(
+                f"stream {chunk_spec.stream_id}: a recache before chunk {ev.from_chunk} needs the clean "
+                f"latents of chunks {sorted(need)} ({chunk_spec.latent_shape}), got {sorted(given)}"
+            )
+
+    def _validate_input(self, ev: PlanEvent) -> None:
+        spec = self._known(ev.stream_id).spec
+        if not spec.input_latents:
+            raise ValueError(f"stream {spec.stream_id} takes no input latents (it is not a video-to-video stream)")
+        if ev.chunk < 0 or (spec.num_chunks is not None and ev.chunk >= spec.num_chunks):
+            raise ValueError(f"stream {spec.stream_id}: input for chunk {ev.chunk} is out of range")
+        if ev.latents is None or tuple(ev.latents.shape) != spec.latent_shape or ev.latents.dtype != torch.float32:
+            got = None if ev.latents is None else (tuple(ev.latents.shape), ev.latents.dtype)
+            raise ValueError(f"stream {spec.stream_id}: input latents must be float32 {spec.latent_shape}, got {got}")
+
+    def _validate_batch(self, ev: PlanEvent) -> None:
+        validate_batch(list(ev.steps), lambda st: self._known(st.stream).at(st.chunk))
+        for st in ev.steps:
+            specs = self.specs[st.stream]
+            if st.level == specs.at(st.chunk).levels - 1:
+                specs.prune(st.chunk + 1)  # chunks of a stream finish in order: earlier specs are done
 
     def _known(self, stream_id: int) -> ChunkSpecs:
         if stream_id not in self.specs:

@@ -336,30 +336,9 @@ class SliceRunner:
         specs = [s.spec_at(st.chunk) for s, (st, _) in zip(streams, rows)]
         spec0 = specs[0]
         _, _, f, h, w = spec0.latent_shape
-        if sl.first:
-            if inputs is not None:
-                raise ValueError("the first slice takes its latents from the store, not from inputs")
-            latents = {st: self.take_latent(st).to(sl.device) for st in steps if self.computes(st)}
-            if sl.last:
-                # One process owns both ends: remember each input for the sampler step in finish().
-                self._inputs = latents
-            hidden = sl.embed(torch.cat([latents[st] for st, _ in rows], dim=0).to(sl.device))
-            hidden = self._shard(hidden)
-        else:
-            if inputs is None:
-                raise ValueError("a slice after the first needs the previous slice's hidden states")
-            hidden = inputs
+        hidden = self._input_hidden(steps, rows, inputs)
         tokens = hidden.shape[1] * self.sp.size
-        timesteps = torch.tensor(
-            [s.sampler(spec).model_timestep(st.level) for s, spec, (st, _) in zip(streams, specs, rows)]
-        )
-        if any(s.image is not None and st.chunk == 0 for s, (st, _) in zip(streams, rows)):
-            # Image-to-video: the image frame's tokens are at timestep 0, the others at the level's (per token).
-            timesteps = timesteps[:, None].expand(-1, tokens).clone()
-            tpf = tokens // f
-            for i, (s, (st, _)) in enumerate(zip(streams, rows)):
-                if s.image is not None and st.chunk == 0:
-                    timesteps[i, :tpf] = 0.0
+        timesteps = self._timesteps(streams, specs, rows, tokens, f)
         cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
@@ -379,16 +358,53 @@ class SliceRunner:
             hidden = sl.run_blocks(hidden, block_cond, ctx)
         for s, (_, b), view in zip(streams, rows, views):
             s.kv[b].commit(view)
-        for s, spec, (st, _) in zip(streams, specs, rows):
-            if st.level == spec.levels - 1:
-                s.done_chunks = max(s.done_chunks, st.chunk + 1)
-                for kv in s.kv.values():
-                    kv.prune(s.done_chunks)  # a step change's earlier KV segment is over once its last chunk is
+        self._mark_done(streams, specs, rows)
         if sl.last:
             if self.sp.size > 1:
                 hidden = torch.cat(self.sp.all_gather(hidden), dim=1)
             return sl.head(hidden, cond, (len(rows), *spec0.latent_shape[1:]))
         return hidden
+
+    def _input_hidden(self, steps: list[MicroStep], rows, inputs: torch.Tensor | None) -> torch.Tensor:
+        """The batch's hidden states entering this slice: embedded latents from the store on the first slice, the
+        previous slice's hidden states on the others."""
+        sl = self.slice
+        if not sl.first:
+            if inputs is None:
+                raise ValueError("a slice after the first needs the previous slice's hidden states")
+            return inputs
+        if inputs is not None:
+            raise ValueError("the first slice takes its latents from the store, not from inputs")
+        latents = {st: self.take_latent(st).to(sl.device) for st in steps if self.computes(st)}
+        if sl.last:
+            # One process owns both ends: remember each input for the sampler step in finish().
+            self._inputs = latents
+        hidden = sl.embed(torch.cat([latents[st] for st, _ in rows], dim=0).to(sl.device))
+        return self._shard(hidden)
+
+    @staticmethod
+    def _timesteps(streams, specs, rows, tokens: int, frames: int) -> torch.Tensor:
+        """Each row's model timestep; per token when a row is an image-to-video stream's first chunk."""
+        timesteps = torch.tensor(
+            [s.sampler(spec).model_timestep(st.level) for s, spec, (st, _) in zip(streams, specs, rows)]
+        )
+        if any(s.image is not None and st.chunk == 0 for s, (st, _) in zip(streams, rows)):
+            # Image-to-video: the image frame's tokens are at timestep 0, the others at the level's (per token).
+            timesteps = timesteps[:, None].expand(-1, tokens).clone()
+            tpf = tokens // frames
+            for i, (s, (st, _)) in enumerate(zip(streams, rows)):
+                if s.image is not None and st.chunk == 0:
+                    timesteps[i, :tpf] = 0.0
+        return timesteps
+
+    @staticmethod
+    def _mark_done(streams, specs, rows) -> None:
+        """A row at its chunk's last level finishes the chunk: the stream's done count moves on and its KV prunes."""
+        for s, spec, (st, _) in zip(streams, specs, rows):
+            if st.level == spec.levels - 1:
+                s.done_chunks = max(s.done_chunks, st.chunk + 1)
+                for kv in s.kv.values():
+                    kv.prune(s.done_chunks)  # a step change's earlier KV segment is over once its last chunk is
 
     def exchanged_rows(self, steps: list[MicroStep], flow: torch.Tensor) -> torch.Tensor | None:
         """CFG-parallel, last slice: this group's predictions of the guided steps, in step order, for the other

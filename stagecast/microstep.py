@@ -92,29 +92,7 @@ class StreamSpec:
             errors.append(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chunk_frames < 1:
             errors.append(f"chunk_frames must be >= 1, got {self.chunk_frames}")
-        if not self.timesteps:
-            errors.append("timesteps must hold at least one step")
-        elif len(self.timesteps) > MAX_STEPS:
-            errors.append(f"timesteps has {len(self.timesteps)} steps; at most {MAX_STEPS} are supported")
-        elif any(not (0 < t <= 1000) for t in self.timesteps):  # also catches NaN
-            errors.append(f"timesteps must lie in (0, 1000], got {list(self.timesteps)}")
-        else:
-            # float32, as the wire carries them: every process that holds this spec holds the same ladder.
-            object.__setattr__(self, "timesteps", tuple(as_f32(t) for t in self.timesteps))
-            if any(a <= b for a, b in zip(self.timesteps, self.timesteps[1:])):
-                errors.append(f"timesteps must be strictly decreasing, got {list(self.timesteps)}")
-        if not (0 < self.shift <= 1e6):  # also catches NaN
-            errors.append(f"shift must be > 0, got {self.shift}")
-        else:
-            object.__setattr__(self, "shift", as_f32(self.shift))
-        if self.window is not None and self.window < 1:
-            errors.append(f"window must be >= 1 latent frame or None, got {self.window}")
-        if self.sink < 0 or (self.window is not None and self.sink > self.window):
-            errors.append(f"sink must be in [0, window], got sink={self.sink} window={self.window}")
-        if self.reset_frames is not None and (
-            self.reset_frames < self.chunk_frames or self.reset_frames % self.chunk_frames
-        ):
-            errors.append(f"reset_frames must be a positive multiple of chunk_frames, got {self.reset_frames}")
+        errors += self._ladder_errors() + self._window_errors()
         if self.sampler not in UPDATES:
             errors.append(f"sampler must be 'x0' or 'euler', got {self.sampler!r}")
         if not (1.0 <= self.guidance_scale <= MAX_GUIDANCE):  # also catches NaN
@@ -127,6 +105,38 @@ class StreamSpec:
             errors.append(f"segment_start must be >= 0, got {self.segment_start}")
         if errors:
             raise ValueError("invalid stream spec: " + "; ".join(errors))
+
+    def _ladder_errors(self) -> list[str]:
+        """The ladder and its shift, checked and held as float32 (as the wire carries them: every process that holds
+        this spec holds the same ladder)."""
+        errors = []
+        if not self.timesteps:
+            errors.append("timesteps must hold at least one step")
+        elif len(self.timesteps) > MAX_STEPS:
+            errors.append(f"timesteps has {len(self.timesteps)} steps; at most {MAX_STEPS} are supported")
+        elif any(not (0 < t <= 1000) for t in self.timesteps):  # also catches NaN
+            errors.append(f"timesteps must lie in (0, 1000], got {list(self.timesteps)}")
+        else:
+            object.__setattr__(self, "timesteps", tuple(as_f32(t) for t in self.timesteps))
+            if any(a <= b for a, b in zip(self.timesteps, self.timesteps[1:])):
+                errors.append(f"timesteps must be strictly decreasing, got {list(self.timesteps)}")
+        if not (0 < self.shift <= 1e6):  # also catches NaN
+            errors.append(f"shift must be > 0, got {self.shift}")
+        else:
+            object.__setattr__(self, "shift", as_f32(self.shift))
+        return errors
+
+    def _window_errors(self) -> list[str]:
+        errors = []
+        if self.window is not None and self.window < 1:
+            errors.append(f"window must be >= 1 latent frame or None, got {self.window}")
+        if self.sink < 0 or (self.window is not None and self.sink > self.window):
+            errors.append(f"sink must be in [0, window], got sink={self.sink} window={self.window}")
+        if self.reset_frames is not None and (
+            self.reset_frames < self.chunk_frames or self.reset_frames % self.chunk_frames
+        ):
+            errors.append(f"reset_frames must be a positive multiple of chunk_frames, got {self.reset_frames}")
+        return errors
 
     @property
     def steps(self) -> int:

@@ -143,6 +143,38 @@ def model_timestep(sigma: float) -> float:
     return sigma * T_MAX
 
 
+def _ladder_json(data: dict) -> dict:
+    """The ``ladder`` and ``ladders`` keys of a ``sampler`` section as ``SamplerConfig`` keyword arguments."""
+    kw: dict = {}
+    ladder = data.get("ladder")
+    if ladder is None:
+        kw["even_from"] = None if "ladders" in data else T_MAX
+    elif isinstance(ladder, dict):
+        extra = sorted(set(ladder) - {"even_from"})
+        if extra or "even_from" not in ladder:
+            bad = extra[0] if extra else "even_from"
+            raise SamplerError(
+                f"sampler.ladder.{bad}",
+                "unknown key" if extra else 'missing: the rule form is {"even_from": T}',
+            )
+        kw["even_from"] = ladder["even_from"]
+    else:
+        kw["ladder"], kw["even_from"] = ladder, None
+    if "ladders" in data:
+        raw = data["ladders"]
+        if not isinstance(raw, dict):
+            raise SamplerError("sampler.ladders", 'must map step counts to ladders, e.g. {"2": [700, 400]}')
+        ladders = {}
+        for key, lad in raw.items():
+            try:
+                n = int(key)
+            except ValueError:
+                raise SamplerError(f"sampler.ladders.{key}", 'a key must be a step count such as "4"') from None
+            ladders[n] = lad
+        kw["ladders"] = ladders
+    return kw
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """A checkpoint's sampler: the update rule, the shift, and a ladder for each step count it supports."""
@@ -168,27 +200,11 @@ class SamplerConfig:
             if not (isinstance(self.even_from, (int, float)) and 0 < self.even_from <= T_MAX):
                 raise SamplerError("sampler.ladder.even_from", f"must be in (0, {T_MAX:g}], got {self.even_from!r}")
             object.__setattr__(self, "even_from", as_f32(self.even_from))
-        ladders = {}
-        for n, lad in self.ladders.items():
-            key = f"sampler.ladders.{n}"
-            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
-                raise SamplerError(key, f"a step count must be an integer in [1, {MAX_STEPS}]")
-            ladders[n] = check_ladder(lad, field=key, steps=n)
-        object.__setattr__(self, "ladders", dict(sorted(ladders.items())))
+        object.__setattr__(self, "ladders", self._checked_ladders(self.ladders))
         if self.ladder is None and self.even_from is None and not self.ladders:
             raise SamplerError("sampler", "names no ladder: give ladder (explicit or even_from) or ladders")
-        derivable = set(self._derivable())
         if self.steps is not None:
-            if not self.steps:
-                raise SamplerError("sampler.steps", "must offer at least one step count")
-            for n in self.steps:
-                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
-                    raise SamplerError("sampler.steps", f"{n!r} is not a step count in [1, {MAX_STEPS}]")
-                if n not in derivable:
-                    raise SamplerError(
-                        "sampler.steps", f"{n} has no ladder (ladders exist for {_fmt_counts(derivable)})"
-                    )
-            object.__setattr__(self, "steps", tuple(sorted(set(self.steps))))
+            object.__setattr__(self, "steps", self._checked_steps(self.steps))
         lo, hi = self.timestep_range
         if not (0 < lo <= hi <= T_MAX):
             raise SamplerError(
@@ -196,6 +212,28 @@ class SamplerConfig:
             )
         if not isinstance(self.client_timesteps, bool):
             raise SamplerError("sampler.client_timesteps", f"must be true or false, got {self.client_timesteps!r}")
+
+    @staticmethod
+    def _checked_ladders(raw: Mapping[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
+        ladders = {}
+        for n, lad in raw.items():
+            key = f"sampler.ladders.{n}"
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
+                raise SamplerError(key, f"a step count must be an integer in [1, {MAX_STEPS}]")
+            ladders[n] = check_ladder(lad, field=key, steps=n)
+        return dict(sorted(ladders.items()))
+
+    def _checked_steps(self, steps: tuple[int, ...]) -> tuple[int, ...]:
+        """The offered step counts, each one a count a ladder exists for, ascending and without repeats."""
+        derivable = set(self._derivable())
+        if not steps:
+            raise SamplerError("sampler.steps", "must offer at least one step count")
+        for n in steps:
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
+                raise SamplerError("sampler.steps", f"{n!r} is not a step count in [1, {MAX_STEPS}]")
+            if n not in derivable:
+                raise SamplerError("sampler.steps", f"{n} has no ladder (ladders exist for {_fmt_counts(derivable)})")
+        return tuple(sorted(set(steps)))
 
     def _derivable(self) -> list[int]:
         counts = set(self.ladders)
@@ -261,32 +299,7 @@ class SamplerConfig:
             kw["update"] = data["update"]
         if "shift" in data:
             kw["shift"] = data["shift"]
-        ladder = data.get("ladder")
-        if ladder is None:
-            kw["even_from"] = None if "ladders" in data else T_MAX
-        elif isinstance(ladder, dict):
-            extra = sorted(set(ladder) - {"even_from"})
-            if extra or "even_from" not in ladder:
-                bad = extra[0] if extra else "even_from"
-                raise SamplerError(
-                    f"sampler.ladder.{bad}",
-                    "unknown key" if extra else 'missing: the rule form is {"even_from": T}',
-                )
-            kw["even_from"] = ladder["even_from"]
-        else:
-            kw["ladder"], kw["even_from"] = ladder, None
-        if "ladders" in data:
-            raw = data["ladders"]
-            if not isinstance(raw, dict):
-                raise SamplerError("sampler.ladders", 'must map step counts to ladders, e.g. {"2": [700, 400]}')
-            ladders = {}
-            for key, lad in raw.items():
-                try:
-                    n = int(key)
-                except ValueError:
-                    raise SamplerError(f"sampler.ladders.{key}", 'a key must be a step count such as "4"') from None
-                ladders[n] = lad
-            kw["ladders"] = ladders
+        kw.update(_ladder_json(data))
         if "steps" in data:
             if not isinstance(data["steps"], list):
                 raise SamplerError("sampler.steps", f"must be a list of step counts, got {data['steps']!r}")

@@ -86,100 +86,56 @@ class BalanceProfile:
 
     @classmethod
     def from_json(cls, data, *, source: str = "balance profile") -> BalanceProfile:
-        def fail(name: str, why: str):
-            raise BalanceProfileError(f"{source}: {name}: {why}")
-
+        r = _Reader(source)
         if not isinstance(data, dict):
-            fail("(top level)", "must be a JSON object")
+            r.fail("(top level)", "must be a JSON object")
         if data.get("format") != FORMAT:
-            fail("format", f"must be {FORMAT!r}, got {data.get('format')!r}")
+            r.fail("format", f"must be {FORMAT!r}, got {data.get('format')!r}")
         if data.get("version") != VERSION:
-            fail("version", f"this reader knows version {VERSION}, got {data.get('version')!r}")
-
-        def get(obj: dict, name: str, kind, where: str = ""):
-            full = f"{where}{name}"
-            if name not in obj:
-                fail(full, "missing")
-            value = obj[name]
-            ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-            if kind is float:
-                ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if not ok:
-                fail(full, f"must be {kind.__name__}, got {value!r}")
-            return value
-
-        def ms(obj: dict, name: str, where: str) -> float:
-            value = float(get(obj, name, float, where))
-            if not math.isfinite(value) or not 0 <= value <= MAX_MS:
-                fail(f"{where}{name}", f"must be finite ms in [0, {MAX_MS:g}], got {value!r}")
-            return value
-
-        def count(name: str, lo: int, hi: int) -> int:
-            value = get(data, name, int)
-            if not lo <= value <= hi:
-                fail(name, f"must be in [{lo}, {hi}], got {value}")
-            return value
-
-        model = get(data, "model", str)
+            r.fail("version", f"this reader knows version {VERSION}, got {data.get('version')!r}")
+        model = r.get(data, "model", str)
         if not 0 < len(model) <= 200:
-            fail("model", "must be a name of 1..200 characters")
-        dit_config = get(data, "dit_config", dict)
+            r.fail("model", "must be a name of 1..200 characters")
+        dit_config = r.get(data, "dit_config", dict)
         for key in DIT_KEYS:
-            value = get(dit_config, key, int, "dit_config.")
+            value = r.get(dit_config, key, int, "dit_config.")
             if not 0 < value <= 1 << 20:
-                fail(f"dit_config.{key}", f"must be a positive count, got {value}")
-        dit = get(data, "dit", dict)
-        blocks = get(dit, "blocks_ms", list, "dit.")
-        if not 0 < len(blocks) <= MAX_BLOCKS:
-            fail("dit.blocks_ms", f"must list 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
-        if len(blocks) != dit_config["num_layers"]:
-            fail("dit.blocks_ms", f"has {len(blocks)} blocks but dit_config.num_layers is {dit_config['num_layers']}")
-        blocks_ms = [ms({"": v}, "", f"dit.blocks_ms[{i}]") for i, v in enumerate(blocks)]
-        vae = get(data, "vae", dict)
-        units = get(vae, "units", list, "vae.")
-        if len(units) > MAX_VAE_UNITS:
-            fail("vae.units", f"must list at most {MAX_VAE_UNITS} units, got {len(units)}")
-        vae_units = []
-        for i, unit in enumerate(units):
-            where = f"vae.units[{i}]."
-            if not isinstance(unit, dict):
-                fail(f"vae.units[{i}]", "must be an object with name and ms")
-            name = get(unit, "name", str, where)
-            if not 0 < len(name) <= 100:
-                fail(f"{where}name", "must be 1..100 characters")
-            vae_units.append((name, ms(unit, "ms", where)))
-        dtype = get(data, "dtype", str)
+                r.fail(f"dit_config.{key}", f"must be a positive count, got {value}")
+        dit = r.get(data, "dit", dict)
+        blocks_ms = r.blocks(dit, dit_config["num_layers"])
+        vae_units = r.vae_units(r.get(data, "vae", dict))
+        dtype = r.get(data, "dtype", str)
         if dtype not in ("float32", "bfloat16", "float16"):
-            fail("dtype", f"must be float32, bfloat16 or float16, got {dtype!r}")
-        policy = get(data, "policy", str)
+            r.fail("dtype", f"must be float32, bfloat16 or float16, got {dtype!r}")
+        policy = r.get(data, "policy", str)
         if policy not in ("per_level", "clean"):
-            fail("policy", f"must be per_level or clean, got {policy!r}")
-        device = get(data, "device", str)
+            r.fail("policy", f"must be per_level or clean, got {policy!r}")
+        device = r.get(data, "device", str)
         if len(device) > 200:
-            fail("device", "must be at most 200 characters")
+            r.fail("device", "must be at most 200 characters")
         measured = data.get("measured", {})
         if not isinstance(measured, dict):
-            fail("measured", "must be an object")
+            r.fail("measured", "must be an object")
         return cls(
             model=model,
             dit_config={k: dit_config[k] for k in DIT_KEYS},
             blocks_ms=blocks_ms,
             vae_units=vae_units,
-            stage_ms=ms(dit, "stage_ms", "dit."),
-            first_ms=ms(dit, "first_ms", "dit."),
-            last_ms=ms(dit, "last_ms", "dit."),
-            width=count("width", 1, 1 << 16),
-            height=count("height", 1, 1 << 16),
-            steps=count("steps", 1, 1000),
-            batch=count("batch", 1, 1000),
+            stage_ms=r.ms(dit, "stage_ms", "dit."),
+            first_ms=r.ms(dit, "first_ms", "dit."),
+            last_ms=r.ms(dit, "last_ms", "dit."),
+            width=r.count(data, "width", 1, 1 << 16),
+            height=r.count(data, "height", 1, 1 << 16),
+            steps=r.count(data, "steps", 1, 1000),
+            batch=r.count(data, "batch", 1, 1000),
             policy=policy,
-            window=count("window", 0, 1 << 16),
-            sink=count("sink", 0, 1 << 16),
-            text_len=count("text_len", 1, 1 << 16),
+            window=r.count(data, "window", 0, 1 << 16),
+            sink=r.count(data, "sink", 0, 1 << 16),
+            text_len=r.count(data, "text_len", 1, 1 << 16),
             dtype=dtype,
             device=device,
-            cuda_graphs=get(data, "cuda_graphs", bool),
-            vae_compile=get(data, "vae_compile", bool),
+            cuda_graphs=r.get(data, "cuda_graphs", bool),
+            vae_compile=r.get(data, "vae_compile", bool),
             measured=measured,
             source=source,
         )
@@ -256,3 +212,60 @@ class BalanceProfile:
                 raise BalanceProfileError(
                     f"{self.source}: {name}: measured at {getattr(self, name)}, this run uses {value}"
                 )
+
+
+class _Reader:
+    """Typed reads of a profile's JSON; every failure is a ``BalanceProfileError`` naming the key path."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, name: str, why: str):
+        raise BalanceProfileError(f"{self.source}: {name}: {why}")
+
+    def get(self, obj: dict, name: str, kind, where: str = ""):
+        full = f"{where}{name}"
+        if name not in obj:
+            self.fail(full, "missing")
+        value = obj[name]
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok:
+            self.fail(full, f"must be {kind.__name__}, got {value!r}")
+        return value
+
+    def ms(self, obj: dict, name: str, where: str) -> float:
+        value = float(self.get(obj, name, float, where))
+        if not math.isfinite(value) or not 0 <= value <= MAX_MS:
+            self.fail(f"{where}{name}", f"must be finite ms in [0, {MAX_MS:g}], got {value!r}")
+        return value
+
+    def count(self, data: dict, name: str, lo: int, hi: int) -> int:
+        value = self.get(data, name, int)
+        if not lo <= value <= hi:
+            self.fail(name, f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    def blocks(self, dit: dict, num_layers: int) -> list[float]:
+        blocks = self.get(dit, "blocks_ms", list, "dit.")
+        if not 0 < len(blocks) <= MAX_BLOCKS:
+            self.fail("dit.blocks_ms", f"must list 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
+        if len(blocks) != num_layers:
+            self.fail("dit.blocks_ms", f"has {len(blocks)} blocks but dit_config.num_layers is {num_layers}")
+        return [self.ms({"": v}, "", f"dit.blocks_ms[{i}]") for i, v in enumerate(blocks)]
+
+    def vae_units(self, vae: dict) -> list[tuple[str, float]]:
+        units = self.get(vae, "units", list, "vae.")
+        if len(units) > MAX_VAE_UNITS:
+            self.fail("vae.units", f"must list at most {MAX_VAE_UNITS} units, got {len(units)}")
+        out = []
+        for i, unit in enumerate(units):
+            where = f"vae.units[{i}]."
+            if not isinstance(unit, dict):
+                self.fail(f"vae.units[{i}]", "must be an object with name and ms")
+            name = self.get(unit, "name", str, where)
+            if not 0 < len(name) <= 100:
+                self.fail(f"{where}name", "must be 1..100 characters")
+            out.append((name, self.ms(unit, "ms", where)))
+        return out
