@@ -175,6 +175,50 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data[4 : 4 + size]), list(fds)
 
 
+def _reap(children: dict[int, int]) -> None:
+    """Reap whatever child ended, and tell its caller its status on the child's status pipe."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = children.pop(pid, None)
+        if fd is not None:
+            try:
+                os.write(fd, STATUS.pack(status))
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _terminate(children: dict[int, int]) -> None:
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _become_child(out_w: int, server_fds: list[int]) -> None:
+    """In a forked child: none of the server's descriptors, handlers or pipes; stdin from /dev/null, stdout and
+    stderr to the caller's pipe."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in server_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(out_w, 1)
+    os.dup2(out_w, 2)
+    os.close(out_w)
+
+
 def serve(path: str) -> dict | None:
     """The server's loop; returns in a child (its request), or None when the caller has gone."""
     for name in PRELOAD:
@@ -197,26 +241,9 @@ def serve(path: str) -> dict | None:
             continue
         if wake_r in ready:
             os.read(wake_r, 4096)
-        while children:  # reap whatever ended, and tell its caller
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            fd = children.pop(pid, None)
-            if fd is not None:
-                try:
-                    os.write(fd, STATUS.pack(status))
-                except OSError:
-                    pass
-                os.close(fd)
+        _reap(children)
         if stdin in ready and not os.read(stdin, 4096):
-            for pid in children:  # the caller has gone: so do its children
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _terminate(children)  # the caller has gone: so do its children
             return None
         if listener not in ready:
             continue
@@ -229,21 +256,8 @@ def serve(path: str) -> dict | None:
                 continue
             pid = os.fork()
             if pid == 0:
-                # The child: none of the server's descriptors, handlers or pipes.
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
-                for fd in [wake_r, wake_w, status_w, *children.values()]:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                os.close(devnull)
-                os.dup2(out_w, 1)
-                os.dup2(out_w, 2)
-                os.close(out_w)
+                _become_child(out_w, [wake_r, wake_w, status_w, *children.values()])
                 return request
             os.close(out_w)
             children[pid] = status_w

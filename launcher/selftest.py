@@ -166,13 +166,33 @@ def run_streams(
     negative prompt (guided streams).  ``updates[i]``: a prompt stream i sends once its first chunk arrives; such a
     stream acknowledges each chunk after receiving it (and the update), so the update lands on a chunk not yet
     started."""
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[str] = []
-    started = [threading.Event() for _ in specs]
+    run = _StreamRun(connect, specs, texts, inputs or [None] * len(specs), configure, negative_texts, updates)
     threads = []
-    inputs = inputs or [None] * len(specs)
+    for i in range(len(specs)):
+        if i > 0:
+            run.started[i - 1].wait()
+        t = threading.Thread(target=run.consume, args=(i,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    if run.errors:
+        raise RuntimeError("; ".join(run.errors))
+    return run.results
 
-    def feed(stub, sid: int, latents: list[torch.Tensor], progress: threading.Condition) -> None:
+
+class _StreamRun:
+    """The streams of one ``run_streams`` call: each one's chunks as they arrive, and what went wrong."""
+
+    def __init__(self, connect, specs, texts, inputs, configure, negative_texts, updates):
+        self.connect, self.specs, self.texts, self.inputs = connect, specs, texts, inputs
+        self.configure, self.negative_texts, self.updates = configure, negative_texts, updates
+        self.results: dict[int, list[torch.Tensor]] = {}
+        self.errors: list[str] = []
+        self.started = [threading.Event() for _ in specs]
+
+    def feed(self, stub, sid: int, latents: list[torch.Tensor], progress: threading.Condition) -> None:
+        results = self.results
         try:
             for chunk, x in enumerate(latents):
                 req = pb.InputLatents(stream_id=sid, chunk=chunk, latents=wire.tensor_to_proto(x))
@@ -189,73 +209,71 @@ def run_streams(
                         progress.wait_for(lambda seen=seen: len(results[sid]) > seen, timeout=60)
             stub.StopStream(pb.StopRequest(stream_id=sid), timeout=60)
         except grpc.RpcError as exc:
-            errors.append(f"stream {sid} input: {exc.code().name}: {exc.details()}")
+            self.errors.append(f"stream {sid} input: {exc.code().name}: {exc.details()}")
 
-    def consume(i: int) -> None:
-        with connect() as ch:
+    def request(self, i: int) -> pb.OpenStreamRequest:
+        req = pb.OpenStreamRequest(spec=wire.spec_to_proto(self.specs[i]), text=wire.tensor_to_proto(self.texts[i]))
+        self.configure(req)
+        negative = self.negative_texts[i] if self.negative_texts else None
+        if negative is not None:
+            req.negative_text.CopyFrom(wire.tensor_to_proto(negative))
+        req.acknowledges = self.update(i) is not None
+        return req
+
+    def update(self, i: int) -> torch.Tensor | None:
+        return self.updates[i] if self.updates else None
+
+    def consume(self, i: int) -> None:
+        with self.connect() as ch:
             stub = pb_grpc.CoordinatorServiceStub(ch)
-            req = pb.OpenStreamRequest(spec=wire.spec_to_proto(specs[i]), text=wire.tensor_to_proto(texts[i]))
-            configure(req)
-            negative = negative_texts[i] if negative_texts else None
-            if negative is not None:
-                req.negative_text.CopyFrom(wire.tensor_to_proto(negative))
-            update = updates[i] if updates else None
-            req.acknowledges = update is not None
             sid = None
             progress = threading.Condition()
             feeder = None
-            want = "stopped" if inputs[i] is not None else "completed"
+            want = "stopped" if self.inputs[i] is not None else "completed"
             try:
-                for ev in stub.OpenStream(req, timeout=600):
+                for ev in stub.OpenStream(self.request(i), timeout=600):
                     kind = ev.WhichOneof("event")
                     if kind == "started":
                         sid = ev.started.stream_id
-                        results[sid] = []
-                        started[i].set()
-                        if inputs[i] is not None:
-                            feeder = threading.Thread(target=feed, args=(stub, sid, inputs[i], progress), daemon=True)
+                        self.results[sid] = []
+                        self.started[i].set()
+                        if self.inputs[i] is not None:
+                            args = (stub, sid, self.inputs[i], progress)
+                            feeder = threading.Thread(target=self.feed, args=args, daemon=True)
                             feeder.start()
                     elif kind == "chunk":
                         assert sid is not None
-                        if ev.chunk.chunk != len(results[sid]):
-                            errors.append(f"stream {sid}: chunk {ev.chunk.chunk} arrived out of order")
-                        with progress:
-                            results[sid].append(wire.tensor_from_proto(ev.chunk.latents))
-                            progress.notify_all()
-                        if update is not None:
-                            if len(results[sid]) == 1:
-                                msg = pb.PromptUpdate(stream_id=sid, text=wire.tensor_to_proto(update))
-                                stub.UpdatePrompt(msg, timeout=60)
-                            if len(results[sid]) < (specs[i].num_chunks or 0):  # after the last, the stream is over
-                                consumed = pb.ChunksConsumed(stream_id=sid, chunks=len(results[sid]))
-                                try:
-                                    stub.Consumed(consumed, timeout=60)
-                                except grpc.RpcError as exc:
-                                    # NOT_FOUND: its last chunks started without waiting for this acknowledgement (one
-                                    # wavefront ahead) and it ended while earlier chunks were still being read here;
-                                    # all it sent is in this call's events.  The gateway reads it the same way.
-                                    if exc.code() != grpc.StatusCode.NOT_FOUND:
-                                        raise
+                        self.on_chunk(stub, i, sid, ev.chunk, progress)
                     elif kind == "ended" and ev.ended.reason != want:
-                        errors.append(f"stream {sid} ended early: {ev.ended.reason}")
+                        self.errors.append(f"stream {sid} ended early: {ev.ended.reason}")
             except grpc.RpcError as exc:
-                errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
+                self.errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
             finally:
-                started[i].set()
+                self.started[i].set()
                 if feeder is not None:
                     feeder.join()
 
-    for i in range(len(specs)):
-        if i > 0:
-            started[i - 1].wait()
-        t = threading.Thread(target=consume, args=(i,), daemon=True)
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return results
+    def on_chunk(self, stub, i: int, sid: int, chunk, progress: threading.Condition) -> None:
+        got = self.results[sid]
+        if chunk.chunk != len(got):
+            self.errors.append(f"stream {sid}: chunk {chunk.chunk} arrived out of order")
+        with progress:
+            got.append(wire.tensor_from_proto(chunk.latents))
+            progress.notify_all()
+        update = self.update(i)
+        if update is None:
+            return
+        if len(got) == 1:
+            stub.UpdatePrompt(pb.PromptUpdate(stream_id=sid, text=wire.tensor_to_proto(update)), timeout=60)
+        if len(got) < (self.specs[i].num_chunks or 0):  # after the last, the stream is over
+            try:
+                stub.Consumed(pb.ChunksConsumed(stream_id=sid, chunks=len(got)), timeout=60)
+            except grpc.RpcError as exc:
+                # NOT_FOUND: its last chunks started without waiting for this acknowledgement (one wavefront ahead)
+                # and it ended while earlier chunks were still being read here; all it sent is in this call's
+                # events.  The gateway reads it the same way.
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
 
 
 def compare(
