@@ -77,7 +77,8 @@ def _check_type(name: str, value: object, kinds: tuple[type, ...]) -> None:
         raise BadMessage(f"{name}: must be {want}, got {type(value).__name__}")
 
 
-def parse_message(data: str | bytes) -> ControlMessage:
+def _load(data: str | bytes) -> dict:
+    """The message as a JSON object, within its byte limit."""
     if isinstance(data, bytes):
         if len(data) > MAX_MESSAGE_BYTES:
             raise BadMessage(f"message: {len(data)} bytes, the limit is {MAX_MESSAGE_BYTES}")
@@ -93,6 +94,27 @@ def parse_message(data: str | bytes) -> ControlMessage:
         raise BadMessage("message: not JSON") from None
     if not isinstance(obj, dict):
         raise BadMessage("message: must be a JSON object")
+    return obj
+
+
+def _config(obj: dict) -> dict:
+    """A config message's StreamConfig fields, each of its type and among its choices."""
+    config = {k: v for k, v in obj.items() if k not in ("type", "token")}
+    for name, value in config.items():
+        if name not in CONFIG_FIELDS:
+            raise BadMessage(f"{name[:40]}: not a config field (one of {', '.join(CONFIG_FIELDS)})")
+        _check_type(name, value, CONFIG_FIELDS[name])
+        if name in CONFIG_CHOICES and value not in CONFIG_CHOICES[name]:
+            raise BadMessage(f"{name}: must be one of {', '.join(CONFIG_CHOICES[name])}, got {value[:40]!r}")
+    if "prompt" not in config:
+        raise BadMessage("prompt: required")
+    for i, t in enumerate(config.get("timesteps", ())):
+        _check_type(f"timesteps[{i}]", t, (int, float))
+    return config
+
+
+def parse_message(data: str | bytes) -> ControlMessage:
+    obj = _load(data)
     kind = obj.get("type")
     if kind not in KINDS:
         raise BadMessage(f"type: must be one of {', '.join(KINDS)}, got {str(kind)[:40]!r}")
@@ -100,18 +122,7 @@ def parse_message(data: str | bytes) -> ControlMessage:
     if token is not None:
         _check_type("token", token, (str,))
     if kind == "config":
-        config = {k: v for k, v in obj.items() if k not in ("type", "token")}
-        for name, value in config.items():
-            if name not in CONFIG_FIELDS:
-                raise BadMessage(f"{name[:40]}: not a config field (one of {', '.join(CONFIG_FIELDS)})")
-            _check_type(name, value, CONFIG_FIELDS[name])
-            if name in CONFIG_CHOICES and value not in CONFIG_CHOICES[name]:
-                raise BadMessage(f"{name}: must be one of {', '.join(CONFIG_CHOICES[name])}, got {value[:40]!r}")
-        if "prompt" not in config:
-            raise BadMessage("prompt: required")
-        for i, t in enumerate(config.get("timesteps", ())):
-            _check_type(f"timesteps[{i}]", t, (int, float))
-        return ControlMessage("config", config=config, token=token)
+        return ControlMessage("config", config=_config(obj), token=token)
     extra = set(obj) - {"type", "token", "prompt"}
     if extra:
         raise BadMessage(f"{sorted(extra)[0][:40]}: not a field of a {kind} message")
