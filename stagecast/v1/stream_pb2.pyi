@@ -185,7 +185,7 @@ class ClientMessage(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., prompt: _Optional[_Union[PromptUpdate, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., frame: _Optional[_Union[InputFrame, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id", "prompt_ms", "opened_ms")
+    __slots__ = ("stream_id", "config", "total_frames", "num_chunks", "latent_width", "latent_height", "pipeline_stream_id", "prompt_ms", "opened_ms", "pipeline")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class Started(_message.Message):
     PIPELINE_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
     OPENED_MS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     config: StreamConfig
     total_frames: int
@@ -204,7 +205,8 @@ class Started(_message.Message):
     pipeline_stream_id: int
     prompt_ms: float
     opened_ms: float
-    def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ..., prompt_ms: _Optional[float] = ..., opened_ms: _Optional[float] = ...) -> None: ...
+    pipeline: str
+    def __init__(self, stream_id: _Optional[str] = ..., config: _Optional[_Union[StreamConfig, _Mapping]] = ..., total_frames: _Optional[int] = ..., num_chunks: _Optional[int] = ..., latent_width: _Optional[int] = ..., latent_height: _Optional[int] = ..., pipeline_stream_id: _Optional[int] = ..., prompt_ms: _Optional[float] = ..., opened_ms: _Optional[float] = ..., pipeline: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("data", "codec", "index", "pts", "chunk", "latents_ms", "decoded_ms", "encoded_ms", "width", "height", "input_ms", "steps")
@@ -323,7 +325,7 @@ class CostBudget(_message.Message):
     def __init__(self, max_frame_pixels: _Optional[int] = ..., max_stream_cost: _Optional[float] = ..., min_fps: _Optional[float] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., default_fps: _Optional[float] = ..., default_steps: _Optional[int] = ..., default_passes: _Optional[int] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "cost_budget", "paced_streams", "unpaced_streams")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "cost_budget", "paced_streams", "unpaced_streams", "pipeline", "slots_free", "slots_total", "draining")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +346,10 @@ class GatewayStatus(_message.Message):
     COST_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     UNPACED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -357,4 +363,8 @@ class GatewayStatus(_message.Message):
     cost_budget: CostBudget
     paced_streams: int
     unpaced_streams: int
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cost_budget: _Optional[_Union[CostBudget, _Mapping]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ...) -> None: ...
+    pipeline: str
+    slots_free: int
+    slots_total: int
+    draining: bool
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cost_budget: _Optional[_Union[CostBudget, _Mapping]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ..., pipeline: _Optional[str] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
