@@ -22,7 +22,7 @@ open and given back when it ends, however it ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -68,6 +68,15 @@ class AdmissionState:
     last_error: str = ""
     capacity: Capacity | None = None  # None: not checked (an unpaced stream, or no stage times known yet)
     kv_memory: KvMemory | None = None  # None: not checked (no stage has a KV budget)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What an admitted stream holds while it is open: its worst-case KV bytes per stage index (stages with a budget)
+    and its demand on the SLO controller.  ``PipelineEngine.slots`` prices hypothetical ones beside the open streams."""
+
+    kv: dict[int, int]
+    demand: Demand
 
 
 @dataclass(frozen=True)
@@ -245,19 +254,28 @@ class Admission:
                 logger.info("stage %d gives streams' KV %.3f GiB", index, budget / (1 << 30))
 
     def state(
-        self, spec: StreamSpec, newcomer: Demand, max_steps: int, *, ready: bool, last_error: str, model: dict | None
+        self,
+        spec: StreamSpec,
+        newcomer: Demand,
+        max_steps: int,
+        *,
+        ready: bool,
+        last_error: str,
+        model: dict | None,
+        extra: Sequence[Reservation] = (),
     ) -> AdmissionState:
-        """What ``admit`` judges a stream by: the pipeline, the open streams, its KV memory and the capacity."""
+        """What ``admit`` judges a stream by: the pipeline, the open streams (and the hypothetical ``extra`` ones of a
+        dry run), its KV memory and the capacity."""
         return AdmissionState(
             ready=ready,
             registered=len([r for r in self.registry.records() if not r.lost]),
             world_size=self.registry.world_size,
-            active=len(self.streams.sessions),
+            active=len(self.streams.sessions) + len(extra),
             max_streams=self.max_streams,
             model=model,
             last_error=last_error,
-            capacity=self.capacity_verdict(newcomer),
-            kv_memory=self.kv_verdict(spec, max_steps),
+            capacity=self.capacity_verdict(newcomer, [r.demand for r in extra]),
+            kv_memory=self.kv_verdict(spec, max_steps, [r.kv for r in extra]),
         )
 
     def retry_after(self) -> float:
@@ -293,11 +311,12 @@ class Admission:
             if self.kv_budgets.get(r.index, 0) > 0
         }
 
-    def kv_reserved(self) -> dict[int, int]:
-        """Worst-case KV bytes of the open streams on each stage process (released as each stream ends)."""
+    def kv_reserved(self, extra: Sequence[dict[int, int]] = ()) -> dict[int, int]:
+        """Worst-case KV bytes of the open streams (and ``extra`` reservations) on each stage process (released as each
+        stream ends)."""
         reserved: dict[int, int] = {}
-        for session in self.streams.sessions.values():
-            for index, nbytes in session.kv.items():
+        for kv in [s.kv for s in self.streams.sessions.values()] + list(extra):
+            for index, nbytes in kv.items():
                 reserved[index] = reserved.get(index, 0) + nbytes
         return reserved
 
@@ -306,7 +325,7 @@ class Admission:
         reserved = self.kv_reserved()
         return [(i, b, reserved.get(i, 0)) for i, b in sorted(self.kv_budgets.items()) if b > 0]
 
-    def kv_verdict(self, spec: StreamSpec, max_steps: int) -> KvMemory | None:
+    def kv_verdict(self, spec: StreamSpec, max_steps: int, extra: Sequence[dict[int, int]] = ()) -> KvMemory | None:
         """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
         if not any(self.kv_budgets.values()):
             return None
@@ -315,7 +334,7 @@ class Admission:
             return kv_verdict(
                 spec,
                 lambda s: self.stage_kv(s, max_steps),
-                self.kv_reserved(),
+                self.kv_reserved(extra),
                 self.kv_budgets,
                 rope_limit=rope,
                 retry_after_s=self.retry_after(),
@@ -323,11 +342,12 @@ class Admission:
         except (ValueError, TypeError, KeyError):
             return None  # a stream the model cannot run: check_spec refuses it with its reason
 
-    def capacity_verdict(self, newcomer: Demand) -> Capacity | None:
-        """Whether the pipeline holds one more stream (every stream at its min_steps); None when not checked."""
+    def capacity_verdict(self, newcomer: Demand, extra: Sequence[Demand] = ()) -> Capacity | None:
+        """Whether the pipeline holds one more stream (every stream at its min_steps) beside the open ones and
+        ``extra``; None when not checked."""
         if newcomer.chunk_rate <= 0 or self.slo.cost.micro_step_ms() is None:
             return None
-        admitted = self.slo.demands()
+        admitted = self.slo.demands() + list(extra)
         if self.slo.controller.admits(newcomer, admitted):
             return Capacity(True)
         need = (

@@ -40,12 +40,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import grpc
 import torch
 
-from coordinator.admission import Admission, AdmissionError, admit, model_config
+from coordinator.admission import Admission, AdmissionError, Reservation, admit, model_config
 from coordinator.generations import Generations, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.pacing import MAX_CHUNK_RATE, PACE_EARLY_S, PLAYOUT_S, Pacing
@@ -53,6 +54,7 @@ from coordinator.plan import PlanLoop
 from coordinator.registry import StageRecord, StageRegistry
 from coordinator.slo import FULL, VaeReport, decoder_kind
 from coordinator.slo_control import SloControl
+from coordinator.slots import Slots, StreamDefaults, spatial_factor
 from coordinator.streams import StreamSession, StreamTable, ladders_by_steps
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -84,8 +86,10 @@ class PipelineEngine:
         slo_interval_s: float = 1.0,
         slo_learn: bool = True,
         vae_ms_per_chunk: float | dict[str, float] | None = None,
+        stream_defaults: StreamDefaults | None = None,
     ):
         self.registry = registry
+        self._stream_defaults = stream_defaults  # what a free slot is priced at (None: the public defaults)
         self.max_batch = max_batch
         self.pacing = Pacing(
             pipeline_stages=registry.pipeline_stages,
@@ -207,19 +211,24 @@ class PipelineEngine:
                 f"with chunk_rate {chunk_rate}"
             )
         by_steps = ladders_by_steps(spec, ladders)
-        cfg = self.model_config()
         with self.cond:
-            newcomer = self.slo.newcomer(spec, chunk_rate, by_steps, latency_first=latency_first, decoder=decoder)
-            gens = self.generations
-            state = self.admission.state(
-                spec, newcomer, max(by_steps), ready=gens.ready, last_error=gens.last_error, model=cfg
-            )
             try:
-                admit(spec, text, state, consumer_depth=consumer_depth, image=image, negative_text=negative_text)
+                reservation = self._admit(
+                    spec,
+                    text,
+                    chunk_rate=chunk_rate,
+                    by_steps=by_steps,
+                    latency_first=latency_first,
+                    decoder=decoder,
+                    consumer_depth=consumer_depth,
+                    image=image,
+                    negative_text=negative_text,
+                )
             except AdmissionError as exc:
                 if exc.limit:
                     self.telemetry.refused(exc.limit)
                 raise
+            gens = self.generations
             session = self.streams.open(
                 spec,
                 text,
@@ -233,12 +242,87 @@ class PipelineEngine:
                 pace_offset_s=pace_offset_s,
                 ladders=by_steps,
                 latency_first=latency_first,
-                kv=self.admission.stage_kv(spec, max(by_steps)),
+                kv=reservation.kv,
                 decoder=decoder,
             )
             self.slo.joined()  # the set of streams changed: decide steps at the next tick (raises wait)
             self.planner.wake()
             return session
+
+    def _admit(
+        self,
+        spec: StreamSpec,
+        text: torch.Tensor,
+        *,
+        chunk_rate: float,
+        by_steps: dict[int, tuple[float, ...]],
+        latency_first: bool,
+        decoder: str,
+        consumer_depth: int = 0,
+        image: torch.Tensor | None = None,
+        negative_text: torch.Tensor | None = None,
+        extra: Sequence[Reservation] = (),
+    ) -> Reservation:
+        """Under the lock: what the stream would hold if admitted beside the open streams and ``extra``; raises
+        ``AdmissionError`` (or ``ValueError``) when it may not open.  Reserves nothing."""
+        newcomer = self.slo.newcomer(spec, chunk_rate, by_steps, latency_first=latency_first, decoder=decoder)
+        gens = self.generations
+        state = self.admission.state(
+            spec,
+            newcomer,
+            max(by_steps),
+            ready=gens.ready,
+            last_error=gens.last_error,
+            model=self.model_config(),
+            extra=extra,
+        )
+        admit(spec, text, state, consumer_depth=consumer_depth, image=image, negative_text=negative_text)
+        return Reservation(self.admission.stage_kv(spec, max(by_steps)), newcomer)
+
+    def slots(self, defaults: StreamDefaults | None = None) -> Slots:
+        """How many more streams of the public defaults (``defaults``, else the engine's) this pipeline would admit
+        now, by a dry run of the admission that refuses: hypothetical newcomers one by one until the first refusal
+        (``coordinator.slots``).  Nothing is reserved; 0 free while no generation is formed."""
+        with self.cond:
+            return self._slots(defaults or self.stream_defaults())
+
+    def stream_defaults(self) -> StreamDefaults:
+        """The defaults a slot is priced at: the engine's ``stream_defaults``, else the public defaults at the serving
+        size the stages' calibration timed."""
+        if self._stream_defaults is not None:
+            return self._stream_defaults
+        cfg = self.model_config() or {}
+        return StreamDefaults().with_shape(self.slo.serving_shape, spatial_factor(cfg))
+
+    def _slots(self, defaults: StreamDefaults) -> Slots:
+        active = len(self.streams.sessions)
+        if not self.generations.ready:
+            return Slots(0, active)
+        cfg = self.model_config()
+        try:
+            spec = defaults.spec(cfg)
+        except ValueError as exc:
+            logger.warning("free slots: the default stream is not valid (%s)", exc)
+            return Slots(0, active)
+        text_dim = int((cfg or {}).get("text_dim") or 1)
+        text = torch.empty(1, spec.text_len, text_dim, device="meta")  # its shape is all admission reads
+        by_steps = {spec.steps: spec.timesteps}
+        extra: list[Reservation] = []
+        while len(extra) <= self.admission.max_streams:  # the stream cap ends it at the latest
+            try:
+                reservation = self._admit(
+                    spec,
+                    text,
+                    chunk_rate=defaults.chunk_rate,
+                    by_steps=by_steps,
+                    latency_first=False,
+                    decoder=decoder_kind(defaults.decoder),
+                    extra=extra,
+                )
+            except (AdmissionError, ValueError):
+                break
+            extra.append(replace(reservation, demand=replace(reservation.demand, stream_id=-1 - len(extra))))
+        return Slots(len(extra), active + len(extra))
 
     def stop_stream(self, stream_id: int) -> None:
         with self.cond:
@@ -344,6 +428,7 @@ class PipelineEngine:
     def status(self) -> pb.ClusterStatus:
         with self.cond:
             reserved = self.admission.kv_reserved()
+            slots = self._slots(self.stream_defaults())
             return pb.ClusterStatus(
                 generation=self.generations.generation,
                 ready=self.generations.ready,
@@ -359,4 +444,6 @@ class PipelineEngine:
                 calibrated_stages=sorted(self.slo.calibrated),
                 decoders=self.slo.decoder_status(),
                 max_batch=self.slo.cost.max_batch,
+                slots_free=slots.free,
+                slots_total=slots.total,
             )

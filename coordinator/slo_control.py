@@ -76,6 +76,8 @@ class SloControl:
             registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk, aligned=pace_grid
         )
         self.calibrated: set[int] = set()  # stages whose model started from their own calibration
+        # The serving size the stages' calibration timed (stagecast.json's, as the gateway reads it); None: not reported
+        self.serving_shape: pb.StageCalibration | None = None
         self.controller = SloController(self.cost)
         self.slo_interval_s = slo_interval_s
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
@@ -221,11 +223,14 @@ class SloControl:
     def seed(self, replies: dict[int, pb.FormReply]) -> None:
         """Seed the SLO model with each stage's calibration (full KV window; empty where only that was timed), unless
         the operator's --stage-ms or --slo-fixed takes precedence."""
+        self.serving_shape = None
         for index, reply in sorted(replies.items()):
             if not reply.HasField("calibration"):
                 logger.info("stage %d reported no calibration: its times are learnt from measured batches", index)
                 continue
             cal = reply.calibration
+            if self.serving_shape is None:
+                self.serving_shape = cal
             per = list(cal.full_ms) or list(cal.empty_ms)
             if cal.error:
                 logger.warning("stage %d calibration incomplete: %s", index, cal.error)

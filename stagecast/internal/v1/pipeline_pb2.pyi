@@ -557,7 +557,7 @@ class StageStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ..., eager_batches: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch", "slots_free", "slots_total")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +572,8 @@ class ClusterStatus(_message.Message):
     CALIBRATED_STAGES_FIELD_NUMBER: _ClassVar[int]
     DECODERS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -586,4 +588,6 @@ class ClusterStatus(_message.Message):
     calibrated_stages: _containers.RepeatedScalarFieldContainer[int]
     decoders: _containers.RepeatedCompositeFieldContainer[DecoderCostStatus]
     max_batch: int
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    slots_free: int
+    slots_total: int
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,103 @@
+"""Free slots: how many more default-config streams this pipeline would admit now (``PipelineEngine.slots``).
+
+Usage::
+
+    slots = engine.slots()          # Slots(free=3, total=7): 4 streams open, 3 more default streams fit
+    engine.status().slots_free      # the same numbers in GetStatus (ClusterStatus.slots_free / slots_total)
+
+A slot is one more stream of the public defaults (what a client that sets nothing gets from the gateway:
+``gateway.config.resolve_config`` over the checkpoint's serving defaults), priced by the very admission that refuses
+streams (stream cap, KV memory, SLO capacity with its decoder's cost): hypothetical newcomers are added one by one
+until the first refusal, and nothing is reserved.  A pipeline that is not formed has no free slot.
+
+``StreamDefaults`` holds what the gateway fills in for such a request; its defaults are the gateway's without a
+``stagecast.json`` (``gateway.checkpoint.ServingDefaults``) and the public API's (``stagecast.api``).  Where the
+engine is given none, the serving size comes from the stages' calibration, which read it from the same
+``stagecast.json`` (``stage_service.calibration.serving_shape``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stagecast.api import DEFAULT_DECODER, DEFAULT_FPS, DEFAULT_POLICY
+from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.microstep import StreamSpec
+from stagecast.sampling import SamplerConfig
+
+TEMPORAL_FACTOR = 4  # video frames per latent frame after the first (the Wan VAEs'; the gateway's ModelInfo)
+
+
+@dataclass(frozen=True)
+class Slots:
+    """``free``: more default streams admitted now; ``total``: ``free`` plus the streams open now."""
+
+    free: int
+    total: int
+
+
+@dataclass(frozen=True)
+class StreamDefaults:
+    """What the gateway fills in for a request that sets nothing (frame size in pixels, window in latent frames, 0:
+    unbounded)."""
+
+    width: int = 832
+    height: int = 480
+    chunk_frames: int = 1
+    text_len: int = 512
+    steps: int = 4
+    fps: float = DEFAULT_FPS
+    window: int = 0
+    sink: int = 0
+    policy: str = DEFAULT_POLICY
+    decoder: str = DEFAULT_DECODER
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+    @property
+    def chunk_rate(self) -> float:
+        """Chunks per second at ``fps`` (a paced stream, as ``EffectiveConfig.chunk_rate``)."""
+        return self.fps / (TEMPORAL_FACTOR * self.chunk_frames)
+
+    def with_shape(self, calibration: pb.StageCalibration | None, spatial_factor: int) -> StreamDefaults:
+        """These defaults with the serving size a stage's calibration timed (None: unchanged)."""
+        if calibration is None or calibration.latent_height <= 0 or calibration.latent_width <= 0:
+            return self
+        return StreamDefaults(
+            width=calibration.latent_width * spatial_factor,
+            height=calibration.latent_height * spatial_factor,
+            chunk_frames=calibration.chunk_frames or self.chunk_frames,
+            text_len=calibration.text_len or self.text_len,
+            steps=self.steps,
+            fps=self.fps,
+            window=self.window,
+            sink=self.sink,
+            policy=self.policy,
+            decoder=self.decoder,
+            sampler=self.sampler,
+        )
+
+    def spec(self, model: dict | None) -> StreamSpec:
+        """The ``StreamSpec`` the gateway sends for such a request (``EffectiveConfig.stream_spec``), for the stages'
+        model config (None: a 16-channel Wan2.1 model)."""
+        model = model or {}
+        channels = int(model.get("in_channels") or 16)
+        factor = spatial_factor(model)
+        return StreamSpec(
+            stream_id=0,
+            latent_channels=channels,
+            chunk_frames=self.chunk_frames,
+            latent_height=self.height // factor,
+            latent_width=self.width // factor,
+            timesteps=self.sampler.ladder_for(self.steps),
+            shift=self.sampler.shift,
+            sampler=self.sampler.update,
+            policy=self.policy,
+            window=self.window or None,
+            sink=self.sink,
+            text_len=self.text_len,
+        )
+
+
+def spatial_factor(model: dict) -> int:
+    """Pixels per latent pixel: the Wan2.2 VAE (48 latent channels) is 16x, Wan2.1's 8x."""
+    return 16 if model.get("in_channels") == 48 else 8
