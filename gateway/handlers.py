@@ -30,10 +30,10 @@ from gateway.config import (
     parse_status_request,
     resolve_config,
 )
-from gateway.quotas import client_of
 from gateway.revocation import credentials_of
 from gateway.stream import StreamFailed, StreamRun
 from stagecast import telemetry
+from stagecast.fair_pool import PoolFull
 from stagecast.grpc_util import abort_with_retry, retry_after_of
 from stagecast.names import STREAM_SERVICE
 from stagecast.security import principal_of
@@ -49,6 +49,7 @@ SERVICE_NAME = STREAM_SERVICE
 
 _TIMED_OUT = object()
 _NO_MESSAGE = object()
+_EVICTED = object()  # the call gave its place in the full pending pool to another client's
 
 
 def _read_first(request_iterator, box: queue.SimpleQueue) -> None:
@@ -104,28 +105,28 @@ class StreamServicer:
     def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
         """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
         gw = self.gw
-        try:  # the client's own quota first: a client over it takes no slot of the global bound
-            give_back = gw.table.quotas.take("pending", client_of(gw.auth, context))
-        except Refused as exc:
-            self._abort(context, exc.code, exc.message)
-        if not gw.table.enter_pending():
-            give_back()
-            self._abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many calls waiting for their config: this gateway holds at most {gw.opts.max_pending} "
-                "(--max-pending); send the config as the first message",
-            )
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        waited = time.monotonic()
+        try:  # the client's quota, then the pool (full: fair eviction, stagecast.fair_pool)
+            entry = gw.table.enter_pending(gw.identity.of(context), on_evict=lambda: box.put(_EVICTED))
+        except PoolFull as exc:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; send the config as the first message")
         try:
-            box: queue.SimpleQueue = queue.SimpleQueue()
             threading.Thread(target=_read_first, args=(request_iterator, box), daemon=True, name="config").start()
             try:
                 first = box.get(timeout=gw.opts.config_timeout)
             except queue.Empty:
                 first = _TIMED_OUT
         finally:
-            gw.table.leave_pending()
-            give_back()
+            gw.table.leave_pending(entry)
+        if first is _EVICTED:
+            self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"config: none arrived in {time.monotonic() - waited:.1f} s, and this call's place went to another "
+                f"client's (the {gw.opts.max_pending} calls waiting for their config were full: --max-pending); send "
+                "the config as the first message",
+            )
         if first is _TIMED_OUT:
             self._abort(
                 context,
@@ -172,7 +173,7 @@ class StreamServicer:
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            release = gw.table.admit(cfg, client_of(gw.auth, context))
+            release = gw.table.admit(cfg, gw.identity.of(context))
         except Refused as exc:
             self._abort(context, exc.code, exc.message)
         run = self._open(cfg, context, t0, rpc_span, release)
@@ -241,7 +242,7 @@ class StreamServicer:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         who = principal_of(gw.auth, context)
         try:
-            give_back = gw.table.quotas.take("watchers", client_of(gw.auth, context))
+            give_back = gw.table.quotas.take("watchers", gw.identity.of(context))
         except Refused as exc:
             self._abort(context, exc.code, exc.message)
         try:

@@ -3,21 +3,23 @@
 Usage::
 
     quotas = Quotas(QuotaOptions(pending=32), max_streams=8)   # its flags: a nested part of GatewayOptions
-    who = client_of(auth, context)             # "tenant alice" with --tokens, else "connection ipv4:10.0.0.7:51234"
+    who = gateway_identity.of(context)         # "tenant 'alice'" with --tokens, else "address 10.0.0.7"
     release = quotas.take("pending", who)      # raises Refused(RESOURCE_EXHAUSTED, "quota: ...") naming the flag
     ...
     release()                                  # exactly once, when the call stops holding the slot
 
 A client is its tenant when the gateway asks for tokens (every connection of a tenant counts together), else its
-connection (the peer address of the HTTP/2 connection: the only identity an anonymous caller has).  Each kind of
-slot has its quota per client, below the gateway's global bound for that kind (``--max-streams``,
-``--max-pending``, ``--max-watchers``), which still bounds all clients together:
+peer's address, or behind a trusted proxy the address it forwarded for (``gateway.client_identity``: one rule with
+the web edge).  Each kind of slot has its quota per client, below the gateway's global bound for that kind
+(``--max-streams``, ``--max-unpaced``, ``--max-pending``, ``--max-watchers``), which still bounds all clients
+together:
 
 * ``streams``: streams a client holds (default: ``--max-streams``, so one client can still fill the pipeline to its
   capacity, as the capacity benchmark does);
 * ``unpaced``: of those, streams with ``pace: false`` (best effort: they yield to paced streams in the coordinator's
   scheduler and take none of their capacity, and this bounds how many one client holds);
-* ``pending``: Generate calls that have not sent their config yet;
+* ``pending``: Generate calls that have not sent their config yet (counted by the gateway's ``FairPool``, which
+  also evicts fairly when the global bound is full: ``gateway.stream_table``);
 * ``watchers``: WatchStatus calls.
 
 The defaults sit above what one client needs to reach the pipeline's capacity (a client opening ``--max-streams``
@@ -30,14 +32,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from stagecast.flags import flag
-
-if TYPE_CHECKING:  # the flags are read by gateway.cli, which stays light to import
-    import grpc
-
-    from stagecast.security import TokenAuth
 
 MAX_QUOTA = 100_000
 
@@ -57,7 +53,7 @@ class QuotaOptions:
     streams: int = flag(
         0,
         name=KINDS["streams"][0],
-        help="streams one client (its tenant with --tokens, else its connection) holds at once (0: --max-streams)",
+        help="streams one client (its tenant with --tokens, else its address) holds at once (0: --max-streams)",
     )
     unpaced: int = flag(
         2,
@@ -79,15 +75,6 @@ class QuotaOptions:
             least = 0 if kind == "streams" else 1
             if not least <= value <= MAX_QUOTA:
                 raise ValueError(f"{flag_name} must be in [{least}, {MAX_QUOTA}], got {value}")
-
-
-def client_of(auth: TokenAuth | None, context: grpc.ServicerContext) -> str:
-    """Whose quota a call counts against: its tenant with tokens, else its connection."""
-    from stagecast.security import principal_of
-
-    if auth is not None:
-        return f"tenant {principal_of(auth, context).tenant!r}"
-    return f"connection {context.peer()}"
 
 
 class Quotas:

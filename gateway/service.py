@@ -39,7 +39,9 @@ import torch
 from opentelemetry import trace
 
 from gateway.admission import CostBudget
+from gateway.agent import Fleet, sigterm_drains
 from gateway.checkpoint import ModelInfo, ServingDefaults
+from gateway.client_identity import ClientIdentity
 from gateway.config import MAX_REQUEST_BYTES, ConfigError
 from gateway.handlers import StreamServicer, add_stream_service
 from gateway.metrics import GatewayMetrics
@@ -155,21 +157,28 @@ class Gateway:
             queued_chunks=lambda: sum(run.session.queued for run in self.table.runs() if run.session is not None),
             queued_messages=lambda: sum(len(run.out) for run in self.table.runs()),
             waiting_calls=lambda: self.table.pending,
+            slots_free=lambda: self.fleet.slots.free,
+            slots=lambda: self.fleet.slots.total,
         )
         self.table = StreamTable(
             max_streams=opts.max_streams,
             max_pending=opts.max_pending,
+            max_unpaced=opts.max_unpaced,
             budget=budget,
             decoder_memory=self.models.decoder_memory(),
             quotas=Quotas(opts.quotas, opts.max_streams),  # per client, within the global bounds (gateway.quotas)
             metrics=self.metrics,
         )
+        # The pipeline's name, its free slots for a door (--agent-port), and drain (gateway.agent).
+        self.fleet = Fleet(opts.fleet, self.coordinator, host=opts.host, streams=lambda: len(self.table.streams))
+        self.table.admission.checks.insert(0, self.fleet.refuse_while_draining)
         self.report = StatusReport(
             self.table,
             self.coordinator,
             max_streams=opts.max_streams,
             coordinator_target=opts.coordinator,
             cost_budget=describe_budget(budget, self.defaults, self.model),
+            fleet=self.fleet,
         )
         # Everything a stream needs from this gateway, and nothing more (gateway.stream).
         self.stream_host = StreamHost(
@@ -194,6 +203,7 @@ class Gateway:
             temporal_factor=self.model.temporal_factor,
             touch=self.table.touch,
             forget=self.table.forget,
+            pipeline=self.fleet.name,
         )
         self._build_servers(budget)
 
@@ -210,6 +220,7 @@ class Gateway:
         """The public server (tokens, then the concurrency limits), and health on a port of its own if asked."""
         opts = self.opts
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
+        self.identity = ClientIdentity(self.auth, opts.trusted_proxy)  # whose quotas a call counts against
         # A revoked token ends the streams it opened (gateway.revocation).
         self.revocation = RevocationWatch(self.auth, self.table.runs, self.timers) if self.auth else None
         servicer = StreamServicer(self)
@@ -238,6 +249,7 @@ class Gateway:
             self.health_address = f"{host}:{health_port}"
 
     def start(self) -> None:
+        self.fleet.start()
         if self.vae_reporter is not None:
             self.vae_reporter.start()
         self.server.start()
@@ -269,12 +281,20 @@ class Gateway:
         self.server.stop(grace).wait()
         if self.vae_reporter is not None:
             self.vae_reporter.stop()
+        self.fleet.stop()
         self.channel.close()
         self.models.close()
         if self.revocation is not None:
             self.revocation.stop()
         self.timers.close()
         self.metrics.close()
+
+    def drain_then_stop(self, drain) -> None:
+        """Wait for SIGTERM's drain request, drain (``gateway.agent.Fleet.drain``), then stop as SIGTERM does."""
+        drain.requested.wait()
+        ended = self.fleet.drain(self.table)
+        logger.info("drained (%d streams ended by the --drain-s bound); stopping", ended)
+        drain.finish()
 
     def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt") -> torch.Tensor:
         """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span
@@ -295,12 +315,20 @@ class Gateway:
         return embeds
 
 
-def serve(opts: GatewayOptions, stop: threading.Event | None = None) -> None:
+def serve(opts: GatewayOptions, stop: threading.Event | None = None, drain=None) -> None:
+    """``drain``: a ``gateway.agent.DrainSignal`` (SIGTERM drains); None: one is installed with --agent-port when
+    called on the main thread with a ``stop`` (``stagecast gateway``)."""
     telemetry.init("gateway")  # before the Gateway: loading the models is traced too (init is idempotent)
+    if drain is None and opts.fleet.agent_port is not None and stop is not None:
+        if threading.current_thread() is threading.main_thread():  # behind a door, SIGTERM drains (gateway.agent)
+            drain = sigterm_drains(stop)
     gw = Gateway(opts)
 
     def start() -> dict:
         gw.start()
-        return {"address": gw.address, **({"health_address": gw.health_address} if gw.health_address else {})}
+        if drain is not None:
+            threading.Thread(target=gw.drain_then_stop, args=(drain,), daemon=True, name="drain").start()
+        info = {"address": gw.address, **({"health_address": gw.health_address} if gw.health_address else {})}
+        return {**info, **({"agent_address": gw.fleet.agent_address} if gw.fleet.agent_address else {})}
 
     serve_lifecycle("gateway", start, gw.stop, stop, role="gateway")

@@ -4,14 +4,18 @@ Usage::
 
     table = StreamTable(max_streams=8, max_pending=128, budget=budget, decoder_memory=memory, quotas=quotas,
                         metrics=metrics)
-    if table.enter_pending(): ...; table.leave_pending()   # a Generate call waiting for its config
+    entry = table.enter_pending(client, on_evict)   # a Generate call waiting for its config (raises PoolFull)
+    table.leave_pending(entry)
     release = table.admit(cfg, client)      # raises gateway.admission.Refused; release gives everything back
     table.register(run, release)            # the stream is open
     table.forget(run)                       # its pipeline side and VAE state are gone: release runs
     with table.cond: table.cond.wait_for(lambda: table.version != seen)   # WatchStatus follows ``version``
 
 Admission runs the client's quotas (``gateway.quotas``), then the chain: the count cap (``max_streams``, from
-admission until the stream is forgotten), the per-stream cost budget and the decoder memory (``gateway.admission``).
+admission until the stream is forgotten), the unpaced cap (``max_unpaced``), the per-stream cost budget and the
+decoder memory (``gateway.admission``).  The calls waiting for their config are a ``stagecast.fair_pool.FairPool``
+(``max_pending``, and the client's ``--max-pending-per-client``): a full pool makes room for a client below its fair
+share by evicting the oldest waiting call of the client that holds the most.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import grpc
 
 from gateway.admission import Admission, CostBudget, DecoderMemory, Refused
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import Quotas
+from gateway.quotas import KINDS, MAX_QUOTA, Quotas
+from stagecast.fair_pool import Entry, FairPool
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ class StreamTable:
         *,
         max_streams: int,
         max_pending: int,
+        max_unpaced: int = 4,
         budget: CostBudget,
         decoder_memory: DecoderMemory,
         quotas: Quotas,
@@ -44,16 +50,28 @@ class StreamTable:
     ):
         self.max_streams = max_streams
         self.max_pending = max_pending
+        if not 1 <= max_unpaced <= MAX_QUOTA:
+            raise ValueError(f"--max-unpaced must be in [1, {MAX_QUOTA}], got {max_unpaced}")
+        self.max_unpaced = max_unpaced
         self.budget = budget
         self.decoder_memory = decoder_memory
         self.quotas = quotas  # per client, within the global bounds
         self.cond = threading.Condition()
         self.streams: dict = {}  # StreamRun by id
         self.admitted = 0  # streams past the count cap: being set up, or registered and not yet forgotten
-        self.pending = 0  # Generate calls waiting for their config
+        self.unpaced = 0  # of ``admitted``, streams with pace: false
+        # Generate calls waiting for their config, each client within its quota, fair when full
+        self.waiting = FairPool(
+            max_pending,
+            quotas.limits["pending"],
+            flag="--max-pending",
+            per_client_flag=KINDS["pending"][0],
+            what=KINDS["pending"][1],
+        )
         self._releases: dict[str, object] = {}  # per registered stream: gives back what admission took
-        # Admission, in order: count cap, cost budget, decoder memory (later checks, e.g. capacity, are appended).
-        self.admission = Admission([self._count_cap, budget.check, decoder_memory.check])
+        # Admission, in order: count cap, unpaced cap, cost budget, decoder memory (later checks, e.g. capacity, are
+        # appended).
+        self.admission = Admission([self._count_cap, self._unpaced_cap, budget.check, decoder_memory.check])
         self.version = 0  # bumped on every change WatchStatus reports
         self.started = 0
         self.finished = 0
@@ -99,19 +117,40 @@ class StreamTable:
         with self.cond:
             self.admitted -= 1
 
-    def enter_pending(self) -> bool:
-        """A Generate call starts waiting for its config; False when ``max_pending`` calls already are."""
+    def _unpaced_cap(self, cfg) -> object | None:
+        """At most ``max_unpaced`` best-effort streams at once, all clients together (each within its own quota)."""
+        if cfg.pace:
+            return None
         with self.cond:
-            if self.pending >= self.max_pending:
-                return False
-            self.pending += 1
-            self._changed()
-            return True
+            if self.unpaced >= self.max_unpaced:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many unpaced streams: this gateway runs at most {self.max_unpaced} pace: false streams at "
+                    "once (--max-unpaced); send pace: true, or retry when one ends",
+                )
+            self.unpaced += 1
 
-    def leave_pending(self) -> None:
-        with self.cond:
-            self.pending -= 1
-            self._changed()
+        def give_back() -> None:
+            with self.cond:
+                self.unpaced -= 1
+
+        return give_back
+
+    @property
+    def pending(self) -> int:
+        """Generate calls waiting for their config now."""
+        return len(self.waiting)
+
+    def enter_pending(self, client: str, on_evict) -> Entry:
+        """A Generate call of ``client`` starts waiting for its config; raises ``stagecast.fair_pool.PoolFull`` (its
+        quota, or a full pool with no one to evict).  ``on_evict`` tells the call that it gave its place away."""
+        entry = self.waiting.enter(client, on_evict)
+        self.touch()
+        return entry
+
+    def leave_pending(self, entry: Entry) -> None:
+        self.waiting.leave(entry)
+        self.touch()
 
     # ---- the streams held ----------------------------------------------------------------------------
 
