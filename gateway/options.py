@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.agent import FleetOptions
 from gateway.quotas import QuotaOptions
 from stagecast.flags import flag, nested
 from stagecast.names import DTYPE_NAMES
@@ -164,7 +165,21 @@ class GatewayOptions:
         action="store_true",
         help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
     )
-    quotas: QuotaOptions = nested(QuotaOptions)  # per client (tenant, else connection): gateway.quotas
+    quotas: QuotaOptions = nested(QuotaOptions)  # per client (tenant, else address): gateway.quotas
+    # Peers whose x-forwarded-for names the client (gateway.client_identity): the fleet's door
+    trusted_proxy: tuple = flag(
+        (),
+        action="append",
+        metavar="ADDR",
+        help="a proxy (address or network, e.g. the fleet's HAProxy door) whose x-forwarded-for address is the client "
+        "for quotas and fair eviction; repeatable or a comma list",
+    )
+    max_unpaced: int = flag(
+        4,
+        help="unpaced (pace: false) streams this gateway holds at once, all clients together (best effort; beside "
+        "--max-unpaced-per-client)",
+    )
+    fleet: FleetOptions = nested(FleetOptions)  # --pipeline-name, --agent-port, --drain-s: gateway.agent
     metrics_host: str | None = metrics_host_flag()  # None: ``host``
     mtls: MTLS | None = None  # deployment credentials (role "gateway") towards the coordinator and VAE stages
 
