@@ -1,6 +1,10 @@
 """`python -m gateway`: the gateway service as itself (`stagecast gateway` is the same command)."""
 
-from stagecast.service import service_main
+from stagecast.log import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc loads
+
+from stagecast.service import service_main  # noqa: E402
 
 if __name__ == "__main__":
     service_main("gateway")

@@ -7,10 +7,14 @@ Their flags are ``GatewayOptions``' and ``VAEStageOptions``' fields (``gateway.o
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 
 from gateway.options import GatewayOptions, VAEStageOptions
 from stagecast.flags import HelpFormatter, add_flags, from_args
 from stagecast.service import add_security_flags, run_service
+
+logger = logging.getLogger("gateway")
 
 
 def add_parser(sub) -> None:
@@ -33,7 +37,15 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     def start(stop) -> None:
-        serve(_gateway_options(args), stop=stop)
+        opts = _gateway_options(args)
+        if opts.tls_cert and os.environ.get("GRPC_VERBOSITY", "").upper() == "ERROR":
+            # Said once here: gRPC's own "Handshake failed" line for every plaintext client is off
+            # (stagecast.log.quiet_grpc_core).
+            logger.info(
+                "the public API speaks TLS: a plaintext client's handshake fails, and the SDK and CLI tell it to pass "
+                "--tls-ca or --tls (gRPC's own handshake lines are off; GRPC_VERBOSITY=INFO shows them)"
+            )
+        serve(opts, stop=stop)
 
     return run_service("gateway", start)
 

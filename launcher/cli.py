@@ -12,7 +12,8 @@ stagecast demo-checkpoint --out DIR             write the tiny random demo check
 stagecast convert SRC.pt --source S --out DIR [--base DIR]   a CausVid / Self-Forcing / SDV2 file to a checkpoint
 stagecast generate --target H:P --prompt P --seconds N --out clip.mp4   stream a clip through a gateway
 stagecast transform --target H:P --input in.mp4 --prompt P --out out.mp4   restyle a video file (video-to-video)
-stagecast demo [--seconds N] [--out demo.mp4] [--stages K]   everything on CPU with a tiny random model
+stagecast demo [--seconds N] [--out demo.mp4] [--stages K] [--serve]   everything on CPU with a tiny random model
+                                                (--serve: keep the system and its live page up until Ctrl-C)
 stagecast trace-summary FILE                    per-stage span latencies (p50/p95/max) of an OTLP JSON trace file
 """
 
@@ -22,7 +23,11 @@ import argparse
 import importlib
 import sys
 
-from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent, run_command
+from stagecast.log import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc loads: C-core's raw lines stay out of the terminal
+
+from stagecast.service import INTERRUPTED, die_of_sigint, die_with_parent, run_command  # noqa: E402
 
 # Each subcommand's name -> (module, function adding its parser): each parser sets ``run`` to its entry point.  The
 # services own their flags (``*/cli.py``); the launcher floor owns up, selftest and the demo; the SDK owns generate.
