@@ -26,6 +26,7 @@ A token, when the repository needs one, comes from ``$HF_TOKEN``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -89,8 +90,25 @@ def _download(repo: str, revision: str | None, dest: Path, patterns: list[str] |
     from huggingface_hub import snapshot_download
 
     logger.info("downloading %s%s into %s", repo, f"@{revision}" if revision else "", dest)
-    snapshot_download(repo, revision=revision or None, local_dir=dest, allow_patterns=patterns)
+    with _hub(repo):
+        snapshot_download(repo, revision=revision or None, local_dir=dest, allow_patterns=patterns)
     return dest
+
+
+@contextlib.contextmanager
+def _hub(repo: str):
+    """A download that cannot reach the Hub (no network, a private repository without ``$HF_TOKEN``, a repository
+    or revision that does not exist) is one line naming what to do instead, not the Hub library's traceback."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        yield
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FetchError(
+            f"--repo {repo}: cannot download it from the Hugging Face Hub ({first[:200]}). Without the Hub, fill "
+            "the volume from a mounted folder instead: --copy-from DIR (the chart's model.fill.copyFrom)"
+        ) from None
 
 
 def fill(args: argparse.Namespace) -> Path:
@@ -115,7 +133,8 @@ def fill(args: argparse.Namespace) -> Path:
         base = _download(args.repo, args.revision, out.parent / ".stagecast-base" / args.repo, BASE_PATTERNS)
         pt_dir = out.parent / ".stagecast-base" / args.convert_repo
         logger.info("downloading %s from %s", args.convert_file, args.convert_repo)
-        pt = hf_hub_download(args.convert_repo, args.convert_file, revision=args.convert_revision, local_dir=pt_dir)
+        with _hub(args.convert_repo):
+            pt = hf_hub_download(args.convert_repo, args.convert_file, revision=args.convert_revision, local_dir=pt_dir)
         report = convert(pt, partial, source=args.convert_source, base=base)
         logger.info(
             "converted %s: %d layers, sampler %s", args.convert_file, report.config["num_layers"], report.sampler
@@ -139,7 +158,8 @@ def place_tiny_decoder(repo: str, file: str, checkpoint: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     staging = checkpoint.parent / ".stagecast-base" / repo
     logger.info("downloading the tiny decoder %s from %s", file, repo)
-    got = Path(hf_hub_download(repo, file, local_dir=staging))
+    with _hub(repo):
+        got = Path(hf_hub_download(repo, file, local_dir=staging))
     folder.mkdir(parents=True)
     target = folder / Path(file).name
     shutil.copyfile(got, target)

@@ -122,3 +122,25 @@ def test_a_fill_places_the_tiny_decoder_as_the_checkpoints_tiny_decoder_folder(t
     placed = out / "tiny_decoder" / "taew2_1.pth"
     assert placed.read_bytes() == b"weights" and (out / READY).is_file()
     assert tiny_decoder_file(out) == placed  # the file the gateway serves DECODER_TINY from
+
+
+@pytest.mark.multiprocess
+def test_a_fill_that_cannot_reach_the_hub_is_one_line_naming_copy_from(tmp_path):
+    """A real download against a Hub endpoint where nothing listens: one error line, no traceback, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2", "HF_TOKEN": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher.fetch_model", "fill", "--out", str(tmp_path / "m"), "--repo", "a/b"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--repo a/b" in errors[0] and "model.fill.copyFrom" in errors[0], done.stderr
+    assert not (tmp_path / "m").exists()
