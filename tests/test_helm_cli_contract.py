@@ -212,12 +212,13 @@ def container_args_template(command: str) -> str:
     """The chart's template text of ``command``'s container args (the gateway pod holds the web container)."""
     helpers = (TEMPLATES / "_helpers.tpl").read_text()
     security = helpers[helpers.index('define "stagecast.securityArgs"') :].split("{{- end -}}", 2)
-    if command == "coordinator":
-        return (TEMPLATES / "coordinator-deployment.yaml").read_text() + security[0]
-    if command == "stage":
-        return (TEMPLATES / "stage-statefulset.yaml").read_text() + security[0]
-    pod = (TEMPLATES / "gateway-deployment.yaml").read_text()
-    gateway, web = pod.split("- name: web\n", 1)
+    # The containers are defined once (_containers.tpl), for the one-pipeline workloads and the fleet's.
+    containers = (TEMPLATES / "_containers.tpl").read_text()
+    name = {"coordinator": "coordinator.container", "stage": "stage.container"}.get(command, "gateway.containers")
+    block = containers[containers.index(f'define "stagecast.{name}"') :].split("{{- define", 1)[0]
+    if command in ("coordinator", "stage"):
+        return block + security[0]
+    gateway, web = block.split("- name: web\n", 1)
     return gateway + security[0] if command == "gateway" else web
 
 
