@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from coordinator.errors import AdmissionError
 from coordinator.registry import StageRegistry
-from stagecast.grpc_util import StatusError
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import format_bytes, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig, check_image, check_spec
-from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
+from stagecast.model.dit_configs import expands_timesteps
 
-if TYPE_CHECKING:  # the stream table and the SLO glue import this module's AdmissionError
+if TYPE_CHECKING:
     from coordinator.slo import Demand
     from coordinator.slo_control import SloControl
     from coordinator.streams import StreamTable
@@ -46,15 +46,6 @@ logger = logging.getLogger("coordinator.engine")
 
 MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
-
-
-class AdmissionError(StatusError):
-    """A stream the coordinator will not open, with the status its caller gets; ``limit`` names the check that
-    refused it (the coordinator's refusal metric)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0, limit: str = ""):
-        super().__init__(code, message, retry_after_s)
-        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -220,17 +211,6 @@ def check_negative_text(spec: StreamSpec, text: torch.Tensor, negative_text: tor
         raise ValueError(f"negative_text: has shape {tuple(negative_text.shape)}, expected {tuple(text.shape)}")
 
 
-def model_config(registry: StageRegistry) -> dict | None:
-    """The stages' model config (None before any stage registered)."""
-    recs = registry.records()
-    return recs[0].config if recs else None
-
-
-def rope_limit(registry: StageRegistry) -> int:
-    """The stages' model's RoPE table length (``rope_max_seq_len``; Wan's before any stage registered)."""
-    return int((model_config(registry) or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)
-
-
 class Admission:
     """The coordinator's admission accounting: each stage's KV budget and the open streams' reservations on it, the
     capacity verdict of the SLO controller (``slo``), and when a refused stream may retry.  ``PipelineEngine.open``
@@ -291,7 +271,7 @@ class Admission:
     def stage_kv(self, spec: StreamSpec, max_steps: int) -> dict[int, int]:
         """The stream's worst-case KV bytes on each stage process with a KV budget (``stagecast.kv_memory``): its
         layers, its share of the heads under --sp, its CFG group's branches under --cfg-parallel."""
-        cfg = model_config(self.registry)
+        cfg = self.registry.model_config()
         if cfg is None or not any(self.kv_budgets.values()):
             return {}
         model = DiTConfig.from_kwargs(cfg)
@@ -329,7 +309,7 @@ class Admission:
         """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
         if not any(self.kv_budgets.values()):
             return None
-        rope = rope_limit(self.registry)
+        rope = self.registry.rope_limit()
         try:
             return kv_verdict(
                 spec,

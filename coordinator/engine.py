@@ -46,8 +46,9 @@ from dataclasses import replace
 import grpc
 import torch
 
-from coordinator.admission import Admission, AdmissionError, Reservation, admit, model_config
-from coordinator.generations import Generations, StreamFailure
+from coordinator.admission import Admission, Reservation, admit
+from coordinator.errors import AdmissionError, StreamError, StreamFailure
+from coordinator.generations import Generations
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.pacing import MAX_CHUNK_RATE, PACE_EARLY_S, PLAYOUT_S, Pacing
 from coordinator.plan import PlanLoop
@@ -60,7 +61,15 @@ from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import DEFAULT_MAX_BATCH, StreamSpec
 
-__all__ = ["PACE_EARLY_S", "PLAYOUT_S", "AdmissionError", "PipelineEngine", "StreamFailure", "StreamSession"]
+__all__ = [
+    "PACE_EARLY_S",
+    "PLAYOUT_S",
+    "AdmissionError",
+    "PipelineEngine",
+    "StreamError",
+    "StreamFailure",
+    "StreamSession",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +191,7 @@ class PipelineEngine:
         self.generations.fail(reason, lost, lost_address, orderly)
 
     def model_config(self) -> dict | None:
-        return model_config(self.registry)
+        return self.registry.model_config()
 
     # ---- streams --------------------------------------------------------------------------------------
 

@@ -20,12 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.admission import rope_limit
+from coordinator.errors import StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRecord, StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
@@ -33,14 +32,6 @@ from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("coordinator.engine")
-
-
-@dataclass
-class StreamFailure:
-    """How a stream ended when it did not complete: the status its consumer gets."""
-
-    code: grpc.StatusCode
-    message: str
 
 
 class StageLink:
@@ -238,7 +229,7 @@ class Generations:
                 max_batch=self.max_batch,
                 cfg_parallel=self.registry.cfg_parallel,
                 equal_windows=any(r.cuda_graphs for r in replies.values()),
-                rope_limit=rope_limit(self.registry),
+                rope_limit=self.registry.rope_limit(),
             )
             self.stage_stats = {}
             self.on_formed(

@@ -16,7 +16,6 @@ import functools
 import threading
 from dataclasses import replace
 
-from coordinator.admission import rope_limit
 from coordinator.generations import Generations
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.pacing import PACE_EARLY_S, Pacing
@@ -243,7 +242,7 @@ class PlanLoop:
         if sched.inflight(sid) or session.received < started:
             return
         spec = st.specs.at(started)
-        rope = rope_limit(self.registry)
+        rope = self.registry.rope_limit()
         chunks = sorted({c for c, _ in recache_steps(spec, started, rope)})
         window = tuple((c, wire.tensor_from_proto(session.finished[c])) for c in chunks)
         events.append(

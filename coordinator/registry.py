@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from stagecast.grpc_util import StatusError
+from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN
 from stagecast.model.parallel import LayoutError, ParallelLayout, check_sp
 from stagecast.model.partition import parse_partition, partition_ranges
 
@@ -171,3 +172,12 @@ class StageRegistry:
     def records(self) -> list[StageRecord]:
         with self.lock:
             return [self.stages[i] for i in sorted(self.stages)]
+
+    def model_config(self) -> dict | None:
+        """The stages' model config (None before any stage registered): every registration agrees on it."""
+        recs = self.records()
+        return recs[0].config if recs else None
+
+    def rope_limit(self) -> int:
+        """The stages' model's RoPE table length (``rope_max_seq_len``; Wan's before any stage registered)."""
+        return int((self.model_config() or {}).get("rope_max_seq_len") or WAN_ROPE_MAX_SEQ_LEN)

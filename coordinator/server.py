@@ -17,7 +17,8 @@ import threading
 import grpc
 
 from coordinator import rendezvous
-from coordinator.engine import AdmissionError, PipelineEngine, StreamFailure
+from coordinator.engine import PipelineEngine
+from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.options import CoordinatorOptions
 from coordinator.registry import RegistrationError, StageRegistry
 from coordinator.slo import VaeReport
@@ -146,7 +147,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 # state on every stage once the batches already planned have run.
                 try:
                     self.engine.cancel_stream(session.id)
-                except AdmissionError:
+                except StreamError:
                     pass
 
         if not context.add_callback(on_done):
@@ -167,7 +168,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 span.set_attribute("stagecast.stream.id", request.stream_id)
             try:
                 self.engine.stop_stream(request.stream_id)
-            except AdmissionError as exc:
+            except StreamError as exc:
                 context.abort(exc.code, str(exc))
             return pb.Empty()
 
@@ -182,14 +183,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 )
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except AdmissionError as exc:
+            except StreamError as exc:
                 context.abort(exc.code, str(exc))
             return pb.Empty()
 
     def Consumed(self, request: pb.ChunksConsumed, context):
         try:
             self.engine.consumed(request.stream_id, request.chunks)
-        except AdmissionError as exc:
+        except StreamError as exc:
             context.abort(exc.code, str(exc))
         return pb.Empty()
 
@@ -217,7 +218,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latents: {exc}")
         try:
             self.engine.submit_input(request.stream_id, request.chunk, latents)
-        except AdmissionError as exc:
+        except StreamError as exc:
             context.abort(exc.code, str(exc))
         return pb.Empty()
 

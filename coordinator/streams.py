@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from coordinator.admission import AdmissionError
-from coordinator.generations import StreamFailure
+from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.slo import FULL
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -130,7 +129,7 @@ class StreamTable:
     def get(self, stream_id: int) -> StreamSession:
         session = self.sessions.get(stream_id)
         if session is None:
-            raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
+            raise StreamError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
         return session
 
     def open(self, spec: StreamSpec, text: torch.Tensor, **fields) -> StreamSession:
@@ -168,21 +167,21 @@ class StreamTable:
         prompt from their clean latents (``stagecast.microstep.recache_steps``) before the next chunk."""
         session = self.get(stream_id)
         if tuple(text.shape) != tuple(session.text.shape):
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"text has shape {tuple(text.shape)}, expected {tuple(session.text.shape)}",
             )
         if recache and session.spec.window is None:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "transition: recache rebuilds the KV window; this stream's window is unbounded (set window)",
             )
         if recache and session.spec.cfg:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT, "transition: a recache of a guided stream is not supported yet"
             )
         if recache and session.recache is not None:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.FAILED_PRECONDITION, "transition: a recache of this stream is already waiting"
             )
         self.pending_prompts.append((stream_id, text, recache))
@@ -194,30 +193,30 @@ class StreamTable:
         session = self.get(stream_id)
         spec = session.spec
         if not spec.input_latents:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.FAILED_PRECONDITION, f"stream {stream_id} was not opened with input_latents"
             )
         if session.stopped or session.cancelled:
-            raise AdmissionError(grpc.StatusCode.FAILED_PRECONDITION, f"stream {stream_id} is stopping")
+            raise StreamError(grpc.StatusCode.FAILED_PRECONDITION, f"stream {stream_id} is stopping")
         if chunk != session.inputs_received:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunk: input for chunk {chunk}, expected chunk {session.inputs_received} (inputs come in order)",
             )
         if spec.num_chunks is not None and chunk >= spec.num_chunks:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"chunk: the stream has {spec.num_chunks} chunks, got input for {chunk}",
             )
         if tuple(latents.shape) != spec.latent_shape or latents.dtype != torch.float32:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"latents: must be float32 {spec.latent_shape}, got {latents.dtype} {tuple(latents.shape)}",
             )
         if not bool(torch.isfinite(latents).all()):
-            raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, "latents: must be finite")
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "latents: must be finite")
         if session.inputs_received - session.started >= MAX_PENDING_INPUTS:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"input: {MAX_PENDING_INPUTS} chunks already wait for the pipeline to start them",
             )
@@ -268,12 +267,12 @@ class StreamTable:
         """The consumer acknowledged the first ``chunks`` chunks as consumed; the session when its count rose."""
         session = self.get(stream_id)
         if not session.acknowledges:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"stream {stream_id} was opened without acknowledges; its chunks count as delivered when sent",
             )
         if not 0 <= chunks <= session.received:
-            raise AdmissionError(
+            raise StreamError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunks={chunks} must be in [0, {session.received}] (the chunks the stream has received)",
             )

@@ -6,7 +6,8 @@ import grpc
 import pytest
 import torch
 
-from coordinator.admission import AdmissionError, AdmissionState, Capacity, admit, kv_verdict
+from coordinator.admission import AdmissionState, Capacity, admit, kv_verdict
+from coordinator.errors import AdmissionError
 from stagecast.kv_memory import format_bytes, stream_kv_bytes
 from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.admission import AdmissionError
+from coordinator.errors import AdmissionError
 from coordinator.scheduler import StreamBatchScheduler
 from gateway.admission import Refused
 from gateway.quotas import QuotaOptions, Quotas

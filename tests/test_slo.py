@@ -138,7 +138,7 @@ def _engine(stage_ms: float, clock=lambda: 0.0):
 def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_delay():
     import grpc
 
-    from coordinator.admission import AdmissionError
+    from coordinator.errors import AdmissionError
 
     # 174 ms x 1.15 / 4 = 50 ms per micro-step: one stream at 3 steps needs 60% of the slowest stage, two need 120%.
     eng, open_stream = _engine(174.0)

@@ -5,7 +5,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.admission import AdmissionError
+from coordinator.errors import AdmissionError
 from coordinator.slo import CostModel, DecoderCost, Demand, SloController, VaeReport
 from tests.engine_helpers import hand_driven_engine, stream_opener
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.admission import AdmissionError
+from coordinator.errors import AdmissionError
 from coordinator.slots import Slots, StreamDefaults
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import resolve_config
