@@ -53,6 +53,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 import grpc
 
 from stagecast import api
+from stagecast.arrivals import Arrivals
 from stagecast.errors import StagecastError, from_rpc_error
 from stagecast.frames import EndInfo, Frame, Mp4Writer, StreamInfo
 from stagecast.v1 import stream_pb2 as pb
@@ -251,6 +252,7 @@ class _StreamState:
         self.frames_received = 0
         self.first_frame_s: float | None = None
         self.last_frame_s: float | None = None
+        self.arrivals = Arrivals()
         self._cancelled = False
 
     def _handle(self, msg: pb.ServerMessage) -> Frame | None:
@@ -261,6 +263,7 @@ class _StreamState:
                 self.first_frame_s = now
             self.last_frame_s = now
             self.frames_received += 1
+            self.arrivals.add(now)
             return Frame.from_proto(msg.frame, now)
         if kind == "started":
             self._info = StreamInfo.from_proto(msg.started)
@@ -276,8 +279,20 @@ class _StreamState:
         return self.first_frame_s
 
     @property
+    def steady_fps(self) -> float | None:
+        """The stream's frame rate as a viewer sees it: frames per second over the later half of its time, so a
+        paced stream's start burst (its playout buffer) is not counted as rate (``stagecast.arrivals``)."""
+        return self.arrivals.steady_fps
+
+    @property
+    def burst_frames(self) -> int:
+        """Frames delivered beyond the steady rate since the first frame: a paced stream's start burst."""
+        return self.arrivals.burst_frames
+
+    @property
     def fps(self) -> float | None:
-        """Frames per second received after the first frame (the steady-state rate the client saw)."""
+        """Frames per second received after the first frame, over the whole stream: the start burst included (a
+        short paced clip reads far above its frame rate); ``steady_fps`` is the rate a viewer sees."""
         if self.frames_received < 2 or self.first_frame_s is None or self.last_frame_s is None:
             return None
         if self.last_frame_s == self.first_frame_s:

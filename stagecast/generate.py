@@ -7,8 +7,9 @@ Usage::
     report.frames, report.ttff, report.fps
 
 Without ``--seconds`` the stream runs until Ctrl-C, which stops it gracefully (the frames of chunks in flight are
-still written).  TTFF is measured at the client, from sending the config to receiving the first frame; FPS counts
-the frames received after the first one over the time since it arrived.
+still written).  TTFF is measured at the client, from sending the config to receiving the first frame; FPS is the
+stream's steady rate, over the later half of its time (``stagecast.arrivals``), and a paced stream's start burst (its
+playout buffer, delivered at once) is reported apart.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ class GenerateReport:
     shift: float = 1.0
     steps: dict[int, int] = field(default_factory=dict)  # denoising steps -> frames whose chunk ran them
     decoder: str = "full"  # what turned the latents into frames
+    burst_frames: int = 0  # frames delivered beyond the steady rate at the start (the playout buffer)
+    pipeline: str = ""  # the pipeline that served it (Started.pipeline; behind a fleet's door, the one it chose)
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
         fps = f"{self.fps:.1f}" if self.fps is not None else "n/a"
+        if self.burst_frames:
+            fps += f" steady (after a start burst of {self.burst_frames} frames)"
         ladder = ", ".join(f"{t:g}" for t in self.timesteps)
         adaptive = ""
         if len(self.steps) > 1:  # the SLO controller changed the steps during the stream
@@ -56,7 +61,7 @@ class GenerateReport:
         return (
             f"wrote {self.out}: {self.frames} frames {self.width}x{self.height} ({self.codec}, seed {self.seed}, "
             f"timesteps [{ladder}] shift {self.shift:g}, {self.decoder} decoder, {self.end_reason}); TTFF {ttff}; "
-            f"FPS {fps}{adaptive}"
+            f"FPS {fps}{adaptive}" + (f"; pipeline {self.pipeline}" if self.pipeline else "")
         )
 
 
@@ -117,11 +122,13 @@ def generate_clip(
                 seed=info.seed,
                 end_reason=gen.end.reason if gen.end else "unknown",
                 ttff=gen.ttff,
-                fps=gen.fps,
+                fps=gen.steady_fps,
                 timesteps=info.timesteps,
                 shift=info.shift,
                 steps=steps,
                 decoder=info.decoder,
+                burst_frames=gen.burst_frames,
+                pipeline=info.pipeline,
             )
     finally:
         if restore is not None:
