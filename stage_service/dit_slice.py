@@ -219,25 +219,11 @@ class _SliceAttnProcessor:
     def _attend(self, query, key, value, ctx: AttentionContext):
         query = apply_rotary_emb(query, *ctx.rotary)
         key = apply_rotary_emb(key, *ctx.rotary)
-        if ctx.self_mask is not None or not ctx.self_kv:
-            return _sdpa(query, key, value, ctx.self_mask).type_as(query)
-        # KV reads and writes, item by item in batch order (read, then write), as each item's view expects.
-        cached = []
-        for b, kv in enumerate(ctx.self_kv):
-            cached.append(kv.read(self.layer) if kv is not None else None)
-            if kv is not None:
-                kv.write(self.layer, key[b : b + 1], value[b : b + 1])
-        if not self._owner[0].grouped_attention:
-            return attend_per_item(query, key, value, cached).type_as(query)
-        in_place = in_place_reader(ctx.self_kv, self.layer) if self._owner[0].kv_in_place else None
-        return attend_grouped(query, key, value, cached, in_place).type_as(query)
+        return self._owner[0].self_attend(self.layer, query, key, value, ctx)
 
     def _cross(self, attn, hidden_states, ctx: AttentionContext):
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        per_item = [item[self.layer] for item in ctx.cross_kv]
-        key = torch.cat([k for k, _ in per_item], dim=0)
-        value = torch.cat([v for _, v in per_item], dim=0)
-        return _sdpa(query, key, value).type_as(query)
+        return self._owner[0].cross_attend(self.layer, query, ctx)
 
 
 class DiTSlice(nn.Module):
@@ -450,6 +436,36 @@ class DiTSlice(nn.Module):
         finally:
             self._local.ctx = None
         return hidden_states
+
+    def current_context(self) -> AttentionContext:
+        """The running forward's ``AttentionContext`` (inside ``run_blocks`` only)."""
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            raise RuntimeError("slice attention called outside DiTSlice.run_blocks")
+        return ctx
+
+    def self_attend(self, layer: int, query, key, value, ctx: AttentionContext) -> torch.Tensor:
+        """Self-attention of slice-local ``layer`` on (B, L, H, Dh) q/k/v with RoPE applied: the items' KV window
+        reads and writes, then one SDPA per group of equal windows (or per item, ``grouped_attention`` off)."""
+        if ctx.self_mask is not None or not ctx.self_kv:
+            return _sdpa(query, key, value, ctx.self_mask).type_as(query)
+        # KV reads and writes, item by item in batch order (read, then write), as each item's view expects.
+        cached = []
+        for b, kv in enumerate(ctx.self_kv):
+            cached.append(kv.read(layer) if kv is not None else None)
+            if kv is not None:
+                kv.write(layer, key[b : b + 1], value[b : b + 1])
+        if not self.grouped_attention:
+            return attend_per_item(query, key, value, cached).type_as(query)
+        in_place = in_place_reader(ctx.self_kv, layer) if self.kv_in_place else None
+        return attend_grouped(query, key, value, cached, in_place).type_as(query)
+
+    def cross_attend(self, layer: int, query, ctx: AttentionContext) -> torch.Tensor:
+        """Cross-attention of slice-local ``layer``: (B, L, H, Dh) queries over each item's cached text K/V."""
+        per_item = [item[layer] for item in ctx.cross_kv]
+        key = torch.cat([k for k, _ in per_item], dim=0)
+        value = torch.cat([v for _, v in per_item], dim=0)
+        return _sdpa(query, key, value).type_as(query)
 
     def head(self, hidden_states: torch.Tensor, cond: Conditioning, latent_shape: torch.Size) -> torch.Tensor:
         if not self.last:

@@ -54,6 +54,13 @@ class StageOptions:
         help="run the transformer blocks' linear layers in float8 (torchao, rowwise scales; norms, embeddings, head "
         "and attention stay bf16): GPU of compute capability 8.9+, --dtype bfloat16, the fp8 extra; not bit-exact",
     )
+    # opt-in DiT levers (``stage_service.dit_levers``), checked at start-up; empty: the exact default path
+    dit_levers: str = flag(
+        "",
+        help="comma-separated DiT levers, none by default: fp8 (block linears as float8 with rowwise scales, "
+        "torch._scaled_mm), fused (the work between the GEMMs compiled into a few kernels per block), cudnn (cuDNN "
+        "attention first); each changes the numbers a little (benchmarks/dit_levers.py measures time and error)",
+    )
     # READY calibration's budget (0: none; None: 10 s on a GPU, none on a CPU)
     calibration_s: float | None = flag(
         type=float,

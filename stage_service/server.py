@@ -36,6 +36,7 @@ import threading
 import grpc
 import torch
 
+from stage_service.dit_levers import parse_levers
 from stage_service.executor import ExecutorEvent
 from stage_service.generation import Generation
 from stage_service.kv_budget import check_kv_budget_gib
@@ -75,6 +76,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.opts = opts
         if opts.fp8:
             check_fp8(opts.device, opts.dtype)  # Fp8Unavailable (a ValueError naming --fp8), before any weights
+        levers = parse_levers(opts.dit_levers)  # a ValueError naming --dit-levers, before any weights
+        if opts.fp8 and "fp8" in levers:
+            raise ValueError("--dit-levers fp8 and --fp8 both turn the block linears to float8: choose one")
         if opts.cuda_graphs and not opts.device.startswith("cuda"):
             logger.warning("--cuda-graphs needs a GPU; stage %d on %s runs eagerly", opts.index, opts.device)
         self.device = torch.device(opts.device)

@@ -22,6 +22,7 @@ import torch
 
 from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import load_slice_state_dict, random_slice_state_dict
+from stage_service.dit_levers import apply_levers, parse_levers
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
 from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
@@ -75,6 +76,8 @@ class SliceLoader:
         self.slice = DiTSlice.from_state_dict(config, sd, layers=layers, first=first, last=last, device=self.device)
         if self.opts.fp8:  # before Form builds CUDA graphs over the blocks
             convert_to_fp8(self.slice)
+        if self.opts.dit_levers:  # likewise before the graphs: they capture what the levers made of the blocks
+            logger.info("--dit-levers: %s", apply_levers(self.slice, parse_levers(self.opts.dit_levers)))
         self.layers = layers
         self.telemetry.set_layers(layers)
         took = time.perf_counter() - start

@@ -167,6 +167,7 @@ SERVICE_DEFAULT = {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",
         "--kv-budget-gib": "derived from free GPU memory by default; through extraArgs",
         "--lora": "LoRA files are per deployment; through extraArgs with the model volume's paths",
+        "--dit-levers": "opt-in levers that change the numbers (none by default); through extraArgs",
     },
     "gateway": {
         "--text-len": "the checkpoint's serving defaults",

@@ -1,0 +1,266 @@
+"""GPU micro-benchmark of the DiT levers: ms per stream-chunk of the 30 graphed blocks at batch 1, 4, 8 and 12.
+
+Usage (one GPU; nothing to install: the levers use the image's torch)::
+
+    python -m benchmarks.dit_levers --json benchmarks/results/dit_levers_<commit>.json
+    python -m benchmarks.dit_levers --num-layers 2 --batches 1,2 --iters 3     # a smoke run (CPU too, uncompiled)
+
+The model is Wan2.1-1.3B's real config with random bf16 weights (``random_slice_state_dict``), one slice of all its
+layers (what ``STAGES=1`` serves), built afresh per variant from the same seed.  Inputs are the benchmark protocol's
+(DESIGN.md section 4): one latent frame per chunk at 480x832 (1560 tokens), a KV window of 6 latent frames (3 sinks +
+3 recent: 9360 context tokens per item, fixed random K/V, the same for every variant), text length 512, timestep 700.
+
+Variants (``stage_service.dit_levers``; run in this order, because ``cudnn`` sets torch's SDPA priority for the rest
+of the process): ``bf16`` (today's default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``,
+``fp8+fused``, ``cudnn``, ``fused+cudnn``, ``all``.  Per variant and batch:
+
+- ``ms``: median (p10, p90) of ``--iters`` graphed forwards of the blocks (CUDA events, after ``--warmup``), which
+  include copying the batch's KV windows into the graph's static buffers, as a stage does; ``ms_per_chunk`` is that
+  over the batch;
+- ``vs_bf16``: the latents after one step (``x - sigma * v``, sigma of timestep 700 at shift 5) through the whole
+  model (patch embedding, the graphed blocks, head) against the bf16 variant's, in float32: ``max_rel`` =
+  max |d| / max |ref|, ``mean_rel`` = mean |d| / mean |ref|;
+- ``graphed_vs_eager_max_abs``: the graph against an eager forward of the same variant (a capture that went wrong).
+
+``cudnn_probe`` records whether cuDNN's SDPA alone takes the protocol's attention shape.  Prints one line per
+measurement and a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+
+import torch
+
+from benchmarks.fp8_check import FixedWindow, protocol_inputs, time_forwards, versions, write_result
+from stage_service.checkpoint import random_slice_state_dict
+from stage_service.dit_levers import apply_levers
+from stage_service.dit_slice import AttentionContext, DiTSlice
+from stage_service.graphs import GraphedBlocks
+from stagecast.model.dit_configs import model_config
+from stagecast.sampling import sigmas
+
+VARIANTS = (
+    ("bf16", ()),
+    ("fp8", ("fp8",)),
+    ("fused", ("fused",)),
+    ("fp8+fused", ("fp8", "fused")),
+    ("cudnn", ("cudnn",)),
+    ("fused+cudnn", ("fused", "cudnn")),
+    ("all", ("fp8", "fused", "cudnn")),
+)
+TIMESTEP, SHIFT = 700.0, 5.0
+
+
+def build(cfg: dict, device: torch.device, levers: tuple[str, ...]) -> tuple[DiTSlice, dict]:
+    layers = range(0, cfg["num_layers"])
+    sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=torch.bfloat16, device=device)
+    sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
+    return sl, apply_levers(sl, levers)
+
+
+def inputs_for(cfg: dict, batch: int, args, device: torch.device) -> dict:
+    """The protocol's inputs (``benchmarks.fp8_check.protocol_inputs``) plus noisy latents for the whole model."""
+    inputs = protocol_inputs(cfg, batch, args, device, torch.bfloat16, cfg["num_layers"], seed=1234, windows=1)
+    inputs["keys"], inputs["values"] = inputs.pop("windows")[0]
+    gen = torch.Generator(device=device).manual_seed(99 + batch)
+    shape = (batch, cfg["in_channels"], args.chunk_frames, args.height, args.width)
+    inputs["latents"] = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+    return inputs
+
+
+def one_step(sl: DiTSlice, run, inputs: dict, args) -> torch.Tensor:
+    """The latents after one step through the whole slice, the blocks by ``run``: float32."""
+    latents = inputs["latents"]
+    batch = latents.shape[0]
+    sigma = sigmas([TIMESTEP], SHIFT)[0]
+    cond = sl.condition(torch.full((batch,), sigma * 1000.0, device=latents.device), tokens=inputs["tokens"])
+    hidden = run(sl.embed(latents), cond)
+    velocity = sl.head(hidden, cond, latents.shape).float()
+    return latents - sigma * velocity
+
+
+def relative(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (out - ref).abs()
+    return {
+        "max_rel": d.max().item() / max(ref.abs().max().item(), 1e-30),
+        "mean_rel": d.mean().item() / max(ref.abs().mean().item(), 1e-30),
+    }
+
+
+def measure(sl: DiTSlice, inputs: dict, args) -> dict:
+    """Graphed and eager forwards of the blocks on ``inputs``, and the latents after one step (graphed)."""
+    device, batch = sl.device, inputs["hidden"].shape[0]
+    cond = sl.condition(torch.full((batch,), TIMESTEP, device=device), tokens=inputs["tokens"])
+    cross = sl.cross_kv(sl.embed_text(inputs["text"]))
+    window = FixedWindow(inputs["keys"], inputs["values"])
+
+    def ctx():
+        rotary = sl.rotary(args.chunk_frames, args.height, args.width, [args.window] * batch)
+        return AttentionContext(rotary=rotary, cross_kv=[cross] * batch, self_kv=[window] * batch)
+
+    context = ctx()
+    hidden = inputs["hidden"]
+    eager_out = sl.run_blocks(hidden, cond, context)
+    graphs = GraphedBlocks(sl)
+    graphed_out = graphs.run(hidden, cond, context)
+    timing = time_forwards(lambda: graphs.run(hidden, cond, context), device, args.warmup, args.iters)
+    step = one_step(sl, lambda h, c: graphs.run(h, c, ctx()), inputs, args)
+    result = {
+        "ms": timing,
+        "ms_per_chunk": timing["median_ms"] / batch,
+        "graphs_captured": graphs.captures,
+        "graph_failure": graphs.failure,
+        "graphed_vs_eager_max_abs": (graphed_out.float() - eager_out.float()).abs().max().item(),
+    }
+    graphs.close()
+    return {"result": result, "step": step}
+
+
+def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
+    """Whether cuDNN's SDPA alone takes the protocol's self-attention shape (4 items, 1560 queries, window + chunk)."""
+    if device.type != "cuda":
+        return {"ok": False, "error": "no GPU"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stage_service.dit_slice import _sdpa
+
+    heads, dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    tokens = args.chunk_frames * (args.height // 2) * (args.width // 2)
+    q = torch.randn(4, tokens, heads, dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(4, tokens * (args.window + 1), heads, dim, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            got = _sdpa(q, k, k)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = _sdpa(q, k, k)
+        return {"ok": True, "max_abs_vs_flash": (got.float() - ref.float()).abs().max().item()}
+    except RuntimeError as exc:
+        return {"ok": False, "error": str(exc).splitlines()[0]}
+
+
+def run_variants(cfg: dict, args, device: torch.device) -> dict:
+    out: dict = {}
+    refs: dict[int, torch.Tensor] = {}
+    for label, levers in args.variants:
+        sl, applied = build(cfg, device, levers)
+        row = out[label] = {"levers": list(levers), "applied": applied, "batches": {}}
+        with torch.no_grad():
+            for batch in args.batches:
+                inputs = inputs_for(cfg, batch, args, device)
+                got = measure(sl, inputs, args)
+                entry = got["result"]
+                if not levers:
+                    refs[batch] = got["step"]
+                elif batch in refs:
+                    entry["vs_bf16"] = relative(got["step"], refs[batch])
+                row["batches"][str(batch)] = entry
+                print(describe(label, batch, entry), flush=True)
+                del inputs, got
+        del sl
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def describe(label: str, batch: int, e: dict) -> str:
+    line = f"{label:12s} batch {batch:2d}: {e['ms']['median_ms']:8.2f} ms, {e['ms_per_chunk']:6.2f} ms/chunk"
+    if e.get("graph_failure"):
+        line += f" (graph capture FAILED: {e['graph_failure']})"
+    if "vs_bf16" in e:
+        line += f"; vs bf16 max rel {e['vs_bf16']['max_rel']:.2e}, mean rel {e['vs_bf16']['mean_rel']:.2e}"
+    return line
+
+
+def markdown(result: dict) -> str:
+    """The BENCHMARKS.md table: ms per stream-chunk per variant and batch, and the error at the largest batch."""
+    batches = result["batches"]
+    head = "| variant | " + " | ".join(f"batch {b}" for b in batches) + " | vs bf16 (max / mean rel) |"
+    lines = [head, "|" + "---|" * (len(batches) + 2)]
+    base = result["variants"].get("bf16", {}).get("batches", {})
+    for label, row in result["variants"].items():
+        cells = []
+        for b in batches:
+            e = row["batches"][str(b)]
+            ms = e["ms_per_chunk"]
+            ratio = base.get(str(b), {}).get("ms_per_chunk", ms) / ms
+            cells.append(f"{ms:.2f}" + ("" if label == "bf16" else f" (x{ratio:.2f})"))
+        err = row["batches"][str(batches[-1])].get("vs_bf16")
+        cells.append(f"{err['max_rel']:.1e} / {err['mean_rel']:.1e}" if err else "exact (reference)")
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="wan2.1-1.3b")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the model's layer count (smoke runs)")
+    ap.add_argument("--batches", default="1,4,8,12", help="micro-steps per forward, comma-separated")
+    ap.add_argument("--variants", default=",".join(v for v, _ in VARIANTS), help="which of them, in the fixed order")
+    ap.add_argument("--height", type=int, default=60, help="latent height (480 / 8)")
+    ap.add_argument("--width", type=int, default=104, help="latent width (832 / 8)")
+    ap.add_argument("--chunk-frames", type=int, default=1, help="latent frames per chunk (protocol: 1)")
+    ap.add_argument("--window", type=int, default=6, help="KV window in latent frames (protocol: 6, 3 of them sinks)")
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
+    if not args.batches or min(args.batches) < 1:
+        ap.error(f"--batches: comma-separated positive integers, got {args.batches}")
+    wanted = [v for v in args.variants.split(",") if v]
+    known = dict(VARIANTS)
+    bad = [v for v in wanted if v not in known]
+    if bad or not wanted:
+        ap.error(f"--variants: each one of {', '.join(known)}, got {args.variants!r}")
+    args.variants = [(v, levers) for v, levers in VARIANTS if v in wanted]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cfg = model_config(args.model, **({"num_layers": args.num_layers} if args.num_layers else {}))
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit(),
+        "command": "python -m benchmarks.dit_levers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "versions": versions(),
+        "model": args.model,
+        "layers": cfg["num_layers"],
+        "batches": args.batches,
+        "protocol": {
+            "latent": [args.chunk_frames, args.height, args.width],
+            "window": args.window,
+            "text_len": args.text_len,
+            "timestep": TIMESTEP,
+            "warmup": args.warmup,
+            "iters": args.iters,
+        },
+        "cudnn_probe": cudnn_probe(cfg, args, device),
+    }
+    print(f"cudnn probe: {result['cudnn_probe']}", flush=True)
+    result["variants"] = run_variants(cfg, args, device)
+    write_result(args.json, result)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

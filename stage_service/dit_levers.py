@@ -1,0 +1,308 @@
+"""Opt-in levers on a stage's transformer blocks, for speed at the cost of exactness (``--dit-levers``).
+
+Usage::
+
+    levers = parse_levers("fp8,fused,cudnn")     # validated names (ValueError naming --dit-levers), in LEVERS order
+    apply_levers(dit_slice, levers)              # after loading and LoRA merges, before CUDA graphs capture the blocks
+
+None of them is on by default: the default path stays bit for bit the single-process reference's.  Each changes the
+numbers a little, so each is a named option whose error against bf16 ``benchmarks/dit_levers.py`` reports (the
+latents after one step) beside its time at batch 1, 4, 8 and 12:
+
+- ``fp8``: every transformer-block linear whose dimensions are multiples of 16 runs as ``torch._scaled_mm`` on
+  float8 e4m3 operands with **rowwise** scales (one per activation row, one per weight output channel), bf16 out.
+  Weights are quantised once here; activations at every forward (an amax per row, a divide, a cast).  No torchao:
+  the GPU image's torch has what it needs.
+- ``fused``: the work between the GEMMs (the modulation and layer norms, the gated residuals, the q/k RMS norms with
+  RoPE, the FFN's GELU, and with ``fp8`` the activations' quantisation) runs as a few ``torch.compile`` d kernels per
+  block instead of dozens of eager ones; the compiled kernels sit inside the blocks' CUDA graphs like any other.
+  On a CPU the same functions run uncompiled, and there they equal diffusers' ops bit for bit
+  (``tests/test_dit_levers.py``): on a GPU the compiled kernels keep intermediates in float32, hence the error.
+- ``cudnn``: scaled-dot-product attention prefers cuDNN's kernel (then flash, memory-efficient, math, so a shape cuDNN
+  refuses still runs).
+
+This module is pure computation, like ``stage_service.dit_slice``: it swaps modules and forwards on a built slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from stage_service.dit_slice import DiTSlice, apply_rotary_emb
+
+LEVERS = ("fp8", "fused", "cudnn")
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+ALIGN = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
+MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
+
+
+def parse_levers(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``--dit-levers``: comma-separated names from ``LEVERS`` (empty: none), returned in ``LEVERS`` order."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    bad = [n for n in names if n not in LEVERS]
+    if bad:
+        raise ValueError(f"--dit-levers: unknown lever(s) {', '.join(bad)}; choose from {', '.join(LEVERS)}")
+    return tuple(n for n in LEVERS if n in names)
+
+
+# ---- float8 rowwise linears -------------------------------------------------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (float8 e4m3 (M, K), float32 scales (M, 1)) with ``x ~= q * scale`` row by row."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is float8 e4m3 with one scale per output channel; activations are quantised per
+    row at each call and multiplied by ``torch._scaled_mm`` (fast accumulation), bf16 out.  ``quantize`` may be
+    swapped for a compiled copy (the ``fused`` lever); ``forward_quantized`` takes an input quantised already."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.in_features % ALIGN or linear.out_features % ALIGN:
+            raise ValueError(f"Fp8Linear: {linear.in_features}x{linear.out_features} is not a multiple of {ALIGN}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight_t", q.t(), persistent=False)  # (K, N) column-major, what _scaled_mm takes
+        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous(), persistent=False)  # (1, N)
+        bias = linear.bias.detach().to(torch.bfloat16) if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+        self.quantize: Callable = quantize_rows
+
+    def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor, lead: Sequence[int]) -> torch.Tensor:
+        out = torch._scaled_mm(
+            q,
+            self.weight_t,
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+        return out.reshape(*lead, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self.quantize(x.reshape(-1, self.in_features))
+        return self.forward_quantized(q, scale, x.shape[:-1])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8 e4m3 rowwise"
+
+
+def to_fp8(dit_slice: DiTSlice) -> list[str]:
+    """Every eligible ``nn.Linear`` of the slice's blocks becomes an ``Fp8Linear`` in place; returns their names."""
+    names = []
+    for block_name, block in dit_slice.model.blocks.named_children():
+        for name, module in list(block.named_modules()):
+            if isinstance(module, nn.Linear) and not module.in_features % ALIGN and not module.out_features % ALIGN:
+                parent_name, _, child = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                setattr(parent, child, Fp8Linear(module))
+                names.append(f"blocks.{block_name}.{name}")
+    return names
+
+
+# ---- the work between the GEMMs, as functions torch.compile fuses ----------------------------------------------
+# Each mirrors diffusers' WanTransformerBlock / WanAttnProcessor op for op, so uncompiled (a CPU) it gives the same
+# bits, and compiled (a GPU) one kernel where eager launches several.
+
+
+def mod_norm(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm1`` / ``norm3`` (FP32LayerNorm without affine) with the block's modulation."""
+    return (F.layer_norm(h.float(), (h.shape[-1],), eps=eps) * (1 + scale) + shift).type_as(h)
+
+
+def gate_residual(h: torch.Tensor, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return (h.float() + out * gate).type_as(h)
+
+
+def affine_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm2`` (FP32LayerNorm with affine, ``cross_attn_norm``)."""
+    return F.layer_norm(h.float(), (h.shape[-1],), weight.float(), bias.float(), eps).type_as(h)
+
+
+def add_mod_norm(h, out, shift, scale, eps: float):
+    """The cross-attention residual and ``norm3`` with its modulation: (new residual, FFN input)."""
+    h = h + out
+    return h, mod_norm(h, shift, scale, eps)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, heads: int, cos, sin):
+    """``norm_q`` / ``norm_k`` (RMSNorm across heads), the head split and RoPE, for q and k at once."""
+    q = F.rms_norm(q, (q.shape[-1],), q_weight, eps).unflatten(2, (heads, -1))
+    k = F.rms_norm(k, (k.shape[-1],), k_weight, eps).unflatten(2, (heads, -1))
+    return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+
+
+def rms_heads(q: torch.Tensor, weight: torch.Tensor, eps: float, heads: int) -> torch.Tensor:
+    """The cross-attention's ``norm_q`` and head split."""
+    return F.rms_norm(q, (q.shape[-1],), weight, eps).unflatten(2, (heads, -1))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def quantized(fn: Callable) -> Callable:
+    """``fn`` followed by the rowwise quantisation of its (last) output, flattened to rows: one compiled kernel."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        out = fn(*args)
+        x = out[-1] if isinstance(out, tuple) else out
+        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return (*out[:-1], q, scale) if isinstance(out, tuple) else (q, scale)
+
+    return wrapper
+
+
+class Kernels:
+    """The fused lever's functions, compiled on a GPU (``torch.compile``, static shapes first, then dynamic)."""
+
+    def __init__(self, compile: bool):
+        def wrap(fn):
+            return torch.compile(fn, fullgraph=True) if compile else fn
+
+        self.mod_norm, self.gate_residual, self.affine_norm = wrap(mod_norm), wrap(gate_residual), wrap(affine_norm)
+        self.add_mod_norm, self.qk_norm_rope, self.gelu = wrap(add_mod_norm), wrap(qk_norm_rope), wrap(gelu_tanh)
+        self.quantize, self.rms_heads = wrap(quantize_rows), wrap(rms_heads)
+        self.quantize_3d = wrap(lambda h: quantize_rows(h.reshape(-1, h.shape[-1])))
+        self.mod_norm_q, self.affine_norm_q = wrap(quantized(mod_norm)), wrap(quantized(affine_norm))
+        self.add_mod_norm_q, self.gelu_q = wrap(quantized(add_mod_norm)), wrap(quantized(gelu_tanh))
+
+
+class FusedBlock:
+    """``WanTransformerBlock.forward`` with the non-GEMM work through ``Kernels``: what a block's ``forward`` becomes
+    under the ``fused`` lever.  The attention itself (KV window reads and writes, grouped SDPA) is the slice's."""
+
+    def __init__(self, dit_slice: DiTSlice, block: nn.Module, layer: int, kernels: Kernels):
+        self.slice, self.block, self.layer, self.k = dit_slice, block, layer, kernels
+        self.eps = block.norm1.eps
+        self.fp8 = isinstance(block.attn1.to_q, Fp8Linear)
+
+    def _normed(self, plain: Callable, with_quant: Callable, *args):
+        """``plain(*args)`` or, with fp8 linears, its output quantised in the same kernel (as (q, scale, shape))."""
+        if not self.fp8:
+            return plain(*args)
+        q, scale = with_quant(*args)
+        return q, scale, args[0].shape[:-1]
+
+    @staticmethod
+    def _linear(linear: nn.Module, x):
+        return linear.forward_quantized(*x) if isinstance(x, tuple) else linear(x)
+
+    def __call__(self, hidden, encoder_hidden_states, temb, rotary_emb):
+        b = self.block
+        if temb.ndim == 4:  # per-token modulation (Wan2.2 TI2V): diffusers' own forward
+            return type(b).forward(b, hidden, encoder_hidden_states, temb, rotary_emb)
+        shift, scale, gate, c_shift, c_scale, c_gate = (b.scale_shift_table + temb.float()).chunk(6, dim=1)
+        x = self._normed(self.k.mod_norm, self.k.mod_norm_q, hidden, shift, scale, self.eps)
+        hidden = self.k.gate_residual(hidden, self._self_attention(x, hidden.dtype), gate)
+        if isinstance(b.norm2, nn.LayerNorm):
+            args = (hidden, b.norm2.weight, b.norm2.bias, b.norm2.eps)
+            x = self._normed(self.k.affine_norm, self.k.affine_norm_q, *args)
+        else:
+            x = self._normed(lambda h: h, self.k.quantize_3d, hidden) if self.fp8 else hidden
+        cross = self._cross_attention(x, hidden.dtype)
+        if self.fp8:
+            hidden, q, qs = self.k.add_mod_norm_q(hidden, cross, c_shift, c_scale, self.eps)
+            x = (q, qs, hidden.shape[:-1])
+        else:
+            hidden, x = self.k.add_mod_norm(hidden, cross, c_shift, c_scale, self.eps)
+        ff = self._ffn(x, hidden.shape[:-1])
+        return self.k.gate_residual(hidden, ff.float(), c_gate)
+
+    def _self_attention(self, x, dtype):
+        attn = self.block.attn1
+        q, k, v = (self._linear(lin, x) for lin in (attn.to_q, attn.to_k, attn.to_v))
+        ctx = self.slice.current_context()
+        if ctx.sp.size > 1:
+            raise RuntimeError("--dit-levers fused: not with sequence parallelism (--sp) yet")
+        q, k = self.k.qk_norm_rope(
+            q, k, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps, attn.heads, *ctx.rotary
+        )
+        out = self.slice.self_attend(self.layer, q, k, v.unflatten(2, (attn.heads, -1)), ctx)
+        return self._out(attn, out.flatten(2, 3).to(dtype))
+
+    def _cross_attention(self, x, dtype):
+        attn = self.block.attn2
+        q = self._linear(attn.to_q, x)
+        q = self.k.rms_heads(q, attn.norm_q.weight, attn.norm_q.eps, attn.heads)
+        out = self.slice.cross_attend(self.layer, q, self.slice.current_context())
+        return self._out(attn, out.flatten(2, 3).to(dtype))
+
+    @staticmethod
+    def _out(attn, out):
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _ffn(self, x, lead):
+        net = self.block.ffn.net
+        up, down = net[0].proj, net[2]
+        if self.fp8:
+            q, scale = self.k.gelu_q(self._linear(up, x))
+            return down.forward_quantized(q, scale, lead)
+        if isinstance(up, nn.Linear) and up.bias is not None and x.is_cuda:
+            # cuBLASLt's GELU epilogue (tanh approximation): the activation never makes its own pass over memory.
+            hidden = torch._addmm_activation(up.bias, x.reshape(-1, x.shape[-1]), up.weight.t(), use_gelu=True)
+            return down(hidden.reshape(*lead, -1))
+        return down(self.k.gelu(up(x)))
+
+
+def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | None = None) -> dict:
+    """Turn ``levers`` (``parse_levers``' names) on for ``dit_slice`` in place; returns what changed.  ``compile``:
+    whether ``fused`` compiles its kernels (default: on a GPU)."""
+    levers = parse_levers(levers)
+    done: dict = {"levers": list(levers)}
+    if "fp8" in levers:
+        done["fp8_linears"] = len(to_fp8(dit_slice))
+    if "fused" in levers:
+        kernels = Kernels(dit_slice.device.type == "cuda" if compile is None else compile)
+        for layer, block in enumerate(dit_slice.model.blocks):
+            block.forward = FusedBlock(dit_slice, block, layer, kernels)
+        for module in dit_slice.model.blocks.modules():
+            if isinstance(module, Fp8Linear):
+                module.quantize = kernels.quantize
+        done["fused_blocks"] = len(dit_slice.model.blocks)
+    if "cudnn" in levers:
+        prefer_cudnn_attention()
+        done["sdpa_priority"] = [b.name for b in CUDNN_FIRST]
+    return done
+
+
+CUDNN_FIRST = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+_PROCESS_SDPA = contextlib.ExitStack()
+
+
+def prefer_cudnn_attention() -> None:
+    """For the rest of the process, SDPA tries cuDNN's kernel first.  The setting is torch's and process-wide (the
+    stage's executor and its graph-capture thread must agree), so it is entered once and never left."""
+    _PROCESS_SDPA.enter_context(sdpa_kernel(list(CUDNN_FIRST), set_priority=True))
+
+
+__all__ = [
+    "CUDNN_FIRST",
+    "LEVERS",
+    "Fp8Linear",
+    "FusedBlock",
+    "Kernels",
+    "prefer_cudnn_attention",
+    "apply_levers",
+    "parse_levers",
+    "quantize_rows",
+    "to_fp8",
+]

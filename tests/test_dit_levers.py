@@ -1,0 +1,126 @@
+"""The opt-in DiT levers (``stage_service.dit_levers``): names checked at the flag, the fused block forward equal to
+diffusers' op for op where it runs uncompiled, and the float8 rowwise linears within float8's precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stage_service.dit_levers import LEVERS, Fp8Linear, apply_levers, parse_levers, quantize_rows
+from stage_service.dit_slice import AttentionContext, DiTSlice
+
+pytestmark = pytest.mark.unit
+
+# Dimensions that float8 matmuls take (multiples of 16), otherwise the tiny Wan2.1 test model.
+FP8_DIMS = dict(attention_head_dim=16, num_attention_heads=2, ffn_dim=64, text_dim=32)
+
+
+class Window:
+    """A fixed KV window of ``tokens`` tokens per layer that drops what the forward writes."""
+
+    def __init__(self, layers: int, tokens: int, heads: int, dim: int, seed: int, dtype):
+        gen = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(layers, 1, tokens, heads, dim, generator=gen).to(dtype)
+        self.v = torch.randn(layers, 1, tokens, heads, dim, generator=gen).to(dtype)
+        self.writes = True
+
+    @property
+    def context_tokens(self) -> int:
+        return self.k.shape[2]
+
+    def read(self, layer):
+        return self.k[layer], self.v[layer]
+
+    def write(self, layer, key, value):
+        pass
+
+
+def forward(sl: DiTSlice, latents, text, windows) -> torch.Tensor:
+    b, _, f, h, w = latents.shape
+    hs = sl.embed(latents)
+    cond = sl.condition(torch.full((b,), 700.0), tokens=hs.shape[1])
+    cross = [sl.cross_kv(sl.embed_text(text))] * b
+    ctx = AttentionContext(rotary=sl.rotary(f, h, w, [2] * b), cross_kv=cross, self_kv=windows)
+    return sl.head(sl.run_blocks(hs, cond, ctx), cond, latents.shape)
+
+
+def slice_of(tiny_model, dtype, **overrides) -> DiTSlice:
+    model = tiny_model("tiny-wan2.1", **overrides).to(dtype)
+    return DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True)
+
+
+def inputs(sl: DiTSlice, dtype, batch: int = 3):
+    g = torch.Generator().manual_seed(5)
+    latents = torch.randn(batch, 16, 1, 4, 6, generator=g)
+    text = torch.randn(1, 7, sl.config["text_dim"], generator=g)
+    heads, dim = sl.config["num_attention_heads"], sl.config["attention_head_dim"]
+    # Items 0 and 2 share a window length (one grouped SDPA), item 1 has none.
+    windows = [Window(sl.num_layers, 12, heads, dim, 1, dtype), None, Window(sl.num_layers, 12, heads, dim, 2, dtype)]
+    return latents, text, windows[:batch]
+
+
+def test_lever_names_are_checked_and_ordered():
+    assert parse_levers("cudnn, fp8") == ("fp8", "cudnn")
+    assert parse_levers("") == ()
+    assert parse_levers(list(LEVERS)) == LEVERS
+    with pytest.raises(ValueError, match="--dit-levers: unknown lever.*fp4"):
+        parse_levers("fused,fp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_blocks_uncompiled_equal_the_default_forward_bit_for_bit(tiny_model, dtype):
+    plain, fused = slice_of(tiny_model, dtype), slice_of(tiny_model, dtype)
+    applied = apply_levers(fused, ["fused"], compile=False)
+    assert applied["fused_blocks"] == plain.num_layers
+    latents, text, windows = inputs(plain, dtype)
+    expected = forward(plain, latents, text, windows)
+    got = forward(fused, latents, text, windows)
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def test_no_levers_change_nothing(tiny_model):
+    plain, same = slice_of(tiny_model, torch.bfloat16), slice_of(tiny_model, torch.bfloat16)
+    assert apply_levers(same, []) == {"levers": []}
+    latents, text, windows = inputs(plain, torch.bfloat16)
+    assert torch.equal(forward(same, latents, text, windows), forward(plain, latents, text, windows))
+
+
+def test_rowwise_quantisation_keeps_each_row_within_float8_precision():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 3, 64)[:, None]  # rows six decades apart
+    q, scale = quantize_rows(x.to(torch.bfloat16))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    back = q.float() * scale
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 near a row's max, and never more than that of
+    # the row's max in absolute terms (the small values of a row share its scale).
+    assert ((back - x).abs() <= row_max * 2**-4 + 1e-6).all()
+    assert (back.abs().amax(dim=1, keepdim=True) - row_max).abs().max() <= (row_max * 2**-4).max()
+
+
+def test_fp8_linear_is_close_to_the_bf16_linear_and_replaces_only_block_linears(tiny_model):
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(5, 7, 64).to(torch.bfloat16)
+    got, ref = Fp8Linear(linear)(x).float(), linear(x).float()
+    assert got.shape == ref.shape
+    assert (got - ref).norm() / ref.norm() < 0.06  # float8 operands: a few percent
+
+    sl = slice_of(tiny_model, torch.bfloat16, **FP8_DIMS)
+    applied = apply_levers(sl, ["fp8"])
+    per_block = 4 + 4 + 2  # self-attention q/k/v/out, cross-attention q/k/v/out, the FFN's two projections
+    assert applied["fp8_linears"] == per_block * sl.num_layers
+    assert not isinstance(sl.model.condition_embedder.text_embedder.linear_1, Fp8Linear)
+    assert not isinstance(sl.model.proj_out, Fp8Linear)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Fp8Linear(nn.Linear(24, 32))
+
+
+def test_fp8_with_fused_blocks_stays_near_bf16(tiny_model):
+    plain, levered = slice_of(tiny_model, torch.bfloat16, **FP8_DIMS), slice_of(tiny_model, torch.bfloat16, **FP8_DIMS)
+    apply_levers(levered, ["fp8", "fused"], compile=False)
+    latents, text, windows = inputs(plain, torch.bfloat16)
+    ref = forward(plain, latents, text, windows).float()
+    got = forward(levered, latents, text, windows).float()
+    assert torch.isfinite(got).all()
+    assert (got - ref).norm() / ref.norm() < 0.1
