@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = STREAM_SERVICE
 
 
+PIPELINE_TRAILER = "stagecast-pipeline"  # a refusal's trailing metadata: the pipeline's --pipeline-name
 _TIMED_OUT = object()
 _NO_MESSAGE = object()
 _EVICTED = object()  # the call gave its place in the full pending pool to another client's
@@ -100,6 +101,8 @@ class StreamServicer:
 
     def Generate(self, request_iterator, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.gw.address) as span:
+            if span is not None and self.gw.fleet.name:
+                span.set_attribute("stagecast.pipeline", self.gw.fleet.name)  # which pipeline of a fleet
             yield from self._generate(request_iterator, context, span)
 
     def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
@@ -223,7 +226,9 @@ class StreamServicer:
     def _abort(self, context, code: grpc.StatusCode, message: str, retry_after: float | None = None):
         self.gw.metrics.rejected(code.name)
         logger.info("call ended with %s: %s", code.name, message)
-        abort_with_retry(context, code, message, retry_after or 0.0)
+        name = self.gw.fleet.name  # behind a fleet's door, the refusal says which pipeline refused
+        trailers = ((PIPELINE_TRAILER, name),) if name else ()
+        abort_with_retry(context, code, message, retry_after or 0.0, metadata=trailers)
 
     def GetStatus(self, request: bytes, context):
         try:

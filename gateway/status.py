@@ -51,12 +51,14 @@ class StatusReport:
         max_streams: int,
         coordinator_target: str,
         cost_budget: pb.CostBudget,
+        fleet=None,
     ):
         self.table = table
         self.coordinator = coordinator  # the CoordinatorService stub
         self.max_streams = max_streams
         self.coordinator_target = coordinator_target
         self.cost_budget = cost_budget
+        self.fleet = fleet  # gateway.agent.Fleet: the pipeline's name, slots and drain (None: not reported)
         self._lock = threading.Lock()
         self._capacity: tuple[float, list[pb.Capacity]] | None = None  # (when asked, the answer)
 
@@ -106,6 +108,11 @@ class StatusReport:
                 input_frames_received=run.input.received if run.input is not None else 0,
                 input_frames_dropped=run.input.dropped if run.input is not None else 0,
             )
+        if self.fleet is not None:
+            slots = self.fleet.slots
+            msg.pipeline = self.fleet.name
+            msg.slots_free, msg.slots_total = slots.free, slots.total
+            msg.draining = self.fleet.draining.is_set()
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
         msg.paced_streams = sum(1 for s in msg.streams if s.paced)
         msg.unpaced_streams = len(msg.streams) - msg.paced_streams

@@ -103,6 +103,7 @@ class StreamHost:
     temporal_factor: int
     touch: Callable[[], None]  # the stream's state changed (status watchers)
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
+    pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
 
 
 class StreamRun:
@@ -250,6 +251,7 @@ class StreamRun:
                 pipeline_stream_id=self.pipeline_id,
                 prompt_ms=self.prompt_ms,
                 opened_ms=self.opened_ms,
+                pipeline=self.host.pipeline,
             )
         )
 

@@ -92,6 +92,7 @@ class StreamInfo:
     # The gateway's clock (ms since it got the config, as ``FrameTiming``): the prompt encoded, the stream admitted.
     prompt_ms: float = 0.0
     opened_ms: float = 0.0
+    pipeline: str = ""  # the pipeline serving it (its gateway's --pipeline-name): behind a fleet's door, which one
 
     @classmethod
     def from_proto(cls, msg: pb.Started) -> StreamInfo:
@@ -105,6 +106,7 @@ class StreamInfo:
             latent_height=msg.latent_height,
             prompt_ms=msg.prompt_ms,
             opened_ms=msg.opened_ms,
+            pipeline=msg.pipeline,
         )
 
     @property

@@ -280,9 +280,16 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 MAX_RETRY_AFTER_S = 3600.0
 
 
-def abort_with_retry(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0):
+def abort_with_retry(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    retry_after_s: float = 0.0,
+    metadata: tuple[tuple[str, str], ...] = (),
+):
     """Abort the call with ``code``; with ``retry_after_s`` > 0 the status details (google.rpc.Status) carry a
-    google.rpc.RetryInfo saying when to try again, as gRPC's richer error model does."""
+    google.rpc.RetryInfo saying when to try again, as gRPC's richer error model does.  ``metadata``: more trailers."""
+    trailers = tuple(metadata)
     if retry_after_s > 0:
         from google.protobuf import any_pb2, duration_pb2
         from google.rpc import error_details_pb2, status_pb2
@@ -294,7 +301,9 @@ def abort_with_retry(context: grpc.ServicerContext, code: grpc.StatusCode, messa
         detail = any_pb2.Any()
         detail.Pack(info)
         status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
-        context.set_trailing_metadata(((STATUS_DETAILS_KEY, status.SerializeToString()),))
+        trailers += ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+    if trailers:
+        context.set_trailing_metadata(trailers)
     context.abort(code, message)
 
 
