@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import subprocess
 import sys
 
@@ -142,28 +143,37 @@ def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
         return {"ok": False, "error": str(exc).splitlines()[0]}
 
 
-def run_variants(cfg: dict, args, device: torch.device) -> dict:
-    out: dict = {}
+def run_variant(cfg: dict, args, device: torch.device, levers: tuple, row: dict, refs: dict, label: str) -> None:
+    sl, row["applied"] = build(cfg, device, levers)
+    with torch.no_grad():
+        for batch in args.batches:
+            inputs = inputs_for(cfg, batch, args, device)
+            got = measure(sl, inputs, args)
+            entry = got["result"]
+            if not levers:
+                refs[batch] = got["step"]
+            elif batch in refs:
+                entry["vs_bf16"] = relative(got["step"], refs[batch])
+            row["batches"][str(batch)] = entry
+            print(describe(label, batch, entry), flush=True)
+            del inputs, got
+
+
+def run_variants(cfg: dict, args, device: torch.device, result: dict) -> None:
+    """Each variant into ``result["variants"]``, the JSON rewritten after each (a run cut short keeps what it has); a
+    variant that fails records its error and the next one runs."""
+    out = result["variants"] = {}
     refs: dict[int, torch.Tensor] = {}
     for label, levers in args.variants:
-        sl, applied = build(cfg, device, levers)
-        row = out[label] = {"levers": list(levers), "applied": applied, "batches": {}}
-        with torch.no_grad():
-            for batch in args.batches:
-                inputs = inputs_for(cfg, batch, args, device)
-                got = measure(sl, inputs, args)
-                entry = got["result"]
-                if not levers:
-                    refs[batch] = got["step"]
-                elif batch in refs:
-                    entry["vs_bf16"] = relative(got["step"], refs[batch])
-                row["batches"][str(batch)] = entry
-                print(describe(label, batch, entry), flush=True)
-                del inputs, got
-        del sl
+        row = out[label] = {"levers": list(levers), "batches": {}}
+        try:
+            run_variant(cfg, args, device, levers, row, refs, label)
+        except Exception as exc:  # noqa: BLE001 - a lever that cannot run here is a result too
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            print(f"{label}: FAILED {row['error']}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return out
+        write_result(args.json, result)
 
 
 def describe(label: str, batch: int, e: dict) -> str:
@@ -182,6 +192,9 @@ def markdown(result: dict) -> str:
     lines = [head, "|" + "---|" * (len(batches) + 2)]
     base = result["variants"].get("bf16", {}).get("batches", {})
     for label, row in result["variants"].items():
+        if len(row["batches"]) < len(batches):
+            lines.append(f"| `{label}` | " + " | ".join(["-"] * len(batches)) + f" | {row.get('error', 'cut short')} |")
+            continue
         cells = []
         for b in batches:
             e = row["batches"][str(b)]
@@ -195,6 +208,9 @@ def markdown(result: dict) -> str:
 
 
 def commit() -> str:
+    """The commit measured: ``$STAGECAST_COMMIT`` (a device machine's copy has no .git), else git's."""
+    if os.environ.get("STAGECAST_COMMIT"):
+        return os.environ["STAGECAST_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -256,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "cudnn_probe": cudnn_probe(cfg, args, device),
     }
     print(f"cudnn probe: {result['cudnn_probe']}", flush=True)
-    result["variants"] = run_variants(cfg, args, device)
-    write_result(args.json, result)
+    run_variants(cfg, args, device, result)
     print(markdown(result))
     return 0
 

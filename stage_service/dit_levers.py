@@ -167,9 +167,16 @@ def quantized(fn: Callable) -> Callable:
 
 
 class Kernels:
-    """The fused lever's functions, compiled on a GPU (``torch.compile``, static shapes first, then dynamic)."""
+    """The fused lever's functions, compiled on a GPU (``torch.compile``, static shapes first, then dynamic).  One
+    instance per process and setting (``kernels``): slices that share it share the compiled code."""
 
     def __init__(self, compile: bool):
+        if compile:  # a function is compiled once static and once dynamic per wrapper; ``quantized`` shares a frame
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 512
+            )
+
         def wrap(fn):
             return torch.compile(fn, fullgraph=True) if compile else fn
 
@@ -179,6 +186,11 @@ class Kernels:
         self.quantize_3d = wrap(lambda h: quantize_rows(h.reshape(-1, h.shape[-1])))
         self.mod_norm_q, self.affine_norm_q = wrap(quantized(mod_norm)), wrap(quantized(affine_norm))
         self.add_mod_norm_q, self.gelu_q = wrap(quantized(add_mod_norm)), wrap(quantized(gelu_tanh))
+
+
+@functools.cache
+def kernels(compile: bool) -> Kernels:
+    return Kernels(compile)
 
 
 class FusedBlock:
@@ -266,12 +278,12 @@ def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | 
     if "fp8" in levers:
         done["fp8_linears"] = len(to_fp8(dit_slice))
     if "fused" in levers:
-        kernels = Kernels(dit_slice.device.type == "cuda" if compile is None else compile)
+        shared = kernels(dit_slice.device.type == "cuda" if compile is None else compile)
         for layer, block in enumerate(dit_slice.model.blocks):
-            block.forward = FusedBlock(dit_slice, block, layer, kernels)
+            block.forward = FusedBlock(dit_slice, block, layer, shared)
         for module in dit_slice.model.blocks.modules():
             if isinstance(module, Fp8Linear):
-                module.quantize = kernels.quantize
+                module.quantize = shared.quantize
         done["fused_blocks"] = len(dit_slice.model.blocks)
     if "cudnn" in levers:
         prefer_cudnn_attention()
