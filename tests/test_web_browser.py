@@ -13,12 +13,22 @@ skip only where they are not installed.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
+import json
 import os
 import shutil
+import socket
 import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
 import uuid
 
+import aiohttp
+import av
 import numpy as np
 import pytest
 from PIL import Image
@@ -373,3 +383,227 @@ def test_the_page_says_why_frames_are_late(system, browser):
     assert encoder == "frames wait 250 ms in the web process's encoder (CPU)"
     assert browser.execute_script(reason, [], 0, None).startswith("no frames this second: the server is behind")
     assert browser.execute_script(reason, [[5, 1], [6, 1]], 2, 1.0) == ""  # on time: nothing to explain
+
+
+# ---- the page's own handshake past the pre-auth pool (issue 50) ---------------------------------------------------
+
+ALICE = "alice-token-0123456789abcdef"
+SQUAT_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # three peers of their own: any 127/8 address is local
+SQUATS_PER_ADDRESS = 8  # the edge's --max-preauth-per-address: 24 sockets for its 16 places (--max-preauth)
+
+
+class Squatters:
+    """Tokenless WebSockets held open from several loopback addresses, each reopened as soon as the edge closes it
+    (it does 1 s after opening, or when a newcomer evicts it): threads with raw sockets, so each can bind its own
+    source address.  Counts the handshakes answered 101 (a place in the pre-auth pool) and refused (503)."""
+
+    def __init__(self, host: str, port: int, addresses, per_address: int):
+        self.target = (host, port)
+        self.stop = threading.Event()
+        self.upgraded = self.refused = 0
+        self.lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._squat, args=(address,), daemon=True)
+            for address in addresses
+            for _ in range(per_address)
+        ]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def _squat(self, address: str) -> None:
+        request = (
+            f"GET /api/ws HTTP/1.1\r\nHost: {self.target[0]}:{self.target[1]}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n\r\n"
+        ).encode()
+        while not self.stop.is_set():
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                s.bind((address, 0))
+                try:
+                    s.connect(self.target)
+                    s.sendall(request)
+                    head = b""
+                    while b"\r\n" not in head and not self.stop.is_set():
+                        try:
+                            data = s.recv(4096)
+                        except TimeoutError:
+                            continue
+                        if not data:
+                            break
+                        head += data
+                    with self.lock:
+                        if head.startswith(b"HTTP/1.1 101"):
+                            self.upgraded += 1
+                        else:
+                            self.refused += 1
+                    while not self.stop.is_set():  # hold it until the edge closes it
+                        try:
+                            if not s.recv(4096):
+                                break
+                        except TimeoutError:
+                            continue
+                except OSError:
+                    pass
+
+
+def _health(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(urllib.parse.urljoin(url, "healthz"), timeout=10).read())
+
+
+@pytest.fixture
+def token_web(system, tmp_path):
+    """A second web edge in front of the same gateway, asking for tokens."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALICE} alice\n")
+    args = ["web", "--gateway", system.gateway, "--port", "0", "--ice-host", "127.0.0.1", "--tokens", str(tokens)]
+    child = system.launcher.spawn(f"web-tokens-{uuid.uuid4().hex[:6]}", args)
+    try:
+        yield child.info["url"]
+    finally:
+        system.launcher.stop(child)
+
+
+def _first_message_stream(url: str, address: str, token: str) -> list[dict]:
+    """A client that cannot set the subprotocol: a WebSocket from ``address`` with its token in its first message,
+    through a 1 s stream; the messages it got."""
+
+    async def scenario():
+        ws_url = urllib.parse.urljoin(url.replace("http", "ws", 1), "api/ws")
+        connector = aiohttp.TCPConnector(local_addr=(address, 0))
+        async with aiohttp.ClientSession(connector=connector) as http, http.ws_connect(ws_url) as ws:
+            await ws.send_str(json.dumps({"type": "config", "prompt": "a fox", "seconds": 1, "token": token}))
+            seen = []
+            async for raw in ws:
+                if raw.type == aiohttp.WSMsgType.TEXT:
+                    seen.append(json.loads(raw.data))
+                    if seen[-1]["type"] in ("end", "error"):
+                        break
+            return seen
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.multiprocess
+def test_24_tokenless_sockets_from_3_addresses_do_not_stop_a_tenant_streaming_through_the_page(token_web, browser):
+    host, port = urllib.parse.urlsplit(token_web).hostname, urllib.parse.urlsplit(token_web).port
+    with Squatters(host, port, SQUAT_ADDRESSES, SQUATS_PER_ADDRESS) as squat:
+        # The pool is full of them (16 places), and the rest of the 24 are refused or evict each other.
+        deadline = time.monotonic() + 60
+        while _health(token_web)["preauth"] < 16:
+            assert time.monotonic() < deadline, f"the squatters never filled the pre-auth pool: {_health(token_web)}"
+            time.sleep(0.05)
+        browser.get(f"{token_web}#token={ALICE}")
+        until(browser, "window.stagecast && window.stagecast.ready")
+        browser.find_element(By.CSS_SELECTOR, "input[name=transport][value=ws]").click()
+        browser.find_element(By.ID, "seconds").send_keys("1")
+        browser.find_element(By.ID, "start").click()
+        end = until(browser, "window.stagecast.ends.length && window.stagecast.ends[0]")
+        state = browser.execute_script("return window.stagecast;")
+        during = _health(token_web)
+        # A client that can only send its token in its first message shares the pool; from an address below its
+        # fair share, it evicts the oldest socket of the address holding the most, and streams.
+        late = _first_message_stream(token_web, "127.0.0.5", ALICE)
+        after = _health(token_web)
+    assert end == {"type": "end", "reason": "completed", "frames": 16}, state["events"]
+    assert state["errors"] == [] and state["transport"] == "ws" and state["tokenInHeader"] is True
+    assert squat.upgraded >= 24 and during["preauth"] >= 8, (squat.upgraded, during)  # the squatting went on
+    assert late[0]["type"] == "started" and late[-1] == {"type": "end", "reason": "completed", "frames": 16}, late
+    # The page and the late client were the only peers, the page's token in its handshake, past the pool.
+    assert after["ws"] == 2 and after["ws_token_in_header"] == 1 and after["evicted"] >= 1, after
+
+
+# ---- recording on the page (issue 51) -------------------------------------------------------------------------------
+
+READ_BLOB = """
+const done = arguments[arguments.length - 1];
+window.stagecastFiles.get(arguments[0]).arrayBuffer().then((buf) => {
+  let s = ""; const bytes = new Uint8Array(buf);
+  for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  done(btoa(s));
+}).catch((e) => done("error: " + e));
+"""
+
+
+def _saved(driver, url: str, path) -> None:
+    data = driver.execute_async_script(READ_BLOB, url)
+    assert not data.startswith("error"), data
+    path.write_bytes(base64.b64decode(data))
+
+
+def _duration_s(path) -> tuple[float, int]:
+    """A recording's duration as PyAV reads it (from its frames' times: MediaRecorder's WebM has no duration in
+    its header) and its frame count."""
+    with av.open(str(path)) as container:
+        times = [float(f.time) for f in container.decode(video=0) if f.time is not None]
+    assert len(times) >= 2, f"{path} holds {len(times)} frames"
+    step = float(np.median(np.diff(sorted(times))))
+    return max(times) - min(times) + step, len(times)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", ["webrtc", "ws"])
+def test_the_page_records_a_stream_with_a_prompt_switch_into_a_file_and_a_sidecar(system, browser, tmp_path, transport):
+    seconds = 3
+    browser.get(system.url)
+    until(browser, "window.stagecast && window.stagecast.ready")
+    browser.find_element(By.CSS_SELECTOR, f"input[name=transport][value={transport}]").click()
+    browser.find_element(By.ID, "seconds").send_keys(str(seconds))
+    browser.find_element(By.ID, "record").click()  # armed: it starts at the stream's first shown frame
+    assert browser.find_element(By.ID, "record").text.startswith("Record (armed")
+    browser.find_element(By.ID, "start").click()
+    until(browser, "window.stagecast.recording && !window.stagecast.recording.armed")
+    until(browser, "window.stagecast.frames >= 12")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(OTHER)
+    browser.find_element(By.ID, "update").click()
+    until(browser, f"window.stagecast.promptUpdates.includes({OTHER!r})")
+    end = until(browser, "window.stagecast.ends.length && window.stagecast.ends[0]")
+    saved = until(browser, "window.stagecast.recordings.length && window.stagecast.recordings[0]")
+    state = browser.execute_script("return window.stagecast;")
+    assert end["reason"] == "completed" and state["errors"] == [], state["events"]
+    assert state["recording"] is None and browser.find_element(By.ID, "record").text == "Record"
+    kinds = {f["kind"]: f for f in saved["files"]}
+    assert set(kinds) == {"output", "sidecar"}
+    video = kinds["output"]
+    ext = "mp4" if video["type"].startswith("video/mp4") else "webm"
+    assert video["type"].startswith(("video/mp4", "video/webm")) and video["name"].endswith(f".{ext}")
+    # The page lists them as downloads, named alike.
+    links = [a.get_attribute("download") for a in browser.find_elements(By.CSS_SELECTOR, "#recordings a")]
+    assert links == [video["name"], kinds["sidecar"]["name"]]
+    path = tmp_path / video["name"]
+    _saved(browser, video["url"], path)
+    duration, frames = _duration_s(path)
+    config = state["started"]["config"]
+    fps = config["target_fps"]
+    chunk_s = config.get("chunk_frames", 1) * 4 / fps  # one latent frame is 4 video frames
+    sidecar = saved["sidecar"]
+    late = sidecar["last_frame_late_s"]  # the page shows the stream as it comes: a late server makes it longer
+    print(
+        f"{transport}: {video['type']} recording of {duration:.3f} s, {frames} frames; the {seconds} s stream's last "
+        f"frame {late:.3f} s late"
+    )
+    expected = seconds - sidecar["first_pts_s"] + late  # from the first frame recorded, as the stream came
+    assert abs(duration - expected) <= chunk_s, (duration, expected, chunk_s, sidecar)
+    # The sidecar: the stream, its first prompt, and the switch at its time on the recording's clock.
+    assert sidecar["file"] == video["name"] and sidecar["stream_id"] == state["started"]["stream_id"]
+    assert sidecar["prompt"] == config["prompt"] and abs(sidecar["duration_s"] - duration) <= chunk_s
+    (switch,) = sidecar["prompt_switches"]
+    assert switch["prompt"] == OTHER and 0 < switch["at_s"] < duration
+    # Told of the switch after at least 12 frames had come: at that point of the stream (its pts), and on the
+    # recording's clock no earlier than that, nor later than the stream's lateness by the end allows.
+    since_first = switch["stream_s"] - sidecar["first_pts_s"]
+    assert since_first >= 11 / fps, (switch, sidecar["first_pts_s"])
+    assert since_first - chunk_s <= switch["at_s"] <= since_first + late + chunk_s, (switch, sidecar)
+    side_path = tmp_path / kinds["sidecar"]["name"]
+    _saved(browser, kinds["sidecar"]["url"], side_path)
+    assert json.loads(side_path.read_text()) == sidecar

@@ -28,12 +28,27 @@ def test_without_tokens_only_the_peer_limit_applies():
 @pytest.mark.unit
 def test_the_pre_auth_pool_is_bounded_per_address_and_in_total():
     pool = PreAuthPool(total=3, per_address=2)
-    assert pool.enter("10.0.0.1") is None and pool.enter("10.0.0.1") is None
+    first, second = pool.enter("10.0.0.1"), pool.enter("10.0.0.1")
+    assert not isinstance(first, str) and not isinstance(second, str)
     assert "--max-preauth-per-address" in pool.enter("10.0.0.1")
-    assert pool.enter("10.0.0.2") is None
-    assert "--max-preauth" in pool.enter("10.0.0.3")
-    pool.leave("10.0.0.1")
-    assert len(pool) == 2 and pool.enter("10.0.0.3") is None
+    assert not isinstance(pool.enter("10.0.0.2"), str)
+    refused = pool.enter("10.0.0.2")  # at its fair share of a full pool
+    assert "--max-preauth" in refused and "fair share" in refused
+    pool.leave(first)
+    assert len(pool) == 2 and not isinstance(pool.enter("10.0.0.3"), str)
+
+
+@pytest.mark.unit
+def test_a_full_pre_auth_pool_gives_a_new_address_the_oldest_socket_of_the_address_holding_the_most():
+    pool = PreAuthPool(total=4, per_address=3)
+    closed = []
+    held = [pool.enter("10.0.0.1", lambda i=i: closed.append(i)) for i in range(3)]
+    pool.enter("10.0.0.2")
+    newcomer = pool.enter("10.0.0.3")
+    assert not isinstance(newcomer, str) and closed == [0] and held[0].evicted
+    assert len(pool) == 4 and pool.evictions == 1
+    pool.leave(held[0])  # the evicted socket's own close: nothing more to give back
+    assert len(pool) == 4
 
 
 @pytest.mark.unit

@@ -43,6 +43,7 @@ def ice_hosts(host: str, explicit: list[str] | None) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     from aiortc import RTCIceServer
 
+    from stagecast.client_identity import trusted_proxies
     from stagecast.security import is_loopback
     from web.server import WebApp
     from web.slots import PeerSlots, PreAuthPool
@@ -75,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or 1)
         PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)
+        trusted_proxies(cfg.trusted_proxy)
     except ValueError as exc:
         print(f"stagecast web: {exc}", flush=True)
         return 2

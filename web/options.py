@@ -56,6 +56,18 @@ class WebConfig:
     max_preauth: int = flag(
         16, help="WebSockets waiting to authenticate (token in their first message, within 1 s), together"
     )
-    max_preauth_per_address: int = flag(8, help="of those, from one client address")
+    max_preauth_per_address: int = flag(
+        8,
+        help="of those, from one client address; when all are taken, a newcomer below its fair share evicts the "
+        "oldest socket of the address holding the most",
+    )
+    # Peers whose X-Forwarded-For names the client address (stagecast.client_identity): the fleet's door
+    trusted_proxy: tuple = flag(
+        (),
+        action="append",
+        metavar="ADDR",
+        help="a proxy (address or network) whose X-Forwarded-For address is the client's, for the pre-auth pool; "
+        "repeatable or a comma list",
+    )
     ice_servers: list[RTCIceServer] = field(default_factory=list)  # TURN (or STUN) for peers behind NAT: from --turn
     connect_timeout: float = 15.0  # an answered peer must connect within this

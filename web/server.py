@@ -36,6 +36,7 @@ from pathlib import Path
 from aiohttp import web
 
 from stagecast.client import AsyncClient
+from stagecast.client_identity import client_address, trusted_proxies
 from stagecast.errors import StagecastError
 from stagecast.security import TokenAuth
 from web.control import MAX_MESSAGE_BYTES
@@ -69,6 +70,8 @@ PAGES = {
     "/app.js": ("app.js", "text/javascript"),
     "/app.css": ("app.css", "text/css"),
 }
+# A socket waiting in a full pre-auth pool whose place went to a newcomer below its fair share is closed with this.
+EVICTED = b"no token yet, and the pre-auth pool is full: send the token in Sec-WebSocket-Protocol"
 # The page loads nothing from elsewhere (no CDN: the machine may be offline) and runs no inline script.
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; media-src 'self' blob:; "
@@ -88,8 +91,9 @@ class WebApp:
         self.peers: dict[str, object] = {}  # id -> RtcPeer or WebSocketResponse, each holding a slot
         self.slots = PeerSlots(cfg.max_peers, cfg.max_peers_per_tenant or max(1, cfg.max_peers // 2))
         self.preauth = PreAuthPool(cfg.max_preauth, cfg.max_preauth_per_address)
+        self.trusted = trusted_proxies(cfg.trusted_proxy)  # whose X-Forwarded-For names the client
         self._ids = itertools.count(1)
-        self.served = {"rtc": 0, "ws": 0, "refused": 0}
+        self.served = {"rtc": 0, "ws": 0, "ws_token_in_header": 0, "refused": 0}
         self.app = web.Application(client_max_size=MAX_SDP_BYTES + 4096)
         for path in PAGES:
             self.app.router.add_get(path, self.page)
@@ -156,7 +160,9 @@ class WebApp:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"peers": len(self.slots), "preauth": len(self.preauth), **self.served})
+        return web.json_response(
+            {"peers": len(self.slots), "preauth": len(self.preauth), "evicted": self.preauth.evictions, **self.served}
+        )
 
     async def info(self, request: web.Request) -> web.Response:
         servers = [
@@ -236,12 +242,23 @@ class WebApp:
         peer_id = f"ws-{next(self._ids)}"
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
         header_token = next((p[len(BEARER_PROTOCOL) :] for p in offered if p.startswith(BEARER_PROTOCOL)), None)
-        address = request.remote
+        address = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.trusted)
         waiting = header_token is None  # in the pre-auth pool
+        loop = asyncio.get_running_loop()
+        ws_holder: list[web.WebSocketResponse | None] = [None]  # set once prepared: an eviction closes it
+        evicted = asyncio.Event()
+
+        def evict() -> None:  # a newcomer below its fair share took this socket's place (web.slots)
+            evicted.set()
+            if ws_holder[0] is not None:
+                loop.create_task(ws_holder[0].close(message=EVICTED))
+
+        entry = None
         if waiting:
-            if (refusal := self.preauth.enter(address)) is not None:
+            entry = self.preauth.enter(address, evict)
+            if isinstance(entry, str):
                 self.served["refused"] += 1
-                return _refuse(503, refusal)
+                return _refuse(503, entry)
         else:
             tenant, problem = self.check_token(header_token)
             if problem is not None:
@@ -252,15 +269,19 @@ class WebApp:
         ws = web.WebSocketResponse(
             heartbeat=self.cfg.peer_timeout / 2, max_msg_size=MAX_MESSAGE_BYTES, protocols=(WS_PROTOCOL,)
         )
-        loop = asyncio.get_running_loop()
         timer = None
         try:
             await ws.prepare(request)
+            ws_holder[0] = ws
+            if evicted.is_set():  # evicted while the handshake was under way
+                await ws.close(message=EVICTED)
+                return ws
             if waiting:
                 why = f"no token within {PREAUTH_S:g} s".encode()
             else:
                 self.peers[peer_id] = ws
                 self.served["ws"] += 1
+                self.served["ws_token_in_header"] += 1  # never in the pre-auth pool
                 why = f"no config within {FIRST_MESSAGE_S:g} s".encode()
             timer = loop.call_later(
                 PREAUTH_S if waiting else FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=why))
@@ -274,7 +295,7 @@ class WebApp:
                 tenant, problem = self.check_token(token)
                 if problem is not None:
                     return ("UNAUTHENTICATED" if problem[0] == 401 else "PERMISSION_DENIED"), problem[1]
-                self.preauth.leave(address)
+                self.preauth.leave(entry)
                 waiting = False
                 if (refusal := self._take(peer_id, tenant)) is not None:
                     return "RESOURCE_EXHAUSTED", refusal
@@ -292,7 +313,7 @@ class WebApp:
             if timer is not None:
                 timer.cancel()
             if waiting:
-                self.preauth.leave(address)
+                self.preauth.leave(entry)
             self._free(peer_id)
         return ws
 

@@ -8,18 +8,25 @@ Usage (``web.server`` holds one of each)::
     slots.free("rtc-1")                          # when the peer closes (freeing twice is harmless)
 
     pool = PreAuthPool(total=16, per_address=8)
-    refusal = pool.enter("10.0.0.7")            # a WebSocket without a token in its headers, before its first message
-    pool.leave("10.0.0.7")                       # authenticated (it then takes a peer slot) or closed
+    entry = pool.enter("10.0.0.7", on_evict)    # a WebSocket without a token in its headers, before its first message
+    if isinstance(entry, str): ...               # refused: the text (HTTP 503)
+    pool.leave(entry)                            # authenticated (it then takes a peer slot), closed, or evicted
 
 A peer slot is taken only once the browser's token is checked (the offer's ``Authorization`` header; a WebSocket's
 ``Sec-WebSocket-Protocol`` header or its first message), so sockets that never authenticate cannot lock valid tenants
 out: they wait in the pre-auth pool, bounded per client address and in total, and are closed after
-``PREAUTH_S``.  Without tokens every browser is the same (anonymous) tenant and only ``max_peers`` bounds them.
+``PREAUTH_S``; a full pool gives way fairly (a newcomer below its fair share evicts the oldest socket of the address
+holding the most).  The page itself never waits there: it sends its token in ``Sec-WebSocket-Protocol``.  The address
+is ``stagecast.client_identity``'s (behind ``--trusted-proxy``, the one it forwarded for).  Without tokens every
+browser is the same (anonymous) tenant and only ``max_peers`` bounds them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+
+from stagecast.fair_pool import Entry, FairPool, PoolFull
 
 PREAUTH_S = 1.0  # a WebSocket without a token in its headers must authenticate (its first message) within this
 MAX_SLOTS = 10_000
@@ -65,7 +72,9 @@ class PeerSlots:
 
 
 class PreAuthPool:
-    """WebSockets waiting to authenticate: at most ``total`` together and ``per_address`` from one client address."""
+    """WebSockets waiting to authenticate: at most ``total`` together and ``per_address`` from one client address;
+    when all ``total`` are taken, a newcomer from an address below its fair share evicts the oldest socket of the
+    address holding the most (``stagecast.fair_pool``)."""
 
     def __init__(self, total: int, per_address: int):
         if not 1 <= total <= MAX_SLOTS:
@@ -74,25 +83,28 @@ class PreAuthPool:
             raise ValueError(f"--max-preauth-per-address must be in [1, --max-preauth {total}], got {per_address}")
         self.total = total
         self.per_address = per_address
-        self._held: Counter[str] = Counter()
+        self._pool = FairPool(
+            total,
+            per_address,
+            flag="--max-preauth",
+            per_client_flag="--max-preauth-per-address",
+            what="sockets waiting to authenticate",
+        )
 
     def __len__(self) -> int:
-        return sum(self._held.values())
+        return len(self._pool)
 
-    def enter(self, address: str | None) -> str | None:
-        key = address or "?"
-        if len(self) >= self.total:
-            return f"too many sockets waiting to authenticate: {len(self)}, the limit is {self.total} (--max-preauth)"
-        if self._held[key] >= self.per_address:
-            return (
-                f"too many sockets from {key} waiting to authenticate: the limit is {self.per_address} "
-                "(--max-preauth-per-address)"
-            )
-        self._held[key] += 1
-        return None
+    @property
+    def evictions(self) -> int:
+        return self._pool.evictions
 
-    def leave(self, address: str | None) -> None:
-        key = address or "?"
-        self._held[key] -= 1
-        if self._held[key] <= 0:
-            del self._held[key]
+    def enter(self, address: str | None, on_evict: Callable[[], None] | None = None) -> Entry | str:
+        """The socket's place (an ``Entry``), or the refusal's text (HTTP 503).  ``on_evict`` runs when a newcomer
+        takes the place: it must close the socket."""
+        try:
+            return self._pool.enter(f"address {address or 'unknown'}", on_evict)
+        except PoolFull as exc:
+            return str(exc)
+
+    def leave(self, entry: Entry) -> None:
+        self._pool.leave(entry)

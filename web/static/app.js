@@ -2,13 +2,16 @@
 // Control messages are the same on both: config, prompt, stop, ping; the server answers started, frame (stats),
 // prompt_updated, end, error.  WebRTC that does not connect within 5 s, or a browser without it, falls back to the
 // WebSocket by itself; an error shows in the status line and leaves the page idle.  The size list offers what the
-// gateway's cost budget admits (api/budget).  window.stagecast exposes the page's state (tests read it).
+// gateway's cost budget admits (api/budget).  Record saves what the video element shows (MediaRecorder: MP4 where
+// the browser makes it, else WebM), optionally the webcam too, with a sidecar JSON of the prompt switches and their
+// times.  window.stagecast exposes the page's state (tests read it).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const state = (window.stagecast = {
   transport: null, started: null, frames: 0, firstFrameMs: null, promptUpdates: [], ends: [], errors: [],
-  events: [], framesReceived: 0, running: false, fallbacks: 0, budget: null,
+  events: [], framesReceived: 0, running: false, fallbacks: 0, budget: null, recordings: [], recording: null,
+  lastPts: null, lastLateMs: null,
 });
 let info = { token_required: false, ice_servers: [] };
 let budget = null; // the gateway's cost budget (api/budget): which sizes it admits
@@ -101,6 +104,7 @@ function onMessage(msg) {
   switch (msg.type) {
     case "started":
       state.started = msg; state.running = true; state.frames = 0; state.firstFrameMs = null; windowFrames = [];
+      state.lastPts = null;
       setStatus(`streaming (${state.transport}) ${msg.config.width}×${msg.config.height} @ ` +
         `${msg.config.target_fps} fps, ${msg.config.steps} steps`);
       log("started", `stream ${msg.stream_id}, seed ${msg.config.seed}`);
@@ -108,6 +112,7 @@ function onMessage(msg) {
       break;
     case "frame": {
       const now = performance.now();
+      recordFrame(msg);
       if (state.firstFrameMs === null) {
         state.firstFrameMs = now - t0;
         $("ttff").textContent = `${(state.firstFrameMs / 1000).toFixed(2)} s`;
@@ -118,14 +123,15 @@ function onMessage(msg) {
       break;
     }
     case "prompt_updated":
-      state.promptUpdates.push(msg.prompt); log("prompt_updated", msg.prompt); break;
+      state.promptUpdates.push(msg.prompt); log("prompt_updated", msg.prompt); recordSwitch(msg.prompt); break;
     case "end":
       state.running = false; state.ends.push(msg); log("end", `${msg.reason} after ${msg.frames} frames`);
+      recordEnd();
       setStatus(`ended: ${msg.reason}`);
       $("update").disabled = true; $("stop").disabled = true;
       break;
     case "error": // the server's refusal or the stream's failure: it is over
-      fail(`${msg.code}: ${msg.message}`, msg); break;
+      fail(`${msg.code}: ${msg.message}`, msg); recordEnd(); break;
     case "init":
       if (conn && conn.init) conn.init(msg.mime);
       break;
@@ -189,10 +195,16 @@ async function startWebRTC() {
 
 // ---- WebSocket + MSE ----------------------------------------------------------------------------------------
 
+// A token that can travel as a WebSocket subprotocol (an HTTP token: RFC 6455 4.1); the server then takes a peer
+// slot at the handshake, so the page never waits in the pre-auth pool that tokenless sockets share.
+const PROTOCOL_TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+
 function startWebSocket() {
   return new Promise((resolve, reject) => {
     const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${location.pathname.replace(/[^/]*$/, "")}api/ws`;
-    const ws = new WebSocket(url);
+    const bearer = token();
+    const inHeader = bearer !== null && PROTOCOL_TOKEN.test(bearer);
+    const ws = inHeader ? new WebSocket(url, ["stagecast", `bearer.${bearer}`]) : new WebSocket(url);
     ws.binaryType = "arraybuffer";
     let buffer = null; const pending = [];
     const video = $("video");
@@ -205,6 +217,7 @@ function startWebSocket() {
       }
     };
     const c = {
+      tokenInHeader: inHeader,
       send: (obj) => { if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(obj)); },
       close: () => ws.close(),
       init: (mime) => {
@@ -225,7 +238,9 @@ function startWebSocket() {
       },
     };
     ws.onopen = () => resolve(c);
-    ws.onerror = () => reject(new Error("WebSocket failed"));
+    // A refused handshake (a token not valid, no peer slot free) shows the browser no reason: say which it may be.
+    ws.onerror = () => reject(new Error(inHeader ? "the WebSocket handshake was refused (a token that is not valid, " +
+      "or no peer slot free)" : "WebSocket failed"));
     ws.onclose = (e) => {
       log("websocket", `closed ${e.code} ${e.reason}`);
       if (state.running && conn === c) fail(`the WebSocket closed (${e.code}${e.reason ? ` ${e.reason}` : ""})`);
@@ -265,8 +280,131 @@ async function start() {
   }
   t0 = performance.now();
   const cfg = config();
-  if (transport === "ws" && token()) cfg.token = token();
+  // Only a token the handshake could not carry goes in the first message (it then waits in the pre-auth pool).
+  if (transport === "ws" && token() && !conn.tokenInHeader) cfg.token = token();
+  state.tokenInHeader = transport === "ws" ? Boolean(conn.tokenInHeader) : null;
   conn.send(cfg);
+}
+
+// ---- recording ------------------------------------------------------------------------------------------------
+
+// The first container the browser's MediaRecorder makes: MP4 (H.264) where it can, else WebM.
+const RECORD_TYPES = ["video/mp4;codecs=avc1", "video/mp4", "video/webm;codecs=vp9", "video/webm;codecs=vp8",
+  "video/webm"];
+// After the stream's end, the last frames still reach the screen (the jitter or media buffer): record them too.
+const RECORD_TAIL_MS = 150;
+let rec = null; // {armed} before the first frame; then {t0, recorders, switches, ...} while recording
+window.stagecastFiles = new Map();
+
+function recordType() {
+  if (!window.MediaRecorder) return null;
+  return RECORD_TYPES.find((t) => MediaRecorder.isTypeSupported(t)) || null;
+}
+
+function toggleRecord() {
+  if (rec && !rec.armed) { recordStop(); return; }
+  if (rec && rec.armed) { rec = null; state.recording = null; showRecording(); return; }
+  if (!recordType()) { log("error", "this browser cannot record video (no MediaRecorder)"); return; }
+  rec = { armed: true };
+  state.recording = { armed: true };
+  showRecording();
+  if (state.running) recordFrame(null); // a stream is on: record from now
+}
+
+function showRecording() {
+  const on = Boolean(rec);
+  $("record").classList.toggle("on", on);
+  $("record").textContent = !on ? "Record" : rec.armed ? "Record (armed: starts at the next frame)" : "Stop recording";
+}
+
+// The picture as the viewer sees it: WebRTC's MediaStream, or the MSE player captured.
+function shownStream() {
+  const video = $("video");
+  if (video.srcObject instanceof MediaStream) return video.srcObject;
+  return video.captureStream ? video.captureStream() : null;
+}
+
+function newRecorder(stream, type, kind) {
+  const recorder = new MediaRecorder(stream, { mimeType: type });
+  const parts = [];
+  recorder.ondataavailable = (e) => { if (e.data && e.data.size) parts.push(e.data); };
+  const done = new Promise((resolve) => {
+    recorder.onstop = () => resolve(new Blob(parts, { type: recorder.mimeType || type }));
+  });
+  recorder.start(250);
+  return { kind, recorder, done, type: recorder.mimeType || type };
+}
+
+// Called on every frame the page is told of: an armed recording starts at the first one the video element has a
+// track for (WebRTC's from its start; the MSE player's once its first bytes play).
+function recordFrame(msg) {
+  if (msg) { state.lastPts = msg.pts; state.lastLateMs = msg.late_ms; }
+  if (!rec || !rec.armed) return;
+  const stream = shownStream();
+  if (!stream || !stream.getVideoTracks().length) return; // not yet playing: the next frame tries again
+  const type = recordType();
+  const recorders = [newRecorder(stream, type, "output")];
+  if ($("record-input").checked && camera) recorders.push(newRecorder(camera, type, "input"));
+  const started = state.started || { config: {} };
+  rec = {
+    armed: false, t0: performance.now(), startedAt: new Date().toISOString(), recorders, switches: [],
+    streamId: started.stream_id || null, config: started.config, transport: state.transport,
+    firstPts: msg ? msg.pts : state.lastPts, frames: state.frames,
+  };
+  state.recording = { armed: false, type, startedAt: rec.startedAt };
+  showRecording();
+  log("record", `recording ${type}${recorders.length > 1 ? " and the webcam input" : ""}`);
+}
+
+function recordSwitch(prompt) {
+  if (!rec || rec.armed) return;
+  rec.switches.push({
+    prompt,
+    at_s: round3((performance.now() - rec.t0) / 1000), // on the recording's clock: when the page was told
+    stream_s: typeof state.lastPts === "number" ? round3(state.lastPts) : null, // the last frame's pts then
+  });
+}
+
+function recordEnd() {
+  if (rec && !rec.armed) setTimeout(() => { if (rec && !rec.armed) recordStop(); }, RECORD_TAIL_MS);
+}
+
+function round3(x) { return Math.round(x * 1000) / 1000; }
+
+async function recordStop() {
+  const r = rec; rec = null; showRecording();
+  if (!r || r.armed) { state.recording = null; return; }
+  const durationS = round3((performance.now() - r.t0) / 1000);
+  r.recorders.forEach((x) => x.recorder.stop());
+  const blobs = await Promise.all(r.recorders.map((x) => x.done));
+  const stamp = r.startedAt.replace(/[:.]/g, "-");
+  const files = r.recorders.map((x, i) => {
+    const ext = x.type.startsWith("video/mp4") ? "mp4" : "webm";
+    const name = `stagecast-${stamp}${x.kind === "input" ? "-input" : ""}.${ext}`;
+    return { kind: x.kind, type: x.type, blob: blobs[i], name };
+  });
+  const sidecar = {
+    file: files[0].name, input_file: files[1] ? files[1].name : null, type: files[0].type,
+    started_at: r.startedAt, duration_s: durationS, stream_id: r.streamId, transport: r.transport,
+    config: r.config, first_pts_s: r.firstPts === undefined ? null : r.firstPts,
+    // how late the last frame left the web process: the recording is the stream's duration plus this (a slow server)
+    last_frame_late_s: typeof state.lastLateMs === "number" ? round3(state.lastLateMs / 1000) : null,
+    prompt: r.config && r.config.prompt !== undefined ? r.config.prompt : null, prompt_switches: r.switches,
+  };
+  const json = new Blob([JSON.stringify(sidecar, null, 2)], { type: "application/json" });
+  files.push({ kind: "sidecar", type: "application/json", blob: json, name: `stagecast-${stamp}.json` });
+  const li = document.createElement("li");
+  for (const f of files) {
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(f.blob); a.download = f.name; a.textContent = f.name;
+    li.append(a); f.url = a.href;
+    window.stagecastFiles.set(f.url, f.blob); // what the page saved, by its download URL (tests read it)
+  }
+  $("recordings").prepend(li);
+  const listed = files.map(({ kind, type, name, url, blob }) => ({ kind, type, name, url, bytes: blob.size }));
+  state.recordings.push({ files: listed, sidecar });
+  state.recording = null;
+  log("record", `saved ${files.map((f) => f.name).join(", ")}`);
 }
 
 function drawSpark() {
@@ -325,6 +463,7 @@ async function init() {
   $("start").onclick = start;
   $("update").onclick = () => conn && conn.send({ type: "prompt", prompt: $("prompt").value });
   $("stop").onclick = () => conn && conn.send({ type: "stop" });
+  $("record").onclick = toggleRecord;
   $("webcam").onchange = () => {
     if (!$("webcam").checked && camera) {
       camera.getTracks().forEach((t) => t.stop()); camera = null; $("camera").hidden = true;
