@@ -18,22 +18,20 @@ latents after one step) beside its time at batch 1, 4, 8 and 12:
   block instead of dozens of eager ones; the compiled kernels sit inside the blocks' CUDA graphs like any other.
   On a CPU the same functions run uncompiled, and there they equal diffusers' ops bit for bit
   (``tests/test_dit_levers.py``): on a GPU the compiled kernels keep intermediates in float32, hence the error.
-- ``cudnn``: scaled-dot-product attention prefers cuDNN's kernel (then flash, memory-efficient, math, so a shape cuDNN
-  refuses still runs).
+- ``cudnn``: scaled-dot-product attention runs cuDNN's kernel (flash and memory-efficient attention off for the
+  process; a shape cuDNN refuses falls to the math kernel).
 
 This module is pure computation, like ``stage_service.dit_slice``: it swaps modules and forwards on a built slice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stage_service.dit_slice import DiTSlice, apply_rotary_emb
 
@@ -287,27 +285,22 @@ def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | 
         done["fused_blocks"] = len(dit_slice.model.blocks)
     if "cudnn" in levers:
         prefer_cudnn_attention()
-        done["sdpa_priority"] = [b.name for b in CUDNN_FIRST]
+        done["sdpa"] = "cudnn, then math"
     return done
 
 
-CUDNN_FIRST = (
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-)
-_PROCESS_SDPA = contextlib.ExitStack()
-
-
 def prefer_cudnn_attention() -> None:
-    """For the rest of the process, SDPA tries cuDNN's kernel first.  The setting is torch's and process-wide (the
-    stage's executor and its graph-capture thread must agree), so it is entered once and never left."""
-    _PROCESS_SDPA.enter_context(sdpa_kernel(list(CUDNN_FIRST), set_priority=True))
+    """For the rest of the process, SDPA chooses between cuDNN's kernel and the math one: flash and memory-efficient
+    attention are off.  torch's backend flags are process-wide (the stage's executor and its graph-capture thread
+    must agree), so they are set once and never restored.  (A priority order that puts cuDNN first,
+    ``sdpa_kernel(..., set_priority=True)``, left the choice on flash on an H200 with torch 2.11: no change in time
+    or bits, ``benchmarks/results/dit_levers_1gpu_bf93871.json``.)"""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 __all__ = [
-    "CUDNN_FIRST",
     "LEVERS",
     "Fp8Linear",
     "FusedBlock",
