@@ -76,10 +76,13 @@ class FairPool:
             if self._count >= self.total:
                 victim = self._victim(client, len(mine))
                 if victim is None:
-                    raise PoolFull(
-                        f"too many {self.what}: at most {self.total} at once ({self.flag}), and {client} already "
-                        "holds its fair share of them"
+                    share = self.total / (len(self._entries) + (0 if client in self._entries else 1))
+                    why = (
+                        f"{client} already holds its fair share of them"
+                        if len(mine) >= share
+                        else "no client holds more than its fair share"
                     )
+                    raise PoolFull(f"too many {self.what}: at most {self.total} at once ({self.flag}), and {why}")
                 self._remove(victim)
                 victim.evicted = True
                 self.evictions += 1

@@ -44,7 +44,7 @@ def test_a_client_at_its_fair_share_is_refused_and_equal_holders_never_evict_eac
     p2 = pool(total=3)
     for client in "abc":
         p2.enter(client)
-    with pytest.raises(PoolFull):  # everyone holds 1: evicting would only move the hole
+    with pytest.raises(PoolFull, match="no client holds more than its fair share"):  # evicting would move the hole
         p2.enter("d")
     assert p2.held() == {"a": 1, "b": 1, "c": 1}
 

@@ -77,6 +77,9 @@ class Edge:
     child: Child
     log: _CountingLog = field(repr=False)
     metrics_port: int = 0
+    launcher: Launcher | None = field(default=None, repr=False)  # to start another gateway on the same pipeline
+    coordinator: str = ""
+    checkpoint: str = ""
 
     def metrics(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -102,7 +105,16 @@ def edge(tmp_path_factory):
         child = launcher.spawn("gateway", args + ["--metrics-port", str(metrics_port)])
         log = _CountingLog(child.log)
         child.log = log
-        yield Edge(child.info["address"], child.info["health_address"], child, log, metrics_port)
+        yield Edge(
+            child.info["address"],
+            child.info["health_address"],
+            child,
+            log,
+            metrics_port,
+            launcher,
+            pipe.coordinator,
+            str(root),
+        )
 
 
 def _channel(target: str) -> grpc.Channel:
@@ -221,6 +233,100 @@ def _open_streaming_call(ch: grpc.Channel, kind: str, hold: threading.Event):
         call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(requests(), timeout=TIMEOUT)
     next(call)
     return call
+
+
+# ---- a full pending pool gives way fairly (issue 50) ----------------------------------------------------------------
+
+IDLE_CLIENTS, IDLE_PER_CLIENT = 10, 14  # 140 idle calls: past the default --max-pending 128 (per client: 32)
+DOOR = "127.0.0.1"  # every test client comes from here: as the fleet's door, it names each viewer in x-forwarded-for
+
+
+def _viewer(address: str) -> tuple[tuple[str, str], ...]:
+    return (("x-forwarded-for", f"198.51.100.7, {address}"),)  # the door appends the peer it saw: the last entry
+
+
+def _stream_as(target: str, address: str, seconds: float = 0.25) -> pb.End:
+    """A raw stream (config first, the call kept open until it ends) as the viewer at ``address``; its End."""
+    done = threading.Event()
+
+    def requests():
+        yield _config(width=W, height=H, seconds=seconds, codec="raw", seed=3)
+        done.wait(TIMEOUT)
+
+    with grpc.insecure_channel(target) as ch:
+        call = ch.stream_stream(GENERATE, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+        try:
+            for msg in call(requests(), timeout=TIMEOUT, metadata=_viewer(address)):
+                if msg.WhichOneof("msg") == "end":
+                    return msg.end
+        finally:
+            done.set()
+    raise AssertionError("the stream ended without an End")
+
+
+@pytest.fixture
+def door_gateway(edge):
+    """A gateway on the same pipeline with the defaults' pending bounds, behind a trusted door (``--trusted-proxy``)."""
+    args = ["gateway", "--coordinator", edge.coordinator, "--checkpoint", edge.checkpoint, "--port", "0"]
+    args += ["--config-timeout", "100", "--trusted-proxy", DOOR, "--max-streams", str(MAX_STREAMS)]
+    child = edge.launcher.spawn(f"gateway-door-{random.randrange(1 << 30)}", args)
+    try:
+        yield child.info["address"]
+    finally:
+        edge.launcher.stop(child)
+
+
+def test_140_idle_calls_of_10_clients_leave_another_clients_streams_served(door_gateway):
+    """10 clients over 10 connections keep 140 calls open that never send a config (the pool holds 128; a call
+    refused or evicted is opened again): each of another client's 20 streams finds a place, evicting the oldest idle
+    call of the client holding the most when the pool is full (RESOURCE_EXHAUSTED naming --max-pending), and
+    completes."""
+    release = threading.Event()
+    ended: list[grpc.RpcError] = []
+
+    def idle():
+        release.wait()
+        return
+        yield
+
+    def hold(i: int, ch) -> None:
+        generate = ch.stream_stream(GENERATE, request_serializer=None, response_deserializer=None)
+        while not release.is_set():
+            try:
+                for _ in generate(idle(), timeout=TIMEOUT, metadata=_viewer(f"10.0.0.{i % IDLE_CLIENTS}")):
+                    pass
+            except grpc.RpcError as exc:
+                if release.is_set():
+                    return
+                ended.append(exc)
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    return
+                release.wait(0.05)  # the attacker's pace between reopenings
+
+    channels = [grpc.insecure_channel(door_gateway) for _ in range(IDLE_CLIENTS)]  # 10 connections
+    threads = [
+        threading.Thread(target=hold, args=(i, channels[i % IDLE_CLIENTS]), daemon=True)
+        for i in range(IDLE_CLIENTS * IDLE_PER_CLIENT)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        _wait_status(door_gateway, lambda s: s.waiting_calls == 128)  # full; the other 12 keep being refused
+        ends = [_stream_as(door_gateway, "203.0.113.9") for _ in range(20)]
+        status = _wait_status(door_gateway, lambda s: True)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
+        for ch in channels:
+            ch.close()
+    assert [e.reason for e in ends] == [pb.END_REASON_COMPLETED] * 20
+    assert status.waiting_calls <= 128
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-pending" in e.details() for e in ended)
+    evicted = [e for e in ended if "place went to another client" in e.details()]
+    refused = [e for e in ended if "already holds its fair share" in e.details()]
+    print(f"{len(evicted)} idle calls evicted, {len(refused)} refused at their fair share, 20 of 20 streams served")
+    assert evicted and refused and len(evicted) + len(refused) == len(ended)
 
 
 @pytest.mark.parametrize("kind", ["status", "health", "reflection"])
