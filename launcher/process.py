@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +176,7 @@ class Launcher:
         mtls: bool = True,
         credentials: str | None = None,
         forkserver: bool | None = None,
+        prefix: str = "",
     ):
         """``credentials``: an existing deployment folder (``ca.crt`` and one folder per role, as
         ``write_deployment`` makes) to use instead of a throwaway one; it is left in place.  ``forkserver``: fork the
@@ -183,6 +184,7 @@ class Launcher:
         starting each interpreter afresh; default ``DEFAULT_FORKSERVER`` (``$STAGECAST_FORKSERVER`` == "1").  A child
         started with a ``prefix`` (a command that execs it) always starts afresh."""
         self.forkserver = DEFAULT_FORKSERVER if forkserver is None else forkserver
+        self.prefix = prefix  # before every child's name ("p0/" in a fleet: "p0/gateway")
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.pop(FORKSERVER_ENV, None)  # how this launcher starts its children is its own: not passed down
@@ -257,6 +259,8 @@ class Launcher:
 
     def _track(self, name: str, proc: subprocess.Popen | ForkedProcess) -> Child:
         """Keep ``proc`` as a child, its output read line by line until its READY line (``wait_ready``)."""
+        if not name.startswith(self.prefix):
+            name = self.prefix + name
         child = Child(name, proc)
         self.children.append(child)
         ready = threading.Event()
@@ -364,13 +368,23 @@ class Supervisor:
         self.hang_s = hang_s
         self.failure: str | None = None
         self.restarts: dict[str, int] = {}
+        # A fleet's hooks (launcher.fleet): a restarted child (the state file), a child that stopped rather than died
+        self.on_restart: Callable[[Child], None] | None = None
+        self.on_stop: Callable[[Child], None] | None = None
+        self.clean_exit_stops = False  # exit code 0 is a stop (a drained gateway, a SIGTERMed service): no restart
+        self.retired: set[str] = set()
+        self.launcher_of: dict[str, Launcher] = {}
         self._threads: list[threading.Thread] = []
 
-    def watch(self, child: Child, args: list[str], health: str | None = None) -> None:
+    def watch(self, child: Child, args: list[str], health: str | None = None, launcher: Launcher | None = None) -> None:
         """Restart ``child`` with ``args`` when it dies; with ``health`` (the role its certificate holds), also kill it,
-        and so restart it, once its grpc.health.v1 ``""`` has failed for ``hang_s`` (a stopped or hung process)."""
+        and so restart it, once its grpc.health.v1 ``""`` has failed for ``hang_s`` (a stopped or hung process).
+        ``launcher``: the one that started it (default: the supervisor's), which starts it again."""
         thread = threading.Thread(
-            target=self._watch, args=(child, args, health), daemon=True, name=f"watch-{child.name}"
+            target=self._watch,
+            args=(child, args, health, launcher or self.launcher),
+            daemon=True,
+            name=f"watch-{child.name}",
         )
         self._threads.append(thread)
         thread.start()
@@ -385,14 +399,33 @@ class Supervisor:
             self.failure = message
         self.stop.set()
 
-    def _watch(self, child: Child, args: list[str], health: str | None) -> None:
+    def retire(self, child: Child) -> None:
+        """Stop watching ``child`` (by name) and stop it: it is not started again."""
+        self.retired.add(child.name)
+        self.launcher_of.get(child.name, self.launcher).stop(child)
+
+    def _stopped(self, child: Child, code: int | None) -> bool:
+        """True when ``child``'s exit is a stop, not a crash: it was retired, or ``clean_exit_stops`` and it exited 0
+        (a service exits 0 only when stopped: SIGTERM, or a drain's end); then ``on_stop(child)`` runs once."""
+        if child.name in self.retired:
+            return True
+        if not (self.clean_exit_stops and code == 0):
+            return False
+        self.retired.add(child.name)
+        print(f"stagecast up: {child.name} stopped (exit code 0): not restarting it", file=sys.stderr, flush=True)
+        if self.on_stop is not None:
+            self.on_stop(child)
+        return True
+
+    def _watch(self, child: Child, args: list[str], health: str | None, launcher: Launcher) -> None:
         name = child.name
+        self.launcher_of[name] = launcher
         deaths: deque[float] = deque()
         while True:
             if health is not None:
                 threading.Thread(target=self._probe, args=(child, health), daemon=True, name=f"probe-{name}").start()
             code = child.proc.wait()  # also reaps it: no zombie
-            if self.stop.is_set():
+            if self.stop.is_set() or self._stopped(child, code):
                 return
             now = time.monotonic()
             deaths.append(now)
@@ -409,12 +442,14 @@ class Supervisor:
             if self.stop.wait(delay):
                 return
             try:
-                child = self.launcher.wait_ready(self.launcher.start(name, args), self.ready_timeout)
+                child = launcher.wait_ready(launcher.start(name, args), self.ready_timeout)
             except LaunchError as exc:
                 self._give_up(f"{what} and could not be restarted: {exc}")
                 return
             self.restarts[name] = self.restarts.get(name, 0) + 1
             print(f"stagecast up: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)
+            if self.on_restart is not None:
+                self.on_restart(child)
 
     def _probe(self, child: Child, role: str) -> None:
         """Check the child's health every ``PROBE_S`` until it exits; kill it once the checks have failed for

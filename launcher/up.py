@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from coordinator.options import CoordinatorOptions
 from gateway.options import GatewayOptions
@@ -20,7 +22,7 @@ from stagecast.flags import HelpFormatter, add_flags, argv_for, from_args, to_ar
 from stagecast.service import announce_ready, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
-COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch")
+COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
 STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "loras")
 GATEWAY_FLAGS = (
     "vae_compile",
@@ -102,134 +104,251 @@ def add_parser(sub) -> None:
         "gateway flags, passed on", "with --device cuda, --vae-devices defaults to every stage's GPU"
     )
     add_flags(gateway, GatewayOptions, only=GATEWAY_FLAGS)
+    fleet = p.add_argument_group(
+        "a fleet", "N pipelines behind one HAProxy door on --gateway-port (docs/operator-guide.md, 'A fleet')"
+    )
+    fleet.add_argument(
+        "--pipelines",
+        type=int,
+        default=1,
+        help="pipelines (coordinator, --stages stages and a gateway each) behind one HAProxy on --gateway-port that "
+        "routes each new stream by their free slots; 1: one pipeline, no proxy",
+    )
+    fleet.add_argument(
+        "--state-file",
+        default=None,
+        metavar="PATH",
+        help="with --pipelines: write the door, each pipeline's addresses and pids here as JSON (rewritten when a "
+        "process restarts)",
+    )
+    add_flags(fleet, GatewayOptions, only=("fleet_drain_s",))
     p.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from launcher.local_cluster import Placement, check_gpu_fit, check_layout, start_pipeline, web_args
-    from launcher.process import Launcher, LaunchError, Supervisor, remove_stale_credentials
-    from stagecast.grpc_util import AddressInUseError, check_port_free
-
     # First, whatever else happens: the throwaway credentials of earlier runs killed with SIGKILL (they could not
     # delete them), found by their owner's pid.
+    from launcher.process import remove_stale_credentials
+
     for stale in remove_stale_credentials():
         print(f"stagecast up: removed {stale}, the credentials of a run that is gone", file=sys.stderr)
-    if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
-        print(f"stagecast up: error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}", file=sys.stderr)
+    problem = _check_flags(args) or _check_ports(args)
+    if problem:
+        print(f"stagecast up: {problem}", file=sys.stderr)
         return 2
+    stop = stop_event()
+    try:
+        plan = _plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"stagecast up: error: {exc}", file=sys.stderr)
+        return 2
+    if args.pipelines > 1:
+        from launcher.fleet import run_fleet
 
+        return run_fleet(args, plan, stop)
+    return _run_one(args, plan, stop)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one pipeline of ``up`` runs where: the placement, the stage partition and the gateway's VAE cut."""
+
+    placement: Any  # launcher.local_cluster.Placement
+    partition: str | None
+    vae_split: list[int] | None
+
+
+def _check_flags(args: argparse.Namespace) -> str | None:
+    """The flags ``up`` itself checks before anything starts (one line naming the flag), or None."""
+    if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
+        return f"error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}"
     if args.fp8:
         from stagecast.fp8 import Fp8Unavailable, check_fp8
 
         try:
             check_fp8(args.device, args.dtype)  # every GPU the stages would use, before anything starts
         except Fp8Unavailable as exc:
-            print(f"stagecast up: error: {exc}", file=sys.stderr)
-            return 2
+            return f"error: {exc}"
     if args.health_port == 0 or args.health_port > 65535:
-        print(
-            "stagecast up: error: --health-port: a port in [1, 65535] (a prober must know it), or -1 for none",
-            file=sys.stderr,
-        )
-        return 2
+        return "error: --health-port: a port in [1, 65535] (a prober must know it), or -1 for none"
+    if args.pipelines > 1:
+        from launcher.fleet import check_fleet_flags
+
+        return check_fleet_flags(args)
+    if args.pipelines < 1:
+        return f"error: --pipelines must be >= 1, got {args.pipelines}"
+    return None
+
+
+def _check_ports(args: argparse.Namespace) -> str | None:
+    """Every fixed port free before anything starts (a taken one fails at once), or the line that says which."""
+    from stagecast.grpc_util import AddressInUseError, check_port_free
+
     web_port = args.web_port if args.gateway_port >= 0 else -1  # the page needs the gateway
     ports = (("coordinator", args.port), ("gateway", args.gateway_port), ("web", web_port))
     for role, port in (*ports, ("coordinator health", args.health_port)):
         try:
-            check_port_free(args.host, max(port, 0))  # before anything starts: fail at once
+            check_port_free(args.host, max(port, 0))
         except AddressInUseError as exc:
-            print(f"stagecast up: {role} port: {exc.strerror}", file=sys.stderr)
-            return 2
-    stop = stop_event()
-    try:
-        if args.cfg_parallel > 1 and args.sp > 1:
-            raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")
-        if args.sp == 1:  # a sequence-parallel layout's GPUs are checked by its own rule, which names --sp
-            check_gpu_fit(args.device, args.stages, args.cfg_parallel)
-        check_layout(resolve_transformer(args.checkpoint), args.stages, args.sp)
-        placement = Placement.plan(
-            args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel
-        )
-        partition, vae_split = _balance(args, placement)
-    except (ValueError, OSError) as exc:
-        print(f"stagecast up: error: {exc}", file=sys.stderr)
-        return 2
+            return f"{role} port: {exc.strerror}"
+    return None
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    """One pipeline's layout, checked against the model and the GPUs (raises ValueError naming the flag)."""
+    from launcher.local_cluster import Placement, check_gpu_fit, check_layout
+
+    if args.cfg_parallel > 1 and args.sp > 1:
+        raise ValueError("--cfg-parallel 2 does not compose with --sp yet (give one of them)")
+    if args.sp == 1:  # a sequence-parallel layout's GPUs are checked by its own rule, which names --sp
+        check_gpu_fit(args.device, args.stages, args.cfg_parallel)
+    check_layout(resolve_transformer(args.checkpoint), args.stages, args.sp)
+    placement = Placement.plan(
+        args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel
+    )
+    partition, vae_split = _balance(args, placement)
+    return Plan(placement, partition, vae_split)
+
+
+def has_gateway(args: argparse.Namespace) -> bool:
+    """A gateway runs: a public port, and a checkpoint with its VAE and text encoder."""
+    root = args.checkpoint
+    return args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
+
+
+def start_stages(launcher, args: argparse.Namespace, plan: Plan, *, port: int, metrics_port: int, health_port: int):
+    """The coordinator and stages of one pipeline, started, not waited for (``LocalPipeline.wait_ready``)."""
+    from launcher.local_cluster import start_pipeline
+
+    coordinator_args = argv_for(
+        CoordinatorOptions,
+        health_port=max(health_port, 0),
+        pace_grid=args.pace_grid,
+        stage_ms=args.stage_ms,
+        slo_learn=args.slo_learn,
+    )
+    return start_pipeline(
+        launcher,
+        checkpoint=resolve_transformer(args.checkpoint),
+        stages=args.stages,
+        partition=plan.partition,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        host=args.host,
+        port=port,
+        cuda_graphs=args.cuda_graphs,
+        fp8=args.fp8,
+        loras=args.loras,
+        metrics_port=metrics_port,
+        sp=args.sp,
+        cfg_parallel=args.cfg_parallel,
+        coordinator_args=coordinator_args,
+        wait=False,  # the gateway (started next) loads its models while the stages load theirs
+    )
+
+
+def gateway_argv(args: argparse.Namespace, plan: Plan, coordinator: str, *, metrics_port: int, **values) -> list[str]:
+    """A gateway's command line, without ``--port`` (``values``: other ``GatewayOptions`` fields, e.g. ``fleet``)."""
+    options = from_args(
+        GatewayOptions,
+        args,
+        only=GATEWAY_FLAGS,
+        coordinator=coordinator,
+        checkpoint=args.checkpoint,
+        device=plan.placement.gateway_device,
+        host=args.host,
+        vae_devices=plan.placement.vae_devices,
+        vae_split=plan.vae_split,
+        vae_dtype=args.dtype if args.device.startswith("cuda") else "float32",
+        metrics_port=metrics_port,
+        tiny_decoder=os.path.abspath(args.tiny_decoder) if args.tiny_decoder else None,
+        **values,
+    )
+    return ["gateway", *to_argv(options, skip=("port",))]
+
+
+def watch_pipeline(supervisor, pipe, launcher=None) -> None:
+    """Restart the coordinator and stages of ``pipe`` when they die (a hung stage too)."""
+    supervisor.watch(pipe.coordinator_child, pipe.coordinator_args, launcher=launcher)
+    for index, child in pipe.stage_children.items():
+        supervisor.watch(child, pipe.stage_args[index], health="stage", launcher=launcher)
+
+
+def start_web(launcher, supervisor, args: argparse.Namespace, gateway: str) -> dict[str, str]:
+    """The live page in front of ``gateway``, watched; returns its READY fields (url, address)."""
+    from launcher.local_cluster import web_args
+
+    page_args = web_args(gateway, args.host, args.web_port, args.tokens, args.tls_cert)
+    page = launcher.spawn("web", page_args)
+    page_port = page.info["address"].rsplit(":", 1)[1]
+    supervisor.watch(page, [*page_args[:-1], page_port])
+    return page.info
+
+
+def _run_one(args: argparse.Namespace, plan: Plan, stop) -> int:
+    """One pipeline (``--pipelines 1``): coordinator, stages, gateway and page, supervised until SIGTERM."""
+    from launcher.process import Launcher, LaunchError, Supervisor
+
     # Every internal connection is mTLS: the launcher makes a throwaway CA and one certificate per role in a private
     # temporary folder (or uses --credentials), and deletes it on the way out.
     with Launcher(echo=True, credentials=args.credentials) as launcher:
         supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts, hang_s=args.stage_hang_s)
         try:
-            pipe = start_pipeline(
-                launcher,
-                checkpoint=resolve_transformer(args.checkpoint),
-                stages=args.stages,
-                partition=partition,
-                device=args.device,
-                dtype=args.dtype,
-                max_batch=args.max_batch,
-                host=args.host,
-                port=args.port,
-                cuda_graphs=args.cuda_graphs,
-                fp8=args.fp8,
-                loras=args.loras,
-                metrics_port=args.metrics_port,
-                sp=args.sp,
-                cfg_parallel=args.cfg_parallel,
-                coordinator_args=argv_for(CoordinatorOptions, health_port=max(args.health_port, 0)),
-                wait=False,  # the gateway (started below) loads its models while the stages load theirs
-            )
-            ready = {"coordinator": pipe.coordinator}
-            root = args.checkpoint
-            gateway = None
-            if args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder")):
-                gateway_options = from_args(
-                    GatewayOptions,
-                    args,
-                    only=GATEWAY_FLAGS,
-                    coordinator=pipe.coordinator,
-                    checkpoint=root,
-                    device=placement.gateway_device,
-                    host=args.host,
-                    vae_devices=placement.vae_devices,
-                    vae_split=vae_split,
-                    vae_dtype=args.dtype if args.device.startswith("cuda") else "float32",
-                    metrics_port=args.metrics_port + 1 if args.metrics_port else 0,
-                    tiny_decoder=os.path.abspath(args.tiny_decoder) if args.tiny_decoder else None,
-                )
-                gw_args = ["gateway", *to_argv(gateway_options, skip=("port",))]
-                gateway = launcher.start("gateway", [*gw_args, "--port", str(args.gateway_port)])
-            pipe.wait_ready(launcher, 600.0)
-            supervisor.watch(pipe.coordinator_child, pipe.coordinator_args)
-            for index, child in pipe.stage_children.items():
-                supervisor.watch(child, pipe.stage_args[index], health="stage")  # a hung stage is replaced too
-            if gateway is not None:
-                launcher.wait_ready(gateway, timeout=300.0)
-                ready["gateway"] = gateway.info["address"]
-                bound = ready["gateway"].rsplit(":", 1)[1]
-                supervisor.watch(gateway, [*gw_args, "--port", bound])  # a restart keeps the port
-                if args.web_port >= 0:
-                    page_args = web_args(ready["gateway"], args.host, args.web_port, args.tokens, args.tls_cert)
-                    page = launcher.spawn("web", page_args)
-                    ready["web"] = page.info["url"]
-                    page_port = page.info["address"].rsplit(":", 1)[1]
-                    supervisor.watch(page, [*page_args[:-1], page_port])
+            ready = _start_one(launcher, supervisor, args, plan)
         except LaunchError as exc:
             print(f"stagecast up: {exc}", file=sys.stderr)
             return 1
-        where = ", ".join(f"{role} {address}" for role, address in ready.items())
-        shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
-        shape += f" × {args.cfg_parallel} CFG-parallel groups" if args.cfg_parallel > 1 else ""
-        print(f"stagecast is up: {where}, {shape}", flush=True)
-        if args.health_port > 0:
-            print(f"coordinator health (plaintext grpc.health.v1): {args.host}:{args.health_port}", flush=True)
-        if "web" in ready:
-            print(f"watch and steer it in a browser: {ready['web']}", flush=True)
-        announce_ready(**ready)
+        _say_up(args, ready, f"{_shape(args)}")
         failure = supervisor.wait()
         if failure is not None:
             print(f"stagecast up: {failure}", file=sys.stderr, flush=True)
         print("shutting down", flush=True)
     return 1 if failure is not None else 0
+
+
+def _start_one(launcher, supervisor, args: argparse.Namespace, plan: Plan) -> dict[str, str]:
+    pipe = start_stages(
+        launcher,
+        args,
+        plan,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+    )
+    ready = {"coordinator": pipe.coordinator}
+    gateway = gw_args = None
+    if has_gateway(args):
+        gw_args = gateway_argv(
+            args, plan, pipe.coordinator, metrics_port=args.metrics_port + 1 if args.metrics_port else 0
+        )
+        gateway = launcher.start("gateway", [*gw_args, "--port", str(args.gateway_port)])
+    pipe.wait_ready(launcher, 600.0)
+    watch_pipeline(supervisor, pipe)
+    if gateway is not None:
+        launcher.wait_ready(gateway, timeout=300.0)
+        ready["gateway"] = gateway.info["address"]
+        bound = ready["gateway"].rsplit(":", 1)[1]
+        supervisor.watch(gateway, [*gw_args, "--port", bound])  # a restart keeps the port
+        if args.web_port >= 0:
+            ready["web"] = start_web(launcher, supervisor, args, ready["gateway"])["url"]
+    return ready
+
+
+def _shape(args: argparse.Namespace) -> str:
+    shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
+    return shape + (f" × {args.cfg_parallel} CFG-parallel groups" if args.cfg_parallel > 1 else "")
+
+
+def _say_up(args: argparse.Namespace, ready: dict[str, str], shape: str) -> None:
+    """The lines that say ``up`` is up, and its READY line (``ready``: role -> address)."""
+    where = ", ".join(f"{role} {address}" for role, address in ready.items())
+    print(f"stagecast is up: {where}, {shape}", flush=True)
+    if args.health_port > 0:
+        print(f"coordinator health (plaintext grpc.health.v1): {args.host}:{args.health_port}", flush=True)
+    if "web" in ready:
+        print(f"watch and steer it in a browser: {ready['web']}", flush=True)
+    announce_ready(**ready)
 
 
 def _balance(args: argparse.Namespace, placement) -> tuple[str | None, list[int] | None]:
@@ -240,7 +359,7 @@ def _balance(args: argparse.Namespace, placement) -> tuple[str | None, list[int]
     if args.partition != "auto":
         return args.partition, None
     root = args.checkpoint
-    gateway = args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
+    gateway = has_gateway(args)
     choice = resolve_balance(
         args.balance_profile,
         transformer=resolve_transformer(root),
