@@ -158,7 +158,10 @@ def from_rpc_error(exc: grpc.RpcError) -> StagecastError:
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     if code == grpc.StatusCode.UNAVAILABLE and (hint := connection_hint(details)):
         details = f"{hint} ({details})"
-    from stagecast.grpc_util import retry_after_of
+    from stagecast.grpc_util import retry_after_of, status_of
+
+    if code == grpc.StatusCode.CANCELLED and (answered := status_of(exc)) is not None:
+        code, details = answered  # a proxy (a fleet's HAProxy door) reset the stream after the gateway's answer
 
     return _BY_CODE.get(code, StagecastError)(details, code, retry_after_of(exc))
 

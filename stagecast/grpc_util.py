@@ -287,24 +287,44 @@ def abort_with_retry(
     retry_after_s: float = 0.0,
     metadata: tuple[tuple[str, str], ...] = (),
 ):
-    """Abort the call with ``code``; with ``retry_after_s`` > 0 the status details (google.rpc.Status) carry a
-    google.rpc.RetryInfo saying when to try again, as gRPC's richer error model does.  ``metadata``: more trailers."""
-    trailers = tuple(metadata)
-    if retry_after_s > 0:
-        from google.protobuf import any_pb2, duration_pb2
-        from google.rpc import error_details_pb2, status_pb2
+    """Abort the call with ``code``; the status details (google.rpc.Status, gRPC's richer error model) repeat the code
+    and message, and with ``retry_after_s`` > 0 carry a google.rpc.RetryInfo saying when to try again.  ``metadata``:
+    more trailers.  The details outlive a proxy that resets the stream after the answer (HAProxy does, to a client
+    still sending: its status reads CANCELLED): ``status_of`` reads them back."""
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import error_details_pb2, status_pb2
 
+    status = status_pb2.Status(code=code.value[0], message=message)
+    if retry_after_s > 0:
         delay = min(float(retry_after_s), MAX_RETRY_AFTER_S)
         info = error_details_pb2.RetryInfo(
             retry_delay=duration_pb2.Duration(seconds=int(delay), nanos=int((delay % 1) * 1e9))
         )
         detail = any_pb2.Any()
         detail.Pack(info)
-        status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
-        trailers += ((STATUS_DETAILS_KEY, status.SerializeToString()),)
-    if trailers:
-        context.set_trailing_metadata(trailers)
+        status.details.append(detail)
+    context.set_trailing_metadata((*metadata, (STATUS_DETAILS_KEY, status.SerializeToString())))
     context.abort(code, message)
+
+
+def status_of(exc) -> tuple[grpc.StatusCode, str] | None:
+    """The code and message of a failed call's status details (``abort_with_retry``), or None without them."""
+    try:
+        trailing = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - not a call error, or one without metadata
+        return None
+    from google.rpc import status_pb2
+
+    for key, value in trailing:
+        if key == STATUS_DETAILS_KEY:
+            status = status_pb2.Status()
+            try:
+                status.ParseFromString(value)
+            except Exception:  # noqa: BLE001 - malformed details
+                return None
+            code = next((c for c in grpc.StatusCode if c.value[0] == status.code), None)
+            return (code, status.message) if code is not None else None
+    return None
 
 
 def retry_after_of(exc) -> float | None:
