@@ -48,7 +48,6 @@ class GenerateReport:
     decoder: str = "full"  # what turned the latents into frames
     burst_frames: int = 0  # frames delivered beyond the steady rate at the start (the playout buffer)
     pipeline: str = ""  # the pipeline that served it (Started.pipeline; behind a fleet's door, the one it chose)
-    pipeline: str = ""  # the pipeline that served it (Started.pipeline; behind a fleet's door, the one it chose)
 
     def summary(self) -> str:
         ttff = f"{self.ttff:.3f} s" if self.ttff is not None else "n/a"
