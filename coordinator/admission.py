@@ -1,8 +1,16 @@
 """Which streams the coordinator opens: one function, its checks in a stated order, each refusal naming its limit.
 
-Usage (``PipelineEngine.open`` calls it under the engine's lock)::
+Usage (``PipelineEngine.open`` and ``PipelineEngine.slots`` call it under the engine's lock)::
 
-    admit(spec, text, AdmissionState(ready=..., registered=2, world_size=2, active=3, max_streams=16, model=cfg))
+    admission = Admission(registry, pricing=slo_controller, max_streams=16)
+    reservation = admission.decide(request, table.admitted(), ready=True)   # raises AdmissionError; reserves nothing
+    table.open(request, reservation)                                         # the stream holds it while it is open
+    admission.decide(request, table.admitted().plus(reservation), ...)       # a dry run: one more beside it
+
+``Admission`` prices a stream through a ``Pricing`` (the SLO controller: ``admits``, ``utilization``,
+``micro_step_ms``) and its KV on each stage once; ``decide`` answers a ``Reservation`` (the KV it holds per stage and
+its demand on the controller) or raises.  The open streams come in as an ``Admitted`` value: admission keeps no view of
+the stream table.  ``admit`` is the order of the checks over an ``AdmissionState``:
 
 The order: the pipeline is formed (UNAVAILABLE), the stream-count cap (RESOURCE_EXHAUSTED), the stream against the
 model (INVALID_ARGUMENT, ``stagecast.model.config.check_spec``), then KV memory (RESOURCE_EXHAUSTED), then capacity
@@ -22,30 +30,65 @@ open and given back when it ends, however it ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import grpc
-import torch
 
 from coordinator.errors import AdmissionError
 from coordinator.registry import StageRegistry
+from coordinator.requests import OpenRequest
+from coordinator.slo import Demand
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import format_bytes, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig, check_image, check_spec
 from stagecast.model.dit_configs import expands_timesteps
 
-if TYPE_CHECKING:
-    from coordinator.slo import Demand
-    from coordinator.slo_control import SloControl
-    from coordinator.streams import StreamTable
-
 logger = logging.getLogger("coordinator.engine")
 
-MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
+
+
+class Pricing(Protocol):
+    """What admission asks the SLO model (``coordinator.slo.SloController``)."""
+
+    target: float  # the bottleneck stage's busy share a held set may need at most
+
+    def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool: ...
+
+    def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None: ...
+
+    def micro_step_ms(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What an admitted stream holds while it is open: its worst-case KV bytes per stage index (stages with a budget)
+    and its demand on the SLO controller (``stream_id`` 0 until the stream table gives it one)."""
+
+    kv: dict[int, int]
+    demand: Demand
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The open streams as admission counts them (``StreamTable.admitted``): how many, their KV reserved per stage,
+    their demands, and when a refused stream may retry (``retry_after_s``)."""
+
+    count: int = 0
+    kv: dict[int, int] = field(default_factory=dict)
+    demands: tuple[Demand, ...] = ()
+    retry_after_s: float = RETRY_AFTER_S
+
+    def plus(self, reservation: Reservation) -> Admitted:
+        """These and one more (a dry run's hypothetical stream, given an id of its own)."""
+        kv = dict(self.kv)
+        for index, nbytes in reservation.kv.items():
+            kv[index] = kv.get(index, 0) + nbytes
+        demand = replace(reservation.demand, stream_id=-1 - self.count)
+        return Admitted(self.count + 1, kv, (*self.demands, demand), self.retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -59,15 +102,6 @@ class AdmissionState:
     last_error: str = ""
     capacity: Capacity | None = None  # None: not checked (an unpaced stream, or no stage times known yet)
     kv_memory: KvMemory | None = None  # None: not checked (no stage has a KV budget)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What an admitted stream holds while it is open: its worst-case KV bytes per stage index (stages with a budget)
-    and its demand on the SLO controller.  ``PipelineEngine.slots`` prices hypothetical ones beside the open streams."""
-
-    kv: dict[int, int]
-    demand: Demand
 
 
 @dataclass(frozen=True)
@@ -147,19 +181,9 @@ def kv_verdict(
     return KvMemory(True)
 
 
-def admit(
-    spec: StreamSpec,
-    text: torch.Tensor,
-    state: AdmissionState,
-    *,
-    consumer_depth: int = 0,
-    image: torch.Tensor | None = None,
-    negative_text: torch.Tensor | None = None,
-) -> None:
-    """Raise ``AdmissionError`` (or ``ValueError`` for a malformed request) unless the stream may open now."""
-    if not 0 <= consumer_depth <= MAX_CONSUMER_DEPTH:
-        raise ValueError(f"consumer_depth must be in [0, {MAX_CONSUMER_DEPTH}], got {consumer_depth}")
-    check_negative_text(spec, text, negative_text)
+def admit(request: OpenRequest, state: AdmissionState) -> None:
+    """Raise ``AdmissionError`` unless the stream may open now (``OpenRequest`` checked the rest when it was built)."""
+    spec = request.spec
     if not state.ready:
         detail = f"; last error: {state.last_error}" if state.last_error else ""
         raise AdmissionError(
@@ -174,8 +198,8 @@ def admit(
         )
     if state.model is not None:
         try:
-            check_spec(spec, DiTConfig.from_kwargs(state.model), tuple(text.shape))
-            shape = None if image is None else tuple(image.shape)
+            check_spec(spec, DiTConfig.from_kwargs(state.model), tuple(request.text.shape))
+            shape = None if request.image is None else tuple(request.image.shape)
             check_image(spec, shape, per_token=expands_timesteps(state.model))
         except ValueError as exc:
             raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -199,27 +223,33 @@ def admit(
         )
 
 
-def check_negative_text(spec: StreamSpec, text: torch.Tensor, negative_text: torch.Tensor | None) -> None:
-    """A guided stream (``guidance_scale > 1``) carries a negative prompt of the text's shape; no other stream does."""
-    if spec.cfg and negative_text is None:
-        raise ValueError(
-            f"negative_text: required with guidance_scale={spec.guidance_scale} (the unconditional branch)"
-        )
-    if not spec.cfg and negative_text is not None:
-        raise ValueError("negative_text: only a guided stream (guidance_scale > 1) takes a negative prompt")
-    if negative_text is not None and tuple(negative_text.shape) != tuple(text.shape):
-        raise ValueError(f"negative_text: has shape {tuple(negative_text.shape)}, expected {tuple(text.shape)}")
+def newcomer(request: OpenRequest, cfg_parallel: int) -> Demand:
+    """A stream asking to open, as the SLO controller prices it (its id not yet given)."""
+    spec = request.spec
+    return Demand(
+        0,
+        request.chunk_rate,
+        tuple(request.by_steps),
+        clean=spec.policy == "clean",
+        latency_first=request.latency_first,
+        rows=rows(spec, cfg_parallel),
+        decoder=request.decoder,
+    )
+
+
+def rows(spec: StreamSpec, cfg_parallel: int) -> int:
+    """Batch rows a micro-step of the stream takes on a stage: a guided stream's two branches in one pipeline (under
+    CFG-parallel each group runs one)."""
+    return 2 if spec.cfg and cfg_parallel == 1 else 1
 
 
 class Admission:
-    """The coordinator's admission accounting: each stage's KV budget and the open streams' reservations on it, the
-    capacity verdict of the SLO controller (``slo``), and when a refused stream may retry.  ``PipelineEngine.open``
-    asks it for the ``AdmissionState`` of a stream under the engine's lock; every method runs under that lock."""
+    """The coordinator's admission: each stage's KV budget, a stream's KV need on each, and the verdicts of its checks
+    over the open streams (``Admitted``) and the SLO model (``pricing``).  Every method runs under the engine's lock."""
 
-    def __init__(self, registry: StageRegistry, streams: StreamTable, slo: SloControl, *, max_streams: int = 16):
+    def __init__(self, registry: StageRegistry, pricing: Pricing, *, max_streams: int = 16):
         self.registry = registry
-        self.streams = streams
-        self.slo = slo
+        self.pricing = pricing
         self.max_streams = max_streams
         # Each stage process's KV budget and K/V element size from its FormReply (index -> bytes; 0: no limit).
         self.kv_budgets: dict[int, int] = {}
@@ -233,40 +263,25 @@ class Admission:
             if budget:
                 logger.info("stage %d gives streams' KV %.3f GiB", index, budget / (1 << 30))
 
-    def state(
-        self,
-        spec: StreamSpec,
-        newcomer: Demand,
-        max_steps: int,
-        *,
-        ready: bool,
-        last_error: str,
-        model: dict | None,
-        extra: Sequence[Reservation] = (),
-    ) -> AdmissionState:
-        """What ``admit`` judges a stream by: the pipeline, the open streams (and the hypothetical ``extra`` ones of a
-        dry run), its KV memory and the capacity."""
-        return AdmissionState(
+    def decide(self, request: OpenRequest, admitted: Admitted, *, ready: bool, last_error: str = "") -> Reservation:
+        """What ``request`` would hold beside ``admitted`` (``ready``: a generation is formed; ``last_error``: why the
+        last one ended); raises ``AdmissionError`` when it may not open.  Its KV is priced once, here."""
+        spec = request.spec
+        demand = newcomer(request, self.registry.cfg_parallel)
+        kv = self.stage_kv(spec, request.max_steps)
+        state = AdmissionState(
             ready=ready,
             registered=len([r for r in self.registry.records() if not r.lost]),
             world_size=self.registry.world_size,
-            active=len(self.streams.sessions) + len(extra),
+            active=admitted.count,
             max_streams=self.max_streams,
-            model=model,
+            model=self.registry.model_config(),
             last_error=last_error,
-            capacity=self.capacity_verdict(newcomer, [r.demand for r in extra]),
-            kv_memory=self.kv_verdict(spec, max_steps, [r.kv for r in extra]),
+            capacity=self.capacity_verdict(demand, admitted),
+            kv_memory=self.kv_verdict(spec, request.max_steps, kv, admitted),
         )
-
-    def retry_after(self) -> float:
-        """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks
-        at its pace), else ``RETRY_AFTER_S``."""
-        ends = [
-            (s.spec.num_chunks - s.delivered) / s.chunk_rate
-            for s in self.streams.sessions.values()
-            if s.spec.num_chunks is not None and s.chunk_rate > 0
-        ]
-        return max(0.1, min(ends)) if ends else RETRY_AFTER_S
+        admit(request, state)
+        return Reservation(kv, demand)
 
     def stage_kv(self, spec: StreamSpec, max_steps: int) -> dict[int, int]:
         """The stream's worst-case KV bytes on each stage process with a KV budget (``stagecast.kv_memory``): its
@@ -274,7 +289,12 @@ class Admission:
         cfg = self.registry.model_config()
         if cfg is None or not any(self.kv_budgets.values()):
             return {}
-        model = DiTConfig.from_kwargs(cfg)
+        try:
+            return self._stage_kv(spec, DiTConfig.from_kwargs(cfg), max_steps)
+        except (ValueError, TypeError, KeyError):
+            return {}  # a stream the model cannot run: check_spec refuses it with its reason
+
+    def _stage_kv(self, spec: StreamSpec, model: DiTConfig, max_steps: int) -> dict[int, int]:
         ranks_per_group = self.registry.layout.world_size  # stage processes of one CFG group
         return {
             r.index: stream_kv_bytes(
@@ -291,53 +311,44 @@ class Admission:
             if self.kv_budgets.get(r.index, 0) > 0
         }
 
-    def kv_reserved(self, extra: Sequence[dict[int, int]] = ()) -> dict[int, int]:
-        """Worst-case KV bytes of the open streams (and ``extra`` reservations) on each stage process (released as each
-        stream ends)."""
-        reserved: dict[int, int] = {}
-        for kv in [s.kv for s in self.streams.sessions.values()] + list(extra):
-            for index, nbytes in kv.items():
-                reserved[index] = reserved.get(index, 0) + nbytes
-        return reserved
-
-    def kv_status(self) -> list[tuple[int, int, int]]:
+    def kv_status(self, reserved: dict[int, int]) -> list[tuple[int, int, int]]:
         """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
-        reserved = self.kv_reserved()
         return [(i, b, reserved.get(i, 0)) for i, b in sorted(self.kv_budgets.items()) if b > 0]
 
-    def kv_verdict(self, spec: StreamSpec, max_steps: int, extra: Sequence[dict[int, int]] = ()) -> KvMemory | None:
-        """Whether the stream's worst-case KV fits every stage beside the admitted streams'; None when not checked."""
+    def kv_verdict(self, spec: StreamSpec, max_steps: int, need: dict[int, int], admitted: Admitted) -> KvMemory | None:
+        """Whether the stream's worst-case KV (``need``) fits every stage beside the admitted streams'; None when not
+        checked."""
         if not any(self.kv_budgets.values()):
             return None
         rope = self.registry.rope_limit()
+
+        def need_of(s: StreamSpec) -> dict[int, int]:
+            return need if s is spec else self.stage_kv(s, max_steps)  # another window: kv_verdict's search
+
         try:
             return kv_verdict(
                 spec,
-                lambda s: self.stage_kv(s, max_steps),
-                self.kv_reserved(extra),
+                need_of,
+                admitted.kv,
                 self.kv_budgets,
                 rope_limit=rope,
-                retry_after_s=self.retry_after(),
+                retry_after_s=admitted.retry_after_s,
             )
         except (ValueError, TypeError, KeyError):
             return None  # a stream the model cannot run: check_spec refuses it with its reason
 
-    def capacity_verdict(self, newcomer: Demand, extra: Sequence[Demand] = ()) -> Capacity | None:
-        """Whether the pipeline holds one more stream (every stream at its min_steps) beside the open ones and
-        ``extra``; None when not checked."""
-        if newcomer.chunk_rate <= 0 or self.slo.cost.micro_step_ms() is None:
+    def capacity_verdict(self, newcomer: Demand, admitted: Admitted) -> Capacity | None:
+        """Whether the pipeline holds one more stream (every stream at its min_steps); None when not checked."""
+        if newcomer.chunk_rate <= 0 or self.pricing.micro_step_ms() is None:
             return None
-        admitted = self.slo.demands() + list(extra)
-        if self.slo.controller.admits(newcomer, admitted):
+        demands = list(admitted.demands)
+        if self.pricing.admits(newcomer, demands):
             return Capacity(True)
-        need = (
-            self.slo.controller.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted}) or 0.0
-        )
+        need = self.pricing.utilization(demands + [newcomer], {d.stream_id: d.min_steps for d in demands}) or 0.0
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
-        retry = self.retry_after()
         detail = (
-            f"{len(admitted)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
+            f"{len(demands)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
             f"{newcomer.decoder} decoder would need {need:.0%} of the slowest stage (the limit is "
-            f"{self.slo.controller.target:.0%})"
+            f"{self.pricing.target:.0%})"
         )
-        return Capacity(False, detail, retry)
+        return Capacity(False, detail, admitted.retry_after_s)

@@ -5,7 +5,8 @@ Usage (the gRPC servicer in ``coordinator.server`` is a thin layer over this)::
     engine = PipelineEngine(registry, connect=lambda address: channel_to(address), max_batch=4)
     engine.start()
     engine.on_registered(record)            # forms a new generation once every stage is registered
-    session = engine.open(spec, text)       # raises AdmissionError with a gRPC code
+    session = engine.open(OpenRequest(spec, text))   # raises AdmissionError with a gRPC code
+    engine.slots()                          # Slots(free, total): more default streams it would admit now
     for ev in session.iter_events(): ...    # StreamStarted, ChunkResult..., then StreamEnded or a failure
     engine.stop_stream(session.id)          # cooldown: no new chunks, chunks in flight finish
     engine.cancel_stream(session.id)        # the consumer left: nothing more is planned, the stream ends now
@@ -40,31 +41,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable
 
 import grpc
 import torch
 
-from coordinator.admission import Admission, Reservation, admit
+from coordinator.admission import Admission
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.generations import Generations
 from coordinator.metrics import CoordinatorTelemetry
-from coordinator.pacing import MAX_CHUNK_RATE, PACE_EARLY_S, PLAYOUT_S, Pacing
+from coordinator.pacing import PACE_EARLY_S, PLAYOUT_S, Pacing
 from coordinator.plan import PlanLoop
 from coordinator.registry import StageRecord, StageRegistry
-from coordinator.slo import FULL, VaeReport, decoder_kind
+from coordinator.requests import OpenRequest
+from coordinator.slo import FULL, VaeReport
 from coordinator.slo_control import SloControl
 from coordinator.slots import Slots, StreamDefaults, spatial_factor
-from coordinator.streams import StreamSession, StreamTable, ladders_by_steps
+from coordinator.streams import StreamSession, StreamTable
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.microstep import DEFAULT_MAX_BATCH, StreamSpec
+from stagecast.microstep import DEFAULT_MAX_BATCH
 
 __all__ = [
     "PACE_EARLY_S",
     "PLAYOUT_S",
     "AdmissionError",
+    "OpenRequest",
     "PipelineEngine",
     "StreamError",
     "StreamFailure",
@@ -109,10 +111,9 @@ class PipelineEngine:
         )
         self.cond = threading.Condition()
         self.telemetry = CoordinatorTelemetry()  # Prometheus registry and batch spans (coordinator.metrics)
-        self.streams = StreamTable(self.telemetry)
+        self.streams = StreamTable(self.telemetry, on_end=self._on_end)
         self.slo = SloControl(
             registry,
-            self.streams,
             self.telemetry,
             max_batch=max_batch,
             clock=clock,
@@ -122,7 +123,7 @@ class PipelineEngine:
             vae_ms_per_chunk=vae_ms_per_chunk,
             pace_grid=pace_grid,
         )
-        self.admission = Admission(registry, self.streams, self.slo, max_streams=max_streams)
+        self.admission = Admission(registry, self.slo.pricing, max_streams=max_streams)
         self.generations = Generations(
             self.cond,
             registry,
@@ -195,103 +196,30 @@ class PipelineEngine:
 
     # ---- streams --------------------------------------------------------------------------------------
 
-    def open(
-        self,
-        spec: StreamSpec,
-        text: torch.Tensor,
-        traceparent: str = "",
-        *,
-        acknowledges: bool = False,
-        consumer_depth: int = 0,
-        image: torch.Tensor | None = None,
-        chunk_rate: float = 0.0,
-        pace_offset_s: float = 0.0,
-        ladders: list[tuple[float, ...]] | None = None,
-        latency_first: bool = False,
-        negative_text: torch.Tensor | None = None,
-        decoder: str = "",
-    ) -> StreamSession:
-        decoder = decoder_kind(decoder)  # ValueError naming decoder: INVALID_ARGUMENT
-        if not (chunk_rate == 0 or 0 < chunk_rate <= MAX_CHUNK_RATE):  # also catches NaN
-            raise ValueError(f"chunk_rate must be 0 (unpaced) or in (0, {MAX_CHUNK_RATE}] chunks/s, got {chunk_rate}")
-        if pace_offset_s != 0 and not (chunk_rate > 0 and 0 < pace_offset_s < 1 / chunk_rate):  # NaN too
-            raise ValueError(
-                f"pace_offset_s must be 0, or in (0, 1 / chunk_rate) for a paced stream; got {pace_offset_s} "
-                f"with chunk_rate {chunk_rate}"
-            )
-        by_steps = ladders_by_steps(spec, ladders)
+    def open(self, request: OpenRequest) -> StreamSession:
+        """Admit ``request`` (``Admission.decide``: raises ``AdmissionError``), then open it in the stream table holding
+        what admission priced (``StreamTable.open``); the plan loop plans its open at its next tick."""
         with self.cond:
+            gens = self.generations
             try:
-                reservation = self._admit(
-                    spec,
-                    text,
-                    chunk_rate=chunk_rate,
-                    by_steps=by_steps,
-                    latency_first=latency_first,
-                    decoder=decoder,
-                    consumer_depth=consumer_depth,
-                    image=image,
-                    negative_text=negative_text,
+                reservation = self.admission.decide(
+                    request, self.streams.admitted(), ready=gens.ready, last_error=gens.last_error
                 )
             except AdmissionError as exc:
                 if exc.limit:
                     self.telemetry.refused(exc.limit)
                 raise
-            gens = self.generations
-            session = self.streams.open(
-                spec,
-                text,
-                negative_text=negative_text,
-                traceparent=traceparent,
-                generation=gens.generation,
-                acknowledges=acknowledges,
-                consumer_depth=consumer_depth,
-                image=image,
-                chunk_rate=chunk_rate,
-                pace_offset_s=pace_offset_s,
-                ladders=by_steps,
-                latency_first=latency_first,
-                kv=reservation.kv,
-                decoder=decoder,
-            )
-            self.slo.joined()  # the set of streams changed: decide steps at the next tick (raises wait)
+            session = self.streams.open(request, reservation, generation=gens.generation)
+            # The set of streams changed: decide steps at the next tick (raises wait).
+            self.slo.joined(session.reservation.demand, request.by_steps, session.spec.steps)
             self.planner.wake()
             return session
 
-    def _admit(
-        self,
-        spec: StreamSpec,
-        text: torch.Tensor,
-        *,
-        chunk_rate: float,
-        by_steps: dict[int, tuple[float, ...]],
-        latency_first: bool,
-        decoder: str,
-        consumer_depth: int = 0,
-        image: torch.Tensor | None = None,
-        negative_text: torch.Tensor | None = None,
-        extra: Sequence[Reservation] = (),
-    ) -> Reservation:
-        """Under the lock: what the stream would hold if admitted beside the open streams and ``extra``; raises
-        ``AdmissionError`` (or ``ValueError``) when it may not open.  Reserves nothing."""
-        newcomer = self.slo.newcomer(spec, chunk_rate, by_steps, latency_first=latency_first, decoder=decoder)
-        gens = self.generations
-        state = self.admission.state(
-            spec,
-            newcomer,
-            max(by_steps),
-            ready=gens.ready,
-            last_error=gens.last_error,
-            model=self.model_config(),
-            extra=extra,
-        )
-        admit(spec, text, state, consumer_depth=consumer_depth, image=image, negative_text=negative_text)
-        return Reservation(self.admission.stage_kv(spec, max(by_steps)), newcomer)
-
     def slots(self, defaults: StreamDefaults | None = None) -> Slots:
         """How many more streams of the public defaults (``defaults``, else the engine's) this pipeline would admit
-        now, by a dry run of the admission that refuses: hypothetical newcomers one by one until the first refusal
-        (``coordinator.slots``).  Nothing is reserved; 0 free while no generation is formed."""
+        now, by a dry run of the admission that refuses: hypothetical newcomers one by one through
+        ``Admission.decide`` until the first refusal (``coordinator.slots``).  Nothing is reserved; 0 free while no
+        generation is formed."""
         with self.cond:
             return self._slots(defaults or self.stream_defaults())
 
@@ -300,38 +228,33 @@ class PipelineEngine:
         size the stages' calibration timed."""
         if self._stream_defaults is not None:
             return self._stream_defaults
-        cfg = self.model_config() or {}
+        cfg = self.registry.model_config() or {}
         return StreamDefaults().with_shape(self.slo.serving_shape, spatial_factor(cfg))
 
     def _slots(self, defaults: StreamDefaults) -> Slots:
-        active = len(self.streams.sessions)
-        if not self.generations.ready:
-            return Slots(0, active)
-        cfg = self.model_config()
+        admitted = self.streams.admitted()
+        gens = self.generations
+        if not gens.ready:
+            return Slots(0, admitted.count)
         try:
-            spec = defaults.spec(cfg)
+            request = defaults.request(self.registry.model_config())
         except ValueError as exc:
             logger.warning("free slots: the default stream is not valid (%s)", exc)
-            return Slots(0, active)
-        text_dim = int((cfg or {}).get("text_dim") or 1)
-        text = torch.empty(1, spec.text_len, text_dim, device="meta")  # its shape is all admission reads
-        by_steps = {spec.steps: spec.timesteps}
-        extra: list[Reservation] = []
-        while len(extra) <= self.admission.max_streams:  # the stream cap ends it at the latest
+            return Slots(0, admitted.count)
+        free = 0
+        while free <= self.admission.max_streams:  # the stream cap ends it at the latest
             try:
-                reservation = self._admit(
-                    spec,
-                    text,
-                    chunk_rate=defaults.chunk_rate,
-                    by_steps=by_steps,
-                    latency_first=False,
-                    decoder=decoder_kind(defaults.decoder),
-                    extra=extra,
-                )
-            except (AdmissionError, ValueError):
+                reservation = self.admission.decide(request, admitted, ready=True)
+            except AdmissionError:
                 break
-            extra.append(replace(reservation, demand=replace(reservation.demand, stream_id=-1 - len(extra))))
-        return Slots(len(extra), active + len(extra))
+            admitted = admitted.plus(reservation)
+            free += 1
+        return Slots(free, admitted.count)
+
+    def steps(self, stream_id: int) -> int:
+        """The steps the stream's next chunk runs (the SLO controller's choice; 0: no such stream)."""
+        with self.cond:
+            return self.slo.steps(stream_id)
 
     def stop_stream(self, stream_id: int) -> None:
         with self.cond:
@@ -362,17 +285,27 @@ class PipelineEngine:
         if session.acknowledges:
             return
         with self.cond:
-            session.delivered += 1
-            self.slo.check_late(session)
-            self.planner.wake()
+            if self.streams.delivered_one(session):
+                self._consumed(session)
 
     def consumed(self, stream_id: int, chunks: int) -> None:
         """The consumer acknowledged the first ``chunks`` chunks as consumed (decoded and handed on)."""
         with self.cond:
             session = self.streams.consumed(stream_id, chunks)
             if session is not None:
-                self.slo.check_late(session)
-                self.planner.wake()
+                self._consumed(session)
+
+    def _consumed(self, session: StreamSession) -> None:
+        """Under the lock, its consumed count rose: the viewer's clock (pacing), its lateness (the SLO controller)."""
+        viewer = self.pacing.consumed(session)
+        if viewer is not None:
+            self.slo.check_late(session, *viewer)
+        self.planner.wake()
+
+    def _on_end(self, stream_id: int) -> None:
+        """Under the lock, a stream has gone (``StreamTable.end``): the parts that keep state of it forget it."""
+        self.pacing.forget(stream_id)
+        self.slo.forget(stream_id)
 
     # ---- a stage's results and a formed generation (Generations' callbacks) ---------------------------
 
@@ -432,11 +365,11 @@ class PipelineEngine:
     def kv_status(self) -> list[tuple[int, int, int]]:
         """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
         with self.cond:
-            return self.admission.kv_status()
+            return self.admission.kv_status(self.streams.admitted().kv)
 
     def status(self) -> pb.ClusterStatus:
         with self.cond:
-            reserved = self.admission.kv_reserved()
+            reserved = self.streams.admitted().kv
             slots = self._slots(self.stream_defaults())
             return pb.ClusterStatus(
                 generation=self.generations.generation,
@@ -446,7 +379,7 @@ class PipelineEngine:
                 stages=self.generations.stage_descriptions(self.admission.kv_budgets, reserved),
                 active_streams=len(self.streams.sessions),
                 stage_stats=[self.generations.stage_stats[i] for i in sorted(self.generations.stage_stats)],
-                streams=self.streams.progress(self.pacing.lead_bound),
+                streams=self.streams.progress(self.pacing.lead_bound, self.slo.steps),
                 capacity=[pb.Capacity(steps=n, streams=c, decoder=FULL) for n, c in self.slo.capacity()],
                 vae_chunk_ms=self.slo.cost.chunk_ms,
                 vae_source=self.slo.cost.vae_source,

@@ -2,8 +2,9 @@
 
 ``Pacing`` is one of the parts ``coordinator.engine.PipelineEngine`` holds; the plan loop (``coordinator.plan``) asks
 it, under the engine's lock, for each stream's credit (the chunks it may have started by now) and for how long the
-loop may sleep before a paced stream's next chunk is due (``pace_timeout``).  It keeps no state of its own beyond its
-settings: what it reads is each stream's session (``coordinator.streams``) and the scheduler's started chunks.
+loop may sleep before a paced stream's next chunk is due (``pace_timeout``).  It keeps each paced stream's real-time
+schedule by stream id (``start`` when its open is planned, ``consumed`` when its consumer took chunk 0, ``forget``
+when it ends); the rest it reads from the stream's session (``coordinator.streams``, its request) and the scheduler.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from coordinator.requests import MAX_CHUNK_RATE
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.streams import StreamSession
 from stagecast.microstep import chunk_levels
@@ -20,11 +23,21 @@ from stagecast.microstep import chunk_levels
 # slot, so the viewer's playout buffer holds about that much video while the pipeline serves other streams.
 PLAYOUT_S = 0.5
 MAX_PLAYOUT_S = 10.0
-MAX_CHUNK_RATE = 1000.0
+__all__ = ["MAX_CHUNK_RATE", "PACE_EARLY_S", "PLAYOUT_S", "Pacing"]
 # The plan loop ticks for a paced chunk once its slot is this close, and the credit lets the chunk start from then on:
 # a tick that came early for a chunk the credit did not yet allow was never repeated (it is kicked once per chunk
 # count), and the stream stalled until some other event woke the loop.
 PACE_EARLY_S = 1e-3
+
+
+@dataclass
+class _Schedule:
+    """A paced stream's real-time schedule."""
+
+    chunk_rate: float
+    pace_offset_s: float
+    since: float  # clock time its first chunk could start (its open was planned)
+    first_consumed_at: float | None = None  # clock time chunk 0 was consumed: the viewer's clock
 
 
 class Pacing:
@@ -47,18 +60,40 @@ class Pacing:
         self.playout_s = playout_s  # how far ahead of its real-time slot a paced stream may start a chunk
         self.clock = clock
         self.grid = grid  # paced streams' slots on one grid of whole chunk periods (``start``)
+        self._schedules: dict[int, _Schedule] = {}  # paced streams whose open was planned, by id
 
-    def start(self, session: StreamSession) -> float:
-        """When a paced stream's real-time schedule starts (``StreamSession.paced_since``): now, or with ``grid`` now
-        moved back to the last whole chunk period of the clock, so that paced streams of one chunk rate (and offset)
+    def start(self, session: StreamSession) -> None:
+        """The stream's open is planned: a paced stream's real-time schedule starts (``since``): now, or with ``grid``
+        now moved back to the last whole chunk period of the clock, so that paced streams of one chunk rate (and offset)
         have their slots at the same instants, their chunks become ready in the same tick and the scheduler batches
         them (paced apart, each stream's chunks run as batches of one: more forwards, and no batch for a batching
         decoder).  A stream's slots come at most one chunk period sooner: within its consumer's lead bound, never
         later."""
+        if session.chunk_rate <= 0:
+            return
         now = self.clock()
-        if not self.grid or session.chunk_rate <= 0:
-            return now
-        return math.floor(now * session.chunk_rate) / session.chunk_rate
+        since = math.floor(now * session.chunk_rate) / session.chunk_rate if self.grid else now
+        self._schedules[session.id] = _Schedule(session.chunk_rate, session.pace_offset_s, since)
+
+    def since(self, stream_id: int) -> float | None:
+        """When the paced stream's schedule started (None: unpaced, or its open is not planned yet)."""
+        schedule = self._schedules.get(stream_id)
+        return None if schedule is None else schedule.since
+
+    def consumed(self, session: StreamSession) -> tuple[float, bool] | None:
+        """The stream's consumed count rose: (when its chunk 0 was consumed on the viewer's clock, whether that is
+        news), for a paced stream with a chunk consumed; else None.  The first time, the viewer's clock is taken as
+        now less the chunks consumed since chunk 0 at the stream's rate."""
+        schedule = self._schedules.get(session.id)
+        if schedule is None or session.delivered <= 0:
+            return None
+        if schedule.first_consumed_at is not None:
+            return schedule.first_consumed_at, False
+        schedule.first_consumed_at = self.clock() - (session.delivered - 1) / schedule.chunk_rate
+        return schedule.first_consumed_at, True
+
+    def forget(self, stream_id: int) -> None:
+        self._schedules.pop(stream_id, None)
 
     def lead_bound(self, session: StreamSession) -> int:
         """Chunks a stream may run ahead of its consumer: one wavefront (every level in every stage) plus what
@@ -72,33 +107,38 @@ class Pacing:
     def paced_credit(self, session: StreamSession, now: float) -> int | None:
         """Chunks a paced stream may have started by ``now``: chunk c starts no earlier than its real-time slot
         (``pace_slot``) less the playout buffer.  None for an unpaced stream."""
-        if session.chunk_rate <= 0 or session.paced_since is None:
+        schedule = self._schedules.get(session.id)
+        if schedule is None:
             return None
-        slots = (now + PACE_EARLY_S - session.paced_since + self.playout_s + session.pace_offset_s) * session.chunk_rate
+        slots = (now + PACE_EARLY_S - schedule.since + self.playout_s + schedule.pace_offset_s) * schedule.chunk_rate
         return max(0, math.floor(slots + 1e-9)) + 1  # 1e-9: a slot reached exactly is not lost to rounding
 
     @staticmethod
-    def pace_slot(session: StreamSession, chunk: int) -> float:
-        """When a paced stream's chunk is due at its viewer, on the coordinator's clock: ``paced_since + c /
-        chunk_rate``, less ``pace_offset_s`` for every chunk after the first, whose frames come sooner because the
-        first chunk holds fewer (Wan's first latent frame decodes to one video frame, each later one to four)."""
-        offset = session.pace_offset_s if chunk > 0 else 0.0
-        return session.paced_since + chunk / session.chunk_rate - offset
+    def _slot(schedule: _Schedule, chunk: int) -> float:
+        offset = schedule.pace_offset_s if chunk > 0 else 0.0
+        return schedule.since + chunk / schedule.chunk_rate - offset
 
-    @staticmethod
-    def deadline(session: StreamSession, chunk: int) -> float | None:
+    def pace_slot(self, stream_id: int, chunk: int) -> float | None:
+        """When a paced stream's chunk is due at its viewer, on the coordinator's clock: ``since + c / chunk_rate``,
+        less ``pace_offset_s`` for every chunk after the first, whose frames come sooner because the first chunk holds
+        fewer (Wan's first latent frame decodes to one video frame, each later one to four).  None: not paced."""
+        schedule = self._schedules.get(stream_id)
+        return None if schedule is None else self._slot(schedule, chunk)
+
+    def deadline(self, stream_id: int, chunk: int) -> float | None:
         """When a paced stream's chunk is due at its viewer (None for an unpaced stream), the scheduler's order among
         ready micro-steps (``StreamBatchScheduler.set_due``): once chunk 0 is consumed, on the viewer's own clock
         (``first_consumed_at``, the first frame's time: chunk c is due ``c / chunk_rate`` after it, less
         ``pace_offset_s`` past the first chunk); before, at its slot (``pace_slot``), which is no later.  A joining
         stream's second chunk is due one frame after its first, while a running stream's next chunks start up to the
         playout buffer before they are due: that chunk goes first, or its viewer's picture freezes after one frame."""
-        if session.chunk_rate <= 0 or session.paced_since is None:
+        schedule = self._schedules.get(stream_id)
+        if schedule is None:
             return None
-        if session.first_consumed_at is None:
-            return Pacing.pace_slot(session, chunk)
-        offset = session.pace_offset_s if chunk > 0 else 0.0
-        return session.first_consumed_at + chunk / session.chunk_rate - offset
+        if schedule.first_consumed_at is None:
+            return self._slot(schedule, chunk)
+        offset = schedule.pace_offset_s if chunk > 0 else 0.0
+        return schedule.first_consumed_at + chunk / schedule.chunk_rate - offset
 
     def credit(self, session: StreamSession) -> int:
         credit = session.delivered + self.lead_bound(session)
@@ -113,14 +153,14 @@ class Pacing:
         now = self.clock()
         soonest = None
         for sid, st in sched.streams.items():
-            session = sessions.get(sid)
-            if session is None or session.chunk_rate <= 0 or session.paced_since is None or st.stopping:
+            session, schedule = sessions.get(sid), self._schedules.get(sid)
+            if session is None or schedule is None or st.stopping:
                 continue
             started = sched.started_chunks.get(sid, 0)
             if started >= session.delivered + self.lead_bound(session):
                 continue  # held by its consumer
             if st.spec.num_chunks is not None and started >= st.spec.num_chunks:
                 continue
-            due = self.pace_slot(session, started) - self.playout_s
+            due = self._slot(schedule, started) - self.playout_s
             soonest = due if soonest is None else min(soonest, due)
         return None if soonest is None else max(0.0, soonest - now)

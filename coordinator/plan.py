@@ -2,9 +2,13 @@
 
 ``PlanLoop`` is one of the parts ``coordinator.engine.PipelineEngine`` holds.  Its thread waits on the engine's
 condition (``cond``) until there is work (``has_work``) or a paced stream's next chunk is due (``Pacing.pace_timeout``),
-then under the lock takes the stream table's pending opens, stops, cancels and prompt changes, lets the SLO glue pick
-steps, gives each stream its credit and ticks the scheduler (``tick``); outside the lock it hands the tick's events to
-every stage's ordered sender.  The number of batches planned but not yet completed by the last stage is bounded
+then under the lock ticks (``tick``): it applies the stream table's changes (``StreamTable.take_changes``: opens,
+stops, cancels and prompt changes) to the scheduler, lets the SLO glue pick steps and gives each stream its credit,
+plans a batch, and closes the streams that left the scheduler; outside the lock it hands the tick's events to every
+stage's ordered sender.  What it planned for a stream it reports to the stream table (``progressed``,
+``planned_all``, ...) and to pacing (``start``): it assigns no stream's fields itself.
+
+The number of batches planned but not yet completed by the last stage is bounded
 (``lookahead``), so plans run ahead of execution without queuing unboundedly; with ``paced_lookahead``, while every
 stream is paced the bound is one batch per stage (``in_flight_limit``).  Anything that makes work calls ``wake`` under
 the lock.
@@ -12,7 +16,6 @@ the lock.
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import replace
 
@@ -22,7 +25,7 @@ from coordinator.pacing import PACE_EARLY_S, Pacing
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.slo_control import SloControl
-from coordinator.streams import StreamSession, StreamTable
+from coordinator.streams import StreamChanges, StreamSession, StreamTable
 from stagecast import wire
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import PlanEvent, recache_steps
@@ -148,46 +151,26 @@ class PlanLoop:
     def tick(self) -> list[pb.PlanEvent]:
         sched = self.gens.sched
         assert sched is not None
-        events = []
-        while self.streams.pending_opens:
-            session = self.streams.pending_opens.popleft()
-            sched.add_stream(session.spec, best_effort=session.best_effort)
-            session.paced_since = self.pacing.start(session)
-            if session.chunk_rate > 0:
-                sched.set_due(session.spec.stream_id, functools.partial(Pacing.deadline, session))
-            events.append(
-                self.next_event(
-                    "open",
-                    spec=session.spec,
-                    text=session.text,
-                    latents=session.image,
-                    negative_text=session.negative_text,
-                    traceparent=session.traceparent,
-                )
-            )
-            session.events.put(
-                pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.gens.generation))
-            )
+        events: list[pb.PlanEvent] = []
+        before = self.apply(sched, self.streams.take_changes(), events)
+        self.plan_batch(sched, before, events)
+        self.close_left(sched, before, events)
+        return events
+
+    def apply(self, sched: StreamBatchScheduler, changes: StreamChanges, events: list) -> set[int]:
+        """The stream table's changes into the scheduler (opens, stops, cancels, prompts), a waiting recache, the SLO
+        controller's steps and each stream's credit; the streams scheduled before any left (whose close is planned
+        once they leave the scheduler)."""
+        for session in changes.opens:
+            self.open(sched, session, events)
         before = set(sched.streams)  # a stream that leaves the scheduler from here on gets its close event
-        for sid in sorted(self.streams.pending_stops):
+        for sid in changes.stops:
             if sid in sched.streams:
                 sched.stop_stream(sid)
-        self.streams.pending_stops.clear()
-        for sid in sorted(self.streams.pending_cancels):
+        for sid in changes.cancels:
             sched.cancel_stream(sid)  # its close (below) follows the batches already planned
-        self.streams.pending_cancels.clear()
-        while self.streams.pending_prompts:
-            sid, text, recache = self.streams.pending_prompts.popleft()
-            st = sched.streams.get(sid)
-            session = self.streams.sessions.get(sid)
-            if st is None or session is None:
-                continue
-            if recache:  # planned below once the chunks in flight are back
-                session.recache = text
-                sched.hold(sid, True)
-                continue
-            # Effective from the next chunk not yet started: chunks in flight keep their prompt.
-            events.append(self.next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
+        for sid, text, recache in changes.prompts:
+            self.prompt(sched, sid, text, recache, events)
         for session in [s for s in self.streams.sessions.values() if s.recache is not None]:
             self.plan_recache(sched, session, events)
         self.slo.control(sched, events, self.next_event)
@@ -197,38 +180,72 @@ class PlanLoop:
                 sched.set_credit(sid, self.pacing.credit(session))
                 if session.spec.input_latents:
                     sched.set_inputs(sid, session.inputs_received)
-        if sched.active and self.batches_planned - self.batches_done < self.in_flight_limit():
-            batch = sched.tick()
-            self._idle_ticks = 0 if batch else self._idle_ticks + 1
-            for sid in before:
-                session = self.streams.sessions.get(sid)
-                if session is not None:
-                    session.started = sched.started_chunks.get(sid, 0)
-                    session.max_lead = max(session.max_lead, session.started - session.delivered)
-            if batch:
-                self.batches_planned += 1
-                self._chunks_started += sum(1 for st in batch if st.level == 0)
-                for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
-                    session = self.streams.sessions.get(st.stream)
-                    if st.level == 0 and session is not None and session.spec.input_latents:
-                        latents = session.inputs.pop(st.chunk)
-                        events.append(self.next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
-                events.append(self.next_event("batch", steps=tuple(batch)))
-                steps = [
-                    sched.streams[st.stream].specs.at(st.chunk).steps if st.stream in sched.streams else 0
-                    for st in batch
-                ]
-                self.telemetry.batch_planned(events[-1], batch, self.streams.sessions, steps)
-            else:
-                self.telemetry.empty_tick()
+        return before
+
+    def open(self, sched: StreamBatchScheduler, session: StreamSession, events: list) -> None:
+        sched.add_stream(session.spec, best_effort=session.best_effort)
+        self.pacing.start(session)
+        if session.chunk_rate > 0:
+            sid = session.spec.stream_id
+            sched.set_due(sid, lambda chunk, sid=sid: self.pacing.deadline(sid, chunk))
+        events.append(
+            self.next_event(
+                "open",
+                spec=session.spec,
+                text=session.text,
+                latents=session.image,
+                negative_text=session.negative_text,
+                traceparent=session.traceparent,
+            )
+        )
+        session.events.put(
+            pb.StreamEvent(started=pb.StreamStarted(stream_id=session.id, generation=self.gens.generation))
+        )
+
+    def prompt(self, sched: StreamBatchScheduler, sid: int, text, recache: bool, events: list) -> None:
+        st = sched.streams.get(sid)
+        session = self.streams.sessions.get(sid)
+        if st is None or session is None:
+            return
+        if recache:  # planned once the chunks in flight are back
+            self.streams.hold_recache(session, text)
+            sched.hold(sid, True)
+            return
+        # Effective from the next chunk not yet started: chunks in flight keep their prompt.
+        events.append(self.next_event("prompt", stream_id=sid, from_chunk=st.next_chunk, text=text))
+
+    def plan_batch(self, sched: StreamBatchScheduler, before: set[int], events: list) -> None:
+        """One batch, if the pipeline has room for it: its inputs' events, then the batch event."""
+        if not sched.active or self.batches_planned - self.batches_done >= self.in_flight_limit():
+            return
+        batch = sched.tick()
+        self._idle_ticks = 0 if batch else self._idle_ticks + 1
+        for sid in before:
+            session = self.streams.sessions.get(sid)
+            if session is not None:
+                self.streams.progressed(session, sched.started_chunks.get(sid, 0))
+        if not batch:
+            self.telemetry.empty_tick()
+            return
+        self.batches_planned += 1
+        self._chunks_started += sum(1 for st in batch if st.level == 0)
+        for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
+            session = self.streams.sessions.get(st.stream)
+            if st.level == 0 and session is not None and session.spec.input_latents:
+                latents = self.streams.take_input(session, st.chunk)
+                events.append(self.next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
+        events.append(self.next_event("batch", steps=tuple(batch)))
+        steps = [sched.streams[st.stream].specs.at(st.chunk).steps if st.stream in sched.streams else 0 for st in batch]
+        self.telemetry.batch_planned(events[-1], batch, self.streams.sessions, steps)
+
+    def close_left(self, sched: StreamBatchScheduler, before: set[int], events: list) -> None:
+        """A close event for each stream that left the scheduler; it ends once its started chunks are all back."""
         for sid in sorted(before - set(sched.streams)):
             events.append(self.next_event("close", stream_id=sid))
             started = sched.started_chunks.pop(sid, 0)
             session = self.streams.sessions.get(sid)
             if session is not None:
-                session.expected = started
-                self.streams.maybe_complete(session)
-        return events
+                self.streams.planned_all(session, started)
 
     def plan_recache(self, sched: StreamBatchScheduler, session: StreamSession, events: list) -> None:
         """Plan a waiting recache once the stream has nothing in flight and every chunk it started is back: the
@@ -236,7 +253,7 @@ class PlanLoop:
         sid = session.id
         st = sched.streams.get(sid)
         if st is None:
-            session.recache = None
+            self.streams.recache_planned(session)
             return
         started = sched.started_chunks.get(sid, 0)
         if sched.inflight(sid) or session.received < started:
@@ -250,5 +267,5 @@ class PlanLoop:
                 "prompt", stream_id=sid, from_chunk=started, text=session.recache, recache=True, window=window
             )
         )
-        session.recache = None
+        self.streams.recache_planned(session)
         sched.hold(sid, False)

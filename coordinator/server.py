@@ -21,6 +21,7 @@ from coordinator.engine import PipelineEngine
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.options import CoordinatorOptions
 from coordinator.registry import RegistrationError, StageRegistry
+from coordinator.requests import OpenRequest
 from coordinator.slo import VaeReport
 from stagecast import telemetry, wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
@@ -114,26 +115,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
 
     def _open_stream(self, request: pb.OpenStreamRequest, context, span):
         try:
-            spec = wire.spec_from_proto(request.spec)
-            text = wire.tensor_from_proto(request.text)
-            image = wire.tensor_from_proto(request.image) if request.HasField("image") else None
-            negative = wire.tensor_from_proto(request.negative_text) if request.HasField("negative_text") else None
             # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
-            traceparent = telemetry.traceparent_of(span) or request.traceparent
-            session = self.engine.open(
-                spec,
-                text,
-                traceparent=traceparent,
-                acknowledges=request.acknowledges,
-                consumer_depth=request.consumer_depth,
-                image=image,
-                chunk_rate=request.chunk_rate,
-                pace_offset_s=request.pace_offset_s,
-                ladders=[tuple(ladder.timesteps) for ladder in request.ladders],
-                latency_first=request.latency_first,
-                negative_text=negative,
-                decoder=request.decoder,
-            )
+            session = self.engine.open(OpenRequest.from_proto(request, telemetry.traceparent_of(span)))
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
         except ValueError as exc:

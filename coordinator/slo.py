@@ -500,6 +500,10 @@ class SloController:
             dit = sum(rate * levels * rows * ms for rate, levels, rows in loads)
         return (dit + self.cost.decode_ms(demands, more)) / 1e3
 
+    def micro_step_ms(self) -> float | None:
+        """A micro-step's modelled ms (None until stage times are known): whether capacity can be priced."""
+        return self.cost.micro_step_ms()
+
     def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None:
         """The bottleneck stage's busy share for these streams at ``steps`` (default: their current)."""
         util = self._modelled(demands, steps)

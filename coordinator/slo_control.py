@@ -6,22 +6,23 @@ lock.  It owns the cost model (``coordinator.slo.CostModel``) and the controller
 asks it to decide steps (``control``) at most every ``slo_interval_s``; the consumed counts tell it when a paced stream
 falls behind (``check_late``); each stage's calibration at Form seeds the model (``seed``), the measured batches refine
 it (``observe``) and the gateway's decoder measurements price each stream's decode (``report_vae``).  Admission
-(``coordinator.admission``) asks the controller whether one more stream fits.
+(``coordinator.admission``) prices through the controller (``pricing``: its ``Pricing``).  It keeps its own view of
+each open stream by id (``joined`` at open, ``forget`` at its end): its demand, the steps it runs and its lateness.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.slo import FULL, CostModel, Demand, SloController, VaeReport, decoder_kind
-from coordinator.streams import StreamSession, StreamTable
+from coordinator.streams import StreamSession
 from stagecast.api import DECODERS, DEFAULT_FPS
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.microstep import StreamSpec
 
 logger = logging.getLogger("coordinator.engine")
 
@@ -43,13 +44,24 @@ LATE_WINDOWS = 2
 RAISE_HOLD_S = 5.0
 
 
+@dataclass
+class _Watched:
+    """An open stream as the SLO controller sees it: its demand (``demand.steps``: what its next chunk runs), its
+    ladders by step count, and its lateness against its real-time schedule."""
+
+    demand: Demand
+    ladders: dict[int, tuple[float, ...]]
+    late_mark: tuple[float, float] | None = None  # (clock time, lateness) at the start of the current window
+    late_windows: int = 0  # consecutive windows in which the stream fell further behind
+    late_chunks: int = 0  # times it was found falling behind (each one informs the SLO controller)
+
+
 class SloControl:
-    """The SLO controller's view of the open streams (``streams``), with its cost model and decision clock."""
+    """The SLO controller's view of the open streams (by id), with its cost model and decision clock."""
 
     def __init__(
         self,
         registry: StageRegistry,
-        streams: StreamTable,
         telemetry: CoordinatorTelemetry,
         *,
         max_batch: int,
@@ -61,8 +73,8 @@ class SloControl:
         pace_grid: bool = False,
     ):
         self.registry = registry
-        self.streams = streams
         self.telemetry = telemetry
+        self._streams: dict[int, _Watched] = {}
         self.clock = clock
         # The SLO controller's model of stage time per batch: the operator's --stage-ms, else each stage's calibration
         # at READY (seed), refined by measured batches; each decoder kind's cost per chunk: the operator's (a
@@ -90,45 +102,34 @@ class SloControl:
         """The set of streams or their costs changed: decide steps at the next tick."""
         self._decided_at = None
 
-    def joined(self) -> None:
-        """A stream was admitted: decide steps at the next tick, and raise none for ``RAISE_HOLD_S``."""
+    def joined(self, demand: Demand, ladders: dict[int, tuple[float, ...]], steps: int) -> None:
+        """A stream was admitted (``demand`` with its id, starting at ``steps``): decide steps at the next tick, and
+        raise none for ``RAISE_HOLD_S``."""
+        self._streams[demand.stream_id] = _Watched(replace(demand, steps=steps), dict(ladders))
         self.decide_now()
         self._joined_at = self.clock()
 
-    def demand(self, session: StreamSession) -> Demand:
-        return Demand(
-            session.id,
-            session.chunk_rate,
-            tuple(session.ladders),
-            steps=session.steps,
-            clean=session.spec.policy == "clean",
-            latency_first=session.latency_first,
-            rows=self.rows(session.spec),
-            decoder=session.decoder,
-        )
+    def forget(self, stream_id: int) -> None:
+        """The stream has ended."""
+        self._streams.pop(stream_id, None)
 
-    def newcomer(
-        self, spec: StreamSpec, chunk_rate: float, ladders: dict, *, latency_first: bool, decoder: str
-    ) -> Demand:
-        """A stream asking to open, as admission's capacity verdict counts it (its id not yet given)."""
-        return Demand(
-            0,
-            chunk_rate,
-            tuple(ladders),
-            clean=spec.policy == "clean",
-            latency_first=latency_first,
-            rows=self.rows(spec),
-            decoder=decoder,
-        )
+    def steps(self, stream_id: int) -> int:
+        """What the stream's next chunk runs (0: not watched)."""
+        watched = self._streams.get(stream_id)
+        return 0 if watched is None else watched.demand.steps
 
-    def rows(self, spec: StreamSpec) -> int:
-        """Batch rows a micro-step of the stream takes on a stage: a guided stream's two branches in one pipeline
-        (under CFG-parallel each group runs one)."""
-        return 2 if spec.cfg and self.registry.cfg_parallel == 1 else 1
+    def late_findings(self, stream_id: int) -> int:
+        """Times the stream was found falling behind its real-time schedule (each one informed the controller)."""
+        watched = self._streams.get(stream_id)
+        return 0 if watched is None else watched.late_chunks
+
+    @property
+    def pricing(self) -> SloController:
+        """What admission prices streams with (``coordinator.admission.Pricing``)."""
+        return self.controller
 
     def demands(self) -> list[Demand]:
-        sessions = self.streams.sessions
-        return [self.demand(s) for s in sorted(sessions.values(), key=lambda s: s.id) if not s.ended]
+        return [self._streams[sid].demand for sid in sorted(self._streams)]
 
     def capacity(self, decoder: str = FULL) -> list[tuple[int, float]]:
         """(steps, streams): more streams at 16 FPS, one latent frame per chunk, on ``decoder``, the pipeline holds
@@ -168,8 +169,8 @@ class SloControl:
         if self._relaxed_at is not None and (self._late_at is None or self._late_at < self._relaxed_at):
             self.controller.relax(now - self._relaxed_at)  # no stream was late since the last decision
         self._relaxed_at = now
-        sessions = self.streams.sessions
-        demands = [self.demand(sessions[sid]) for sid in sorted(sched.streams) if sid in sessions]
+        watched = self._streams
+        demands = [watched[sid].demand for sid in sorted(sched.streams) if sid in watched]
         if not any(len(d.allowed) > 1 for d in demands):
             return
         # A lone paced stream rises at once (no join of a ramp can take a step back from another stream).
@@ -177,39 +178,41 @@ class SloControl:
         settled = alone or self._joined_at is None or now - self._joined_at >= RAISE_HOLD_S
         decision = self.controller.decide(demands, raise_steps=settled)
         for d in demands:
-            session, want = sessions[d.stream_id], decision[d.stream_id]
-            if want == session.steps or sched.streams[d.stream_id].stopping:
+            sid, want = d.stream_id, decision[d.stream_id]
+            if want == d.steps or sched.streams[sid].stopping:
                 continue
-            ladder = session.ladders[want]
-            first = sched.set_steps(session.id, ladder)
-            self.telemetry.steps_changed(session.steps, want)
-            session.steps = want
+            ladder = watched[sid].ladders[want]
+            first = sched.set_steps(sid, ladder)
+            self.telemetry.steps_changed(d.steps, want)
+            d.steps = want
             if first is not None:
-                events.append(next_event("steps", stream_id=session.id, from_chunk=first, timesteps=ladder))
+                events.append(next_event("steps", stream_id=sid, from_chunk=first, timesteps=ladder))
 
-    def check_late(self, session: StreamSession) -> None:
-        """Under the lock, when a stream's consumed count rose: a paced stream that keeps falling behind its real-time
-        schedule tells the SLO controller that its model undercounts what the running set costs."""
-        if session.chunk_rate <= 0 or session.delivered <= 0:
+    def check_late(self, session: StreamSession, first_consumed_at: float, first: bool) -> None:
+        """Under the lock, when a paced stream's consumed count rose (``first_consumed_at``: its chunk 0's consumption
+        on the viewer's clock, ``first``: just now, ``coordinator.pacing.Pacing.consumed``): a stream that keeps
+        falling behind its real-time schedule tells the SLO controller that its model undercounts what the running
+        set costs."""
+        watched = self._streams.get(session.id)
+        if watched is None or session.chunk_rate <= 0 or session.delivered <= 0:
             return
         now = self.clock()
         newest = session.delivered - 1
-        if session.first_consumed_at is None:
-            session.first_consumed_at = now - newest / session.chunk_rate
-            session.late_mark = (now, 0.0)
+        if first:
+            watched.late_mark = (now, 0.0)
             return
-        late_s = now - (session.first_consumed_at + newest / session.chunk_rate)
-        mark_at, mark_late = session.late_mark or (now, late_s)
+        late_s = now - (first_consumed_at + newest / session.chunk_rate)
+        mark_at, mark_late = watched.late_mark or (now, late_s)
         if now - mark_at < LATE_WINDOW_S:
             return
         tolerance = LATE_TOLERANCE_CHUNKS / session.chunk_rate
         falling = late_s > tolerance and late_s - mark_late > tolerance
-        session.late_windows = session.late_windows + 1 if falling else 0
-        session.late_mark = (now, late_s)
-        if session.late_windows < LATE_WINDOWS:
+        watched.late_windows = watched.late_windows + 1 if falling else 0
+        watched.late_mark = (now, late_s)
+        if watched.late_windows < LATE_WINDOWS:
             return
-        session.late_windows = 0  # the next finding needs fresh windows, with the corrected model deciding
-        session.late_chunks += 1
+        watched.late_windows = 0  # the next finding needs fresh windows, with the corrected model deciding
+        watched.late_chunks += 1
         self._late_at = now
         if self.controller.observe_late(self.demands()):
             self._decided_at = None  # decide steps at the next tick, with the corrected model

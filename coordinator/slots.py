@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from coordinator.requests import OpenRequest
 from stagecast.api import DEFAULT_DECODER, DEFAULT_FPS, DEFAULT_POLICY
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import StreamSpec
@@ -75,6 +78,14 @@ class StreamDefaults:
             decoder=self.decoder,
             sampler=self.sampler,
         )
+
+    def request(self, model: dict | None) -> OpenRequest:
+        """The ``OpenRequest`` of such a stream, as ``gateway.stream.StreamRun.open_pipeline`` sends it (its text's
+        shape is all admission reads of it)."""
+        spec = self.spec(model)
+        text_dim = int((model or {}).get("text_dim") or 1)
+        text = torch.empty(1, spec.text_len, text_dim, device="meta")
+        return OpenRequest(spec, text, acknowledges=True, chunk_rate=self.chunk_rate, decoder=self.decoder)
 
     def spec(self, model: dict | None) -> StreamSpec:
         """The ``StreamSpec`` the gateway sends for such a request (``EffectiveConfig.stream_spec``), for the stages'

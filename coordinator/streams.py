@@ -1,10 +1,16 @@
 """The coordinator's stream table: the open streams by id, and their open, stop, cancel and end bookkeeping.
 
-``StreamTable`` is one of the parts ``coordinator.engine.PipelineEngine`` holds; every method runs under the engine's
-lock (``cond``), which the engine takes, and the engine wakes the plan loop after a change that makes work.  The
-``pending_*`` queues are what the plan loop (``coordinator.plan``) takes at its next tick: opens, stops, cancels and
-prompt changes.  A stream's session is the one record of it that every part reads: the pacing (``coordinator.pacing``),
-admission's KV reservation (``coordinator.admission``) and the SLO glue (``coordinator.slo_control``).
+Usage (``coordinator.engine.PipelineEngine`` holds one; every method runs under the engine's lock, ``cond``)::
+
+    table = StreamTable(telemetry, on_end=lambda stream_id: ...)
+    session = table.open(request, reservation, generation=g)   # an admitted OpenRequest: its id, session, open planned
+    table.admitted()                                           # the open streams as admission counts them
+    changes = table.take_changes()                             # the plan loop's tick: opens, stops, cancels, prompts
+
+A ``StreamSession`` is a stream's record here, and only this module assigns its fields: the plan loop reports what it
+planned through the table's methods (``progressed``, ``planned_all``, ``take_input``, ``hold_recache``, ...).  Pacing
+(``coordinator.pacing``) and the SLO controller's view (``coordinator.slo_control``) keep their own state of a stream,
+keyed by its id; ``on_end`` tells them when a stream has gone, however it ended.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
+from coordinator.admission import RETRY_AFTER_S, Admitted, Reservation
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
-from coordinator.slo import FULL
+from coordinator.requests import OpenRequest
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import StreamSpec, context_frames
-from stagecast.sampling import MAX_STEPS
 
 _END = object()
 
@@ -32,50 +38,44 @@ _END = object()
 MAX_PENDING_INPUTS = 2
 
 
-@dataclass
+@dataclass(eq=False)
 class StreamSession:
+    """An open stream: its request (``OpenRequest``), its spec with its id, its events and its progress."""
+
     id: int
-    spec: StreamSpec
-    text: torch.Tensor
-    negative_text: torch.Tensor | None = None  # a guided stream's negative prompt
-    traceparent: str = ""
+    spec: StreamSpec  # the request's, with the stream's id
+    request: OpenRequest
+    reservation: Reservation  # what admission priced it at: its KV per stage, its demand on the SLO controller
+    generation: int = 0
     events: queue.Queue = field(default_factory=queue.Queue)
     received: int = 0
     # Chunks the consumer has consumed: acknowledged by it (``acknowledges``), else yielded by its gRPC stream.
     delivered: int = 0
-    acknowledges: bool = False
-    consumer_depth: int = 0  # chunks the consumer holds between receiving and acknowledging (its VAE depth)
-    chunk_rate: float = 0.0  # pacing: real-time chunks per second; 0: unpaced
-    # pacing: how much sooner than c / chunk_rate chunk c >= 1 is due (the first chunk holds fewer video frames)
-    pace_offset_s: float = 0.0
-    ladders: dict[int, tuple[float, ...]] = field(default_factory=dict)  # steps -> ladder (SLO controller)
-    latency_first: bool = False
-    steps: int = 0  # what its next chunk runs
-    paced_since: float | None = None  # clock time the stream's first chunk could start (its open was planned)
     started: int = 0  # chunks started by the scheduler
     max_lead: int = 0  # the largest started - delivered seen
-    first_consumed_at: float | None = None  # clock time chunk 0 was consumed: the stream's real-time schedule
-    late_mark: tuple[float, float] | None = None  # (clock time, lateness) at the start of the current window
-    late_windows: int = 0  # consecutive windows in which the stream fell further behind
-    late_chunks: int = 0  # times it was found falling behind (each one informs the SLO controller)
     expected: int | None = None  # known once the scheduler has finished the stream
     stopped: bool = False
     cancelled: bool = False
     ended: bool = False
-    generation: int = 0
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # video-to-video: input chunks not yet planned
-    image: torch.Tensor | None = None  # image-to-video: the image latent the open event carries
     recache: torch.Tensor | None = None  # a recache prompt's text, waiting for the chunks in flight
     finished: dict[int, pb.Tensor] = field(default_factory=dict)  # the clean latents a recache would need
     inputs_received: int = 0
-    kv: dict[int, int] = field(default_factory=dict)  # worst-case KV bytes reserved on each stage while it is open
-    decoder: str = FULL  # the decoder the gateway runs it on ("full" | "tiny"): what its chunks' decode costs
 
-    @property
-    def best_effort(self) -> bool:
-        """An unpaced stream (no chunk rate, no input clock): it yields to the paced ones in the scheduler and takes
-        none of their capacity."""
-        return self.chunk_rate <= 0 and not self.spec.input_latents
+    # What the request said, read as the session's own.
+    text = property(lambda self: self.request.text)
+    negative_text = property(lambda self: self.request.negative_text)
+    image = property(lambda self: self.request.image)
+    traceparent = property(lambda self: self.request.traceparent)
+    acknowledges = property(lambda self: self.request.acknowledges)
+    consumer_depth = property(lambda self: self.request.consumer_depth)
+    chunk_rate = property(lambda self: self.request.chunk_rate)
+    pace_offset_s = property(lambda self: self.request.pace_offset_s)
+    ladders = property(lambda self: self.request.by_steps)  # steps -> ladder (SLO controller)
+    latency_first = property(lambda self: self.request.latency_first)
+    decoder = property(lambda self: self.request.decoder)
+    best_effort = property(lambda self: self.request.best_effort)
+    kv = property(lambda self: self.reservation.kv)  # worst-case KV bytes reserved on each stage while it is open
 
     def iter_events(self) -> Iterator[pb.StreamEvent | StreamFailure]:
         while True:
@@ -87,34 +87,23 @@ class StreamSession:
                 return
 
 
-def ladders_by_steps(spec: StreamSpec, ladders: list[tuple[float, ...]] | None) -> dict[int, tuple[float, ...]]:
-    """The ladder for each step count a stream may run, validated; the spec's own when none are given."""
-    if not ladders:
-        return {spec.steps: spec.timesteps}
-    if len(ladders) > MAX_STEPS:
-        raise ValueError(f"ladders: at most {MAX_STEPS} (one per step count), got {len(ladders)}")
-    out: dict[int, tuple[float, ...]] = {}
-    for i, ladder in enumerate(ladders):
-        try:
-            checked = replace(spec, timesteps=tuple(ladder)).timesteps
-        except ValueError as exc:
-            raise ValueError(f"ladders[{i}]: {exc}") from None
-        if len(checked) in out:
-            raise ValueError(f"ladders[{i}]: a second ladder of {len(checked)} steps")
-        out[len(checked)] = checked
-    if out.get(spec.steps) != spec.timesteps:
-        raise ValueError(f"ladders: none is the stream's own ladder {list(spec.timesteps)}")
-    if spec.input_latents and any(ladder[0] != spec.timesteps[0] for ladder in out.values()):
-        # Its input latents are noised to timesteps[0] (the stream's strength): every ladder must start there.
-        raise ValueError(f"ladders: a video-to-video stream's ladders must all start at {spec.timesteps[0]:g}")
-    return dict(sorted(out.items()))
+@dataclass
+class StreamChanges:
+    """What the plan loop takes at its next tick (``StreamTable.take_changes``): opens in order, stops and cancels by
+    id (ascending), prompt changes in order (stream id, text, recache)."""
+
+    opens: list[StreamSession] = field(default_factory=list)
+    stops: list[int] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)
+    prompts: list[tuple[int, torch.Tensor, bool]] = field(default_factory=list)
 
 
 class StreamTable:
     """The open streams (``sessions``) and the changes the plan loop has yet to plan; guarded by the engine's lock."""
 
-    def __init__(self, telemetry: CoordinatorTelemetry):
+    def __init__(self, telemetry: CoordinatorTelemetry, on_end: Callable[[int], None] = lambda stream_id: None):
         self.telemetry = telemetry
+        self.on_end = on_end  # a stream has gone: the parts that keep state of it forget it
         self.sessions: dict[int, StreamSession] = {}
         self.pending_opens: deque[StreamSession] = deque()
         self.pending_stops: set[int] = set()
@@ -126,19 +115,63 @@ class StreamTable:
         """Opens, stops, cancels or prompt changes the plan loop has yet to take."""
         return bool(self.pending_opens or self.pending_stops or self.pending_cancels or self.pending_prompts)
 
+    def pending_count(self) -> int:
+        """Opens, stops and prompt changes not yet planned (the pending-events gauge)."""
+        return len(self.pending_opens) + len(self.pending_stops) + len(self.pending_prompts)
+
+    def take_changes(self) -> StreamChanges:
+        """The opens, stops, cancels and prompt changes since the last call, for the plan loop; the table forgets
+        them."""
+        changes = StreamChanges(
+            opens=list(self.pending_opens),
+            stops=sorted(self.pending_stops),
+            cancels=sorted(self.pending_cancels),
+            prompts=list(self.pending_prompts),
+        )
+        self.pending_opens.clear()
+        self.pending_stops.clear()
+        self.pending_cancels.clear()
+        self.pending_prompts.clear()
+        return changes
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def admitted(self) -> Admitted:
+        """The open streams as admission counts them: how many, their KV reserved on each stage, their demands (by
+        id), and when capacity or memory is likely back (``retry_after``)."""
+        kv: dict[int, int] = {}
+        for session in self.sessions.values():
+            for index, nbytes in session.kv.items():
+                kv[index] = kv.get(index, 0) + nbytes
+        demands = tuple(s.reservation.demand for s in sorted(self.sessions.values(), key=lambda s: s.id))
+        return Admitted(len(self.sessions), kv, demands, self.retry_after())
+
+    def retry_after(self) -> float:
+        """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks
+        at its pace), else ``RETRY_AFTER_S``."""
+        ends = [
+            (s.spec.num_chunks - s.delivered) / s.chunk_rate
+            for s in self.sessions.values()
+            if s.spec.num_chunks is not None and s.chunk_rate > 0
+        ]
+        return max(0.1, min(ends)) if ends else RETRY_AFTER_S
+
     def get(self, stream_id: int) -> StreamSession:
         session = self.sessions.get(stream_id)
         if session is None:
             raise StreamError(grpc.StatusCode.NOT_FOUND, f"unknown stream {stream_id}")
         return session
 
-    def open(self, spec: StreamSpec, text: torch.Tensor, **fields) -> StreamSession:
-        """An admitted stream: its id (the spec's, else the next free one), its session, and its open for the plan."""
-        sid = spec.stream_id or next(self._ids)
+    def open(self, request: OpenRequest, reservation: Reservation, *, generation: int) -> StreamSession:
+        """An admitted stream: its id (the spec's, else the next free one), its session holding ``reservation``, and
+        its open for the plan."""
+        sid = request.spec.stream_id or next(self._ids)
         if sid in self.sessions:
             raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already active")
-        spec = replace(spec, stream_id=sid)
-        session = StreamSession(sid, spec, text, steps=spec.steps, **fields)
+        spec = replace(request.spec, stream_id=sid)
+        held = replace(reservation, demand=replace(reservation.demand, stream_id=sid))
+        session = StreamSession(sid, spec, request, held, generation)
         self.sessions[sid] = session
         self.pending_opens.append(session)
         self.telemetry.stream_opened()
@@ -231,7 +264,8 @@ class StreamTable:
         self.telemetry.stream_ended(final.ended.reason if isinstance(final, pb.StreamEvent) else final.code.name)
         session.events.put(final)
         session.events.put(_END)
-        self.sessions.pop(session.id, None)
+        if self.sessions.pop(session.id, None) is not None:
+            self.on_end(session.id)
 
     def end_all(self, failure: StreamFailure) -> None:
         for session in list(self.sessions.values()):
@@ -281,8 +315,42 @@ class StreamTable:
         session.delivered = chunks
         return session
 
-    def progress(self, lead_bound: Callable[[StreamSession], int]) -> list[pb.StreamProgress]:
-        """Each open stream's progress for GetStatus, with its lead bound (``Pacing.lead_bound``)."""
+    # ---- what the plan loop and the engine report (the only writers of a session's fields) ----------------
+
+    def hold_recache(self, session: StreamSession, text: torch.Tensor) -> None:
+        """A recache prompt waits for the stream's chunks in flight (``coordinator.plan``)."""
+        session.recache = text
+
+    def recache_planned(self, session: StreamSession) -> None:
+        """The waiting recache was planned (or its stream left the scheduler)."""
+        session.recache = None
+
+    def progressed(self, session: StreamSession, started: int) -> None:
+        """The scheduler has started ``started`` chunks of the stream."""
+        session.started = started
+        session.max_lead = max(session.max_lead, started - session.delivered)
+
+    def take_input(self, session: StreamSession, chunk: int) -> torch.Tensor:
+        """A video-to-video chunk's input latents, planned right before the chunk starts."""
+        return session.inputs.pop(chunk)
+
+    def planned_all(self, session: StreamSession, started: int) -> None:
+        """The scheduler is done with the stream after ``started`` chunks: it ends once they are all back."""
+        session.expected = started
+        self.maybe_complete(session)
+
+    def delivered_one(self, session: StreamSession) -> bool:
+        """A consumer that does not acknowledge took one more chunk (delivery pacing); False for one that does."""
+        if session.acknowledges:
+            return False
+        session.delivered += 1
+        return True
+
+    def progress(
+        self, lead_bound: Callable[[StreamSession], int], steps: Callable[[int], int]
+    ) -> list[pb.StreamProgress]:
+        """Each open stream's progress for GetStatus, with its lead bound (``Pacing.lead_bound``) and the steps its
+        next chunk runs (``SloControl.steps``)."""
         return [
             pb.StreamProgress(
                 stream_id=s.id,
@@ -291,7 +359,7 @@ class StreamTable:
                 consumed=s.delivered,
                 bound=lead_bound(s),
                 max_lead=s.max_lead,
-                steps=s.steps,
+                steps=steps(s.id),
                 chunk_rate=s.chunk_rate,
             )
             for s in sorted(self.sessions.values(), key=lambda s: s.id)

@@ -10,6 +10,7 @@ import torch
 
 from coordinator.engine import PipelineEngine
 from coordinator.registry import StageRegistry
+from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast.microstep import StreamSpec
 from stagecast.model.dit_configs import model_config
@@ -37,7 +38,9 @@ def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders):
 
     def open_stream(**kw):
         spec = small_spec(timesteps=tuple(ladders[-1]))
-        return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
+        return eng.open(
+            OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
+        )
 
     return open_stream
 

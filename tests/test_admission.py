@@ -8,6 +8,7 @@ import torch
 
 from coordinator.admission import AdmissionState, Capacity, admit, kv_verdict
 from coordinator.errors import AdmissionError
+from coordinator.requests import OpenRequest
 from stagecast.kv_memory import format_bytes, stream_kv_bytes
 from stagecast.microstep import StreamSpec
 from stagecast.model.config import DiTConfig
@@ -27,12 +28,12 @@ def state(**kw) -> AdmissionState:
 
 def refusal(spec=SPEC, text=TEXT, **kw) -> AdmissionError:
     with pytest.raises(AdmissionError) as info:
-        admit(spec, text, state(**kw))
+        admit(OpenRequest(spec, text), state(**kw))
     return info.value
 
 
 def test_a_stream_that_fits_is_admitted():
-    admit(SPEC, TEXT, state(active=1))
+    admit(OpenRequest(SPEC, TEXT), state(active=1))
 
 
 def test_the_checks_run_in_order_and_name_their_limit():
@@ -48,7 +49,7 @@ def test_the_checks_run_in_order_and_name_their_limit():
 
 def test_a_consumer_depth_out_of_range_is_a_value_error():
     with pytest.raises(ValueError, match="consumer_depth"):
-        admit(SPEC, TEXT, state(), consumer_depth=65)
+        OpenRequest(SPEC, TEXT, consumer_depth=65)
 
 
 # ---- KV memory ---------------------------------------------------------------------------------------------------

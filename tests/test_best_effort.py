@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coordinator.errors import AdmissionError
+from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
 from gateway.admission import Refused
 from gateway.quotas import QuotaOptions, Quotas
@@ -100,17 +101,17 @@ def test_unpaced_streams_take_no_paced_capacity_at_the_coordinator():
     # 174 ms x 1.15 / 4 = 50 ms per micro-step: a paced stream at 3 steps and 4 chunks/s needs 60% of a stage.
     eng = hand_driven_engine(P, lookahead=10**6, stage_ms=[174.0] * P, slo_learn=False, clock=lambda: 0.0)
     s3 = spec(0, steps=3)
-    unpaced = [eng.open(s3, TEXT, acknowledges=True, consumer_depth=8) for _ in range(8)]
+    unpaced = [eng.open(OpenRequest(s3, TEXT, acknowledges=True, consumer_depth=8)) for _ in range(8)]
     assert all(s.best_effort for s in unpaced)
-    paced = eng.open(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0)
+    paced = eng.open(OpenRequest(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0))
     assert not paced.best_effort
     eng.planner.tick()
     assert {sid for sid, st in eng.sched.streams.items() if st.best_effort} == {s.id for s in unpaced}
     with pytest.raises(AdmissionError) as info:  # a second paced one does not fit beside the first (120%)
-        eng.open(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0)
+        eng.open(OpenRequest(s3, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0))
     assert info.value.limit == "capacity"
     # A video-to-video stream has its input as its clock: it is not best effort, though it has no chunk rate.
-    v2v = eng.open(spec(0, steps=3, input_latents=True), TEXT, acknowledges=True, consumer_depth=8)
+    v2v = eng.open(OpenRequest(spec(0, steps=3, input_latents=True), TEXT, acknowledges=True, consumer_depth=8))
     assert not v2v.best_effort
 
 

@@ -4,7 +4,7 @@ row count, validation, and the multi-process pipeline (sequential CFG and CFG-pa
 import pytest
 import torch
 
-from coordinator.admission import check_negative_text
+from coordinator.requests import check_negative_text
 from coordinator.scheduler import StreamBatchScheduler
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice

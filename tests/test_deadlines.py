@@ -9,7 +9,7 @@ driven by hand here, under a fake clock, as in ``tests/test_pacing.py``.
 
 import pytest
 
-from coordinator.pacing import Pacing
+from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
 from tests.engine_helpers import TEXT, Clock, consume_first, hand_driven_engine, small_spec
@@ -29,7 +29,9 @@ def engine(clock: Clock):
 
 def open_paced(eng):
     spec = small_spec(timesteps=ONE_STEP, window=3, sink=1)
-    return eng.open(spec, TEXT, acknowledges=True, consumer_depth=64, chunk_rate=RATE, pace_offset_s=OFFSET)
+    return eng.open(
+        OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=64, chunk_rate=RATE, pace_offset_s=OFFSET)
+    )
 
 
 def tick(eng) -> list[tuple[int, int]]:
@@ -78,9 +80,15 @@ def test_a_joining_streams_second_chunk_goes_in_the_batch_right_after_its_first(
 def test_a_running_stream_that_fell_behind_goes_before_one_on_time():
     clock = Clock()
     eng = engine(clock)
-    a, b, c = run_running_set(eng, clock, 3)
+    a, b, c = [open_paced(eng) for _ in range(3)]
+    while tick(eng):
+        pass
     # c's viewer saw its first frame a whole chunk period before a's and b's: its chunks are due sooner.
-    eng.sessions[c.id].first_consumed_at -= 1 / RATE
+    clock.t -= 1 / RATE
+    consume_first(eng, c)
+    clock.t += 1 / RATE
+    for s in (a, b):
+        consume_first(eng, s)
     clock.t += 1 / RATE
     assert [sid for sid, _ in tick(eng)][0] == c.id
 
@@ -91,23 +99,25 @@ def test_a_deadline_is_the_pace_slot_until_the_first_chunk_is_consumed_then_the_
     clock.t = 100.1  # the pace grid moves its schedule back to 100.0
     s = open_paced(eng)
     tick(eng)
-    session = eng.sessions[s.id]
-    assert session.paced_since == pytest.approx(100.0)
-    assert [Pacing.deadline(session, c) for c in range(3)] == [Pacing.pace_slot(session, c) for c in range(3)]
-    assert Pacing.deadline(session, 1) == pytest.approx(100.0 + 1 / RATE - OFFSET)
+    pacing = eng.pacing
+    assert pacing.since(s.id) == pytest.approx(100.0)
+    assert [pacing.deadline(s.id, c) for c in range(3)] == [pacing.pace_slot(s.id, c) for c in range(3)]
+    assert pacing.deadline(s.id, 1) == pytest.approx(100.0 + 1 / RATE - OFFSET)
     clock.t = 100.31  # its first frame reached the viewer
     consume_first(eng, s)
-    assert Pacing.deadline(session, 0) == pytest.approx(100.31)
-    assert Pacing.deadline(session, 1) == pytest.approx(100.31 + 1 / RATE - OFFSET)  # one frame after the first
-    assert Pacing.deadline(session, 5) == pytest.approx(100.31 + 5 / RATE - OFFSET)
+    assert pacing.deadline(s.id, 0) == pytest.approx(100.31)
+    assert pacing.deadline(s.id, 1) == pytest.approx(100.31 + 1 / RATE - OFFSET)  # one frame after the first
+    assert pacing.deadline(s.id, 5) == pytest.approx(100.31 + 5 / RATE - OFFSET)
 
 
 def test_an_unpaced_stream_has_no_deadline():
     clock = Clock()
     eng = engine(clock)
-    unpaced = eng.open(small_spec(timesteps=ONE_STEP), TEXT, acknowledges=True, consumer_depth=64, chunk_rate=0.0)
+    unpaced = eng.open(
+        OpenRequest(small_spec(timesteps=ONE_STEP), TEXT, acknowledges=True, consumer_depth=64, chunk_rate=0.0)
+    )
     tick(eng)
-    assert Pacing.deadline(eng.sessions[unpaced.id], 0) is None
+    assert eng.pacing.deadline(unpaced.id, 0) is None
 
 
 def test_deadlines_order_ready_steps_and_equal_ones_keep_the_arrival_order():

@@ -7,6 +7,7 @@ clock, as in ``tests/test_deadlines.py``."""
 
 import pytest
 
+from coordinator.requests import OpenRequest
 from stagecast import wire
 from tests.engine_helpers import TEXT, Clock, consume_first, hand_driven_engine, small_spec
 
@@ -17,7 +18,7 @@ RATE = 4.0  # chunks per second: 16 fps, 4 frames per chunk
 
 def open_stream(eng, chunk_rate: float = RATE):
     spec = small_spec(timesteps=(1000.0,), window=3, sink=1)
-    return eng.open(spec, TEXT, acknowledges=True, consumer_depth=64, chunk_rate=chunk_rate)
+    return eng.open(OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=64, chunk_rate=chunk_rate))
 
 
 def planned(eng) -> list[tuple[int, int]]:

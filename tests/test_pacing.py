@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coordinator.engine import PipelineEngine
+from coordinator.requests import OpenRequest
 from stagecast.model.dit_configs import model_config
 from tests.engine_helpers import Clock, hand_driven_engine, small_spec
 from tests.pipeline_helpers import wait_until
@@ -24,7 +25,9 @@ def engine(clock: Clock, playout_s: float = 0.5) -> PipelineEngine:
 def open_stream(eng: PipelineEngine, rate: float, depth: int = 64, offset: float = 0.0):
     text = torch.zeros(1, 8, MODEL["text_dim"])
     # acknowledges with a large consumer depth: the delivery credit does not bind, the pace does.
-    return eng.open(small_spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate, pace_offset_s=offset)
+    return eng.open(
+        OpenRequest(small_spec(), text, acknowledges=True, consumer_depth=depth, chunk_rate=rate, pace_offset_s=offset)
+    )
 
 
 def run_ticks(eng: PipelineEngine, n: int) -> None:
@@ -109,7 +112,7 @@ def test_when_the_loop_ticks_for_a_paced_chunk_the_credit_lets_it_start(rate):
     s = open_stream(eng, rate=rate)
     eng.planner.tick()  # the open is planned: the stream's real-time schedule starts
     for started in range(1, 200):
-        due = s.paced_since + started / rate - 0.5
+        due = eng.pacing.since(s.id) + started / rate - 0.5
         clock.t = due - PACE_EARLY_S  # the earliest moment the loop ticks for chunk `started`
         assert eng.pacing.paced_credit(s, clock()) >= started + 1, (rate, started)
 
@@ -124,7 +127,7 @@ def test_chunks_after_the_first_are_paced_sooner_by_the_offset():
     assert eng.sched.started_chunks[s.id] == 1  # chunk 1 is due 1/16 s after chunk 0
     assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(1 / 16, abs=1e-3)
     for c in range(1, 40):
-        due = s.paced_since + (4 * c - 3) / 16  # chunk c's first frame
+        due = eng.pacing.since(s.id) + (4 * c - 3) / 16  # chunk c's first frame
         clock.t = due - 0.01
         run_ticks(eng, 5)
         assert eng.sched.started_chunks[s.id] == c, c  # not before its first frame's slot
@@ -232,4 +235,4 @@ def test_the_pace_grid_leaves_unpaced_streams_alone():
     clock.t = 100.03
     s = open_stream(eng, rate=0.0, depth=0)
     run_ticks(eng, 5)
-    assert s.paced_since == 100.03
+    assert eng.pacing.since(s.id) is None  # no real-time schedule: nothing to move onto the grid

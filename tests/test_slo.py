@@ -3,6 +3,7 @@ refuses exactly at capacity."""
 
 import pytest
 
+from coordinator.requests import OpenRequest
 from coordinator.slo import CostModel, Demand, SloController
 
 pytestmark = pytest.mark.unit
@@ -144,7 +145,7 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     eng, open_stream = _engine(174.0)
     a = open_stream()
     events = eng.planner.tick()
-    assert not [e for e in events if e.WhichOneof("event") == "steps"] and a.steps == 3
+    assert not [e for e in events if e.WhichOneof("event") == "steps"] and eng.steps(a.id) == 3
     b = open_stream()
     events = eng.planner.tick()
     changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
@@ -163,7 +164,7 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     eng2, open2 = _engine(174.0)
     c = open2(latency_first=True)
     eng2.planner.tick()
-    assert c.steps == 1
+    assert eng2.steps(c.id) == 1
 
 
 def test_the_vae_cost_per_chunk_counts_whatever_the_steps():
@@ -213,7 +214,7 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     eng, open_stream = _engine(40.0, clock=lambda: now[0])
     a, b = open_stream(), open_stream()
     eng.planner.tick()
-    assert (a.steps, b.steps) == (3, 3) and eng.slo_correction() == 1.0
+    assert (eng.steps(a.id), eng.steps(b.id)) == (3, 3) and eng.slo_correction() == 1.0
     capacity = dict(eng.capacity())[1]
     a.received = b.received = 400
     # On schedule: chunk c consumed at 0.5 + c / 4 s (the first chunk's consumption sets the schedule), for 8 s.
@@ -221,15 +222,15 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
         now[0] = 0.5 + c / 4
         eng.consumed(a.id, c + 1)
         eng.consumed(b.id, c + 1)
-    assert eng.slo_correction() == 1.0 and a.late_chunks == b.late_chunks == 0
+    assert eng.slo_correction() == 1.0 and eng.slo.late_findings(a.id) == eng.slo.late_findings(b.id) == 0
     # Stream a stalls once for 1 s and then keeps its rate: it stays 1 s late, but it is not falling behind.
     for c in range(32, 64):
         now[0] = 0.5 + c / 4 + 1.0
         eng.consumed(a.id, c + 1)
-    assert eng.slo_correction() == 1.0 and a.late_chunks == 0
+    assert eng.slo_correction() == 1.0 and eng.slo.late_findings(a.id) == 0
     # Stream b falls behind: it gets 3 chunks a second against its 4, from chunk 32 on.  Caught within two 2 s windows.
     c, t = 32, 0.5 + 31 / 4
-    while b.late_chunks == 0:
+    while eng.slo.late_findings(b.id) == 0:
         c, t = c + 1, t + 1 / 3
         now[0] = t
         eng.consumed(b.id, c)
@@ -240,7 +241,7 @@ def test_the_engine_learns_from_a_paced_stream_that_falls_behind():
     # The set that ran (2 x 3 steps) is now judged 94.5%: the newest stream gives a step, 2 x 4 x (3 + 2) x 11.5 ms
     # x 3.42 = 79%, and nothing rises back over the 80% raise threshold.
     changes = [(e.steps.stream_id, len(e.steps.timesteps)) for e in events if e.WhichOneof("event") == "steps"]
-    assert changes == [(b.id, 2)] and (a.steps, b.steps) == (3, 2)
+    assert changes == [(b.id, 2)] and (eng.steps(a.id), eng.steps(b.id)) == (3, 2)
     assert eng.slo.controller.utilization(eng.slo.demands()) <= eng.slo.controller.target
 
 
@@ -254,24 +255,24 @@ def test_steps_do_not_rise_for_a_while_after_a_stream_joins_unless_it_is_alone()
 
     def open_at_one_step():  # as the gateway opens a stream whose default steps lie below its max_steps
         spec = small_spec(timesteps=LADDERS[0])
-        return eng.open(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0, ladders=LADDERS)
+        return eng.open(OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=4.0, ladders=LADDERS))
 
     a = open_at_one_step()
     eng.planner.tick()
-    assert a.steps == 3  # alone: it rises at once, right after its join
+    assert eng.steps(a.id) == 3  # alone: it rises at once, right after its join
     b = open_at_one_step()
     eng.planner.tick()
-    assert (a.steps, b.steps) == (3, 1)  # b joined running a: within RAISE_HOLD_S nothing rises
+    assert (eng.steps(a.id), eng.steps(b.id)) == (3, 1)  # b joined running a: within RAISE_HOLD_S nothing rises
     now[0] = 1.5
     eng.planner.tick()
-    assert b.steps == 1
+    assert eng.steps(b.id) == 1
     now[0] = RAISE_HOLD_S + 0.1  # settled: the next decision raises what fits
     eng.planner.tick()
-    assert (a.steps, b.steps) == (3, 3)
+    assert (eng.steps(a.id), eng.steps(b.id)) == (3, 3)
     # Lowering is never held: a join that does not fit lowers at once (at 174 ms, 50 ms per micro-step).
     eng2, open2 = _engine(174.0, clock=lambda: 0.0)
     c, d = open2(), None
     eng2.planner.tick()
     d = open2()
     eng2.planner.tick()
-    assert (c.steps, d.steps) == (2, 2)
+    assert (eng2.steps(c.id), eng2.steps(d.id)) == (2, 2)

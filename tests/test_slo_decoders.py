@@ -126,7 +126,14 @@ def test_a_report_while_serving_changes_admission_and_steps():
     eng.report_vae(VaeReport("tiny", 6.0))
     streams = [open_stream(decoder="tiny") for _ in range(6)]  # 6 x (4.6% + 2.4%) at 1 step: 42%
     eng.planner.tick()
-    assert [s.steps for s in streams] == [2, 2, 2, 2, 2, 2]  # 6 x (9.2% + 2.4%) = 70%, under the raise threshold
+    assert [eng.steps(s.id) for s in streams] == [
+        2,
+        2,
+        2,
+        2,
+        2,
+        2,
+    ]  # 6 x (9.2% + 2.4%) = 70%, under the raise threshold
     status = eng.status()
     tiny = next(d for d in status.decoders if d.decoder == "tiny")
     assert (tiny.chunk_ms, tiny.source, list(tiny.batch_ms)) == (6.0, "gateway", [])
@@ -141,7 +148,7 @@ def test_a_report_while_serving_changes_admission_and_steps():
     # held (32.2% + 57.6% = 89.8%).
     events = eng.planner.tick()
     assert [e.WhichOneof("event") for e in events].count("steps") == 5
-    assert sorted(s.steps for s in streams) == [1, 1, 1, 1, 1, 2]
+    assert sorted(eng.steps(s.id) for s in streams) == [1, 1, 1, 1, 1, 2]
     with pytest.raises(AdmissionError) as info:
         open_stream(decoder="tiny")  # 7 x (4.6% + 9.6%) = 99% at 1 step
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coordinator.errors import AdmissionError
+from coordinator.requests import OpenRequest
 from coordinator.slots import Slots, StreamDefaults
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import resolve_config
@@ -63,15 +64,17 @@ def _open_default(eng):
     cfg = resolve_config(pb.StreamConfig(prompt="a cat"), defaults=SERVING, model=INFO)
     spec = cfg.stream_spec(latent_channels=INFO.latent_channels, text_len=SERVING.text_len)
     return eng.open(
-        spec,
-        torch.zeros(1, SERVING.text_len, MODEL["text_dim"]),
-        acknowledges=True,
-        consumer_depth=2,
-        chunk_rate=cfg.chunk_rate,
-        pace_offset_s=cfg.pace_offset_s,
-        ladders=list(cfg.ladders),
-        latency_first=cfg.steps_preference == "latency_first",
-        decoder=cfg.decoder,
+        OpenRequest(
+            spec,
+            torch.zeros(1, SERVING.text_len, MODEL["text_dim"]),
+            acknowledges=True,
+            consumer_depth=2,
+            chunk_rate=cfg.chunk_rate,
+            pace_offset_s=cfg.pace_offset_s,
+            ladders=list(cfg.ladders),
+            latency_first=cfg.steps_preference == "latency_first",
+            decoder=cfg.decoder,
+        )
     )
 
 
