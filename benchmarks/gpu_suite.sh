@@ -36,6 +36,9 @@
 #                                         # is missing; made here by: pip download --no-deps --only-binary=:all:
 #                                         # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #                                         # -d .whl-fp8 torchao==0.17.0, the release built against torch 2.11)
+#   bash benchmarks/gpu_suite.sh dit-levers # the DiT levers (fp8, fused, cudnn, each and together) at batch 1, 4,
+#                                         # 8, 12: ms per stream-chunk and the error vs bf16 (benchmarks/dit_levers.py,
+#                                         # one GPU, ~3 min)
 #   bash benchmarks/gpu_suite.sh attention-check # grouped self-attention (one SDPA per group of equal KV context) against
 #                                         # the per-item loop: one stage's blocks (1.3B, 14B) at batch 1, 2, 4 with full
 #                                         # 6-frame windows, eager and graphed, ms and max difference
@@ -60,6 +63,7 @@
 #                                         # 1 step, paced 16 FPS streams opened one at a time until admission refuses
 #                                         # one, held 20 s; the tiny decoder, then the full VAE in the same system
 #                                         # (no main stream, TTFF, interactive stream nor peers; ~4 min)
+#   STAGES=1 bash benchmarks/gpu_suite.sh capacity-1.3b-2 # the same, 2 steps (~4 min)
 #   STAGES=1 bash benchmarks/gpu_suite.sh capacity-1.3b-4 # the same, SLO-adaptive 1..4 steps (~4 min)
 #   STAGES=1 bash benchmarks/gpu_suite.sh capacity-14b    # 14B 1 step, tiny decoder: one unpaced 20 s main stream
 #                                         # (goal >= 28 FPS; the stages' ms per forward at batch 1 in system.stages),
@@ -72,6 +76,11 @@
 #                                         # streams' chunks due together, so they batch; JSON names end _grid)
 #                                         # LOOKAHEAD=N before any capacity part: the coordinator's --lookahead N, a
 #                                         # fixed bound on batches in flight (JSON names end _laN)
+#                                         # DIT_LEVERS=fused (or fp8,fused,cudnn ...): the stages' --dit-levers
+#                                         # (not bit-exact; JSON names end _fused); BATCH=N: the Stream Batch ceiling
+#                                         # (--batch, default 4; _bN); BURST=N: after the capacity rows, N paced
+#                                         # streams opened at one instant (--burst; _burstN); DECODERS=tiny: that
+#                                         # decoder only (default tiny,full; _tiny)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -200,6 +209,9 @@ for part in "$@"; do
       need_torchao || { echo "fp8-check: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
       timeout 300 python -m benchmarks.fp8_check --models wan2.1-1.3b,wan2.1-14b --json "$out/fp8_check.json"
       ;;
+    dit-levers)
+      timeout 420 python -m benchmarks.dit_levers --json "$out/dit_levers_1gpu.json"
+      ;;
     attention-check)
       timeout 500 python -m benchmarks.attention_check --json "$out/attention_check.json"
       ;;
@@ -226,7 +238,7 @@ for part in "$@"; do
       timeout 560 python -m benchmarks.kv_admission_check --model wan2.1-1.3b --stages "$stages" --steps "$steps" \
         --seconds 15 --max-open 12 --cuda-graphs --vae-compile --json "$out/kv_admission_13b_${steps}step_${stages}gpu.json"
       ;;
-    capacity-1.3b|capacity-1.3b-4|capacity-14b|capacity-5b)
+    capacity-1.3b|capacity-1.3b-2|capacity-1.3b-4|capacity-14b|capacity-5b)
       # Capacity rows only (harness --capacity): each part skips the first stream, TTFF, the interactive stream and
       # the peers; the JSON is written as each decoder's row finishes (<json>.partial) and, when `timeout` cuts
       # the run, as a result marked partial.
@@ -236,13 +248,20 @@ for part in "$@"; do
       sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); sfx="_vae${SLO_VAE_MS}ms"; }
       [ -n "${PACE_GRID:-}" ] && { cap+=(--pace-grid); sfx="${sfx}_grid"; }
       [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
+      [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//,/-}"; }
+      [ -n "${BATCH:-}" ] && { cap+=(--batch "$BATCH"); sfx="${sfx}_b${BATCH}"; }
+      t=420; [ -n "${BURST:-}" ] && { cap+=(--burst "$BURST"); sfx="${sfx}_burst${BURST}"; t=540; }
+      dec="${DECODERS:-tiny,full}"; [ -n "${DECODERS:-}" ] && sfx="${sfx}_${DECODERS//,/-}"
       case "$part" in
         capacity-1.3b)
-          timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" \
-            --decoder tiny,full --capacity-max 12 --seconds 0 --json "$out/v2_cap_13b_1step_${stages}gpu${sfx}.json" ;;
+          timeout "$t" "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 1 --stages "$stages" \
+            --decoder "$dec" --capacity-max 14 --seconds 0 --json "$out/v2_cap_13b_1step_${stages}gpu${sfx}.json" ;;
+        capacity-1.3b-2)
+          timeout "$t" "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 2 --stages "$stages" \
+            --decoder "$dec" --capacity-max 14 --seconds 0 --json "$out/v2_cap_13b_2step_${stages}gpu${sfx}.json" ;;
         capacity-1.3b-4)
-          timeout 420 "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 \
-            --stages "$stages" --decoder tiny,full --capacity-max 12 --seconds 0 \
+          timeout "$t" "${harness[@]}" "${cap[@]}" --model wan2.1-1.3b --steps 4 --load-min-steps 1 \
+            --stages "$stages" --decoder "$dec" --capacity-max 14 --seconds 0 \
             --json "$out/v2_cap_13b_slo4_${stages}gpu${sfx}.json" ;;
         capacity-14b)
           # Stages eager: a graphed 14B forward is no faster (123 vs 119 ms per chunk, attention_14b_b12_1gpu.json),

@@ -105,6 +105,7 @@ def _capacity_config(a: dict, decoder: str) -> str:
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
     grid = ", pace grid" if a.get("pace_grid") else ""
     grid += f", lookahead {a['lookahead']}" if a.get("lookahead") else ""  # a fixed one (the coordinator's --lookahead)
+    grid += f", levers {a['dit_levers']}" if a.get("dit_levers") else ""  # the stages' --dit-levers
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
 
 
@@ -154,53 +155,40 @@ TTFF_PARTS = (
 )
 
 
-def capacity_table(runs: list[dict]) -> str:
-    """Capacity per GPU: paced streams (16 FPS) held (>= 99% of frames on time over the measured window) with the
-    next one refused at once; from the harness's ``--capacity`` rows, and a look from load rows that met a refusal."""
-    out = ["### Capacity: paced streams held per GPU (the headline)\n"]
-    out.append(
-        "| config | GPUs | **held per GPU** | admitted / held | first refusal (code, ms) | TTFF p50 / p95 at capacity "
-        "(ms) | on time min | freezes | steps chosen | batch (micro-steps per forward) | DiT ms per batch "
-        "| decoder state / KV per stream (MiB) | gateway CPU per frame (ms) | commit |"
+def _capacity_row(r: dict, row: dict, gpus: int) -> str:
+    """One ``--capacity`` row of the table."""
+    a = r["args"]
+    ref = row.get("refusal") or {}
+    refusal = f"{ref.get('code')}, {_f(ref.get('ms'), '.0f')} ms" if ref else "none"
+    cap = row.get("capacity")
+    held = f"**{cap / gpus:g}**" if cap is not None else f"– ({row['verdict']})"
+    stages = row.get("stages") or []
+    mem = row.get("memory") or {}
+    cfg = _capacity_config(a, row["decoder"])
+    priced = row.get("slo_model") or {}
+    kind = (priced.get("decoders") or {}).get(row["decoder"])
+    if kind:  # the decode cost admission counted for this row's decoder, and where it came from
+        end = ((row.get("slo_model_end") or {}).get("decoders") or {}).get(row["decoder"]) or kind
+        formed = f", calls formed {end['formed_batch']:.2f} streams" if end.get("batch_ms") else ""
+        cfg += f" ({row['decoder']} priced {kind['chunk_ms']:.3g} ms/chunk alone{formed}, {kind['source']})"
+    elif priced.get("vae_source"):  # older results: the full VAE's cost only
+        cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
+    cfg += " ¹" if r.get("partial") else ""
+    batch = _f(row.get("mean_batch"), ".2f")
+    if priced.get("max_batch"):  # the Stream Batch picked from the stages' calibrations
+        batch += f" (at most {priced['max_batch']})"
+    return (
+        f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
+        f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
+        f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {batch} | "
+        + " / ".join(_f(s.get("mean_forward_ms"), ".1f") + _eager(s) for s in stages)
+        + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
+        f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    seen: set[tuple] = set()
-    rows = 0
-    for r in runs:
-        a = r["args"]
-        gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
-        for row in (r.get("system") or {}).get("capacity") or []:
-            rows += 1
-            seen.add(_capacity_key(a, row["decoder"]))
-            ref = row.get("refusal") or {}
-            refusal = f"{ref.get('code')}, {_f(ref.get('ms'), '.0f')} ms" if ref else "none"
-            cap = row.get("capacity")
-            held = f"**{cap / gpus:g}**" if cap is not None else f"– ({row['verdict']})"
-            stages = row.get("stages") or []
-            mem = row.get("memory") or {}
-            cfg = _capacity_config(a, row["decoder"])
-            priced = row.get("slo_model") or {}
-            kind = (priced.get("decoders") or {}).get(row["decoder"])
-            if kind:  # the decode cost admission counted for this row's decoder, and where it came from
-                end = ((row.get("slo_model_end") or {}).get("decoders") or {}).get(row["decoder"]) or kind
-                formed = f", calls formed {end['formed_batch']:.2f} streams" if end.get("batch_ms") else ""
-                cfg += f" ({row['decoder']} priced {kind['chunk_ms']:.3g} ms/chunk alone{formed}, {kind['source']})"
-            elif priced.get("vae_source"):  # older results: the full VAE's cost only
-                cfg += f" (VAE priced {priced.get('vae_chunk_ms', 0):.3g} ms/chunk, {priced['vae_source']})"
-            cfg += " ¹" if r.get("partial") else ""
-            batch = _f(row.get("mean_batch"), ".2f")
-            if priced.get("max_batch"):  # the Stream Batch picked from the stages' calibrations
-                batch += f" (at most {priced['max_batch']})"
-            out.append(
-                f"| {cfg} | {gpus} | {held} | {row['admitted']} / {row['held']} | {refusal} | "
-                f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
-                f"{row.get('freezes', '–')} | {_share(row.get('steps_chosen'))} | {batch} | "
-                + " / ".join(_f(s.get("mean_forward_ms"), ".1f") + _eager(s) for s in stages)
-                + f" | {_mib(mem.get('decoder_state_bytes_per_stream'))} / {_mib(mem.get('kv_bytes_per_stream'))} | "
-                f"{_f(row.get('gateway_cpu_ms_per_frame'), '.2f')} | {r['commit']} |"
-            )
-    if not rows:
-        out.append("| (no capacity rows yet: see Missing) |||||||||||||")
+
+
+def _looks(runs: list[dict]) -> list[str]:
+    """Capacity looks from load rows that met a refusal (runs without capacity rows)."""
     looks = []
     for r in runs:  # a look from load rows (streams opened together): no refusal timing, batch, memory nor CPU
         look = _load_capacity(r) if not (r.get("system") or {}).get("capacity") else None
@@ -215,17 +203,11 @@ def capacity_table(runs: list[dict]) -> str:
             f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
             f"{_share(look['steps'])} (frames) | {r['commit']} |"
         )
-    if looks:
-        out.append(
-            "\nA look from load rows (not the capacity mode: the streams of a row opened together, on time over the "
-            "whole stream; the first row of each run that met a refusal):\n"
-        )
-        out.append(
-            "| config | GPUs | held per GPU | admitted / held | refusal | TTFF p50 / p95 (ms) | on time min "
-            "| steps run | commit |"
-        )
-        out.append("|---|---|---|---|---|---|---|---|---|")
-        out += looks
+    return looks
+
+
+def _ramps(runs: list[dict]) -> list[str]:
+    """The stages' ms per forward on the way to capacity, per capacity row."""
     ramps = []
     for r in runs:  # the stages' ms per forward at each batch on the way to capacity (DiT ms per chunk at 1 step)
         a = r["args"]
@@ -251,12 +233,11 @@ def capacity_table(runs: list[dict]) -> str:
                 )
             if parts:
                 ramps.append(f"- {_capacity_config(a, row['decoder'])} ({r['commit']}): " + "; ".join(parts))
-    if ramps:
-        out.append(
-            "\nStages' ms per forward on the way to capacity (from one admission to the next: k streams running and "
-            "the next one's first chunk; per stage):\n"
-        )
-        out += ramps
+    return ramps
+
+
+def _slowest(runs: list[dict]) -> list[str]:
+    """Each capacity row's slowest first frame, taken apart."""
     slowest = []
     for r in runs:  # where the slowest first frame's time went (results from 145e5ca on stamp the opening)
         for row in (r.get("system") or {}).get("capacity") or []:
@@ -267,6 +248,50 @@ def capacity_table(runs: list[dict]) -> str:
                     f"- {_capacity_config(r['args'], row['decoder'])} ({r['commit']}): {total:.0f} ms = "
                     + " + ".join(f"{name} {parts[k]:.0f}" for k, name in TTFF_PARTS)
                 )
+    return slowest
+
+
+def capacity_table(runs: list[dict]) -> str:
+    """Capacity per GPU: paced streams (16 FPS) held (>= 99% of frames on time over the measured window) with the
+    next one refused at once; from the harness's ``--capacity`` rows, and a look from load rows that met a refusal."""
+    out = ["### Capacity: paced streams held per GPU (the headline)\n"]
+    out.append(
+        "| config | GPUs | **held per GPU** | admitted / held | first refusal (code, ms) | TTFF p50 / p95 at capacity "
+        "(ms) | on time min | freezes | steps chosen | batch (micro-steps per forward) | DiT ms per batch "
+        "| decoder state / KV per stream (MiB) | gateway CPU per frame (ms) | commit |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    seen: set[tuple] = set()
+    rows = 0
+    for r in runs:
+        a = r["args"]
+        gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
+        for row in (r.get("system") or {}).get("capacity") or []:
+            rows += 1
+            seen.add(_capacity_key(a, row["decoder"]))
+            out.append(_capacity_row(r, row, gpus))
+    if not rows:
+        out.append("| (no capacity rows yet: see Missing) |||||||||||||")
+    looks = _looks(runs)
+    if looks:
+        out.append(
+            "\nA look from load rows (not the capacity mode: the streams of a row opened together, on time over the "
+            "whole stream; the first row of each run that met a refusal):\n"
+        )
+        out.append(
+            "| config | GPUs | held per GPU | admitted / held | refusal | TTFF p50 / p95 (ms) | on time min "
+            "| steps run | commit |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        out += looks
+    ramps = _ramps(runs)
+    if ramps:
+        out.append(
+            "\nStages' ms per forward on the way to capacity (from one admission to the next: k streams running and "
+            "the next one's first chunk; per stage):\n"
+        )
+        out += ramps
+    slowest = _slowest(runs)
     if slowest:
         out.append(
             "\nThe slowest first frame at capacity, taken apart (ms: the prompt's encoding, the coordinator's "
@@ -308,6 +333,31 @@ def load(results: Path) -> list[dict]:
     return runs
 
 
+def burst_table(runs: list[dict]) -> str:
+    """The burst rows (harness ``--burst N``): N paced streams opened at one instant on an idle system."""
+    rows = []
+    for r in runs:
+        b = (r.get("system") or {}).get("burst")
+        if not b:
+            continue
+        a = r["args"]
+        rows.append(
+            f"| {_capacity_config(a, b['decoder'])} | {b['streams']} | {b['admitted']} / {b['held']} / "
+            f"{b['refused']} | {_ms(b.get('ttff_p50_s'))} / {_ms(b.get('ttff_p95_s'))} | "
+            f"{_f(b.get('refusal_ms_p50'), '.0f')} / {_f(b.get('refusal_ms_max'), '.0f')} | "
+            f"{_f(b.get('on_time_min'), '.1%')} | {b['verdict']} | {r['commit']} |"
+        )
+    if not rows:
+        return ""
+    head = [
+        "\n### Bursts: N paced streams opened at one instant (idle system, one GPU per stage)\n",
+        "| config | opened | admitted / held / refused | TTFF p50 / p95 of the admitted (ms) | refusal p50 / max (ms) "
+        "| on time min | verdict | commit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows)
+
+
 def _has_main(r: dict) -> bool:
     """A run with the main stream's measurements (a capacity run with ``--seconds 0``, or one cut short, has none)."""
     s = r.get("system") or {}
@@ -319,6 +369,9 @@ def tables(runs: list[dict]) -> str:
     capacity = capacity_table(runs)
     if capacity:
         out.append(capacity)
+    bursts = burst_table(runs)
+    if bursts:
+        out.append(bursts)
     mains = [r for r in runs if _has_main(r)]
     out += main_tables(mains)
     loaded = [r for r in runs if (r.get("system") or {}).get("load")]

@@ -85,6 +85,20 @@ def decode_all(part: StreamVAE, chunks: list[torch.Tensor]) -> list[torch.Tensor
         part.release(state)
 
 
+def decode_timed(part: StreamVAE, state, chunk: torch.Tensor, gpu_timed: bool) -> tuple[float, float | None]:
+    """One chunk's decode and host copy: (wall ms, GPU ms between CUDA events around the decode, or None)."""
+    if gpu_timed:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    t0 = time.perf_counter()
+    y = part.decode_chunk(state, chunk)
+    if gpu_timed:
+        end.record()
+    to_uint8_frames(y).cpu()
+    took = (time.perf_counter() - t0) * 1e3
+    return took, begin.elapsed_time(end) if gpu_timed else None
+
+
 def run_streams(part: StreamVAE, hw, streams: int, warmup: int, iters: int) -> dict:
     device = part.device
     inputs = [latents(part.vae, hw, warmup + iters, 1000 + s, device) for s in range(streams)]
@@ -103,21 +117,11 @@ def run_streams(part: StreamVAE, hw, streams: int, warmup: int, iters: int) -> d
             for i, c in enumerate(inputs[s]):
                 if i == warmup:
                     ready.wait()
-                timed = device.type == "cuda" and streams == 1 and i >= warmup
-                if timed:
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                t0 = time.perf_counter()
-                y = part.decode_chunk(state, c)
-                if timed:
-                    end.record()
-                to_uint8_frames(y).cpu()
-                took = (time.perf_counter() - t0) * 1e3
+                took, gpu = decode_timed(part, state, c, device.type == "cuda" and streams == 1 and i >= warmup)
                 if i >= warmup:
                     with lock:
                         chunk_ms.append(took)
-                        if timed:
-                            gpu_ms.append(begin.elapsed_time(end))
+                        gpu_ms.extend([gpu] if gpu is not None else [])
             part.release(state)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)

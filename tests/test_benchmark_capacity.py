@@ -23,7 +23,8 @@ from benchmarks.report import BEGIN, END
 def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_row(tmp_path):
     out = tmp_path / "v2_cap_smoke.json"
     cmd = [sys.executable, "-m", "benchmarks.harness", "--smoke", "--capacity", "--decoder", "tiny"]
-    cmd += ["--slo-stage-ms", "320,320", "--capacity-max", "4", "--json", str(out)]
+    cmd += ["--slo-stage-ms", "320,320", "--capacity-max", "4", "--burst", "3", "--burst-seconds", "2"]
+    cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -71,6 +72,14 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
         }
     )
 
+    # The burst: 3 streams opened at one instant on the idle system; admission holds 2, so one is refused at once.
+    burst = s["burst"]
+    assert burst["streams"] == 3 and burst["admitted"] == 2 and burst["refused"] == 1 and burst["failed"] == []
+    assert len(burst["refusal_ms"]) == 1 and 0 < burst["refusal_ms_max"] < 1000
+    assert len(burst["per_stream"]) == 2 and burst["held"] == sum(p["held"] for p in burst["per_stream"])
+    assert 0 < burst["ttff_p50_s"] <= burst["ttff_p95_s"] == burst["ttff_max_s"]
+    assert ("every one held" in burst["verdict"]) == (burst["held"] == 2)
+
     # The report's capacity table renders the row.
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text(f"# B\n\n{BEGIN}\n{END}\n")
@@ -84,6 +93,7 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     text = doc.read_text()
     priced = "(tiny priced 0 ms/chunk alone, operator) | 2 | "
     assert f"| tiny, 1 step, 64×64, tiny {priced}" in text and f"RESOURCE_EXHAUSTED, {refusal['ms']:.0f} ms" in text
+    assert "### Bursts" in text and "| tiny, 1 step, 64×64, tiny | 3 | 2 / " in text  # the burst row
 
 
 def _run(**capacity) -> dict:
