@@ -12,8 +12,18 @@ or is a single folder holding both the model and the tokenizer files.  ``encode`
 diffusers silently truncates a prompt longer than ``max_sequence_length`` while we reject it with a
 ``ValueError`` naming the ``prompt`` field, which the gateway maps to INVALID_ARGUMENT.
 
-Results are kept in a bounded LRU cache keyed by the cleaned prompt, so a repeated prompt costs no
-forward pass.  Cached tensors are shared between callers: treat them as read-only.
+Results are kept in an LRU cache keyed by the cleaned prompt, bounded in entries (``cache_size``) and in bytes
+(``cache_bytes``, the embeddings' own: 4 MiB a prompt at UMT5-XXL's 512 x 4096 in bf16), so a repeated prompt costs
+no forward pass.  Cached tensors are shared between callers: treat them as read-only.
+
+**Bursts are encoded in batches.**  Callers that miss the cache at the same time (a burst of streams opening, each
+on its own gRPC thread) share forwards: one caller at a time runs the encoder, on every prompt queued when it starts
+(up to ``batch_max``), and the others wait for it, so N prompts arriving together cost one or two batched forwards
+instead of N one after the other.  A prompt already being encoded is not queued twice.  Nothing waits on purpose:
+a lone prompt runs at once, alone.  On a CPU a batched encode equals the one-by-one encodes bit for bit
+(``tests/test_text_encoder.py``); on a GPU cuBLAS picks kernels by shape, so a prompt encoded in a batch may differ
+from the same prompt encoded alone in the last bits (the stages and the reference get the same embeddings, so the
+pipeline's exactness is untouched).
 
 ``graph=`` (a ``stagecast.cuda_graphs`` capture; the gateway passes ``cuda_graph_capture`` on a GPU) runs the forward
 as one captured graph on static token buffers: the input is always ``max_len`` tokens, so one graph serves every
@@ -58,12 +68,16 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEN = 512  # WanPipeline.__call__'s max_sequence_length; the Wan DiT was trained with 512 text tokens.
+DEFAULT_CACHE_BYTES = 1 << 30  # 256 prompts of UMT5-XXL embeddings (4 MiB each)
+DEFAULT_BATCH_MAX = 16  # prompts in one batched forward at most
 
 # A text_encoder/config.json with this key set true and no weights: the encoder is built with random weights on the
 # device (``launcher.demo_checkpoint.write_random_text_encoder``; benchmarks of the real-size UMT5-XXL).
 RANDOM_WEIGHTS_KEY = "stagecast_random_weights"
 
 __all__ = [
+    "DEFAULT_BATCH_MAX",
+    "DEFAULT_CACHE_BYTES",
     "DEFAULT_MAX_LEN",
     "RANDOM_WEIGHTS_KEY",
     "CacheStats",
@@ -120,6 +134,16 @@ def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict:
     return {key: "auto" if dtype is None else dtype}
 
 
+class _Pending:
+    """A prompt queued for the next batched forward; ``done`` is set once ``embeds`` or ``error`` is."""
+
+    def __init__(self, cleaned: str):
+        self.cleaned = cleaned
+        self.done = threading.Event()
+        self.embeds: torch.Tensor | None = None
+        self.error: BaseException | None = None
+
+
 class TextEncoder:
     """UMT5 encoder + tokenizer with an LRU cache of prompt embeddings.
 
@@ -127,6 +151,8 @@ class TextEncoder:
         folder: model folder (see module docstring).
         max_len: ``max_sequence_length``; the output is always ``(1, max_len, d_model)``.
         cache_size: how many prompts to keep; 0 disables caching.
+        cache_bytes: how many bytes of embeddings to keep at most (the least recently used go first).
+        batch_max: prompts one batched forward takes at most (see the module docstring).
         device: where the model runs.  The embeddings are returned on the CPU (they travel to the coordinator as
             bytes).  On a GPU the forward and that copy run on a high-priority CUDA stream of the encoder's own, so an
             encode waits for the encoder alone: on the default stream it queued behind every VAE decode the gateway's
@@ -141,6 +167,8 @@ class TextEncoder:
         *,
         max_len: int = DEFAULT_MAX_LEN,
         cache_size: int = 128,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        batch_max: int = DEFAULT_BATCH_MAX,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         graph: Capture | None = None,
@@ -151,12 +179,18 @@ class TextEncoder:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
+        if batch_max < 1:
+            raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         folder = Path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"text encoder folder not found: {folder}")
 
         self.max_len = int(max_len)
         self.cache_size = int(cache_size)
+        self.cache_bytes_max = int(cache_bytes)
+        self.batch_max = int(batch_max)
         self.tokenizer = AutoTokenizer.from_pretrained(_resolve(folder, "tokenizer"))
         model_folder = _resolve(folder, "text_encoder")
         config_file = model_folder / "config.json"
@@ -177,6 +211,11 @@ class TextEncoder:
 
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()  # gRPC handlers call encode from a thread pool
+        self._bytes = 0  # the cache's embeddings
+        self._queue: list[_Pending] = []  # prompts waiting for the next batched forward
+        self._pending: dict[str, _Pending] = {}  # queued or being encoded, by cleaned prompt
+        self._forward_lock = threading.Lock()  # held by the one caller running a batched forward
+        self.batches: list[int] = []  # the size of every batched forward so far (tests, benchmarks)
         self._graphed: _GraphedForward | None = None
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         if graph is not None:
@@ -197,6 +236,12 @@ class TextEncoder:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._hits, self._misses, len(self._cache), self.cache_size)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of embeddings the cache holds now."""
+        with self._lock:
+            return self._bytes
 
     def count_tokens(self, prompt: str) -> int:
         """Tokens the prompt takes after cleaning, including the end-of-sequence token."""
@@ -236,27 +281,74 @@ class TextEncoder:
                 f"the limit is {self.max_len}"
             )
 
-        embeds = self._embed(cleaned)  # outside the lock: a forward pass must not block cache hits
+        return self._encode_batched(cleaned)
 
-        if self.cache_size:
-            with self._lock:
-                self._cache[cleaned] = embeds
-                self._cache.move_to_end(cleaned)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        return embeds, False
+    def _encode_batched(self, cleaned: str) -> tuple[torch.Tensor, bool]:
+        """A cache miss: queue the prompt (once) and run batched forwards until it is done."""
+        with self._lock:
+            pending = self._pending.get(cleaned)
+            shared = pending is not None  # another caller's forward computes it
+            if pending is None:
+                pending = self._pending[cleaned] = _Pending(cleaned)
+                self._queue.append(pending)
+        while not pending.done.is_set():
+            with self._forward_lock:  # one forward at a time; a caller that waited finds its prompt done, or runs
+                if not pending.done.is_set():
+                    self._run_batch()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.embeds is not None
+        return pending.embeds, shared
+
+    def _run_batch(self) -> None:
+        """Encode every queued prompt (up to ``batch_max``) in one forward; called under ``_forward_lock``."""
+        with self._lock:
+            batch, self._queue = self._queue[: self.batch_max], self._queue[self.batch_max :]
+        if not batch:
+            return
+        try:
+            embeds = self._embed_many([p.cleaned for p in batch])  # outside the lock: hits need not wait
+        except BaseException as exc:  # noqa: BLE001 - every waiter of this batch sees it
+            for p in batch:
+                p.error = exc
+        else:
+            for p, e in zip(batch, embeds):
+                p.embeds = e
+        with self._lock:
+            self.batches.append(len(batch))
+            for p in batch:
+                self._pending.pop(p.cleaned, None)
+                if p.embeds is not None:
+                    self._remember(p.cleaned, p.embeds)
+        for p in batch:
+            p.done.set()
+
+    def _remember(self, cleaned: str, embeds: torch.Tensor) -> None:
+        """Into the LRU cache (under ``_lock``), evicting the least recently used past either bound."""
+        size = embeds.numel() * embeds.element_size()
+        if not self.cache_size or size > self.cache_bytes_max:
+            return
+        old = self._cache.pop(cleaned, None)
+        if old is not None:
+            self._bytes -= old.numel() * old.element_size()
+        self._cache[cleaned] = embeds
+        self._bytes += size
+        while len(self._cache) > self.cache_size or self._bytes > self.cache_bytes_max:
+            _, gone = self._cache.popitem(last=False)
+            self._bytes -= gone.numel() * gone.element_size()
 
     @torch.no_grad()
-    def _embed(self, cleaned: str) -> torch.Tensor:
+    def _embed_many(self, cleaned: list[str]) -> list[torch.Tensor]:
+        """``(1, max_len, d_model)`` CPU embeddings of each prompt, from one forward."""
         with torch.cuda.stream(self._stream):  # None (a CPU encoder): the current stream
-            embeds = self._embed_on_stream(cleaned)
-            return embeds.to("cpu")  # waits for this stream only
+            embeds = self._embed_on_stream(cleaned).to("cpu")  # waits for this stream only
+        return [embeds[i : i + 1].clone() for i in range(len(cleaned))] if len(cleaned) > 1 else [embeds]
 
-    def _embed_on_stream(self, cleaned: str) -> torch.Tensor:
-        # Mirrors diffusers WanPipeline._get_t5_prompt_embeds for a single, already cleaned prompt.
+    def _embed_on_stream(self, cleaned: list[str]) -> torch.Tensor:
+        # Mirrors diffusers WanPipeline._get_t5_prompt_embeds for already cleaned prompts (its batch is a list too).
         max_sequence_length = self.max_len
         text_inputs = self.tokenizer(
-            [cleaned],
+            cleaned,
             padding="max_length",
             max_length=max_sequence_length,
             truncation=True,
@@ -267,7 +359,7 @@ class TextEncoder:
         text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
         seq_lens = mask.gt(0).sum(dim=1).long()
 
-        if self._graphed is not None:
+        if self._graphed is not None and len(cleaned) == 1:  # the graph is of one prompt's static buffers
             prompt_embeds = self._graphed(text_input_ids, mask)
         else:
             prompt_embeds = self.model(text_input_ids.to(self.device), mask.to(self.device)).last_hidden_state

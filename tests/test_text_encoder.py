@@ -312,3 +312,63 @@ def test_a_graph_that_cannot_be_captured_or_differs_leaves_the_encoder_eager(tin
             enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, graph=capture)
         assert enc._graphed is None and says in caplog.text
         assert torch.equal(enc.encode(PROMPTS[0]), eager.encode(PROMPTS[0]))
+
+
+def _queue_while_held(enc: TextEncoder, prompts: list[str]) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Encode ``prompts`` from one thread each while the test holds the forward, then let the first waiter run: the
+    burst a gateway sees when streams open together."""
+    import threading
+    import time
+
+    got: dict[str, tuple[torch.Tensor, bool]] = {}
+    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, enc.encode_cached(p))) for p in prompts]
+    with enc._forward_lock:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(enc._queue) < len(set(map(prompt_clean, prompts))) and time.monotonic() < deadline:
+            time.sleep(0.001)  # polls a condition (every caller queued), with a deadline
+    for t in threads:
+        t.join(30)
+    return got
+
+
+def test_a_burst_of_prompts_is_one_batched_forward_equal_to_one_by_one_encodes(tiny_folder):
+    alone = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+    want = {p: alone.encode(p) for p in PROMPTS}
+    assert alone.batches == [1] * len(PROMPTS)
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=16)
+    got = _queue_while_held(enc, PROMPTS)
+    assert enc.batches == [len(PROMPTS)]  # one forward for the whole burst
+    for p in PROMPTS:
+        embeds, cached = got[p]
+        assert embeds.shape == (1, MAX_LEN, D_MODEL) and not cached
+        assert torch.equal(embeds, want[p])  # bit for bit, each prompt as if encoded alone
+    assert enc.stats == CacheStats(hits=0, misses=len(PROMPTS), size=len(PROMPTS), capacity=16)
+
+
+def test_a_burst_past_batch_max_takes_more_forwards_and_a_repeated_prompt_is_encoded_once(tiny_folder):
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=16, batch_max=3)
+    prompts = [*PROMPTS, PROMPTS[0], "one more prompt"]  # the repeat cleans to a prompt already queued
+    got = _queue_while_held(enc, prompts)
+    assert sorted(enc.batches) == [2, 3] and sum(enc.batches) == len(set(prompts))
+    assert got[PROMPTS[0]][0] is enc.encode(PROMPTS[0])  # the cached entry, shared
+    with pytest.raises(ValueError, match="batch_max must be >= 1"):
+        TextEncoder(tiny_folder, max_len=MAX_LEN, batch_max=0)
+
+
+def test_the_cache_is_bounded_in_bytes_and_evicts_the_least_recently_used(tiny_folder):
+    one = MAX_LEN * D_MODEL * 4  # a float32 (1, 16, 32) embedding
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=100, cache_bytes=2 * one + one // 2)
+    a = enc.encode("a")
+    enc.encode("b")
+    assert enc.cache_bytes == 2 * one and enc.stats.size == 2
+    assert enc.encode("a") is a  # a hit, and now the most recent
+    enc.encode("c")  # past the bytes: b, the least recently used, goes
+    assert enc.cache_bytes == 2 * one and enc.stats.size == 2
+    assert enc.encode("a") is a
+    enc.encode("b")  # encoded again
+    assert enc.stats.misses == 4 and enc.stats.hits == 2
+    tiny = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=100, cache_bytes=one - 1)  # smaller than one
+    first = tiny.encode("a")
+    assert tiny.encode("a") is not first and tiny.cache_bytes == 0 and tiny.stats.size == 0
