@@ -4,6 +4,7 @@ Usage::
 
     levers = parse_levers("fp8,fused,cudnn")     # validated names (ValueError naming --dit-levers), in LEVERS order
     apply_levers(dit_slice, levers)              # after loading and LoRA merges, before CUDA graphs capture the blocks
+    warm_levers(dit_slice, 1, 60, 104, 512)      # fused: compile at the serving shape before calibrating
 
 None of them is on by default: the default path stays bit for bit the single-process reference's.  Each changes the
 numbers a little, so each is a named option whose error against bf16 ``benchmarks/dit_levers.py`` reports (the
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_service.dit_slice import DiTSlice, apply_rotary_emb
+from stage_service.dit_slice import AttentionContext, DiTSlice, apply_rotary_emb
 
 LEVERS = ("fp8", "fused", "cudnn")
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
@@ -165,7 +166,7 @@ def quantized(fn: Callable) -> Callable:
 
 
 class Kernels:
-    """The fused lever's functions, compiled on a GPU (``torch.compile``, static shapes first, then dynamic).  One
+    """The fused lever's functions, compiled on a GPU (``torch.compile``, dynamic shapes).  One
     instance per process and setting (``kernels``): slices that share it share the compiled code."""
 
     def __init__(self, compile: bool):
@@ -176,7 +177,8 @@ class Kernels:
             )
 
         def wrap(fn):
-            return torch.compile(fn, fullgraph=True) if compile else fn
+            # dynamic: one compile serves every batch and token count (batch 1 is still specialized: warm_levers)
+            return torch.compile(fn, fullgraph=True, dynamic=True) if compile else fn
 
         self.mod_norm, self.gate_residual, self.affine_norm = wrap(mod_norm), wrap(gate_residual), wrap(affine_norm)
         self.add_mod_norm, self.qk_norm_rope, self.gelu = wrap(add_mod_norm), wrap(qk_norm_rope), wrap(gelu_tanh)
@@ -268,6 +270,21 @@ class FusedBlock:
         return down(self.k.gelu(up(x)))
 
 
+@torch.no_grad()
+def warm_levers(dit_slice: DiTSlice, frames: int, height: int, width: int, text_len: int) -> None:
+    """Forwards of the blocks at batch 1 and 2 of the serving shape (latent ``frames x height x width``), so that the
+    ``fused`` lever's kernels are compiled before the stage calibrates and captures its graphs: compiled while
+    calibrating, they took its whole budget at batch 1 (one H200, 2026-12-03)."""
+    tokens = frames * dit_slice.tokens_per_frame(height, width)
+    text = torch.zeros(1, text_len, dit_slice.config["text_dim"], device=dit_slice.device, dtype=dit_slice.dtype)
+    cross = dit_slice.cross_kv(dit_slice.embed_text(text))
+    for batch in (1, 2):
+        hidden = torch.zeros(batch, tokens, dit_slice.inner_dim, device=dit_slice.device, dtype=dit_slice.dtype)
+        cond = dit_slice.condition(torch.full((batch,), 500.0, device=dit_slice.device), tokens=tokens)
+        rotary = dit_slice.rotary(frames, height, width, [0] * batch)
+        dit_slice.run_blocks(hidden, cond, AttentionContext(rotary=rotary, cross_kv=[cross] * batch))
+
+
 def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | None = None) -> dict:
     """Turn ``levers`` (``parse_levers``' names) on for ``dit_slice`` in place; returns what changed.  ``compile``:
     whether ``fused`` compiles its kernels (default: on a GPU)."""
@@ -310,4 +327,5 @@ __all__ = [
     "parse_levers",
     "quantize_rows",
     "to_fp8",
+    "warm_levers",
 ]

@@ -22,7 +22,7 @@ import torch
 
 from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import load_slice_state_dict, random_slice_state_dict
-from stage_service.dit_levers import apply_levers, parse_levers
+from stage_service.dit_levers import apply_levers, parse_levers, warm_levers
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
 from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
@@ -78,6 +78,7 @@ class SliceLoader:
             convert_to_fp8(self.slice)
         if self.opts.dit_levers:  # likewise before the graphs: they capture what the levers made of the blocks
             logger.info("--dit-levers: %s", apply_levers(self.slice, parse_levers(self.opts.dit_levers)))
+            self._warm_levers()
         self.layers = layers
         self.telemetry.set_layers(layers)
         took = time.perf_counter() - start
@@ -98,6 +99,17 @@ class SliceLoader:
         limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
         logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
         return took
+
+    def _warm_levers(self) -> None:
+        """The fused lever's kernels compiled at the serving shape before the calibration times the slice."""
+        if "fused" not in parse_levers(self.opts.dit_levers) or self.device.type != "cuda":
+            return
+        shape = self.serving_shape()
+        if shape is None:
+            return
+        t = time.perf_counter()
+        warm_levers(self.slice, shape.chunk_frames, shape.latent_height, shape.latent_width, shape.text_len)
+        logger.info("stage %d: --dit-levers fused compiled in %.1fs", self.opts.index, time.perf_counter() - t)
 
     def serving_shape(self) -> ServingShape | None:
         """The serving size its checkpoint gives (``stage_service.calibration.serving_shape``); None where it cannot

@@ -124,3 +124,13 @@ def test_fp8_with_fused_blocks_stays_near_bf16(tiny_model):
     got = forward(levered, latents, text, windows).float()
     assert torch.isfinite(got).all()
     assert (got - ref).norm() / ref.norm() < 0.1
+
+
+def test_warm_levers_runs_the_blocks_at_the_serving_shape_and_changes_no_weight(tiny_model):
+    from stage_service.dit_levers import warm_levers
+
+    sl = slice_of(tiny_model, torch.float32)
+    apply_levers(sl, ["fused"], compile=False)
+    before = {k: v.clone() for k, v in sl.model.state_dict().items()}
+    warm_levers(sl, 1, 4, 6, 7)
+    assert all(torch.equal(v, before[k]) for k, v in sl.model.state_dict().items())

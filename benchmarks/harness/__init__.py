@@ -21,6 +21,7 @@ from benchmarks.harness.rows import (
     markdown_row,
     percentile,
     tree_dirty,
+    versions,
 )
 from benchmarks.harness.system import (
     StreamRecord,
@@ -59,5 +60,6 @@ __all__ = [
     "system_flags",
     "tree_dirty",
     "vae_devices_of",
+    "versions",
     "write_assets",
 ]
