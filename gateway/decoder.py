@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -106,11 +107,15 @@ def load_checked_tiny(
 
 MAX_GATE_SLOTS = 64
 GPU_GATE_SLOTS = 2  # decodes in flight per GPU part: one launching while one finishes; the rest wait, paced first
+# On a CPU a decode already spreads over every core (torch's intra-op threads): one at a time costs no throughput,
+# and a waiting paced stream's decode then goes before every unpaced one's instead of sharing the cores with them.
+CPU_GATE_SLOTS = 1
 
 
 class DecodeGate:
     """At most ``slots`` decodes at once on one part (one device); a paced stream's waiting decode goes before any
-    unpaced one's, so unpaced streams' decodes never queue ahead of a paced stream's on a shared GPU.
+    unpaced one's, so unpaced streams' decodes never queue ahead of a paced stream's on a shared GPU or CPU.  The
+    gateway's encodes pass one of their own (``encode_gate``).
 
     Usage: ``with gate.hold(paced): ...decode...``.  Unpaced waiters wait while any paced one does (paced streams
     run at their frame rate, so they leave room unless the GPU is over-committed, when they should win)."""
@@ -144,6 +149,12 @@ class DecodeGate:
                 self.cond.notify_all()
 
 
+def encode_gate() -> DecodeGate:
+    """The gateway's one gate for CPU encodes (prompts, JPEG and H.264 frames), a slot per core: a paced stream's
+    encode that waits goes before every unpaced stream's (``StreamHost.encode_gate``, ``Gateway.encode_prompt``)."""
+    return DecodeGate(max(1, min(MAX_GATE_SLOTS, os.cpu_count() or 1)))
+
+
 class LocalDecoder:
     """The VAE in this process: one ``StreamVAE``, or ``StreamVAESlice`` s (each on its own device) as a pipeline.
 
@@ -152,7 +163,8 @@ class LocalDecoder:
     parts (and devices) at once, and with one part the next chunk decodes while the consumer encodes this one.
 
     ``gate_slots``: each part's decodes pass a ``DecodeGate`` of that many slots (paced streams' first); None: one of
-    ``GPU_GATE_SLOTS`` for a part on a GPU, none on a CPU (where the threads share the cores); 0: none.
+    ``GPU_GATE_SLOTS`` for a part on a GPU, of ``CPU_GATE_SLOTS`` on a CPU (where the threads share the cores); 0:
+    none.
     """
 
     def __init__(self, parts: ChunkDecoder | list[ChunkDecoder], gate_slots: int | None = None):
@@ -163,7 +175,7 @@ class LocalDecoder:
         for part in self.parts:
             slots = gate_slots
             if slots is None:
-                slots = GPU_GATE_SLOTS if getattr(part.device, "type", "cpu") == "cuda" else 0
+                slots = GPU_GATE_SLOTS if getattr(part.device, "type", "cpu") == "cuda" else CPU_GATE_SLOTS
             self.gates.append(DecodeGate(slots) if slots else None)
 
     @classmethod

@@ -206,10 +206,12 @@ class StreamServicer:
         gw = self.gw
         retry_after = None  # a capacity refusal's retry delay, from the coordinator's status details
         try:
-            text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span)
+            text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span, paced=cfg.pace)
             negative = None
             if cfg.guidance_scale > 1.0:
-                negative = gw.encode_prompt(cfg.negative_prompt, parent_span=rpc_span, field="negative_prompt")
+                negative = gw.encode_prompt(
+                    cfg.negative_prompt, parent_span=rpc_span, field="negative_prompt", paced=cfg.pace
+                )
             run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span, negative_text=negative)
             run.open_pipeline()
             return run

@@ -43,6 +43,7 @@ from gateway.agent import Fleet, sigterm_drains
 from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.client_identity import ClientIdentity
 from gateway.config import MAX_REQUEST_BYTES, ConfigError
+from gateway.decoder import encode_gate
 from gateway.handlers import StreamServicer, add_stream_service
 from gateway.metrics import GatewayMetrics
 from gateway.models import GatewayModels
@@ -160,6 +161,7 @@ class Gateway:
             slots_free=lambda: self.fleet.slots.free,
             slots=lambda: self.fleet.slots.total,
         )
+        self.encode_gate = encode_gate()  # prompts and frames: a paced stream's encodes first (gateway.decoder)
         self.table = StreamTable(
             max_streams=opts.max_streams,
             max_pending=opts.max_pending,
@@ -204,6 +206,7 @@ class Gateway:
             touch=self.table.touch,
             forget=self.table.forget,
             pipeline=self.fleet.name,
+            encode_gate=self.encode_gate,
         )
         self._build_servers(budget)
 
@@ -296,13 +299,15 @@ class Gateway:
         logger.info("drained (%d streams ended by the --drain-s bound); stopping", ended)
         drain.finish()
 
-    def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt") -> torch.Tensor:
+    def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt", paced: bool = True) -> torch.Tensor:
         """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span
-        (under ``parent_span`` when tracing).  ``field`` "negative_prompt": it may be empty, and errors name it."""
+        (under ``parent_span`` when tracing).  ``field`` "negative_prompt": it may be empty, and errors name it.
+        Encodes pass the encode gate: a paced stream's prompt goes before an unpaced stream's waiting one."""
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         try:
-            embeds, cached = self.models.encoder.encode_cached(prompt, allow_empty=field == "negative_prompt")
+            with self.encode_gate.hold(paced):
+                embeds, cached = self.models.encoder.encode_cached(prompt, allow_empty=field == "negative_prompt")
         except ValueError as exc:
             raise ConfigError(field, str(exc).removeprefix("prompt ")) from None
         seconds = time.perf_counter() - t0

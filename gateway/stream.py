@@ -45,6 +45,7 @@ per stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -104,6 +105,7 @@ class StreamHost:
     touch: Callable[[], None]  # the stream's state changed (status watchers)
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
     pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
+    encode_gate: Any = None  # gateway.decoder.encode_gate: a paced stream's frame encodes go first
 
 
 class StreamRun:
@@ -161,6 +163,7 @@ class StreamRun:
             now_ms=self.ms,
             send=self.outbox.send,
             outcome=lambda: self.outcome,
+            gate=host.encode_gate,
         )
 
     frames_emitted = property(lambda self: self.frames.frames_emitted)  # frames the decoder queued for the client
@@ -222,7 +225,7 @@ class StreamRun:
             input=self.input,
             pipeline=self.pipeline,
             trace=self.trace,
-            encode_prompt=self.host.encode_prompt,
+            encode_prompt=functools.partial(self.host.encode_prompt, paced=self.cfg.pace),  # a paced update first
             send=self.outbox.send,
             stop_pipeline=self.stop_pipeline,
             fail=self.fail,

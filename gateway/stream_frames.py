@@ -13,6 +13,7 @@ time, on a clock that starts with the first frame, counts as late.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class FrameEmitter:
         now_ms: Callable[[], float],
         send: Callable[[pb.ServerMessage], bool],
         outcome: Callable[[], str | None],
+        gate=None,
     ):
         self.cfg = cfg  # gateway.config.EffectiveConfig
         self.metrics = metrics  # gateway.metrics.GatewayMetrics
@@ -51,6 +53,7 @@ class FrameEmitter:
         self.now_ms = now_ms  # the stream's clock
         self.send = send  # queues a message for the client (Outbox.send)
         self.outcome = outcome  # why the stream ended, once it did
+        self.gate = gate  # the gateway's encode gate (gateway.decoder.encode_gate): a paced stream's encodes first
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.first_frame_ms: float | None = None
         self.first_pts = 0.0
@@ -70,7 +73,8 @@ class FrameEmitter:
             frames = frames[: len(inputs)]
         for position, frame in enumerate(frames):
             encode_start, encode_start_ns = time.perf_counter(), time.time_ns()
-            data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
+            with self.gate.hold(cfg.pace) if self.gate is not None else contextlib.nullcontext():
+                data = encoder.encode(frame, keyframe=position == 0)  # h264: one fragment per chunk
             encode_s = time.perf_counter() - encode_start
             index = self.frames_emitted
             pts, input_ms = inputs[position] if position < len(inputs) else (index / cfg.fps, 0.0)

@@ -1,5 +1,7 @@
-"""Paced-first decode for the full VAE's per-stream sessions: the decode gate of each part (gateway.decoder)."""
+"""Paced first at the gateway's shared resources: the decode gate of each part (gateway.decoder), on a GPU and on a CPU,
+and the encode gate a stream's frame encodes pass (gateway.stream_frames)."""
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -7,9 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.decoder import DecodeGate, LocalDecoder
+from gateway.decoder import CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
+from gateway.metrics import GatewayMetrics
+from gateway.stream_frames import ChunkTag, FrameEmitter
+from gateway.stream_trace import StreamTrace
 from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from launcher.demo_checkpoint import write_tiny_decoder
+from stagecast.media import make_encoder
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +101,57 @@ def test_local_sessions_decode_the_paced_streams_chunk_first_and_stay_exact(tmp_
         paced.close()
 
 
-def test_a_cpu_part_gets_no_gate_by_default(tmp_path):
+def test_a_cpu_part_gets_a_one_slot_gate_by_default(tmp_path):
+    """The gate is on for every device: on a CPU one decode at a time (it spreads over the cores itself), paced
+    first."""
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
-    assert LocalDecoder(part).gates == [None]
+    assert [g.slots for g in LocalDecoder(part).gates] == [CPU_GATE_SLOTS] == [1]
     assert LocalDecoder(part, gate_slots=3).gates[0].slots == 3
+    assert LocalDecoder(part, gate_slots=0).gates == [None]
+
+
+class GatedJpeg:
+    """A real JPEG encoder that records whose frame it encodes, in order."""
+
+    def __init__(self, name, log):
+        self.encoder = make_encoder("jpeg", width=16, height=16)
+        self.name, self.log = name, log
+
+    def encode(self, frame, keyframe=False):
+        self.log.append(self.name)
+        return self.encoder.encode(frame, keyframe=keyframe)
+
+
+def emitter(pace: bool, gate, sent: list):
+    cfg = SimpleNamespace(total_frames=None, pace=pace, fps=16.0, codec="jpeg", width=16, height=16, steps=2)
+    metrics = GatewayMetrics(active=lambda: 0, vae_bytes=lambda: 0)
+    trace = StreamTrace(cfg, "demo", "s", None)
+    return FrameEmitter(
+        cfg,
+        metrics=metrics,
+        trace=trace,
+        now_ms=lambda: 0.0,
+        send=lambda m: sent.append(m) or True,
+        outcome=lambda: None,
+        gate=gate,
+    )
+
+
+def test_a_waiting_paced_streams_frame_encodes_go_before_unpaced_ones_at_the_encode_gate():
+    gate = DecodeGate(1)
+    log, sent = [], []
+    frames = np.zeros((2, 16, 16, 3), dtype=np.uint8)
+    unpaced, paced = emitter(False, gate, sent), emitter(True, gate, sent)
+    tag = ChunkTag(index=0, arrived_ms=0.0, steps=2, span=None)
+    with gate.hold(False):  # the cores are busy with someone's encode
+        first = threading.Thread(target=unpaced.emit, args=(tag, frames, GatedJpeg("unpaced", log), None))
+        first.start()
+        waiting(gate, 0, 1)
+        second = threading.Thread(target=paced.emit, args=(tag, frames, GatedJpeg("paced", log), None))
+        second.start()
+        waiting(gate, 1, 1)
+    first.join()
+    second.join()
+    assert log[0] == "paced" and sorted(log) == ["paced", "paced", "unpaced", "unpaced"]
+    assert len(sent) == 4 and all(m.frame.data[:2] == b"\xff\xd8" for m in sent)  # JPEGs, all sent
+    assert encode_gate().slots == max(1, min(64, os.cpu_count() or 1))
