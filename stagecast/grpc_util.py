@@ -277,7 +277,9 @@ class StatusError(Exception):
 
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
-MAX_RETRY_AFTER_S = 3600.0
+# A retry hint is the expected wait for the next free slot, and no hint says more than a minute: past that a client
+# is better told to come back soon and be refused again (with a fresh hint) than to wait for a long stream's end.
+MAX_RETRY_AFTER_S = 60.0
 
 
 def abort_with_retry(
