@@ -189,11 +189,14 @@ SERVICE_DEFAULT = {
         "--max-stream-cost": "the checkpoint's stagecast.json budget",
         "--threads": "torch's default in a container sized by its resources",
         "--vae-split": "balanced by multiply-accumulates; through extraArgs",
+        "--max-unpaced": "limit tuning through extraArgs",
+        "--trusted-proxy": "only behind the fleet's door, which its LeaderWorkerSet passes (fleet.door.trustedProxies)",
     },
     "web": {
         "--max-peers-per-tenant": "half of --max-peers; through extraArgs",
         "--max-preauth": "limit tuning through extraArgs",
         "--max-preauth-per-address": "limit tuning through extraArgs",
+        "--trusted-proxy": "the chart's page sits in the gateway pod, behind no proxy of its own",
     },
 }
 
