@@ -255,6 +255,8 @@ def test_the_fake_webcam_is_restyled_through_video_to_video_and_played(system, b
     browser.find_element(By.ID, "webcam").click()  # chromium's fake camera (--use-fake-device-for-media-stream)
     browser.find_element(By.ID, "steps").send_keys("2")
     browser.find_element(By.ID, "strength").send_keys("500")  # the demo's 2-step ladder is [1000, 500]
+    browser.find_element(By.ID, "record-input").click()  # record the output and the webcam's own video
+    browser.find_element(By.ID, "record").click()
     browser.find_element(By.ID, "start").click()
     started = until(browser, "window.stagecast.started")
     assert started["config"]["strength"] == 500 and "seconds" not in started["config"]
@@ -270,6 +272,15 @@ def test_the_fake_webcam_is_restyled_through_video_to_video_and_played(system, b
     assert picture.shape == (DEMO_SERVING["height"], DEMO_SERVING["width"], 3) and picture.std() > 5.0
     assert end["reason"] == "stopped" and end["frames"] >= 8
     assert browser.execute_script("return window.stagecast.errors;") == []
+    # The recording holds both videos, each a file PyAV opens, the sidecar naming the input's.
+    saved = until(browser, "window.stagecast.recordings.length && window.stagecast.recordings[0]")
+    files = {f["kind"]: f for f in saved["files"]}
+    assert set(files) == {"output", "input", "sidecar"} and saved["sidecar"]["input_file"] == files["input"]["name"]
+    for kind in ("output", "input"):
+        path = tmp_path / files[kind]["name"]
+        _saved(browser, files[kind]["url"], path)
+        duration, frames = _duration_s(path)
+        assert frames >= 2 and duration > 0.2, (kind, duration, frames)
 
 
 def _status(driver) -> tuple[str, str]:
