@@ -126,6 +126,7 @@ class DecodeGate:
         self.slots = slots
         self.free = slots
         self.waiting = [0, 0]  # paced, unpaced
+        self.paced_running = 0  # paced work that passed ``yielding`` (it takes no slot)
         self.cond = threading.Condition()
 
     @contextlib.contextmanager
@@ -135,7 +136,9 @@ class DecodeGate:
             self.waiting[kind] += 1
             self.cond.notify_all()  # whoever watches the queue (a test) sees it grow
             try:
-                self.cond.wait_for(lambda: self.free > 0 and (paced or self.waiting[0] == 0))
+                self.cond.wait_for(
+                    lambda: self.free > 0 and (paced or (self.waiting[0] == 0 and self.paced_running == 0))
+                )
             finally:
                 self.waiting[kind] -= 1
                 # The last paced waiter leaving may let an unpaced one take a slot still free (slots > 1).
@@ -146,6 +149,24 @@ class DecodeGate:
         finally:
             with self.cond:
                 self.free += 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def yielding(self, paced: bool):
+        """For work that batches across callers (the text encoder's batched prompts): paced work passes at once and
+        takes no slot, so paced prompts still share one forward; unpaced work takes a slot only while no paced work
+        runs or waits here, so it never delays a paced stream's prompt."""
+        if not paced:
+            with self.hold(False):
+                yield
+            return
+        with self.cond:
+            self.paced_running += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.paced_running -= 1
                 self.cond.notify_all()
 
 

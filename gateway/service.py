@@ -306,7 +306,7 @@ class Gateway:
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         try:
-            with self.encode_gate.hold(paced):
+            with self.encode_gate.yielding(paced):  # paced prompts still batch together (gateway.text_encoder)
                 embeds, cached = self.models.encoder.encode_cached(prompt, allow_empty=field == "negative_prompt")
         except ValueError as exc:
             raise ConfigError(field, str(exc).removeprefix("prompt ")) from None

@@ -155,3 +155,23 @@ def test_a_waiting_paced_streams_frame_encodes_go_before_unpaced_ones_at_the_enc
     assert log[0] == "paced" and sorted(log) == ["paced", "paced", "unpaced", "unpaced"]
     assert len(sent) == 4 and all(m.frame.data[:2] == b"\xff\xd8" for m in sent)  # JPEGs, all sent
     assert encode_gate().slots == max(1, min(64, os.cpu_count() or 1))
+
+
+def test_paced_prompts_pass_the_encode_gate_at_once_and_unpaced_ones_wait_until_no_paced_one_runs():
+    gate = DecodeGate(1)
+    order = []
+
+    def unpaced():
+        with gate.yielding(False):
+            order.append("unpaced")
+
+    with gate.hold(False):  # every slot is taken: a paced prompt still passes (it may join a batched forward)
+        with gate.yielding(True):
+            order.append("paced")
+    later = threading.Thread(target=unpaced)
+    with gate.yielding(True):  # a paced prompt runs: an unpaced one waits for it, though a slot is free
+        later.start()
+        waiting(gate, 0, 1)
+        assert order == ["paced"] and gate.free == 1
+    later.join()
+    assert order == ["paced", "unpaced"] and gate.paced_running == 0 and gate.free == 1
