@@ -127,7 +127,8 @@ def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
         return {"ok": False, "error": "no GPU"}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from stage_service.dit_slice import _sdpa
+    def _sdpa(q, k, v):  # the blocks' layout: (B, L, H, Dh) permuted to (B, H, L, Dh), as DiTSlice does
+        return torch.nn.functional.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v)))
 
     heads, dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
     tokens = args.chunk_frames * (args.height // 2) * (args.width // 2)
