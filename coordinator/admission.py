@@ -311,6 +311,10 @@ class Admission:
             if self.kv_budgets.get(r.index, 0) > 0
         }
 
+    def budgets(self) -> dict[int, int]:
+        """Each stage's KV budget for streams (index -> bytes; 0: no limit), as its FormReply gave it."""
+        return dict(self.kv_budgets)
+
     def kv_status(self, reserved: dict[int, int]) -> list[tuple[int, int, int]]:
         """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
         return [(i, b, reserved.get(i, 0)) for i, b in sorted(self.kv_budgets.items()) if b > 0]

@@ -49,7 +49,7 @@ import torch
 from coordinator.admission import Admission
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.generations import Generations
-from coordinator.metrics import CoordinatorTelemetry
+from coordinator.metrics import CoordinatorStats, CoordinatorTelemetry
 from coordinator.pacing import PACE_EARLY_S, PLAYOUT_S, Pacing
 from coordinator.plan import PlanLoop
 from coordinator.registry import StageRecord, StageRegistry
@@ -154,23 +154,26 @@ class PipelineEngine:
             paced_lookahead=lookahead is None,  # the default: one batch per stage while every stream is paced
             record_plan=record_plan,
         )
-        self.telemetry.bind(self)
+        self.telemetry.bind(self.stats)
 
     # ---- what the server, the simulator, the metrics and the tests read: the parts' state ----------------
 
     generation = property(lambda self: self.generations.generation)
     ready = property(lambda self: self.generations.ready)
     sched = property(lambda self: self.generations.sched)
-    links = property(lambda self: self.generations.links)
-    sessions = property(lambda self: self.streams.sessions)
-    plan = property(lambda self: self.planner.plan)
+    sessions = property(lambda self: self.streams.by_id())  # the open streams' sessions by id (a copy)
     record_plan = property(lambda self: self.planner.record_plan)
     lookahead = property(lambda self: self.planner.lookahead)
+
+    def recorded_plan(self) -> list[pb.PlanEvent]:
+        """The plan recorded so far (``record_plan``), for GetPlan."""
+        with self.cond:
+            return self.planner.recorded()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.planner.thread.start()
+        self.planner.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self.cond:
@@ -179,8 +182,7 @@ class PipelineEngine:
             self.telemetry.generation_ended("coordinator is shutting down", failed=False)
             self.cond.notify_all()
         self.generations.close(links, workers, timeout)
-        if self.planner.thread.is_alive():
-            self.planner.thread.join(timeout)
+        self.planner.join(timeout)
 
     def on_registered(self, record: StageRecord) -> None:
         self.generations.on_registered(record)
@@ -229,7 +231,7 @@ class PipelineEngine:
         if self._stream_defaults is not None:
             return self._stream_defaults
         cfg = self.registry.model_config() or {}
-        return StreamDefaults().with_shape(self.slo.serving_shape, spatial_factor(cfg))
+        return StreamDefaults().with_shape(self.slo.serving(), spatial_factor(cfg))
 
     def _slots(self, defaults: StreamDefaults) -> Slots:
         admitted = self.streams.admitted()
@@ -324,9 +326,8 @@ class PipelineEngine:
             self.generations.count_batch(index, done)
             self.slo.observe(index, done)
             if last:
-                self.planner.batches_done += 1
                 self.telemetry.batch_done(done.seq)
-                self.planner.wake()
+                self.planner.batch_done()
 
     def _on_formed(self, replies: dict[int, pb.FormReply]) -> None:
         """Under the lock, every stage answered Form: the plan restarts, admission takes each stage's KV budget, the
@@ -335,7 +336,7 @@ class PipelineEngine:
         self.planner.restart()
         self.admission.on_formed(replies)
         self.slo.seed(replies)
-        self.generations.sched.max_batch = self.slo.pick_batch(waits=self.planner.lookahead)  # within --max-batch
+        self.generations.set_max_batch(self.slo.pick_batch(waits=self.planner.lookahead))  # within --max-batch
 
     # ---- the SLO controller ----------------------------------------------------------------------------
 
@@ -356,7 +357,7 @@ class PipelineEngine:
     def slo_correction(self) -> float:
         """What the SLO model's costs are multiplied by, learned from late streams (1: the model as measured)."""
         with self.cond:
-            return self.slo.controller.correction
+            return self.slo.correction()
 
     def utilization(self) -> float | None:
         with self.cond:
@@ -368,24 +369,36 @@ class PipelineEngine:
             return self.admission.kv_status(self.streams.admitted().kv)
 
     def status(self) -> pb.ClusterStatus:
+        """GetStatus: each part's piece of it, and the free slots (``slots``)."""
         with self.cond:
-            reserved = self.streams.admitted().kv
+            admitted = self.streams.admitted()
             slots = self._slots(self.stream_defaults())
-            return pb.ClusterStatus(
-                generation=self.generations.generation,
-                ready=self.generations.ready,
+            status = pb.ClusterStatus(
                 world_size=self.registry.world_size,
                 cfg_parallel=self.registry.cfg_parallel,
-                stages=self.generations.stage_descriptions(self.admission.kv_budgets, reserved),
-                active_streams=len(self.streams.sessions),
-                stage_stats=[self.generations.stage_stats[i] for i in sorted(self.generations.stage_stats)],
+                active_streams=admitted.count,
                 streams=self.streams.progress(self.pacing.lead_bound, self.slo.steps),
-                capacity=[pb.Capacity(steps=n, streams=c, decoder=FULL) for n, c in self.slo.capacity()],
-                vae_chunk_ms=self.slo.cost.chunk_ms,
-                vae_source=self.slo.cost.vae_source,
-                calibrated_stages=sorted(self.slo.calibrated),
-                decoders=self.slo.decoder_status(),
-                max_batch=self.slo.cost.max_batch,
                 slots_free=slots.free,
                 slots_total=slots.total,
+            )
+            self.generations.status(status, self.admission.budgets(), admitted.kv)
+            self.slo.status(status)
+            return status
+
+    def stats(self) -> CoordinatorStats:
+        """What the coordinator's metrics read at a scrape (``coordinator.metrics``), as one value."""
+        with self.cond:
+            admitted = self.streams.admitted()
+            return CoordinatorStats(
+                active_streams=admitted.count,
+                pending_events=self.streams.pending_count(),
+                batches_in_flight=self.planner.in_flight(),
+                lookahead=self.planner.lookahead,
+                ready=self.generations.ready,
+                generation=self.generations.generation,
+                outbox=[(link.record.index, link.outbox.qsize()) for link in self.generations.links],
+                kv=self.admission.kv_status(admitted.kv),
+                capacity=self.slo.capacity(),
+                utilization=self.slo.utilization(),
+                slo_correction=self.slo.correction(),
             )

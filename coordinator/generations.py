@@ -104,22 +104,45 @@ class Generations:
         self.on_chunk = on_chunk  # a stage's chunk result of the current generation (plan loop's side)
         self.on_done = on_done  # a stage's batch done (plan loop's side)
         self.end_all = end_all  # every active stream ends with a failure when a generation does
-        self.generation = 0
-        self.ready = False
+        self._generation = 0
+        self._ready = False
         self.forming = False
-        self.stopped = False  # the engine is shutting down: nothing more forms
-        self.links: list[StageLink] = []
-        self.sched: StreamBatchScheduler | None = None
-        self.stage_stats: dict[int, pb.StageStats] = {}
-        self.last_error = ""
+        self._stopped = False  # the engine is shutting down: nothing more forms
+        self._links: list[StageLink] = []
+        self._sched: StreamBatchScheduler | None = None
+        self._stage_stats: dict[int, pb.StageStats] = {}
+        self._last_error = ""
         self.resetting = 0
         self._monitor_stop = threading.Event()
         self._workers: set[threading.Thread] = set()  # forming and resetting threads, joined by close
 
+    # What the rest of the coordinator reads: the generation's state, written here only.
+    generation = property(lambda self: self._generation)  # the current generation's number (0: none yet)
+    ready = property(lambda self: self._ready)  # a generation is formed and serving
+    stopped = property(lambda self: self._stopped)  # the engine is shutting down
+    links = property(lambda self: list(self._links))  # the formed generation's stage links
+    sched = property(lambda self: self._sched)  # the formed generation's scheduler (None: none formed)
+    last_error = property(lambda self: self._last_error)  # why the last generation ended or failed to form
+
+    def stats(self) -> list[pb.StageStats]:
+        """Each stage's counters in this generation (GetStatus), by index."""
+        return [self._stage_stats[i] for i in sorted(self._stage_stats)]
+
+    def set_max_batch(self, max_batch: int) -> None:
+        """The Stream Batch the formed generation's scheduler forms from now on."""
+        if self._sched is not None:
+            self._sched.max_batch = max_batch
+
+    def adopt(self, sched: StreamBatchScheduler | None) -> None:
+        """Mark a generation formed around ``sched`` with no stage process, or none formed (None): for an engine
+        driven by hand in process (``tests/engine_helpers.py``), where nothing is sent anywhere."""
+        self._sched = sched
+        self._ready = sched is not None
+
     def shut(self) -> tuple[list[StageLink], list[threading.Thread]]:
         """Under the lock, as the engine shuts down: nothing more forms; the links and workers to close and join."""
-        self.stopped = True
-        links, self.links = self.links, []
+        self._stopped = True
+        links, self._links = self._links, []
         return links, list(self._workers)
 
     def close(self, links: list[StageLink], workers: list[threading.Thread], timeout: float) -> None:
@@ -136,7 +159,7 @@ class Generations:
         """Run a forming or resetting job in its own thread, unless the engine is shutting down.  A reset is
         counted in ``resetting`` from now on, so that no generation forms before it has run."""
         with self.cond:
-            if self.stopped:
+            if self._stopped:
                 if target == self._form:
                     self.forming = False
                 return
@@ -155,7 +178,7 @@ class Generations:
 
     def on_registered(self, record: StageRecord) -> None:
         with self.cond:
-            in_current = any(link.record.index == record.index for link in self.links)
+            in_current = any(link.record.index == record.index for link in self._links)
         if in_current:
             # A stage of the running generation came back as a new process: that generation is gone.
             self.fail(f"stage {record.index} restarted", lost=None)
@@ -163,11 +186,11 @@ class Generations:
 
     def _maybe_form(self) -> None:
         with self.cond:
-            if self.ready or self.forming or self.resetting or self.stopped or not self.registry.complete:
+            if self._ready or self.forming or self.resetting or self._stopped or not self.registry.complete:
                 return
             self.forming = True
-            self.generation += 1
-            gen = self.generation
+            self._generation += 1
+            gen = self._generation
         self._spawn(self._form, gen, name=f"form-{gen}")
 
     def _form(self, gen: int) -> None:
@@ -212,31 +235,31 @@ class Generations:
             with self.cond:
                 self.forming = False
                 self.resetting += 1  # counted before forming is cleared for anyone else to see
-                self.last_error = f"forming generation {gen} failed: {detail}"
+                self._last_error = f"forming generation {gen} failed: {detail}"
             # Stages still waiting in the rendezvous are released by Reset (leaving shuts their connections).
             self._reset_then_reform(records, f"forming generation {gen} failed", gen)
             return
         with self.cond:
-            if self.generation != gen or self.stopped:
+            if self._generation != gen or self._stopped:
                 for link in links:
                     link.close()
                 return
-            self.links = links
+            self._links = links
             # The schedule's depth is the pipeline's: a stage's sequence-parallel ranks run each batch together, and
             # CFG-parallel groups run it side by side.
-            self.sched = StreamBatchScheduler(
+            self._sched = StreamBatchScheduler(
                 num_stages=self.registry.pipeline_stages,
                 max_batch=self.max_batch,
                 cfg_parallel=self.registry.cfg_parallel,
                 equal_windows=any(r.cuda_graphs for r in replies.values()),
                 rope_limit=self.registry.rope_limit(),
             )
-            self.stage_stats = {}
+            self._stage_stats = {}
             self.on_formed(
                 replies
             )  # before ready: the plan restarts, the SLO model is seeded once the pipeline is formed
             self.forming = False
-            self.ready = True
+            self._ready = True
             self._monitor_stop = threading.Event()
             self.cond.notify_all()
         for link in links:
@@ -254,7 +277,7 @@ class Generations:
         while True:
             left = deadline - time.monotonic()
             done, pending = wait(futures, timeout=min(0.5, max(left, 0.0)), return_when=FIRST_EXCEPTION)
-            if not pending or any(f.exception() is not None for f in done) or left <= 0 or self.stopped:
+            if not pending or any(f.exception() is not None for f in done) or left <= 0 or self._stopped:
                 return done, None
             for link, future in zip(links, futures, strict=True):
                 if future.done():
@@ -271,7 +294,7 @@ class Generations:
 
     def _link_error(self, gen: int, index: int, message: str) -> None:
         with self.cond:
-            if gen != self.generation:
+            if gen != self._generation:
                 return
         self.fail(message, lost=None)
 
@@ -279,19 +302,19 @@ class Generations:
         """End the current generation: fail its streams, reset survivors, re-form when possible.  ``orderly``: a stage
         left on purpose (it was shut down), which is logged as a warning, not an error."""
         with self.cond:
-            if not self.ready:
+            if not self._ready:
                 if lost is not None:
                     self.registry.mark_lost(lost, lost_address)
                 return
             log = logger.warning if orderly else logger.error
-            log("generation %d %s: %s", self.generation, "ended" if orderly else "failed", reason)
-            self.ready = False
-            self.last_error = reason
-            self.sched = None
+            log("generation %d %s: %s", self._generation, "ended" if orderly else "failed", reason)
+            self._ready = False
+            self._last_error = reason
+            self._sched = None
             self.telemetry.generation_ended(reason, failed=True)
-            msg = f"pipeline generation {self.generation} failed: {reason}; the stream cannot continue"
+            msg = f"pipeline generation {self._generation} failed: {reason}; the stream cannot continue"
             self.end_all(StreamFailure(grpc.StatusCode.UNAVAILABLE, msg))
-            links, self.links = self.links, []
+            links, self._links = self._links, []
             self._monitor_stop.set()
             if lost is not None:
                 self.registry.mark_lost(lost, lost_address)
@@ -299,7 +322,7 @@ class Generations:
         self.on_ready_change(False)
         for link in links:
             link.close()
-        gen = self.generation
+        gen = self._generation
         self._spawn(self._reset_then_reform, [link.record for link in links], reason, gen, name=f"reset-{gen}")
 
     def _reset_then_reform(self, records: list[StageRecord], reason: str, generation: int) -> None:
@@ -331,13 +354,20 @@ class Generations:
 
     def count_batch(self, index: int, done: pb.BatchDone) -> None:
         """A stage's finished batch, into its ``StageStats`` (GetStatus) for this generation."""
-        st = self.stage_stats.setdefault(index, pb.StageStats(index=index))
+        st = self._stage_stats.setdefault(index, pb.StageStats(index=index))
         st.batches += 1
         st.forward_ms_total += done.forward_ms
         st.wait_ms_total += done.wait_ms
         st.micro_steps += done.micro_steps
         st.exchange_ms_total += done.exchange_ms
         st.eager_batches += done.eager
+
+    def status(self, into: pb.ClusterStatus, kv_budgets: dict[int, int], kv_reserved: dict[int, int]) -> None:
+        """Its part of GetStatus: the generation, whether it is ready, every stage and its counters."""
+        into.generation = self._generation
+        into.ready = self._ready
+        into.stages.extend(self.stage_descriptions(kv_budgets, kv_reserved))
+        into.stage_stats.extend(self.stats())
 
     def stage_descriptions(self, kv_budgets: dict[int, int], kv_reserved: dict[int, int]) -> list:
         """Under the lock: every registered stage, whether it is in the formed generation, its KV budget and use."""
@@ -348,7 +378,7 @@ class Generations:
                 layer_start=r.layers.start,
                 layer_stop=r.layers.stop,
                 device=r.device,
-                formed=self.ready and not r.lost,
+                formed=self._ready and not r.lost,
                 kv_budget_bytes=kv_budgets.get(r.index, 0),
                 kv_reserved_bytes=kv_reserved.get(r.index, 0),
             )
@@ -366,11 +396,11 @@ class Generations:
         if generation == 0:
             return False, ""  # alive, waiting to join: the next generation forms once every stage is here
         with self.cond:
-            if generation == self.generation and (self.ready or self.forming):
+            if generation == self._generation and (self._ready or self.forming):
                 return False, ""
             if self.resetting:
                 return False, ""  # a Reset is on its way to it
-            return True, f"generation {generation} is over (the coordinator is at {self.generation})"
+            return True, f"generation {generation} is over (the coordinator is at {self._generation})"
 
     def _results_loop(self, gen: int, link: StageLink) -> None:
         # Group 0's last rank runs every batch (CFG-parallel group 1 skips batches without guidance).
@@ -391,7 +421,7 @@ class Generations:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 return
             with self.cond:
-                current = gen == self.generation and self.ready
+                current = gen == self._generation and self._ready
             if current:
                 self.fail(
                     f"lost contact with stage {link.record.index} ({exc.code().name})",
@@ -400,7 +430,7 @@ class Generations:
                 )
             return
         with self.cond:
-            current = gen == self.generation and self.ready
+            current = gen == self._generation and self._ready
         if current:
             # A stage ends its Results stream itself only when it leaves the generation: on SIGTERM (a normal
             # shutdown of `up` or a pod) or on a reset; its own log says which.

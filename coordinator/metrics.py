@@ -3,7 +3,7 @@
 Usage (``coordinator.engine.PipelineEngine`` owns one as ``engine.telemetry`` and calls it under its lock)::
 
     tel = CoordinatorTelemetry()
-    tel.bind(engine)                               # gauges read the engine at scrape time
+    tel.bind(engine.stats)                         # gauges read one CoordinatorStats at scrape time
     tel.batch_planned(ev, batch, sessions)         # a batch event: counters, and its span (context in ev.traceparent)
     tel.batch_done(seq)                            # the last stage finished it: latency, span ends
     tel.generation_ended(reason)                   # batches in flight are abandoned
@@ -31,9 +31,11 @@ Metrics:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
 from stagecast import telemetry
@@ -42,26 +44,56 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
-class _OutboxCollector:
-    def __init__(self, engine):
-        self.engine = engine
+@dataclass(frozen=True)
+class CoordinatorStats:
+    """What the coordinator's gauges read at a scrape (``PipelineEngine.stats``), taken at once under its lock."""
+
+    active_streams: int
+    pending_events: int  # opens, stops and prompt updates not yet planned
+    batches_in_flight: int
+    lookahead: int
+    ready: bool
+    generation: int
+    outbox: list[tuple[int, int]] = field(default_factory=list)  # (stage index, plan events queued)
+    kv: list[tuple[int, int, int]] = field(default_factory=list)  # (stage index, KV budget, reserved), budgeted ones
+    capacity: list[tuple[int, float]] = field(default_factory=list)  # (steps, more streams at 16 FPS)
+    utilization: float | None = None
+    slo_correction: float = 1.0
+
+
+class _StatsCollector:
+    """Every gauge of the engine's state, from one ``CoordinatorStats`` per scrape."""
+
+    def __init__(self, stats: Callable[[], CoordinatorStats]):
+        self.stats = stats
 
     def collect(self):
-        fam = GaugeMetricFamily(
+        st = self.stats()
+        for name, doc, value in (
+            ("stagecast_coordinator_active_streams", "Streams admitted and not ended", st.active_streams),
+            (
+                "stagecast_coordinator_pending_events",
+                "Stream opens, stops and prompt updates waiting for the next tick",
+                st.pending_events,
+            ),
+            (
+                "stagecast_coordinator_batches_in_flight",
+                "Batches planned and not yet finished by the last stage",
+                st.batches_in_flight,
+            ),
+            ("stagecast_coordinator_lookahead_batches", "Limit on batches in flight", st.lookahead),
+            ("stagecast_coordinator_ready", "1 while a generation is formed", 1 if st.ready else 0),
+            ("stagecast_coordinator_generation", "Current pipeline generation", st.generation),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        outbox = GaugeMetricFamily(
             "stagecast_coordinator_stage_outbox_depth",
             "Plan events queued for a stage and not yet submitted",
             labels=["stage"],
         )
-        for link in list(self.engine.links):
-            fam.add_metric([str(link.record.index)], link.outbox.qsize())
-        yield fam
-
-
-class _KvCollector:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def collect(self):
+        for index, depth in st.outbox:
+            outbox.add_metric([str(index)], depth)
+        yield outbox
         budget = GaugeMetricFamily(
             "stagecast_coordinator_stage_kv_budget_bytes",
             "Bytes a stage gives to streams' self-attention KV (stages without a limit are left out)",
@@ -72,37 +104,29 @@ class _KvCollector:
             "Worst-case KV bytes of the streams admitted on a stage",
             labels=["stage"],
         )
-        for index, limit, held in self.engine.kv_status():
+        for index, limit, held in st.kv:
             budget.add_metric([str(index)], limit)
             reserved.add_metric([str(index)], held)
         yield budget
         yield reserved
-
-
-class _CapacityCollector:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def collect(self):
-        fam = GaugeMetricFamily(
+        capacity = GaugeMetricFamily(
             "stagecast_coordinator_capacity_streams",
             "More streams at 16 FPS (one latent frame per chunk) the pipeline holds beside the admitted ones",
             labels=["steps"],
         )
-        for steps, streams in self.engine.capacity():
-            fam.add_metric([str(steps)], streams)
-        yield fam
-        util = self.engine.utilization()
-        if util is not None:
+        for steps, streams in st.capacity:
+            capacity.add_metric([str(steps)], streams)
+        yield capacity
+        if st.utilization is not None:
             yield GaugeMetricFamily(
                 "stagecast_coordinator_slo_utilization",
                 "Bottleneck stage busy share the paced streams need at their current steps (SLO model)",
-                value=util,
+                value=st.utilization,
             )
         yield GaugeMetricFamily(
             "stagecast_coordinator_slo_correction",
             "What the SLO model's costs are multiplied by, learned from paced streams that fell behind (1: none)",
-            value=self.engine.slo_correction(),
+            value=st.slo_correction,
         )
 
 
@@ -152,46 +176,24 @@ class CoordinatorTelemetry:
         )
         self._inflight: dict[int, tuple[float, object]] = {}  # seq -> (planned at, span or None)
 
-    def bind(self, engine) -> None:
-        r = self.registry
-        for name, doc, fn in (
-            ("stagecast_coordinator_active_streams", "Streams admitted and not ended", lambda: len(engine.sessions)),
-            (
-                "stagecast_coordinator_pending_events",
-                "Stream opens, stops and prompt updates waiting for the next tick",
-                lambda: (
-                    len(engine.streams.pending_opens)
-                    + len(engine.streams.pending_stops)
-                    + len(engine.streams.pending_prompts)
-                ),
-            ),
-            (
-                "stagecast_coordinator_batches_in_flight",
-                "Batches planned and not yet finished by the last stage",
-                lambda: engine.planner.batches_planned - engine.planner.batches_done,
-            ),
-            ("stagecast_coordinator_lookahead_batches", "Limit on batches in flight", lambda: engine.lookahead),
-            ("stagecast_coordinator_ready", "1 while a generation is formed", lambda: 1 if engine.ready else 0),
-            ("stagecast_coordinator_generation", "Current pipeline generation", lambda: engine.generation),
-        ):
-            Gauge(name, doc, registry=r).set_function(fn)
-        r.register(_OutboxCollector(engine))
-        r.register(_CapacityCollector(engine))
-        r.register(_KvCollector(engine))
+    def bind(self, stats: Callable[[], CoordinatorStats]) -> None:
+        """The gauges read ``stats()`` (``PipelineEngine.stats``) at scrape time."""
+        self.registry.register(_StatsCollector(stats))
 
     # ---- called by the engine, under its lock -----------------------------------------------------------------
 
     def empty_tick(self) -> None:
         self._empty.inc()
 
-    def batch_planned(self, ev, batch, sessions: dict, steps: list[int] | None = None) -> None:
-        """``ev`` is the batch's plan event; sets ``ev.traceparent`` when the batch is traced."""
+    def batch_planned(self, ev, batch, find, steps: list[int] | None = None) -> None:
+        """``ev`` is the batch's plan event; sets ``ev.traceparent`` when the batch is traced.  ``find``: a stream's
+        session by id (``StreamTable.find``), for the streams' trace contexts."""
         self._planned.inc()
         self._steps.inc(len(batch))
         self._size.observe(len(batch))
         span = None
         if telemetry.enabled():
-            tps = [sessions[s.stream].traceparent for s in batch if s.stream in sessions]
+            tps = [session.traceparent for session in (find(s.stream) for s in batch) if session is not None]
             links = telemetry.links_to(tps)
             if links:
                 span = telemetry.tracer().start_span(

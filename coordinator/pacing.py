@@ -145,7 +145,9 @@ class Pacing:
         paced = self.paced_credit(session, self.clock())
         return credit if paced is None else min(credit, paced)
 
-    def pace_timeout(self, sched: StreamBatchScheduler | None, sessions: dict[int, StreamSession]) -> float | None:
+    def pace_timeout(
+        self, sched: StreamBatchScheduler | None, find: Callable[[int], StreamSession | None]
+    ) -> float | None:
         """Seconds until a paced stream may start its next chunk (0 when one may now), for streams whose consumer
         has room for it (a stream held by its consumer is woken by the consumer's acknowledgement)."""
         if sched is None:
@@ -153,7 +155,7 @@ class Pacing:
         now = self.clock()
         soonest = None
         for sid, st in sched.streams.items():
-            session, schedule = sessions.get(sid), self._schedules.get(sid)
+            session, schedule = find(sid), self._schedules.get(sid)
             if session is None or schedule is None or st.stopping:
                 continue
             started = sched.started_chunks.get(sid, 0)

@@ -69,6 +69,26 @@ class PlanLoop:
         self._kicked = -1
         self.thread = threading.Thread(target=self.run, daemon=True, name="scheduler")
 
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def batch_done(self) -> None:
+        """Under the lock: the last stage finished a batch of this generation."""
+        self.batches_done += 1
+        self.wake()
+
+    def in_flight(self) -> int:
+        """Batches planned and not yet finished by the last stage."""
+        return self.batches_planned - self.batches_done
+
+    def recorded(self) -> list[pb.PlanEvent]:
+        """The plan recorded so far (``record_plan``; texts left out), for GetPlan."""
+        return list(self.plan)
+
     def restart(self) -> None:
         """Under the lock, as a new generation forms: its plan starts from sequence 0 with nothing in flight."""
         self.seq = 0
@@ -84,9 +104,8 @@ class PlanLoop:
         sched = self.gens.sched
         if not self.paced_lookahead or sched is None or not sched.streams:
             return self.lookahead
-        sessions = self.streams.sessions
         for sid in sched.streams:
-            session = sessions.get(sid)
+            session = self.streams.find(sid)
             if session is None or session.chunk_rate <= 0:
                 return self.lookahead
         return min(self.lookahead, self.registry.pipeline_stages)
@@ -112,7 +131,7 @@ class PlanLoop:
         while True:
             with self.cond:
                 while not self.gens.stopped and not self.has_work():
-                    timeout = self.pacing.pace_timeout(self.gens.sched, self.streams.sessions)
+                    timeout = self.pacing.pace_timeout(self.gens.sched, self.streams.find)
                     started = self._chunks_started
                     if timeout is not None and timeout <= PACE_EARLY_S and self._idle_ticks and started != self._kicked:
                         # A paced stream's next chunk is due: tick again (once per chunk started, so a stream that
@@ -171,11 +190,11 @@ class PlanLoop:
             sched.cancel_stream(sid)  # its close (below) follows the batches already planned
         for sid, text, recache in changes.prompts:
             self.prompt(sched, sid, text, recache, events)
-        for session in [s for s in self.streams.sessions.values() if s.recache is not None]:
+        for session in self.streams.recaching():
             self.plan_recache(sched, session, events)
         self.slo.control(sched, events, self.next_event)
         for sid in sched.streams:
-            session = self.streams.sessions.get(sid)
+            session = self.streams.find(sid)
             if session is not None:
                 sched.set_credit(sid, self.pacing.credit(session))
                 if session.spec.input_latents:
@@ -204,7 +223,7 @@ class PlanLoop:
 
     def prompt(self, sched: StreamBatchScheduler, sid: int, text, recache: bool, events: list) -> None:
         st = sched.streams.get(sid)
-        session = self.streams.sessions.get(sid)
+        session = self.streams.find(sid)
         if st is None or session is None:
             return
         if recache:  # planned once the chunks in flight are back
@@ -221,7 +240,7 @@ class PlanLoop:
         batch = sched.tick()
         self._idle_ticks = 0 if batch else self._idle_ticks + 1
         for sid in before:
-            session = self.streams.sessions.get(sid)
+            session = self.streams.find(sid)
             if session is not None:
                 self.streams.progressed(session, sched.started_chunks.get(sid, 0))
         if not batch:
@@ -230,20 +249,20 @@ class PlanLoop:
         self.batches_planned += 1
         self._chunks_started += sum(1 for st in batch if st.level == 0)
         for st in batch:  # a video-to-video chunk's input goes to the stages right before it starts
-            session = self.streams.sessions.get(st.stream)
+            session = self.streams.find(st.stream)
             if st.level == 0 and session is not None and session.spec.input_latents:
                 latents = self.streams.take_input(session, st.chunk)
                 events.append(self.next_event("input", stream_id=st.stream, chunk=st.chunk, latents=latents))
         events.append(self.next_event("batch", steps=tuple(batch)))
         steps = [sched.streams[st.stream].specs.at(st.chunk).steps if st.stream in sched.streams else 0 for st in batch]
-        self.telemetry.batch_planned(events[-1], batch, self.streams.sessions, steps)
+        self.telemetry.batch_planned(events[-1], batch, self.streams.find, steps)
 
     def close_left(self, sched: StreamBatchScheduler, before: set[int], events: list) -> None:
         """A close event for each stream that left the scheduler; it ends once its started chunks are all back."""
         for sid in sorted(before - set(sched.streams)):
             events.append(self.next_event("close", stream_id=sid))
             started = sched.started_chunks.pop(sid, 0)
-            session = self.streams.sessions.get(sid)
+            session = self.streams.find(sid)
             if session is not None:
                 self.streams.planned_all(session, started)
 

@@ -208,8 +208,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def GetPlan(self, request, context):
         if not self.engine.record_plan:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "start the coordinator with --record-plan")
-        with self.engine.cond:
-            return pb.PlanDump(events=list(self.engine.plan))
+        return pb.PlanDump(events=self.engine.recorded_plan())
 
     def Status(self, request, context):
         return self.engine.status()

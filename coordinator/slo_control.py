@@ -123,6 +123,24 @@ class SloControl:
         watched = self._streams.get(stream_id)
         return 0 if watched is None else watched.late_chunks
 
+    def correction(self) -> float:
+        """What the SLO model's costs are multiplied by, learned from late streams (1: the model as measured)."""
+        return self.controller.correction
+
+    def serving(self) -> pb.StageCalibration | None:
+        """The serving size the stages' calibration timed at the last Form (None: none reported)."""
+        return self.serving_shape
+
+    def status(self, into: pb.ClusterStatus) -> None:
+        """Its part of GetStatus: the capacity on the full VAE, each decoder's cost, the calibrated stages, the Stream
+        Batch."""
+        into.capacity.extend(pb.Capacity(steps=n, streams=c, decoder=FULL) for n, c in self.capacity())
+        into.vae_chunk_ms = self.cost.chunk_ms
+        into.vae_source = self.cost.vae_source
+        into.calibrated_stages.extend(sorted(self.calibrated))
+        into.decoders.extend(self.decoder_status())
+        into.max_batch = self.cost.max_batch
+
     @property
     def pricing(self) -> SloController:
         """What admission prices streams with (``coordinator.admission.Pricing``)."""

@@ -137,6 +137,18 @@ class StreamTable:
     def __len__(self) -> int:
         return len(self.sessions)
 
+    def find(self, stream_id: int) -> StreamSession | None:
+        """The open stream's session (None: no such stream, or it ended)."""
+        return self.sessions.get(stream_id)
+
+    def by_id(self) -> dict[int, StreamSession]:
+        """The open streams' sessions by id (a copy)."""
+        return dict(self.sessions)
+
+    def recaching(self) -> list[StreamSession]:
+        """The streams whose recache waits for their chunks in flight."""
+        return [s for s in self.sessions.values() if s.recache is not None]
+
     def admitted(self) -> Admitted:
         """The open streams as admission counts them: how many, their KV reserved on each stage, their demands (by
         id), and when capacity or memory is likely back (``retry_after``)."""

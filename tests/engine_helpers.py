@@ -21,8 +21,7 @@ TEXT = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])  # a prompt's 
 def hand_driven_engine(stages: int = 2, *, max_batch: int = 4, **engine_kw) -> PipelineEngine:
     """A ``PipelineEngine`` of ``stages`` stages (keywords: its options), formed, with no stage process."""
     eng = PipelineEngine(StageRegistry(stages), **engine_kw)
-    eng.generations.ready = True
-    eng.generations.sched = StreamBatchScheduler(num_stages=stages, max_batch=max_batch)
+    eng.generations.adopt(StreamBatchScheduler(num_stages=stages, max_batch=max_batch))
     return eng
 
 

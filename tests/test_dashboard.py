@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -64,25 +63,23 @@ def family_names(families) -> set[str]:
 
 
 def exported_metric_names() -> set[str]:
-    from coordinator.metrics import CoordinatorTelemetry
+    from coordinator.metrics import CoordinatorStats, CoordinatorTelemetry
     from gateway.metrics import GatewayMetrics
     from stage_service.metrics import StageTelemetry
 
-    engine = SimpleNamespace(
-        sessions={},
-        streams=SimpleNamespace(pending_opens=[], pending_stops=set(), pending_prompts=[]),
-        planner=SimpleNamespace(batches_planned=0, batches_done=0),
+    stats = CoordinatorStats(
+        active_streams=0,
+        pending_events=0,
+        batches_in_flight=0,
         lookahead=6,
         ready=False,
         generation=0,
-        links=[],
-        capacity=lambda: [(1, 3)],  # the SLO model's gauges are exported once it has stage times
-        utilization=lambda: 0.5,
-        slo_correction=lambda: 1.0,
-        kv_status=lambda: [(0, 1 << 30, 0)],  # (stage, KV budget, reserved) of stages with a budget
+        kv=[(0, 1 << 30, 0)],  # (stage, KV budget, reserved) of stages with a budget
+        capacity=[(1, 3)],  # the SLO model's gauges are exported once it has stage times
+        utilization=0.5,
     )
     coordinator = CoordinatorTelemetry()
-    coordinator.bind(engine)
+    coordinator.bind(lambda: stats)
     registries = [
         coordinator.registry,
         StageTelemetry(0, state=lambda: None).registry,

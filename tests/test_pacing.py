@@ -43,7 +43,7 @@ def test_a_paced_stream_starts_chunks_at_its_rate_plus_the_playout_buffer():
     run_ticks(eng, 50)
     # At the open: chunks whose slot is within 0.5 s: 0, 0.25, 0.5 -> 3 chunks.
     assert eng.sched.started_chunks[s.id] == 3
-    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(0.25, abs=1e-3)
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions.get) == pytest.approx(0.25, abs=1e-3)
     clock.t += 0.25
     run_ticks(eng, 50)
     assert eng.sched.started_chunks[s.id] == 4
@@ -58,7 +58,7 @@ def test_an_unpaced_stream_runs_as_far_as_its_lead_allows():
     s = open_stream(eng, rate=0.0, depth=0)
     run_ticks(eng, 50)
     assert eng.sched.started_chunks[s.id] == eng.pacing.lead_bound(s)  # the delivery bound, not the clock
-    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) is None
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions.get) is None
 
 
 def test_pacing_leaves_the_pipeline_to_other_streams():
@@ -92,7 +92,7 @@ def test_the_plan_loop_wakes_for_each_paced_chunk_without_spinning():
         ticks = eng.sched.now
         clock.t += 1.0  # four more slots
         wait_until(lambda: eng.sched.started_chunks.get(s.id) == 5, 10, what="four paced chunks")
-        assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(0.25)
+        assert eng.pacing.pace_timeout(eng.sched, eng.sessions.get) == pytest.approx(0.25)
         # Idle until the next slot: the loop does not tick in a busy loop meanwhile.
         with eng.cond:
             now = eng.sched.now
@@ -125,7 +125,7 @@ def test_chunks_after_the_first_are_paced_sooner_by_the_offset():
     s = open_stream(eng, rate=4.0, offset=3 / 16)
     run_ticks(eng, 20)
     assert eng.sched.started_chunks[s.id] == 1  # chunk 1 is due 1/16 s after chunk 0
-    assert eng.pacing.pace_timeout(eng.sched, eng.sessions) == pytest.approx(1 / 16, abs=1e-3)
+    assert eng.pacing.pace_timeout(eng.sched, eng.sessions.get) == pytest.approx(1 / 16, abs=1e-3)
     for c in range(1, 40):
         due = eng.pacing.since(s.id) + (4 * c - 3) / 16  # chunk c's first frame
         clock.t = due - 0.01

@@ -139,7 +139,7 @@ def test_a_pipeline_that_is_not_formed_has_no_free_slot_and_status_carries_the_c
     eng = _engine(max_streams=5)
     _open_default(eng)
     assert eng.status().slots_free == 4 and eng.status().slots_total == 5
-    eng.generations.ready = False
+    eng.generations.adopt(None)  # the generation ended
     assert eng.slots() == Slots(0, 1)
     status = eng.status()
     assert (status.slots_free, status.slots_total) == (0, 1)
