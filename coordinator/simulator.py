@@ -106,85 +106,85 @@ def _specs(cfg: SimConfig) -> list[StreamSpec]:
     ]
 
 
-def simulate(cfg: SimConfig) -> SimReport:
-    p_count = cfg.stages
-    stage_ms = cfg.stage_ms or [10.0] * p_count
-    if len(stage_ms) != p_count:
-        raise ValueError(f"stage_ms has {len(stage_ms)} entries for {p_count} stages")
-    if cfg.sp < 1:
-        raise ValueError(f"sp must be >= 1, got {cfg.sp}")
-    layers = even_partition(cfg.layers, p_count)
+class _Costs:
+    """A stage forward's modelled time: the stage's ms at batch one, growing with the batch; under ``sp`` > 1 each
+    rank's share of the token-proportional part plus Ulysses' all-to-alls (and the last stage's gather)."""
 
-    def cost(p: int, b: int) -> float:
+    def __init__(self, cfg: SimConfig, stage_ms: list[float]):
+        self.cfg = cfg
+        self.stage_ms = stage_ms
+        self.layers = even_partition(cfg.layers, cfg.stages)
+
+    def forward(self, p: int, b: int) -> float:
+        cfg = self.cfg
         if cfg.sp == 1:
-            return stage_ms[p] * (1 + cfg.growth * (b - 1))
-        return stage_ms[p] * ((1 - cfg.growth) + cfg.growth * b / cfg.sp) + a2a_ms(p, b)
+            return self.stage_ms[p] * (1 + cfg.growth * (b - 1))
+        return self.stage_ms[p] * ((1 - cfg.growth) + cfg.growth * b / cfg.sp) + self.a2a(p, b)
 
-    def a2a_ms(p: int, b: int) -> float:
+    def a2a(self, p: int, b: int) -> float:
+        cfg = self.cfg
         if cfg.sp == 1:
             return 0.0
         shard_bytes = b * cfg.tokens * cfg.dim * cfg.dtype_bytes / cfg.sp
         per_layer = 2 * cfg.a2a_latency_ms + 4 * shard_bytes * (cfg.sp - 1) / cfg.sp / (cfg.a2a_gbps * 1e6)
-        total = layers[p] * per_layer
-        if p == p_count - 1:  # the shards gathered before the head
+        total = self.layers[p] * per_layer
+        if p == cfg.stages - 1:  # the shards gathered before the head
             total += cfg.a2a_latency_ms + shard_bytes * (cfg.sp - 1) / (cfg.a2a_gbps * 1e6)
         return total
 
-    sched = StreamBatchScheduler(num_stages=p_count, max_batch=cfg.batch)
-    specs = _specs(cfg)
+
+@dataclass
+class _Timeline:
+    """The plan replayed on the modelled stages: each stage's busy intervals and each chunk's start and end."""
+
+    free: list[float]
+    busy: list[list[tuple[float, float]]]
+    chunk_start: dict[tuple[int, int], float]
+    chunk_done: dict[tuple[int, int], float]
+    last_level0_start: float
+
+
+def _plan(cfg: SimConfig, specs: list[StreamSpec]) -> list[list[MicroStep]]:
+    """The real scheduler's batches for these streams, to the end."""
+    sched = StreamBatchScheduler(num_stages=cfg.stages, max_batch=cfg.batch)
     for spec in specs:
         sched.add_stream(spec)
-    levels = specs[0].levels
-    steps = specs[0].steps
     plan: list[list[MicroStep]] = []
     while sched.active:
         batch = sched.tick()
         if batch:
             plan.append(batch)
+    return plan
 
-    free = [0.0] * p_count
-    busy: list[list[tuple[float, float]]] = [[] for _ in range(p_count)]
+
+def _replay(cfg: SimConfig, plan: list[list[MicroStep]], costs: _Costs, levels: int, steps: int) -> _Timeline:
+    p_count = cfg.stages
+    t = _Timeline([0.0] * p_count, [[] for _ in range(p_count)], {}, {}, 0.0)
     produced: dict[MicroStep, float] = {}  # successor step -> time its input latent reaches stage 0
-    chunk_start: dict[tuple[int, int], float] = {}
-    chunk_done: dict[tuple[int, int], float] = {}
-    last_level0_start = 0.0
     for batch in plan:
-        ready = max((produced[st] for st in batch if st.level > 0), default=0.0)
-        t_prev = ready
+        t_prev = max((produced[st] for st in batch if st.level > 0), default=0.0)
         for p in range(p_count):
-            start = max(free[p], t_prev + (cfg.comm_ms if p > 0 else 0.0))
-            end = start + cost(p, len(batch))
-            busy[p].append((start, end))
-            free[p] = end
+            start = max(t.free[p], t_prev + (cfg.comm_ms if p > 0 else 0.0))
+            end = start + costs.forward(p, len(batch))
+            t.busy[p].append((start, end))
+            t.free[p] = end
             t_prev = end
             if p == 0:
                 for st in batch:
                     if st.level == 0:
-                        chunk_start[(st.stream, st.chunk)] = start
-                        last_level0_start = max(last_level0_start, start)
+                        t.chunk_start[(st.stream, st.chunk)] = start
+                        t.last_level0_start = max(t.last_level0_start, start)
         for st in batch:
             if st.level + 1 < levels:
                 produced[MicroStep(st.stream, st.chunk, st.level + 1)] = t_prev + cfg.comm_ms
             if st.level == steps - 1:
-                chunk_done[(st.stream, st.chunk)] = t_prev
+                t.chunk_done[(st.stream, st.chunk)] = t_prev
+    return t
 
-    makespan = max(free)
-    first_done = min(chunk_done.values())
-    lo, hi = first_done, max(last_level0_start, first_done)
-    window = hi - lo
-    util = []
-    for p in range(p_count):
-        if window <= 0:
-            util.append(0.0)
-            continue
-        inside = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in busy[p])
-        util.append(inside / window)
-    bubble = 1.0 - sum(util) / p_count if window > 0 else 1.0
-    n_chunks = len(chunk_done)
-    in_window = [k for k, t in chunk_done.items() if lo <= t <= hi]
-    rate = (len(in_window) / (window / 1e3)) if window > 0 else 0.0
-    latency = sum(chunk_done[k] - chunk_start[k] for k in chunk_done) / n_chunks
 
+def _notes(cfg: SimConfig, stage_ms: list[float], levels: int, window: float, costs: _Costs) -> list[str]:
+    """Why this configuration cannot fill the pipeline, where it cannot."""
+    p_count = cfg.stages
     notes = []
     slowest = max(stage_ms)
     if max(stage_ms) > min(stage_ms) * 1.05:
@@ -208,26 +208,53 @@ def simulate(cfg: SimConfig) -> SimReport:
         )
     if window <= 0:
         notes.append("no steady state was reached")
-    a2a = [a2a_ms(p, 1) for p in range(p_count)]
     if cfg.sp > 1:
+        a2a = max(costs.a2a(p, 1) for p in range(p_count))
         notes.append(
-            f"sequence parallel: each stage's {cfg.sp} ranks spend {max(a2a):.2f} ms per forward of one micro-step "
-            f"in all-to-alls ({max(layers)} layers × 2), and only the token-proportional {cfg.growth:.0%} of a "
+            f"sequence parallel: each stage's {cfg.sp} ranks spend {a2a:.2f} ms per forward of one micro-step "
+            f"in all-to-alls ({max(costs.layers)} layers × 2), and only the token-proportional {cfg.growth:.0%} of a "
             "forward shrinks with the shard"
         )
+    return notes
+
+
+def simulate(cfg: SimConfig) -> SimReport:
+    p_count = cfg.stages
+    stage_ms = cfg.stage_ms or [10.0] * p_count
+    if len(stage_ms) != p_count:
+        raise ValueError(f"stage_ms has {len(stage_ms)} entries for {p_count} stages")
+    if cfg.sp < 1:
+        raise ValueError(f"sp must be >= 1, got {cfg.sp}")
+    costs = _Costs(cfg, stage_ms)
+    specs = _specs(cfg)
+    levels, steps = specs[0].levels, specs[0].steps
+    plan = _plan(cfg, specs)
+    t = _replay(cfg, plan, costs, levels, steps)
+
+    first_done = min(t.chunk_done.values())
+    lo, hi = first_done, max(t.last_level0_start, first_done)
+    window = hi - lo
+    util = [
+        sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in t.busy[p]) / window if window > 0 else 0.0
+        for p in range(p_count)
+    ]
+    bubble = 1.0 - sum(util) / p_count if window > 0 else 1.0
+    in_window = [k for k, done in t.chunk_done.items() if lo <= done <= hi]
+    rate = (len(in_window) / (window / 1e3)) if window > 0 else 0.0
+    latency = sum(t.chunk_done[k] - t.chunk_start[k] for k in t.chunk_done) / len(t.chunk_done)
     return SimReport(
         config=asdict(cfg) | {"stage_ms": stage_ms},
-        a2a_ms_per_forward=a2a,
-        forward_ms=[cost(p, 1) for p in range(p_count)],
+        a2a_ms_per_forward=[costs.a2a(p, 1) for p in range(p_count)],
+        forward_ms=[costs.forward(p, 1) for p in range(p_count)],
         batches=len(plan),
-        makespan_ms=makespan,
+        makespan_ms=max(t.free),
         steady_window_ms=window,
         utilization=util,
         bubble_fraction=bubble,
         chunks_per_second=rate,
         mean_batch=sum(len(b) for b in plan) / len(plan),
         chunk_latency_ms=latency,
-        notes=notes,
+        notes=_notes(cfg, stage_ms, levels, window, costs),
     )
 
 
