@@ -2,7 +2,7 @@
 
 Usage (the gRPC servicer in ``coordinator.server`` is a thin layer over this)::
 
-    engine = PipelineEngine(registry, connect=lambda address: channel_to(address), max_batch=4)
+    engine = PipelineEngine(registry, CoordinatorOptions(stages=2, max_batch=4), connect=channel_to)
     engine.start()
     engine.on_registered(record)            # forms a new generation once every stage is registered
     session = engine.open(OpenRequest(spec, text))   # raises AdmissionError with a gRPC code
@@ -50,6 +50,7 @@ from coordinator.admission import Admission
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.generations import Generations
 from coordinator.metrics import CoordinatorStats, CoordinatorTelemetry
+from coordinator.options import CoordinatorOptions
 from coordinator.pacing import PACE_EARLY_S, PLAYOUT_S, Pacing
 from coordinator.plan import PlanLoop
 from coordinator.registry import StageRecord, StageRegistry
@@ -60,7 +61,6 @@ from coordinator.slots import Slots, StreamDefaults, spatial_factor
 from coordinator.streams import StreamSession, StreamTable
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
-from stagecast.microstep import DEFAULT_MAX_BATCH
 
 __all__ = [
     "PACE_EARLY_S",
@@ -80,34 +80,28 @@ class PipelineEngine:
     def __init__(
         self,
         registry: StageRegistry,
+        opts: CoordinatorOptions,
         *,
         connect: Callable[[str], grpc.Channel] | None = None,
-        backend: str = "gloo",
-        max_batch: int = DEFAULT_MAX_BATCH,
-        lookahead: int | None = None,
-        max_streams: int = 16,
-        record_plan: bool = False,
         on_ready_change: Callable[[bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         form_timeout: float = 600.0,
         max_ahead: int | None = None,
-        playout_s: float = PLAYOUT_S,
-        pace_grid: bool = False,
-        clock: Callable[[], float] = time.monotonic,
-        stage_ms: list[float] | None = None,
         slo_interval_s: float = 1.0,
-        slo_learn: bool = True,
-        vae_ms_per_chunk: float | dict[str, float] | None = None,
         stream_defaults: StreamDefaults | None = None,
     ):
+        """``opts``: the coordinator's options, whole (``coordinator.options``); the keywords are what is not a flag:
+        how to reach a stage, who hears of readiness, the clock and the settings tests and tools change."""
+        max_batch, lookahead = opts.max_batch, opts.lookahead
         self.registry = registry
         self._stream_defaults = stream_defaults  # what a free slot is priced at (None: the public defaults)
         self.max_batch = max_batch
         self.pacing = Pacing(
             pipeline_stages=registry.pipeline_stages,
             max_ahead=max_ahead,
-            playout_s=playout_s,
+            playout_s=opts.playout_s,
             clock=clock,
-            grid=pace_grid,
+            grid=opts.pace_grid,
         )
         self.cond = threading.Condition()
         self.telemetry = CoordinatorTelemetry()  # Prometheus registry and batch spans (coordinator.metrics)
@@ -117,20 +111,20 @@ class PipelineEngine:
             self.telemetry,
             max_batch=max_batch,
             clock=clock,
-            stage_ms=stage_ms,
+            stage_ms=opts.stage_ms,
             slo_interval_s=slo_interval_s,
-            slo_learn=slo_learn,
-            vae_ms_per_chunk=vae_ms_per_chunk,
-            pace_grid=pace_grid,
+            slo_learn=opts.slo_learn,
+            vae_ms_per_chunk=opts.vae_ms_per_chunk,
+            pace_grid=opts.pace_grid,
         )
-        self.admission = Admission(registry, self.slo.pricing, max_streams=max_streams)
+        self.admission = Admission(registry, self.slo.pricing, max_streams=opts.max_streams)
         self.generations = Generations(
             self.cond,
             registry,
             self.telemetry,
             # Channels to stages (mTLS in a deployment: stagecast.security.connect); plaintext by default.
             connect=connect or (lambda address: grpc.insecure_channel(address, options=CHANNEL_OPTIONS)),
-            backend=backend,
+            backend="" if opts.backend == "auto" else opts.backend,  # "": each stage picks nccl or gloo
             max_batch=max_batch,
             form_timeout=form_timeout,
             on_ready_change=on_ready_change or (lambda ready: None),
@@ -152,7 +146,7 @@ class PipelineEngine:
             # 2P + 2, on one H200 at capacity, about 80 ms each).
             lookahead=lookahead or registry.pipeline_stages + 1,
             paced_lookahead=lookahead is None,  # the default: one batch per stage while every stream is paced
-            record_plan=record_plan,
+            record_plan=opts.record_plan,
         )
         self.telemetry.bind(self.stats)
 

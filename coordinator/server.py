@@ -223,18 +223,9 @@ class Coordinator:
         self.registry = StageRegistry(opts.stages, opts.partition, sp=opts.sp, cfg_parallel=opts.cfg_parallel)
         self.engine = PipelineEngine(
             self.registry,
+            opts,
             connect=lambda address: connect(address, opts.mtls, "stage", CHANNEL_OPTIONS),
-            backend="" if opts.backend == "auto" else opts.backend,  # "": each stage picks nccl or gloo
-            max_batch=opts.max_batch,
-            max_streams=opts.max_streams,
-            record_plan=opts.record_plan,
             on_ready_change=self._on_ready,
-            playout_s=opts.playout_s,
-            pace_grid=opts.pace_grid,
-            lookahead=opts.lookahead,
-            stage_ms=opts.stage_ms,
-            slo_learn=opts.slo_learn,
-            vae_ms_per_chunk=opts.vae_ms_per_chunk,
         )
         servicer = CoordinatorServicer(self.registry, self.engine, opts.mtls)
         self.server, self.health, self.port = make_server(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from coordinator.engine import PipelineEngine
+from coordinator.options import CoordinatorOptions
 from coordinator.registry import StageRegistry
 from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
@@ -18,9 +19,27 @@ from stagecast.model.dit_configs import model_config
 TEXT = torch.zeros(1, 8, model_config("tiny-wan2.1")["text_dim"])  # a prompt's embedding for the tiny model
 
 
-def hand_driven_engine(stages: int = 2, *, max_batch: int = 4, **engine_kw) -> PipelineEngine:
-    """A ``PipelineEngine`` of ``stages`` stages (keywords: its options), formed, with no stage process."""
-    eng = PipelineEngine(StageRegistry(stages), **engine_kw)
+ENGINE_KEYWORDS = {"clock", "form_timeout", "max_ahead", "slo_interval_s", "stream_defaults"}
+
+
+def engine_options(stages: int, **kw) -> CoordinatorOptions:
+    """``CoordinatorOptions`` of ``stages`` stages; ``vae_ms_per_chunk`` may be one number (the full VAE's)."""
+    vae = kw.get("vae_ms_per_chunk")
+    if vae is not None and not isinstance(vae, dict):
+        kw["vae_ms_per_chunk"] = {"full": float(vae)}
+    lookahead = kw.pop("lookahead", None)
+    options = CoordinatorOptions(stages=stages, backend="gloo", **kw)
+    # A plan loop ticked by hand may run unbounded (lookahead=10**6), past what the flag accepts (1..64).
+    options.lookahead = lookahead
+    return options
+
+
+def hand_driven_engine(stages: int = 2, *, max_batch: int = 4, **kw) -> PipelineEngine:
+    """A ``PipelineEngine`` of ``stages`` stages (keywords: its options, or the engine's own ``ENGINE_KEYWORDS``),
+    formed around a scheduler of ``max_batch``, with no stage process."""
+    engine_kw = {k: v for k, v in kw.items() if k in ENGINE_KEYWORDS}
+    options = engine_options(stages, **{k: v for k, v in kw.items() if k not in ENGINE_KEYWORDS})
+    eng = PipelineEngine(StageRegistry(stages), options, **engine_kw)
     eng.generations.adopt(StreamBatchScheduler(num_stages=stages, max_batch=max_batch))
     return eng
 

@@ -7,7 +7,7 @@ import torch
 
 from coordinator.errors import AdmissionError
 from coordinator.slo import CostModel, DecoderCost, Demand, SloController, VaeReport
-from tests.engine_helpers import hand_driven_engine, stream_opener
+from tests.engine_helpers import engine_options, hand_driven_engine, stream_opener
 
 pytestmark = pytest.mark.unit
 
@@ -167,7 +167,7 @@ def test_the_operators_cost_per_kind_is_kept_and_slo_fixed_fixes_every_kind():
     from coordinator.engine import PipelineEngine
     from coordinator.registry import StageRegistry
 
-    fixed = PipelineEngine(StageRegistry(2), stage_ms=[10.0, 10.0], slo_learn=False, vae_ms_per_chunk=None)
+    fixed = PipelineEngine(StageRegistry(2), engine_options(2, stage_ms=[10.0, 10.0], slo_learn=False))
     assert {k: (c.chunk_ms, c.source) for k, c in fixed.slo.cost.decoders.items()} == {
         "full": (0.0, "operator"),
         "tiny": (0.0, "operator"),
