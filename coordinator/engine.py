@@ -57,7 +57,7 @@ from coordinator.registry import StageRecord, StageRegistry
 from coordinator.requests import OpenRequest
 from coordinator.slo import FULL, VaeReport
 from coordinator.slo_control import SloControl
-from coordinator.slots import Slots, StreamDefaults, spatial_factor
+from coordinator.slots import Slots, StreamDefaults, free_slots
 from coordinator.streams import StreamSession, StreamTable
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -220,32 +220,13 @@ class PipelineEngine:
             return self._slots(defaults or self.stream_defaults())
 
     def stream_defaults(self) -> StreamDefaults:
-        """The defaults a slot is priced at: the engine's ``stream_defaults``, else the public defaults at the serving
-        size the stages' calibration timed."""
-        if self._stream_defaults is not None:
-            return self._stream_defaults
-        cfg = self.registry.model_config() or {}
-        return StreamDefaults().with_shape(self.slo.serving(), spatial_factor(cfg))
+        """What a slot is priced at: the engine's ``stream_defaults``, else the public defaults at the stages' serving
+        size (``StreamDefaults.serving``)."""
+        return self._stream_defaults or StreamDefaults.serving(self.slo.serving(), self.registry.model_config())
 
     def _slots(self, defaults: StreamDefaults) -> Slots:
-        admitted = self.streams.admitted()
-        gens = self.generations
-        if not gens.ready:
-            return Slots(0, admitted.count)
-        try:
-            request = defaults.request(self.registry.model_config())
-        except ValueError as exc:
-            logger.warning("free slots: the default stream is not valid (%s)", exc)
-            return Slots(0, admitted.count)
-        free = 0
-        while free <= self.admission.max_streams:  # the stream cap ends it at the latest
-            try:
-                reservation = self.admission.decide(request, admitted, ready=True)
-            except AdmissionError:
-                break
-            admitted = admitted.plus(reservation)
-            free += 1
-        return Slots(free, admitted.count)
+        admitted, ready = self.streams.admitted(), self.generations.ready
+        return free_slots(self.admission, admitted, defaults, self.registry.model_config(), ready=ready)
 
     def steps(self, stream_id: int) -> int:
         """The steps the stream's next chunk runs (the SLO controller's choice; 0: no such stream)."""
@@ -356,11 +337,6 @@ class PipelineEngine:
     def utilization(self) -> float | None:
         with self.cond:
             return self.slo.utilization()
-
-    def kv_status(self) -> list[tuple[int, int, int]]:
-        """(stage index, KV budget, reserved bytes) of every stage with a budget, for metrics."""
-        with self.cond:
-            return self.admission.kv_status(self.streams.admitted().kv)
 
     def status(self) -> pb.ClusterStatus:
         """GetStatus: each part's piece of it, and the free slots (``slots``)."""

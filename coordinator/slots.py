@@ -18,15 +18,20 @@ engine is given none, the serving size comes from the stages' calibration, which
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from coordinator.admission import Admission, Admitted
+from coordinator.errors import AdmissionError
 from coordinator.requests import OpenRequest
 from stagecast.api import DEFAULT_DECODER, DEFAULT_FPS, DEFAULT_POLICY
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import StreamSpec
 from stagecast.sampling import SamplerConfig
+
+logger = logging.getLogger("coordinator.engine")
 
 TEMPORAL_FACTOR = 4  # video frames per latent frame after the first (the Wan VAEs'; the gateway's ModelInfo)
 
@@ -60,6 +65,11 @@ class StreamDefaults:
     def chunk_rate(self) -> float:
         """Chunks per second at ``fps`` (a paced stream, as ``EffectiveConfig.chunk_rate``)."""
         return self.fps / (TEMPORAL_FACTOR * self.chunk_frames)
+
+    @classmethod
+    def serving(cls, calibration: pb.StageCalibration | None, model: dict | None) -> StreamDefaults:
+        """The public defaults at the serving size a stage's calibration timed (None: 832x480)."""
+        return cls().with_shape(calibration, spatial_factor(model or {}))
 
     def with_shape(self, calibration: pb.StageCalibration | None, spatial_factor: int) -> StreamDefaults:
         """These defaults with the serving size a stage's calibration timed (None: unchanged)."""
@@ -112,3 +122,26 @@ class StreamDefaults:
 def spatial_factor(model: dict) -> int:
     """Pixels per latent pixel: the Wan2.2 VAE (48 latent channels) is 16x, Wan2.1's 8x."""
     return 16 if model.get("in_channels") == 48 else 8
+
+
+def free_slots(
+    admission: Admission, admitted: Admitted, defaults: StreamDefaults, model: dict | None, *, ready: bool
+) -> Slots:
+    """The dry run: streams of ``defaults`` added one by one beside ``admitted`` through ``Admission.decide`` until the
+    first refusal (the stream cap ends it at the latest); nothing is reserved.  0 free while not ``ready``."""
+    if not ready:
+        return Slots(0, admitted.count)
+    try:
+        request = defaults.request(model)
+    except ValueError as exc:
+        logger.warning("free slots: the default stream is not valid (%s)", exc)
+        return Slots(0, admitted.count)
+    free = 0
+    while free <= admission.max_streams:
+        try:
+            reservation = admission.decide(request, admitted, ready=True)
+        except AdmissionError:
+            break
+        admitted = admitted.plus(reservation)
+        free += 1
+    return Slots(free, admitted.count)
