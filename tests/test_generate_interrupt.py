@@ -26,8 +26,10 @@ class FakeStream:
             timesteps=[1000.0],
             shift=1.0,
             decoder="full",
+            pipeline="p0",
         )
         self.end, self.ttff, self.fps = SimpleNamespace(reason="stopped"), 0.1, 16.0
+        self.steady_fps, self.burst_frames = 16.0, 0
 
     def stop(self):
         self.stopped += 1
