@@ -170,6 +170,9 @@ SERVICE_DEFAULT = {
         "--dit-levers": "opt-in levers that change the numbers (none by default); through extraArgs",
     },
     "gateway": {
+        "--pipeline-name": "one pipeline without a door: the fleet's LeaderWorkerSet names each group (fleet.enabled)",
+        "--agent-port": "no HAProxy door in front of one pipeline; the fleet's LeaderWorkerSet sets it (fleet.enabled)",
+        "--drain-s": "the default 30 s drain; the fleet's LeaderWorkerSet sets it with its grace period",
         "--text-len": "the checkpoint's serving defaults",
         "--text-dtype": "auto: bfloat16 on a GPU",
         "--text-device": "the gateway's --device",
@@ -223,6 +226,7 @@ def container_args_template(command: str) -> str:
     if command in ("coordinator", "stage"):
         return block + security[0]
     gateway, web = block.split("- name: web\n", 1)
+    gateway += (TEMPLATES / "fleet-leaderworkerset.yaml").read_text()  # a fleet's gateway flags (--pipeline-name, ...)
     return gateway + security[0] if command == "gateway" else web
 
 
