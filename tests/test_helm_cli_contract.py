@@ -170,9 +170,6 @@ SERVICE_DEFAULT = {
         "--dit-levers": "opt-in levers that change the numbers (none by default); through extraArgs",
     },
     "gateway": {
-        "--pipeline-name": "one pipeline without a door: the fleet's LeaderWorkerSet names each group (fleet.enabled)",
-        "--agent-port": "no HAProxy door in front of one pipeline; the fleet's LeaderWorkerSet sets it (fleet.enabled)",
-        "--drain-s": "the default 30 s drain; the fleet's LeaderWorkerSet sets it with its grace period",
         "--text-len": "the checkpoint's serving defaults",
         "--text-dtype": "auto: bfloat16 on a GPU",
         "--text-device": "the gateway's --device",
@@ -193,7 +190,6 @@ SERVICE_DEFAULT = {
         "--threads": "torch's default in a container sized by its resources",
         "--vae-split": "balanced by multiply-accumulates; through extraArgs",
         "--max-unpaced": "limit tuning through extraArgs",
-        "--trusted-proxy": "only behind the fleet's door, which its LeaderWorkerSet passes (fleet.door.trustedProxies)",
     },
     "web": {
         "--max-peers-per-tenant": "half of --max-peers; through extraArgs",

@@ -4,7 +4,8 @@ StatefulSet) and the fleet's LeaderWorkerSet (fleet-leaderworkerset.yaml). Each 
 differs between the two: addresses, ports, extra arguments and "fleet".
 */}}
 
-{{/* The coordinator container. Keys: advertiseHost, metricsPort, extraArgs (before coordinator.extraArgs). */}}
+{{/* The coordinator container. Keys: advertiseHost, metricsPort, extraArgs (before coordinator.extraArgs), lifecycle
+(YAML text), mtlsVolume, portPrefix (port names unique in a pod of several roles). */}}
 {{- define "stagecast.coordinator.container" -}}
 {{- $p := . -}}
 {{- with .ctx -}}
@@ -50,13 +51,13 @@ differs between the two: addresses, ports, extra arguments and "fleet".
     {{- toYaml . | nindent 4 }}
     {{- end }}
   ports:
-    - name: grpc
+    - name: {{ $p.portPrefix }}grpc
       containerPort: {{ $c.port }}
       protocol: TCP
-    - name: health
+    - name: {{ $p.portPrefix }}health
       containerPort: {{ $c.healthPort }}
       protocol: TCP
-    - name: metrics
+    - name: {{ $p.portPrefix }}metrics
       containerPort: {{ $p.metricsPort }}
       protocol: TCP
   {{- with $c.probes.startup }}
@@ -77,6 +78,10 @@ differs between the two: addresses, ports, extra arguments and "fleet".
     {{- include "stagecast.grpcProbe" (dict "port" $c.healthPort "probe" .) | nindent 4 }}
   {{- end }}
   {{- end }}
+  {{- with $p.lifecycle }}
+  lifecycle:
+    {{- . | nindent 4 }}
+  {{- end }}
   resources:
     {{- include "stagecast.resources" (dict "resources" $c.resources "device" "cpu" "gpus" 0) | nindent 4 }}
   {{- with .Values.containerSecurityContext }}
@@ -86,13 +91,14 @@ differs between the two: addresses, ports, extra arguments and "fleet".
   volumeMounts:
     - name: tmp
       mountPath: /tmp
-    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "coordinator") | nindent 4 }}
+    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "coordinator" "volume" $p.mtlsVolume) | nindent 4 }}
 {{- end -}}
 {{- end -}}
 
 {{/*
 The gateway container, and the web container beside it when web.enabled. Keys: coordinatorAddress, fleet (TLS ends
-at the door: the gateway serves plaintext and the page dials it on the pod's loopback), agentPort, extraArgs.
+at the door: the gateway serves plaintext), webGateway (the address the page dials: a fleet's door, so that its
+streams are placed as any other), agentPort, extraArgs, mtlsVolume.
 */}}
 {{- define "stagecast.gateway.containers" -}}
 {{- $p := . -}}
@@ -222,7 +228,7 @@ at the door: the gateway serves plaintext and the page dials it on the pod's loo
     {{- include "stagecast.modelVolumeMount" . | nindent 4 }}
     - name: tmp
       mountPath: /tmp
-    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "gateway") | nindent 4 }}
+    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "gateway" "volume" $p.mtlsVolume) | nindent 4 }}
     {{- if $g.shm.enabled }}
     - name: dshm
       mountPath: /dev/shm
@@ -239,13 +245,13 @@ at the door: the gateway serves plaintext and the page dials it on the pod's loo
     - --port
     - {{ $w.port | int | quote }}
     - --gateway
-    {{- if and .Values.security.gatewayTLS.enabled (not $p.fleet) }}
+    {{- if .Values.security.gatewayTLS.enabled }}
     # TLS: by the Service name its certificate holds.
-    - {{ printf "%s.%s.svc.%s:%d" (include "stagecast.gateway.fullname" .) .Release.Namespace .Values.clusterDomain (int $g.port) | quote }}
+    - {{ $p.webGateway | default (printf "%s.%s.svc.%s:%d" (include "stagecast.gateway.fullname" .) .Release.Namespace .Values.clusterDomain (int $g.port)) | quote }}
     - --gateway-ca
     - /etc/stagecast/gateway-tls/ca.crt
     {{- else }}
-    - {{ printf "127.0.0.1:%d" (int $g.port) | quote }}
+    - {{ $p.webGateway | default (printf "127.0.0.1:%d" (int $g.port)) | quote }}
     {{- end }}
     - --tokens
     - /etc/stagecast/tokens/tokens
@@ -321,7 +327,7 @@ at the door: the gateway serves plaintext and the page dials it on the pod's loo
 
 {{/*
 The stage container. Keys: coordinatorAddress, advertiseHost, metricsPort, healthPort, command, fleet (the index from
-the command rather than the pod-index label).
+the command rather than the pod-index label), lifecycle (YAML text), mtlsVolume, portPrefix.
 */}}
 {{- define "stagecast.stage.container" -}}
 {{- $p := . -}}
@@ -387,13 +393,13 @@ the command rather than the pod-index label).
     {{- toYaml . | nindent 4 }}
     {{- end }}
   ports:
-    - name: grpc
+    - name: {{ $p.portPrefix }}grpc
       containerPort: {{ $s.port }}
       protocol: TCP
-    - name: metrics
+    - name: {{ $p.portPrefix }}metrics
       containerPort: {{ $p.metricsPort }}
       protocol: TCP
-    - name: health
+    - name: {{ $p.portPrefix }}health
       containerPort: {{ $p.healthPort }}
       protocol: TCP
   {{- with $s.probes.startup }}
@@ -414,6 +420,10 @@ the command rather than the pod-index label).
     {{- include "stagecast.grpcProbe" (dict "port" $p.healthPort "probe" .) | nindent 4 }}
   {{- end }}
   {{- end }}
+  {{- with $p.lifecycle }}
+  lifecycle:
+    {{- . | nindent 4 }}
+  {{- end }}
   resources:
     {{- include "stagecast.resources" (dict "resources" $s.resources "device" .Values.device "gpus" $s.gpusPerStage) | nindent 4 }}
   {{- with .Values.containerSecurityContext }}
@@ -424,7 +434,7 @@ the command rather than the pod-index label).
     {{- include "stagecast.modelVolumeMount" . | nindent 4 }}
     - name: tmp
       mountPath: /tmp
-    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "stage") | nindent 4 }}
+    {{- include "stagecast.securityMounts" (dict "ctx" . "component" "stage" "volume" $p.mtlsVolume) | nindent 4 }}
     {{- if $s.shm.enabled }}
     - name: dshm
       mountPath: /dev/shm

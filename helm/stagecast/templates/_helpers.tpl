@@ -420,9 +420,10 @@ Security flags of a service container: its role's mTLS Secret (mounted by stagec
 {{- end }}
 {{- end -}}
 
-{{/* Mounts of stagecast.securityVolumes. Call with (dict "ctx" $ "component" "gateway"). */}}
+{{/* Mounts of stagecast.securityVolumes. Call with (dict "ctx" $ "component" "gateway"), and "volume" where one pod
+holds several roles (a fleet's leader: "mtls-<role>"). */}}
 {{- define "stagecast.securityMounts" -}}
-- name: mtls
+- name: {{ .volume | default "mtls" }}
   mountPath: /etc/stagecast/mtls
   readOnly: true
 {{- if eq .component "gateway" }}
@@ -440,7 +441,7 @@ Security flags of a service container: its role's mTLS Secret (mounted by stagec
 {{/* The Secrets a component reads: its mTLS certificate; the gateway also its tokens and public TLS. */}}
 {{- define "stagecast.securityVolumes" -}}
 {{- $ := .ctx -}}
-- name: mtls
+- name: {{ .volume | default "mtls" }}
   secret:
     secretName: {{ printf "%s-mtls-%s" (include "stagecast.fullname" $) .component }}
     defaultMode: 0440
