@@ -210,7 +210,10 @@ class Fleet:
         assert self.door is not None
         deadline = time.monotonic() + DOOR_READY_S
         while True:
-            servers = self.door.servers("grpc")
+            try:
+                servers = self.door.servers("grpc")
+            except OSError:  # its master CLI is not up yet
+                servers = {}
             if len(servers) == len(self.pipelines) and all(s["status"] == "UP" for s in servers.values()):
                 return
             if time.monotonic() > deadline:
@@ -338,6 +341,8 @@ def _say_fleet_up(fleet: Fleet, ready: dict[str, str]) -> None:
         print(f"pipeline {p.name}: gateway {p.gateway} (agent port {p.agent_port}), coordinator {p.coordinator}")
     shape = f"{len(fleet.pipelines)} pipelines of {fleet.args.stages} stages"
     print(f"stagecast is up: door {fleet.door_address} (HAProxy), {shape}", flush=True)
+    if fleet.door is not None:
+        print(f"the door's HAProxy master CLI (show stat): {fleet.door.socket}", flush=True)
     if "web" in ready:
         print(f"watch and steer it in a browser: {ready['web']}", flush=True)
     announce_ready(**ready)
