@@ -12,6 +12,7 @@ import os
 
 from gateway.options import GatewayOptions, VAEStageOptions
 from stagecast.flags import HelpFormatter, add_flags, from_args
+from stagecast.log import GRPC_VERBOSITY
 from stagecast.service import add_security_flags, run_service
 
 logger = logging.getLogger("gateway")
@@ -38,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
     def start(stop) -> None:
         opts = _gateway_options(args)
-        if opts.tls_cert and os.environ.get("GRPC_VERBOSITY", "").upper() == "ERROR":
+        if opts.tls_cert and os.environ.get("GRPC_VERBOSITY", "").upper() == GRPC_VERBOSITY:
             # Said once here: gRPC's own "Handshake failed" line for every plaintext client is off
             # (stagecast.log.quiet_grpc_core).
             logger.info(

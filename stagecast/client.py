@@ -293,11 +293,7 @@ class _StreamState:
     def fps(self) -> float | None:
         """Frames per second received after the first frame, over the whole stream: the start burst included (a
         short paced clip reads far above its frame rate); ``steady_fps`` is the rate a viewer sees."""
-        if self.frames_received < 2 or self.first_frame_s is None or self.last_frame_s is None:
-            return None
-        if self.last_frame_s == self.first_frame_s:
-            return None
-        return (self.frames_received - 1) / (self.last_frame_s - self.first_frame_s)
+        return self.arrivals.fps
 
 
 class Generation(_StreamState):
