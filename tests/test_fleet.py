@@ -1,7 +1,8 @@
 """A fleet on loopback: ``stagecast up --pipelines 2 --stages 1 --state-file F`` on the demo checkpoint, behind a
 real HAProxy.  One ``up`` serves the module, in order: the door routes by free slots (A full, so every stream lands
-on B until B is full, then a pipeline refuses with its retry delay); a lost gateway is routed around and taken back;
-SIGTERM to a pipeline drains it and ``up`` does not restart it.  Also: HAProxy accepts the rendered config."""
+on B until B is full, then a pipeline refuses with its retry delay); a lost (SIGKILL) or hung (SIGSTOP) gateway is
+marked down within 3 s, routed around and taken back; SIGTERM to a pipeline drains it and ``up`` does not restart
+it.  Also: HAProxy accepts the rendered config."""
 
 import json
 import os
@@ -18,7 +19,7 @@ import stagecast
 from launcher import door
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.process import Launcher
-from stagecast.errors import ResourceExhaustedError, UnavailableError
+from stagecast.errors import CancelledError, ResourceExhaustedError, UnavailableError
 from tests.pipeline_helpers import wait_until
 
 pytestmark = [
@@ -82,6 +83,20 @@ def _open(client, prompt: str):
     return stream
 
 
+def _door_collect(stream) -> list:
+    """A stream's frames through the door, its End message required.  HAProxy 2.6.12 resets a stream whose response
+    ended while its request is open (RST_STREAM CANCEL): the client reports CANCELLED after the End message.  Only
+    that CANCELLED, after an End, is read as the end; test_a_stream_through_the_door_ends_with_its_status holds it."""
+    frames = []
+    try:
+        for frame in stream:
+            frames.append(frame)
+    except CancelledError:
+        if stream.end is None:
+            raise
+    return frames
+
+
 def _whole(status) -> bool:
     return status.active_streams == 0 and status.slots_total > 0 and status.slots_free == status.slots_total
 
@@ -139,32 +154,53 @@ def test_door_fills_the_pipeline_with_room_then_a_pipeline_refuses_with_its_retr
                     stream.cancel()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: for ~8 s after a gateway's SIGKILL, every other stream through the door ends CANCELLED "
-    "(HAProxy resets it, RST_STREAM 8) instead of being redispatched; retries/redispatch and http-reuse never did "
-    "not fix it",
-)
-def test_a_lost_gateway_is_routed_around_and_taken_back(fleet):
+def test_a_lost_gateway_is_marked_down_routed_around_and_taken_back(fleet):
     fleet.wait_idle()
     lost = fleet.pipeline("p0")["pids"]["gateway"]
     os.kill(lost, signal.SIGKILL)
     killed = time.monotonic()
+    fleet.wait_door("p0", lambda s: s.get("status") == "DOWN", "the door marking the lost p0 down", 3.0)
     with stagecast.Client(fleet.state["door"]) as client:
-        while True:  # a client that retries what the door could not place (none expected: it redispatches)
-            try:
-                frames = client.generate(prompt="after the loss", seconds=0.5, steps=STEPS).collect()
-                break
-            except UnavailableError:
-                assert time.monotonic() - killed < 15.0, "no stream through the door completed within 15 s"
-        assert time.monotonic() - killed < 15.0 and len(frames) == 8
-        for i in range(3):
+        for i in range(3):  # new streams go to the other pipeline, whole
             stream = client.generate(prompt=f"after {i}", seconds=0.5, steps=STEPS)
-            assert len(stream.collect()) == 8 and stream.end.reason == "completed"
+            assert stream.info.pipeline == "p1" and len(_door_collect(stream)) == 8
+            assert stream.end.reason == "completed"
+        assert time.monotonic() - killed < 15.0
     # up restarted it (the state file says so), and the door took it back once its agent said up
     wait_until(lambda: fleet.pipeline("p0")["pids"]["gateway"] != lost, 120, interval=0.2, what="p0 restarted")
     assert _alive(fleet.pipeline("p0")["pids"]["gateway"])
     fleet.wait_door("p0", lambda s: s.get("status") == "UP" and s.get("weight") == "100", "p0 back at the door", 60)
+
+
+def test_a_hung_gateway_is_marked_down_and_taken_back_when_it_answers_again(fleet):
+    """SIGSTOP: the kernel still accepts TCP connections for it; the door's h2 check, unanswered, marks it down."""
+    fleet.wait_idle()
+    hung = fleet.pipeline("p1")["pids"]["gateway"]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        fleet.wait_door("p1", lambda s: s.get("status") == "DOWN", "the door marking the hung p1 down", 3.0)
+        with stagecast.Client(fleet.state["door"]) as client:
+            stream = client.generate(prompt="while p1 hangs", seconds=0.5, steps=STEPS, timeout=30)
+            assert stream.info.pipeline == "p0" and len(_door_collect(stream)) == 8
+    finally:
+        os.kill(hung, signal.SIGCONT)
+    fleet.wait_door("p1", lambda s: s.get("status") == "UP", "p1 back at the door", 10)
+    assert fleet.pipeline("p1")["pids"]["gateway"] == hung  # it answered again: not restarted
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap, HAProxy 2.6.12 (Debian 12's): a response that ends while the client's request is still open "
+    "(the SDK keeps it open to steer) is reset with RST_STREAM(CANCEL) and most such streams end CANCELLED after "
+    "their End message (haproxy/haproxy#1219, fixed upstream by e87397bc7 in 2025); the fix on our side is the SDK "
+    "half-closing at End and the gateway sending its trailers after that",
+)
+def test_a_stream_through_the_door_ends_with_its_status(fleet):
+    fleet.wait_idle()
+    with stagecast.Client(fleet.state["door"]) as client:
+        for i in range(6):
+            stream = client.generate(prompt=f"status {i}", seconds=0.5, steps=STEPS)
+            assert len(stream.collect()) == 8 and stream.end.reason == "completed"
 
 
 def test_sigterm_drains_a_pipeline_and_up_does_not_restart_it(fleet):
@@ -187,7 +223,7 @@ def test_sigterm_drains_a_pipeline_and_up_does_not_restart_it(fleet):
         assert not any("p1/gateway restarted" in line for line in fleet.up.log)
         assert fleet.pipeline("p1")["pids"]["gateway"] == b["pids"]["gateway"]  # not started again
         stream = through_door.generate(prompt="the rest of the fleet", seconds=0.5, steps=STEPS)
-        assert stream.info.pipeline == "p0" and len(stream.collect()) == 8
+        assert stream.info.pipeline == "p0" and len(_door_collect(stream)) == 8
 
 
 def test_haproxy_accepts_the_rendered_door():
