@@ -206,7 +206,7 @@ class Fleet:
         return path
 
     def _wait_door_sees_all(self) -> None:
-        """Until the door's agent and TCP checks have every gateway up (HAProxy checks every second)."""
+        """Until the door's agent and h2 checks have every gateway up (HAProxy checks every half second)."""
         assert self.door is not None
         deadline = time.monotonic() + DOOR_READY_S
         while True:
