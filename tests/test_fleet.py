@@ -1,8 +1,8 @@
 """A fleet on loopback: ``stagecast up --pipelines 2 --stages 1 --state-file F`` on the demo checkpoint, behind a
-real HAProxy.  One ``up`` serves the module, in order: the door routes by free slots (A full, so every stream lands
-on B until B is full, then a pipeline refuses with its retry delay); a lost (SIGKILL) or hung (SIGSTOP) gateway is
-marked down within 3 s, routed around and taken back; SIGTERM to a pipeline drains it and ``up`` does not restart
-it.  Also: HAProxy accepts the rendered config."""
+real HAProxy that terminates the public TLS.  One ``up`` serves the module, in order: the door routes by free slots
+(A full, so every stream lands on B until B is full, then a pipeline refuses with its retry delay); a lost (SIGKILL)
+or hung (SIGSTOP) gateway is marked down within 3 s, routed around and taken back; SIGTERM to a pipeline drains it
+and ``up`` does not restart it.  Also: HAProxy accepts the rendered config."""
 
 import json
 import os
@@ -20,6 +20,7 @@ from launcher import door
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.process import Launcher
 from stagecast.errors import CancelledError, ResourceExhaustedError, UnavailableError
+from stagecast.security import issue, make_ca
 from tests.pipeline_helpers import wait_until
 
 pytestmark = [
@@ -35,15 +36,19 @@ STAGE_MS = "60"  # with --slo-fixed, the SLO model's stage time: 3 such streams 
 
 
 class Fleet:
-    def __init__(self, up, state_file: Path):
+    def __init__(self, up, state_file: Path, ca: bytes):
         self.up = up
         self.state_file = state_file
+        self.ca = ca  # the public API's CA: the door terminates TLS with the gateway's certificate
         socket_line = next(line for line in up.log if "master CLI" in line)
         self.door_socket = socket_line.rsplit(" ", 1)[1]
 
     @property
     def state(self) -> dict:
         return json.loads(self.state_file.read_text())
+
+    def door_client(self) -> stagecast.Client:
+        return stagecast.Client(self.state["door"], root_certificates=self.ca)
 
     def pipeline(self, name: str) -> dict:
         return next(p for p in self.state["pipelines"] if p["name"] == name)
@@ -105,12 +110,16 @@ def _whole(status) -> bool:
 def fleet():
     with tempfile.TemporaryDirectory() as tmp, Launcher() as launcher:
         write_demo_checkpoint(tmp)
+        ca, ca_key = make_ca("the fleet test's public CA", days=1)
+        cert, key = issue(ca, ca_key, "gateway", hosts=["127.0.0.1"])  # the gateway's certificate, at the door
+        (Path(tmp) / "public.crt").write_bytes(cert)
+        (Path(tmp) / "public.key").write_bytes(key)
         state = Path(tmp) / "state.json"
         args = ["up", "--checkpoint", tmp, "--pipelines", "2", "--stages", "1", "--port", "0", "--gateway-port", "0"]
         args += ["--web-port", "-1", "--state-file", str(state), "--stage-ms", STAGE_MS, "--slo-fixed"]
-        args += ["--drain-s", "20"]
+        args += ["--drain-s", "20", "--tls-cert", f"{tmp}/public.crt", "--tls-key", f"{tmp}/public.key"]
         up = launcher.spawn("up", args, timeout=600)
-        yield Fleet(up, state)
+        yield Fleet(up, state, ca)
 
 
 def test_state_file_names_the_door_and_every_pipelines_processes(fleet):
@@ -123,8 +132,10 @@ def test_state_file_names_the_door_and_every_pipelines_processes(fleet):
         assert len(pids["stages"]) == 1 and all(_alive(pid) for pid in [pids["gateway"], pids["coordinator"]])
         with stagecast.Client(p["gateway"]) as client:
             assert client.status().pipeline == p["name"]
-    with stagecast.Client(state["door"]) as client:
+    with fleet.door_client() as client:
         assert client.status().pipeline in ("p0", "p1")  # GetStatus through the door reaches one pipeline
+    with stagecast.Client(state["door"]) as plaintext, pytest.raises(UnavailableError):
+        plaintext.status(timeout=5.0)  # the public API is TLS: the door terminates it, the gateways behind are plain
 
 
 def test_door_fills_the_pipeline_with_room_then_a_pipeline_refuses_with_its_retry_delay(fleet):
@@ -132,7 +143,7 @@ def test_door_fills_the_pipeline_with_room_then_a_pipeline_refuses_with_its_retr
     a, b = fleet.pipeline("p0"), fleet.pipeline("p1")
     opened = []
     with stagecast.Client(a["gateway"]) as on_a, stagecast.Client(b["gateway"]) as on_b:
-        with stagecast.Client(fleet.state["door"]) as through_door:
+        with fleet.door_client() as through_door:
             try:
                 free_a = on_a.status().slots_free
                 for i in range(free_a):  # A's slots taken by streams opened on its own address
@@ -160,7 +171,7 @@ def test_a_lost_gateway_is_marked_down_routed_around_and_taken_back(fleet):
     os.kill(lost, signal.SIGKILL)
     killed = time.monotonic()
     fleet.wait_door("p0", lambda s: s.get("status") == "DOWN", "the door marking the lost p0 down", 3.0)
-    with stagecast.Client(fleet.state["door"]) as client:
+    with fleet.door_client() as client:
         for i in range(3):  # new streams go to the other pipeline, whole
             stream = client.generate(prompt=f"after {i}", seconds=0.5, steps=STEPS)
             assert stream.info.pipeline == "p1" and len(_door_collect(stream)) == 8
@@ -179,7 +190,7 @@ def test_a_hung_gateway_is_marked_down_and_taken_back_when_it_answers_again(flee
     os.kill(hung, signal.SIGSTOP)
     try:
         fleet.wait_door("p1", lambda s: s.get("status") == "DOWN", "the door marking the hung p1 down", 3.0)
-        with stagecast.Client(fleet.state["door"]) as client:
+        with fleet.door_client() as client:
             stream = client.generate(prompt="while p1 hangs", seconds=0.5, steps=STEPS, timeout=30)
             assert stream.info.pipeline == "p0" and len(_door_collect(stream)) == 8
     finally:
@@ -197,7 +208,7 @@ def test_a_hung_gateway_is_marked_down_and_taken_back_when_it_answers_again(flee
 )
 def test_a_stream_through_the_door_ends_with_its_status(fleet):
     fleet.wait_idle()
-    with stagecast.Client(fleet.state["door"]) as client:
+    with fleet.door_client() as client:
         for i in range(6):
             stream = client.generate(prompt=f"status {i}", seconds=0.5, steps=STEPS)
             assert len(stream.collect()) == 8 and stream.end.reason == "completed"
@@ -206,7 +217,7 @@ def test_a_stream_through_the_door_ends_with_its_status(fleet):
 def test_sigterm_drains_a_pipeline_and_up_does_not_restart_it(fleet):
     fleet.wait_idle()
     b = fleet.pipeline("p1")
-    with stagecast.Client(b["gateway"]) as on_b, stagecast.Client(fleet.state["door"]) as through_door:
+    with stagecast.Client(b["gateway"]) as on_b, fleet.door_client() as through_door:
         running = on_b.generate(prompt="runs through the drain", seconds=2, steps=STEPS)
         assert running.info.pipeline == "p1"
         os.kill(b["pids"]["gateway"], signal.SIGTERM)
