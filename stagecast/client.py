@@ -49,6 +49,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -241,6 +242,80 @@ def _decoder_value(decoder: str | int | None) -> pb.Decoder:
     return api.decoder_value(decoder)
 
 
+# Reconnect (``reconnect=True``) and retry of refusals (``retry_refused=``), both opt-in on ``generate``.
+RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # a drain's end, a lost pipeline, the door
+MAX_RECONNECTS = 5  # reopens per stream (each after a backoff of RECONNECT_BACKOFF_S doubling, at most 2 s)
+RECONNECT_BACKOFF_S = 0.2
+RETRY_REFUSED_S = 30.0  # retry_refused=True: the most seconds waited in all on refusals' retry_after
+MAX_RETRY_AFTER_S = 10.0  # one refusal's retry_after is waited at most this long
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """One reopen of a ``reconnect=True`` stream.  The new pipeline has no KV state: the picture starts over there
+    (same prompt and seed, a fresh start), and its frames' indices go on after the last one received.
+
+    ``at_index``: the first index after the gap; ``gap_s``: seconds from the last frame before to the first after;
+    ``gap_frames``: the frames a viewer at the stream's fps missed in that time; ``error``: what ended the old call;
+    ``pipeline``: the pipeline that took the stream over (``StreamInfo.pipeline``)."""
+
+    at_index: int
+    gap_s: float
+    gap_frames: int
+    error: str
+    pipeline: str
+
+
+class _Retry:
+    """When a failed call is reopened, and with what config: ``plan(error, state)`` -> (delay seconds, config) or
+    None (raise the error).  ``reconnect``: UNAVAILABLE or CANCELLED not asked for by the caller (a drain's end, a
+    lost pipeline, the door's reset) reopens the stream for its remaining frames, the same prompt and the seed the
+    first call ran, at most ``MAX_RECONNECTS`` times.  ``refused_s``: a refusal (RESOURCE_EXHAUSTED) with a
+    ``retry_after`` is retried after it (each wait at most ``MAX_RETRY_AFTER_S``) while the waits stay within
+    ``refused_s`` seconds in all."""
+
+    def __init__(self, config: pb.StreamConfig, *, reconnect: bool = False, retry_refused: bool | float = False):
+        if isinstance(retry_refused, bool):
+            refused_s = RETRY_REFUSED_S if retry_refused else 0.0
+        else:
+            refused_s = float(retry_refused)
+            if not refused_s >= 0:
+                raise ValueError(f"retry_refused: seconds must be >= 0, got {retry_refused}")
+        self.config = config
+        self.reconnect = reconnect
+        self.refused_s = refused_s
+        self.reconnects = 0
+        self.waited_s = 0.0
+
+    def plan(self, error: StagecastError, state: _StreamState) -> tuple[float, pb.StreamConfig] | None:
+        if state._cancelled or state.end is not None:
+            return None  # asked for, or over (HAProxy 2.6 may reset a call after its End message)
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after is not None:
+            delay = min(max(0.0, error.retry_after), MAX_RETRY_AFTER_S)
+            if self.waited_s + delay > self.refused_s:
+                return None
+            self.waited_s += delay
+            return delay, self.config
+        if not self.reconnect or error.code not in RECONNECT_CODES or self.reconnects >= MAX_RECONNECTS:
+            return None
+        config = pb.StreamConfig()
+        config.CopyFrom(self.config)
+        info = state._info
+        if info is not None:
+            config.seed = info.config.seed  # the seed the stream ran, whether the caller chose it or the gateway
+            fps = info.config.target_fps or api.DEFAULT_FPS
+            if info.total_frames is not None:
+                left = info.total_frames - state.frames_received
+                if left <= 0:
+                    return None  # every frame arrived: the stream is over
+                config.seconds = (left - 0.5) / fps  # the gateway makes round_up(seconds * fps) frames: `left`
+            self.config = config  # a later reopen keeps the seed
+        delay = min(RECONNECT_BACKOFF_S * 2**self.reconnects, 2.0)
+        self.reconnects += 1
+        state._reopened(str(error))
+        return delay, config
+
+
 class _StreamState:
     """What sync and async generations share: turning server messages into SDK values and bookkeeping."""
 
@@ -254,6 +329,16 @@ class _StreamState:
         self.last_frame_s: float | None = None
         self.arrivals = Arrivals()
         self._cancelled = False
+        self.reconnects: list[Reconnect] = []  # reconnect=True: each reopen, in order (see ``Reconnect``)
+        self._next_index = 0  # the index the next frame takes (after a reopen: the new call's frames go on from it)
+        self._index_base = 0
+        self._gap: tuple[float | None, str] | None = None  # a reopen waiting for its first frame: (last frame's s, why)
+        self._new_pipeline = ""  # the pipeline a reopened call's Started names
+
+    def _reopened(self, error: str) -> None:
+        """A new call replaces the failed one: its Started and frames follow (frame indices go on)."""
+        self._gap = (self.last_frame_s, error)
+        self._index_base = self._next_index
 
     def _handle(self, msg: pb.ServerMessage) -> Frame | None:
         kind = msg.WhichOneof("msg")
@@ -264,14 +349,31 @@ class _StreamState:
             self.last_frame_s = now
             self.frames_received += 1
             self.arrivals.add(now)
-            return Frame.from_proto(msg.frame, now)
+            frame = Frame.from_proto(msg.frame, now)
+            if self._index_base:
+                frame = replace(frame, index=frame.index + self._index_base)
+            self._next_index = frame.index + 1
+            if self._gap is not None:
+                self._note_gap(now, frame.index)
+            return frame
         if kind == "started":
+            if self._gap is not None and self._info is not None:
+                self._new_pipeline = msg.started.pipeline
+                return None  # a reopened stream: its first Started stays ``info``
             self._info = StreamInfo.from_proto(msg.started)
         elif kind == "prompt_updated":
             self.prompt_updates.append(msg.prompt_updated.prompt)
         elif kind == "end":
             self.end = EndInfo(api.end_reason_name(msg.end.reason), msg.end.frames, msg.end.trailer)
         return None
+
+    def _note_gap(self, now: float, index: int) -> None:
+        assert self._gap is not None
+        last, error = self._gap
+        self._gap = None
+        gap_s = now - (last if last is not None else 0.0)
+        fps = (self._info.config.target_fps if self._info is not None else 0.0) or api.DEFAULT_FPS
+        self.reconnects.append(Reconnect(index, gap_s, max(0, round(gap_s * fps) - 1), error, self._new_pipeline))
 
     @property
     def ttff(self) -> float | None:
@@ -297,26 +399,57 @@ class _StreamState:
 
 
 class Generation(_StreamState):
-    """One stream: an iterator of ``Frame``; see the module docstring."""
+    """One stream: an iterator of ``Frame``; see the module docstring.
 
-    def __init__(self, stub: pb_grpc.StreamServiceStub, config: pb.StreamConfig, *, timeout: float | None = None):
+    ``reconnect=True``: a stream ended by a drain or by the loss of its pipeline (UNAVAILABLE, or CANCELLED it did not
+    ask for) is reopened through the same address (a fleet's door sends it to another pipeline) for its remaining
+    frames, with the same prompt and seed; the frames' indices go on after the last one received, and each reopen is
+    in ``reconnects`` (``Reconnect``: the gap in seconds and frames).  The new pipeline has no KV state, so the
+    picture starts over.  ``retry_refused``: a refusal's ``retry_after`` is waited and the stream opened again (True:
+    up to ``RETRY_REFUSED_S`` seconds of waits in all, a number: that many; each wait at most ``MAX_RETRY_AFTER_S``)."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.StreamServiceStub,
+        config: pb.StreamConfig,
+        *,
+        timeout: float | None = None,
+        reconnect: bool = False,
+        retry_refused: bool | float = False,
+    ):
         super().__init__()
+        self._stub = stub
+        self._timeout = timeout
+        self._retry = _Retry(config, reconnect=reconnect, retry_refused=retry_refused)
+        self._open(config)
+
+    def _open(self, config: pb.StreamConfig) -> None:
         self._outbox: queue.Queue = queue.Queue()
         self._outbox.put(pb.ClientMessage(config=config))
-        self._call = stub.Generate(_drain(self._outbox), timeout=timeout)
+        self._call = self._stub.Generate(_drain(self._outbox), timeout=self._timeout)
 
     def _read(self) -> pb.ServerMessage | None:
-        """The next server message, None at the end of the call; raises the SDK error for a failed call."""
-        try:
-            return next(self._call)
-        except StopIteration:
-            _put_done(self._outbox)
-            return None
-        except grpc.RpcError as exc:
-            _put_done(self._outbox)
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+        """The next server message, None at the end of the call; raises the SDK error for a failed call (after the
+        reopens ``reconnect`` / ``retry_refused`` allow)."""
+        while True:
+            try:
+                return next(self._call)
+            except StopIteration:
+                _put_done(self._outbox)
                 return None
-            raise from_rpc_error(exc) from None
+            except grpc.RpcError as exc:
+                _put_done(self._outbox)
+                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                    return None
+                error = from_rpc_error(exc)
+                plan = self._retry.plan(error, self)
+                if plan is None:
+                    raise error from None
+                logger.info("stream reopened in %.1f s after: %s", plan[0], error)
+                time.sleep(plan[0])
+                if self._cancelled:
+                    return None
+                self._open(plan[1])
 
     @property
     def info(self) -> StreamInfo:
@@ -407,6 +540,7 @@ class Transform(Generation):
         timeout: float | None = None,
     ):
         _StreamState.__init__(self)
+        self._retry = _Retry(config)  # a transform's input is consumed as it goes: no reopen
         _check_input_format(input_format)
         self.frames_sent = 0
         self.input_error: BaseException | None = None
@@ -482,28 +616,52 @@ def _put_done(outbox: queue.Queue) -> None:
 class AsyncGeneration(_StreamState):
     """The asyncio twin of ``Generation``: ``async for frame in gen``; I/O methods are coroutines."""
 
-    def __init__(self, stub: pb_grpc.StreamServiceStub, config: pb.StreamConfig, *, timeout: float | None = None):
+    def __init__(
+        self,
+        stub: pb_grpc.StreamServiceStub,
+        config: pb.StreamConfig,
+        *,
+        timeout: float | None = None,
+        reconnect: bool = False,
+        retry_refused: bool | float = False,
+    ):
         super().__init__()
+        self._stub = stub
+        self._timeout = timeout
+        self._retry = _Retry(config, reconnect=reconnect, retry_refused=retry_refused)
+        self._open(config)
+
+    def _open(self, config: pb.StreamConfig) -> None:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._outbox.put_nowait(pb.ClientMessage(config=config))
-        self._call = stub.Generate(_adrain(self._outbox), timeout=timeout)
+        self._call = self._stub.Generate(_adrain(self._outbox), timeout=self._timeout)
 
     async def _read(self) -> pb.ServerMessage | None:
-        try:
-            msg = await self._call.read()
-        except asyncio.CancelledError:
-            if self._cancelled:
+        while True:
+            try:
+                msg = await self._call.read()
+            except asyncio.CancelledError:
+                if self._cancelled:
+                    return None
+                raise
+            except grpc.RpcError as exc:
+                _aput_done(self._outbox)
+                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                    return None
+                error = from_rpc_error(exc)
+                plan = self._retry.plan(error, self)
+                if plan is None:
+                    raise error from None
+                logger.info("stream reopened in %.1f s after: %s", plan[0], error)
+                await asyncio.sleep(plan[0])
+                if self._cancelled:
+                    return None
+                self._open(plan[1])
+                continue
+            if msg is grpc.aio.EOF:
+                _aput_done(self._outbox)
                 return None
-            raise
-        except grpc.RpcError as exc:
-            _aput_done(self._outbox)
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
-                return None
-            raise from_rpc_error(exc) from None
-        if msg is grpc.aio.EOF:
-            _aput_done(self._outbox)
-            return None
-        return msg
+            return msg
 
     @property
     def info(self) -> StreamInfo:
@@ -606,6 +764,7 @@ class AsyncTransform(AsyncGeneration):
         timeout: float | None = None,
     ):
         _StreamState.__init__(self)
+        self._retry = _Retry(config)  # a transform's input is consumed as it goes: no reopen
         _check_input_format(input_format)
         self.frames_sent = 0
         self.input_error: BaseException | None = None
@@ -734,10 +893,20 @@ class Client:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.StreamServiceStub(self._channel)
 
-    def generate(self, prompt: str, *, timeout: float | None = None, **config) -> Generation:
+    def generate(
+        self,
+        prompt: str,
+        *,
+        timeout: float | None = None,
+        reconnect: bool = False,
+        retry_refused: bool | float = False,
+        **config,
+    ) -> Generation:
         """Start a stream; keyword arguments are those of ``stream_config``.  Returns at once: errors surface when
-        the stream is read (``info``, iteration)."""
-        return Generation(self._stub, stream_config(prompt, **config), timeout=timeout)
+        the stream is read (``info``, iteration).  ``reconnect`` and ``retry_refused`` (both opt-in): see
+        ``Generation``; the picture of a reconnected stream starts over on its new pipeline."""
+        cfg = stream_config(prompt, **config)
+        return Generation(self._stub, cfg, timeout=timeout, reconnect=reconnect, retry_refused=retry_refused)
 
     def transform(
         self,
@@ -826,8 +995,17 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         self._stub = pb_grpc.StreamServiceStub(self._channel)
 
-    def generate(self, prompt: str, *, timeout: float | None = None, **config) -> AsyncGeneration:
-        return AsyncGeneration(self._stub, stream_config(prompt, **config), timeout=timeout)
+    def generate(
+        self,
+        prompt: str,
+        *,
+        timeout: float | None = None,
+        reconnect: bool = False,
+        retry_refused: bool | float = False,
+        **config,
+    ) -> AsyncGeneration:
+        cfg = stream_config(prompt, **config)
+        return AsyncGeneration(self._stub, cfg, timeout=timeout, reconnect=reconnect, retry_refused=retry_refused)
 
     def transform(
         self,
