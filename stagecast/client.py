@@ -26,6 +26,10 @@ Usage::
         async for frame in gen: ...
         await gen.write_mp4("clip.mp4")          # same methods; I/O ones are coroutines
 
+Behind a fleet's door, ``client.generate(..., reconnect=True)`` reopens a stream that a drain or a lost pipeline
+ended, for its remaining frames with the same prompt and seed (``gen.reconnects``: each gap; the picture starts over
+on the new pipeline, which has no KV state), and ``retry_refused=True`` waits out a refusal's ``retry_after``.
+
 ``gen.stop()`` ends the stream gracefully (chunks in flight are still delivered), ``gen.cancel()`` at once.  A
 failed call raises the ``stagecast.errors`` class for its status code (``InvalidArgumentError``,
 ``ResourceExhaustedError``, ``UnavailableError``, ...; all ``StagecastError``).  Leave ``seconds`` out to stream
