@@ -23,7 +23,11 @@ Three policies pick a pipeline for a new stream:
   it holds plus its free slots; the capped ``grpc`` backend picks by smooth weighted round-robin among servers below
   their maxconn (HAProxy counts only that backend's connections); when its free connections (``be_conn_free``) are
   none, the uncapped ``overflow`` backend takes the stream round-robin and the pipeline refuses it itself.  The weights
-  are as old as the last check: not an oracle.
+  are as old as the last check: not an oracle;
+- ``agent-floor``: the same door with one change to the agent's reply for a full pipeline (``gateway/agent.py``
+  answers ``up ready 0% maxconn:N`` today; here ``1%``, the cap unchanged): not what the gateway does, shown because a
+  weight of 0 keeps a slot freed since the last check out of the door's choice for up to an agent interval, which at
+  saturation sends the streams that could have had it to the overflow route.
 
 A refusal "while room existed" is one answered while another ready pipeline had a free slot.  With ``--autoscale`` the
 pipeline count follows KEDA and the HPA as the chart sets them up (``helm/stagecast/values.yaml``): every
@@ -61,7 +65,7 @@ TICKS_PER_INTERVAL = 10  # agent checks spread over ten phases per interval
 POLL_S = 15.0  # KEDA's pollingInterval (and the HPA's sync period)
 TOLERANCE = 0.10  # the HPA's tolerance: the hysteresis
 DRAIN_S = 30.0  # fleet.drainSeconds
-POLICIES = ("round-robin", "least-connections", "agent")
+POLICIES = ("round-robin", "least-connections", "agent", "agent-floor")
 
 BEGIN, END = "<!-- fleet_sim -->", "<!-- /fleet_sim -->"
 
@@ -286,6 +290,8 @@ def run(
             for p in fleet.pipelines:
                 if p.phase == what:
                     p.weight = round(100 * p.free / p.capacity) if p.ready(now) else 0
+                    if policy == "agent-floor" and p.ready(now):
+                        p.weight = max(1, p.weight)
                     p.maxconn = p.held + p.free
         elif kind == "try":
             s = what
