@@ -4,6 +4,7 @@ Usage::
 
     python -m benchmarks.fleet_sim --out benchmarks/results/fleet_sim.json       # 100 pipelines, loads 50-120%
     python -m benchmarks.fleet_sim --table benchmarks/results/fleet_sim.json     # BENCHMARKS.md's table, from the JSON
+    python -m benchmarks.fleet_sim --table benchmarks/results/fleet_sim.json --into BENCHMARKS.md   # ... written there
     python -m benchmarks.fleet_sim --pipelines 20 --loads 0.9 --seconds 600 --out /tmp/f.json   # a smaller run
 
 What each pipeline can take is the coordinator's own arithmetic: a ``coordinator.slo.SloController`` over a
@@ -67,7 +68,7 @@ TOLERANCE = 0.10  # the HPA's tolerance: the hysteresis
 DRAIN_S = 30.0  # fleet.drainSeconds
 POLICIES = ("round-robin", "least-connections", "agent", "agent-floor")
 
-BEGIN, END = "<!-- fleet_sim -->", "<!-- /fleet_sim -->"
+TABLE_BEGIN, TABLE_END = "<!-- fleet_sim:table -->", "<!-- fleet_sim:table end -->"  # inside BENCHMARKS.md's section
 
 
 def slots_table(capacity: int) -> list[int]:
@@ -430,6 +431,16 @@ def table(report: dict) -> str:
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
+def write_into(path: Path, text: str) -> None:
+    """Replace what lies between ``TABLE_BEGIN`` and ``TABLE_END`` in ``path`` with ``text``; nothing else changes."""
+    doc = path.read_text()
+    if doc.count(TABLE_BEGIN) != 1 or doc.count(TABLE_END) != 1:
+        raise SystemExit(f"{path}: needs one {TABLE_BEGIN} line and one {TABLE_END} line")
+    head, rest = doc.split(TABLE_BEGIN)
+    _, tail = rest.split(TABLE_END)
+    path.write_text(f"{head}{TABLE_BEGIN}\n{text}{TABLE_END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fleet_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pipelines", type=int, default=100)
@@ -442,9 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-pipelines", type=int, help="the autoscaler's most pipelines (default: 1.5 x --pipelines)")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of this JSON (no simulation)")
+    ap.add_argument("--into", metavar="MD", help="with --table: replace the table between its markers in this file")
     args = ap.parse_args(argv)
     if args.table:
-        sys.stdout.write(table(json.loads(Path(args.table).read_text())))
+        text = table(json.loads(Path(args.table).read_text()))
+        if args.into:
+            write_into(Path(args.into), text)
+        else:
+            sys.stdout.write(text)
         return 0
     loads = [float(x) for x in args.loads.split(",") if x]
     report = simulate(

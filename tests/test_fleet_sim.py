@@ -81,3 +81,12 @@ def test_the_table_is_made_from_the_json(tmp_path, capsys):
     path.write_text(json.dumps(report))
     fleet_sim.main(["--table", str(path)])
     assert "| 12.35 |" in capsys.readouterr().out
+
+
+def test_the_table_goes_between_its_markers_and_nothing_else_changes(tmp_path):
+    report = simulate(loads=[0.6], seed=1, target=0.75, window_s=300.0, max_pipelines=6, **dict(SMALL, pipelines=4))
+    (tmp_path / "fleet.json").write_text(json.dumps(report))
+    doc = tmp_path / "B.md"
+    doc.write_text(f"before\n{fleet_sim.TABLE_BEGIN}\nold\n{fleet_sim.TABLE_END}\nafter\n")
+    fleet_sim.main(["--table", str(tmp_path / "fleet.json"), "--into", str(doc)])
+    assert doc.read_text() == f"before\n{fleet_sim.TABLE_BEGIN}\n{table(report)}{fleet_sim.TABLE_END}\nafter\n"
