@@ -251,7 +251,7 @@ RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # a 
 MAX_RECONNECTS = 5  # reopens per stream (each after a backoff of RECONNECT_BACKOFF_S doubling, at most 2 s)
 RECONNECT_BACKOFF_S = 0.2
 RETRY_REFUSED_S = 30.0  # retry_refused=True: the most seconds waited in all on refusals' retry_after
-MAX_RETRY_AFTER_S = 10.0  # one refusal's retry_after is waited at most this long
+MAX_REFUSED_WAIT_S = 10.0  # one refusal's retry_after is waited at most this long
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ class _Retry:
     None (raise the error).  ``reconnect``: UNAVAILABLE or CANCELLED not asked for by the caller (a drain's end, a
     lost pipeline, the door's reset) reopens the stream for its remaining frames, the same prompt and the seed the
     first call ran, at most ``MAX_RECONNECTS`` times.  ``refused_s``: a refusal (RESOURCE_EXHAUSTED) with a
-    ``retry_after`` is retried after it (each wait at most ``MAX_RETRY_AFTER_S``) while the waits stay within
+    ``retry_after`` is retried after it (each wait at most ``MAX_REFUSED_WAIT_S``) while the waits stay within
     ``refused_s`` seconds in all."""
 
     def __init__(self, config: pb.StreamConfig, *, reconnect: bool = False, retry_refused: bool | float = False):
@@ -295,7 +295,7 @@ class _Retry:
         if state._cancelled or state.end is not None:
             return None  # asked for, or over (HAProxy 2.6 may reset a call after its End message)
         if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after is not None:
-            delay = min(max(0.0, error.retry_after), MAX_RETRY_AFTER_S)
+            delay = min(max(0.0, error.retry_after), MAX_REFUSED_WAIT_S)
             if self.waited_s + delay > self.refused_s:
                 return None
             self.waited_s += delay
@@ -409,8 +409,9 @@ class Generation(_StreamState):
     ask for) is reopened through the same address (a fleet's door sends it to another pipeline) for its remaining
     frames, with the same prompt and seed; the frames' indices go on after the last one received, and each reopen is
     in ``reconnects`` (``Reconnect``: the gap in seconds and frames).  The new pipeline has no KV state, so the
-    picture starts over.  ``retry_refused``: a refusal's ``retry_after`` is waited and the stream opened again (True:
-    up to ``RETRY_REFUSED_S`` seconds of waits in all, a number: that many; each wait at most ``MAX_RETRY_AFTER_S``)."""
+    picture starts over.  ``retry_refused``: a refusal's ``retry_after`` is waited and the stream opened again
+    (True: up to ``RETRY_REFUSED_S`` seconds of waits in all, a number: that many; each wait at most
+    ``MAX_REFUSED_WAIT_S``)."""
 
     def __init__(
         self,
