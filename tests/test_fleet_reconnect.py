@@ -57,10 +57,10 @@ def test_a_drained_stream_goes_on_through_the_other_pipeline(fleet):
                 frames.append(frame)
                 if len(frames) == 8:  # running on its first pipeline: drain that one
                     os.kill(pipelines[first]["pids"]["gateway"], signal.SIGTERM)
-        except CancelledError:  # HAProxy 2.6.12 resets a call after its End (tests/test_fleet.py, DOOR_RESET)
-            if gen.end is None:
+        except CancelledError:  # HAProxy 2.6.12 resets a call at its end, and the reset can overtake the End message
+            if len(frames) != gen.info.total_frames:  # (tests/test_fleet.py, DOOR_RESET): counted by its frames
                 raise
-    assert gen.end is not None and gen.end.reason == "completed"
+    assert gen.end is None or gen.end.reason == "completed"
     indices = [f.index for f in frames]
     assert indices == list(range(len(frames)))  # the index goes on: none repeated, none skipped
     assert len(frames) == gen.info.total_frames == int(SECONDS * 16)
