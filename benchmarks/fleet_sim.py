@@ -20,15 +20,15 @@ Three policies pick a pipeline for a new stream:
 - ``round-robin``: HAProxy ``balance roundrobin`` with equal weights and no caps;
 - ``least-connections``: ``balance leastconn``, equal weights, no caps;
 - ``agent``: the door (``launcher/door.py``'s template), as HAProxy runs it: each pipeline's agent is asked every
-  ``AGENT_INTERVAL_S`` (phases spread) and answers weight = free slots in % of its slots and ``maxconn`` = the streams
-  it holds plus its free slots; the capped ``grpc`` backend picks by smooth weighted round-robin among servers below
-  their maxconn (HAProxy counts only that backend's connections); when its free connections (``be_conn_free``) are
-  none, the uncapped ``overflow`` backend takes the stream round-robin and the pipeline refuses it itself.  The weights
-  are as old as the last check: not an oracle;
-- ``agent-floor``: the same door with one change to the agent's reply for a full pipeline (``gateway/agent.py``
-  answers ``up ready 0% maxconn:N`` today; here ``1%``, the cap unchanged): not what the gateway does, shown because a
-  weight of 0 keeps a slot freed since the last check out of the door's choice for up to an agent interval, which at
-  saturation sends the streams that could have had it to the overflow route.
+  ``AGENT_INTERVAL_S`` (phases spread) and its answer is ``gateway.agent.agent_reply``'s, the gateway's own: weight =
+  free slots in % of its slots and ``maxconn`` = the streams it holds through the door plus its free slots, and for a
+  full pipeline weight 1% capped at its streams; the capped ``grpc`` backend picks by smooth weighted round-robin among
+  servers below their maxconn (HAProxy counts only that backend's connections); when its free connections
+  (``be_conn_free``) are none, the uncapped ``overflow`` backend takes the stream round-robin and the pipeline refuses
+  it itself.  The weights are as old as the last check: not an oracle;
+- ``agent-zero``: the same door with the reply the gateway gave before, weight 0% for a full pipeline: a slot freed
+  since the last check is then out of the door's choice for up to an agent interval, which at saturation sends the
+  streams that could have had it to the overflow route (kept to show why the gateway answers 1%).
 
 A refusal "while room existed" is one answered while another ready pipeline had a free slot.  With ``--autoscale`` the
 pipeline count follows KEDA and the HPA as the chart sets them up (``helm/stagecast/values.yaml``): every
@@ -53,6 +53,7 @@ from pathlib import Path
 
 from coordinator.admission import RETRY_AFTER_S
 from coordinator.slo import CostModel, Demand, SloController
+from gateway.agent import PipelineSlots, agent_reply
 from stagecast.api import DEFAULT_FPS
 
 CAPACITIES = (7, 8)  # held per H200 (BENCHMARKS.md, Capacity): default flags, --pace-grid + fused levers
@@ -66,7 +67,7 @@ TICKS_PER_INTERVAL = 10  # agent checks spread over ten phases per interval
 POLL_S = 15.0  # KEDA's pollingInterval (and the HPA's sync period)
 TOLERANCE = 0.10  # the HPA's tolerance: the hysteresis
 DRAIN_S = 30.0  # fleet.drainSeconds
-POLICIES = ("round-robin", "least-connections", "agent", "agent-floor")
+POLICIES = ("round-robin", "least-connections", "agent", "agent-zero")
 
 TABLE_BEGIN, TABLE_END = "<!-- fleet_sim:table -->", "<!-- fleet_sim:table end -->"  # inside BENCHMARKS.md's section
 
@@ -125,6 +126,17 @@ class Pipeline:
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at and not self.draining
+
+
+def door_view(p: Pipeline, now: float) -> tuple[int, int]:
+    """The weight and maxconn the door takes from the pipeline's agent: ``gateway.agent.agent_reply`` itself (every
+    stream here comes through the door); ``drain`` and ``down`` weigh 0."""
+    slots = PipelineSlots(ready=now >= p.ready_at, free=p.free, total=p.capacity)
+    reply = agent_reply(slots, draining=p.draining, streams=p.held, backend="grpc").split()
+    if reply[0] != "up":
+        return 0, p.maxconn
+    weight = next(int(w[:-1]) for w in reply if w.endswith("%"))
+    return weight, next(int(w.split(":")[1]) for w in reply if w.startswith("maxconn:"))
 
 
 @dataclass
@@ -290,10 +302,9 @@ def run(
         if kind == "agent":
             for p in fleet.pipelines:
                 if p.phase == what:
-                    p.weight = round(100 * p.free / p.capacity) if p.ready(now) else 0
-                    if policy == "agent-floor" and p.ready(now):
-                        p.weight = max(1, p.weight)
-                    p.maxconn = p.held + p.free
+                    p.weight, p.maxconn = door_view(p, now)
+                    if policy == "agent-zero" and p.free <= 0:
+                        p.weight = 0
         elif kind == "try":
             s = what
             assert isinstance(s, Session)

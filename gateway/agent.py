@@ -3,7 +3,7 @@
 Usage (``gateway.service.Gateway`` builds one; ``docs/operator-guide.md``, "A fleet")::
 
     fleet = Fleet(FleetOptions(pipeline_name="p0", agent_port=0), coordinator_stub, host="127.0.0.1",
-                  streams=lambda: len(table.streams))
+                  streams=table.door_streams)   # the streams that came through the door
     fleet.start()                       # polls the coordinator's status every POLL_S; serves the agent port
     fleet.agent_address                 # "127.0.0.1:PORT" (None without --agent-port)
     fleet.reply("grpc")                 # "up ready 40% maxconn:7", "drain" or "down" (what HAProxy reads)
@@ -14,8 +14,10 @@ The free slots are the coordinator's own arithmetic (``ClusterStatus.slots_free`
 the admission that refuses, for a stream of the public defaults), never the gateway's guess.  The agent speaks
 HAProxy's agent-check protocol: HAProxy connects, sends one line (the template's ``agent-send``: ``grpc`` or
 ``overflow``), reads one line and closes.  On ``grpc`` (the capped backend) the answer is ``up ready P% maxconn:N``
-with P the free slots in percent of the pipeline's slots and N the streams this gateway holds plus its free slots
-(behind a door every stream comes through it, so the door may send exactly the free ones more), ``drain`` while
+with P the free slots in percent of the pipeline's slots and N the streams this gateway holds through the door (those
+with an ``x-forwarded-for`` from a ``--trusted-proxy``: HAProxy counts only its own) plus its free slots, so the door
+may send exactly the free ones more; a full pipeline answers 1% capped at those streams (0% when it has none through
+the door), so a slot freed by one ending is the door's at once; ``drain`` while
 draining and ``down`` while the pipeline is not ready (or its coordinator cannot be reached).  On ``overflow`` (the
 uncapped twin a full fleet takes) it is ``up ready 100%``, ``drain`` or ``down``: there a full pipeline refuses the
 stream itself, with its retry delay.
@@ -75,7 +77,8 @@ class PipelineSlots:
 
 
 def agent_reply(slots: PipelineSlots, *, draining: bool, streams: int, backend: str) -> str:
-    """The agent's answer (one line, no newline) for ``backend`` ("grpc": capped; "overflow": the uncapped twin)."""
+    """The agent's answer (one line, no newline) for ``backend`` ("grpc": capped; "overflow": the uncapped twin);
+    ``streams``: the streams this gateway holds that came through the door."""
     if draining:
         return "drain"
     if not slots.ready:
@@ -83,8 +86,14 @@ def agent_reply(slots: PipelineSlots, *, draining: bool, streams: int, backend: 
     if backend == "overflow":
         return "up ready 100%"
     if slots.free <= 0 or slots.total <= 0:
-        # weight 0: no new stream here; maxconn 0 would mean "no limit" to HAProxy, so the cap stays at least 1
-        return f"up ready 0% maxconn:{max(streams, 1)}"
+        if streams > 0:
+            # Full: capped at the door's own streams here, so the cap alone keeps new ones out, and weight 1% keeps
+            # the pipeline in the door's choice: a slot freed by one of them ending is taken at once, not an agent
+            # interval later (a 0% weight hides it until the next check: at saturation the stream that could have
+            # had it goes to the overflow route and is refused; benchmarks/fleet_sim.py measures both).
+            return f"up ready 1% maxconn:{streams}"
+        # None through the door: maxconn 0 would mean "no limit" to HAProxy, so weight 0 keeps new streams out
+        return "up ready 0% maxconn:1"
     percent = max(1, round(100 * slots.free / slots.total))
     return f"up ready {percent}% maxconn:{streams + slots.free}"
 

@@ -4,6 +4,7 @@ Usage (``gateway.handlers`` asks for every call; ``gateway.service.Gateway`` hol
 
     identity = ClientIdentity(auth, opts.trusted_proxy)   # --trusted-proxy ADDR[,ADDR ...], repeatable
     who = identity.of(context)      # "tenant 'alice'" with --tokens, else "address 10.0.0.7"
+    identity.via_proxy(context)     # True: a trusted proxy (the door) forwarded this call
 
 The rule is ``stagecast.client_identity.client_key`` (the web edge uses the same): the tenant, else the peer's
 address, or behind a trusted proxy (``--trusted-proxy``, the fleet's HAProxy door) the ``x-forwarded-for`` address
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stagecast.client_identity import client_key, trusted_proxies
+from stagecast.client_identity import client_key, peer_is_trusted, trusted_proxies
 
 if TYPE_CHECKING:
     import grpc
@@ -36,9 +37,15 @@ class ClientIdentity:
             from stagecast.security import principal_of
 
             tenant = principal_of(self.auth, context).tenant
-        forwarded = None
-        if self.trusted:
-            forwarded = ", ".join(
-                str(v) for k, v in (context.invocation_metadata() or ()) if k == FORWARDED_FOR and isinstance(v, str)
-            )
-        return client_key(tenant, context.peer(), forwarded, self.trusted)
+        return client_key(tenant, context.peer(), self._forwarded(context), self.trusted)
+
+    def via_proxy(self, context: grpc.ServicerContext) -> bool:
+        """Whether a trusted proxy sent this call on for a client (its peer is one, and it said for whom)."""
+        return bool(self._forwarded(context)) and peer_is_trusted(context.peer(), self.trusted)
+
+    def _forwarded(self, context: grpc.ServicerContext) -> str | None:
+        if not self.trusted:
+            return None
+        return ", ".join(
+            str(v) for k, v in (context.invocation_metadata() or ()) if k == FORWARDED_FOR and isinstance(v, str)
+        )

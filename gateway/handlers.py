@@ -182,6 +182,7 @@ class StreamServicer:
         run = self._open(cfg, context, t0, rpc_span, release)
         run.tenant = principal_of(gw.auth, context).tenant  # whose stream: status shows it to its tenant only
         run.credentials = credentials_of(context) if gw.auth else None  # checked again while it runs (revocation)
+        run.via_door = gw.identity.via_proxy(context)
         gw.table.register(run, release)
         if not context.add_callback(run.on_rpc_done):
             run.on_rpc_done()  # the client left while we were opening

@@ -172,7 +172,7 @@ class Gateway:
             metrics=self.metrics,
         )
         # The pipeline's name, its free slots for a door (--agent-port), and drain (gateway.agent).
-        self.fleet = Fleet(opts.fleet, self.coordinator, host=opts.host, streams=lambda: len(self.table.streams))
+        self.fleet = Fleet(opts.fleet, self.coordinator, host=opts.host, streams=self.table.door_streams)
         self.table.admission.checks.insert(0, self.fleet.refuse_while_draining)
         self.report = StatusReport(
             self.table,

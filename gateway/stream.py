@@ -141,6 +141,7 @@ class StreamRun:
         self.session = None  # the decode session (gateway.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
         self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
+        self.via_door = False  # a trusted proxy (the fleet's door) sent it on: what the agent's maxconn counts
         self._lock = threading.Lock()
         self.deadlines = Deadlines(host.timers)  # this stream's timer entries, cancelled when the stream is gone
         self._live_parts = 2  # pipeline reader + decoder; the gateway forgets the stream when both have finished

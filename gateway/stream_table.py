@@ -9,6 +9,7 @@ Usage::
     release = table.admit(cfg, client)      # raises gateway.admission.Refused; release gives everything back
     table.register(run, release)            # the stream is open
     table.forget(run)                       # its pipeline side and VAE state are gone: release runs
+    table.door_streams()                    # how many of them came through the fleet's door (the agent's maxconn)
     with table.cond: table.cond.wait_for(lambda: table.version != seen)   # WatchStatus follows ``version``
 
 Admission runs the client's quotas (``gateway.quotas``), then the chain: the count cap (``max_streams``, from
@@ -187,6 +188,11 @@ class StreamTable:
     def runs(self) -> list:
         with self.cond:
             return list(self.streams.values())
+
+    def door_streams(self) -> int:
+        """The open streams a trusted proxy (the fleet's door) sent on: those its connection count holds."""
+        with self.cond:
+            return sum(1 for run in self.streams.values() if run.via_door)
 
     def vae_state_bytes(self) -> int:
         return sum(vae_bytes(run) for run in self.runs())

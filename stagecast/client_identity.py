@@ -75,6 +75,11 @@ def _trusted(ip: str | None, trusted: tuple[Network, ...]) -> bool:
     return any(addr in net for net in trusted)
 
 
+def peer_is_trusted(peer: str | None, trusted: tuple[Network, ...]) -> bool:
+    """Whether the peer (gRPC's ``ipv4:10.0.0.5:51234``) is a trusted proxy."""
+    return _trusted(peer_ip(peer), trusted)
+
+
 def client_address(peer: str | None, forwarded_for: str | None = None, trusted: tuple[Network, ...] = ()) -> str:
     """The caller's address by the rule: the peer's IP, or behind a trusted proxy the one it forwarded for."""
     address = peer_ip(peer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagecast.client_identity import client_address, client_key, peer_ip, trusted_proxies
+from stagecast.client_identity import client_address, client_key, peer_ip, peer_is_trusted, trusted_proxies
 from stagecast.fair_pool import FairPool, PoolFull
 
 pytestmark = pytest.mark.unit
@@ -104,5 +104,8 @@ def test_behind_a_trusted_proxy_the_client_is_the_address_it_forwarded_for():
     # A peer that is not a trusted proxy cannot choose its identity with the header.
     assert client_address("ipv4:198.51.100.4:1", "203.0.113.9", door) == "198.51.100.4"
     assert client_address("10.0.0.5", "garbage", door) == "10.0.0.5"
+    assert peer_is_trusted("ipv4:10.1.9.9:4000", door) and peer_is_trusted("ipv6:[::ffff:10.0.0.5]:1", door)
+    assert not peer_is_trusted("ipv4:198.51.100.4:1", door) and not peer_is_trusted("unix:/tmp/s", door)
+    assert not peer_is_trusted("ipv4:10.0.0.5:4000", ())
     with pytest.raises(ValueError, match="--trusted-proxy: 'door' is not an IP address"):
         trusted_proxies(["door"])

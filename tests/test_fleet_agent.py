@@ -24,11 +24,63 @@ def test_capped_backend_weighs_free_slots_and_caps_at_held_plus_free():
     assert agent_reply(one, draining=False, streams=0, backend="grpc") == "up ready 1% maxconn:1"
 
 
-def test_a_full_pipeline_gets_weight_zero_and_never_maxconn_zero():
-    # HAProxy reads maxconn 0 as "no limit": a full pipeline with no stream of the door's must still be capped
+def test_a_full_pipeline_is_capped_at_the_doors_streams_and_never_at_maxconn_zero():
+    # HAProxy reads maxconn 0 as "no limit": a full pipeline with no stream of the door's gets weight 0 and a cap of 1
     full = PipelineSlots(ready=True, free=0, total=4)
     assert agent_reply(full, draining=False, streams=0, backend="grpc") == "up ready 0% maxconn:1"
-    assert agent_reply(full, draining=False, streams=4, backend="grpc") == "up ready 0% maxconn:4"
+    # With the door's own streams there, the cap holds new ones out by itself, and weight 1% leaves the pipeline in
+    # the door's choice: the connection one of them frees is usable before the next check.
+    assert agent_reply(full, draining=False, streams=3, backend="grpc") == "up ready 1% maxconn:3"
+    assert agent_reply(full, draining=False, streams=4, backend="grpc") == "up ready 1% maxconn:4"
+
+
+class _Call:
+    """A gRPC server context as ``ClientIdentity`` reads it: the peer and the metadata."""
+
+    def __init__(self, peer: str, *metadata: tuple[str, str]):
+        self._peer, self._metadata = peer, metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+
+def test_the_agents_cap_counts_only_the_streams_the_door_sent_on():
+    from types import SimpleNamespace
+
+    from gateway.admission import CostBudget, DecoderMemory
+    from gateway.client_identity import ClientIdentity
+    from gateway.metrics import GatewayMetrics
+    from gateway.quotas import QuotaOptions, Quotas
+    from gateway.stream_table import StreamTable
+
+    identity = ClientIdentity(None, ["10.0.0.5"])
+    forwarded = ("x-forwarded-for", "203.0.113.9")
+    door_call = _Call("ipv4:10.0.0.5:4000", forwarded)
+    assert identity.via_proxy(door_call) and identity.of(door_call) == "address 203.0.113.9"
+    assert not identity.via_proxy(_Call("ipv4:10.0.0.5:4000"))  # the door's own call (no viewer named)
+    assert not identity.via_proxy(_Call("ipv4:198.51.100.4:1", forwarded))  # the header from anyone else
+    assert not ClientIdentity(None, None).via_proxy(door_call)  # no --trusted-proxy: nothing is the door's
+
+    table = StreamTable(
+        max_streams=8,
+        max_pending=8,
+        budget=CostBudget(max_frame_pixels=64 * 64, max_stream_cost=1e12, floor_fps=16.0),
+        decoder_memory=DecoderMemory.derive("cpu", {"full": 0}, (64, 64)),
+        quotas=Quotas(QuotaOptions(), max_streams=8),
+        metrics=GatewayMetrics(active=lambda: 0, vae_bytes=lambda: 0),
+    )
+    runs = [
+        SimpleNamespace(id=str(i), via_door=via, outcome="completed", frames_emitted=0)
+        for i, via in enumerate((True, False, True))
+    ]
+    for run in runs:
+        table.register(run, lambda: None)
+    assert table.door_streams() == 2
+    table.forget(runs[0])
+    assert table.door_streams() == 1 and len(table.streams) == 2
 
 
 def test_overflow_backend_is_uncapped_but_still_drains_and_goes_down():

@@ -34,11 +34,20 @@ def test_round_robin_refuses_while_another_pipeline_has_room_when_pipelines_are_
     assert agent.refused_while_room_pct < rr.refused_while_room_pct
 
 
-def test_at_saturation_a_zero_weight_hides_freed_slots_until_the_next_check_and_a_floor_does_not():
-    zero = run("agent", 1.2, seed=3, **SMALL)
-    floor = run("agent-floor", 1.2, seed=3, **SMALL)
+def test_at_saturation_a_zero_weight_hides_freed_slots_until_the_next_check_and_the_agents_1_percent_does_not():
+    zero = run("agent-zero", 1.2, seed=3, **SMALL)
+    agent = run("agent", 1.2, seed=3, **SMALL)
     assert zero.refused_while_room_pct > 1.0  # a slot freed since the last check has weight 0 at the door
-    assert floor.refused_while_room_pct == 0  # maxconn, counted live by the door, gates alone
+    assert agent.refused_while_room_pct == 0  # maxconn, counted live by the door, gates alone
+
+
+def test_the_door_reads_the_gateways_own_agent_reply():
+    p = fleet_sim.Pipeline(index=0, table=slots_table(7))
+    assert fleet_sim.door_view(p, 0.0) == (100, 7)
+    p.held = 7
+    assert fleet_sim.door_view(p, 0.0) == (1, 7)  # full: in the door's choice, capped at its streams
+    p.held, p.ready_at = 3, 5.0
+    assert fleet_sim.door_view(p, 0.0)[0] == 0  # not ready yet: down
 
 
 def test_a_seed_fixes_the_run():
@@ -74,7 +83,7 @@ def test_the_table_is_made_from_the_json(tmp_path, capsys):
         "round-robin",
         "least-connections",
         "agent",
-        "agent-floor",
+        "agent-zero",
         "agent, autoscaled",
     ]
     report["results"][0]["refused_while_room_pct"] = 12.345
