@@ -40,12 +40,19 @@ class ClientIdentity:
         return client_key(tenant, context.peer(), self._forwarded(context), self.trusted)
 
     def via_proxy(self, context: grpc.ServicerContext) -> bool:
-        """Whether a trusted proxy sent this call on for a client (its peer is one, and it said for whom)."""
-        return bool(self._forwarded(context)) and peer_is_trusted(context.peer(), self.trusted)
+        """Whether a proxy (the fleet's door) sent this call on for a client: it carries ``x-forwarded-for``, from a
+        trusted proxy where ``--trusted-proxy`` names any.  Without one, any peer's header counts: only for the
+        agent's cap (the streams the door holds here; a fleet's gateways are reachable by the door alone), never
+        for who the client is."""
+        if not _forwarded_for(context):
+            return False
+        return not self.trusted or peer_is_trusted(context.peer(), self.trusted)
 
     def _forwarded(self, context: grpc.ServicerContext) -> str | None:
-        if not self.trusted:
-            return None
-        return ", ".join(
-            str(v) for k, v in (context.invocation_metadata() or ()) if k == FORWARDED_FOR and isinstance(v, str)
-        )
+        return _forwarded_for(context) if self.trusted else None
+
+
+def _forwarded_for(context: grpc.ServicerContext) -> str:
+    return ", ".join(
+        str(v) for k, v in (context.invocation_metadata() or ()) if k == FORWARDED_FOR and isinstance(v, str)
+    )

@@ -62,7 +62,10 @@ def test_the_agents_cap_counts_only_the_streams_the_door_sent_on():
     assert identity.via_proxy(door_call) and identity.of(door_call) == "address 203.0.113.9"
     assert not identity.via_proxy(_Call("ipv4:10.0.0.5:4000"))  # the door's own call (no viewer named)
     assert not identity.via_proxy(_Call("ipv4:198.51.100.4:1", forwarded))  # the header from anyone else
-    assert not ClientIdentity(None, None).via_proxy(door_call)  # no --trusted-proxy: nothing is the door's
+    # No --trusted-proxy (the chart's default): the header still marks the door's streams for the cap, not identity.
+    untrusting = ClientIdentity(None, None)
+    assert untrusting.via_proxy(door_call) and untrusting.of(door_call) == "address 10.0.0.5"
+    assert not untrusting.via_proxy(_Call("ipv4:10.0.0.5:4000"))
 
     table = StreamTable(
         max_streams=8,
