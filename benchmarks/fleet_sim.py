@@ -245,132 +245,152 @@ def run(
     autoscaler: Autoscaler | None = None,
 ) -> Result:
     """One run: ``pipelines`` pipelines (alternating CAPACITIES), arrivals at ``load`` of their capacity."""
-    tables = {c: slots_table(c) for c in CAPACITIES}
-    capacity = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(pipelines))
-    mean_s = MEDIAN_S * math.exp(SIGMA**2 / 2)
-    horizon = warmup + seconds
-    trace = arrivals(random.Random(f"{seed}:{load}"), load * capacity / mean_s, horizon)
-    phases = random.Random(f"{seed}:phases")
+    return _Run(policy, load, pipelines, seconds, warmup, seed, autoscaler).result()
 
-    def new_pipeline(i: int, now: float, ready_at: float) -> Pipeline:
-        table = tables[CAPACITIES[i % len(CAPACITIES)]]
-        return Pipeline(i, table, ready_at=ready_at, created=now, phase=phases.randrange(TICKS_PER_INTERVAL))
 
-    start = min(pipelines, autoscaler.max_pipelines) if autoscaler else pipelines
-    fleet = Fleet(policy, [new_pipeline(i, 0.0, 0.0) for i in range(start)])
-    sessions: list[Session] = []
-    events: list[tuple[float, int, str, object]] = []
-    seq = 0
+class _Run:
+    """One run's event loop: the viewers' tries, the streams' ends, the agent checks, the autoscaler's polls and the
+    drains, each event handled by its own method; the areas under busy, capacity and GPUs accrue between events."""
 
-    def push(t: float, kind: str, what: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, what))
+    def __init__(self, policy, load, pipelines, seconds, warmup, seed, autoscaler):
+        self.policy, self.load, self.seconds, self.warmup, self.autoscaler = policy, load, seconds, warmup, autoscaler
+        self.tables = {c: slots_table(c) for c in CAPACITIES}
+        capacity = sum(CAPACITIES[i % len(CAPACITIES)] for i in range(pipelines))
+        mean_s = MEDIAN_S * math.exp(SIGMA**2 / 2)
+        self.horizon = warmup + seconds
+        trace = arrivals(random.Random(f"{seed}:{load}"), load * capacity / mean_s, self.horizon)
+        self.phases = random.Random(f"{seed}:phases")
+        start = min(pipelines, autoscaler.max_pipelines) if autoscaler else pipelines
+        self.fleet = Fleet(policy, [self.new_pipeline(i, 0.0, 0.0) for i in range(start)])
+        self.sessions: list[Session] = []
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        for t, length in trace:
+            s = Session(t, length)
+            self.sessions.append(s)
+            self.push(t, "try", s)
+        for k in range(int(self.horizon * TICKS_PER_INTERVAL / AGENT_INTERVAL_S) + 1):
+            self.push(k * AGENT_INTERVAL_S / TICKS_PER_INTERVAL, "agent", k % TICKS_PER_INTERVAL)
+        if autoscaler:
+            for k in range(1, int(self.horizon / POLL_S) + 1):
+                self.push(k * POLL_S, "scale", None)
+        self.busy_area = self.cap_area = self.gpu_area = 0.0
+        self.last = 0.0
+        self.cut = 0
 
-    for t, length in trace:
-        s = Session(t, length)
-        sessions.append(s)
-        push(t, "try", s)
-    for k in range(int(horizon * TICKS_PER_INTERVAL / AGENT_INTERVAL_S) + 1):
-        push(k * AGENT_INTERVAL_S / TICKS_PER_INTERVAL, "agent", k % TICKS_PER_INTERVAL)
-    if autoscaler:
-        for k in range(1, int(horizon / POLL_S) + 1):
-            push(k * POLL_S, "scale", None)
+    def new_pipeline(self, i: int, now: float, ready_at: float) -> Pipeline:
+        table = self.tables[CAPACITIES[i % len(CAPACITIES)]]
+        return Pipeline(i, table, ready_at=ready_at, created=now, phase=self.phases.randrange(TICKS_PER_INTERVAL))
 
-    busy_area = cap_area = gpu_area = 0.0
-    last = 0.0
-    cut = 0
+    def push(self, t: float, kind: str, what: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, what))
 
-    def end_stream(p: Pipeline, s: Session) -> None:
+    def loop(self) -> None:
+        handlers = {
+            "agent": self.on_agent,
+            "try": self.on_try,
+            "end": self.on_end,
+            "drained": self.on_drained,
+            "scale": self.on_scale,
+        }
+        while self.events:
+            now, _, kind, what = heapq.heappop(self.events)
+            if now > self.horizon:
+                break
+            self.accrue(now)
+            handlers[kind](now, what)
+
+    def accrue(self, now: float) -> None:
+        if now > self.warmup:
+            span = now - max(self.last, self.warmup)
+            serving = [p for p in self.fleet.pipelines if now >= p.ready_at]  # ready, or draining
+            self.busy_area += span * sum(p.held for p in serving)
+            self.cap_area += span * sum(p.capacity for p in serving)
+            self.gpu_area += span * len(self.fleet.pipelines)
+        self.last = now
+
+    def on_agent(self, now: float, phase) -> None:
+        for p in self.fleet.pipelines:
+            if p.phase == phase:
+                p.weight, p.maxconn = door_view(p, now)
+                if self.policy == "agent-zero" and p.free <= 0:
+                    p.weight = 0
+
+    def on_try(self, now: float, s) -> None:
+        p, via_grpc = self.fleet.pick(now)
+        if p is not None and p.free > 0:
+            p.held += 1
+            p.grpc_conns += via_grpc
+            p.streams[id(s)] = s
+            s.pipeline, s.via_grpc, s.admitted_at = p.index, via_grpc, now
+            s.ends_at = now + s.length
+            self.push(s.ends_at, "end", (p, s))
+            return
+        s.refused = True
+        if any(q.free > 0 for q in self.fleet.live(now) if q is not p):
+            s.refused_with_room = True
+        if now + RETRY_AFTER_S <= s.arrival + PATIENCE_S:
+            self.push(now + RETRY_AFTER_S, "try", s)
+
+    def on_end(self, now: float, what) -> None:
+        p, s = what
+        if id(s) in p.streams and s.ends_at == now:
+            self.end_stream(p, s)
+
+    def end_stream(self, p: Pipeline, s: Session) -> None:
         p.held -= 1
         p.grpc_conns -= s.via_grpc
         p.streams.pop(id(s), None)
-        if p.draining and p.held == 0 and p in fleet.pipelines:  # drained early: its GPU goes at once
-            fleet.pipelines.remove(p)
+        if p.draining and p.held == 0 and p in self.fleet.pipelines:  # drained early: its GPU goes at once
+            self.fleet.pipelines.remove(p)
 
-    while events:
-        now, _, kind, what = heapq.heappop(events)
-        if now > horizon:
-            break
-        if now > warmup:
-            span = now - max(last, warmup)
-            serving = [p for p in fleet.pipelines if now >= p.ready_at]  # ready, or draining
-            busy_area += span * sum(p.held for p in serving)
-            cap_area += span * sum(p.capacity for p in serving)
-            gpu_area += span * len(fleet.pipelines)
-        last = now
-        if kind == "agent":
-            for p in fleet.pipelines:
-                if p.phase == what:
-                    p.weight, p.maxconn = door_view(p, now)
-                    if policy == "agent-zero" and p.free <= 0:
-                        p.weight = 0
-        elif kind == "try":
-            s = what
-            assert isinstance(s, Session)
-            p, via_grpc = fleet.pick(now)
-            if p is not None and p.free > 0:
-                p.held += 1
-                p.grpc_conns += via_grpc
-                p.streams[id(s)] = s
-                s.pipeline, s.via_grpc, s.admitted_at = p.index, via_grpc, now
-                s.ends_at = now + s.length
-                push(s.ends_at, "end", (p, s))
-                continue
-            s.refused = True
-            if any(q.free > 0 for q in fleet.live(now) if q is not p):
-                s.refused_with_room = True
-            if now + RETRY_AFTER_S <= s.arrival + PATIENCE_S:
-                push(now + RETRY_AFTER_S, "try", s)
-        elif kind == "end":
-            p, s = what  # type: ignore[misc]
-            if id(s) in p.streams and s.ends_at == now:
-                end_stream(p, s)
-        elif kind == "drained":
-            p = what
-            assert isinstance(p, Pipeline)
-            if p not in fleet.pipelines:
-                continue  # its streams ended before the drain deadline
-            for s in list(p.streams.values()):
-                end_stream(p, s)
-                cut += 1
-                left = s.ends_at - now
-                s2 = Session(now, left)  # the SDK's reconnect: the remaining seconds, through the door
-                sessions.append(s2)
-                push(now, "try", s2)
-            if p in fleet.pipelines:
-                fleet.pipelines.remove(p)
-        elif kind == "scale":
-            assert autoscaler is not None
-            live = fleet.live(now)
-            replicas = len([p for p in fleet.pipelines if not p.draining])
-            want = autoscaler.desired(now, replicas, sum(p.held for p in live), sum(p.free for p in live))
-            for _ in range(want - replicas):
-                index = max((p.index for p in fleet.pipelines), default=-1) + 1
-                fleet.pipelines.append(new_pipeline(index, now, now + READY_S))
-            for _ in range(replicas - want):  # scale-in: the highest group index, not the emptiest
-                p = max((p for p in fleet.pipelines if not p.draining), key=lambda p: p.index)
-                p.draining = True
-                push(now if p.held == 0 else now + DRAIN_S, "drained", p)
+    def on_drained(self, now: float, p) -> None:
+        if p not in self.fleet.pipelines:
+            return  # its streams ended before the drain deadline
+        for s in list(p.streams.values()):
+            self.end_stream(p, s)
+            self.cut += 1
+            s2 = Session(now, s.ends_at - now)  # the SDK's reconnect: the remaining seconds, through the door
+            self.sessions.append(s2)
+            self.push(now, "try", s2)
+        if p in self.fleet.pipelines:
+            self.fleet.pipelines.remove(p)
 
-    counted = [s for s in sessions if s.arrival >= warmup and s.arrival + PATIENCE_S <= horizon]
-    n = max(1, len(counted))
-    waits = sorted(s.admitted_at - s.arrival for s in counted if s.admitted_at is not None)
-    p95 = waits[min(len(waits) - 1, math.ceil(0.95 * len(waits)) - 1)] if waits else 0.0
-    return Result(
-        policy=policy,
-        load=load,
-        autoscale=autoscaler is not None,
-        sessions=len(counted),
-        refused_pct=100 * sum(s.refused for s in counted) / n,
-        refused_while_room_pct=100 * sum(s.refused_with_room for s in counted) / n,
-        abandoned_pct=100 * sum(s.admitted_at is None for s in counted) / n,
-        utilisation=busy_area / cap_area if cap_area else 0.0,
-        p95_admission_s=p95,
-        gpu_hours=gpu_area / 3600,
-        mean_pipelines=gpu_area / seconds,
-        cut_by_scale_in=cut,
-    )
+    def on_scale(self, now: float, _) -> None:
+        assert self.autoscaler is not None
+        fleet = self.fleet
+        live = fleet.live(now)
+        replicas = len([p for p in fleet.pipelines if not p.draining])
+        want = self.autoscaler.desired(now, replicas, sum(p.held for p in live), sum(p.free for p in live))
+        for _ in range(want - replicas):
+            index = max((p.index for p in fleet.pipelines), default=-1) + 1
+            fleet.pipelines.append(self.new_pipeline(index, now, now + READY_S))
+        for _ in range(replicas - want):  # scale-in: the highest group index, not the emptiest
+            p = max((p for p in fleet.pipelines if not p.draining), key=lambda p: p.index)
+            p.draining = True
+            self.push(now if p.held == 0 else now + DRAIN_S, "drained", p)
+
+    def result(self) -> Result:
+        self.loop()
+        counted = [s for s in self.sessions if s.arrival >= self.warmup and s.arrival + PATIENCE_S <= self.horizon]
+        n = max(1, len(counted))
+        waits = sorted(s.admitted_at - s.arrival for s in counted if s.admitted_at is not None)
+        p95 = waits[min(len(waits) - 1, math.ceil(0.95 * len(waits)) - 1)] if waits else 0.0
+        return Result(
+            policy=self.policy,
+            load=self.load,
+            autoscale=self.autoscaler is not None,
+            sessions=len(counted),
+            refused_pct=100 * sum(s.refused for s in counted) / n,
+            refused_while_room_pct=100 * sum(s.refused_with_room for s in counted) / n,
+            abandoned_pct=100 * sum(s.admitted_at is None for s in counted) / n,
+            utilisation=self.busy_area / self.cap_area if self.cap_area else 0.0,
+            p95_admission_s=p95,
+            gpu_hours=self.gpu_area / 3600,
+            mean_pipelines=self.gpu_area / self.seconds,
+            cut_by_scale_in=self.cut,
+        )
 
 
 def simulate(
