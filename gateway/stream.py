@@ -71,6 +71,10 @@ from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# After End, how long the call's status waits for the client to close its side (the SDK does at once; a client that
+# does not gets its status this much later, never its frames).
+END_LINGER_S = 1.0
+
 __all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun"]
 
 
@@ -261,8 +265,12 @@ class StreamRun:
 
     def messages(self):
         """What the handler yields to the client, in order (``Outbox.messages``); raises ``StreamFailed`` to end the
-        call with a status."""
-        return self.outbox.messages(self.started_message())
+        call with a status.  After the End message the call's status waits, at most ``END_LINGER_S``, for the client
+        to close its side (the SDK does on End): a proxy then sees both directions end, where HAProxy 2.6 resets a
+        call whose response ends while its request is open (RST_STREAM CANCEL, which can overtake the End)."""
+        yield from self.outbox.messages(self.started_message())
+        if self.outbox.end_sent:
+            self.requests.closed.wait(END_LINGER_S)
 
     # ---- ending --------------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class Outbox:
         self._release_call = release_call  # cancels the call after the abandon timeout
         self.out = BoundedChannel(limits.buffer_messages, max_bytes=limits.buffer_bytes)
         self.frames_sent = 0  # frames handed to gRPC
+        self.end_sent = False  # the End message was handed to gRPC: the stream ended normally
         self._sending_since: float | None = None  # when the handler gave gRPC the message it is sending
         self._send_watch = None  # the watchdog's timer entry (``_watch_send``)
         self._lock = threading.Lock()
@@ -76,6 +77,7 @@ class Outbox:
                 self.frames_sent += 1
             yield from self._sending(item)
             if item.WhichOneof("msg") == "end":
+                self.end_sent = True
                 return
 
     def _sending(self, msg):
@@ -165,6 +167,7 @@ class ClientRequests:
         self.stop_pipeline = stop_pipeline
         self.fail = fail
         self.input_end: str | None = None  # why the input ended ("stopped", "input_stalled"), once it did
+        self.closed = threading.Event()  # the client's side is over: it half-closed, the call ended, or we stopped
 
     def read(self, request_iterator) -> None:
         """Reads the client's later messages; ``request_iterator`` parses them (``ConfigError`` for bytes that are
@@ -209,6 +212,8 @@ class ClientRequests:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument")
         except Exception as exc:  # the call ended while we were waiting for the next message
             logger.debug("stream %s: request stream ended: %s", self.id, exc)
+        finally:
+            self.closed.set()
 
     def feed_input(self) -> None:
         """Video-to-video: encode, noise and submit the input until it ends, then stop the pipeline stream (the chunks

@@ -438,7 +438,10 @@ class Generation(_StreamState):
         reopens ``reconnect`` / ``retry_refused`` allow)."""
         while True:
             try:
-                return next(self._call)
+                msg = next(self._call)
+                if msg.WhichOneof("msg") == "end":
+                    _put_done(self._outbox)  # nothing more to send: close our side before the call's status
+                return msg
             except StopIteration:
                 _put_done(self._outbox)
                 return None
@@ -663,10 +666,9 @@ class AsyncGeneration(_StreamState):
                     return None
                 self._open(plan[1])
                 continue
-            if msg is grpc.aio.EOF:
-                _aput_done(self._outbox)
-                return None
-            return msg
+            if msg is grpc.aio.EOF or msg.WhichOneof("msg") == "end":
+                _aput_done(self._outbox)  # End: nothing more to send, close our side before the call's status
+            return None if msg is grpc.aio.EOF else msg
 
     @property
     def info(self) -> StreamInfo:

@@ -19,7 +19,7 @@ import stagecast
 from launcher import door
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.process import Launcher
-from stagecast.errors import CancelledError, ResourceExhaustedError, UnavailableError
+from stagecast.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from stagecast.security import issue, make_ca
 from tests.pipeline_helpers import wait_until
 
@@ -32,10 +32,9 @@ pytestmark = [
 ]
 
 DOOR_RESET = (
-    "known gap, HAProxy 2.6.12 (Debian 12's): a response that ends while the client's request is still open (the SDK "
-    "keeps it open to steer) is reset with RST_STREAM(CANCEL), and the client reads CANCELLED, most streams after "
-    "their End message (haproxy/haproxy#1219, fixed upstream by e87397bc7 in 2025); the fix on our side is the SDK "
-    "half-closing at End and the gateway ending its call after that"
+    "HAProxy 2.6.12 (Debian 12's) resets a call whose response ends while the client's request is still open with "
+    "RST_STREAM(CANCEL), and the reset can overtake the End message (haproxy/haproxy#1219, fixed upstream by "
+    "e87397bc7 in 2025): so the SDK closes its side at End and the gateway ends the call after that"
 )
 STEPS = 4  # the coordinator prices a free slot at the public defaults' 4 steps: every stream here is one slot
 STAGE_MS = "60"  # with --slo-fixed, the SLO model's stage time: 3 such streams per pipeline, whatever this CPU does
@@ -95,17 +94,9 @@ def _open(client, prompt: str):
 
 
 def _door_collect(stream) -> list:
-    """A stream's frames through the door.  HAProxy 2.6.12 resets a stream whose response ended while its request is
-    open (RST_STREAM CANCEL, DOOR_RESET): the client reads CANCELLED after the last frame, and the reset can overtake
-    the End message too.  So a CANCELLED after the stream started ends the read here, and the caller counts the
-    frames; test_a_stream_through_the_door_ends_with_its_status holds the gap."""
-    frames = []
-    try:
-        for frame in stream:
-            frames.append(frame)
-    except CancelledError:
-        if stream.frames_received == 0:
-            raise
+    """A stream's frames through the door, which must end it with its End message and status (DOOR_RESET)."""
+    frames = stream.collect()
+    assert stream.end is not None and stream.end.reason == "completed"
     return frames
 
 
@@ -205,17 +196,22 @@ def test_a_hung_gateway_is_marked_down_and_taken_back_when_it_answers_again(flee
     assert fleet.pipeline("p1")["pids"]["gateway"] == hung  # it answered again: not restarted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CancelledError,
-    reason=DOOR_RESET,
-)
 def test_a_stream_through_the_door_ends_with_its_status(fleet):
+    """The SDK closes its side at End and the gateway ends the call after that (gateway.stream.END_LINGER_S), so
+    HAProxy 2.6, which resets a call whose response ends while its request is open (DOOR_RESET), ends none here."""
     fleet.wait_idle()
     with fleet.door_client() as client:
         for i in range(6):
             stream = client.generate(prompt=f"status {i}", seconds=0.5, steps=STEPS)
             assert len(stream.collect()) == 8 and stream.end.reason == "completed"
+
+
+def test_a_bad_request_through_the_door_gets_invalid_argument_naming_the_field(fleet):
+    """A refusal of the request itself crosses the door with its status (the SDK's call, its side still open)."""
+    with fleet.door_client() as client:
+        for _ in range(3):
+            with pytest.raises(InvalidArgumentError, match="width"):
+                client.generate(prompt="too narrow", width=50, steps=STEPS).wait_started()
 
 
 def test_sigterm_drains_a_pipeline_and_up_does_not_restart_it(fleet):
