@@ -9,7 +9,7 @@ stage's ordered sender.  What it planned for a stream it reports to the stream t
 ``planned_all``, ...) and to pacing (``start``): it assigns no stream's fields itself.
 
 The number of batches planned but not yet completed by the last stage is bounded
-(``lookahead``), so plans run ahead of execution without queuing unboundedly; with ``paced_lookahead``, while every
+(``lookahead``), so plans run ahead of execution without queuing unboundedly; with ``paced_lookahead``, while any
 stream is paced the bound is one batch per stage (``in_flight_limit``).  Anything that makes work calls ``wake`` under
 the lock.
 """
@@ -96,19 +96,20 @@ class PlanLoop:
 
     def in_flight_limit(self) -> int:
         """Batches that may be planned and not yet finished by the last stage: ``lookahead``; with ``paced_lookahead``,
-        while every stream is paced, one batch per stage.  Paced streams start their chunks up to their playout
+        while any stream is paced, one batch per stage.  Paced streams start their chunks up to their playout
         buffer before they are due, so the stage waiting for the next batch's plan (about a millisecond) costs them
         nothing they see, while a batch queued beyond the stages' one each is a forward more that a joining stream's
-        first chunk waits behind (it goes first only among the micro-steps not yet planned).  An unpaced stream has no
-        buffer: while one runs, the stages never wait for a plan."""
+        first chunk waits behind (it goes first only among the micro-steps not yet planned).  Best-effort (unpaced)
+        streams never widen the bound while a paced one runs (they take what paced streams leave, a plan's wait
+        included); with only unpaced streams, which have no buffer, the stages never wait for a plan."""
         sched = self.gens.sched
-        if not self.paced_lookahead or sched is None or not sched.streams:
+        if not self.paced_lookahead or sched is None:
             return self.lookahead
         for sid in sched.streams:
             session = self.streams.find(sid)
-            if session is None or session.chunk_rate <= 0:
-                return self.lookahead
-        return min(self.lookahead, self.registry.pipeline_stages)
+            if session is not None and session.chunk_rate > 0:
+                return min(self.lookahead, self.registry.pipeline_stages)
+        return self.lookahead
 
     def has_work(self) -> bool:
         if not self.gens.ready or self.gens.sched is None:

@@ -28,6 +28,7 @@ from coordinator.admission import RETRY_AFTER_S, Admitted, Reservation
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.requests import OpenRequest
+from stagecast.grpc_util import MAX_RETRY_AFTER_S
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import StreamSpec, context_frames
 
@@ -161,13 +162,14 @@ class StreamTable:
 
     def retry_after(self) -> float:
         """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks
-        at its pace), else ``RETRY_AFTER_S``."""
+        at its pace), else ``RETRY_AFTER_S``; never more than ``MAX_RETRY_AFTER_S`` (60 s, the ceiling of the hint
+        on the wire too): past a minute a viewer is better told to look again than to wait out an hour's stream."""
         ends = [
             (s.spec.num_chunks - s.delivered) / s.chunk_rate
             for s in self.sessions.values()
             if s.spec.num_chunks is not None and s.chunk_rate > 0
         ]
-        return max(0.1, min(ends)) if ends else RETRY_AFTER_S
+        return min(max(0.1, min(ends)), MAX_RETRY_AFTER_S) if ends else RETRY_AFTER_S
 
     def get(self, stream_id: int) -> StreamSession:
         session = self.sessions.get(stream_id)

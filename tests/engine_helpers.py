@@ -54,8 +54,8 @@ def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders):
     """``open_stream(**kw)``: a paced, acknowledging stream on ``ladders`` (starting on the last), each call a new
     one."""
 
-    def open_stream(**kw):
-        spec = small_spec(timesteps=tuple(ladders[-1]))
+    def open_stream(num_chunks=None, **kw):
+        spec = small_spec(timesteps=tuple(ladders[-1]), num_chunks=num_chunks)
         return eng.open(
             OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
         )

@@ -2,7 +2,8 @@
 first chunk goes first among the micro-steps not yet planned, so each batch planned ahead of the stages' own was a
 forward more of its time to first frame (on one H200 at capacity, about 70 ms of a 447 ms TTFF).  Paced streams start
 their chunks up to their playout buffer early, so a stage waiting for the next plan costs them nothing they see; an
-unpaced stream has no buffer, and while one runs the stages never wait.  The plan loop is driven by hand under a fake
+unpaced stream has no buffer: with only unpaced streams the stages never wait, but beside a paced one it never widens
+the bound.  The plan loop is driven by hand under a fake
 clock, as in ``tests/test_deadlines.py``."""
 
 import pytest
@@ -71,17 +72,20 @@ def test_a_joining_paced_stream_waits_behind_the_batch_in_flight_only():
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_the_bound_is_one_batch_per_stage_while_every_stream_is_paced_and_one_more_with_an_unpaced_stream(stages):
+def test_the_bound_is_one_batch_per_stage_while_a_stream_is_paced_and_best_effort_ones_never_widen_it(stages):
     eng = hand_driven_engine(stages=stages, clock=Clock())
-    open_stream(eng)
+    paced = open_stream(eng)
     eng.planner.tick()
     assert eng.planner.in_flight_limit() == stages
     unpaced = open_stream(eng, chunk_rate=0.0)
     eng.planner.tick()
-    assert eng.planner.in_flight_limit() == stages + 1 == eng.lookahead
+    assert eng.planner.in_flight_limit() == stages  # a best-effort stream beside a paced one: the paced bound holds
+    eng.cancel_stream(paced.id)
+    eng.planner.tick()
+    assert eng.planner.in_flight_limit() == stages + 1 == eng.lookahead  # only unpaced: the stages never wait
     eng.cancel_stream(unpaced.id)
     eng.planner.tick()
-    assert eng.planner.in_flight_limit() == stages
+    assert eng.planner.in_flight_limit() == eng.lookahead
     # An operator's lookahead is a fixed bound, paced streams or not.
     fixed = hand_driven_engine(stages=stages, clock=Clock(), lookahead=5)
     open_stream(fixed)

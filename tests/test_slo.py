@@ -167,6 +167,21 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     assert eng2.steps(c.id) == 1
 
 
+def test_a_refusal_beside_hour_long_streams_hints_at_most_a_minute():
+    from coordinator.errors import AdmissionError
+    from stagecast.grpc_util import MAX_RETRY_AFTER_S
+
+    eng, open_stream = _engine(174.0)
+    hour = 3600 * 4  # chunks: an hour at 4 chunks per second
+    for _ in range(4):
+        open_stream(num_chunks=hour)
+        eng.planner.tick()
+    with pytest.raises(AdmissionError) as info:
+        open_stream(num_chunks=hour)
+    assert info.value.retry_after_s == MAX_RETRY_AFTER_S == 60.0  # the soonest end is an hour away: a minute
+    assert "retry after 60.0 s" in info.value.message
+
+
 def test_the_vae_cost_per_chunk_counts_whatever_the_steps():
     # 10 ms per micro-step and 25 ms of VAE per chunk on each GPU: a stream at 1 step needs 4 x 35 ms = 14%.
     ctl = SloController(CostModel(stages=2, max_batch=4, seed_ms=[10.0, 5.0], growth=1.0, chunk_ms=25.0))
