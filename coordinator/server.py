@@ -34,10 +34,12 @@ from stagecast.service import serve_lifecycle
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = COORDINATOR_SERVICE
+MAX_STARTUP_STEPS = 32  # a stage's start-up names a handful (stagecast.startup)
 _STREAMS = ["gateway"]  # streams are opened, steered and watched by the gateway (and an operator)
 ROLE_RULES = {
     f"/{SERVICE_NAME}/Register": ["stage"],
     f"/{SERVICE_NAME}/Heartbeat": ["stage"],
+    f"/{SERVICE_NAME}/ReportStartup": ["stage"],
     f"/{SERVICE_NAME}/OpenStream": _STREAMS,
     f"/{SERVICE_NAME}/StopStream": _STREAMS,
     f"/{SERVICE_NAME}/UpdatePrompt": _STREAMS,
@@ -56,6 +58,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.engine = engine
         self.mtls = mtls
         self.address = ""  # server.address of the RPC spans, once bound
+        # Each stage's start-up as it last reported it, by rank (ClusterStatus.startup); a restart's replaces it.
+        self._startup: dict[int, pb.StartupProgress] = {}
+        self._startup_lock = threading.Lock()
 
     def Register(self, request: pb.RegisterRequest, context):
         try:
@@ -211,7 +216,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         return pb.PlanDump(events=self.engine.recorded_plan())
 
     def Status(self, request, context):
-        return self.engine.status()
+        status = self.engine.status()
+        with self._startup_lock:
+            status.startup.extend(self._startup[index] for index in sorted(self._startup))
+        return status
+
+    def ReportStartup(self, request: pb.StartupProgress, context):
+        if not 0 <= request.index < self.registry.ranks:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"index: no stage rank {request.index}")
+        if len(request.steps) > MAX_STARTUP_STEPS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"steps: at most {MAX_STARTUP_STEPS}")
+        with self._startup_lock:
+            self._startup[request.index] = request
+        return pb.Empty()
 
 
 class Coordinator:

@@ -40,6 +40,7 @@ from gateway.vae_cost import VaeCost, measure_vae, tiny_cost
 from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
 from stagecast.cuda_graphs import cuda_graph_capture
 from stagecast.names import DTYPES
+from stagecast.startup import Startup
 from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,13 @@ class GatewayModels:
         text_len: int,
         timers: Timers,
         before_measure: Callable[[], object] | None = None,
+        startup: Startup | None = None,
     ):
         """``before_measure``: called once the decoders are built and warmed, before their costs are measured (the
         gateway waits there for its pipeline, so that a stage's calibration and these measurements do not share the
-        GPU: the gateway starts beside the stages and loads while they load)."""
+        GPU: the gateway starts beside the stages and loads while they load).  ``startup``: the gateway's start-up
+        steps (text_encoder, decoders, warm_up, vae_graphs, measured), each recorded as it is done."""
+        step = startup.step if startup is not None else (lambda *a, **k: None)
         self.opts = opts  # gateway.service.GatewayOptions
         self.defaults = defaults
         self.model = model
@@ -83,6 +87,7 @@ class GatewayModels:
             if opts.text_graph and torch.device(text_device).type == "cuda"
             else None,
         )
+        step("text_encoder", detail=f"on {text_device}")
         if opts.vae_stage:
             self.decoder = RemoteDecoder(
                 opts.vae_stage, drain_timeout=opts.drain_timeout, timers=timers, mtls=opts.mtls
@@ -113,11 +118,13 @@ class GatewayModels:
             else None
         )
         self.decoders = Decoders(tiny=self.tiny_decoder is not None, default=opts.default_decoder)
+        step("decoders", detail="full, tiny" if self.decoders.tiny else "full")
         self._encoder_lock = threading.Lock()
         self._input_encoder: StreamVAEEncoder | None = None
         self.warmup_s = 0.0
         if opts.warmup if opts.warmup is not None else opts.vae_compile or autotuned:
             self.warmup_s = self._warm_up()
+            step("warm_up", detail=f"{self.warmup_s:.1f} s")
         if opts.vae_cuda_graphs:
             # After the compile warm-up (a graph of a compiled part records the compiled kernels), before serving.
             start = time.perf_counter()
@@ -126,11 +133,14 @@ class GatewayModels:
             graphed = self.decoder.capture_graphs((defaults.height // sf, defaults.width // sf), slots)
             self.warmup_s += time.perf_counter() - start
             logger.info("VAE graphs: parts graphed %s, captured in %.1f s", graphed, time.perf_counter() - start)
+            step("vae_graphs", detail=f"parts {graphed}")
         if before_measure is not None:
             before_measure()
         # Measured after the capture: what streams will cost, graphed where they hold a slot.
         self.vae_cost = self._measure_vae()
         self.tiny_measured = self._warm_tiny()
+        if self.vae_cost is not None or self.tiny_measured:
+            step("measured", detail="decoder costs for the SLO model")
 
     def by_kind(self) -> dict:
         """The decoders by ``StreamConfig.decoder``: "full", and "tiny" where the deployment has one."""

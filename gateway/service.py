@@ -51,7 +51,7 @@ from gateway.options import GatewayOptions
 from gateway.pipeline_warmup import wait_budget, wait_ready
 from gateway.quotas import Quotas
 from gateway.revocation import RevocationWatch
-from gateway.status import StatusReport, describe_budget
+from gateway.status import StartingFront, StatusReport, describe_budget
 from gateway.stream import StreamHost, StreamLimits
 from gateway.stream_table import StreamTable
 from gateway.timers import Timers
@@ -72,6 +72,7 @@ from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from stagecast.names import STREAM_SERVICE
 from stagecast.security import TokenAuth, connect, server_tls
 from stagecast.service import serve_lifecycle
+from stagecast.startup import Startup
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,29 @@ class Gateway:
         self.channel = connect(opts.coordinator, opts.mtls, "coordinator", RECONNECT_OPTIONS)  # it may restart
         self.coordinator = ipb_grpc.CoordinatorServiceStub(self.channel)
         wait_s = wait_budget(opts.pipeline_warmup_s, opts.device)
+        budget = CostBudget.derive(
+            self.defaults,
+            opts.device,  # the device kind decides the headroom (the VAE's devices are of the same kind)
+            max_frame_pixels=opts.max_frame_pixels,
+            max_stream_cost=opts.max_stream_cost,
+        )
+        # The port serves from here on: health NOT_SERVING, and GetStatus/WatchStatus the start-up steps, while the
+        # models load (minutes on a GPU); Generate is refused UNAVAILABLE until start().
+        self.startup = Startup("gateway")
+        self._build_servers(budget)
+        self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+        try:
+            self._load(wait_s, budget)
+        except BaseException:
+            self._stop_servers(0)
+            raise
+
+    def _load(self, wait_s: float, budget: CostBudget) -> None:
+        """The models (text encoder, decoders: warmed, graphed, measured), the pipeline warm-up, and the parts that
+        hold streams."""
+        opts, root = self.opts, Path(self.opts.checkpoint)
         self.models = GatewayModels(
             opts,
             root,
@@ -134,6 +158,7 @@ class Gateway:
             text_len=self.text_len,
             timers=self.timers,
             before_measure=(lambda: self._wait_pipeline(wait_s)) if wait_s > 0 else None,
+            startup=self.startup,
         )
         # Each decoder's measured cost goes to the coordinator's SLO model (unless its operator fixed one); the tiny
         # decoder's again whenever its served batches move it.
@@ -145,13 +170,8 @@ class Gateway:
         self.pipeline_warmup_chunks = (
             self.models.warm_pipeline(self.coordinator, wait_s, opts.buffer_chunks) if wait_s > 0 else 0
         )
-
-        budget = CostBudget.derive(
-            self.defaults,
-            opts.device,  # the device kind decides the headroom (the VAE's devices are of the same kind)
-            max_frame_pixels=opts.max_frame_pixels,
-            max_stream_cost=opts.max_stream_cost,
-        )
+        if wait_s > 0:
+            self.startup.step("pipeline_warm_up", detail=f"{self.pipeline_warmup_chunks} chunks")
         self.metrics = GatewayMetrics(
             active=lambda: len(self.table.streams),
             vae_bytes=lambda: self.table.vae_state_bytes(),
@@ -181,6 +201,7 @@ class Gateway:
             coordinator_target=opts.coordinator,
             cost_budget=describe_budget(budget, self.defaults, self.model),
             fleet=self.fleet,
+            startup=self.startup,
         )
         # Everything a stream needs from this gateway, and nothing more (gateway.stream).
         self.stream_host = StreamHost(
@@ -208,7 +229,8 @@ class Gateway:
             pipeline=self.fleet.name,
             encode_gate=self.encode_gate,
         )
-        self._build_servers(budget)
+        # A revoked token ends the streams it opened (gateway.revocation).
+        self.revocation = RevocationWatch(self.auth, self.table.runs, self.timers) if self.auth else None
 
     def _wait_pipeline(self, wait_s: float) -> None:
         """Before the decoders' costs are measured: wait (within the warm-up budget) until the coordinator reports its
@@ -216,17 +238,17 @@ class Gateway:
         start = time.monotonic()
         if wait_ready(self.coordinator, start + wait_s, clock=time.monotonic, stop=threading.Event()) is None:
             logger.warning("the pipeline was not ready within %.0f s: measuring the decoders beside it", wait_s)
+            self.startup.step("pipeline", 0, 1, detail=f"not ready within {wait_s:.0f} s")
         else:
             logger.info("waited %.1f s for the pipeline before measuring the decoders", time.monotonic() - start)
+            self.startup.step("pipeline", detail=f"ready after {time.monotonic() - start:.1f} s")
 
     def _build_servers(self, budget: CostBudget) -> None:
         """The public server (tokens, then the concurrency limits), and health on a port of its own if asked."""
         opts = self.opts
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
         self.identity = ClientIdentity(self.auth, opts.trusted_proxy)  # whose quotas a call counts against
-        # A revoked token ends the streams it opened (gateway.revocation).
-        self.revocation = RevocationWatch(self.auth, self.table.runs, self.timers) if self.auth else None
-        servicer = StreamServicer(self)
+        self.front = StartingFront(self, StreamServicer(self))  # the servicer's calls once start() opens it
         streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
         streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
         self.limits = ConcurrencyLimits(streaming)
@@ -235,7 +257,7 @@ class Gateway:
         workers = opts.max_streams + opts.max_pending + self.limits.total() + HEADROOM_THREADS
         self.server, self.health, self.port = make_server(
             opts.port,
-            [(add_stream_service, servicer, SERVICE_NAME)],
+            [(add_stream_service, self.front, SERVICE_NAME)],
             host=opts.host,
             max_workers=workers,
             options=public_options(budget.max_frame_pixels),
@@ -252,15 +274,14 @@ class Gateway:
             self.health_address = f"{host}:{health_port}"
 
     def start(self) -> None:
+        """Serve: the servers already answer (since the constructor); now Generate is open and health SERVING."""
         self.fleet.start()
         if self.vae_reporter is not None:
             self.vae_reporter.start()
-        self.server.start()
         if self.revocation is not None:
             self.revocation.start()
-        if self.health_server is not None:
-            self.health_server.start()
         self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
+        self.front.open()
         set_serving(self.health, [SERVICE_NAME], True)
         budget = self.table.budget
         logger.info(
@@ -277,11 +298,14 @@ class Gateway:
             budget.origin,
         )
 
-    def stop(self, grace: float = 5.0) -> None:
+    def _stop_servers(self, grace: float) -> None:
         set_serving(self.health, [SERVICE_NAME], False)
         if self.health_server is not None:
             self.health_server.stop(0)
         self.server.stop(grace).wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._stop_servers(grace)
         if self.vae_reporter is not None:
             self.vae_reporter.stop()
         self.fleet.stop()
@@ -330,6 +354,7 @@ def serve(opts: GatewayOptions, stop: threading.Event | None = None, drain=None)
     gw = Gateway(opts)
 
     def start() -> dict:
+        gw.startup.ready()
         gw.start()
         if drain is not None:
             threading.Thread(target=gw.drain_then_stop, args=(drain,), daemon=True, name="drain").start()

@@ -6,6 +6,11 @@ Usage::
                           cost_budget=describe_budget(budget, defaults, model))
     msg = status.status(who)                 # the streams ``who`` may see (a tenant: only its own)
     msg.capacity.extend(status.capacity())   # the coordinator's remaining capacity, asked at most once a second
+
+    front = StartingFront(gateway, servicer) # the StreamService the server holds from the start: while the gateway
+    front.open()                             # loads, start-up status and UNAVAILABLE; once open, the servicer's
+
+Both carry ``GatewayStatus.startup``: the gateway's own start-up steps, then each stage's as its coordinator has them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,22 @@ from gateway.stream_table import StreamTable, vae_bytes
 from stagecast import api
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.security import Principal
+from stagecast.startup import Startup
 from stagecast.v1 import stream_pb2 as pb
+
+COORDINATOR_STATUS_S = 1.0  # the coordinator's Status is asked at most this often, and waited for this long
+STARTING = "the gateway is starting (loading its models): retry once its health is SERVING"
+
+
+def stage_startup(cluster: ipb.ClusterStatus | None) -> list[pb.StartupProgress]:
+    """Each stage's start-up as the coordinator reported it, in the public message."""
+    out = []
+    for s in cluster.startup if cluster is not None else ():
+        msg = pb.StartupProgress(process=s.process, ready=s.ready, ready_s=s.ready_s)
+        for step in s.steps:
+            msg.steps.add(name=step.name, done=step.done, total=step.total, at_s=step.at_s, detail=step.detail)
+        out.append(msg)
+    return out
 
 
 def describe_budget(budget: CostBudget, defaults: ServingDefaults, model: ModelInfo) -> pb.CostBudget:
@@ -52,6 +72,7 @@ class StatusReport:
         coordinator_target: str,
         cost_budget: pb.CostBudget,
         fleet=None,
+        startup: Startup | None = None,
     ):
         self.table = table
         self.coordinator = coordinator  # the CoordinatorService stub
@@ -59,25 +80,36 @@ class StatusReport:
         self.coordinator_target = coordinator_target
         self.cost_budget = cost_budget
         self.fleet = fleet  # gateway.agent.Fleet: the pipeline's name, slots and drain (None: not reported)
+        self.startup = startup  # the gateway's own start-up steps (None: not reported)
         self._lock = threading.Lock()
-        self._capacity: tuple[float, list[pb.Capacity]] | None = None  # (when asked, the answer)
+        self._cluster: tuple[float, ipb.ClusterStatus | None] | None = None  # (when asked, the answer)
 
-    def capacity(self) -> list[pb.Capacity]:
-        """The coordinator's remaining capacity (streams at 16 FPS per step count), asked at most once a second;
-        empty when it does not know stage times yet or cannot be reached in time."""
+    def cluster(self) -> ipb.ClusterStatus | None:
+        """The coordinator's Status, asked at most once a second; None when it cannot be reached in time."""
         now = time.monotonic()
         with self._lock:
-            cached = self._capacity
-            if cached is not None and now - cached[0] < 1.0:
-                return list(cached[1])
+            cached = self._cluster
+            if cached is not None and now - cached[0] < COORDINATOR_STATUS_S:
+                return cached[1]
         try:
-            status = self.coordinator.Status(ipb.Empty(), timeout=1.0)
-            out = [pb.Capacity(steps=c.steps, streams=c.streams) for c in status.capacity]
+            status = self.coordinator.Status(ipb.Empty(), timeout=COORDINATOR_STATUS_S)
         except grpc.RpcError:
-            out = []
+            status = None
         with self._lock:
-            self._capacity = (now, out)
-        return list(out)
+            self._cluster = (now, status)
+        return status
+
+    def capacity(self) -> list[pb.Capacity]:
+        """The coordinator's remaining capacity (streams at 16 FPS per step count); empty when it does not know stage
+        times yet or cannot be reached in time."""
+        status = self.cluster()
+        return [pb.Capacity(steps=c.steps, streams=c.streams) for c in status.capacity] if status is not None else []
+
+    def startup_progress(self) -> list[pb.StartupProgress]:
+        """The gateway's start-up, then each stage's (the coordinator's Status, asked at most once a second)."""
+        cluster = self.cluster()
+        own = [self.startup.to_proto(pb.StartupProgress)] if self.startup is not None else []
+        return own + stage_startup(cluster)
 
     def status(self, who: Principal | None = None) -> pb.GatewayStatus:
         """The gateway's state as ``who`` may see it: a tenant sees only its own streams (and no totals or
@@ -116,4 +148,51 @@ class StatusReport:
         msg.vae_state_bytes = sum(s.vae_state_bytes for s in msg.streams)
         msg.paced_streams = sum(1 for s in msg.streams if s.paced)
         msg.unpaced_streams = len(msg.streams) - msg.paced_streams
+        msg.startup.extend(self.startup_progress())
         return msg
+
+
+class StartingFront:
+    """The StreamService the public server holds from the moment its port is bound.  While the gateway loads, GetStatus
+    and WatchStatus answer its start-up (``GatewayStatus.starting``, ``startup``: its own steps and its stages') and
+    Generate is refused UNAVAILABLE; once ``open()``, every call is the servicer's (``gateway.handlers``)."""
+
+    def __init__(self, gw, servicer):
+        self.gw = gw  # gateway.service.Gateway: its startup, options and coordinator stub
+        self.servicer = servicer
+        self._open = threading.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def starting_status(self) -> pb.GatewayStatus:
+        gw = self.gw
+        try:
+            cluster = gw.coordinator.Status(ipb.Empty(), timeout=COORDINATOR_STATUS_S)
+        except grpc.RpcError:
+            cluster = None
+        msg = pb.GatewayStatus(max_streams=gw.opts.max_streams, starting=True)
+        msg.startup.append(gw.startup.to_proto(pb.StartupProgress))
+        msg.startup.extend(stage_startup(cluster))
+        return msg
+
+    def Generate(self, request_iterator, context):
+        if not self._open.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, STARTING)
+        return self.servicer.Generate(request_iterator, context)
+
+    def GetStatus(self, request: bytes, context):
+        if not self._open.is_set():
+            return self.starting_status()
+        return self.servicer.GetStatus(request, context)
+
+    def WatchStatus(self, request: bytes, context):
+        sent, version = b"", -1
+        while not self._open.is_set() and context.is_active():
+            msg = self.starting_status()  # a step of the gateway's, or a stage's (checked every second)
+            if msg.SerializeToString() != sent:
+                sent = msg.SerializeToString()
+                yield msg
+            version = self.gw.startup.wait_change(version, COORDINATOR_STATUS_S)
+        if context.is_active():
+            yield from self.servicer.WatchStatus(request, context)

@@ -9,7 +9,9 @@ Usage::
     # leaving the block: SIGTERM to every child, SIGKILL after a grace period
 
 Each child prints one ``STAGECAST_READY key=value ...`` line once it serves; ``spawn`` blocks on that
-line (no polling); ``start`` + ``wait_ready`` start several children at once.  Children get
+line (no polling); ``start`` + ``wait_ready`` start several children at once.  Before it, a child prints its start-up
+steps (``STAGECAST_STARTUP ...``, ``stagecast.startup``), kept in ``child.startup`` and shown by
+``Launcher(startup=StartupView())`` (``launcher.startup_view``) with its READY time.  Children get
 PR_SET_PDEATHSIG (set by the child itself, ``stagecast.service.die_with_parent``), so they die with the
 launcher even if it is killed with SIGKILL: no orphans.
 
@@ -53,10 +55,12 @@ from pathlib import Path
 import grpc
 
 from launcher.forkserver import ForkedProcess, ForkServer
+from launcher.startup_view import StartupView
 from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
 from stagecast.service import PARENT_PID_ENV, READY_PREFIX, SERVICE_MODULES
+from stagecast.startup import STARTUP_PREFIX, StartupStep, parse_line
 
 # The certificate each service command runs with.
 SERVICE_ROLES = {"coordinator": "coordinator", "stage": "stage", "gateway": "gateway", "vae-stage": "vae-stage"}
@@ -132,6 +136,11 @@ class Child:
     info: dict[str, str] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     ready: threading.Event | None = None
+    startup: list[StartupStep] = field(default_factory=list)  # its STAGECAST_STARTUP lines, as printed
+
+    def ready_s(self) -> float | None:
+        """Seconds from its start to READY, as it said (its "ready" step), or None."""
+        return next((s.at_s for s in reversed(self.startup) if s.name == "ready"), None)
 
     @property
     def pid(self) -> int:
@@ -177,12 +186,14 @@ class Launcher:
         credentials: str | None = None,
         forkserver: bool | None = None,
         prefix: str = "",
+        startup: StartupView | None = None,
     ):
         """``credentials``: an existing deployment folder (``ca.crt`` and one folder per role, as
         ``write_deployment`` makes) to use instead of a throwaway one; it is left in place.  ``forkserver``: fork the
         children from this process's fork server (``launcher.forkserver``: the heavy imports done once) instead of
         starting each interpreter afresh; default ``DEFAULT_FORKSERVER`` (``$STAGECAST_FORKSERVER`` == "1").  A child
-        started with a ``prefix`` (a command that execs it) always starts afresh."""
+        started with a ``prefix`` (a command that execs it) always starts afresh.  ``startup``: where the children's
+        start-up steps and READY times are shown (with ``echo``, their other lines are echoed beside them)."""
         self.forkserver = DEFAULT_FORKSERVER if forkserver is None else forkserver
         self.prefix = prefix  # before every child's name ("p0/" in a fleet: "p0/gateway")
         self.children: list[Child] = []
@@ -190,7 +201,12 @@ class Launcher:
         self.env.pop(FORKSERVER_ENV, None)  # how this launcher starts its children is its own: not passed down
         # Stacks of exited threads are unmapped rather than cached (stagecast.diagnostics says why).
         self.env.setdefault("GLIBC_TUNABLES", STACK_CACHE_OFF)
+        # A child's output is a pipe read line by line: no progress bars in it (tqdm's, the Hub's "Loading weights");
+        # its start-up steps are lines (stagecast.startup), and a view here draws bars where there is a terminal.
+        self.env.setdefault("TQDM_DISABLE", "1")
+        self.env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         self.echo = echo
+        self.startup_view = startup
         self.secure = mtls
         self._credentials: str | None = credentials
         self._owns_credentials = credentials is None
@@ -268,13 +284,22 @@ class Launcher:
 
         def pump() -> None:
             assert proc.stdout is not None
+            view = self.startup_view
             for line in proc.stdout:
                 line = line.rstrip("\n")
                 child.log.append(line)
                 del child.log[:-200]
+                step = parse_line(line) if line.startswith(STARTUP_PREFIX) else None
+                if step is not None:
+                    child.startup.append(step)
+                    del child.startup[:-200]
                 if line.startswith(READY_PREFIX) and not ready.is_set():
                     child.info = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+                    if view is not None:
+                        view.ready(name, child.ready_s())
                     ready.set()
+                elif step is not None and view is not None:
+                    view.step(name, step)
                 elif self.echo:
                     print(f"[{name}] {line}", file=sys.stderr, flush=True)
             ready.set()  # EOF: the child exited

@@ -292,7 +292,9 @@ def _run_one(args: argparse.Namespace, plan: Plan, stop) -> int:
 
     # Every internal connection is mTLS: the launcher makes a throwaway CA and one certificate per role in a private
     # temporary folder (or uses --credentials), and deletes it on the way out.
-    with Launcher(echo=True, credentials=args.credentials) as launcher:
+    from launcher.startup_view import StartupView
+
+    with Launcher(echo=True, credentials=args.credentials, startup=StartupView()) as launcher:
         supervisor = Supervisor(launcher, stop, max_restarts=args.max_restarts, hang_s=args.stage_hang_s)
         try:
             ready = _start_one(launcher, supervisor, args, plan)
@@ -336,18 +338,56 @@ def _start_one(launcher, supervisor, args: argparse.Namespace, plan: Plan) -> di
 
 
 def _shape(args: argparse.Namespace) -> str:
-    shape = f"{args.stages} stages" + (f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else "")
+    shape = f"{args.stages} stage{'s' if args.stages != 1 else ''}"
+    shape += f" × {args.sp} sequence-parallel ranks" if args.sp > 1 else ""
     return shape + (f" × {args.cfg_parallel} CFG-parallel groups" if args.cfg_parallel > 1 else "")
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def reachable(address: str) -> str:
+    """``address`` as a client on this machine dials it: a wildcard host (every interface) is 127.0.0.1."""
+    host, _, port = address.rpartition(":")
+    if host not in WILDCARDS:
+        return address
+    return f"127.0.0.1:{port}"
+
+
+def summary(args: argparse.Namespace, ready: dict[str, str], shape: str) -> list[str]:
+    """The lines that say ``up`` is up (``ready``: role -> address or URL): what answers where, from this machine, and
+    what a client needs (TLS, tokens)."""
+    lines = [f"stagecast is up: {shape}"]
+    if "gateway" in ready:
+        gateway = reachable(ready["gateway"])
+        needs = []
+        if args.tls_cert:
+            needs.append(f"TLS (a client trusts {args.tls_cert}: --tls-ca, or --tls for a public CA)")
+        else:
+            needs.append("plaintext")
+        if args.tokens:
+            needs.append(f"a bearer token from {args.tokens} (--token-file)")
+        lines.append(f"public API (gRPC): {gateway}, {' and '.join(needs)}")
+    if "web" in ready:
+        scheme, _, rest = ready["web"].partition("://")
+        lines.append(f"watch and steer it in a browser: {scheme}://{reachable(rest.rstrip('/'))}/")
+    lines.append(f"coordinator (internal, mTLS): {reachable(ready['coordinator'])}")
+    if args.health_port > 0:
+        lines.append(f"coordinator health (plaintext grpc.health.v1): {reachable(f'{args.host}:{args.health_port}')}")
+    if args.host in WILDCARDS:
+        import socket
+
+        lines.append(
+            f"--host {args.host}: every interface listens; from another machine use this one's address "
+            f"(e.g. {socket.gethostname()}) with the ports above"
+        )
+    return lines
 
 
 def _say_up(args: argparse.Namespace, ready: dict[str, str], shape: str) -> None:
     """The lines that say ``up`` is up, and its READY line (``ready``: role -> address)."""
-    where = ", ".join(f"{role} {address}" for role, address in ready.items())
-    print(f"stagecast is up: {where}, {shape}", flush=True)
-    if args.health_port > 0:
-        print(f"coordinator health (plaintext grpc.health.v1): {args.host}:{args.health_port}", flush=True)
-    if "web" in ready:
-        print(f"watch and steer it in a browser: {ready['web']}", flush=True)
+    for line in summary(args, ready, shape):
+        print(line, flush=True)
     announce_ready(**ready)
 
 

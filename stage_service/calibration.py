@@ -184,9 +184,11 @@ def calibrate(
     clock: Callable[[], float] = time.perf_counter,
     timer: Callable[[Callable[[], object]], float] | None = None,
     forward: Callable[[SliceRunner, list[MicroStep], torch.Tensor | None], object] | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> Calibration:
-    """Time this slice (see the module docstring).  ``clock``, ``timer`` and ``forward`` are for tests: a fake clock,
-    a timing function ``timer(fn) -> ms``, and what runs one forward (default ``runner.forward(steps, inputs)``)."""
+    """Time this slice (see the module docstring).  ``on_batch(b, max_batch)`` is called as each batch size is timed
+    (start-up progress).  ``clock``, ``timer`` and ``forward`` are for tests: a fake clock, a timing function
+    ``timer(fn) -> ms``, and what runs one forward (default ``runner.forward(steps, inputs)``)."""
     if not 1 <= max_batch <= MAX_CALIBRATION_BATCH:
         raise ValueError(f"max_batch must be in [1, {MAX_CALIBRATION_BATCH}], got {max_batch}")
     if not 0 < budget_s <= MAX_BUDGET_S:
@@ -207,7 +209,7 @@ def calibrate(
             graphed = GraphedBlocks(dit_slice, reserve_rows=max_batch)
         runner = SliceRunner(dit_slice, graphs=graphed)
         timer = timer or _timer(device)
-        _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward)
+        _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward, on_batch)
     except _Budget as exc:
         cal.error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a seed, never a reason not to serve
@@ -226,7 +228,7 @@ def calibrate(
     return cal
 
 
-def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward) -> None:
+def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward, on_batch) -> None:
     sl = runner.slice
     gen = torch.Generator(device="cpu").manual_seed(0)
     text = torch.randn(1, shape.text_len, sl.config["text_dim"], generator=gen)
@@ -270,6 +272,8 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
                 runner.close_stream(sid)
         cal.empty_ms.append(timed[0])
         cal.full_ms.append(timed[chunks])
+        if on_batch is not None:
+            on_batch(b, max_batch)
 
 
 def synthetic_spec(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,11 +66,12 @@ class Generation:
         telemetry: StageTelemetry,
         graphs: bool,
         shape: ServingShape | None = None,
+        on_graphs: Callable[[int, int], None] | None = None,
     ) -> Generation:
         """Join the generation's process group (more than one stage) and build the runner (CUDA graphs when asked, on
         a GPU, with the graphs of batches of 1..``max_batch`` streams at the serving ``shape`` captured by the
-        executor before its first event: ``stage_service.precapture``) and its executor, which the caller starts.
-        ``request`` was checked by the servicer."""
+        executor before its first event: ``stage_service.precapture``, ``on_graphs(b, max_batch)`` as each batch size
+        is captured) and its executor, which the caller starts.  ``request`` was checked by the servicer."""
         cfg_parallel = request.cfg_parallel or 1
         transport = None
         if request.world_size > 1:
@@ -101,7 +103,7 @@ class Generation:
             # On the executor's thread before its first event, so Form (under the stage's lock) does not wait for it.
             def prepare(stopping) -> None:
                 start = time.perf_counter()
-                precapture(runner, max_batch, shape, stop=stopping)
+                precapture(runner, max_batch, shape, stop=stopping, on_batch=on_graphs)
                 telemetry.startup("graph_precapture", time.perf_counter() - start)
 
         gen_holder: list[Generation] = []

@@ -50,9 +50,11 @@ def precapture(
     budget_s: float = DEFAULT_BUDGET_S,
     clock: Callable[[], float] = time.perf_counter,
     stop: Callable[[], bool] = lambda: False,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> int:
     """Capture the graphs of batches of 1..``max_batch`` streams at every window length (module docstring), until
-    ``stop()`` (checked before every forward: the stage leaves its generation).  Returns the graphs captured."""
+    ``stop()`` (checked before every forward: the stage leaves its generation).  ``on_batch(b, max_batch)`` is called
+    as each batch size is done (start-up progress).  Returns the graphs captured."""
     graphs = runner.graphs
     if graphs is None or runner.sp.size > 1:
         return 0
@@ -88,6 +90,8 @@ def precapture(
             for sid in ids:
                 runner.close_stream(sid)
                 opened.remove(sid)
+            if on_batch is not None:
+                on_batch(b, max_batch)
     except Exception:  # noqa: BLE001 - a head start, never a reason not to serve
         logger.warning("graph pre-capture failed; batch signatures are captured while serving", exc_info=True)
     finally:

@@ -55,7 +55,8 @@ from stagecast.model.config import checkpoint_config
 from stagecast.model.parallel import check_sp
 from stagecast.names import DTYPES, STAGE_SERVICE
 from stagecast.security import RoleGuard, connect
-from stagecast.service import process_age, serve_lifecycle
+from stagecast.service import serve_lifecycle
+from stagecast.startup import Startup
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = STAGE_SERVICE
@@ -93,11 +94,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.gen: Generation | None = None
         self.lock = threading.RLock()
         self.telemetry = StageTelemetry(opts.index, state=lambda: self.gen)
-        self.loader = SliceLoader(opts, self.config, device=self.device, dtype=self.dtype, telemetry=self.telemetry)
-        self.health = StageHealth(opts.index)
         # Registration and the rendezvous store both go to the coordinator this stage was started with (a plan
         # cannot point a stage at another address), over mTLS.
         self.control = connect(opts.coordinator, opts.mtls, "coordinator", CHANNEL_OPTIONS)
+        # Start-up steps, printed and reported to the coordinator (ClusterStatus.startup, the gateway's GetStatus).
+        self.startup = Startup(f"stage {opts.index}", report=self._report_startup)
+        self.loader = SliceLoader(
+            opts, self.config, device=self.device, dtype=self.dtype, telemetry=self.telemetry, startup=self.startup
+        )
+        self.health = StageHealth(opts.index)
         self.members = Membership(
             opts,
             self.config,
@@ -108,8 +113,18 @@ class StageServicer(pb_grpc.StageServiceServicer):
             report_progress=lambda: self.health.report_progress(self.gen),
         )
 
+    def _report_startup(self, startup: Startup) -> None:
+        """Each start-up step to the coordinator; a report it cannot take is dropped (the next one carries it all)."""
+        try:
+            pb_grpc.CoordinatorServiceStub(self.control).ReportStartup(
+                startup.to_proto(pb.StartupProgress, index=self.opts.index), timeout=2.0
+            )
+        except grpc.RpcError as exc:
+            logger.debug("stage %d: start-up report not taken: %s", self.opts.index, exc.code().name)
+
     def _on_registered(self, reply: pb.RegisterReply) -> None:
         self.world_size = reply.world_size
+        self.startup.step("registered", detail=f"layers {reply.layer_start}:{reply.layer_stop}")
         if reply.max_batch > 0:
             self.loader.max_batch = reply.max_batch
         self._load(range(reply.layer_start, reply.layer_stop))
@@ -185,6 +200,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 telemetry=self.telemetry,
                 graphs=self.opts.cuda_graphs,
                 shape=self.loader.serving_shape() if self.opts.cuda_graphs else None,
+                on_graphs=lambda b, n: self.startup.step("graphs", b, n, detail=f"generation {request.generation}"),
             )
             self.world_size = request.world_size
             self.gen.executor.start()
@@ -306,7 +322,7 @@ def serve(opts: StageOptions, ready: threading.Event | None = None, stop: thread
     def start() -> dict:
         servicer.members.register(address)
         set_serving(health, [], True)  # alive; StageService follows membership of a formed generation
-        ready_s = process_age()
+        ready_s = servicer.startup.ready().at_s
         servicer.telemetry.startup("ready", ready_s)
         logger.info("stage %d READY %.2fs after process start", opts.index, ready_s)
         member.start()

@@ -29,6 +29,7 @@ from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
 from stage_service.metrics import StageTelemetry
 from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.model.config import RANDOM_PREFIX
+from stagecast.startup import Startup
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,22 @@ logger = logging.getLogger(__name__)
 class SliceLoader:
     """The loaded slice, its layer range, its calibration and its KV budget."""
 
-    def __init__(self, opts, config: dict, *, device: torch.device, dtype: torch.dtype, telemetry: StageTelemetry):
+    def __init__(
+        self,
+        opts,
+        config: dict,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        telemetry: StageTelemetry,
+        startup: Startup | None = None,
+    ):
         self.opts = opts  # stage_service.server.StageOptions
         self.config = config
         self.device = device
         self.dtype = dtype
         self.telemetry = telemetry
+        self.startup = startup  # the stage's start-up steps: weights, calibration k of n
         self.layers: range | None = None
         self.slice: DiTSlice | None = None
         # the coordinator's Stream Batch (RegisterReply.max_batch): what the calibration times
@@ -84,6 +95,8 @@ class SliceLoader:
         took = time.perf_counter() - start
         logger.info("stage %d loaded layers %d:%d in %.2fs", self.opts.index, layers.start, layers.stop, took)
         self.telemetry.startup("load", took)
+        if self.startup is not None:
+            self.startup.step("weights", detail=f"layers {layers.start}:{layers.stop} in {took:.2f} s")
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -142,6 +155,7 @@ class SliceLoader:
                 shape,
                 budget_s=budget,
                 graphs=self.opts.cuda_graphs,
+                on_batch=(lambda b, n: self.startup.step("calibration", b, n)) if self.startup is not None else None,
             )
         except Exception as exc:  # noqa: BLE001
             logger.warning("stage %d: calibration failed: %s; times come from batches", self.opts.index, exc)

@@ -324,8 +324,34 @@ class CostBudget(_message.Message):
     default_passes: int
     def __init__(self, max_frame_pixels: _Optional[int] = ..., max_stream_cost: _Optional[float] = ..., min_fps: _Optional[float] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., default_fps: _Optional[float] = ..., default_steps: _Optional[int] = ..., default_passes: _Optional[int] = ...) -> None: ...
 
+class StartupStep(_message.Message):
+    __slots__ = ("name", "done", "total", "at_s", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    done: int
+    total: int
+    at_s: float
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., at_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StartupProgress(_message.Message):
+    __slots__ = ("process", "steps", "ready", "ready_s")
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    READY_S_FIELD_NUMBER: _ClassVar[int]
+    process: str
+    steps: _containers.RepeatedCompositeFieldContainer[StartupStep]
+    ready: bool
+    ready_s: float
+    def __init__(self, process: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StartupStep, _Mapping]]] = ..., ready: _Optional[bool] = ..., ready_s: _Optional[float] = ...) -> None: ...
+
 class GatewayStatus(_message.Message):
-    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "cost_budget", "paced_streams", "unpaced_streams", "pipeline", "slots_free", "slots_total", "draining")
+    __slots__ = ("active_streams", "max_streams", "vae_state_bytes", "streams", "streams_started", "streams_finished", "ended_by_reason", "coordinator", "waiting_calls", "capacity", "cost_budget", "paced_streams", "unpaced_streams", "pipeline", "slots_free", "slots_total", "draining", "startup", "starting")
     class EndedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +376,8 @@ class GatewayStatus(_message.Message):
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     max_streams: int
     vae_state_bytes: int
@@ -367,4 +395,6 @@ class GatewayStatus(_message.Message):
     slots_free: int
     slots_total: int
     draining: bool
-    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cost_budget: _Optional[_Union[CostBudget, _Mapping]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ..., pipeline: _Optional[str] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    startup: _containers.RepeatedCompositeFieldContainer[StartupProgress]
+    starting: bool
+    def __init__(self, active_streams: _Optional[int] = ..., max_streams: _Optional[int] = ..., vae_state_bytes: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamStatus, _Mapping]]] = ..., streams_started: _Optional[int] = ..., streams_finished: _Optional[int] = ..., ended_by_reason: _Optional[_Mapping[str, int]] = ..., coordinator: _Optional[str] = ..., waiting_calls: _Optional[int] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cost_budget: _Optional[_Union[CostBudget, _Mapping]] = ..., paced_streams: _Optional[int] = ..., unpaced_streams: _Optional[int] = ..., pipeline: _Optional[str] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., draining: _Optional[bool] = ..., startup: _Optional[_Iterable[_Union[StartupProgress, _Mapping]]] = ..., starting: _Optional[bool] = ...) -> None: ...

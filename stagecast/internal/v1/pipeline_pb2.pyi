@@ -556,8 +556,36 @@ class StageStats(_message.Message):
     eager_batches: int
     def __init__(self, index: _Optional[int] = ..., batches: _Optional[int] = ..., forward_ms_total: _Optional[float] = ..., wait_ms_total: _Optional[float] = ..., micro_steps: _Optional[int] = ..., exchange_ms_total: _Optional[float] = ..., eager_batches: _Optional[int] = ...) -> None: ...
 
+class StartupStep(_message.Message):
+    __slots__ = ("name", "done", "total", "at_s", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    done: int
+    total: int
+    at_s: float
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., at_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StartupProgress(_message.Message):
+    __slots__ = ("process", "steps", "ready", "ready_s", "index")
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    READY_S_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    process: str
+    steps: _containers.RepeatedCompositeFieldContainer[StartupStep]
+    ready: bool
+    ready_s: float
+    index: int
+    def __init__(self, process: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StartupStep, _Mapping]]] = ..., ready: _Optional[bool] = ..., ready_s: _Optional[float] = ..., index: _Optional[int] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch", "slots_free", "slots_total")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch", "slots_free", "slots_total", "startup")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +602,7 @@ class ClusterStatus(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -590,4 +619,5 @@ class ClusterStatus(_message.Message):
     max_batch: int
     slots_free: int
     slots_total: int
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ...) -> None: ...
+    startup: _containers.RepeatedCompositeFieldContainer[StartupProgress]
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., startup: _Optional[_Iterable[_Union[StartupProgress, _Mapping]]] = ...) -> None: ...

@@ -332,6 +332,11 @@ class CoordinatorServiceStub:
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
                 response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.ReportStartup = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/ReportStartup',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.StartupProgress.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -404,6 +409,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStartup(self, request, context):
+        """A stage's start-up steps as they happen (weights, calibration k of n, graphs k of n, ready): ClusterStatus.startup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -456,6 +468,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
                     response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ClusterStatus.SerializeToString,
+            ),
+            'ReportStartup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStartup,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.StartupProgress.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -728,6 +745,33 @@ class CoordinatorService:
             '/stagecast.internal.v1.CoordinatorService/Status',
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStartup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/ReportStartup',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.StartupProgress.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
