@@ -50,16 +50,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import torch
 
 from gateway.config import EffectiveConfig
 from gateway.pipeline import PipelineCall, StreamFailed
-from gateway.stream_client import ClientRequests, Outbox
+from gateway.stream_client import ClientRequests, Outbox, StreamLimits
 from gateway.stream_frames import ChunkTag, FrameEmitter
 from gateway.stream_trace import StreamTrace
 from gateway.timers import Deadlines
@@ -68,6 +68,13 @@ from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
 from stagecast.v1 import stream_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.decoder import DecodeGate
+    from gateway.metrics import GatewayMetrics
+    from gateway.stream_vae import StreamVAEEncoder
+    from gateway.timers import Timers
+    from stagecast.internal.v1.pipeline_pb2_grpc import CoordinatorServiceStub
 
 logger = logging.getLogger(__name__)
 
@@ -78,38 +85,45 @@ END_LINGER_S = 1.0
 __all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun"]
 
 
-@dataclass(frozen=True)
-class StreamLimits:
-    buffer_chunks: int  # latent chunks queued between the pipeline and the VAE
-    buffer_messages: int  # encoded messages queued between the encoder and the client
-    slow_client_timeout: float  # how long a message may wait for the client to take it before the stream ends
-    drain_timeout: float  # how long a stopped pipeline stream may take to finish its cooldown
-    abandon_timeout: float  # how long a failed stream's client may take to read its error before cancelling
-    buffer_bytes: int = 8 << 20  # bytes of encoded messages queued between the encoder and the client
+class DecodeSession(Protocol):
+    """One stream's decode on a decoder (``gateway.decoder``'s LocalSession / RemoteSession, the batched tiny
+    decoder's BatchedSession): chunks in, frames out in order."""
+
+    def submit(self, tag, latents: torch.Tensor) -> bool: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+    def results(self) -> Iterator: ...
+    def close(self) -> None: ...
+
+
+class Decoder(Protocol):
+    """A decoder streams open sessions on (``gateway.decoder.LocalDecoder``, ``RemoteDecoder``, the batched one)."""
+
+    def open(self, capacity: int, paced: bool = False) -> DecodeSession: ...
 
 
 @dataclass(frozen=True)
 class StreamHost:
     """What a stream needs from its gateway, and nothing more: the gateway builds one and hands it to every run."""
 
-    coordinator: Any  # the CoordinatorService stub
+    coordinator: CoordinatorServiceStub
     coordinator_target: str
     # By StreamConfig.decoder: "full" (gateway.decoder.LocalDecoder or RemoteDecoder: the VAE), and "tiny" (a
     # LocalDecoder of a tiny streaming decoder) where the deployment has one.
-    decoders: Mapping[str, Any]
-    metrics: Any  # gateway.metrics.GatewayMetrics
-    timers: Any  # gateway.timers.Timers
+    decoders: Mapping[str, Decoder]
+    metrics: GatewayMetrics
+    timers: Timers
     limits: StreamLimits
     latent_channels: int
     text_len: int
     model_name: str
     encode_prompt: Callable[..., torch.Tensor]  # (prompt, parent_span=...) -> text embeddings
-    input_encoder: Callable[[], Any]  # the VAE encoder video-to-video streams share (gateway.stream_vae)
+    input_encoder: Callable[[], StreamVAEEncoder]  # the VAE encoder video-to-video streams share
     temporal_factor: int
     touch: Callable[[], None]  # the stream's state changed (status watchers)
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
     pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
-    encode_gate: Any = None  # gateway.decoder.encode_gate: a paced stream's frame encodes go first
+    encode_gate: DecodeGate | None = None  # gateway.decoder.encode_gate: a paced stream's frame encodes go first
 
 
 class StreamRun:

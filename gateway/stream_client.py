@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import grpc
 
@@ -28,10 +28,19 @@ from gateway.config import ConfigError, RequestTooLarge, check_prompt, check_tra
 from gateway.pipeline import StreamFailed
 from stagecast.v1 import stream_pb2 as pb
 
-if TYPE_CHECKING:
-    from gateway.stream import StreamLimits
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """A stream's bounds, the same for every stream of a gateway (``gateway.stream.StreamHost.limits``)."""
+
+    buffer_chunks: int  # latent chunks queued between the pipeline and the VAE
+    buffer_messages: int  # encoded messages queued between the encoder and the client
+    slow_client_timeout: float  # how long a message may wait for the client to take it before the stream ends
+    drain_timeout: float  # how long a stopped pipeline stream may take to finish its cooldown
+    abandon_timeout: float  # how long a failed stream's client may take to read its error before cancelling
+    buffer_bytes: int = 8 << 20  # bytes of encoded messages queued between the encoder and the client
 
 
 class Outbox:
