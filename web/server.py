@@ -238,83 +238,27 @@ class WebApp:
     async def socket(self, request: web.Request) -> web.StreamResponse:
         """A WebSocket peer.  With a token in ``Sec-WebSocket-Protocol`` it takes a peer slot at once (the config must
         follow within ``FIRST_MESSAGE_S``); without, it waits in the pre-auth pool and must send its token in its first
-        message within ``PREAUTH_S``, and takes a slot only then."""
-        peer_id = f"ws-{next(self._ids)}"
-        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
-        header_token = next((p[len(BEARER_PROTOCOL) :] for p in offered if p.startswith(BEARER_PROTOCOL)), None)
-        address = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.trusted)
-        waiting = header_token is None  # in the pre-auth pool
-        loop = asyncio.get_running_loop()
-        ws_holder: list[web.WebSocketResponse | None] = [None]  # set once prepared: an eviction closes it
-        evicted = asyncio.Event()
-
-        def evict() -> None:  # a newcomer below its fair share took this socket's place (web.slots)
-            evicted.set()
-            if ws_holder[0] is not None:
-                loop.create_task(ws_holder[0].close(message=EVICTED))
-
-        entry = None
-        if waiting:
-            entry = self.preauth.enter(address, evict)
-            if isinstance(entry, str):
-                self.served["refused"] += 1
-                return _refuse(503, entry)
-        else:
-            tenant, problem = self.check_token(header_token)
-            if problem is not None:
-                return _refuse(*problem)
-            if (refusal := self._take(peer_id, tenant)) is not None:
-                return _refuse(503, refusal)
-        token_holder: list[str | None] = [header_token]
+        message within ``PREAUTH_S``, and takes a slot only then (``SocketAuth``)."""
+        auth = SocketAuth(self, f"ws-{next(self._ids)}", protocol_token(request))
+        refusal = auth.admit(client_address(request.remote, request.headers.get("X-Forwarded-For"), self.trusted))
+        if refusal is not None:
+            return refusal
         ws = web.WebSocketResponse(
             heartbeat=self.cfg.peer_timeout / 2, max_msg_size=MAX_MESSAGE_BYTES, protocols=(WS_PROTOCOL,)
         )
-        timer = None
         try:
             await ws.prepare(request)
-            ws_holder[0] = ws
-            if evicted.is_set():  # evicted while the handshake was under way
+            if not auth.opened(ws):  # evicted while the handshake was under way
                 await ws.close(message=EVICTED)
                 return ws
-            if waiting:
-                why = f"no token within {PREAUTH_S:g} s".encode()
-            else:
-                self.peers[peer_id] = ws
-                self.served["ws"] += 1
-                self.served["ws_token_in_header"] += 1  # never in the pre-auth pool
-                why = f"no config within {FIRST_MESSAGE_S:g} s".encode()
-            timer = loop.call_later(
-                PREAUTH_S if waiting else FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=why))
-            )
-
-            def authorize(token: str | None) -> tuple[str, str] | None:
-                nonlocal waiting
-                timer.cancel()
-                if not waiting:
-                    return None  # authenticated by its header; a token in the config is not needed
-                tenant, problem = self.check_token(token)
-                if problem is not None:
-                    return ("UNAUTHENTICATED" if problem[0] == 401 else "PERMISSION_DENIED"), problem[1]
-                self.preauth.leave(entry)
-                waiting = False
-                if (refusal := self._take(peer_id, tenant)) is not None:
-                    return "RESOURCE_EXHAUSTED", refusal
-                self.peers[peer_id] = ws
-                self.served["ws"] += 1
-                token_holder[0] = token
-                return None
 
             def make_session(sink, send, fatal):
-                return Session(lambda: self.client_for(token_holder[0])(), sink, send, codec="h264", on_fatal=fatal)
+                return Session(lambda: self.client_for(auth.token)(), sink, send, codec="h264", on_fatal=fatal)
 
-            why_closed = await serve_socket(ws, make_session, authorize)
-            logger.info("socket %s closed: %s", peer_id, why_closed)
+            why_closed = await serve_socket(ws, make_session, auth.authorize)
+            logger.info("socket %s closed: %s", auth.peer_id, why_closed)
         finally:
-            if timer is not None:
-                timer.cancel()
-            if waiting:
-                self.preauth.leave(entry)
-            self._free(peer_id)
+            auth.release()
         return ws
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
@@ -336,3 +280,95 @@ class WebApp:
                 await peer.close(message=b"shutting down")
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+def protocol_token(request: web.Request) -> str | None:
+    """The bearer token a WebSocket offers as ``bearer.<token>`` in ``Sec-WebSocket-Protocol``, else None."""
+    offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+    return next((p[len(BEARER_PROTOCOL) :] for p in offered if p.startswith(BEARER_PROTOCOL)), None)
+
+
+class SocketAuth:
+    """One WebSocket's way to a peer slot.  With a token from its handshake it takes the slot before the upgrade;
+    without, it waits in the pre-auth pool (where a newcomer below its fair share may evict it) until its first
+    message brings the token.  Either way it is closed if that message does not come in time."""
+
+    def __init__(self, app: WebApp, peer_id: str, header_token: str | None):
+        self.app = app
+        self.peer_id = peer_id
+        self.token = header_token  # the token its gateway client uses, once known
+        self.waiting = header_token is None  # in the pre-auth pool
+        self.entry = None
+        self.ws: web.WebSocketResponse | None = None  # set once prepared: an eviction closes it
+        self.evicted = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def _evict(self) -> None:  # a newcomer below its fair share took this socket's place (web.slots)
+        self.evicted = True
+        if self.ws is not None:
+            asyncio.get_running_loop().create_task(self.ws.close(message=EVICTED))
+
+    def admit(self, address: str | None) -> web.Response | None:
+        """Before the upgrade: a place in the pre-auth pool, or a peer slot for the handshake's token; else the
+        refusal to answer."""
+        if self.waiting:
+            self.entry = self.app.preauth.enter(address, self._evict)
+            if isinstance(self.entry, str):
+                self.app.served["refused"] += 1
+                return _refuse(503, self.entry)
+            return None
+        tenant, problem = self.app.check_token(self.token)
+        if problem is not None:
+            return _refuse(*problem)
+        if (refusal := self.app._take(self.peer_id, tenant)) is not None:
+            return _refuse(503, refusal)
+        return None
+
+    def opened(self, ws: web.WebSocketResponse) -> bool:
+        """The upgrade is done: False when the socket was evicted meanwhile (close it); else its first message's
+        timer runs."""
+        self.ws = ws
+        if self.evicted:
+            return False
+        if self.waiting:
+            why = f"no token within {PREAUTH_S:g} s".encode()
+        else:
+            self._serve(ws)
+            self.app.served["ws_token_in_header"] += 1  # never in the pre-auth pool
+            why = f"no config within {FIRST_MESSAGE_S:g} s".encode()
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(
+            PREAUTH_S if self.waiting else FIRST_MESSAGE_S, lambda: loop.create_task(ws.close(message=why))
+        )
+        return True
+
+    def _serve(self, ws: web.WebSocketResponse) -> None:
+        self.app.peers[self.peer_id] = ws
+        self.app.served["ws"] += 1
+
+    def authorize(self, token: str | None) -> tuple[str, str] | None:
+        """At the first message (``web.fallback``): None when the socket may stream, else the (code, text) it is
+        refused with."""
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.waiting:
+            return None  # authenticated by its header; a token in the config is not needed
+        tenant, problem = self.app.check_token(token)
+        if problem is not None:
+            return ("UNAUTHENTICATED" if problem[0] == 401 else "PERMISSION_DENIED"), problem[1]
+        self.app.preauth.leave(self.entry)
+        self.waiting = False
+        if (refusal := self.app._take(self.peer_id, tenant)) is not None:
+            return "RESOURCE_EXHAUSTED", refusal
+        assert self.ws is not None
+        self._serve(self.ws)
+        self.token = token
+        return None
+
+    def release(self) -> None:
+        """The socket closed: its timer, its place in the pool or its peer slot go back."""
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.waiting:
+            self.app.preauth.leave(self.entry)
+        self.app._free(self.peer_id)
