@@ -18,6 +18,8 @@ MAX_PEERS = 2
 
 @dataclass
 class WebCluster:
+    coordinator: str
+    checkpoint: str
     gateway: str
     url: str
     web: Child
@@ -37,4 +39,11 @@ def web_cluster(root_dir, *, max_peers: int = MAX_PEERS, peer_timeout: float = P
         args = ["web", "--gateway", gateway.info["address"], "--port", "0", "--ice-host", "127.0.0.1"]
         args += ["--max-peers", str(max_peers), "--peer-timeout", str(peer_timeout)]
         web = launcher.spawn("web", args)
-        yield WebCluster(gateway=gateway.info["address"], url=web.info["url"], web=web, launcher=launcher)
+        yield WebCluster(
+            coordinator=pipe.coordinator,
+            checkpoint=str(root),
+            gateway=gateway.info["address"],
+            url=web.info["url"],
+            web=web,
+            launcher=launcher,
+        )

@@ -1,8 +1,9 @@
 // stagecast live page: WebRTC (video track + "control" data channel) or the WebSocket fallback (fMP4 into MSE).
 // Control messages are the same on both: config, prompt, stop, ping; the server answers started, frame (stats),
 // prompt_updated, end, error.  WebRTC that does not connect within 5 s, or a browser without it, falls back to the
-// WebSocket by itself; an error shows in the status line and leaves the page idle.  The size list offers what the
-// gateway's cost budget admits (api/budget).  Record saves what the video element shows (MediaRecorder: MP4 where
+// WebSocket by itself; an error shows in the status line in plain words, resets the stats and leaves the page idle.
+// The size list offers only what the gateway's cost budget admits (api/budget), its default included.  Lateness is
+// judged on a playout clock that starts once a buffer's worth of frames has come.  Record saves what the video element shows (MediaRecorder: MP4 where
 // the browser makes it, else WebM), optionally the webcam too, with a sidecar JSON of the prompt switches and their
 // times.  window.stagecast exposes the page's state (tests read it).
 "use strict";
@@ -40,8 +41,31 @@ function authHeaders() { return token() ? { Authorization: `Bearer ${token()}` }
 function fail(text, record) {
   state.errors.push(record || { message: text }); log("error", text);
   state.running = false;
+  resetStats(); // the failed stream's numbers are not the next one's
   setStatus(`idle: ${text} (press Start to retry)`, "error");
   $("update").disabled = true; $("stop").disabled = true;
+}
+
+// gRPC's own words for a connection lost under a stream ("Stream removed (Socket closed)") tell a viewer nothing:
+// say what happened, and keep gRPC's text in the event log.  The gateway's own refusals name their field: as they are.
+const LOST_CODES = ["UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"];
+const TRANSPORT_TEXT = new RegExp("stream removed|socket closed|connection reset|connection refused|failed to connect|" +
+  "broken pipe|goaway|rst_stream|connections to all backends failing|end of tcp stream|keepalive", "i");
+
+function explain(code, message) {
+  if (LOST_CODES.includes(code) && TRANSPORT_TEXT.test(message || "")) {
+    return `the connection to the gateway was lost (${code}): it may be restarting or overloaded`;
+  }
+  return `${code}: ${message}`;
+}
+
+// The stats show the stream running now (or the last one that ended): none after a failure or before a start.
+function resetStats() {
+  state.started = null; state.frames = 0; state.firstFrameMs = null;
+  windowFrames = []; perSecond.length = 0; playout = null;
+  for (const id of ["ttff", "fps", "ontime"]) $(id).textContent = "–";
+  $("frames").textContent = "0";
+  $("late-reason").textContent = ""; $("late-reason").hidden = true;
 }
 
 // ---- sizes: only what the gateway's cost budget admits -------------------------------------------------------
@@ -53,20 +77,24 @@ function admits(w, h) {
   return w * h <= budget.max_frame_pixels && w * h * fps * passes <= budget.max_stream_cost;
 }
 
+// The server's default is offered only where the budget admits it too (a default it would refuse is no choice).
 function offerSizes() {
   if (!budget || !budget.max_frame_pixels) return; // unknown: offer the whole list
   const select = $("size"); const chosen = select.value;
   select.replaceChildren();
   for (const { value, text } of allSizes) {
-    if (value) {
-      const [w, h] = value.split("x").map(Number);
-      if (!admits(w, h)) continue;
-    }
+    const [w, h] = value ? value.split("x").map(Number) : [budget.default_width, budget.default_height];
+    if (!admits(w, h)) continue;
     const opt = document.createElement("option"); opt.value = value;
-    opt.textContent = value ? text : `default (${budget.default_width}×${budget.default_height})`;
+    opt.textContent = value ? text : `default (${w}×${h})`;
     select.append(opt);
   }
-  select.value = [...select.options].some((o) => o.value === chosen) ? chosen : "";
+  if (!select.options.length) { // none at these steps: the server's refusal will say why
+    const opt = document.createElement("option"); opt.value = "";
+    opt.textContent = "none fits the server's budget at these steps (fewer steps)"; select.append(opt);
+  }
+  const options = [...select.options];
+  select.value = options.some((o) => o.value === chosen) ? chosen : options[0].value;
 }
 
 async function loadBudget() {
@@ -104,7 +132,7 @@ function onMessage(msg) {
   switch (msg.type) {
     case "started":
       state.started = msg; state.running = true; state.frames = 0; state.firstFrameMs = null; windowFrames = [];
-      state.lastPts = null;
+      state.lastPts = null; playout = newPlayout(msg.config.target_fps || 16);
       setStatus(`streaming (${state.transport}) ${msg.config.width}×${msg.config.height} @ ` +
         `${msg.config.target_fps} fps, ${msg.config.steps} steps`);
       log("started", `stream ${msg.stream_id}, seed ${msg.config.seed}`);
@@ -118,7 +146,8 @@ function onMessage(msg) {
         $("ttff").textContent = `${(state.firstFrameMs / 1000).toFixed(2)} s`;
       }
       state.frames += 1; state.framesReceived += 1;
-      windowFrames.push({ at: now, late: msg.late_ms, held: (msg.sent_s - msg.received_s) * 1000 });
+      const waited = playout ? playoutFrame(playout, msg.pts, now) : null;
+      windowFrames.push({ at: now, late: msg.late_ms, held: (msg.sent_s - msg.received_s) * 1000, waited });
       $("frames").textContent = state.frames;
       break;
     }
@@ -130,8 +159,11 @@ function onMessage(msg) {
       setStatus(`ended: ${msg.reason}`);
       $("update").disabled = true; $("stop").disabled = true;
       break;
-    case "error": // the server's refusal or the stream's failure: it is over
-      fail(`${msg.code}: ${msg.message}`, msg); recordEnd(); break;
+    case "error": { // the server's refusal or the stream's failure: it is over
+      const text = explain(msg.code, msg.message);
+      if (text !== `${msg.code}: ${msg.message}`) log("grpc", `${msg.code}: ${msg.message}`);
+      fail(text, msg); recordEnd(); break;
+    }
     case "init":
       if (conn && conn.init) conn.init(msg.mime);
       break;
@@ -256,6 +288,7 @@ function startWebSocket() {
 
 async function start() {
   if (conn) { conn.close(); conn = null; }
+  resetStats();
   let transport = document.querySelector("input[name=transport]:checked").value;
   if (transport === "webrtc" && !window.RTCPeerConnection && !$("webcam").checked) {
     log("webrtc", "this browser has no WebRTC: using the WebSocket"); transport = "ws";
@@ -407,6 +440,48 @@ async function recordStop() {
   log("record", `saved ${files.map((f) => f.name).join(", ")}`);
 }
 
+// ---- the playout clock: is the picture late? ---------------------------------------------------------------
+
+// Lateness as a player with PLAYOUT_BUFFER_S buffered sees it, not from the first frame: its clock starts at the
+// stream's first frame once frames that far past it have come (the buffer is full), and a frame is late when it
+// comes after its time on that clock; the player then waits (stalls) that long and its clock moves on by as much.
+// So a stream's start (its first frame alone, the next chunk a chunk later) is not late, and a server slower than
+// real time is: the player waits for every chunk.
+const PLAYOUT_BUFFER_S = 0.5;
+const STALL_WARN_MS = 100; // the player waited this long in the last second: say why
+let playout = null; // the running stream's clock
+
+function newPlayout(fps) {
+  return { fps, firstPts: null, lastPts: null, startAt: null, shiftMs: 0, stalls: [] };
+}
+
+function dueAt(p, pts) { return p.startAt + (pts - p.firstPts) * 1000 + p.shiftMs; }
+
+// The frame of `pts` (s) came at `now` (ms): how long the player waited for it (0: in time; null: still buffering).
+function playoutFrame(p, pts, now) {
+  if (typeof pts !== "number") return null;
+  if (p.firstPts === null) p.firstPts = pts;
+  p.lastPts = p.lastPts === null ? pts : Math.max(p.lastPts, pts);
+  if (p.startAt === null) {
+    if (pts - p.firstPts < PLAYOUT_BUFFER_S) return null;
+    p.startAt = now; // the buffer is full: the first frame plays now
+    return 0;
+  }
+  const waited = Math.max(0, now - dueAt(p, pts));
+  if (waited > 0) { p.shiftMs += waited; p.stalls.push({ at: now, ms: waited }); }
+  return waited;
+}
+
+// How long the player waited in the second before `now`: stalls ended in it, and the one going on (the next frame
+// due and not come).
+function waitedMs(p, now) {
+  if (!p || p.startAt === null) return 0;
+  p.stalls = p.stalls.filter((s) => now - s.at < 1000);
+  const ended = p.stalls.reduce((a, s) => a + Math.min(s.ms, 1000 - (now - s.at)), 0); // the part in it
+  const waiting = Math.max(0, now - dueAt(p, p.lastPts + 1 / p.fps));
+  return Math.min(1000, ended + waiting);
+}
+
 function drawSpark() {
   const now = performance.now();
   windowFrames = windowFrames.filter((f) => now - f.at < 1000);
@@ -416,8 +491,9 @@ function drawSpark() {
     $("fps").textContent = fps.toFixed(0);
     if (ontime !== null) $("ontime").textContent = `${Math.round(ontime * 100)}%`;
   }
-  $("late-reason").textContent = lateReason(fps, ontime);
+  $("late-reason").textContent = lateReason(now);
   $("late-reason").hidden = !$("late-reason").textContent;
+  state.lateReason = $("late-reason").textContent;
   perSecond.push({ fps, ontime });
   if (perSecond.length > 60) perSecond.shift();
   const canvas = $("spark"); const g = canvas.getContext("2d");
@@ -436,15 +512,19 @@ function drawSpark() {
   line("#69f", (p) => p.ontime);
 }
 
-// Why frames are late, from the frame stats: held in this page's encoder, or late from the server already.
-function lateReason(fps, ontime) {
-  if (!state.running || state.frames === 0) return "";
-  if (fps === 0) return "no frames this second: the server is behind (fewer steps or a smaller size helps)";
-  if (ontime === null || ontime >= 0.5) return "";
-  const mean = (key) => windowFrames.reduce((a, f) => a + f[key], 0) / windowFrames.length;
-  if (mean("held") > 50) return `frames wait ${Math.round(mean("held"))} ms in the web process's encoder (CPU)`;
-  return `frames arrive ${Math.round(mean("late"))} ms late: the server makes fewer than ` +
-    `${state.started.config.target_fps} fps at this size and steps (fewer steps or a smaller size helps)`;
+// Why the picture is late, judged on the playout clock (nothing while its buffer fills): frames held in this page's
+// encoder, or late from the server already.
+function lateReason(now) {
+  if (!state.running || !playout || playout.startAt === null) return "";
+  const waited = waitedMs(playout, now);
+  if (waited < STALL_WARN_MS) return "";
+  if (!windowFrames.length) return "no frames this second: the server is behind (fewer steps or a smaller size helps)";
+  // Frames the server sent late leave the web process as soon as they are encoded: their hold is the encoder's.
+  const late = windowFrames.filter((f) => f.late > 20);
+  const held = late.length ? late.reduce((a, f) => a + f.held, 0) / late.length : 0;
+  if (held > 50) return `frames wait ${Math.round(held)} ms in the web process's encoder (CPU)`;
+  return `frames arrive late: playback waited ${Math.round(waited)} ms in the last second; the server makes fewer ` +
+    `than ${state.started.config.target_fps} fps at this size and steps (fewer steps or a smaller size helps)`;
 }
 
 async function init() {
