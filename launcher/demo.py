@@ -18,6 +18,7 @@ video is noise: the demo shows the system working end to end, not image quality.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from gateway.options import GatewayOptions
 from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from launcher.local_cluster import start_pipeline, web_args
 from launcher.process import Launcher
+from launcher.startup_view import StartupView
 from stagecast.flags import HelpFormatter, to_argv
 from stagecast.generate import generate_clip
 from stagecast.service import stop_event
@@ -62,7 +64,7 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"demo checkpoint: {root}", flush=True)
     # One torch thread per process: K stages + the gateway share a few cores, and oversubscribed OpenMP spins.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with Launcher(env=env) as launcher:
+    with Launcher(env=env, startup=StartupView()) as launcher:
         print(
             f"starting a coordinator, {cfg.stages} stages and a gateway on CPU for a {DEMO_SERVING['width']}x"
             f"{DEMO_SERVING['height']}, {cfg.seconds:g} s clip of a tiny random model (noise, not pictures) ...",
@@ -72,6 +74,8 @@ def run_demo(cfg: DemoConfig) -> int:
         gateway_options = GatewayOptions(coordinator=pipe.coordinator, checkpoint=str(root), port=0)
         gateway = launcher.spawn("gateway", ["gateway", *to_argv(gateway_options)])
         address = gateway.info["address"]  # the READY line comes once it serves
+        bound = int(address.rsplit(":", 1)[1])  # a restart (--serve) keeps the port the page talks to
+        gateway_args = ["gateway", *to_argv(dataclasses.replace(gateway_options, port=bound))]
         print(f"up in {time.monotonic() - t0:.1f} s: gateway {address}, coordinator {pipe.coordinator}", flush=True)
         if cfg.web_port >= 0:
             page = launcher.spawn("web", web_args(address, "127.0.0.1", cfg.web_port))
@@ -93,9 +97,27 @@ def run_demo(cfg: DemoConfig) -> int:
             )
         if cfg.serve and cfg.web_port >= 0:
             print(f"serving the live page at {page.info['url']} until Ctrl-C", flush=True)
-            stop_event().wait()
+            page_port = int(page.info["address"].rsplit(":", 1)[1])
+            page_args = web_args(address, "127.0.0.1", page_port)
+            failure = _supervise(launcher, pipe, (gateway, gateway_args), (page, page_args))
+            if failure is not None:
+                print(f"stagecast demo: {failure}", flush=True)
+                return 1
     print(f"demo finished in {time.monotonic() - t0:.1f} s; every process stopped", flush=True)
     return 0
+
+
+def _supervise(launcher: Launcher, pipe, gateway, page) -> str | None:
+    """``--serve``: keep every process up until Ctrl-C as ``stagecast up`` does (one that dies is restarted with
+    backoff, on its port; after too many deaths, why it gave up)."""
+    from launcher.process import Supervisor
+    from launcher.up import watch_pipeline
+
+    supervisor = Supervisor(launcher, stop_event(), command="stagecast demo")
+    watch_pipeline(supervisor, pipe)
+    supervisor.watch(*gateway)
+    supervisor.watch(*page)
+    return supervisor.wait()
 
 
 def add_parser(sub) -> None:

@@ -381,7 +381,10 @@ class Supervisor:
         backoff: tuple[float, float] = (0.5, 10.0),
         ready_timeout: float = 300.0,
         hang_s: float = HANG_S,
+        command: str = "stagecast up",
     ):
+        """``command``: the program whose name starts each line it prints (``stagecast demo --serve`` too)."""
+        self.command = command
         self.launcher = launcher
         self.stop = stop
         self.max_restarts = max_restarts
@@ -437,7 +440,7 @@ class Supervisor:
         if not (self.clean_exit_stops and code == 0):
             return False
         self.retired.add(child.name)
-        print(f"stagecast up: {child.name} stopped (exit code 0): not restarting it", file=sys.stderr, flush=True)
+        print(f"{self.command}: {child.name} stopped (exit code 0): not restarting it", file=sys.stderr, flush=True)
         if self.on_stop is not None:
             self.on_stop(child)
         return True
@@ -463,7 +466,7 @@ class Supervisor:
                 return
             delay = min(self.backoff[1], self.backoff[0] * 2 ** (len(deaths) - 1))
             logger.warning("%s; restarting it in %.1f s", what, delay)
-            print(f"stagecast up: {what}; restarting it in {delay:.1f} s", file=sys.stderr, flush=True)
+            print(f"{self.command}: {what}; restarting it in {delay:.1f} s", file=sys.stderr, flush=True)
             if self.stop.wait(delay):
                 return
             try:
@@ -472,7 +475,7 @@ class Supervisor:
                 self._give_up(f"{what} and could not be restarted: {exc}")
                 return
             self.restarts[name] = self.restarts.get(name, 0) + 1
-            print(f"stagecast up: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)
+            print(f"{self.command}: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)
             if self.on_restart is not None:
                 self.on_restart(child)
 
@@ -501,6 +504,6 @@ class Supervisor:
                 if now - failing_since >= self.hang_s and child.proc.poll() is None:
                     what = f"{child.name} failed its health checks for {self.hang_s:g} s; killing it"
                     logger.warning("%s", what)
-                    print(f"stagecast up: {what}", file=sys.stderr, flush=True)
+                    print(f"{self.command}: {what}", file=sys.stderr, flush=True)
                     child.proc.kill()  # works on a stopped process too; the watch then restarts it
                     return
