@@ -55,9 +55,9 @@ class PlanLoop:
         self.pacing = pacing
         self.slo = slo
         self.telemetry = telemetry
-        self.lookahead = lookahead
+        self._lookahead = lookahead  # fixed at construction: read-only (``lookahead``)
         self.paced_lookahead = paced_lookahead
-        self.record_plan = record_plan
+        self._record_plan = record_plan
         self.seq = 0
         self.batches_planned = 0
         self.batches_done = 0
@@ -80,6 +80,16 @@ class PlanLoop:
         """Under the lock: the last stage finished a batch of this generation."""
         self.batches_done += 1
         self.wake()
+
+    @property
+    def lookahead(self) -> int:
+        """The bound on batches in flight the coordinator was started with (``--lookahead``, or its default)."""
+        return self._lookahead
+
+    @property
+    def record_plan(self) -> bool:
+        """Whether the plan is recorded for GetPlan."""
+        return self._record_plan
 
     def in_flight(self) -> int:
         """Batches planned and not yet finished by the last stage."""
@@ -104,12 +114,12 @@ class PlanLoop:
         included); with only unpaced streams, which have no buffer, the stages never wait for a plan."""
         sched = self.gens.sched
         if not self.paced_lookahead or sched is None:
-            return self.lookahead
+            return self._lookahead
         for sid in sched.streams:
             session = self.streams.find(sid)
             if session is not None and session.chunk_rate > 0:
-                return min(self.lookahead, self.registry.pipeline_stages)
-        return self.lookahead
+                return min(self._lookahead, self.registry.pipeline_stages)
+        return self._lookahead
 
     def has_work(self) -> bool:
         if not self.gens.ready or self.gens.sched is None:
@@ -156,7 +166,7 @@ class PlanLoop:
     def next_event(self, kind: str, **kw) -> pb.PlanEvent:
         self.seq += 1
         event = PlanEvent(kind, seq=self.seq, **kw)
-        if self.record_plan:
+        if self._record_plan:
             # The recorded plan keeps the schedule, not the texts (GetPlan, selftest replay).
             stripped = replace(
                 event,

@@ -74,15 +74,33 @@ class StageRegistry:
             raise ValueError(
                 f"--cfg-parallel {cfg_parallel} with --sp {sp}: CFG-parallel does not compose with --sp yet"
             )
-        self.layout = ParallelLayout(world_size, sp)
-        self.world_size = world_size
-        self.sp = sp
-        self.cfg_parallel = cfg_parallel
+        # The pipeline's shape, fixed at construction: read-only below (other parts read it, none may change it).
+        self._layout = ParallelLayout(world_size, sp)
+        self._world_size = world_size
+        self._sp = sp
+        self._cfg_parallel = cfg_parallel
         self.partition_spec = partition
         self.partition: list[range] | None = None
         self.model: dict | None = None
         self.stages: dict[int, StageRecord] = {}
         self.lock = threading.Lock()
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self._layout
+
+    @property
+    def world_size(self) -> int:
+        """The stage count of one pipeline (as configured)."""
+        return self._world_size
+
+    @property
+    def sp(self) -> int:
+        return self._sp
+
+    @property
+    def cfg_parallel(self) -> int:
+        return self._cfg_parallel
 
     @property
     def pipeline_stages(self) -> int:

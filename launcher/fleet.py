@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from gateway.agent import FleetOptions
 from gateway.options import GatewayOptions
 from launcher.door import Door, DoorError, Server, find_haproxy, render
+from launcher.pipeline_start import Plan, gateway_argv, has_gateway, start_stages, start_web, watch_pipeline
 from launcher.process import Child, Launcher, LaunchError, Supervisor
-from launcher.up import Plan, gateway_argv, has_gateway, start_stages, start_web, watch_pipeline
 from stagecast.flags import flag_names
 from stagecast.service import announce_ready
 

@@ -12,28 +12,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any
 
 from coordinator.options import CoordinatorOptions
 from gateway.options import GatewayOptions
+from launcher.pipeline_start import (
+    GATEWAY_FLAGS,
+    Plan,
+    gateway_argv,
+    has_gateway,
+    start_stages,
+    start_web,
+    watch_pipeline,
+)
 from stage_service.options import StageOptions
-from stagecast.flags import HelpFormatter, add_flags, argv_for, from_args, to_argv
+from stagecast.flags import HelpFormatter, add_flags
 from stagecast.service import announce_ready, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
 COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
 STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "loras")
-GATEWAY_FLAGS = (
-    "vae_compile",
-    "vae_cuda_graphs",
-    "vae_devices",
-    "tiny_decoder",
-    "default_decoder",
-    "tokens",
-    "tls_cert",
-    "tls_key",
-)
 
 
 def add_parser(sub) -> None:
@@ -149,15 +146,6 @@ def main(args: argparse.Namespace) -> int:
     return _run_one(args, plan, stop)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What one pipeline of ``up`` runs where: the placement, the stage partition and the gateway's VAE cut."""
-
-    placement: Any  # launcher.local_cluster.Placement
-    partition: str | None
-    vae_split: list[int] | None
-
-
 def _check_flags(args: argparse.Namespace) -> str | None:
     """The flags ``up`` itself checks before anything starts (one line naming the flag), or None."""
     if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
@@ -208,82 +196,6 @@ def _plan(args: argparse.Namespace) -> Plan:
     )
     partition, vae_split = _balance(args, placement)
     return Plan(placement, partition, vae_split)
-
-
-def has_gateway(args: argparse.Namespace) -> bool:
-    """A gateway runs: a public port, and a checkpoint with its VAE and text encoder."""
-    root = args.checkpoint
-    return args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
-
-
-def start_stages(launcher, args: argparse.Namespace, plan: Plan, *, port: int, metrics_port: int, health_port: int):
-    """The coordinator and stages of one pipeline, started, not waited for (``LocalPipeline.wait_ready``)."""
-    from launcher.local_cluster import start_pipeline
-
-    coordinator_args = argv_for(
-        CoordinatorOptions,
-        health_port=max(health_port, 0),
-        pace_grid=args.pace_grid,
-        stage_ms=args.stage_ms,
-        slo_learn=args.slo_learn,
-    )
-    return start_pipeline(
-        launcher,
-        checkpoint=resolve_transformer(args.checkpoint),
-        stages=args.stages,
-        partition=plan.partition,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch=args.max_batch,
-        host=args.host,
-        port=port,
-        cuda_graphs=args.cuda_graphs,
-        fp8=args.fp8,
-        loras=args.loras,
-        metrics_port=metrics_port,
-        sp=args.sp,
-        cfg_parallel=args.cfg_parallel,
-        coordinator_args=coordinator_args,
-        wait=False,  # the gateway (started next) loads its models while the stages load theirs
-    )
-
-
-def gateway_argv(args: argparse.Namespace, plan: Plan, coordinator: str, *, metrics_port: int, **values) -> list[str]:
-    """A gateway's command line, without ``--port`` (``values``: other ``GatewayOptions`` fields, e.g. ``fleet``)."""
-    options = from_args(
-        GatewayOptions,
-        args,
-        only=GATEWAY_FLAGS,
-        coordinator=coordinator,
-        checkpoint=args.checkpoint,
-        device=plan.placement.gateway_device,
-        host=args.host,
-        vae_devices=plan.placement.vae_devices,
-        vae_split=plan.vae_split,
-        vae_dtype=args.dtype if args.device.startswith("cuda") else "float32",
-        metrics_port=metrics_port,
-        tiny_decoder=os.path.abspath(args.tiny_decoder) if args.tiny_decoder else None,
-        **values,
-    )
-    return ["gateway", *to_argv(options, skip=("port",))]
-
-
-def watch_pipeline(supervisor, pipe, launcher=None) -> None:
-    """Restart the coordinator and stages of ``pipe`` when they die (a hung stage too)."""
-    supervisor.watch(pipe.coordinator_child, pipe.coordinator_args, launcher=launcher)
-    for index, child in pipe.stage_children.items():
-        supervisor.watch(child, pipe.stage_args[index], health="stage", launcher=launcher)
-
-
-def start_web(launcher, supervisor, args: argparse.Namespace, gateway: str) -> dict[str, str]:
-    """The live page in front of ``gateway``, watched; returns its READY fields (url, address)."""
-    from launcher.local_cluster import web_args
-
-    page_args = web_args(gateway, args.host, args.web_port, args.tokens, args.tls_cert)
-    page = launcher.spawn("web", page_args)
-    page_port = page.info["address"].rsplit(":", 1)[1]
-    supervisor.watch(page, [*page_args[:-1], page_port])
-    return page.info
 
 
 def _run_one(args: argparse.Namespace, plan: Plan, stop) -> int:
