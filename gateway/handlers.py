@@ -2,7 +2,7 @@
 
 Usage (``gateway.service.Gateway`` builds its server with these)::
 
-    servicer = StreamServicer(gateway)
+    servicer = StreamServicer(gateway.stream_parts())   # StreamParts: what it needs of the gateway, no more
     make_server(port, [(add_stream_service, servicer, SERVICE_NAME)], ...)
 
 ``Generate`` waits for its config within a bounded budget of pending calls (each client within its quota), resolves
@@ -17,6 +17,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,6 +27,7 @@ from gateway.admission import Refused
 from gateway.config import (
     MAX_REQUEST_BYTES,
     ConfigError,
+    Decoders,
     RequestTooLarge,
     parse_client_message,
     parse_status_request,
@@ -40,7 +43,15 @@ from stagecast.security import principal_of
 from stagecast.v1 import stream_pb2 as pb
 
 if TYPE_CHECKING:
-    from gateway.service import Gateway
+    import torch
+
+    from gateway.checkpoint import ModelInfo, ServingDefaults
+    from gateway.client_identity import ClientIdentity
+    from gateway.metrics import GatewayMetrics
+    from gateway.status import StatusReport
+    from gateway.stream import StreamHost
+    from gateway.stream_table import StreamTable
+    from stagecast.security import TokenAuth
 
 logger = logging.getLogger(__name__)
 
@@ -93,21 +104,43 @@ def add_stream_service(servicer: StreamServicer, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+@dataclass(frozen=True)
+class StreamParts:
+    """What the public StreamService needs of its gateway, and nothing more (``gateway.service.Gateway.stream_parts``
+    builds it once the models are loaded)."""
+
+    table: StreamTable  # admission, the streams, the calls waiting for their config
+    identity: ClientIdentity  # whose quotas a call counts against
+    report: StatusReport  # GetStatus / WatchStatus
+    stream_host: StreamHost  # what each StreamRun is given
+    metrics: GatewayMetrics
+    auth: TokenAuth | None  # --tokens
+    defaults: ServingDefaults  # the checkpoint's serving defaults (resolve_config)
+    model: ModelInfo
+    decoders: Decoders  # the decoders this gateway serves (resolve_config checks a stream's)
+    encode_prompt: Callable[..., torch.Tensor]  # (prompt, parent_span=..., field=..., paced=...) -> embeddings
+    address: str  # where the public server answers (the span's target)
+    pipeline_name: str  # --pipeline-name ("" outside a fleet): in a refusal's trailers and the spans
+    coordinator: str  # --coordinator, named in a pipeline error
+    config_timeout: float  # --config-timeout
+    max_pending: int  # --max-pending
+
+
 class StreamServicer:
     """``stagecast.v1.StreamService``; every method takes the request's bytes (see ``add_stream_service``)."""
 
-    def __init__(self, gw: Gateway):  # gateway.service.Gateway: its parts and its options
-        self.gw = gw
+    def __init__(self, parts: StreamParts):
+        self.parts = parts
 
     def Generate(self, request_iterator, context):
-        with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.gw.address) as span:
-            if span is not None and self.gw.fleet.name:
-                span.set_attribute("stagecast.pipeline", self.gw.fleet.name)  # which pipeline of a fleet
+        with telemetry.server_span(f"{SERVICE_NAME}/Generate", context, target=self.parts.address) as span:
+            if span is not None and self.parts.pipeline_name:
+                span.set_attribute("stagecast.pipeline", self.parts.pipeline_name)  # which pipeline of a fleet
             yield from self._generate(request_iterator, context, span)
 
     def _first_message(self, request_iterator, context) -> pb.ClientMessage | None:
         """The call's first message, parsed; ends the call if none comes in time (None: the client already left)."""
-        gw = self.gw
+        gw = self.parts
         box: queue.SimpleQueue = queue.SimpleQueue()
         waited = time.monotonic()
         try:  # the client's quota, then the pool (full: fair eviction, stagecast.fair_pool)
@@ -117,7 +150,7 @@ class StreamServicer:
         try:
             threading.Thread(target=_read_first, args=(request_iterator, box), daemon=True, name="config").start()
             try:
-                first = box.get(timeout=gw.opts.config_timeout)
+                first = box.get(timeout=gw.config_timeout)
             except queue.Empty:
                 first = _TIMED_OUT
         finally:
@@ -127,14 +160,14 @@ class StreamServicer:
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"config: none arrived in {time.monotonic() - waited:.1f} s, and this call's place went to another "
-                f"client's (the {gw.opts.max_pending} calls waiting for their config were full: --max-pending); send "
+                f"client's (the {gw.max_pending} calls waiting for their config were full: --max-pending); send "
                 "the config as the first message",
             )
         if first is _TIMED_OUT:
             self._abort(
                 context,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"config: none arrived within {gw.opts.config_timeout:g} s of the call's start (--config-timeout)",
+                f"config: none arrived within {gw.config_timeout:g} s of the call's start (--config-timeout)",
             )
         if first is _NO_MESSAGE:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "config: the client sent no message; send a config")
@@ -160,7 +193,7 @@ class StreamServicer:
 
     def _generate(self, request_iterator, context, rpc_span):
         t0 = time.monotonic()
-        gw = self.gw
+        gw = self.parts
         first = self._first_message(request_iterator, context)
         if first is None:
             return
@@ -172,7 +205,7 @@ class StreamServicer:
                 f"config: the first message must be a config, got {kind or 'an empty message'}",
             )
         try:
-            cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model, decoders=gw.models.decoders)
+            cfg = resolve_config(first.config, defaults=gw.defaults, model=gw.model, decoders=gw.decoders)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -204,7 +237,7 @@ class StreamServicer:
 
     def _open(self, cfg, context, t0: float, rpc_span, release) -> StreamRun:
         """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
-        gw = self.gw
+        gw = self.parts
         retry_after = None  # a capacity refusal's retry delay, from the coordinator's status details
         try:
             text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span, paced=cfg.pace)
@@ -219,7 +252,7 @@ class StreamServicer:
         except ConfigError as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except grpc.RpcError as exc:
-            code, message = exc.code(), f"pipeline (coordinator {gw.opts.coordinator}): {exc.details()}"
+            code, message = exc.code(), f"pipeline (coordinator {gw.coordinator}): {exc.details()}"
             retry_after = retry_after_of(exc)  # a capacity refusal's retry delay reaches the client
         except StreamFailed as exc:
             code, message = exc.code, exc.message
@@ -227,9 +260,9 @@ class StreamServicer:
         self._abort(context, code, message, retry_after)
 
     def _abort(self, context, code: grpc.StatusCode, message: str, retry_after: float | None = None):
-        self.gw.metrics.rejected(code.name)
+        self.parts.metrics.rejected(code.name)
         logger.info("call ended with %s: %s", code.name, message)
-        name = self.gw.fleet.name  # behind a fleet's door, the refusal says which pipeline refused
+        name = self.parts.pipeline_name  # behind a fleet's door, the refusal says which pipeline refused
         trailers = ((PIPELINE_TRAILER, name),) if name else ()
         abort_with_retry(context, code, message, retry_after or 0.0, metadata=trailers)
 
@@ -238,12 +271,12 @@ class StreamServicer:
             parse_status_request(request)
         except ConfigError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        msg = self.gw.report.status(principal_of(self.gw.auth, context))
-        msg.capacity.extend(self.gw.report.capacity())
+        msg = self.parts.report.status(principal_of(self.parts.auth, context))
+        msg.capacity.extend(self.parts.report.capacity())
         return msg
 
     def WatchStatus(self, request: bytes, context):
-        gw = self.gw
+        gw = self.parts
         try:
             parse_status_request(request)
         except ConfigError as exc:
@@ -259,7 +292,7 @@ class StreamServicer:
             give_back()
 
     def _watch(self, who, context):
-        gw = self.gw
+        gw = self.parts
         done = threading.Event()
 
         def on_done():

@@ -44,7 +44,7 @@ from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.client_identity import ClientIdentity
 from gateway.config import MAX_REQUEST_BYTES, ConfigError
 from gateway.decoder import encode_gate
-from gateway.handlers import StreamServicer, add_stream_service
+from gateway.handlers import StreamParts, StreamServicer, add_stream_service
 from gateway.metrics import GatewayMetrics
 from gateway.models import GatewayModels
 from gateway.options import GatewayOptions
@@ -248,7 +248,7 @@ class Gateway:
         opts = self.opts
         self.auth = TokenAuth(opts.tokens, generate_methods=[f"/{SERVICE_NAME}/Generate"]) if opts.tokens else None
         self.identity = ClientIdentity(self.auth, opts.trusted_proxy)  # whose quotas a call counts against
-        self.front = StartingFront(self, StreamServicer(self))  # the servicer's calls once start() opens it
+        self.front = StartingFront(self)  # the servicer's calls once start() opens it
         streaming = {WATCH_STATUS: opts.max_watchers, HEALTH_WATCH: opts.max_watchers}
         streaming.update(dict.fromkeys(REFLECTION_STREAMS, opts.max_watchers))
         self.limits = ConcurrencyLimits(streaming)
@@ -281,7 +281,7 @@ class Gateway:
         if self.revocation is not None:
             self.revocation.start()
         self.metrics.serve(self.opts.metrics_port, self.opts.metrics_host or self.opts.host)
-        self.front.open()
+        self.front.open(StreamServicer(self.stream_parts()))
         set_serving(self.health, [SERVICE_NAME], True)
         budget = self.table.budget
         logger.info(
@@ -322,6 +322,26 @@ class Gateway:
         ended = self.fleet.drain(self.table)
         logger.info("drained (%d streams ended by the --drain-s bound); stopping", ended)
         drain.finish()
+
+    def stream_parts(self) -> StreamParts:
+        """What the public StreamService serves with (``gateway.handlers.StreamServicer``), once the models are up."""
+        return StreamParts(
+            table=self.table,
+            identity=self.identity,
+            report=self.report,
+            stream_host=self.stream_host,
+            metrics=self.metrics,
+            auth=self.auth,
+            defaults=self.defaults,
+            model=self.model,
+            decoders=self.models.decoders,
+            encode_prompt=self.encode_prompt,
+            address=self.address,
+            pipeline_name=self.fleet.name,
+            coordinator=self.opts.coordinator,
+            config_timeout=self.opts.config_timeout,
+            max_pending=self.opts.max_pending,
+        )
 
     def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt", paced: bool = True) -> torch.Tensor:
         """The prompt's embeddings, timed in ``stagecast_gateway_prompt_encode_seconds`` and a ``text.encode`` span

@@ -7,8 +7,8 @@ Usage::
     msg = status.status(who)                 # the streams ``who`` may see (a tenant: only its own)
     msg.capacity.extend(status.capacity())   # the coordinator's remaining capacity, asked at most once a second
 
-    front = StartingFront(gateway, servicer) # the StreamService the server holds from the start: while the gateway
-    front.open()                             # loads, start-up status and UNAVAILABLE; once open, the servicer's
+    front = StartingFront(gateway)           # the StreamService the server holds from the start: while the gateway
+    front.open(servicer)                     # loads, start-up status and UNAVAILABLE; once open, the servicer's
 
 Both carry ``GatewayStatus.startup``: the gateway's own start-up steps, then each stage's as its coordinator has them.
 """
@@ -157,12 +157,13 @@ class StartingFront:
     and WatchStatus answer its start-up (``GatewayStatus.starting``, ``startup``: its own steps and its stages') and
     Generate is refused UNAVAILABLE; once ``open()``, every call is the servicer's (``gateway.handlers``)."""
 
-    def __init__(self, gw, servicer):
+    def __init__(self, gw):
         self.gw = gw  # gateway.service.Gateway: its startup, options and coordinator stub
-        self.servicer = servicer
+        self.servicer = None  # gateway.handlers.StreamServicer, once the parts it serves with are loaded
         self._open = threading.Event()
 
-    def open(self) -> None:
+    def open(self, servicer) -> None:
+        self.servicer = servicer
         self._open.set()
 
     def starting_status(self) -> pb.GatewayStatus:
