@@ -1,33 +1,53 @@
 #!/usr/bin/env bash
-# Resolve the GPU image's packages into docker/requirements-gpu.txt: what `pip install "/src[gpu,fp8]"` with
-# torch==$TORCH_VERSION installs on the image (Ubuntu 24.04: CPython 3.12, glibc 2.39, x86_64), without
-# installing anything here. Run it from the repository root after changing a dependency or TORCH_VERSION;
-# tests/test_docker_image.py checks the result against the Dockerfile offline.
+# Resolve the images' packages, without installing anything here:
+# - docker/requirements-gpu.txt: what `pip install "/src[gpu,fp8]"` with torch==$TORCH_VERSION installs on the GPU
+#   image (Ubuntu 24.04: CPython 3.12, glibc 2.39, x86_64);
+# - docker/requirements-cpu.txt: what `pip install /src` installs beside the CPU build of torch==$TORCH_VERSION on the
+#   CPU image (python:3.11-slim: CPython 3.11, x86_64). torch itself comes from the PyTorch CPU index (the Dockerfile
+#   installs it first); its CUDA-only requirements (nvidia-*, cuda-*, triton), which the PyPI build declares and the
+#   CPU build does not, are left out.
+# Run it from the repository root after changing a dependency or TORCH_VERSION; tests/test_docker_image.py checks the
+# results against the Dockerfiles offline.
 #
 #   bash docker/lock.sh
 set -euo pipefail
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-report="$(mktemp)"
-target="$(mktemp -d)"
-trap 'rm -rf "$report" "$target"' EXIT
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 platforms=()
 for v in $(seq 39 -1 17); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
-# --isolated: PyPI only, whatever this machine's pip configuration adds.
-pip install --isolated --quiet --dry-run --ignore-installed --report "$report" --target "$target" \
-  "${platforms[@]}" --platform manylinux2014_x86_64 --platform linux_x86_64 \
-  --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --only-binary=:all: \
-  "torch==${TORCH_VERSION}" ".[gpu,fp8]"
-python3 - "$report" "$TORCH_VERSION" > docker/requirements-gpu.txt <<'PY'
-import json, sys
-report, torch_version = sys.argv[1], sys.argv[2]
+
+resolve() {  # resolve PYTHON_VERSION ABI REPORT SPEC...: a dry run for that interpreter on manylinux x86_64
+  local version="$1" abi="$2" report="$3"
+  shift 3
+  # --isolated: PyPI only, whatever this machine's pip configuration adds.
+  pip install --isolated --quiet --dry-run --ignore-installed --report "$report" --target "$work/target-$abi" \
+    "${platforms[@]}" --platform manylinux2014_x86_64 --platform linux_x86_64 \
+    --python-version "$version" --implementation cp --abi "$abi" --abi abi3 --abi none --only-binary=:all: "$@"
+}
+
+write_lock() {  # write_lock REPORT HEADER DROP_REGEX > FILE: the pins, without DROP_REGEX's names
+  python3 - "$@" <<'PY'
+import json, re, sys
+report, header, drop = sys.argv[1:4]
 pins = sorted(
     (i["metadata"]["name"].lower(), i["metadata"]["version"])
     for i in json.load(open(report))["install"]
-    if i["metadata"]["name"].lower() != "stagecast"
+    if not re.fullmatch(drop, i["metadata"]["name"].lower())
 )
-print(f"# The GPU image's packages (docker/Dockerfile), resolved by docker/lock.sh for torch=={torch_version},")
-print("# CPython 3.12, manylinux x86_64. Do not edit: run `bash docker/lock.sh`.")
+print(header)
 for name, version in pins:
     print(f"{name}=={version}")
 PY
-echo "wrote docker/requirements-gpu.txt ($(grep -vc '^#' docker/requirements-gpu.txt) packages)"
+}
+
+resolve 3.12 cp312 "$work/gpu.json" "torch==${TORCH_VERSION}" ".[gpu,fp8]"
+write_lock "$work/gpu.json" "# The GPU image's packages (docker/Dockerfile), resolved by docker/lock.sh for torch==${TORCH_VERSION},
+# CPython 3.12, manylinux x86_64. Do not edit: run \`bash docker/lock.sh\`." 'stagecast' > docker/requirements-gpu.txt
+resolve 3.11 cp311 "$work/cpu.json" "torch==${TORCH_VERSION}" "."
+write_lock "$work/cpu.json" "# The CPU image's packages (docker/Dockerfile.cpu) beside torch==${TORCH_VERSION} from the PyTorch CPU index,
+# resolved by docker/lock.sh for CPython 3.11, manylinux x86_64. Do not edit: run \`bash docker/lock.sh\`." \
+  'stagecast|torch|triton|nvidia-.*|cuda-.*' > docker/requirements-cpu.txt
+for lock in docker/requirements-gpu.txt docker/requirements-cpu.txt; do
+  echo "wrote $lock ($(grep -vc '^#' "$lock") packages)"
+done

@@ -87,3 +87,28 @@ def test_the_images_document_the_driver_and_expose_no_rendezvous_port():
     assert f"CUDA {_base_cuda_major()}" in readme and ">= 580" in readme
     for name in ("Dockerfile", "Dockerfile.cpu", "README.md"):
         assert "29500" not in (DOCKER / name).read_text(), f"docker/{name}: the stages rendezvous over gRPC"
+
+
+def _cpu_lock() -> dict[str, str]:
+    pins = {}
+    for line in (DOCKER / "requirements-cpu.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"requirements-cpu.txt: {line!r} is not pinned with =="
+            pins[name.lower().replace("_", "-")] = version  # PEP 503 names
+    return pins
+
+
+@pytest.mark.unit
+def test_the_cpu_image_installs_its_lock_beside_the_cpu_torch_without_moving_a_pin():
+    text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile.cpu").read_text())
+    assert "COPY docker/requirements-cpu.txt" in text and "pip install --requirement /tmp/requirements-cpu.txt" in text
+    assert text.index("torch==") < text.index("--requirement /tmp/requirements-cpu.txt")  # the CPU build first
+    assert "pip install --no-deps /src" in text and "pip check" in text
+    pins = _cpu_lock()
+    cuda = [name for name in pins if re.match(r"(nvidia-|cuda-|triton$|torch$)", name)]
+    assert not cuda, f"the CPU lock holds {cuda}: torch is the CPU build, installed from its own index"
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+        assert name == "torch" or name in pins, f"{requirement!r} is not in docker/requirements-cpu.txt: run lock.sh"
