@@ -98,3 +98,10 @@ def test_stagecast_help_opens_with_what_it_is_and_where_to_start():
     assert first.startswith("stagecast: real-time streaming video generation.") and "stagecast demo" in first
     for jargon in ("floor", "owned by"):
         assert jargon not in first
+
+
+def test_the_top_level_help_lists_every_everyday_flag_of_demo_including_serve():
+    """A newcomer reads ``stagecast --help`` first: it names ``demo --serve``, which keeps the live page up."""
+    text = build_parser().format_help()
+    demo = next(line for line in text.splitlines() if line.startswith("stagecast demo "))
+    assert "[--serve]" in demo and "[--seconds N]" in demo
