@@ -116,6 +116,7 @@ class PipelineEngine:
             slo_learn=opts.slo_learn,
             vae_ms_per_chunk=opts.vae_ms_per_chunk,
             pace_grid=opts.pace_grid,
+            host_share=opts.host_share,
         )
         self.admission = Admission(registry, self.slo.pricing, max_streams=opts.max_streams)
         self.generations = Generations(

@@ -84,6 +84,12 @@ class CoordinatorOptions:
         help="pacing: paced streams of one chunk rate take their slots on one grid of whole chunk periods, so their "
         "chunks are due together and batch (each stream's slots move up to one chunk period sooner)",
     )
+    host_share: float = flag(
+        1.0,
+        type=float,
+        help="SLO controller: the share of its host this pipeline sizes its streams for, in (0, 1] (pipelines that "
+        "share one machine's CPU or GPU split it: `stagecast up --pipelines N` on a CPU gives each 1/N)",
+    )
     lookahead: int | None = flag(
         type=int,
         help="pacing: batches planned ahead of the last stage; default one per stage, plus one waiting at the first "
@@ -131,6 +137,8 @@ class CoordinatorOptions:
         for kind, ms in (self.vae_ms_per_chunk or {}).items():
             if not 0 <= ms < 1e5 or math.isnan(ms):
                 raise ValueError(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {ms} for {kind}")
+        if not 0 < self.host_share <= 1:  # also NaN
+            raise ValueError(f"--host-share must be in (0, 1], got {self.host_share}")
         if self.lookahead is not None and not 1 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"--lookahead must be in 1..{MAX_LOOKAHEAD} batches, got {self.lookahead}")
         if self.cfg_parallel > 1 and self.sp > 1:

@@ -102,6 +102,15 @@ class StageRegistry:
     def cfg_parallel(self) -> int:
         return self._cfg_parallel
 
+    def one_cpu_host(self) -> bool:
+        """Every registered stage runs on the CPU of one host (their addresses' host part is one): they, and a gateway
+        decoding on the CPU beside them, share its cores (``coordinator.slo``, "A CPU host")."""
+        with self.lock:
+            records = list(self.stages.values())
+        if not records or not all(r.device.startswith("cpu") for r in records):
+            return False
+        return len({r.address.rsplit(":", 1)[0] for r in records}) == 1
+
     @property
     def pipeline_stages(self) -> int:
         """Stages of one pipeline (one CFG group): the scheduler's depth."""

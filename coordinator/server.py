@@ -192,7 +192,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         where = f" ({request.parts} part(s), the slowest on {request.device[:64]})" if request.parts else ""
         try:
             report = VaeReport(
-                request.decoder, request.chunk_ms, tuple(request.batch_ms), request.state_bytes, request.formed_batch
+                request.decoder,
+                request.chunk_ms,
+                tuple(request.batch_ms),
+                request.state_bytes,
+                request.formed_batch,
+                on_cpu=request.device.startswith("cpu"),
             )
             self.engine.report_vae(report, where)
         except ValueError as exc:  # names the field: decoder, batch_ms[i], state_bytes, formed_batch

@@ -46,6 +46,16 @@ not reported yet costs the operator's ``--vae-ms-per-chunk`` for it (``full=26,t
 VAE's), else 0 until reported; the operator's number, where given, is kept over the gateway's reports. A stream on
 the tiny decoder is never priced at the full VAE's numbers, and the reverse.
 
+**A CPU host.** Where the stages all run on the CPU of one host (``CostModel.shared_host``: their registrations
+say ``cpu`` at one address), they and the gateway's decoder and encoders share its cores: nothing runs beside
+anything else for free.  There a micro-step costs the *sum* of the stages' ms, not the slowest one's, and a decoder
+measured on the CPU (``VaeReport.on_cpu``: the gateway times its VAE there too, the frames' encode included) is
+counted; beside GPU stages a CPU decoder costs them nothing and is not.  Pipelines that share one host split it by a
+fixed share (the coordinator's ``--host-share``, which ``stagecast up --pipelines N`` sets to 1/N on a CPU): the
+targets are that share of the host.  Best-effort work is never counted: it yields.  The lateness correction below
+still applies on top: a CPU host whose real cost the sum misses (threads contending, the prompt encodes) is found
+from the streams that fall behind, and scales the whole model.
+
 **Where the stage times start.**  In order of precedence: the operator's ``--stage-ms`` (ms for a batch of one per
 stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
 (``calibrate``: its measured ms per batch size 1..max_batch with a full KV window, ``FormReply.calibration``), else
@@ -139,6 +149,7 @@ class DecoderCost:
     state_bytes: int = 0  # one stream's decoder state on the GPU (0: not known)
     source: str = "none"  # "operator" (--vae-ms-per-chunk) | "gateway" (ReportVaeCost) | "none" (0 until reported)
     formed_batch: float = 0.0  # streams per call the gateway's recent calls held (0: none served yet)
+    on_cpu: bool = False  # measured on the CPU: counted only where the stages share that CPU (``shared_host``)
 
     def per_stream_ms(self, streams: int) -> float:
         """The ms each of ``streams`` streams' chunks costs: at the batch its calls form, which is ``streams`` at
@@ -166,6 +177,7 @@ class VaeReport:
     batch_ms: tuple[float, ...] = ()
     state_bytes: int = 0
     formed_batch: float = 0.0  # streams per call its recent calls held (0: none served yet)
+    on_cpu: bool = False  # its slowest part runs on the CPU (``VaeCost.device``)
 
 
 def _check_ms(what: str, ms: float) -> float:
@@ -312,6 +324,9 @@ class CostModel:
         # the set (``aligned_ms``), not taken from the batches measured so far.
         self.aligned = aligned
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
+        # Every stage on the CPU of one host (module docstring, "A CPU host"): a micro-step costs the sum of the stages'
+        # ms, and a decoder measured on the CPU counts.  Set at each Form from the stages' registrations.
+        self.shared_host = False
 
     def calibrate(self, stage: int, ms_by_batch: dict[int, float]) -> bool:
         """Seed ``stage`` with its own timing (batch size -> ms per forward) unless the operator seeded the model
@@ -354,7 +369,9 @@ class CostModel:
             raise ValueError(f"formed_batch: must be in [0, {MAX_DECODE_BATCH}], got {report.formed_batch}")
         if self.decoders[kind].source == "operator":
             return False
-        new = DecoderCost(chunk_ms, batch, int(report.state_bytes), "gateway", float(report.formed_batch))
+        new = DecoderCost(
+            chunk_ms, batch, int(report.state_bytes), "gateway", float(report.formed_batch), bool(report.on_cpu)
+        )
         changed = new != self.decoders[kind]
         self.decoders[kind] = new
         return changed
@@ -373,7 +390,11 @@ class CostModel:
             acc = load.setdefault(decoder_kind(extra[0]), [0.0, 0])
             acc[0] += extra[1] * extra[2]
             acc[1] += extra[2]
-        return sum(rate * self.decoders[kind].per_stream_ms(int(n)) for kind, (rate, n) in load.items())
+        return sum(
+            rate * self.decoders[kind].per_stream_ms(int(n))
+            for kind, (rate, n) in load.items()
+            if self.shared_host or not self.decoders[kind].on_cpu  # a CPU decoder beside GPU stages costs them nothing
+        )
 
     def observe(self, stage: int, micro_steps: int, forward_ms: float) -> None:
         """One stage's measured batch (``BatchDone``); batches with no micro-steps (GPU timings not read yet) skip."""
@@ -392,12 +413,13 @@ class CostModel:
         return all(f.ms(1, self.growth) is not None for f in self.fits)
 
     def micro_step_ms(self, batch: float | None = None) -> float | None:
-        """Bottleneck-stage ms per micro-step at ``batch`` (default: ``typical_batch``); None before any data."""
+        """Bottleneck-stage ms per micro-step at ``batch`` (default: ``typical_batch``; on a shared CPU host the stages'
+        sum); None before any data."""
         b = batch or self.typical_batch
         per = [f.ms_at(b, self.growth) for f in self.fits]
         if any(v is None for v in per):
             return None
-        return max(per) / b  # type: ignore[type-var]
+        return (sum(per) if self.shared_host else max(per)) / b  # type: ignore[type-var,arg-type]
 
     def aligned_ms(self, loads: list[tuple[float, int, int]], max_batch: int | None = None) -> float | None:
         """Bottleneck-stage ms per second of paced streams whose slots share one grid (``aligned``), from the
@@ -424,7 +446,7 @@ class CostModel:
                     if at_limit is None or at_rest is None:
                         return None
                     per_stage[p] += full * at_limit + at_rest
-            total += rate * max(per_stage)
+            total += rate * (sum(per_stage) if self.shared_host else max(per_stage))
         return total
 
     def stage_ms(self, batch: int) -> list[float | None]:

@@ -19,7 +19,16 @@ from dataclasses import dataclass, replace
 from coordinator.metrics import CoordinatorTelemetry
 from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
-from coordinator.slo import FULL, CostModel, Demand, SloController, VaeReport, decoder_kind
+from coordinator.slo import (
+    FULL,
+    RAISE_UTILIZATION,
+    TARGET_UTILIZATION,
+    CostModel,
+    Demand,
+    SloController,
+    VaeReport,
+    decoder_kind,
+)
 from coordinator.streams import StreamSession
 from stagecast.api import DECODERS, DEFAULT_FPS
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -71,7 +80,10 @@ class SloControl:
         slo_learn: bool = True,
         vae_ms_per_chunk: float | dict[str, float] | None = None,
         pace_grid: bool = False,
+        host_share: float = 1.0,
     ):
+        if not 0 < host_share <= 1:  # also NaN
+            raise ValueError(f"--host-share must be in (0, 1], got {host_share}")
         self.registry = registry
         self.telemetry = telemetry
         self._streams: dict[int, _Watched] = {}
@@ -90,7 +102,12 @@ class SloControl:
         self.calibrated: set[int] = set()  # stages whose model started from their own calibration
         # The serving size the stages' calibration timed (stagecast.json's, as the gateway reads it); None: not reported
         self.serving_shape: pb.StageCalibration | None = None
-        self.controller = SloController(self.cost)
+        # Pipelines sharing one host (--host-share) each size their streams for their share of it.
+        self.controller = SloController(
+            self.cost,
+            target_utilization=TARGET_UTILIZATION * host_share,
+            raise_utilization=RAISE_UTILIZATION * host_share,
+        )
         self.slo_interval_s = slo_interval_s
         self.slo_learn = slo_learn  # False: keep the calibration (simulations, tests), ignore measured batches
         self._decided_at: float | None = None  # clock time of the last controller decision (None: decide now)
@@ -245,6 +262,15 @@ class SloControl:
         """Seed the SLO model with each stage's calibration (full KV window; empty where only that was timed), unless
         the operator's --stage-ms or --slo-fixed takes precedence."""
         self.serving_shape = None
+        shared = self.registry.one_cpu_host()
+        if shared != self.cost.shared_host:
+            logger.info(
+                "the SLO model prices %s",
+                "one CPU host: the stages' sum per micro-step, and a decoder on the CPU"
+                if shared
+                else "the slowest stage per micro-step",
+            )
+        self.cost.shared_host = shared
         for index, reply in sorted(replies.items()):
             if not reply.HasField("calibration"):
                 logger.info("stage %d reported no calibration: its times are learnt from measured batches", index)

@@ -19,12 +19,14 @@ SLO model, all before the gateway reports READY.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from gateway.admission import DecoderMemory
@@ -36,9 +38,11 @@ from gateway.pipeline_warmup import warm_pipeline
 from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.text_encoder import TextEncoder, text_dtype
 from gateway.timers import Timers
-from gateway.vae_cost import VaeCost, measure_vae, tiny_cost
+from gateway.vae_cost import VaeCost, measure_vae, tiny_cost, with_encode
 from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
+from stagecast.api import DEFAULT_CODEC
 from stagecast.cuda_graphs import cuda_graph_capture
+from stagecast.media import make_encoder
 from stagecast.names import DTYPES
 from stagecast.startup import Startup
 from stagecast.v1 import stream_pb2 as pb
@@ -203,29 +207,45 @@ class GatewayModels:
 
     def _measure_vae(self) -> VaeCost | None:
         """Time a steady-state chunk decode of the default size on every in-process VAE part (after the warm-up, if
-        any): the slowest part's ms is what each chunk costs the busiest GPU (``gateway.vae_cost``).  Only a VAE on GPUs
-        is measured: the model counts its share of the stage GPUs."""
+        any): the slowest part's ms is what each chunk costs the busiest device (``gateway.vae_cost``).  On a GPU that
+        is the stage GPU's share; on the CPU the frames' encode (the default codec) is added, since there the decode,
+        the encode and the stages share the host's cores (the coordinator counts a CPU decoder only where its stages
+        run on that CPU: ``coordinator.slo``, "A CPU host")."""
         if not isinstance(self.decoder, LocalDecoder):
             return None  # VAE stages (--vae-stage) run elsewhere: not measured here
-        if not any(part.device.type == "cuda" for part in self.decoder.parts):
-            # The model counts the VAE's share of the stage GPUs; a VAE on the CPU takes none of it.
-            logger.info("VAE on the CPU: its cost is not counted in the SLO model's stage GPU time")
-            return None
         shape = self.latent_shape()
         try:
             cost = measure_vae(self.decoder.parts, shape)
+            if cost is not None and cost.device.startswith("cpu"):
+                cost = with_encode(cost, self._encode_ms_per_chunk())
         except Exception:  # noqa: BLE001 - a measurement for the SLO model, never a reason not to serve
             logger.warning("measuring the VAE's cost per chunk failed", exc_info=True)
             return None
         if cost is not None:
             logger.info(
-                "VAE: %.2f ms per chunk of %s latents on the busiest device (%s; parts: %s ms)",
+                "VAE%s: %.2f ms per chunk of %s latents on the busiest device (%s; parts: %s ms%s)",
+                " on the CPU" if cost.encode_ms else "",
                 cost.chunk_ms,
                 "x".join(map(str, shape[2:])),
                 cost.device,
                 ", ".join(f"{ms:.2f}" for ms in cost.part_ms),
+                f"; the frames' encode {cost.encode_ms:.2f} ms included" if cost.encode_ms else "",
             )
         return cost
+
+    def _encode_ms_per_chunk(self) -> float:
+        """The median ms to encode one chunk's frames at the serving size with the default codec (on this CPU)."""
+        d = self.defaults
+        frames = d.chunk_frames * self.model.temporal_factor
+        encoder = make_encoder(DEFAULT_CODEC, width=d.width, height=d.height, fps=d.fps, chunked=True)
+        frame = np.random.default_rng(0).integers(0, 256, (d.height, d.width, 3), dtype=np.uint8)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for i in range(frames):
+                encoder.encode(frame, keyframe=i == 0)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
     def latent_shape(self) -> tuple[int, ...]:
         """One chunk of the serving defaults' latents."""

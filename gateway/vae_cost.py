@@ -19,8 +19,8 @@ on that GPU.  A chunk passes every part, so the GPU that limits the rate is the 
 part's ms is what each chunk costs the busiest stage GPU (``CostModel.chunk_ms``).  Each part is timed on its own
 device (CUDA events on a GPU, wall time on a CPU) over chunks after the first two (latent frame 0 and the cache
 filling are not the steady state), on fresh per-stream states that are released afterwards: no stream's cache and no
-global random generator is touched.  The gateway measures only a VAE on GPUs (``GatewayModels._measure_vae``): a VAE on
-the CPU takes none of the stage GPUs' time.
+global random generator is touched.  A VAE on the CPU is measured too, with its frames' encode added (``with_encode``):
+the coordinator counts it only where the stages share that CPU (``coordinator.slo``, "A CPU host").
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -55,6 +55,7 @@ class VaeCost:
     batch_ms: tuple[float, ...] = ()  # [i]: per-stream ms per chunk at i + 1 streams in one call (batched decoders)
     state_bytes: int = 0  # one stream's decoder state (0: not known)
     formed_batch: float = 0.0  # streams per call of the recent calls served (batched decoders; 0: none yet)
+    encode_ms: float = 0.0  # of chunk_ms, the frames' encode (a decoder on the CPU: ``with_encode``)
 
     def to_proto(self) -> pb.VaeCost:
         return pb.VaeCost(
@@ -132,6 +133,11 @@ def measure_vae(
     per = tuple(statistics.median(s) for s in samples)
     slowest = max(range(len(parts)), key=per.__getitem__)
     return VaeCost(per[slowest], per, str(parts[slowest].device), tuple(latent_shape), state_bytes=held)
+
+
+def with_encode(cost: VaeCost, encode_ms: float) -> VaeCost:
+    """A CPU decoder's cost with its frames' encode per chunk added (on one CPU host they share the cores)."""
+    return replace(cost, chunk_ms=cost.chunk_ms + max(0.0, encode_ms), encode_ms=max(0.0, encode_ms))
 
 
 def _state_bytes(state) -> int:

@@ -70,6 +70,12 @@ def check_fleet_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def host_share(args: argparse.Namespace) -> float:
+    """Each pipeline's share of the host its coordinator sizes its streams for (``--host-share``): on a CPU the
+    pipelines share its cores, 1/N each; on GPUs each pipeline has its own (``check_gpus``)."""
+    return 1.0 / args.pipelines if args.device == "cpu" else 1.0
+
+
 def check_gpus(pipelines: int, ranks: int, gpus: int | None = None) -> str | None:
     """Every pipeline on GPUs of its own: pipelines sharing a GPU would each plan its memory alone."""
     if gpus is None:
@@ -144,7 +150,7 @@ class Fleet:
             health = args.health_port + i if args.health_port > 0 else -1
             pipe = start_stages(
                 launcher, args, self.plan, port=args.port + i if args.port else 0, metrics_port=metrics,
-                health_port=health,
+                health_port=health, host_share=host_share(args),
             )  # fmt: skip
             pipeline.coordinator = pipe.coordinator
             gateway = launcher.start("gateway", [*self._gateway_args(pipeline, metrics, 0), "--port", "0"])

@@ -50,13 +50,24 @@ def has_gateway(args: argparse.Namespace) -> bool:
     return args.gateway_port >= 0 and all(os.path.isdir(os.path.join(root, d)) for d in ("vae", "text_encoder"))
 
 
-def start_stages(launcher, args: argparse.Namespace, plan: Plan, *, port: int, metrics_port: int, health_port: int):
-    """The coordinator and stages of one pipeline, started, not waited for (``LocalPipeline.wait_ready``)."""
+def start_stages(
+    launcher,
+    args: argparse.Namespace,
+    plan: Plan,
+    *,
+    port: int,
+    metrics_port: int,
+    health_port: int,
+    host_share: float = 1.0,
+):
+    """The coordinator and stages of one pipeline, started, not waited for (``LocalPipeline.wait_ready``);
+    ``host_share``: the share of the host its coordinator sizes streams for (``--host-share``)."""
     from launcher.local_cluster import start_pipeline
 
     coordinator_args = argv_for(
         CoordinatorOptions,
         health_port=max(health_port, 0),
+        host_share=host_share,
         pace_grid=args.pace_grid,
         stage_ms=args.stage_ms,
         slo_learn=args.slo_learn,

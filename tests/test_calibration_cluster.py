@@ -2,8 +2,9 @@
 gateway's VAE cost report (``ReportVaeCost``), and the operator flags that take precedence over both.
 
 Capacity in "streams at 16 FPS" (4 chunks/s, one step, nothing admitted) is 0.9 / (4 x (m + v) / 1000) with m the
-slowest stage's ms per micro-step at the largest batch and v the VAE's ms per chunk, so capacity before and after the
-gateway's report tells what the controller counts for the VAE.
+ms per micro-step at the largest batch (the slowest stage's; here, every stage on this one CPU host, their sum) and v
+the VAE's ms per chunk, so capacity before and after the gateway's report tells what the controller counts for the
+VAE.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacit
             assert status.vae_source == "none" and status.vae_chunk_ms == 0
             before = one_step(status)
             assert before is not None and before > 0
-            stage_ms = 0.9 * 1000 / (4 * before)  # ms per micro-step of the slowest stage, as the model holds it
+            stage_ms = 0.9 * 1000 / (4 * before)  # ms per micro-step as the model holds it (here: the stages' sum)
 
-            # The gateway's reporter (a CPU gateway measures nothing: its VAE takes no stage GPU time), as a gateway
-            # on GPUs runs it after measuring its VAE.
+            # The gateway's reporter, as a gateway on GPUs runs it after measuring its VAE (a CPU gateway measures
+            # its VAE and encode too: tests/test_cpu_host_pricing.py).
             cost = VaeCost(chunk_ms=12.5, part_ms=(9.0, 12.5), device="cuda:1", latent_shape=(1, 16, 1, 60, 104))
             reporter = VaeReporter(stub, cost)
             reporter.start()
@@ -90,7 +91,8 @@ def test_operator_flags_take_precedence_and_a_stage_out_of_calibration_budget_st
             status = stub.Status(pb.Empty(), timeout=10)
             assert (status.vae_source, status.vae_chunk_ms) == ("operator", 7.0)
             ms = 170 * 1.15 / 4  # --stage-ms at batch 1, growth 5% per micro-step, per micro-step at batch 4
-            assert one_step(status) == pytest.approx(0.9 * 1000 / (4 * (ms + 7.0)))
+            # Both stages on this one CPU host: a micro-step costs their sum (coordinator/slo.py, "A CPU host").
+            assert one_step(status) == pytest.approx(0.9 * 1000 / (4 * (2 * ms + 7.0)))
 
     with Launcher() as launcher:
         # A budget no forward fits in: the stages still become READY, unseeded (the model learns from batches).

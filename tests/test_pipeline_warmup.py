@@ -233,7 +233,7 @@ def test_the_gateway_measures_its_decoders_once_its_pipeline_is_ready(tmp_path, 
         said = [m for m in caplog.messages if "for the pipeline before measuring" in m or "VAE on the CPU" in m]
         if wait_s:
             assert len(asked) == 1 and 0 < asked[0] <= wait_s  # within the warm-up budget
-            assert said[0].startswith("waited") and "VAE on the CPU" in said[1]  # then measured (not counted here)
+            assert said[0].startswith("waited") and "VAE on the CPU" in said[1]  # then measured, its encode included
         else:
             assert not asked and len(said) == 1 and "VAE on the CPU" in said[0]
     finally:
