@@ -137,10 +137,12 @@ class Child:
     log: list[str] = field(default_factory=list)
     ready: threading.Event | None = None
     startup: list[StartupStep] = field(default_factory=list)  # its STAGECAST_STARTUP lines, as printed
+    started: float = field(default_factory=time.monotonic)  # when the launcher started it
 
-    def ready_s(self) -> float | None:
-        """Seconds from its start to READY, as it said (its "ready" step), or None."""
-        return next((s.at_s for s in reversed(self.startup) if s.name == "ready"), None)
+    def ready_s(self) -> float:
+        """Seconds from its start to READY: as it said (its "ready" step), else as the launcher saw it."""
+        said = next((s.at_s for s in reversed(self.startup) if s.name == "ready"), None)
+        return said if said is not None else time.monotonic() - self.started
 
     @property
     def pid(self) -> int:

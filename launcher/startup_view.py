@@ -39,12 +39,11 @@ class StartupView:
                 return
             self._print(f"[{child}] start-up: {step.describe()}")
 
-    def ready(self, child: str, seconds: float | None) -> None:
+    def ready(self, child: str, seconds: float) -> None:
         with self._lock:
             for key in [k for k in self._bars if k[0] == child]:
                 self._bars.pop(key).close()
-            took = f" in {seconds:.2f} s" if seconds is not None else ""
-            self._print(f"[{child}] READY{took}")
+            self._print(f"[{child}] READY in {seconds:.2f} s")
 
     def _bar(self, child: str, step: StartupStep) -> None:
         key = (child, step.name)

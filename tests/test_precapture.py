@@ -105,3 +105,10 @@ def test_a_precapture_told_to_stop_stops_at_once_and_leaves_no_stream(tiny_model
 def test_no_graphs_no_precapture(tiny_model):
     ref = ReferenceExecutor(whole_slice(tiny_model))
     assert precapture(ref.runner, 3, SHAPE) == 0 and not ref.runner.streams
+
+
+def test_a_precapture_reports_each_batch_size_as_it_is_captured(tiny_model):
+    ref, _ = graphed(whole_slice(tiny_model))
+    seen = []
+    precapture(ref.runner, 3, SHAPE, window=WINDOW, sink=SINK, on_batch=lambda b, n: seen.append((b, n)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]  # the stage's start-up step "graphs k of n"

@@ -45,7 +45,7 @@ def test_up_prints_each_services_start_up_steps_before_ready_and_get_status_carr
         assert {("gateway", "text_encoder"), ("gateway", "decoders")} <= seen
         assert all(float(m["at"]) > 0 for m in steps)  # each with its time
         # Each service's READY line with its time, before up's own summary; no raw step lines or bars echoed.
-        for child in ("stage-0", "stage-1", "gateway"):
+        for child in ("coordinator", "stage-0", "stage-1", "gateway"):
             assert any(re.match(rf"^\[{child}\] READY in \d+\.\d\d s$", line) for line in log[:is_up]), child
         assert not any("STAGECAST_STARTUP" in line or "Loading weights" in line for line in log)
 
