@@ -26,7 +26,16 @@ import torch
 from coordinator.admission import Admission, Admitted
 from coordinator.errors import AdmissionError
 from coordinator.requests import OpenRequest
-from stagecast.api import DEFAULT_DECODER, DEFAULT_FPS, DEFAULT_POLICY
+from stagecast.api import (
+    DEFAULT_CHUNK_FRAMES,
+    DEFAULT_DECODER,
+    DEFAULT_FPS,
+    DEFAULT_HEIGHT,
+    DEFAULT_POLICY,
+    DEFAULT_STEPS,
+    DEFAULT_TEXT_LEN,
+    DEFAULT_WIDTH,
+)
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.microstep import StreamSpec
 from stagecast.sampling import SamplerConfig
@@ -49,11 +58,11 @@ class StreamDefaults:
     """What the gateway fills in for a request that sets nothing (frame size in pixels, window in latent frames, 0:
     unbounded)."""
 
-    width: int = 832
-    height: int = 480
-    chunk_frames: int = 1
-    text_len: int = 512
-    steps: int = 4
+    width: int = DEFAULT_WIDTH
+    height: int = DEFAULT_HEIGHT
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
+    text_len: int = DEFAULT_TEXT_LEN
+    steps: int = DEFAULT_STEPS
     fps: float = DEFAULT_FPS
     window: int = 0
     sink: int = 0

@@ -28,7 +28,15 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from stagecast.api import DEFAULT_FPS, MAX_PROMPT_CHARS
+from stagecast.api import (
+    DEFAULT_CHUNK_FRAMES,
+    DEFAULT_FPS,
+    DEFAULT_HEIGHT,
+    DEFAULT_STEPS,
+    DEFAULT_TEXT_LEN,
+    DEFAULT_WIDTH,
+    MAX_PROMPT_CHARS,
+)
 from stagecast.model import vae_configs
 from stagecast.model.config import read_config, read_vae_config
 from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
@@ -51,12 +59,12 @@ class ServingDefaults:
     512 text tokens, so only tiny test models should use anything else.
     """
 
-    text_len: int = 512
-    width: int = 832
-    height: int = 480
+    text_len: int = DEFAULT_TEXT_LEN
+    width: int = DEFAULT_WIDTH
+    height: int = DEFAULT_HEIGHT
     fps: float = DEFAULT_FPS
-    steps: int = 4
-    chunk_frames: int = 1
+    steps: int = DEFAULT_STEPS
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
     # The per-stream cost budget (gateway.admission); 0 derives it from the serving size, rate and steps above and
     # the gateway's device.
     max_frame_pixels: int = 0

@@ -49,6 +49,14 @@ DEFAULT_POLICY = "per_level"
 # the encoders, the demo checkpoint, the simulator and the benchmarks use it.  No Helm value mirrors it (the rate
 # comes from the checkpoint); tests/test_one_home.py checks the chart still sets none, or sets this one.
 DEFAULT_FPS = 16.0
+# What a checkpoint without ``stagecast.json`` serves a request that sets nothing (the gateway's ServingDefaults), and
+# what the coordinator prices a free slot at (coordinator.slots.StreamDefaults): Wan's 832x480, 4 steps, one latent
+# frame per chunk, and the 512 text tokens the Wan models were trained with.
+DEFAULT_WIDTH = 832
+DEFAULT_HEIGHT = 480
+DEFAULT_STEPS = 4
+DEFAULT_CHUNK_FRAMES = 1
+DEFAULT_TEXT_LEN = 512
 # The public API's prompt (and negative prompt) limit in characters: tokenising is the real limit; this stops
 # absurd payloads before it runs.
 MAX_PROMPT_CHARS = 20_000
