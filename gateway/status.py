@@ -25,6 +25,7 @@ from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.config import resolve_config
 from gateway.stream_table import StreamTable, vae_bytes
 from stagecast import api
+from stagecast.grpc_util import abort_with_retry
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.security import Principal
 from stagecast.startup import Startup
@@ -32,6 +33,7 @@ from stagecast.v1 import stream_pb2 as pb
 
 COORDINATOR_STATUS_S = 1.0  # the coordinator's Status is asked at most this often, and waited for this long
 STARTING = "the gateway is starting (loading its models): retry once its health is SERVING"
+STARTING_RETRY_S = 5.0  # the retry hint (google.rpc.RetryInfo) a Generate refused while starting carries
 
 
 def stage_startup(cluster: ipb.ClusterStatus | None) -> list[pb.StartupProgress]:
@@ -179,7 +181,7 @@ class StartingFront:
 
     def Generate(self, request_iterator, context):
         if not self._open.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, STARTING)
+            abort_with_retry(context, grpc.StatusCode.UNAVAILABLE, STARTING, STARTING_RETRY_S)
         return self.servicer.Generate(request_iterator, context)
 
     def GetStatus(self, request: bytes, context):

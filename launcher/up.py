@@ -266,10 +266,10 @@ def reachable(address: str) -> str:
     return f"127.0.0.1:{port}"
 
 
-def summary(args: argparse.Namespace, ready: dict[str, str], shape: str) -> list[str]:
-    """The lines that say ``up`` is up (``ready``: role -> address or URL): what answers where, from this machine, and
-    what a client needs (TLS, tokens)."""
-    lines = [f"stagecast is up: {shape}"]
+def summary(args: argparse.Namespace, ready: dict[str, str], shape: str, took: float | None = None) -> list[str]:
+    """The lines that say ``up`` is up (``ready``: role -> address or URL; ``took``: seconds since ``up`` started):
+    what answers where, from this machine, and what a client needs (TLS, tokens)."""
+    lines = [f"stagecast is up{f' in {took:.1f} s' if took is not None else ''}: {shape}"]
     if "gateway" in ready:
         gateway = reachable(ready["gateway"])
         needs = []
@@ -298,7 +298,9 @@ def summary(args: argparse.Namespace, ready: dict[str, str], shape: str) -> list
 
 def _say_up(args: argparse.Namespace, ready: dict[str, str], shape: str) -> None:
     """The lines that say ``up`` is up, and its READY line (``ready``: role -> address)."""
-    for line in summary(args, ready, shape):
+    from stagecast.service import process_age
+
+    for line in summary(args, ready, shape, took=process_age()):
         print(line, flush=True)
     announce_ready(**ready)
 

@@ -94,8 +94,8 @@ def _args(**over) -> argparse.Namespace:
 
 def test_ups_summary_says_what_answers_where_and_what_a_client_needs():
     ready = {"coordinator": "127.0.0.1:50050", "gateway": "127.0.0.1:50051", "web": "http://127.0.0.1:8080/"}
-    lines = summary(_args(), ready, "1 stage")
-    assert lines[0] == "stagecast is up: 1 stage"
+    lines = summary(_args(), ready, "1 stage", took=31.25)
+    assert lines[0] == "stagecast is up in 31.2 s: 1 stage"
     assert "public API (gRPC): 127.0.0.1:50051, plaintext" in lines
     assert "watch and steer it in a browser: http://127.0.0.1:8080/" in lines
     secure = summary(_args(tls_cert="gw.crt", tokens="tokens.txt"), ready, "2 stages")

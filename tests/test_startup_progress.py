@@ -14,11 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.options import CoordinatorOptions
 from gateway.options import GatewayOptions
-from gateway.status import STARTING
+from gateway.status import STARTING, STARTING_RETRY_S
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import stage_args
 from launcher.process import Launcher
 from stagecast.flags import to_argv
+from stagecast.grpc_util import retry_after_of
 from stagecast.v1 import stream_pb2 as spb
 from stagecast.v1 import stream_pb2_grpc as spb_grpc
 from tests.test_up import _free_port
@@ -38,7 +39,7 @@ def test_up_prints_each_services_start_up_steps_before_ready_and_get_status_carr
         args = ["up", "--checkpoint", tmp, "--stages", "2", "--port", "0", "--gateway-port", "0", "--web-port", "-1"]
         up = launcher.spawn("up", args)
         log = list(up.log)
-        is_up = next(i for i, line in enumerate(log) if line.startswith("stagecast is up: 2 stages"))
+        is_up = next(i for i, line in enumerate(log) if re.match(r"stagecast is up in \d+\.\d s: 2 stages$", line))
         steps = [m for m in map(STEP_LINE.match, log[:is_up]) if m]
         seen = {(m["child"], m["name"]) for m in steps}
         assert {("stage-0", "registered"), ("stage-0", "weights"), ("stage-1", "weights")} <= seen
@@ -91,6 +92,7 @@ def test_a_loading_gateway_answers_health_not_serving_and_its_start_up_until_it_
                 config = spb.ClientMessage(config=spb.StreamConfig(prompt="a fox"))
                 next(iter(stub.Generate(iter([config]), timeout=10)))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused.value.details() == STARTING
+            assert retry_after_of(refused.value) == STARTING_RETRY_S  # when to come back (google.rpc.RetryInfo)
 
             # A stage joins: it reports its steps through the coordinator, the pipeline forms, the gateway finishes.
             launcher.start("stage-0", stage_args(0, address, str(root / "transformer"), "cpu", "float32", "127.0.0.1"))
