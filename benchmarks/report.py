@@ -1,25 +1,36 @@
-"""BENCHMARKS.md's harness-v2 tables, generated from the JSON files the harness writes.
+"""BENCHMARKS.md, its history and the results index, generated from the JSON files in ``benchmarks/results/``.
 
 Usage::
 
-    python -m benchmarks.report                          # benchmarks/results/v2_*.json -> BENCHMARKS.md
+    python -m benchmarks.report            # BENCHMARKS.md, benchmarks/results/HISTORY.md and INDEX.md from the JSON
+    python -m benchmarks.report --check    # exit 1 (naming the files) where one of them is not what the JSON makes
     python -m benchmarks.report --results DIR --out FILE
 
-The tables replace what lies between the ``<!-- harness-v2:begin -->`` and ``<!-- harness-v2:end -->`` lines of the
-output file (appended at its end when the markers are missing); nothing else in the file changes. The decoder table
-(``benchmarks/decoder_bench.py``'s ``decoder_*.json``) goes between ``<!-- decoders:begin -->`` and
-``<!-- decoders:end -->`` the same way.
+The page (``--out``, BENCHMARKS.md) gets the **current** rows: one per configuration, the newest result of each (by
+the JSON's date, then the run number ``_rN`` in its file name). They replace what lies between the
+``<!-- harness-v2:begin -->`` and ``<!-- harness-v2:end -->`` lines (appended at the file's end when the markers are
+missing); nothing else in the file changes. The decoder tables (``benchmarks/decoder_bench.py``'s ``decoder_*.json``)
+go between ``<!-- decoders:begin -->`` and ``<!-- decoders:end -->``, and the DiT lever tables
+(``benchmarks/dit_levers.py``'s ``dit_levers*.json``) between ``<!-- dit-levers:begin -->`` and
+``<!-- dit-levers:end -->``, the same way.
+
+The history (``--history``, ``DIR/HISTORY.md``, only when it exists) gets every harness-v2 row of every run between
+the same harness-v2 markers, and the index (``--index``, ``DIR/INDEX.md``) is written whole: every file in the
+results folder with its date, commit, configuration and what it measured, then each harness-v2 run's versions and
+command.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- harness-v2:begin -->", "<!-- harness-v2:end -->"
 DEC_BEGIN, DEC_END = "<!-- decoders:begin -->", "<!-- decoders:end -->"
+LEV_BEGIN, LEV_END = "<!-- dit-levers:begin -->", "<!-- dit-levers:end -->"
 MODEL_NAMES = {"wan2.1-1.3b": "1.3B", "wan2.1-14b": "14B", "wan2.2-ti2v-5b": "5B", "tiny-wan2.1": "tiny"}
 
 
@@ -251,7 +262,7 @@ def _slowest(runs: list[dict]) -> list[str]:
     return slowest
 
 
-def capacity_table(runs: list[dict]) -> str:
+def capacity_table(runs: list[dict], page: bool = False) -> str:
     """Capacity per GPU: paced streams (16 FPS) held (>= 99% of frames on time over the measured window) with the
     next one refused at once; from the harness's ``--capacity`` rows, and a look from load rows that met a refusal."""
     out = ["### Capacity: paced streams held per GPU (the headline)\n"]
@@ -284,7 +295,7 @@ def capacity_table(runs: list[dict]) -> str:
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         out += looks
-    ramps = _ramps(runs)
+    ramps = [] if page else _ramps(runs)
     if ramps:
         out.append(
             "\nStages' ms per forward on the way to capacity (from one admission to the next: k streams running and "
@@ -364,16 +375,106 @@ def _has_main(r: dict) -> bool:
     return bool(s.get("main") and s.get("lead") and "steady_fps" in s)
 
 
-def tables(runs: list[dict]) -> str:
+def _order(r: dict) -> tuple:
+    """A run's place in time: the JSON's date, then the run number of a ``_rN`` file name (none: 1), then the name."""
+    m = re.search(r"_r(\d+)\.json$", r.get("_file", ""))
+    return (r.get("date") or "", int(m.group(1)) if m else 1, r.get("_file", ""))
+
+
+def _gpu_count(a: dict) -> int:
+    return a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
+
+
+def _main_key(r: dict) -> tuple:
+    """A main stream's configuration: its config name from the arguments alone (no label, no measured VAE cost)."""
+    return (config_name({"args": r["args"]}), _gpus(r["args"]))
+
+
+def current(runs: list[dict]) -> list[dict]:
+    """The newest result of each configuration: copies of the runs holding only the parts no later run measured again
+    (capacity rows by config and decoder, a burst by config, the main stream by config, load rows by config and stream
+    count); runs left with nothing are dropped."""
+    runs = sorted(runs, key=_order)
+    newest: dict[tuple, int] = {}
+    for i, r in enumerate(runs):
+        a, s = r["args"], r.get("system") or {}
+        for row in s.get("capacity") or []:
+            newest["capacity", _capacity_config(a, row["decoder"]), _gpu_count(a)] = i
+        if s.get("burst"):
+            newest["burst", _capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] = i
+        if _has_main(r):
+            newest[("main", *_main_key(r))] = i
+        for row in s.get("load") or []:
+            newest[("load", *_main_key(r), row["streams"])] = i
+    peers = {}  # the newest peer and floor per model, size, steps, guidance and GPU count
+    for r in runs:
+        if (r.get("peer") or {}).get("fps") and (r.get("floor") or {}).get("fps"):
+            peers[_peer_key(r)] = r
     out = []
-    capacity = capacity_table(runs)
+    for i, r in enumerate(runs):
+        a, s = r["args"], dict(r.get("system") or {})
+        if s.get("capacity"):
+            s["capacity"] = [
+                row
+                for row in s["capacity"]
+                if newest["capacity", _capacity_config(a, row["decoder"]), _gpu_count(a)] == i
+            ]
+        if s.get("burst") and newest["burst", _capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] != i:
+            s["burst"] = None
+        main = _has_main(r) and newest[("main", *_main_key(r))] == i
+        if _has_main(r) and not main:
+            s["main"] = None
+        if s.get("load"):
+            s["load"] = [row for row in s["load"] if newest[("load", *_main_key(r), row["streams"])] == i]
+        if main or s.get("capacity") or s.get("burst") or s.get("load"):
+            r = {**r, "system": s}
+            if main and not (r.get("peer") or {}).get("fps") and _peer_key(r) in peers:
+                r = _peer_from(r, peers[_peer_key(r)])
+            out.append(r)
+    return out
+
+
+def _peer_key(r: dict) -> tuple:
+    a = r["args"]
+    return (a["model"], a["width"], a["height"], a["steps"], a.get("guidance", 1.0), _gpus(a))
+
+
+def _peer_from(r: dict, other: dict) -> dict:
+    """A run without peers measured, given the peers and floor of ``other`` (same model, size, steps, guidance and
+    GPUs) and the ratios to them recomputed from its own steady FPS."""
+    fps, pc = r["system"]["steady_fps"], other.get("peer_compiled")
+    ratios = {
+        "vs_peer": fps / other["peer"]["fps"],
+        "vs_peer_compiled": fps / pc["fps"] if pc else None,
+        "of_floor": fps / other["floor"]["fps"],
+    }
+    return {
+        **r,
+        "peer": other["peer"],
+        "peer_compiled": pc,
+        "floor": other["floor"],
+        "ratios": ratios,
+        "_peer_file": other["_file"],
+    }
+
+
+def page_tables(runs: list[dict]) -> str:
+    """BENCHMARKS.md's harness-v2 block: the current row of each configuration (``current``)."""
+    return tables(current(runs), page=True)
+
+
+def tables(runs: list[dict], page: bool = False) -> str:
+    """The harness-v2 tables of these runs; ``page``: a short list of the files behind them instead of the runs
+    table (versions and commands are in the index)."""
+    out = []
+    capacity = capacity_table(runs, page)
     if capacity:
         out.append(capacity)
     bursts = burst_table(runs)
     if bursts:
         out.append(bursts)
     mains = [r for r in runs if _has_main(r)]
-    out += main_tables(mains)
+    out += main_tables(mains, page)
     loaded = [r for r in runs if (r.get("system") or {}).get("load")]
     if loaded:
         out += load_table(loaded)
@@ -381,11 +482,19 @@ def tables(runs: list[dict]) -> str:
     notes = [f"¹ `{r['_file']}`: {r['partial']}" for r in runs if r.get("partial")]
     if notes:
         out.append("\n" + "\n".join(notes))
-    out += runs_table(runs)
+    if page:
+        out.append(
+            "\nFiles behind these rows (versions and commands: `benchmarks/results/INDEX.md`; every earlier row: "
+            "`benchmarks/results/HISTORY.md`): "
+            + "; ".join(f"`{r['_file']}` ({r.get('date', '–')}, {r['commit']})" for r in runs)
+            + "."
+        )
+    else:
+        out += runs_table(runs)
     return "\n".join(out) + "\n"
 
 
-def main_tables(runs: list[dict]) -> list[str]:
+def main_tables(runs: list[dict], page: bool = False) -> list[str]:
     out = []
     out.append("### Steady state and punctuality (the main stream)\n")
     out.append(
@@ -398,18 +507,27 @@ def main_tables(runs: list[dict]) -> list[str]:
         s, m, pc = r["system"], r["system"]["main"], r.get("peer_compiled")
         peer, floor, ratios = r.get("peer") or {}, r.get("floor") or {}, r.get("ratios") or {}
         out.append(
-            f"| {config_name(r)} | {_gpus(r['args'])} | **{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
+            f"| {config_name(r)}{' ²' if r.get('_peer_file') else ''} | {_gpus(r['args'])} | "
+            f"**{_f(s['steady_fps'])}** | {_f(s['whole_fps'])} | "
             f"{_f(m['on_time'], '.1%')} | {_f(m['max_gap_ms'], '.0f')} | {_f(m['p99_gap_ms'], '.0f')} | "
             f"{m['gaps_over_250ms']} | {s['lead']['max']} / {s['lead']['bound']} | {_f(peer.get('fps'))} | "
             f"{_f(pc['fps'] if pc else None)} | {_f(floor.get('fps'), '.0f')} | "
             f"{_x(ratios.get('vs_peer'))} | {_x(ratios.get('vs_peer_compiled'))} | "
             f"{_f(ratios.get('of_floor'), '.1%')} |"
         )
-    out.append(
-        "\nFrames of the main stream: "
-        + "; ".join(f"{config_name(r)}: {r['system']['main']['frames']}" for r in runs)
-        + "."
-    )
+    borrowed = [r for r in runs if r.get("_peer_file")]
+    if borrowed:
+        out.append(
+            "\n² The run measured no peers: "
+            + "; ".join(f"`{r['_file']}` takes the peers and floor of `{r['_peer_file']}`" for r in borrowed)
+            + " (same model, size, steps, guidance and GPU count; the ratios are to its own steady FPS)."
+        )
+    if not page:  # the page leaves the frame counts to the history
+        out.append(
+            "\nFrames of the main stream: "
+            + "; ".join(f"{config_name(r)}: {r['system']['main']['frames']}" for r in runs)
+            + "."
+        )
     out.append("\n### Cold start, TTFF and interactive latency\n")
     out.append(
         "| config | time to READY (s) | first stream after READY: steady FPS / on time / max gap (ms) / gaps > 250 ms "
@@ -549,6 +667,130 @@ def decoder_tables(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def load_levers(results: Path) -> list[dict]:
+    runs = []
+    for path in sorted(results.glob("dit_levers*.json")):
+        r = json.loads(path.read_text())
+        if r.get("variants") and r.get("batches"):
+            r["_file"] = path.name
+            runs.append(r)
+    return runs
+
+
+def lever_tables(runs: list[dict]) -> str:
+    """One table per ``dit_levers`` run: ms per stream-chunk per lever and batch (``dit_levers.markdown``)."""
+    from benchmarks.dit_levers import markdown  # torch and the stage's modules: only when there are lever runs
+
+    out = []
+    for r in runs:
+        p = r.get("protocol") or {}
+        out.append(
+            f"{r.get('date', '–')}, commit {r.get('commit', '–')}, {r.get('versions', {}).get('gpu', '–')}, "
+            f"{MODEL_NAMES.get(r.get('model'), r.get('model'))} with {r.get('layers')} layers "
+            f"(`{r['_file']}`, {p.get('iters', '–')} forwards after {p.get('warmup', '–')}; `{r['command']}`):\n"
+        )
+        out.append(markdown(r) + "\n")
+    return "\n".join(out)
+
+
+# What each kind of result file measures, by the start of its name (the index's last column); the first match wins.
+FILE_KINDS = (
+    ("v2v_", "video-to-video: throughput from a file and live input at 16 FPS (`benchmarks/v2v_bench.py`)"),
+    ("webrtc_", "the browser edge: WebRTC beside gRPC (`benchmarks/webrtc.py`)"),
+    ("startup_", "stage start-up from a checkpoint on disk (`benchmarks/startup.py`)"),
+    ("fleet_sim", "a fleet of pipelines behind the door, simulated (`benchmarks/fleet_sim.py`)"),
+    ("fairness_", "a paced stream beside unpaced ones (`benchmarks/fairness.py`)"),
+    (
+        "kv_admission_",
+        "admission by KV memory: unbounded against windowed streams (`benchmarks/kv_admission_check.py`)",
+    ),
+    ("balance_", "a measured (or derived) stage and VAE profile for the balance planner (`benchmarks/predict.py`)"),
+    ("attention_", "the DiT blocks' attention timed per batch and layout (`benchmarks/attention_check.py`)"),
+    ("fp8_check", "FP8 blocks against bf16: time and error (`benchmarks/fp8_check.py`)"),
+    ("vae_cudnn", "the VAE with and without cuDNN's algorithm search (`benchmarks/vae_graphs_check.py`)"),
+    ("vae_graphs", "the VAE eager, compiled and CUDA-graphed (`benchmarks/vae_graphs_check.py`)"),
+    ("decoder_bench", "the decoders per stream count: ms per chunk and state (`benchmarks/decoder_bench.py`)"),
+    ("batched_decoder", "the batched tiny decoder (`benchmarks/batched_decoder_bench.py`)"),
+    ("dit_levers", "the DiT levers at batch 1/4/8/12: ms per stream-chunk and error (`benchmarks/dit_levers.py`)"),
+    ("tiny_profile", "the batched tiny decoder's call taken apart (`benchmarks/tiny_profile.py`)"),
+)
+
+
+def _harness_what(r: dict) -> str:
+    s = r.get("system") or {}
+    parts = []
+    if _has_main(r):
+        parts.append("main stream (steady FPS, punctuality, cold start, TTFF)")
+    if s.get("load"):
+        parts.append("load rows " + ", ".join(str(row["streams"]) for row in s["load"]))
+    for row in s.get("capacity") or []:
+        parts.append(f"capacity ({row['decoder']}: {row['admitted']} admitted / {row['held']} held)")
+    if s.get("burst"):
+        parts.append(f"burst of {s['burst']['streams']}")
+    return "harness v2: " + ("; ".join(parts) or "no rows") + (" (cut short)" if r.get("partial") else "")
+
+
+def describe(name: str, r: dict | None) -> tuple[str, str, str, str]:
+    """A result file's date, commit, configuration and what it measured, for the index."""
+    if r is None:  # a log beside a JSON, or a file that is not JSON
+        stem = name.split(".json")[0] + ".json" if ".json." in name else None
+        what = f"the console log of `{stem}`'s run" if stem else "a run's console log"
+        for prefix, kind in FILE_KINDS:
+            if name.startswith(prefix) and not stem:
+                what += f": {kind}"
+                break
+        m = re.search(r"_([0-9a-f]{7})\.log$", name)
+        return "–", m.group(1) if m else "–", "–", what
+    date = str(r.get("date") or str(r.get("when") or "")[:10] or "–")
+    commit = str(r.get("commit") or "–")
+    a = r.get("args") if isinstance(r.get("args"), dict) else {}
+    config = "–"
+    if a.get("model") and a.get("width") and a.get("steps"):
+        config = f"{MODEL_NAMES.get(a['model'], a['model'])} @ {a['width']}×{a['height']}, {a['steps']} step(s)"
+        if "stages" in a:
+            config += f", {_gpus(a)} GPU(s)"
+    elif r.get("model"):
+        config = MODEL_NAMES.get(r["model"], r["model"])
+    if r.get("harness") == 2:
+        what = _harness_what(r)
+        if a.get("model"):
+            config = config_name(r)
+    elif "peer" in r and "floor" in r and "system" in r:
+        what = "harness v1 (superseded: it counted a drain): steady FPS against the peer and the floor"
+    else:
+        what = next((kind for prefix, kind in FILE_KINDS if name.startswith(prefix)), "–")
+    return date, commit, config, what
+
+
+def index(results: Path) -> str:
+    """``INDEX.md``: every file in the results folder, then each harness-v2 run's versions and command."""
+    out = [
+        "# Benchmark results: the index",
+        "",
+        "Generated by `python -m benchmarks.report` from the files in this folder; do not edit by hand. The current "
+        "row of each configuration is in `BENCHMARKS.md`; every harness-v2 row, and the prose of earlier pages, in "
+        "`HISTORY.md`.",
+        "",
+        "| file | date | commit | config | what it measured |",
+        "|---|---|---|---|---|",
+    ]
+    for path in sorted(results.iterdir()):
+        if not path.is_file() or path.name in ("INDEX.md", "HISTORY.md") or path.name.startswith("."):
+            continue
+        r = None
+        if path.suffix == ".json":
+            try:
+                r = json.loads(path.read_text())
+            except ValueError:
+                r = None
+        if r is not None and not isinstance(r, dict):
+            r = {}
+        cells = describe(path.name, r)
+        out.append(f"| `{path.name}` | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    out += runs_table(load(results))
+    return "\n".join(out) + "\n"
+
+
 def render(document: str, body: str, begin: str = BEGIN, end: str = END) -> str:
     block = f"{begin}\n{body}{end}"
     if begin in document and end in document:
@@ -560,24 +802,61 @@ def render(document: str, body: str, begin: str = BEGIN, end: str = END) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="benchmarks/results")
-    ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--out", default="BENCHMARKS.md", help="the page: the current row of each configuration")
+    ap.add_argument("--history", default=None, help="every harness-v2 row (default: RESULTS/HISTORY.md, if it exists)")
+    ap.add_argument("--index", default=None, help="the index of the results folder (default: RESULTS/INDEX.md)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that is stale")
     args = ap.parse_args(argv)
-    runs = load(Path(args.results))
-    decoders = load_decoders(Path(args.results))
-    if not runs and not decoders:
+    results = Path(args.results)
+    runs = load(results)
+    decoders = load_decoders(results)
+    levers = load_levers(results)
+    if not runs and not decoders and not levers:
         print(
-            f"no harness-v2 results (v2_*.json) nor decoder tables (decoder_*.json) in {args.results}", file=sys.stderr
+            f"no harness-v2 results (v2_*.json), decoder tables (decoder_*.json) nor DiT lever runs (dit_levers*.json) "
+            f"in {args.results}",
+            file=sys.stderr,
         )
         return 1
-    out = Path(args.out)
+    written = generate(results, Path(args.out), args.history, args.index, runs, decoders, levers)
+    stale = [path for path, text in written.items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path}: stale; regenerate it with python -m benchmarks.report", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in written.items():
+        path.write_text(text)
+    print(
+        f"{', '.join(map(str, written))}: tables from {len(runs)} harness run(s), {len(decoders)} decoder run(s) and "
+        f"{len(levers)} DiT lever run(s)"
+    )
+    return 0
+
+
+def generate(
+    results: Path,
+    out: Path,
+    history: str | None,
+    index_path: str | None,
+    runs: list[dict],
+    decoders: list[dict],
+    levers: list[dict],
+) -> dict[Path, str]:
+    """What each file should hold: the page, the history (where it exists or is named) and the index."""
+    written = {}
     document = out.read_text() if out.exists() else ""
     if runs:
-        document = render(document, tables(runs))
+        document = render(document, page_tables(runs))
     if decoders:
         document = render(document, decoder_tables(decoders), DEC_BEGIN, DEC_END)
-    out.write_text(document)
-    print(f"{out}: tables from {len(runs)} harness run(s) and {len(decoders)} decoder run(s)")
-    return 0
+    if levers:
+        document = render(document, lever_tables(levers), LEV_BEGIN, LEV_END)
+    written[out] = document
+    hist = Path(history) if history else results / "HISTORY.md"
+    if runs and (history or hist.exists()):
+        written[hist] = render(hist.read_text() if hist.exists() else "", tables(runs))
+    written[Path(index_path) if index_path else results / "INDEX.md"] = index(results)
+    return written
 
 
 def _gpus(a: dict) -> str:

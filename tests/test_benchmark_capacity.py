@@ -12,6 +12,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,8 +152,8 @@ def test_the_capacity_table_renders_each_cell_from_the_json_and_names_what_is_mi
     )
     not_held["commit"] = "def5678"
     (tmp_path / "v2_cap_b.json").write_text(json.dumps(not_held))
-    doc = tmp_path / "B.md"
-    assert report.main(["--results", str(tmp_path), "--out", str(doc)]) == 0
+    doc, history = tmp_path / "B.md", tmp_path / "H.md"
+    assert report.main(["--results", str(tmp_path), "--out", str(doc), "--history", str(history)]) == 0
     text = doc.read_text()
     lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| 1.3B, SLO 1–2 steps")}
     tiny = lines["| 1.3B, SLO 1–2 steps, 832×480, tiny"]
@@ -162,7 +163,8 @@ def test_the_capacity_table_renders_each_cell_from_the_json_and_names_what_is_mi
     )
     full = lines["| 1.3B, SLO 1–2 steps, 832×480, full"]
     assert "| – (admitted but not held: 5 of 7 admitted streams held) | 7 / 5 |" in full and "def5678" in full
-    assert "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 1 open: 21.0 ms at batch 1.00" in text  # the ramp
+    ramp = "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 1 open: 21.0 ms at batch 1.00"
+    assert ramp in history.read_text() and ramp not in text  # the ramp: in the history, not on the page
     # The slowest first frame taken apart: its parts add up to its TTFF (the 777 ms p95 here).
     assert (
         "- 1.3B, SLO 1–2 steps, 832×480, tiny (abc1234): 777 ms = prompt 77 + open 63 + first chunk 460 + decode 150 "
@@ -242,3 +244,94 @@ def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_t
     assert s["late_max_ms"] == pytest.approx(400.0) and s["late_first_s"] == pytest.approx(2.0)  # due at 5.0 s
     # A stream that ended with an error is not held whatever its punctuality.
     assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]
+
+
+# BENCHMARKS.md as a results page: the committed page, history and index are what the report makes from the committed
+# JSON, the page stays short, and it shows the newest row of each configuration.
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.mark.unit
+def test_benchmarks_md_is_a_short_page_whose_capacity_header_names_held_per_gpu_and_admitted_over_held():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text) <= 40_000, f"BENCHMARKS.md is {len(text):,} characters; the page holds at most 40,000"
+    [header] = [line for line in text.splitlines() if line.startswith("| config | GPUs | **held per GPU** |")]
+    assert "held per GPU" in header and "| admitted / held |" in header
+    # What readers look for: the peers and the floor beside each throughput row, steady FPS, cold start, the
+    # 8-stream load row, the DiT levers at batch 1/4/8/12, and the fleet table between the markers fleet_sim writes.
+    assert "| peer eager | peer compiled | floor |" in text and "| time to READY (s) |" in text
+    assert any(line.split(" | ")[1:2] == ["8"] for line in text.splitlines() if line.startswith("| 1.3B @ "))
+    assert "| variant | batch 1 | batch 4 | batch 8 | batch 12 |" in text
+    assert text.count("<!-- fleet_sim:table -->") == 1 and text.count("<!-- fleet_sim:table end -->") == 1
+
+
+@pytest.mark.unit
+def test_the_committed_page_history_and_index_are_what_the_report_makes_from_the_committed_json(tmp_path):
+    args = ["--results", str(RESULTS), "--out", str(ROOT / "BENCHMARKS.md")]
+    assert report.main([*args, "--check"]) == 0, "stale: run python -m benchmarks.report and commit what it writes"
+    # A number changed by hand inside a generated block is caught, and --check writes nothing.
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    head, block = page.split(BEGIN, 1)
+    edited = head + BEGIN + block.replace("| **8** | 8 / 8 |", "| **9** | 9 / 9 |", 1)
+    assert edited != page
+    stale = tmp_path / "BENCHMARKS.md"
+    stale.write_text(edited)
+    index = tmp_path / "INDEX.md"
+    argv = ["--results", str(RESULTS), "--out", str(stale), "--index", str(index), "--history", str(tmp_path / "H.md")]
+    assert report.main([*argv, "--check"]) == 1
+    assert stale.read_text() == edited and not index.exists() and not (tmp_path / "H.md").exists()
+    # Without --check it writes the page back to the committed one; the index names every result file.
+    assert report.main(argv) == 0
+    assert stale.read_text() == page and index.read_text() == (RESULTS / "INDEX.md").read_text()
+    listed = {line.split("`")[1] for line in index.read_text().splitlines() if line.startswith("| `")}
+    assert {p.name for p in RESULTS.iterdir() if p.name not in ("INDEX.md", "HISTORY.md")} <= listed
+
+
+def _main_run(name: str, date: str, fps: float, peer: bool) -> dict:
+    """A harness-v2 run with a main stream (1.3B 1 step on one GPU) and a load row of 8 streams."""
+    r = copy.deepcopy(_run())
+    r["args"] = {"model": "wan2.1-1.3b", "width": 832, "height": 480, "steps": 1, "stages": 1}
+    main = {"on_time": 1.0, "max_gap_ms": 90.0, "p99_gap_ms": 80.0, "gaps_over_250ms": 0, "frames": 960}
+    r["system"] = {
+        "main": main,
+        "lead": {"max": 3, "bound": 3},
+        "steady_fps": fps,
+        "whole_fps": fps,
+        "time_to_ready_s": 100.0,
+        "ttff_p50_s": 0.2,
+        "ttff_p95_s": 0.25,
+        "load": [{"streams": 8, "steady_fps_min": 6.0, "steady_fps_mean": 6.5, "on_time_min": 0.5} | _load_cells()],
+        "capacity": [],
+    }
+    r["peer"], r["floor"] = ({"fps": 30.0}, {"fps": 150.0}) if peer else (None, None)
+    r["peer_compiled"] = None
+    r["ratios"] = {"vs_peer": fps / 30.0 if peer else None, "vs_peer_compiled": None, "of_floor": None}
+    return {**r, "date": date, "commit": name, "_file": f"v2_{name}.json"}
+
+
+def _load_cells() -> dict:
+    return {"ttff_p50_s": 0.4, "ttff_p95_s": 0.5, "aggregate_fps": 52.0, "failed": 0}
+
+
+@pytest.mark.unit
+def test_the_page_shows_the_newest_run_of_each_configuration_and_the_history_every_run():
+    old = _main_run("aaa0001", "2026-12-01", 40.0, peer=True)
+    new = _main_run("bbb0002", "2026-12-02", 44.0, peer=False)  # no peers measured: it takes the older run's
+    cap_r2 = {**copy.deepcopy(_run()), "date": "2026-12-02", "commit": "ccc0003", "_file": "v2_cap_x_r2.json"}
+    cap_r10 = {**copy.deepcopy(_run(admitted=6, held=6, capacity=6)), "date": "2026-12-02", "commit": "ddd0004"}
+    cap_r10["_file"] = "v2_cap_x_r10.json"  # _r10 is after _r2 on the same day, though it sorts before it by name
+    runs = [new, cap_r10, old, cap_r2]
+    page, history = report.page_tables(runs), report.tables(runs)
+    rows = [line for line in page.splitlines() if line.startswith("| 1.3B @ 832×480, 1 step")]
+    # One steady row, one cold-start row and one load row: the newest run's, with the older run's peer and floor.
+    assert len(rows) == 3 and "| **40.0** |" not in page
+    assert rows[0].startswith("| 1.3B @ 832×480, 1 step ² | 1 | **44.0** |") and "| 30.0 | – | 150 | 1.47× |" in rows[0]
+    assert "`v2_bbb0002.json` takes the peers and floor of `v2_aaa0001.json`" in page
+    assert "| 1.3B @ 832×480, 1 step | 8 | 6.0 / 6.5 |" in page and page.count("| 8 | 6.0 / 6.5 |") == 1
+    cap = [line for line in page.splitlines() if line.startswith("| 1.3B, SLO 1–2 steps, 832×480, tiny")]
+    assert len(cap) == 1 and "| **6** | 6 / 6 |" in cap[0] and cap[0].endswith("| ddd0004 |")
+    # The page lists the files behind its rows; the history has every row and the runs table with the commands.
+    assert "`v2_cap_x_r10.json` (2026-12-02, ddd0004)" in page and "v2_cap_x_r2.json" not in page
+    assert "| **44.0** |" in history and "| **40.0** |" in history and history.count("| 8 | 6.0 / 6.5 |") == 2
+    assert "| **7** | 7 / 7 |" in history and "### Runs" in history and "### Runs" not in page
