@@ -75,6 +75,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# How long a place admitted by ``reserve`` (before the gateway encodes the prompt) is held for its ``open``: an
+# encode takes milliseconds to a second; a gateway that fails in between gives the place back this much later.
+HOLD_S = 10.0
+
 
 class PipelineEngine:
     def __init__(
@@ -94,6 +98,7 @@ class PipelineEngine:
         how to reach a stage, who hears of readiness, the clock and the settings tests and tools change."""
         max_batch, lookahead = opts.max_batch, opts.lookahead
         self.registry = registry
+        self.clock = clock
         self._stream_defaults = stream_defaults  # what a free slot is priced at (None: the public defaults)
         self.max_batch = max_batch
         self.pacing = Pacing(
@@ -193,24 +198,44 @@ class PipelineEngine:
 
     # ---- streams --------------------------------------------------------------------------------------
 
-    def open(self, request: OpenRequest) -> StreamSession:
-        """Admit ``request`` (``Admission.decide``: raises ``AdmissionError``), then open it in the stream table holding
-        what admission priced (``StreamTable.open``); the plan loop plans its open at its next tick."""
+    def reserve(self, request: OpenRequest) -> str:
+        """Admission alone, before the prompt is encoded (``Reserve``): decide ``request`` (raises ``AdmissionError``)
+        and hold its place for ``HOLD_S``; returns the hold ``open`` claims."""
+        with self.cond:
+            reservation = self._decide(request)
+            return self.streams.hold(reservation, self.clock(), HOLD_S)
+
+    def release(self, hold: str) -> None:
+        """A held place given back unopened (``Release``): unknown or lapsed holds are ignored."""
+        with self.cond:
+            self.streams.take_hold(hold, self.clock())
+
+    def open(self, request: OpenRequest, hold: str = "") -> StreamSession:
+        """Admit ``request`` (``Admission.decide``: raises ``AdmissionError``; a ``hold`` from ``reserve``, not lapsed:
+        admitted then), then open it in the stream table holding what admission priced (``StreamTable.open``); the
+        plan loop plans its open at its next tick."""
         with self.cond:
             gens = self.generations
-            try:
-                reservation = self.admission.decide(
-                    request, self.streams.admitted(), ready=gens.ready, last_error=gens.last_error
-                )
-            except AdmissionError as exc:
-                if exc.limit:
-                    self.telemetry.refused(exc.limit)
-                raise
+            reservation = self.streams.take_hold(hold, self.clock()) if hold else None
+            if reservation is None:
+                reservation = self._decide(request)
             session = self.streams.open(request, reservation, generation=gens.generation)
             # The set of streams changed: decide steps at the next tick (raises wait).
             self.slo.joined(session.reservation.demand, request.by_steps, session.spec.steps)
             self.planner.wake()
             return session
+
+    def _decide(self, request: OpenRequest):
+        """Under the lock: ``Admission.decide`` beside the open streams and the places held; a refusal is counted."""
+        gens = self.generations
+        try:
+            return self.admission.decide(
+                request, self.streams.admitted(self.clock()), ready=gens.ready, last_error=gens.last_error
+            )
+        except AdmissionError as exc:
+            if exc.limit:
+                self.telemetry.refused(exc.limit)
+            raise
 
     def slots(self, defaults: StreamDefaults | None = None) -> Slots:
         """How many more streams of the public defaults (``defaults``, else the engine's) this pipeline would admit
@@ -226,7 +251,7 @@ class PipelineEngine:
         return self._stream_defaults or StreamDefaults.serving(self.slo.serving(), self.registry.model_config())
 
     def _slots(self, defaults: StreamDefaults) -> Slots:
-        admitted, ready = self.streams.admitted(), self.generations.ready
+        admitted, ready = self.streams.admitted(self.clock()), self.generations.ready
         return free_slots(self.admission, admitted, defaults, self.registry.model_config(), ready=ready)
 
     def steps(self, stream_id: int) -> int:

@@ -5,6 +5,8 @@ Usage::
     request = OpenRequest.from_proto(msg, traceparent)       # coordinator.server: the wire's OpenStreamRequest
     request = OpenRequest(spec, text, chunk_rate=4.0)         # in process (tests, tools): the same checks
     session = engine.open(request)                            # admission.decide(request) -> table.open(request, ...)
+    hold = engine.reserve(OpenRequest.for_hold(reserve_msg))  # admission before the gateway encodes the prompt
+    session = engine.open(OpenRequest.from_proto(msg), hold)  # ... then the open claims the held place
 
 Constructing one validates what needs no pipeline (a ValueError naming the field: INVALID_ARGUMENT): the decoder kind,
 the pacing, the consumer's depth, the negative prompt and the step ladders, which it keeps by step count (``ladders``).
@@ -26,6 +28,7 @@ from stagecast.sampling import MAX_STEPS
 
 MAX_CONSUMER_DEPTH = 64  # chunks a consumer may declare it holds (OpenStreamRequest.consumer_depth)
 MAX_CHUNK_RATE = 1000.0  # chunks per second a paced stream may ask for (OpenStreamRequest.chunk_rate)
+MAX_TEXT_DIM = 1 << 16  # each size of a Reserve's text_shape (tokens, the encoder's width) is at most this
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +98,30 @@ class OpenRequest:
             ladders=[tuple(ladder.timesteps) for ladder in msg.ladders],
             latency_first=msg.latency_first,
             decoder=msg.decoder,
+        )
+
+    @classmethod
+    def for_hold(cls, msg: pb.ReserveRequest) -> OpenRequest:
+        """A Reserve's request (admission before the prompt is encoded): ``msg.open`` without its text, whose shape
+        (``msg.text_shape``) admission checks; the text here is a zero-size-in-memory stand-in of that shape (and the
+        negative prompt's, for a guided stream), never planned."""
+        shape = tuple(int(n) for n in msg.text_shape)
+        if len(shape) != 3 or not all(0 < n <= MAX_TEXT_DIM for n in shape):
+            raise ValueError(f"text_shape: (1, tokens, dim) of positive sizes up to {MAX_TEXT_DIM}, got {list(shape)}")
+        spec = wire.spec_from_proto(msg.open.spec)
+        text = torch.zeros(1, 1, 1).expand(shape)
+        open_ = msg.open
+        return cls(
+            spec,
+            text,
+            negative_text=text if spec.cfg else None,
+            acknowledges=open_.acknowledges,
+            consumer_depth=open_.consumer_depth,
+            chunk_rate=open_.chunk_rate,
+            pace_offset_s=open_.pace_offset_s,
+            ladders=[tuple(ladder.timesteps) for ladder in open_.ladders],
+            latency_first=open_.latency_first,
+            decoder=open_.decoder,
         )
 
 

@@ -17,7 +17,7 @@ import threading
 import grpc
 
 from coordinator import rendezvous
-from coordinator.engine import PipelineEngine
+from coordinator.engine import HOLD_S, PipelineEngine
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.options import CoordinatorOptions
 from coordinator.registry import RegistrationError, StageRegistry
@@ -40,6 +40,8 @@ ROLE_RULES = {
     f"/{SERVICE_NAME}/Register": ["stage"],
     f"/{SERVICE_NAME}/Heartbeat": ["stage"],
     f"/{SERVICE_NAME}/ReportStartup": ["stage"],
+    f"/{SERVICE_NAME}/Reserve": _STREAMS,
+    f"/{SERVICE_NAME}/Release": _STREAMS,
     f"/{SERVICE_NAME}/OpenStream": _STREAMS,
     f"/{SERVICE_NAME}/StopStream": _STREAMS,
     f"/{SERVICE_NAME}/UpdatePrompt": _STREAMS,
@@ -113,6 +115,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         except grpc.RpcError:
             return True
 
+    def Reserve(self, request: pb.ReserveRequest, context):
+        with telemetry.server_span(f"{SERVICE_NAME}/Reserve", context, target=self.address, only_child=True):
+            try:
+                hold = self.engine.reserve(OpenRequest.for_hold(request))
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except AdmissionError as exc:
+                exc.abort(context)  # a capacity refusal carries its retry delay in the status details
+            return pb.ReserveReply(hold=hold, hold_s=HOLD_S)
+
+    def Release(self, request: pb.ReserveReply, context):
+        self.engine.release(request.hold[:64])
+        return pb.Empty()
+
     def OpenStream(self, request: pb.OpenStreamRequest, context):
         method = f"{SERVICE_NAME}/OpenStream"
         with telemetry.server_span(method, context, target=self.address, traceparent=request.traceparent) as span:
@@ -121,7 +137,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def _open_stream(self, request: pb.OpenStreamRequest, context, span):
         try:
             # Plan events and batch spans refer to this call's span: the coordinator's side of the stream.
-            session = self.engine.open(OpenRequest.from_proto(request, telemetry.traceparent_of(span)))
+            session = self.engine.open(OpenRequest.from_proto(request, telemetry.traceparent_of(span)), request.hold)
             if span is not None:
                 span.set_attribute("stagecast.stream.id", session.id)
         except ValueError as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -111,6 +112,9 @@ class StreamTable:
         self.pending_cancels: set[int] = set()
         self.pending_prompts: deque[tuple[int, torch.Tensor, bool]] = deque()
         self._ids = itertools.count(1)
+        # Admitted streams not opened yet (Reserve, before the gateway encodes the prompt): hold id -> (what
+        # admission priced, when the hold lapses).  They count as admitted until claimed (``take_hold``) or lapsed.
+        self._holds: dict[str, tuple[Reservation, float]] = {}
 
     def has_pending(self) -> bool:
         """Opens, stops, cancels or prompt changes the plan loop has yet to take."""
@@ -150,15 +154,42 @@ class StreamTable:
         """The streams whose recache waits for their chunks in flight."""
         return [s for s in self.sessions.values() if s.recache is not None]
 
-    def admitted(self) -> Admitted:
+    def admitted(self, now: float | None = None) -> Admitted:
         """The open streams as admission counts them: how many, their KV reserved on each stage, their demands (by
-        id), and when capacity or memory is likely back (``retry_after``)."""
+        id), and when capacity or memory is likely back (``retry_after``); with ``now``, the holds not lapsed too."""
         kv: dict[int, int] = {}
         for session in self.sessions.values():
             for index, nbytes in session.kv.items():
                 kv[index] = kv.get(index, 0) + nbytes
         demands = tuple(s.reservation.demand for s in sorted(self.sessions.values(), key=lambda s: s.id))
-        return Admitted(len(self.sessions), kv, demands, self.retry_after())
+        admitted = Admitted(len(self.sessions), kv, demands, self.retry_after())
+        if now is not None:
+            self._lapse(now)
+            for reservation, _ in self._holds.values():
+                admitted = admitted.plus(reservation)  # a held place is priced as an open stream's
+        return admitted
+
+    def hold(self, reservation: Reservation, now: float, hold_s: float) -> str:
+        """Hold an admitted stream's place until ``now + hold_s`` (Reserve); returns the hold's id."""
+        self._lapse(now)
+        hold = uuid.uuid4().hex
+        self._holds[hold] = (reservation, now + hold_s)
+        return hold
+
+    def take_hold(self, hold: str, now: float) -> Reservation | None:
+        """The held place, claimed (the stream opens on it); None when it lapsed or was never given."""
+        self._lapse(now)
+        held = self._holds.pop(hold, None)
+        return None if held is None else held[0]
+
+    def holds(self, now: float) -> int:
+        """Places held and not yet claimed."""
+        self._lapse(now)
+        return len(self._holds)
+
+    def _lapse(self, now: float) -> None:
+        for hold in [h for h, (_, until) in self._holds.items() if until <= now]:
+            del self._holds[hold]
 
     def retry_after(self) -> float:
         """When capacity or memory is likely back: the soonest end of a bounded paced stream (its remaining chunks

@@ -34,7 +34,7 @@ from gateway.config import (
     resolve_config,
 )
 from gateway.revocation import credentials_of
-from gateway.stream import StreamFailed, StreamRun
+from gateway.stream import StreamFailed, StreamRun, release_hold, reserve
 from stagecast import telemetry
 from stagecast.fair_pool import PoolFull
 from stagecast.grpc_util import abort_with_retry, retry_after_of
@@ -124,6 +124,7 @@ class StreamParts:
     coordinator: str  # --coordinator, named in a pipeline error
     config_timeout: float  # --config-timeout
     max_pending: int  # --max-pending
+    text_shape: tuple[int, ...]  # (1, tokens, width) of a prompt's embeddings: what the coordinator's Reserve checks
 
 
 class StreamServicer:
@@ -239,7 +240,10 @@ class StreamServicer:
         """Encode the prompt and open the pipeline stream; on failure give back what admission took and end the call."""
         gw = self.parts
         retry_after = None  # a capacity refusal's retry delay, from the coordinator's status details
+        hold = ""
         try:
+            # Admission first, from the coordinator's arithmetic: a refusal never waits on the prompt's encode.
+            hold = reserve(cfg, gw.stream_host, gw.text_shape)
             text = gw.encode_prompt(cfg.prompt, parent_span=rpc_span, paced=cfg.pace)
             negative = None
             if cfg.guidance_scale > 1.0:
@@ -247,7 +251,7 @@ class StreamServicer:
                     cfg.negative_prompt, parent_span=rpc_span, field="negative_prompt", paced=cfg.pace
                 )
             run = StreamRun(gw.stream_host, cfg, text, context, t0, parent_span=rpc_span, negative_text=negative)
-            run.open_pipeline()
+            run.open_pipeline(hold)
             return run
         except ConfigError as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -256,6 +260,8 @@ class StreamServicer:
             retry_after = retry_after_of(exc)  # a capacity refusal's retry delay reaches the client
         except StreamFailed as exc:
             code, message = exc.code, exc.message
+        if hold:
+            release_hold(gw.stream_host, hold)  # admitted, then failed before it opened: the place goes back now
         release()
         self._abort(context, code, message, retry_after)
 

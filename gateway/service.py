@@ -341,6 +341,7 @@ class Gateway:
             coordinator=self.opts.coordinator,
             config_timeout=self.opts.config_timeout,
             max_pending=self.opts.max_pending,
+            text_shape=(1, self.models.encoder.max_len, self.models.encoder.d_model),
         )
 
     def encode_prompt(self, prompt: str, parent_span=None, field: str = "prompt", paced: bool = True) -> torch.Tensor:

@@ -81,8 +81,9 @@ logger = logging.getLogger(__name__)
 # After End, how long the call's status waits for the client to close its side (the SDK does at once; a client that
 # does not gets its status this much later, never its frames).
 END_LINGER_S = 1.0
+RESERVE_TIMEOUT_S = 10.0  # the coordinator's Reserve answers from its admission arithmetic: milliseconds
 
-__all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun"]
+__all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun", "open_request", "release_hold", "reserve"]
 
 
 class DecodeSession(Protocol):
@@ -100,6 +101,7 @@ class Decoder(Protocol):
     """A decoder streams open sessions on (``gateway.decoder.LocalDecoder``, ``RemoteDecoder``, the batched one)."""
 
     def open(self, capacity: int, paced: bool = False) -> DecodeSession: ...
+    def depth(self, capacity: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,44 @@ class StreamHost:
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
     pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
     encode_gate: DecodeGate | None = None  # gateway.decoder.encode_gate: a paced stream's frame encodes go first
+
+
+def open_request(cfg: EffectiveConfig, host: StreamHost) -> ipb.OpenStreamRequest:
+    """The stream's OpenStreamRequest without its text (nor negative text nor image): what the coordinator's Reserve
+    admits before the prompt is encoded, and what the open then completes (``StreamRun.open_pipeline``)."""
+    spec = cfg.stream_spec(latent_channels=host.latent_channels, text_len=host.text_len)
+    # The stream's lead is held to one wavefront plus our VAE depth: we acknowledge each chunk once decoded.
+    return ipb.OpenStreamRequest(
+        spec=wire.spec_to_proto(spec),
+        acknowledges=True,
+        consumer_depth=host.decoders[cfg.decoder].depth(host.limits.buffer_chunks),
+        chunk_rate=cfg.chunk_rate,
+        pace_offset_s=cfg.pace_offset_s,
+        ladders=[ipb.Ladder(timesteps=ladder) for ladder in cfg.ladders],
+        latency_first=cfg.steps_preference == "latency_first",
+        decoder=cfg.decoder,  # the SLO model prices the stream's chunks at this decoder's reported cost
+    )
+
+
+def reserve(cfg: EffectiveConfig, host: StreamHost, text_shape: tuple[int, ...], parent_span=None) -> str:
+    """Admission before the prompt is encoded (the coordinator's Reserve): its hold, which the open claims; raises
+    the refusal's ``grpc.RpcError`` (a full pipeline: RESOURCE_EXHAUSTED with its retry delay) at once.  A coordinator
+    without Reserve (UNIMPLEMENTED): "" (the open decides, after the encode, as before)."""
+    msg = ipb.ReserveRequest(open=open_request(cfg, host), text_shape=list(text_shape))
+    try:
+        return host.coordinator.Reserve(msg, timeout=RESERVE_TIMEOUT_S).hold
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        raise
+
+
+def release_hold(host: StreamHost, hold: str) -> None:
+    """Give a Reserve's place back unopened (best effort: unreleased, it lapses after the coordinator's HOLD_S)."""
+    try:
+        host.coordinator.Release(ipb.ReserveReply(hold=hold), timeout=RESERVE_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        logger.debug("releasing hold %s failed (it lapses by itself): %s", hold[:8], exc.code())
 
 
 class StreamRun:
@@ -197,20 +237,11 @@ class StreamRun:
 
     # ---- opening (the handler thread) ----------------------------------------------------------------
 
-    def open_pipeline(self) -> None:
-        spec = self.cfg.stream_spec(latent_channels=self.host.latent_channels, text_len=self.host.text_len)
-        # The stream's lead is held to one wavefront plus our VAE depth: we acknowledge each chunk once decoded.
-        request = ipb.OpenStreamRequest(
-            spec=wire.spec_to_proto(spec),
-            text=wire.tensor_to_proto(self.text),
-            acknowledges=True,
-            consumer_depth=self.decoder.depth(self.limits.buffer_chunks),
-            chunk_rate=self.cfg.chunk_rate,
-            pace_offset_s=self.cfg.pace_offset_s,
-            ladders=[ipb.Ladder(timesteps=ladder) for ladder in self.cfg.ladders],
-            latency_first=self.cfg.steps_preference == "latency_first",
-            decoder=self.cfg.decoder,  # the SLO model prices the stream's chunks at this decoder's reported cost
-        )
+    def open_pipeline(self, hold: str = "") -> None:
+        """Open the pipeline stream (``hold``: the coordinator's Reserve admitted it before the prompt was encoded)."""
+        request = open_request(self.cfg, self.host)
+        request.text.CopyFrom(wire.tensor_to_proto(self.text))
+        request.hold = hold
         if self.cfg.image is not None:  # image-to-video: the first frame's latent, encoded as the pipeline does
             request.image.CopyFrom(wire.tensor_to_proto(encode_image(self.host.input_encoder(), self.cfg.image)))
         if self.negative_text is not None:

@@ -387,7 +387,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, rejoin: _Optional[bool] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class OpenStreamRequest(_message.Message):
-    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first", "pace_offset_s", "decoder")
+    __slots__ = ("spec", "text", "image", "negative_text", "traceparent", "acknowledges", "consumer_depth", "chunk_rate", "ladders", "latency_first", "pace_offset_s", "decoder", "hold")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class OpenStreamRequest(_message.Message):
     LATENCY_FIRST_FIELD_NUMBER: _ClassVar[int]
     PACE_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
     DECODER_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     spec: StreamSpec
     text: Tensor
     image: Tensor
@@ -412,7 +413,24 @@ class OpenStreamRequest(_message.Message):
     latency_first: bool
     pace_offset_s: float
     decoder: str
-    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ..., pace_offset_s: _Optional[float] = ..., decoder: _Optional[str] = ...) -> None: ...
+    hold: str
+    def __init__(self, spec: _Optional[_Union[StreamSpec, _Mapping]] = ..., text: _Optional[_Union[Tensor, _Mapping]] = ..., image: _Optional[_Union[Tensor, _Mapping]] = ..., negative_text: _Optional[_Union[Tensor, _Mapping]] = ..., traceparent: _Optional[str] = ..., acknowledges: _Optional[bool] = ..., consumer_depth: _Optional[int] = ..., chunk_rate: _Optional[float] = ..., ladders: _Optional[_Iterable[_Union[Ladder, _Mapping]]] = ..., latency_first: _Optional[bool] = ..., pace_offset_s: _Optional[float] = ..., decoder: _Optional[str] = ..., hold: _Optional[str] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("open", "text_shape")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    TEXT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    open: OpenStreamRequest
+    text_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, open: _Optional[_Union[OpenStreamRequest, _Mapping]] = ..., text_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("hold", "hold_s")
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    hold: str
+    hold_s: float
+    def __init__(self, hold: _Optional[str] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class Ladder(_message.Message):
     __slots__ = ("timesteps",)

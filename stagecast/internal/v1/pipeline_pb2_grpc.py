@@ -292,6 +292,16 @@ class CoordinatorServiceStub:
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/Reserve',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/stagecast.internal.v1.CoordinatorService/Release',
+                request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.SerializeToString,
+                response_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
+                _registered_method=True)
         self.OpenStream = channel.unary_stream(
                 '/stagecast.internal.v1.CoordinatorService/OpenStream',
                 request_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.OpenStreamRequest.SerializeToString,
@@ -350,6 +360,22 @@ class CoordinatorServiceServicer:
 
     def Heartbeat(self, request, context):
         """Every registered stage calls this about twice a second; see HeartbeatReply.rejoin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Admission alone, before the gateway encodes the prompt: a refusal is this call's status (as OpenStream's would
+        be, with its retry delay), so it never waits on an encode; an admission holds the stream's place (ReserveReply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Give a Reserve's place back unopened (the gateway failed between the two: a prompt past its token limit, an
+        image that did not encode). Unknown or lapsed holds are ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -428,6 +454,16 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.FromString,
                     response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveRequest.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.FromString,
+                    response_serializer=stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.SerializeToString,
             ),
             'OpenStream': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenStream,
@@ -529,6 +565,60 @@ class CoordinatorService:
             '/stagecast.internal.v1.CoordinatorService/Heartbeat',
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatRequest.SerializeToString,
             stagecast_dot_internal_dot_v1_dot_pipeline__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/Reserve',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveRequest.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagecast.internal.v1.CoordinatorService/Release',
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.ReserveReply.SerializeToString,
+            stagecast_dot_internal_dot_v1_dot_pipeline__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
