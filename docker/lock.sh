@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Resolve the images' packages, without installing anything here:
-# - docker/requirements-gpu.txt: what `pip install "/src[gpu,fp8]"` with torch==$TORCH_VERSION installs on the GPU
-#   image (Ubuntu 24.04: CPython 3.12, glibc 2.39, x86_64);
-# - docker/requirements-cpu.txt: what `pip install /src` installs beside the CPU build of torch==$TORCH_VERSION on the
-#   CPU image (python:3.11-slim: CPython 3.11, x86_64). torch itself comes from the PyTorch CPU index (the Dockerfile
-#   installs it first); its CUDA-only requirements (nvidia-*, cuda-*, triton), which the PyPI build declares and the
-#   CPU build does not, are left out.
+# - docker/requirements-gpu.txt: what `pip install /src/clients/python "/src[gpu,fp8]"` with torch==$TORCH_VERSION
+#   installs on the GPU image (Ubuntu 24.04: CPython 3.12, glibc 2.39, x86_64);
+# - docker/requirements-cpu.txt: what `pip install /src/clients/python /src` installs beside the CPU build of
+#   torch==$TORCH_VERSION on the CPU image (python:3.11-slim: CPython 3.11, x86_64). torch itself comes from the
+#   PyTorch CPU index (the Dockerfile installs it first); its CUDA-only requirements (nvidia-*, cuda-*, triton), which
+#   the PyPI build declares and the CPU build does not, are left out.
+# The client distribution (stagecast-client, clients/python) is not on PyPI: each resolve is given its path, and the
+# locks leave it out with the project (the Dockerfiles install both from /src).
 # Run it from the repository root after changing a dependency or TORCH_VERSION; tests/test_docker_image.py checks the
 # results against the Dockerfiles offline.
 #
@@ -41,13 +43,13 @@ for name, version in pins:
 PY
 }
 
-resolve 3.12 cp312 "$work/gpu.json" "torch==${TORCH_VERSION}" ".[gpu,fp8]"
+resolve 3.12 cp312 "$work/gpu.json" "torch==${TORCH_VERSION}" ./clients/python ".[gpu,fp8]"
 write_lock "$work/gpu.json" "# The GPU image's packages (docker/Dockerfile), resolved by docker/lock.sh for torch==${TORCH_VERSION},
-# CPython 3.12, manylinux x86_64. Do not edit: run \`bash docker/lock.sh\`." 'stagecast' > docker/requirements-gpu.txt
-resolve 3.11 cp311 "$work/cpu.json" "torch==${TORCH_VERSION}" "."
+# CPython 3.12, manylinux x86_64. Do not edit: run \`bash docker/lock.sh\`." 'stagecast|stagecast-client' > docker/requirements-gpu.txt
+resolve 3.11 cp311 "$work/cpu.json" "torch==${TORCH_VERSION}" ./clients/python "."
 write_lock "$work/cpu.json" "# The CPU image's packages (docker/Dockerfile.cpu) beside torch==${TORCH_VERSION} from the PyTorch CPU index,
 # resolved by docker/lock.sh for CPython 3.11, manylinux x86_64. Do not edit: run \`bash docker/lock.sh\`." \
-  'stagecast|torch|triton|nvidia-.*|cuda-.*' > docker/requirements-cpu.txt
+  'stagecast|stagecast-client|torch|triton|nvidia-.*|cuda-.*' > docker/requirements-cpu.txt
 for lock in docker/requirements-gpu.txt docker/requirements-cpu.txt; do
   echo "wrote $lock ($(grep -vc '^#' "$lock") packages)"
 done

@@ -1,6 +1,7 @@
 """stagecast: real-time streaming video generation with a Wan DiT cut into pipeline stages.
 
-The client SDK is exported here::
+The client SDK is the ``stagecast-client`` distribution (``clients/python``, import package ``stagecast_client``),
+re-exported here::
 
     import stagecast
     with stagecast.Client("localhost:50051") as client:
@@ -8,46 +9,16 @@ The client SDK is exported here::
 
 ``stagecast.AsyncClient`` is the asyncio twin; ``stagecast.StagecastError`` and its per-status subclasses
 (``InvalidArgumentError``, ``ResourceExhaustedError``, ``UnavailableError``, ...) are what failed calls raise.
-The SDK is imported lazily, so service processes that import ``stagecast.*`` modules do not pay for it.
+The SDK is imported lazily, so service processes that import ``stagecast.*`` modules do not pay for it.  Its modules
+keep their server names as aliases (``stagecast.client`` is ``stagecast_client.client``, ``stagecast.v1`` is
+``stagecast_client.v1``: one module each, so ``stream.proto`` is registered once).
 """
 
 from __future__ import annotations
 
 import importlib
 
-_SDK = {
-    "Client": "stagecast.client",
-    "AsyncClient": "stagecast.client",
-    "Generation": "stagecast.client",
-    "Transform": "stagecast.client",
-    "AsyncTransform": "stagecast.client",
-    "AsyncGeneration": "stagecast.client",
-    "Frame": "stagecast.frames",
-    "FrameTiming": "stagecast.frames",
-    "StreamInfo": "stagecast.frames",
-    "EndInfo": "stagecast.frames",
-    "save_mp4": "stagecast.frames",
-}
-_ERRORS = [
-    "StagecastError",
-    "CancelledError",
-    "UnknownError",
-    "InvalidArgumentError",
-    "DeadlineExceededError",
-    "NotFoundError",
-    "AlreadyExistsError",
-    "PermissionDeniedError",
-    "ResourceExhaustedError",
-    "FailedPreconditionError",
-    "AbortedError",
-    "OutOfRangeError",
-    "UnimplementedError",
-    "InternalError",
-    "UnavailableError",
-    "DataLossError",
-    "UnauthenticatedError",
-]
-_SDK.update({name: "stagecast.errors" for name in _ERRORS})
+from stagecast_client import SDK as _SDK
 
 __all__ = sorted(_SDK)
 

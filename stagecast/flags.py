@@ -28,6 +28,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from stagecast_client.helpformat import HelpFormatter, shows_default  # noqa: F401 - the client verbs' too
+
 _KEY = "stagecast_flag"
 _NESTED = "stagecast_flags_of"
 _SCALARS = {"int": int, "float": float, "str": str}
@@ -70,27 +72,6 @@ def flag(
 def nested(cls: type) -> Any:
     """A field holding another options dataclass, whose flags are this one's too."""
     return dataclasses.field(default_factory=cls, metadata={_NESTED: cls})
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``ArgumentDefaultsHelpFormatter`` that prints a default once: not when the help already says ``default:``,
-    and not for None or an empty list (a value the service works out) or a switch (off unless given)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        return text if not shows_default(action) else super()._get_help_string(action)
-
-
-def shows_default(action: argparse.Action) -> bool:
-    """Whether ``HelpFormatter`` appends ``(default: X)`` to ``action``'s help."""
-    switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-    return not (
-        switch
-        or not action.option_strings
-        or action.default in (None, [], ())
-        or action.default is argparse.SUPPRESS
-        or "default:" in (action.help or "")
-    )
 
 
 @dataclasses.dataclass(frozen=True)

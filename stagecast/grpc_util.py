@@ -30,6 +30,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+# A failed call's status details (google.rpc.Status) as a client reads them (status_of, retry_after_of) are the SDK's
+# (stagecast_client.errors, which needs neither grpc_health nor grpc_reflection); abort_with_retry writes them.
+from stagecast_client.errors import STATUS_DETAILS_KEY, retry_after_of, status_of  # noqa: F401
+
 # Text embeddings (512 x 4096) and latent chunks exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -276,7 +280,6 @@ class StatusError(Exception):
         abort_with_retry(context, self.code, self.message, self.retry_after_s)
 
 
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # A retry hint is the expected wait for the next free slot, and no hint says more than a minute: past that a client
 # is better told to come back soon and be refused again (with a fresh hint) than to wait for a long stream's end.
 MAX_RETRY_AFTER_S = 60.0
@@ -307,46 +310,3 @@ def abort_with_retry(
         status.details.append(detail)
     context.set_trailing_metadata((*metadata, (STATUS_DETAILS_KEY, status.SerializeToString())))
     context.abort(code, message)
-
-
-def status_of(exc) -> tuple[grpc.StatusCode, str] | None:
-    """The code and message of a failed call's status details (``abort_with_retry``), or None without them."""
-    try:
-        trailing = exc.trailing_metadata() or ()
-    except Exception:  # noqa: BLE001 - not a call error, or one without metadata
-        return None
-    from google.rpc import status_pb2
-
-    for key, value in trailing:
-        if key == STATUS_DETAILS_KEY:
-            status = status_pb2.Status()
-            try:
-                status.ParseFromString(value)
-            except Exception:  # noqa: BLE001 - malformed details
-                return None
-            code = next((c for c in grpc.StatusCode if c.value[0] == status.code), None)
-            return (code, status.message) if code is not None else None
-    return None
-
-
-def retry_after_of(exc) -> float | None:
-    """The RetryInfo delay in a failed call's status details (seconds), or None when it has none."""
-    try:
-        trailing = exc.trailing_metadata() or ()
-    except Exception:  # noqa: BLE001 - not a call error, or one without metadata
-        return None
-    for key, value in trailing:
-        if key != STATUS_DETAILS_KEY:
-            continue
-        from google.rpc import error_details_pb2, status_pb2
-
-        status = status_pb2.Status()
-        try:
-            status.ParseFromString(value)
-        except Exception:  # noqa: BLE001 - malformed details: no hint
-            return None
-        for detail in status.details:
-            info = error_details_pb2.RetryInfo()
-            if detail.Unpack(info):
-                return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-    return None

@@ -87,7 +87,7 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-INTERRUPTED = 130  # a command's status after Ctrl-C, as shells report SIGINT (128 + 2)
+from stagecast_client.cli import INTERRUPTED  # noqa: E402 - a command's status after Ctrl-C (128 + SIGINT)
 
 
 def die_of_sigint() -> None:

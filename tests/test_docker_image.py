@@ -54,6 +54,8 @@ def test_the_dockerfile_installs_the_lock_and_the_project_without_moving_a_pin()
     text = _dockerfile_text()
     assert "COPY docker/requirements-gpu.txt" in text and "pip install --requirement /tmp/requirements-gpu.txt" in text
     assert 'pip install --no-deps "/src[gpu,fp8]"' in text
+    # The client distribution the project depends on (not on PyPI) is installed from the source first.
+    assert text.index("pip install --no-deps /src/clients/python") < text.index('pip install --no-deps "/src[gpu,fp8]"')
     assert "pip check" in text
     assert "nvidia-nccl-cu12" not in text and "--index-url" not in text
     # The CPU image and the lock agree on the torch version.
@@ -104,11 +106,15 @@ def test_the_cpu_image_installs_its_lock_beside_the_cpu_torch_without_moving_a_p
     text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile.cpu").read_text())
     assert "COPY docker/requirements-cpu.txt" in text and "pip install --requirement /tmp/requirements-cpu.txt" in text
     assert text.index("torch==") < text.index("--requirement /tmp/requirements-cpu.txt")  # the CPU build first
-    assert "pip install --no-deps /src" in text and "pip check" in text
+    assert "pip install --no-deps /src/clients/python" in text and "pip check" in text
+    assert text.index("pip install --no-deps /src/clients/python") < text.index("pip install --no-deps /src ")
     pins = _cpu_lock()
     cuda = [name for name in pins if re.match(r"(nvidia-|cuda-|triton$|torch$)", name)]
     assert not cuda, f"the CPU lock holds {cuda}: torch is the CPU build, installed from its own index"
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
-        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
-        assert name == "torch" or name in pins, f"{requirement!r} is not in docker/requirements-cpu.txt: run lock.sh"
+    for pyproject in (REPO / "pyproject.toml", REPO / "clients" / "python" / "pyproject.toml"):
+        for requirement in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+            name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+            if name == "stagecast-client":  # installed from /src/clients/python, its dependencies checked here
+                continue
+            assert name == "torch" or name in pins, f"{requirement!r} is not in requirements-cpu.txt: run lock.sh"

@@ -25,7 +25,16 @@ from web.control import MAX_MESSAGE_BYTES, BadMessage, parse_message
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "stagecast"
-SOURCES = ("stagecast", "coordinator", "stage_service", "gateway", "web", "launcher", "benchmarks")
+SOURCES = (
+    "stagecast",
+    "clients/python/stagecast_client",
+    "coordinator",
+    "stage_service",
+    "gateway",
+    "web",
+    "launcher",
+    "benchmarks",
+)
 
 
 @pytest.mark.unit
@@ -124,11 +133,11 @@ COPIES = [
     (r"rope.*\b1024\b|\b1024\b.*rope", "stagecast/model/dit_configs.py", "WAN_ROPE_MAX_SEQ_LEN"),
     (
         r"fps\s*:\s*float\s*=\s*16\b|fps\s*=\s*16(\.0)?\s*($|#)|fps\"?,.*default=16\b|\"fps\":\s*16\b|else 16\.0",
-        "stagecast/api.py",
+        "clients/python/stagecast_client/api.py",
         "DEFAULT_FPS",
     ),
     (r"max_batch(\s*:\s*int)?\s+=\s+4\b|batch\",.*default=4\b", "stagecast/microstep.py", "DEFAULT_MAX_BATCH"),
-    (r"96 \* 1024", "stagecast/api.py", "MAX_REQUEST_BYTES"),
+    (r"96 \* 1024", "clients/python/stagecast_client/api.py", "MAX_REQUEST_BYTES"),
 ]
 
 
@@ -150,7 +159,11 @@ def test_no_module_writes_a_second_copy_of_a_shared_fact():
     assert not hits, "\n".join(hits)
     # Each home writes its facts once: microstep.py the levels and the batch, dit_configs.py the RoPE limit, api.py
     # the rate (its request bound is written in other words: 2 * 4 * MAX_PROMPT_CHARS + 16 * 1024).
-    assert at_home == {"stagecast/microstep.py": 2, "stagecast/model/dit_configs.py": 1, "stagecast/api.py": 1}
+    assert at_home == {
+        "stagecast/microstep.py": 2,
+        "stagecast/model/dit_configs.py": 1,
+        "clients/python/stagecast_client/api.py": 1,
+    }
     # The patterns do find the copies they guard against.
     for (pattern, _, _), line in zip(
         COPIES,

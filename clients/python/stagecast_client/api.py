@@ -2,7 +2,7 @@
 
 Usage::
 
-    from stagecast import api
+    from stagecast_client import api
     api.codec_value("h264")                 # pb.CODEC_H264; raises ValueError naming ``codec`` for an unknown name
     api.codec_name(pb.CODEC_H264)           # "h264"; api.codec_name(pb.CODEC_UNSPECIFIED) -> "jpeg" (the default)
     api.policy_value("clean"), api.policy_name(pb.KV_POLICY_CLEAN)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from stagecast.v1 import stream_pb2 as pb
+from stagecast_client.v1 import stream_pb2 as pb
 
 CODECS = {"jpeg": pb.CODEC_JPEG, "h264": pb.CODEC_H264, "raw": pb.CODEC_RAW}
 POLICIES = {"per_level": pb.KV_POLICY_PER_LEVEL, "clean": pb.KV_POLICY_CLEAN}

@@ -2,9 +2,9 @@
 
 Usage::
 
-    import stagecast
+    import stagecast_client
 
-    with stagecast.Client("localhost:50051") as client:
+    with stagecast_client.Client("localhost:50051") as client:
         gen = client.generate(prompt="a red fox running through snow", width=832, height=480, seconds=5, codec="jpeg")
         gen.info                                  # StreamInfo: the effective config (seed, total_frames, ...)
         for frame in gen:                         # Frame(index, pts, chunk, codec, data, width, height, timing)
@@ -21,7 +21,7 @@ Usage::
     tr.write_mp4("out.mp4")                   # frame i is made from input frame i and carries its pts
     tr.frames_sent, tr.ttff, tr.fps
 
-    async with stagecast.AsyncClient("localhost:50051") as client:
+    async with stagecast_client.AsyncClient("localhost:50051") as client:
         gen = client.generate(prompt="...", seconds=2)
         async for frame in gen: ...
         await gen.write_mp4("clip.mp4")          # same methods; I/O ones are coroutines
@@ -31,14 +31,14 @@ ended, for its remaining frames with the same prompt and seed (``gen.reconnects`
 on the new pipeline, which has no KV state), and ``retry_refused=True`` waits out a refusal's ``retry_after``.
 
 ``gen.stop()`` ends the stream gracefully (chunks in flight are still delivered), ``gen.cancel()`` at once.  A
-failed call raises the ``stagecast.errors`` class for its status code (``InvalidArgumentError``,
+failed call raises the ``stagecast_client.errors`` class for its status code (``InvalidArgumentError``,
 ``ResourceExhaustedError``, ``UnavailableError``, ...; all ``StagecastError``).  Leave ``seconds`` out to stream
 until ``stop()``.
 
 A gateway started with ``--tokens`` wants a bearer token, and one with ``--tls-cert`` speaks TLS::
 
-    stagecast.Client("gw.example.com:443", token=os.environ["STAGECAST_TOKEN"], tls=True)   # system roots
-    stagecast.Client("10.0.0.5:50051", token=token, root_certificates="ca.pem")             # TLS with this CA
+    stagecast_client.Client("gw.example.com:443", token=os.environ["STAGECAST_TOKEN"], tls=True)   # system roots
+    stagecast_client.Client("10.0.0.5:50051", token=token, root_certificates="ca.pem")             # TLS with this CA
 
 A token is only ever sent over TLS, or in the clear to a loopback address (``UnauthenticatedError`` without a
 valid token, ``PermissionDeniedError`` when the token may not do what was asked).
@@ -57,12 +57,12 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from stagecast import api
-from stagecast.arrivals import Arrivals
-from stagecast.errors import StagecastError, from_rpc_error
-from stagecast.frames import EndInfo, Frame, Mp4Writer, StreamInfo
-from stagecast.v1 import stream_pb2 as pb
-from stagecast.v1 import stream_pb2_grpc as pb_grpc
+from stagecast_client import api
+from stagecast_client.arrivals import Arrivals
+from stagecast_client.errors import StagecastError, from_rpc_error
+from stagecast_client.frames import EndInfo, Frame, Mp4Writer, StreamInfo
+from stagecast_client.v1 import stream_pb2 as pb
+from stagecast_client.v1 import stream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -933,7 +933,7 @@ class Client:
         ``stream_config`` (``input_pacing`` defaults to "backpressure" for a file, the gateway's "live" otherwise).
         Frames travel as JPEG (``input_quality``) or raw RGB (``input_format="raw"``, lossless)."""
         if isinstance(frames, (str, os.PathLike)):
-            from stagecast.media import iter_video_frames, video_info
+            from stagecast_client.media import iter_video_frames, video_info
 
             width, height, fps, _ = video_info(frames)
             config.setdefault("target_fps", fps)
@@ -1027,7 +1027,7 @@ class AsyncClient:
     ) -> AsyncTransform:
         """``Client.transform`` for asyncio; ``frames`` may also be an async iterable."""
         if isinstance(frames, (str, os.PathLike)):
-            from stagecast.media import iter_video_frames, video_info
+            from stagecast_client.media import iter_video_frames, video_info
 
             width, height, fps, _ = video_info(frames)
             config.setdefault("target_fps", fps)

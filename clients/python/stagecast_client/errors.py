@@ -4,9 +4,9 @@ Usage::
 
     try:
         for frame in client.generate(prompt="...", width=50): ...
-    except stagecast.InvalidArgumentError as exc:
+    except stagecast_client.InvalidArgumentError as exc:
         print(exc.code, exc.details)      # StatusCode.INVALID_ARGUMENT, "width: must be a positive multiple of 16 ..."
-    except stagecast.StagecastError:      # anything else the server or the transport said
+    except stagecast_client.StagecastError:      # anything else the server or the transport said
         ...
 """
 
@@ -151,6 +151,51 @@ def connection_hint(details: str) -> str | None:
     return next((hint for marker, hint in _CONNECTION_HINTS if marker in details), None)
 
 
+STATUS_DETAILS_KEY = "grpc-status-details-bin"  # gRPC's trailing metadata key for a google.rpc.Status
+
+
+def _status_details(exc):
+    """The google.rpc.Status in a failed call's trailing metadata, or None without one (or a malformed one)."""
+    try:
+        trailing = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - not a call error, or one without metadata
+        return None
+    for key, value in trailing:
+        if key == STATUS_DETAILS_KEY:
+            from google.rpc import status_pb2
+
+            status = status_pb2.Status()
+            try:
+                status.ParseFromString(value)
+            except Exception:  # noqa: BLE001 - malformed details
+                return None
+            return status
+    return None
+
+
+def status_of(exc) -> tuple[grpc.StatusCode, str] | None:
+    """The code and message of a failed call's status details (the server's ``abort_with_retry``), or None."""
+    status = _status_details(exc)
+    if status is None:
+        return None
+    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), None)
+    return (code, status.message) if code is not None else None
+
+
+def retry_after_of(exc) -> float | None:
+    """The RetryInfo delay in a failed call's status details (seconds), or None when it has none."""
+    status = _status_details(exc)
+    if status is None:
+        return None
+    from google.rpc import error_details_pb2
+
+    for detail in status.details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return float(info.retry_delay.seconds + info.retry_delay.nanos / 1e9)
+    return None
+
+
 def from_rpc_error(exc: grpc.RpcError) -> StagecastError:
     """The SDK exception for a failed call (works for sync and ``grpc.aio`` errors).  A connection that failed on
     TLS says so, and what to pass, before gRPC's own text."""
@@ -158,12 +203,17 @@ def from_rpc_error(exc: grpc.RpcError) -> StagecastError:
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     if code == grpc.StatusCode.UNAVAILABLE and (hint := connection_hint(details)):
         details = f"{hint} ({details})"
-    from stagecast.grpc_util import retry_after_of, status_of
-
     if code == grpc.StatusCode.CANCELLED and (answered := status_of(exc)) is not None:
         code, details = answered  # a proxy (a fleet's HAProxy door) reset the stream after the gateway's answer
 
     return _BY_CODE.get(code, StagecastError)(details, code, retry_after_of(exc))
 
 
-__all__ = ["StagecastError", "connection_hint", "from_rpc_error", *(cls.__name__ for cls in _BY_CODE.values())]
+__all__ = [
+    "StagecastError",
+    "connection_hint",
+    "from_rpc_error",
+    "retry_after_of",
+    "status_of",
+    *(cls.__name__ for cls in _BY_CODE.values()),
+]

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stagecast import api
-from stagecast.v1 import stream_pb2 as pb
+from stagecast_client import api
+from stagecast_client.v1 import stream_pb2 as pb
 
 if TYPE_CHECKING:
-    from stagecast.media import Mp4Encoder
+    from stagecast_client.media import Mp4Encoder
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class Mp4Writer:
         if frame.codec == "h264":
             self._file.write(frame.data)
         else:
-            from stagecast.media import Mp4Encoder
+            from stagecast_client.media import Mp4Encoder
 
             if self._encoder is None:
                 self._encoder = Mp4Encoder(frame.width, frame.height, self.fps)

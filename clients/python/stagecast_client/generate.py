@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from stagecast.client import Client, Generation
-from stagecast.flags import HelpFormatter
-from stagecast.service import INTERRUPTED
+from stagecast_client.cli import INTERRUPTED
+from stagecast_client.client import Client, Generation
+from stagecast_client.helpformat import HelpFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def token_from(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stagecast.errors import StagecastError
+    from stagecast_client.errors import StagecastError
 
     try:
         token = token_from(args)

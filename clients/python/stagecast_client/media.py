@@ -34,7 +34,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from stagecast.api import DEFAULT_FPS
+from stagecast_client.api import DEFAULT_FPS
 
 logger = logging.getLogger(__name__)
 

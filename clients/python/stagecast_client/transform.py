@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from stagecast.client import Client
-from stagecast.flags import HelpFormatter
-from stagecast.generate import add_decoder_flag, ladder_arg, token_from
-from stagecast.media import video_info
-from stagecast.service import INTERRUPTED
+from stagecast_client.cli import INTERRUPTED
+from stagecast_client.client import Client
+from stagecast_client.generate import add_decoder_flag, ladder_arg, token_from
+from stagecast_client.helpformat import HelpFormatter
+from stagecast_client.media import video_info
 
 
 @dataclass
@@ -168,7 +168,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stagecast.errors import StagecastError
+    from stagecast_client.errors import StagecastError
 
     try:
         token = token_from(args)

@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagecast/v1/s
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagecast.v1.stream_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagecast_client.v1.stream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\024dev.stagecast.api.v1B\013StreamProtoP\001Z>github.com/stagecast/stagecast/gen/go/stagecast/v1;stagecastv1'

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from stagecast.v1 import stream_pb2 as stagecast_dot_v1_dot_stream__pb2
+from stagecast_client.v1 import stream_pb2 as stagecast_dot_v1_dot_stream__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
