@@ -49,6 +49,7 @@ import torch
 from coordinator.admission import Admission
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
 from coordinator.generations import Generations
+from coordinator.holds import Admitter
 from coordinator.metrics import CoordinatorStats, CoordinatorTelemetry
 from coordinator.options import CoordinatorOptions
 from coordinator.pacing import PACE_EARLY_S, PLAYOUT_S, Pacing
@@ -74,10 +75,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# How long a place admitted by ``reserve`` (before the gateway encodes the prompt) is held for its ``open``: an
-# encode takes milliseconds to a second; a gateway that fails in between gives the place back this much later.
-HOLD_S = 10.0
 
 
 class PipelineEngine:
@@ -139,6 +136,8 @@ class PipelineEngine:
             on_done=self._on_done,
             end_all=self.streams.end_all,
         )
+        # Admission beside the open streams and the places Reserve held (coordinator.holds).
+        self.admitter = Admitter(self.cond, self.admission, self.streams, self.generations, self.telemetry, clock)
         self.planner = PlanLoop(
             self.cond,
             registry,
@@ -198,44 +197,17 @@ class PipelineEngine:
 
     # ---- streams --------------------------------------------------------------------------------------
 
-    def reserve(self, request: OpenRequest) -> str:
-        """Admission alone, before the prompt is encoded (``Reserve``): decide ``request`` (raises ``AdmissionError``)
-        and hold its place for ``HOLD_S``; returns the hold ``open`` claims."""
-        with self.cond:
-            reservation = self._decide(request)
-            return self.streams.hold(reservation, self.clock(), HOLD_S)
-
-    def release(self, hold: str) -> None:
-        """A held place given back unopened (``Release``): unknown or lapsed holds are ignored."""
-        with self.cond:
-            self.streams.take_hold(hold, self.clock())
-
     def open(self, request: OpenRequest, hold: str = "") -> StreamSession:
-        """Admit ``request`` (``Admission.decide``: raises ``AdmissionError``; a ``hold`` from ``reserve``, not lapsed:
-        admitted then), then open it in the stream table holding what admission priced (``StreamTable.open``); the
-        plan loop plans its open at its next tick."""
+        """Admit ``request`` (``Admission.decide``: raises ``AdmissionError``; a ``hold`` from ``admitter.reserve``, not
+        lapsed: admitted then), then open it in the stream table holding what admission priced (``StreamTable.open``);
+        the plan loop plans its open at its next tick."""
         with self.cond:
-            gens = self.generations
-            reservation = self.streams.take_hold(hold, self.clock()) if hold else None
-            if reservation is None:
-                reservation = self._decide(request)
-            session = self.streams.open(request, reservation, generation=gens.generation)
+            reservation = self.admitter.claim(request, hold)
+            session = self.streams.open(request, reservation, generation=self.generations.generation)
             # The set of streams changed: decide steps at the next tick (raises wait).
             self.slo.joined(session.reservation.demand, request.by_steps, session.spec.steps)
             self.planner.wake()
             return session
-
-    def _decide(self, request: OpenRequest):
-        """Under the lock: ``Admission.decide`` beside the open streams and the places held; a refusal is counted."""
-        gens = self.generations
-        try:
-            return self.admission.decide(
-                request, self.streams.admitted(self.clock()), ready=gens.ready, last_error=gens.last_error
-            )
-        except AdmissionError as exc:
-            if exc.limit:
-                self.telemetry.refused(exc.limit)
-            raise
 
     def slots(self, defaults: StreamDefaults | None = None) -> Slots:
         """How many more streams of the public defaults (``defaults``, else the engine's) this pipeline would admit

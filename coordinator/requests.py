@@ -5,7 +5,7 @@ Usage::
     request = OpenRequest.from_proto(msg, traceparent)       # coordinator.server: the wire's OpenStreamRequest
     request = OpenRequest(spec, text, chunk_rate=4.0)         # in process (tests, tools): the same checks
     session = engine.open(request)                            # admission.decide(request) -> table.open(request, ...)
-    hold = engine.reserve(OpenRequest.for_hold(reserve_msg))  # admission before the gateway encodes the prompt
+    hold = engine.admitter.reserve(OpenRequest.for_hold(reserve_msg))  # admission before the prompt's encode
     session = engine.open(OpenRequest.from_proto(msg), hold)  # ... then the open claims the held place
 
 Constructing one validates what needs no pipeline (a ValueError naming the field: INVALID_ARGUMENT): the decoder kind,

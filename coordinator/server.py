@@ -17,8 +17,9 @@ import threading
 import grpc
 
 from coordinator import rendezvous
-from coordinator.engine import HOLD_S, PipelineEngine
+from coordinator.engine import PipelineEngine
 from coordinator.errors import AdmissionError, StreamError, StreamFailure
+from coordinator.holds import HOLD_S
 from coordinator.options import CoordinatorOptions
 from coordinator.registry import RegistrationError, StageRegistry
 from coordinator.requests import OpenRequest
@@ -118,7 +119,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     def Reserve(self, request: pb.ReserveRequest, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Reserve", context, target=self.address, only_child=True):
             try:
-                hold = self.engine.reserve(OpenRequest.for_hold(request))
+                hold = self.engine.admitter.reserve(OpenRequest.for_hold(request))
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except AdmissionError as exc:
@@ -126,7 +127,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             return pb.ReserveReply(hold=hold, hold_s=HOLD_S)
 
     def Release(self, request: pb.ReserveReply, context):
-        self.engine.release(request.hold[:64])
+        self.engine.admitter.release(request.hold[:64])
         return pb.Empty()
 
     def OpenStream(self, request: pb.OpenStreamRequest, context):

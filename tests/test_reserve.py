@@ -8,8 +8,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from coordinator.engine import HOLD_S
 from coordinator.errors import AdmissionError
+from coordinator.holds import HOLD_S
 from coordinator.requests import OpenRequest
 from stagecast import wire
 from stagecast.internal.v1 import pipeline_pb2 as pb
@@ -30,10 +30,10 @@ def engine(max_streams: int = 2):
 
 def test_held_places_count_as_admitted_streams_and_the_open_claims_its_own():
     eng, _ = engine(max_streams=2)
-    first = eng.reserve(OpenRequest.for_hold(reserve_msg()))
-    eng.reserve(OpenRequest.for_hold(reserve_msg()))
+    first = eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
+    eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     with pytest.raises(AdmissionError) as info:  # two places held, none open yet: the count cap refuses now
-        eng.reserve(OpenRequest.for_hold(reserve_msg()))
+        eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     session = eng.open(OpenRequest(small_spec(timesteps=(1000.0, 500.0)), TEXT), first)  # claims its place
     assert session.id in eng.sessions and eng.streams.holds(0.0 + 100.0) == 1  # the other hold still counts
@@ -43,20 +43,20 @@ def test_held_places_count_as_admitted_streams_and_the_open_claims_its_own():
 
 def test_an_unclaimed_hold_lapses_or_is_released_and_its_place_comes_back():
     eng, clock = engine(max_streams=1)
-    hold = eng.reserve(OpenRequest.for_hold(reserve_msg()))
+    hold = eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     with pytest.raises(AdmissionError):
-        eng.reserve(OpenRequest.for_hold(reserve_msg()))
+        eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     clock.t += HOLD_S  # the gateway never opened it
-    again = eng.reserve(OpenRequest.for_hold(reserve_msg()))
+    again = eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     assert again != hold
-    eng.release(again)  # a gateway that failed between the two gives it back at once
-    eng.release("no such hold")  # unknown or lapsed: ignored
+    eng.admitter.release(again)  # a gateway that failed between the two gives it back at once
+    eng.admitter.release("no such hold")  # unknown or lapsed: ignored
     eng.open(OpenRequest(small_spec(), TEXT))
 
 
 def test_an_open_whose_hold_lapsed_is_decided_again():
     eng, clock = engine(max_streams=1)
-    hold = eng.reserve(OpenRequest.for_hold(reserve_msg()))
+    hold = eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     clock.t += HOLD_S
     eng.open(OpenRequest(small_spec(), TEXT))  # the lapsed hold is nobody's: this stream takes the place
     with pytest.raises(AdmissionError):
@@ -66,7 +66,7 @@ def test_an_open_whose_hold_lapsed_is_decided_again():
 def test_free_slots_count_the_held_places():
     eng, _ = engine(max_streams=3)
     before = eng.slots().free
-    eng.reserve(OpenRequest.for_hold(reserve_msg()))
+    eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     assert eng.slots().free == before - 1
 
 
