@@ -5,6 +5,19 @@ it, under the engine's lock, for each stream's credit (the chunks it may have st
 loop may sleep before a paced stream's next chunk is due (``pace_timeout``).  It keeps each paced stream's real-time
 schedule by stream id (``start`` when its open is planned, ``consumed`` when its consumer took chunk 0, ``forget``
 when it ends); the rest it reads from the stream's session (``coordinator.streams``, its request) and the scheduler.
+
+Two rules give a stream its credit:
+
+- by consumption, every stream: the gateway acknowledges a chunk once it has decoded it and handed its frames on
+  (``ChunksConsumed``), and a stream starts a chunk only while ``started - consumed`` is below one wavefront (levels x
+  stages) plus the decoder depth its consumer declared at open (``consumer_depth``; 2 for one that does not
+  acknowledge), so gRPC's buffers cannot hide a slow consumer (``lead_bound``);
+- by the clock, a paced stream (``chunk_rate`` > 0; ``pace: false`` turns it off): chunk c starts no earlier than
+  ``c / chunk_rate - pace_offset_s - playout`` after its open was planned (``paced_credit``; ``--playout-s``, 0.5 s:
+  the viewer's playout buffer; ``pace_offset_s``: later chunks decode to four frames per latent frame, the first to
+  one), so a stream is generated at its frame rate and the capacity left serves other streams.  With ``--pace-grid``
+  paced streams' slots lie on one grid of chunk periods, so their chunks batch.  Start times depend on the clock, so
+  parity runs replay the recorded plan.
 """
 
 from __future__ import annotations

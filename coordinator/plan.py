@@ -12,6 +12,18 @@ The number of batches planned but not yet completed by the last stage is bounded
 (``lookahead``), so plans run ahead of execution without queuing unboundedly; with ``paced_lookahead``, while any
 stream is paced the bound is one batch per stage (``in_flight_limit``).  Anything that makes work calls ``wake`` under
 the lock.
+
+Besides ``open``, ``batch`` and ``close``, two events ride the same ordered stream, so the reference replays them:
+
+- ``input`` (video-to-video, ``StreamSpec.input_latents``): a chunk's input latents, planned right before the batch
+  that starts the chunk; the first stage embeds them and the last stage's sampler step starts from them;
+- ``prompt`` with ``recache`` (a prompt update with transition recache): the stream's new chunks wait until the ones
+  in flight are back (``plan_recache``), then the event carries the clean latents of the chunks its window still sees,
+  and every stage rewrites that window's K/V under the new prompt (``stage_service.executor``,
+  ``stagecast.microstep.recache_steps``).
+
+A stream that leaves the scheduler gets a ``close`` once its started chunks are planned (``close_left``): every stage
+frees its KV, text K/V and latents.
 """
 
 from __future__ import annotations

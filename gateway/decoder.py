@@ -17,6 +17,12 @@ Usage (one session per client stream; ``gateway.stream`` drives it from two thre
 
 Both are exact: ``gateway.stream_vae`` decodes chunk by chunk bit-identically however the decoder is cut.
 
+In process (``--vae-devices cuda:0,cuda:1``, ``--vae-split``), each part runs in a worker thread of its own per stream
+with its own cache slots and hands one tensor per chunk to the next, so consecutive chunks are in different parts at
+once.  Each part's decodes pass a ``DecodeGate`` (two slots on a GPU: one launching while one finishes; one on a CPU)
+where a waiting paced stream's decode goes before any unpaced one's (``open(capacity, paced=...)``), so unpaced
+streams' full-VAE decodes never queue ahead of a paced stream's.
+
 A tiny streaming decoder (``gateway.tiny_decoder``) is one more part: ``LocalDecoder([load_tiny_decoder(path)])``.
 Each part says what range its video is in (``output_range``: the Wan VAE's [-1, 1], a tiny decoder's [0, 1]) and
 ``uint8_frames`` maps it with that range's own arithmetic.

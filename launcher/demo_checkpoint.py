@@ -26,7 +26,8 @@ The services hold only the loading code (``stage_service.checkpoint``, ``gateway
 ``gateway.stream_vae``, ``gateway.tiny_decoder``), so no service process carries test fixtures.  This module sits on
 the top floor because it takes what a file must look like from two services (the stage loader's file names, the
 gateway's ``TinyDecoder`` module whose parameters the tiny decoder's weights fill); ``tests/test_layering.py`` fails
-if a service defines a writer again.
+if a service defines a writer again.  The same arguments write the same bytes, and the caller's torch RNG state is left
+as it was (``tests/test_checkpoint_writers.py``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ through the interpreter's normal shutdown.  The server reaps each child and writ
 the caller holds, so ``wait`` and ``poll`` read it without the caller being the parent; signals go to the pid.  A
 child's parent is the server: ``die_with_parent`` (``stagecast.service``) ties it to the server, and the server
 ends when its caller does (its stdin closes), so no child outlives the caller.
+
+The test suite's launchers use it by default (``tests/conftest.py`` sets ``launcher.process.DEFAULT_FORKSERVER``);
+``STAGECAST_TEST_FORKSERVER=0`` starts each test's children afresh, as ``stagecast up`` does by default.
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ Usage::
         pipe = start_pipeline(launcher, checkpoint="ckpt/transformer", stages=2, partition="1,3")
         pipe.coordinator          # "127.0.0.1:PORT"
         pipe.stage_children[1]    # the Child for stage 1 (tests kill and restart stages)
+
+    pipe = start_pipeline(launcher, ..., wait=False)   # started, not waited for: start the gateway now
+    pipe.wait_ready(launcher, timeout=600)             # every stage READY and the coordinator healthy
+
+``stagecast up`` (``launcher.pipeline_start``) and the benchmark harness start the gateway beside the stages this way:
+the gateway loads its models while the stages load theirs, and waits for the pipeline only before it measures its
+decoders (``GatewayModels(before_measure=...)``), so a stage's calibration and those measurements do not share a GPU.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ Every stage executes the same events in the same order.  For a batch:
 The order in which the last stage sends latents is a pure function of the plan, so stage 0 tracks it
 in ``_owed`` without any handshake.
 
+A ``close`` frees the stream's KV, text K/V and latents; stage 0 first receives the next-level latents the last stage
+still sends it for the stream (``_receive_owed_of``): on gloo, a send left unreceived past the group's timeout closes
+the pair.  A ``prompt`` event with ``recache`` runs the window's (chunk, KV row) forwards through the pipeline in order
+(``_recache``, ``SliceRunner.recache_step``), rewriting the window's K/V under the new prompt.
+
 ``prepare`` (the graph pre-capture, ``stage_service.precapture``) runs on the executor's thread before its first
 event: events submitted meanwhile wait in the queue, and the RPC that formed the generation has already returned, so
 the stage's lock is not held through it.  It is given ``stopping()``, true once ``stop`` was called, and should return

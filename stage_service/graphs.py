@@ -40,6 +40,15 @@ than the stack's) is copied first, so SDPA always gets the layout the eager forw
 ``reserve_rows`` rows (the stage's Stream Batch); rows past them get a stack of their own, so growing batches do not
 re-capture.  Graphs share one memory pool; they are replayed one at a time on one stream.
 
+Around it, on a stage with ``--cuda-graphs``: the buffers' cap is ``GRAPH_FRACTION`` (30%) of the GPU, kept out of
+the KV budget (``stage_service.kv_budget``); the graphs a paced set forms are captured when a generation forms
+(``stage_service.precapture``), and the gateway's warm-up stream captures in line before READY, its batches' time left
+out of ``BatchDone``.  Each timed batch is in ``BatchDone.timed``; one that ran eagerly is flagged, and the SLO model
+does not learn from it (``BatchDone.eager``, ``StageStats.eager_batches``).  The stage says so at Form
+(``FormReply.cuda_graphs``), and the coordinator then batches only micro-steps whose KV windows hold equal frames
+(``StreamBatchScheduler(equal_windows=True)``), since a batch mixing a filling window with full ones has a signature
+of its own.
+
 A graph replays the kernels the eager forward launches, less the concatenations, on equal inputs, so results equal
 the eager path bit for bit (``stagecast selftest --cuda-graphs`` checks it on a GPU).  On a CPU ``capture`` defaults
 to plain re-execution of the same static-buffer code, which is what the CPU tests hold against the eager forward.

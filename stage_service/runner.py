@@ -22,6 +22,11 @@ rows in one forward, one after the other in the batch; CFG-parallel (``cfg_size=
 only, and ``finish`` takes the other branch's predictions (``peer``) from the stage group that ran it.  Either
 way the guided prediction is ``u + g * (c - u)`` in fp32 with the same operands, so both groups step the
 sampler identically and stay in lockstep.  Under CFG-parallel, a stream without guidance runs on group 0 only.
+
+Image-to-video (``StreamSpec.image_latents``, models with a timestep per token): every stage holds the stream's latent
+frame 0 at the image's latent (in chunk 0's level-0 input and after every sampler step) and conditions that frame's
+tokens on timestep 0 (``forward``), which is Wan2.2-TI2V's first-frame conditioning; ``check_image``
+(``stagecast.model.config``) refuses it for a model with one timestep per item.
 """
 
 from __future__ import annotations

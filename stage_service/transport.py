@@ -39,6 +39,11 @@ gloo cannot interrupt a wait, and a gloo send completes only once the receiver h
   listener's port or a peer's listener port at one end), which makes every blocked wait, here and at the
   peers, raise at once, as a peer's death would;
 * ``close`` joins the reaper and destroys the group, so nothing of the generation stays behind.
+
+A peer's death is one line at a stage, not a traceback: every data-plane operation that fails (a send, a receive, a
+sequence group's collective) raises ``PeerLost`` naming the peer's stage with gloo's or NCCL's reason in one sentence
+(``stage_service.parallel_state.short_reason``), or ``TransportAborted`` when this stage is the one leaving; the
+executor's "leaving generation" line then does not repeat it, and a wait its own leaving released is logged at DEBUG.
 """
 
 from __future__ import annotations
