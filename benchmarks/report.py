@@ -472,7 +472,7 @@ def tables(runs: list[dict], page: bool = False) -> str:
         out.append(capacity)
     bursts = burst_table(runs)
     if bursts:
-        out.append(bursts)
+        out.append(bursts + "\n")
     mains = [r for r in runs if _has_main(r)]
     out += main_tables(mains, page)
     loaded = [r for r in runs if (r.get("system") or {}).get("load")]
