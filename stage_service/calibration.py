@@ -255,18 +255,7 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
         inputs = None
         if not sl.first:
             inputs = torch.randn(b, tokens, sl.inner_dim, generator=gen).to(sl.device, sl.dtype)
-        timed = {}
-        for c in (0, chunks):
-            if c:
-                for ids in twins:
-                    _fill_window(runner, ids, chunks)
-            for k, ids in enumerate(twins):
-                check(f"batch size {b}, {'full' if c else 'empty'} window")
-                steps = [MicroStep(sid, c, 0) for sid in ids]
-                if k == 1:
-                    timed[c] = timer(lambda steps=steps, inputs=inputs: run(runner, steps, inputs))
-                else:
-                    run(runner, steps, inputs)
+        timed = _time_batch(runner, twins, chunks, inputs, run, timer, lambda c, b=b: check(_at(b, c)))
         for ids in twins:
             for sid in ids:
                 runner.close_stream(sid)
@@ -274,6 +263,28 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
         cal.full_ms.append(timed[chunks])
         if on_batch is not None:
             on_batch(b, max_batch)
+
+
+def _at(batch: int, chunk: int) -> str:
+    return f"batch size {batch}, {'full' if chunk else 'empty'} window"
+
+
+def _time_batch(runner, twins: list[list[int]], chunks: int, inputs, run, timer, check) -> dict[int, float]:
+    """One batch size's forwards at an empty window (chunk 0) and a full one (chunk ``chunks``): the first set of
+    ``twins`` warms (or captures) each signature, the second is timed; ``check(chunk)`` before each forward."""
+    timed = {}
+    for c in (0, chunks):
+        if c:
+            for ids in twins:
+                _fill_window(runner, ids, chunks)
+        for k, ids in enumerate(twins):
+            check(c)
+            steps = [MicroStep(sid, c, 0) for sid in ids]
+            if k == 1:
+                timed[c] = timer(lambda steps=steps, inputs=inputs: run(runner, steps, inputs))
+            else:
+                run(runner, steps, inputs)
+    return timed
 
 
 def synthetic_spec(
