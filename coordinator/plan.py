@@ -23,7 +23,9 @@ Besides ``open``, ``batch`` and ``close``, two events ride the same ordered stre
   ``stagecast.microstep.recache_steps``).
 
 A stream that leaves the scheduler gets a ``close`` once its started chunks are planned (``close_left``): every stage
-frees its KV, text K/V and latents.
+frees its KV, text K/V and latents.  A stop is graceful (no new chunks; those in flight finish and are delivered); a
+cancel (a lost client, a stream the gateway ended) drops the stream from the scheduler at once, and its close follows
+the batches already planned, which still run on every stage.
 """
 
 from __future__ import annotations

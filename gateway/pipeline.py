@@ -11,6 +11,9 @@ Usage::
     call.acknowledge(chunks)                # the first ``chunks`` chunks are consumed (bounded lead)
     call.update_prompt(text)                # raises grpc.RpcError
     call.submit_input(chunk, latents)       # video-to-video: False when enough chunks already wait; else RpcError
+
+Acknowledgements bound the stream's lead at the coordinator (``coordinator.pacing``), so the latest one is sent again
+when it fails for a reason that may pass (``ACK_RETRIES``); they are cumulative, so a newer one supersedes it.
 """
 
 from __future__ import annotations

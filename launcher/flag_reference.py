@@ -4,6 +4,9 @@
     python -m launcher.flag_reference --check   # exit 1 if the section is not what the options say
 
 ``tests/test_helm_cli_contract.py`` fails when the section is stale, so a new flag reaches the docs with its help.
+The same test fails for a service flag the chart neither sets nor exempts with a reason (its ``NOT_IN_CHART``), so a
+new flag also reaches the chart or says why not.  A command's own flags (``up``, ``selftest``, ``demo``) are declared
+in its ``launcher/`` module.
 """
 
 from __future__ import annotations

@@ -15,10 +15,17 @@ shards with the same ops as S stage ranks do (their all-to-alls move the same da
 ``replay`` executes a recorded plan (a list of events) so a distributed run whose batches depended on arrival
 timing can still be compared exactly.
 
+Why it is exact: every op a micro-step runs is independent of what else shares its batch (patch and timestep
+embedding per item; self-attention one SDPA per group of items with equal KV context, equal on CPU to each item's
+own, ``stage_service.dit_slice.attend_grouped``), so a distributed run replayed here equals it bit for bit in fp32 on
+CPU for any stage count and partition (``tests/test_distributed.py``, ``stagecast selftest``).  The reference itself
+is pinned by full-sequence diffusers forwards under block-causal masks (``tests/test_streaming_semantics.py``).
+
 Classifier-free guidance: with ``cfg_parallel=1`` a guided micro-step's two branches are two rows of one forward,
 as in one pipeline (sequential CFG).  With ``cfg_parallel=2`` the reference runs what two stage groups in lockstep
 run: branch 0's rows in one forward and branch 1's in another (a second runner), each runner then combining its
-own prediction with the other's, exactly as the groups' last stages do after exchanging them.
+own prediction with the other's, exactly as the groups' last stages do after exchanging them.  On CPU the two modes
+agree with each other bit for bit (``tests/test_cfg.py``), since every op of a row is independent of its batch.
 """
 
 from __future__ import annotations

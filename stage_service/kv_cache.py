@@ -15,6 +15,13 @@ K/V are stored after ``norm_k`` and RoPE, per absolute latent frame, in one row 
 ``stagecast.microstep.context_frames`` names, in ascending order, so chunked attention equals a
 full-sequence forward under the corresponding block-causal mask.  Rows must be written in chunk order; a
 plan that violates this is a scheduling bug and raises instead of silently attending to the wrong context.
+
+A step change (``stagecast.microstep.ChunkSpecs``) under ``per_level`` is a window reset: "the K/V of level i" would
+be another timestep on the new ladder, so the change's first chunk starts a new KV segment (empty cache, RoPE
+positions from 0, as an epoch reset).  The new segment reads nothing of the old one, so it enters while the old
+ladder's chunks finish: the old segment's rows stay in ``older`` until its last chunk has committed each (``prune``),
+so a stream holds no more KV rows than its longest ladder.  Under ``clean`` a chunk attends to the clean K/V of
+earlier chunks whatever ladders made them, so a step change needs no new segment.
 """
 
 from __future__ import annotations

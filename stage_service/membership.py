@@ -13,8 +13,9 @@ Usage (``stage_service.server.StageServicer`` holds one of each)::
 
 The stage heartbeats twice a second naming the generation it holds.  When the coordinator answers that the stage is
 outside its current generation, or stays unreachable for three heartbeats, the stage leaves its generation and
-registers again, with backoff.  ``reexec`` replaces the process with a fresh copy of itself: the only way to release
-a thread blocked inside a gloo receive.
+registers again, with backoff; a late ``Reset`` (carrying its generation) never ends a newer generation.  So a paused
+stage, a restarted coordinator and a failed generation all re-form without restarting anything.  ``reexec`` replaces
+the process with a fresh copy of itself: the only way to release a thread blocked inside a gloo receive.
 """
 
 from __future__ import annotations
