@@ -14,7 +14,9 @@ timing as pts; while gRPC has not taken the previous few, a frame is dropped (a 
 
 Frames go from the SDK's raw RGB straight into an ``av.VideoFrame`` and the RTP encoder (VP8 or H.264, whichever
 the browser prefers), with no JPEG in between, paced at the stream's ``target_fps``: frame i leaves at (first
-frame's send time + i / fps), or as soon as it exists if it is late (its stats say by how much).
+frame's send time + i / fps), or as soon as it exists if it is late (its stats say by how much).  At most
+``QUEUED_FRAMES`` wait for their send time; beyond that the SDK reader waits, so the gateway's pacing by consumption
+reaches the DiT.
 
 A peer that vanishes without a goodbye is noticed by silence: the page pings on the data channel every second, and
 a peer quiet for ``peer_timeout`` seconds (or not connected within ``connect_timeout``) is closed, which cancels its
