@@ -162,6 +162,7 @@ SERVICE_DEFAULT = {
         "--playout-s": "pacing tuning through extraArgs",
         "--pace-grid": "off until a GPU run shows it pays (BENCHMARKS.md); pacing tuning through extraArgs",
         "--lookahead": "the default bound fits every topology; an A/B knob for benchmarks, through extraArgs",
+        "--host-share": "each pipeline of the chart has its own GPUs (1, the default); a shared host through extraArgs",
     },
     "stage": {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",
