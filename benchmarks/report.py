@@ -730,13 +730,17 @@ def _harness_what(r: dict) -> str:
     return "harness v2: " + ("; ".join(parts) or "no rows") + (" (cut short)" if r.get("partial") else "")
 
 
-def describe(name: str, r: dict | None) -> tuple[str, str, str, str]:
-    """A result file's date, commit, configuration and what it measured, for the index."""
-    if r is None:  # a log beside a JSON, or a file that is not JSON
+def describe(name: str, r: dict | None, of: dict | None = None) -> tuple[str, str, str, str]:
+    """A result file's date, commit, configuration and what it measured, for the index (``of``: for a log beside a
+    JSON, that JSON)."""
+    if r is None:  # a log beside a JSON (its date and commit are the JSON's), or a file that is not JSON
         stem = name.split(".json")[0] + ".json" if ".json." in name else None
-        what = f"the console log of `{stem}`'s run" if stem else "a run's console log"
+        if stem:
+            date, commit, config, _ = describe(stem, of or {})
+            return date, commit, config, f"the console log of `{stem}`'s run"
+        what = "a run's console log"
         for prefix, kind in FILE_KINDS:
-            if name.startswith(prefix) and not stem:
+            if name.startswith(prefix):
                 what += f": {kind}"
                 break
         m = re.search(r"_([0-9a-f]{7})\.log$", name)
@@ -753,7 +757,10 @@ def describe(name: str, r: dict | None) -> tuple[str, str, str, str]:
         config = MODEL_NAMES.get(r["model"], r["model"])
     if r.get("harness") == 2:
         what = _harness_what(r)
-        if a.get("model"):
+        capacity = (r.get("system") or {}).get("capacity") or []
+        if capacity and not _has_main(r) and not (r.get("system") or {}).get("load"):  # a capacity run: its rows
+            config = "; ".join(dict.fromkeys(_capacity_config(a, row["decoder"]) for row in capacity))
+        elif a.get("model"):
             config = config_name(r)
     elif "peer" in r and "floor" in r and "system" in r:
         what = "harness v1 (superseded: it counted a drain): steady FPS against the peer and the floor"
@@ -785,7 +792,11 @@ def index(results: Path) -> str:
                 r = None
         if r is not None and not isinstance(r, dict):
             r = {}
-        cells = describe(path.name, r)
+        of = None
+        if r is None and ".json." in path.name:  # a log beside a JSON
+            sibling = results / (path.name.split(".json")[0] + ".json")
+            of = json.loads(sibling.read_text()) if sibling.exists() else None
+        cells = describe(path.name, r, of if isinstance(of, dict) else None)
         out.append(f"| `{path.name}` | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     out += runs_table(load(results))
     return "\n".join(out) + "\n"

@@ -284,8 +284,11 @@ def test_the_committed_page_history_and_index_are_what_the_report_makes_from_the
     # Without --check it writes the page back to the committed one; the index names every result file.
     assert report.main(argv) == 0
     assert stale.read_text() == page and index.read_text() == (RESULTS / "INDEX.md").read_text()
-    listed = {line.split("`")[1] for line in index.read_text().splitlines() if line.startswith("| `")}
-    assert {p.name for p in RESULTS.iterdir() if p.name not in ("INDEX.md", "HISTORY.md")} <= listed
+    listed = {line.split("`")[1]: line for line in index.read_text().splitlines() if line.startswith("| `")}
+    assert {p.name for p in RESULTS.iterdir() if p.name not in ("INDEX.md", "HISTORY.md")} <= set(listed)
+    # A run's log carries its JSON's date and commit; a capacity run is named by its capacity rows' configurations.
+    log = listed["v2_cap_13b_slo4_1gpu_grid_r7.json.startup.log"].split(" | ")
+    assert log[1:4] == ["2026-12-02", "bdc38f6", "1.3B, SLO 1–4 steps, 832×480, tiny, pace grid"]
 
 
 def _main_run(name: str, date: str, fps: float, peer: bool) -> dict:
