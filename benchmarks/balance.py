@@ -20,7 +20,7 @@ per level, each reading its KV window).  A stage's time is its fixed work plus i
 - the first stage's extra (``first_ms``, patch embedding): the first slice of block 0 less the middle one;
 - the last stage's extra (``last_ms``, head and sampler step): the last slice of the last block less the middle one.
 
-The VAE is timed unit by unit (``gateway.stream_vae.decoder_units``, the units ``--vae-split`` cuts at), each a
+The VAE is timed unit by unit (``gateway.decode.stream_vae.decoder_units``, the units ``--vae-split`` cuts at), each a
 ``StreamVAESlice`` of one unit (compiled one by one under ``--vae-compile``; the gateway compiles a slice's units
 together), decoding one latent frame per chunk after the first three.
 
@@ -173,7 +173,7 @@ def vae_costs(args, device: torch.device, dtype: torch.dtype) -> tuple[list[tupl
     """(unit name, median ms per chunk) per decoder unit, and the MAC-balanced cut over ``args.gpus`` slices."""
     from diffusers import AutoencoderKLWan
 
-    from gateway.stream_vae import StreamVAESlice, decoder_cut, decoder_units
+    from gateway.decode.stream_vae import StreamVAESlice, decoder_cut, decoder_units
     from stagecast.model.vae_configs import vae_config
 
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""The batched tiny decoder (``gateway.batched_decoder``) on its own: each bucket's call, and N paced streams (plus an
+"""The batched tiny decoder (``gateway.decode.batched_decoder``) on its own: each bucket's call, and N paced streams
+(plus an
 unpaced flood) served through it as the gateway serves them.
 
 Usage (one GPU; random weights in the published layout unless ``--tiny-weights``; 1.3B's 480x832, 60x104 latents)::
@@ -35,8 +36,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from gateway.batched_decoder import DEFAULT_BUCKETS, BatchedDecoder, allow_variants
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from gateway.decode.batched_decoder import DEFAULT_BUCKETS, BatchedDecoder, allow_variants
+from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.api import DEFAULT_FPS
 from stagecast.names import DTYPES

@@ -44,8 +44,8 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from benchmarks.harness import git_commit
-from gateway.stream_vae import StreamVAE
-from gateway.tiny_decoder import load_tiny_decoder
+from gateway.decode.stream_vae import StreamVAE
+from gateway.decode.tiny_decoder import load_tiny_decoder
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 

@@ -20,7 +20,8 @@ Three policies pick a pipeline for a new stream:
 - ``round-robin``: HAProxy ``balance roundrobin`` with equal weights and no caps;
 - ``least-connections``: ``balance leastconn``, equal weights, no caps;
 - ``agent``: the door (``launcher/door.py``'s template), as HAProxy runs it: each pipeline's agent is asked every
-  ``AGENT_INTERVAL_S`` (phases spread) and its answer is ``gateway.agent.agent_reply``'s, the gateway's own: weight =
+  ``AGENT_INTERVAL_S`` (phases spread) and its answer is ``gateway.edge.agent.agent_reply``'s, the gateway's own:
+  weight =
   free slots in % of its slots and ``maxconn`` = the streams it holds through the door plus its free slots, and for a
   full pipeline weight 1% capped at its streams; the capped ``grpc`` backend picks by smooth weighted round-robin among
   servers below their maxconn (HAProxy counts only that backend's connections); when its free connections
@@ -53,7 +54,7 @@ from pathlib import Path
 
 from coordinator.admission import RETRY_AFTER_S
 from coordinator.slo import CostModel, Demand, SloController
-from gateway.agent import PipelineSlots, agent_reply
+from gateway.edge.agent import PipelineSlots, agent_reply
 from stagecast.api import DEFAULT_FPS
 
 CAPACITIES = (7, 8)  # held per H200 (BENCHMARKS.md, Capacity): default flags, --pace-grid + fused levers
@@ -129,7 +130,7 @@ class Pipeline:
 
 
 def door_view(p: Pipeline, now: float) -> tuple[int, int]:
-    """The weight and maxconn the door takes from the pipeline's agent: ``gateway.agent.agent_reply`` itself (every
+    """The weight and maxconn the door takes from the pipeline's agent: ``gateway.edge.agent.agent_reply`` itself (every
     stream here comes through the door); ``drain`` and ``down`` weigh 0."""
     slots = PipelineSlots(ready=now >= p.ready_at, free=p.free, total=p.capacity)
     reply = agent_reply(slots, draining=p.draining, streams=p.held, backend="grpc").split()

@@ -5,7 +5,7 @@ Usage (CPU only; run it on the serving host, whose cores the gateway shares with
     python -m benchmarks.frame_path_bench --streams 1,4,10,16 --codecs jpeg,h264,raw --json /tmp/frame_path.json
     python -m benchmarks.frame_path_bench --smoke                 # 64x64, 2 streams, a few frames
 
-What one frame costs in a stream's decode thread (``gateway.stream_frames.FrameEmitter.emit``), each stream in its own
+What one frame costs in a stream's decode thread (``gateway.stream.frames.FrameEmitter.emit``), each stream in its own
 thread as in the gateway: ``stagecast.media.make_encoder(codec, chunked=True)`` (JPEG: Pillow; H.264: PyAV/x264
 ultrafast zerolatency in fragmented MP4, a keyframe at each chunk's first frame; raw: the RGB bytes), then the
 ``stagecast.v1.ServerMessage`` holding it, serialized (what gRPC does to it in its own thread).  Frames are

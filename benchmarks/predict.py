@@ -22,7 +22,7 @@ Inputs (all measured on one H200):
   ``attention_in_place.json`` (mode ``in_place``, the stages' default) over 20, the same per block for all 40; the
   fixed work and the VAE units of the 1.3B profile (the same Wan2.1 VAE at 480x832; the 14B's fixed work is not
   measured);
-- VAE cut "by MACs": ``gateway.stream_vae.decoder_cut`` (the gateway's default), computed here on a CPU copy;
+- VAE cut "by MACs": ``gateway.decode.stream_vae.decoder_cut`` (the gateway's default), computed here on a CPU copy;
 - CFG-parallel: two pipelines of ``stages`` stages, group g's stage k on GPU ``g * stages + k`` (``Placement``), the
   VAE cut over every GPU, and each last stage's swap of the branches' predictions as measured in
   ``v2_13b_1step_cfg5_cfgpar2.json``;
@@ -117,7 +117,7 @@ def _vae(name: str):
 
 @functools.cache
 def _unit_macs(name: str) -> tuple[int, ...]:
-    from gateway.stream_vae import unit_macs
+    from gateway.decode.stream_vae import unit_macs
 
     return tuple(unit_macs(_vae(name)))
 
@@ -126,7 +126,7 @@ def mac_cut(model: str, slices: int) -> list[int]:
     """Where the gateway's default cut (by multiply-accumulates) starts VAE slices 1.. over ``slices`` GPUs (the
     decoder's unit counts measured once per VAE: the 1.3B and 14B models share one)."""
     from benchmarks.harness import VAE_FOR_MODEL
-    from gateway.stream_vae import decoder_cut
+    from gateway.decode.stream_vae import decoder_cut
 
     name = VAE_FOR_MODEL[model]
     return decoder_cut(_vae(name), slices, costs=list(_unit_macs(name)))[1:-1]

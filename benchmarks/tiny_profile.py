@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from gateway.batched_decoder import allow_variants, to_host_uint8
-from gateway.tiny_decoder import load_tiny_decoder
+from gateway.decode.batched_decoder import allow_variants, to_host_uint8
+from gateway.decode.tiny_decoder import load_tiny_decoder
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.names import DTYPES
 

@@ -9,7 +9,8 @@ Cases: the Wan2.1 VAE at 480x832 (60x104 latents) and the Wan2.2 VAE at 704x1280
 per chunk (4 video frames), as the gateway decodes them.  Variants, each a ``StreamVAE`` as the gateway builds it:
 
 - ``eager``; ``compiled`` (``compile=True``, warmed up on a scratch stream first);
-- ``graphed`` / ``compiled+graphed``: the same decoder after ``capture_graphs`` (``gateway.vae_graphs``) with as many
+- ``graphed`` / ``compiled+graphed``: the same decoder after ``capture_graphs`` (``gateway.decode.vae_graphs``) with as
+many
   slots as streams, so every stream replays its slot's graph from its third frame on;
 - ``channels-last`` / ``channels-last+graphed``: a copy of the VAE with its decoder's conv weights channels-last
   (``to_channels_last`` below), eager and graphed, for the record only: not bit-exact against the default layout
@@ -45,8 +46,8 @@ import torch
 from diffusers import AutoencoderKLWan
 from torch import nn
 
-from gateway.stream_vae import StreamVAE, to_uint8_frames
-from gateway.vae_graphs import capture_graphs, default_capture
+from gateway.decode.stream_vae import StreamVAE, to_uint8_frames
+from gateway.decode.vae_graphs import capture_graphs, default_capture
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
 CASES = {"wan2.1": (480, 832), "wan2.2": (704, 1280)}

@@ -104,17 +104,22 @@ class OpenRequest:
     def for_hold(cls, msg: pb.ReserveRequest) -> OpenRequest:
         """A Reserve's request (admission before the prompt is encoded): ``msg.open`` without its text, whose shape
         (``msg.text_shape``) admission checks; the text here is a zero-size-in-memory stand-in of that shape (and the
-        negative prompt's, for a guided stream), never planned."""
+        negative prompt's, for a guided stream; an image-to-video stream's image latent of its spec's shape), never
+        planned."""
         shape = tuple(int(n) for n in msg.text_shape)
         if len(shape) != 3 or not all(0 < n <= MAX_TEXT_DIM for n in shape):
             raise ValueError(f"text_shape: (1, tokens, dim) of positive sizes up to {MAX_TEXT_DIM}, got {list(shape)}")
         spec = wire.spec_from_proto(msg.open.spec)
         text = torch.zeros(1, 1, 1).expand(shape)
+        image = None  # image-to-video: the image latent is encoded after admission; its stand-in has the spec's shape
+        if spec.image_latents:
+            image = torch.zeros(1, 1, 1, 1, 1).expand(1, spec.latent_channels, 1, spec.latent_height, spec.latent_width)
         open_ = msg.open
         return cls(
             spec,
             text,
             negative_text=text if spec.cfg else None,
+            image=image,
             acknowledges=open_.acknowledges,
             consumer_depth=open_.consumer_depth,
             chunk_rate=open_.chunk_rate,

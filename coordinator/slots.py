@@ -6,7 +6,8 @@ Usage::
     engine.status().slots_free      # the same numbers in GetStatus (ClusterStatus.slots_free / slots_total)
 
 A slot is one more stream of the public defaults (what a client that sets nothing gets from the gateway:
-``gateway.config.resolve_config`` over the checkpoint's serving defaults), priced by the very admission that refuses
+``gateway.edge.config.resolve_config`` over the checkpoint's serving defaults), priced by the very admission that
+refuses
 streams (stream cap, KV memory, SLO capacity with its decoder's cost): hypothetical newcomers are added one by one
 until the first refusal, and nothing is reserved.  A pipeline that is not formed has no free slot.
 
@@ -99,7 +100,7 @@ class StreamDefaults:
         )
 
     def request(self, model: dict | None) -> OpenRequest:
-        """The ``OpenRequest`` of such a stream, as ``gateway.stream.StreamRun.open_pipeline`` sends it (its text's
+        """The ``OpenRequest`` of such a stream, as ``gateway.stream.run.StreamRun.open_pipeline`` sends it (its text's
         shape is all admission reads of it)."""
         spec = self.spec(model)
         text_dim = int((model or {}).get("text_dim") or 1)

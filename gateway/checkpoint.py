@@ -13,7 +13,7 @@ Usage::
                                                         # tiny_decoder/ in the checkpoint, else None
 
 The folder holds ``transformer/``, ``vae/``, ``text_encoder/`` and ``tokenizer/`` (diffusers layout), and optionally
-``tiny_decoder/`` with one weights file of a tiny streaming decoder (``gateway.tiny_decoder``).  An optional
+``tiny_decoder/`` with one weights file of a tiny streaming decoder (``gateway.decode.tiny_decoder``).  An optional
 ``stagecast.json`` beside them overrides the serving defaults and names the checkpoint's sampler (its ``sampler``
 section, see ``stagecast.sampling`` and docs/checkpoints.md); ``stagecast demo-checkpoint`` writes one so the
 tiny model runs with a short text length and small frames.  An unknown key, or a value the sampler cannot use, is
@@ -65,7 +65,7 @@ class ServingDefaults:
     fps: float = DEFAULT_FPS
     steps: int = DEFAULT_STEPS
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
-    # The per-stream cost budget (gateway.admission); 0 derives it from the serving size, rate and steps above and
+    # The per-stream cost budget (gateway.edge.admission); 0 derives it from the serving size, rate and steps above and
     # the gateway's device.
     max_frame_pixels: int = 0
     max_stream_cost: float = 0

@@ -73,7 +73,7 @@ def add_vae_stage_parser(sub) -> None:
 
 
 def vae_stage_main(args: argparse.Namespace) -> int:
-    from gateway.vae_stage import serve
+    from gateway.decode.vae_stage import serve
     from stagecast.security import mtls_from_flags
 
     def start(stop) -> None:

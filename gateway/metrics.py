@@ -15,7 +15,8 @@ Each gateway owns its registry, so several gateways in one process (tests) do no
   ``stagecast_gateway_queued_chunks`` (latent chunks waiting for the VAE), ``stagecast_gateway_queued_messages``
   (encoded messages waiting for clients), ``stagecast_gateway_waiting_calls`` (Generate calls that have not sent their
   config yet: a flood of idle calls shows here), ``stagecast_gateway_slots_free`` and ``stagecast_gateway_slots`` (the
-  pipeline's free and total slots for a default stream, its coordinator's own arithmetic: ``gateway.agent``) (gauges);
+  pipeline's free and total slots for a default stream, its coordinator's own arithmetic: ``gateway.edge.agent``)
+  (gauges);
 * ``stagecast_gateway_streams_ended_total{reason}``, ``stagecast_gateway_streams_rejected_total{code}``,
   ``stagecast_gateway_chunks_received_total``, ``stagecast_gateway_frames_total`` (frames queued for clients),
   ``stagecast_gateway_late_frames_total`` (encoded after their presentation time: the first frame's encode time plus
@@ -71,7 +72,8 @@ class GatewayMetrics:
             "Generate calls that have not sent their config yet (at most --max-pending)",
             registry=self.registry,
         ).set_function(waiting_calls)
-        # The fleet's numbers (gateway.agent): what the --agent-port tells a door, for Envoy, Gateway API, llm-d or KEDA
+        # The fleet's numbers (gateway.edge.agent): what the --agent-port tells a door, for Envoy, Gateway API, llm-d
+        # or KEDA
         Gauge(
             "stagecast_gateway_slots_free",
             "More streams of the default config this pipeline admits now (its coordinator's dry-run admission; 0 while "

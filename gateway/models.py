@@ -29,17 +29,17 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from gateway.admission import DecoderMemory
-from gateway.batched_decoder import BatchedDecoder
 from gateway.checkpoint import ModelInfo, ServingDefaults, tiny_decoder_file
-from gateway.config import Decoders, resolve_config
-from gateway.decoder import LocalDecoder, RemoteDecoder
-from gateway.pipeline_warmup import warm_pipeline
-from gateway.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
+from gateway.decode.batched_decoder import BatchedDecoder
+from gateway.decode.decoder import LocalDecoder, RemoteDecoder
+from gateway.decode.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
+from gateway.decode.vae_cost import VaeCost, measure_vae, tiny_cost, with_encode
+from gateway.decode.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
+from gateway.edge.admission import DecoderMemory
+from gateway.edge.config import Decoders, resolve_config
+from gateway.stream.timers import Timers
+from gateway.stream.warmup import warm_pipeline
 from gateway.text_encoder import TextEncoder, text_dtype
-from gateway.timers import Timers
-from gateway.vae_cost import VaeCost, measure_vae, tiny_cost, with_encode
-from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
 from stagecast.api import DEFAULT_CODEC
 from stagecast.cuda_graphs import cuda_graph_capture
 from stagecast.media import make_encoder
@@ -107,7 +107,7 @@ class GatewayModels:
                 compile=opts.vae_compile,
             )
         tiny_path = tiny_decoder_file(root, opts.tiny_decoder)
-        # Every tiny stream's ready chunk in one call (gateway.batched_decoder): one worker for all of them.
+        # Every tiny stream's ready chunk in one call (gateway.decode.batched_decoder): one worker for all of them.
         self.tiny_decoder = (
             BatchedDecoder.tiny(
                 tiny_path,
@@ -156,7 +156,7 @@ class GatewayModels:
             self.tiny_decoder.close()
 
     def warm_pipeline(self, coordinator, wait_s: float, buffer_chunks: int) -> int:
-        """One stream of the serving defaults through the pipeline before serving (``gateway.pipeline_warmup``): what
+        """One stream of the serving defaults through the pipeline before serving (``gateway.stream.warmup``): what
         a request that sets nothing gets, unpaced, its latents dropped.  Returns the chunks it ran (0: skipped)."""
         try:
             cfg = resolve_config(
@@ -207,7 +207,8 @@ class GatewayModels:
 
     def _measure_vae(self) -> VaeCost | None:
         """Time a steady-state chunk decode of the default size on every in-process VAE part (after the warm-up, if
-        any): the slowest part's ms is what each chunk costs the busiest device (``gateway.vae_cost``).  On a GPU that
+        any): the slowest part's ms is what each chunk costs the busiest device (``gateway.decode.vae_cost``).  On a
+        GPU that
         is the stage GPU's share; on the CPU the frames' encode (the default codec) is added, since there the decode,
         the encode and the stages share the host's cores (the coordinator counts a CPU decoder only where its stages
         run on that CPU: ``coordinator.slo``, "A CPU host")."""

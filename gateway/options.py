@@ -2,7 +2,7 @@
 
 ``gateway.cli`` adds the flags with ``stagecast.flags.add_flags`` and builds the options with ``from_args``; ``stagecast
 up`` and the benchmark harness write a gateway's command line with ``stagecast.flags.to_argv`` (the per-client quotas
-are a nested ``gateway.quotas.QuotaOptions``).  Fields without a flag are set by code (tests, the CLI's ``mtls``).
+are a nested ``gateway.edge.quotas.QuotaOptions``).  Fields without a flag are set by code (tests, the CLI's ``mtls``).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.agent import FleetOptions
-from gateway.quotas import QuotaOptions
+from gateway.edge.agent import FleetOptions
+from gateway.edge.quotas import QuotaOptions
 from stagecast.flags import flag, nested
 from stagecast.names import DTYPE_NAMES
 from stagecast.service import csv_list, health_port_flag, metrics_host_flag
@@ -57,7 +57,7 @@ class GatewayOptions:
         action="store_true",
         help="torch.compile the VAE decoder, and the tiny decoder's pass at each batch size it pads to (GPU)",
     )
-    # Device memory the streams' decoder states may hold (gateway.admission.DecoderMemory); 0: on a GPU its free
+    # Device memory the streams' decoder states may hold (gateway.edge.admission.DecoderMemory); 0: on a GPU its free
     # memory at start-up less a reserve, on a CPU unbounded.
     decoder_memory_gib: float = flag(
         0.0,
@@ -65,7 +65,7 @@ class GatewayOptions:
         "; a stream past it is refused with RESOURCE_EXHAUSTED. 0: on a GPU its free memory at start-up less a "
         "reserve (8 GiB or 10%%), on a CPU unbounded",
     )
-    # A stream's steady-state VAE frames as CUDA graph replays (gateway.vae_graphs), captured before serving for
+    # A stream's steady-state VAE frames as CUDA graph replays (gateway.decode.vae_graphs), captured before serving for
     # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
     vae_cuda_graphs: bool = flag(
         False,
@@ -74,7 +74,7 @@ class GatewayOptions:
         "and VAE part, captured before serving at the default size and checked bit for bit against eager (a stream "
         "without a free slot, or of another size, decodes eagerly)",
     )
-    # cuDNN picks each VAE convolution's algorithm by timing (gateway.stream_vae.use_cudnn_autotune; GPU only).
+    # cuDNN picks each VAE convolution's algorithm by timing (gateway.decode.stream_vae.use_cudnn_autotune; GPU only).
     vae_cudnn_benchmark: bool = flag(
         False,
         action="store_true",
@@ -89,7 +89,7 @@ class GatewayOptions:
     # thread-safe and a compile on the serving path freezes streams for seconds, and cuDNN's algorithm search runs
     # now).  None: when ``vae_compile`` or the cuDNN search is on for a VAE on a GPU.
     warmup: bool | None = None
-    # Before serving, one stream of the serving defaults through the pipeline (gateway.pipeline_warmup), so that the
+    # Before serving, one stream of the serving defaults through the pipeline (gateway.stream.warmup), so that the
     # stages capture the CUDA graphs a first stream needs: the most seconds it may take, waiting for the pipeline to
     # be ready included (0: off).  None: 120 on a GPU, off on a CPU.
     pipeline_warmup_s: float | None = flag(
@@ -100,7 +100,7 @@ class GatewayOptions:
     )
     buffer_chunks: int = flag(4, help="latent chunks buffered per stream")  # between the pipeline and the VAE
     buffer_messages: int = flag(32, help="encoded frames buffered per stream")  # between the encoder and the client
-    # and at most this many MiB of them (gateway.stream: the slow-client rule)
+    # and at most this many MiB of them (gateway.stream.run: the slow-client rule)
     buffer_mib: float = flag(
         8.0, help="MiB of encoded frames buffered per stream (with --buffer-messages, whichever is reached first)"
     )
@@ -122,7 +122,7 @@ class GatewayOptions:
         help="also serve grpc.health.v1 on this port, on threads of its own, for probes (0: any free port; "
         "default: only on --port)",
     )
-    # per-stream cost budget (gateway.admission)
+    # per-stream cost budget (gateway.edge.admission)
     max_frame_pixels: int = flag(
         0, help="cost budget: pixels of one frame (0: stagecast.json's, else the checkpoint's size x a device headroom)"
     )
@@ -141,7 +141,7 @@ class GatewayOptions:
         type=csv_list(int),
         help="decoder units where VAE slices 1.. start, e.g. 4 (default: balanced by multiply-accumulates)",
     )
-    # A tiny streaming decoder (gateway.tiny_decoder) beside the VAE, for streams that ask for DECODER_TINY: its
+    # A tiny streaming decoder (gateway.decode.tiny_decoder) beside the VAE, for streams that ask for DECODER_TINY: its
     # weights file (None: the checkpoint's tiny_decoder/, if any), on ``device`` in ``vae_dtype``.
     tiny_decoder: str | None = flag(
         metavar="PATH",
@@ -165,8 +165,8 @@ class GatewayOptions:
         action="store_true",
         help="serve without --tokens on an address other than loopback (anyone who reaches it may generate)",
     )
-    quotas: QuotaOptions = nested(QuotaOptions)  # per client (tenant, else address): gateway.quotas
-    # Peers whose x-forwarded-for names the client (gateway.client_identity): the fleet's door
+    quotas: QuotaOptions = nested(QuotaOptions)  # per client (tenant, else address): gateway.edge.quotas
+    # Peers whose x-forwarded-for names the client (gateway.edge.client_identity): the fleet's door
     trusted_proxy: tuple = flag(
         (),
         action="append",
@@ -179,7 +179,7 @@ class GatewayOptions:
         help="unpaced (pace: false) streams this gateway holds at once, all clients together (best effort; beside "
         "--max-unpaced-per-client)",
     )
-    fleet: FleetOptions = nested(FleetOptions)  # --pipeline-name, --agent-port, --drain-s: gateway.agent
+    fleet: FleetOptions = nested(FleetOptions)  # --pipeline-name, --agent-port, --drain-s: gateway.edge.agent
     metrics_host: str | None = metrics_host_flag()  # None: ``host``
     mtls: MTLS | None = None  # deployment credentials (role "gateway") towards the coordinator and VAE stages
 
@@ -208,7 +208,7 @@ class VAEStageOptions:
     device: str = flag("cpu", help="cpu, cuda or cuda:N")
     dtype: str = flag("float32", choices=DTYPES, help="VAE weights and activations")
     # Frame size (height, width) whose streams decode their steady-state frames as CUDA graph replays
-    # (gateway.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
+    # (gateway.decode.vae_graphs), captured before serving, ``graph_slots`` streams at once; None: eager.
     cuda_graphs: tuple[int, int] | None = flag(
         type=frame_size,
         format=lambda size: f"{size[0]}x{size[1]}",

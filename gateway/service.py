@@ -7,10 +7,10 @@ Run with ``stagecast gateway --coordinator HOST:PORT --checkpoint DIR [--port 50
 
 The gateway encodes prompts (UMT5, cached per prompt), opens one coordinator stream per client stream, decodes the
 finished latent chunks with a per-stream StreamVAE cache (in this process, or in a chain of ``stagecast vae-stage``
-processes with ``--vae-stage``) and encodes frames (``gateway.stream`` holds the per-stream machinery and its
+processes with ``--vae-stage``) and encodes frames (``gateway.stream.run`` holds the per-stream machinery and its
 buffering policy).  Errors that end a call are gRPC status codes: INVALID_ARGUMENT names the bad
 field (or says the request bytes are not a message), RESOURCE_EXHAUSTED means this gateway's ``--max-streams`` (or
-the coordinator's own limit, passed through), its per-stream cost budget (``gateway.admission``), too many calls
+the coordinator's own limit, passed through), its per-stream cost budget (``gateway.edge.admission``), too many calls
 waiting for their config or watching the status, or a client too slow to keep up; DEADLINE_EXCEEDED means no config
 within ``--config-timeout``.  ``GetStatus``/``WatchStatus`` and the Prometheus metrics show the streams the
 gateway holds and the VAE cache memory they use.
@@ -38,25 +38,25 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
-from gateway.admission import CostBudget
-from gateway.agent import Fleet, sigterm_drains
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.client_identity import ClientIdentity
-from gateway.config import MAX_REQUEST_BYTES, ConfigError
-from gateway.decoder import encode_gate
-from gateway.handlers import StreamParts, StreamServicer, add_stream_service
+from gateway.decode.decoder import encode_gate
+from gateway.decode.vae_cost import VaeReporter
+from gateway.decode.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
+from gateway.edge.admission import CostBudget
+from gateway.edge.agent import Fleet, sigterm_drains
+from gateway.edge.client_identity import ClientIdentity
+from gateway.edge.config import MAX_REQUEST_BYTES, ConfigError
+from gateway.edge.handlers import StreamParts, StreamServicer, add_stream_service
+from gateway.edge.quotas import Quotas
+from gateway.edge.revocation import RevocationWatch
+from gateway.edge.status import StartingFront, StatusReport, describe_budget
+from gateway.edge.stream_table import StreamTable
 from gateway.metrics import GatewayMetrics
 from gateway.models import GatewayModels
 from gateway.options import GatewayOptions
-from gateway.pipeline_warmup import wait_budget, wait_ready
-from gateway.quotas import Quotas
-from gateway.revocation import RevocationWatch
-from gateway.status import StartingFront, StatusReport, describe_budget
-from gateway.stream import StreamHost, StreamLimits
-from gateway.stream_table import StreamTable
-from gateway.timers import Timers
-from gateway.vae_cost import VaeReporter
-from gateway.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
+from gateway.stream.run import StreamHost, StreamLimits
+from gateway.stream.timers import Timers
+from gateway.stream.warmup import wait_budget, wait_ready
 from stagecast import telemetry
 from stagecast.grpc_util import (
     HEALTH_WATCH,
@@ -104,9 +104,11 @@ class Gateway:
 
     - ``models`` (``gateway.models.GatewayModels``): the text encoder, the decoders and the input encoder, built,
       warmed and measured at start-up;
-    - ``table`` (``gateway.stream_table.StreamTable``): the streams held and the calls waiting, admission, counters;
-    - ``report`` (``gateway.status.StatusReport``): what GetStatus and WatchStatus say, the coordinator's capacity;
-    - the handlers (``gateway.handlers.StreamServicer``), and ``stream_host``: what each ``gateway.stream.StreamRun``
+    - ``table`` (``gateway.edge.stream_table.StreamTable``): the streams held and the calls waiting, admission,
+    counters;
+    - ``report`` (``gateway.edge.status.StatusReport``): what GetStatus and WatchStatus say, the coordinator's capacity;
+    - the handlers (``gateway.edge.handlers.StreamServicer``), and ``stream_host``: what each
+    ``gateway.stream.run.StreamRun``
       is given.
     """
 
@@ -181,17 +183,17 @@ class Gateway:
             slots_free=lambda: self.fleet.slots.free,
             slots=lambda: self.fleet.slots.total,
         )
-        self.encode_gate = encode_gate()  # prompts and frames: a paced stream's encodes first (gateway.decoder)
+        self.encode_gate = encode_gate()  # prompts and frames: a paced stream's encodes first (gateway.decode.decoder)
         self.table = StreamTable(
             max_streams=opts.max_streams,
             max_pending=opts.max_pending,
             max_unpaced=opts.max_unpaced,
             budget=budget,
             decoder_memory=self.models.decoder_memory(),
-            quotas=Quotas(opts.quotas, opts.max_streams),  # per client, within the global bounds (gateway.quotas)
+            quotas=Quotas(opts.quotas, opts.max_streams),  # per client, within the global bounds (gateway.edge.quotas)
             metrics=self.metrics,
         )
-        # The pipeline's name, its free slots for a door (--agent-port), and drain (gateway.agent).
+        # The pipeline's name, its free slots for a door (--agent-port), and drain (gateway.edge.agent).
         self.fleet = Fleet(opts.fleet, self.coordinator, host=opts.host, streams=self.table.door_streams)
         self.table.admission.checks.insert(0, self.fleet.refuse_while_draining)
         self.report = StatusReport(
@@ -203,7 +205,7 @@ class Gateway:
             fleet=self.fleet,
             startup=self.startup,
         )
-        # Everything a stream needs from this gateway, and nothing more (gateway.stream).
+        # Everything a stream needs from this gateway, and nothing more (gateway.stream.run).
         self.stream_host = StreamHost(
             coordinator=self.coordinator,
             coordinator_target=opts.coordinator,
@@ -229,7 +231,7 @@ class Gateway:
             pipeline=self.fleet.name,
             encode_gate=self.encode_gate,
         )
-        # A revoked token ends the streams it opened (gateway.revocation).
+        # A revoked token ends the streams it opened (gateway.edge.revocation).
         self.revocation = RevocationWatch(self.auth, self.table.runs, self.timers) if self.auth else None
 
     def _wait_pipeline(self, wait_s: float) -> None:
@@ -317,14 +319,15 @@ class Gateway:
         self.metrics.close()
 
     def drain_then_stop(self, drain) -> None:
-        """Wait for SIGTERM's drain request, drain (``gateway.agent.Fleet.drain``), then stop as SIGTERM does."""
+        """Wait for SIGTERM's drain request, drain (``gateway.edge.agent.Fleet.drain``), then stop as SIGTERM does."""
         drain.requested.wait()
         ended = self.fleet.drain(self.table)
         logger.info("drained (%d streams ended by the --drain-s bound); stopping", ended)
         drain.finish()
 
     def stream_parts(self) -> StreamParts:
-        """What the public StreamService serves with (``gateway.handlers.StreamServicer``), once the models are up."""
+        """What the public StreamService serves with (``gateway.edge.handlers.StreamServicer``), once the models are
+        up."""
         return StreamParts(
             table=self.table,
             identity=self.identity,
@@ -366,11 +369,11 @@ class Gateway:
 
 
 def serve(opts: GatewayOptions, stop: threading.Event | None = None, drain=None) -> None:
-    """``drain``: a ``gateway.agent.DrainSignal`` (SIGTERM drains); None: one is installed with --agent-port when
+    """``drain``: a ``gateway.edge.agent.DrainSignal`` (SIGTERM drains); None: one is installed with --agent-port when
     called on the main thread with a ``stop`` (``stagecast gateway``)."""
     telemetry.init("gateway")  # before the Gateway: loading the models is traced too (init is idempotent)
     if drain is None and opts.fleet.agent_port is not None and stop is not None:
-        if threading.current_thread() is threading.main_thread():  # behind a door, SIGTERM drains (gateway.agent)
+        if threading.current_thread() is threading.main_thread():  # behind a door, SIGTERM drains (gateway.edge.agent)
             drain = sigterm_drains(stop)
     gw = Gateway(opts)
 

@@ -10,7 +10,7 @@ Usage (``stagecast up``, ``stagecast selftest`` and the harness)::
 
 The profile must have been measured on this model (``BalanceProfileError`` names the field otherwise): a ``random:``
 checkpoint's preset name, the transformer's block count and shape, and the decoder units of ``vae_folder`` (the
-units ``gateway.stream_vae.decoder_units`` enumerates, which ``--vae-split`` counts).  Stage k runs on
+units ``gateway.decode.stream_vae.decoder_units`` enumerates, which ``--vae-split`` counts).  Stage k runs on
 ``stage_devices[k]`` and VAE slice j on ``vae_devices[j]``; where the stages share one device (a CPU run), the plan
 puts stage k on a lane of its own and the VAE slices on the stages' lanes in order (one slice: the last stage's,
 where the gateway runs), as ``Placement`` does with one GPU per stage.
@@ -73,7 +73,7 @@ def vae_unit_names(vae_folder: str | Path) -> list[str]:
     import torch
     from diffusers import AutoencoderKLWan
 
-    from gateway.stream_vae import decoder_units
+    from gateway.decode.stream_vae import decoder_units
     from stagecast.model.config import read_vae_config
 
     config = read_vae_config(vae_folder)

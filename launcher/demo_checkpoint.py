@@ -23,7 +23,8 @@ restores it).  The weights are random: the demo proves the system end to end (re
 plane, real codecs), not image quality.
 
 The services hold only the loading code (``stage_service.checkpoint``, ``gateway.text_encoder``,
-``gateway.stream_vae``, ``gateway.tiny_decoder``), so no service process carries test fixtures.  This module sits on
+``gateway.decode.stream_vae``, ``gateway.decode.tiny_decoder``), so no service process carries test fixtures.  This
+module sits on
 the top floor because it takes what a file must look like from two services (the stage loader's file names, the
 gateway's ``TinyDecoder`` module whose parameters the tiny decoder's weights fill); ``tests/test_layering.py`` fails
 if a service defines a writer again.  The same arguments write the same bytes, and the caller's torch RNG state is left
@@ -50,7 +51,7 @@ from stagecast.model import vae_configs, wan_keys
 from stagecast.model.config import CONFIG_NAME
 
 if TYPE_CHECKING:
-    from gateway.tiny_decoder import TinyDecoder
+    from gateway.decode.tiny_decoder import TinyDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +372,7 @@ def write_tiny_decoder(path: str | PathLike, *, latent_channels: int = 16, patch
     """Write random weights in the published key layout (``encoder.*`` and ``decoder.N...``) to ``path`` (.pth).
 
     Same arguments give the same weights; the caller's torch RNG state is left untouched."""
-    from gateway.tiny_decoder import TinyDecoder
+    from gateway.decode.tiny_decoder import TinyDecoder
 
     path = Path(path)
     with torch.random.fork_rng(devices=[]):
@@ -392,7 +393,8 @@ def write_tiny_decoder(path: str | PathLike, *, latent_channels: int = 16, patch
 def write_demo_checkpoint(out: str | Path, *, seed: int = 0, tiny_decoder: bool = False) -> Path:
     """Write (or complete) the demo checkpoint in ``out`` and return its path.
 
-    ``tiny_decoder``: also a tiny streaming decoder with random weights in ``tiny_decoder/`` (``gateway.tiny_decoder``),
+    ``tiny_decoder``: also a tiny streaming decoder with random weights in ``tiny_decoder/``
+    (``gateway.decode.tiny_decoder``),
     so that a gateway on this checkpoint serves DECODER_TINY streams beside the VAE's (opt-in: it is ~45 MB and
     takes the gateway a second to load).
 

@@ -8,7 +8,7 @@ Usage (``launcher.up.main`` calls it for N >= 2)::
 Pipeline i is named ``p<i>``: its coordinator (on ``--port`` + i, or any free port with 0), its ``--stages`` stages
 and its gateway (any free port, its agent on another) are started as ``up`` starts one pipeline, and supervised the
 same way.  HAProxy listens on ``--gateway-port`` and routes each new stream by the gateways' agents (free slots,
-``gateway.agent``); the page (``--web-port``) talks to the door, and the door also serves its HTTP and WebSocket.
+``gateway.edge.agent``); the page (``--web-port``) talks to the door, and the door also serves its HTTP and WebSocket.
 ``up`` is READY once every pipeline is and the door sees every gateway up.
 
 A process that exits with code 0 stopped, it did not crash (``Supervisor.clean_exit_stops``): a gateway after its
@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gateway.agent import FleetOptions
+from gateway.edge.agent import FleetOptions
 from gateway.options import GatewayOptions
 from launcher.door import Door, DoorError, Server, find_haproxy, render
 from launcher.pipeline_start import Plan, gateway_argv, has_gateway, start_stages, start_web, watch_pipeline

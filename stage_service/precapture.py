@@ -5,7 +5,7 @@ Usage (``Generation.form`` has the executor run it first, on its own thread: ``S
     captured = precapture(runner, max_batch=4, shape=serving_shape(checkpoint, config))
 
 **Why.** A stage replays one CUDA graph per batch signature: batch size and each item's KV window length
-(``stage_service.graphs``).  The gateway's warm-up stream (``gateway.pipeline_warmup``) is one stream, so before
+(``stage_service.graphs``).  The gateway's warm-up stream (``gateway.stream.warmup``) is one stream, so before
 serving only batches of one were captured; the calibration captures batches of every size, into graphs of its own that
 it drops.  On one H200 the batches of 2..4 streams a paced set forms ran eagerly (about twice a graph's time) until
 each signature was seen twice and captured in the background: 11 of 165 batches of a capacity run, and during a ramp

@@ -256,7 +256,7 @@ SERVICE_MODULES: dict[str, tuple[str, str, str]] = {
     "coordinator": ("coordinator", "coordinator.cli", "add_parser"),
     "stage": ("stage_service", "stage_service.cli", "add_parser"),
     "gateway": ("gateway", "gateway.cli", "add_parser"),
-    "vae-stage": ("gateway.vae_stage", "gateway.cli", "add_vae_stage_parser"),
+    "vae-stage": ("gateway.decode.vae_stage", "gateway.cli", "add_vae_stage_parser"),
     "web": ("web", "web.cli", "add_parser"),
 }
 

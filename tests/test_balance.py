@@ -251,7 +251,7 @@ def test_the_profile_script_measures_every_block_and_vae_unit_of_the_tiny_model(
     from diffusers import AutoencoderKLWan
 
     from benchmarks.balance import main
-    from gateway.stream_vae import decoder_units
+    from gateway.decode.stream_vae import decoder_units
     from stagecast.model.vae_configs import vae_config
 
     out = tmp_path / "tiny.json"

@@ -1,4 +1,4 @@
-"""The batched tiny decoder (gateway.batched_decoder): one call for every stream's ready chunk, exact per stream,
+"""The batched tiny decoder (gateway.decode.batched_decoder): one call for every stream's ready chunk, exact per stream,
 paced streams first, failures isolated, state freed on close."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.batched_decoder import SERVED_MIN, BatchedDecoder, BatchTimes
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
-from gateway.vae_cost import tiny_cost
+from gateway.decode.batched_decoder import SERVED_MIN, BatchedDecoder, BatchTimes
+from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from gateway.decode.vae_cost import tiny_cost
 from launcher.demo_checkpoint import write_tiny_decoder
 
 pytestmark = pytest.mark.unit

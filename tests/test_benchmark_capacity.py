@@ -1,9 +1,10 @@
 """The harness's capacity mode (``--capacity``) and the report's capacity table.
 
-The system test runs the capacity smoke on the CPU with the coordinator's SLO model fixed at 320 ms per stage forward
-of one micro-step (``--slo-stage-ms 320,320``: batches of 4 with 5% growth, 92 ms of the slowest stage per
-micro-step).  A paced stream at 16 FPS (4 chunks/s) at 1 step needs 36.8% of it; admission holds 90%, so two streams
-are admitted and the third is refused at once with RESOURCE_EXHAUSTED.
+The system test runs the capacity smoke on the CPU with the coordinator's SLO model fixed at 160 ms per stage forward
+of one micro-step (``--slo-stage-ms 160,160``: batches of 4 with 5% growth, 46 ms per stage per micro-step; both
+stages on this one CPU host, so a micro-step costs their sum, 92 ms: coordinator/slo.py, "A CPU host").  A paced
+stream at 16 FPS (4 chunks/s) at 1 step needs 36.8% of the host; admission holds 90%, so two streams are admitted and
+the third is refused at once with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from benchmarks.report import BEGIN, END
 def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_row(tmp_path):
     out = tmp_path / "v2_cap_smoke.json"
     cmd = [sys.executable, "-m", "benchmarks.harness", "--smoke", "--capacity", "--decoder", "tiny"]
-    cmd += ["--slo-stage-ms", "320,320", "--capacity-max", "4", "--burst", "3", "--burst-seconds", "2"]
+    cmd += ["--slo-stage-ms", "160,160", "--capacity-max", "4", "--burst", "3", "--burst-seconds", "2"]
     cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

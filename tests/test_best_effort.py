@@ -10,8 +10,8 @@ import torch
 from coordinator.errors import AdmissionError
 from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
-from gateway.admission import Refused
-from gateway.quotas import QuotaOptions, Quotas
+from gateway.edge.admission import Refused
+from gateway.edge.quotas import QuotaOptions, Quotas
 from stagecast.microstep import MicroStep, StreamSpec
 from stagecast.model.dit_configs import model_config
 from tests.engine_helpers import hand_driven_engine

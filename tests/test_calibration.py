@@ -1,5 +1,5 @@
 """The SLO model's seeds, in process: a stage's calibration of its slice (``stage_service.calibration``), the gateway's
-VAE measurement (``gateway.vae_cost``) and how ``CostModel`` takes them (operator flags first, measured batches
+VAE measurement (``gateway.decode.vae_cost``) and how ``CostModel`` takes them (operator flags first, measured batches
 refine).  Timing-dependent behaviour runs on an injected timer and clock, never on sleeps."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.slo import EWMA, CostModel, Demand, SloController, VaeReport
-from gateway.vae_cost import STEADY_FROM, measure_vae
+from gateway.decode.vae_cost import STEADY_FROM, measure_vae
 from stage_service.calibration import ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import DiTSlice

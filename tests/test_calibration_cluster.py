@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.vae_cost import VaeCost, VaeReporter
+from gateway.decode.vae_cost import VaeCost, VaeReporter
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher

@@ -1,8 +1,8 @@
 """Admission by capacity and adaptive steps end to end: a coordinator whose SLO controller keeps a calibration
 (``--stage-ms``, ``--slo-fixed``), 2 stages (gloo) and a gateway, real processes on loopback.
 
-With 170 ms per stage forward of one micro-step (growth 5%, batches of 4) one micro-step costs 48.9 ms of the slowest
-stage.  A stream at 16 FPS (4 chunks/s) at s steps needs 4 x s x 48.9 ms = 19.6% x s of it.  The controller holds 90%
+With 85 ms per stage forward of one micro-step (growth 5%, batches of 4) one micro-step costs 24.4 ms of each stage,
+and both stages run on this one CPU host, so 48.9 ms of it (their sum: coordinator/slo.py, "A CPU host").  A stream at 16 FPS (4 chunks/s) at s steps needs 4 x s x 48.9 ms = 19.6% x s of it.  The controller holds 90%
 and raises steps below 80%: one stream runs 4 steps (78%), two run 2 each (78%), a third is refused at once.
 """
 
@@ -32,7 +32,7 @@ def gateway(tmp_path_factory):
             launcher,
             checkpoint=str(root / "transformer"),
             stages=2,
-            coordinator_args=["--stage-ms", "170,170", "--slo-fixed"],
+            coordinator_args=["--stage-ms", "85,85", "--slo-fixed"],
         )
         gw = launcher.spawn("gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root)])
         with stagecast.Client(gw.info["address"]) as client:
@@ -43,7 +43,7 @@ def capacity(client) -> dict[int, float]:
     return {c.steps: c.streams for c in client.status().capacity}
 
 
-MS = 170 * 1.15 / 4 / 1000  # seconds of the slowest stage per micro-step
+MS = 2 * 85 * 1.15 / 4 / 1000  # seconds of the host per micro-step: the two stages' sum
 
 
 def expected(admitted_steps: int) -> dict:
@@ -53,7 +53,7 @@ def expected(admitted_steps: int) -> dict:
 
 def test_capacity_is_reported_and_the_first_stream_past_it_is_refused_with_a_retry_delay(gateway):
     client = gateway
-    assert capacity(client) == expected(0)  # an empty pipeline: 90% of the slowest stage, 4.5 streams at 1 step
+    assert capacity(client) == expected(0)  # an empty pipeline: 90% of the host, 4.5 streams at 1 step
     kw = dict(width=W, height=H, codec="jpeg", seconds=3.0, min_steps=2, max_steps=4, timeout=TIMEOUT)
     a = client.generate("a red fox", **kw)
     a.wait_started()

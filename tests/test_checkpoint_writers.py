@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.stream_vae import StreamVAE
+from gateway.decode.stream_vae import StreamVAE
+from gateway.decode.tiny_decoder import load_tiny_decoder
 from gateway.text_encoder import TextEncoder
-from gateway.tiny_decoder import load_tiny_decoder
 from launcher.demo_checkpoint import (
     write_random_checkpoint,
     write_tiny_decoder,

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASS_BOUNDS = [
     ("coordinator/engine.py", "PipelineEngine", 300),
     ("gateway/service.py", "Gateway", 300),
-    ("gateway/stream.py", "StreamRun", 300),
+    ("gateway/stream/run.py", "StreamRun", 300),
     ("stage_service/server.py", "StageServicer", 300),
 ]
 FILE_BOUNDS = [("coordinator/engine.py", 400)]

@@ -14,7 +14,7 @@ from coordinator.options import CoordinatorOptions
 from coordinator.registry import StageRegistry
 from coordinator.slo import CostModel, Demand, SloController, VaeReport
 from coordinator.slo_control import SloControl
-from gateway.vae_cost import VaeCost, with_encode
+from gateway.decode.vae_cost import VaeCost, with_encode
 from launcher.fleet import host_share
 from stagecast.model.dit_configs import model_config
 

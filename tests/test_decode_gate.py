@@ -1,5 +1,5 @@
-"""Paced first at the gateway's shared resources: the decode gate of each part (gateway.decoder), on a GPU and on a CPU,
-and the encode gate a stream's frame encodes pass (gateway.stream_frames)."""
+"""Paced first at the gateway's shared resources: the decode gate of each part (gateway.decode.decoder), on a GPU and
+on a CPU, and the encode gate a stream's frame encodes pass (gateway.stream.frames)."""
 
 import os
 import threading
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.decoder import CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
+from gateway.decode.decoder import CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
+from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.metrics import GatewayMetrics
-from gateway.stream_frames import ChunkTag, FrameEmitter
-from gateway.stream_trace import StreamTrace
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from gateway.stream.frames import ChunkTag, FrameEmitter
+from gateway.stream.trace import StreamTrace
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.media import make_encoder
 

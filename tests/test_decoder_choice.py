@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from gateway.checkpoint import tiny_decoder_file
-from gateway.decoder import LocalDecoder, uint8_frames
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from gateway.decode.decoder import LocalDecoder, uint8_frames
+from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from launcher.demo_checkpoint import write_tiny_decoder
 
-FULL = SimpleNamespace(output_range=(-1.0, 1.0))  # the Wan VAE's parts (gateway.stream_vae.ChunkDecoder)
-TINY = SimpleNamespace(output_range=(0, 1))  # a tiny decoder's (gateway.tiny_decoder.TinyStreamDecoder)
+FULL = SimpleNamespace(output_range=(-1.0, 1.0))  # the Wan VAE's parts (gateway.decode.stream_vae.ChunkDecoder)
+TINY = SimpleNamespace(output_range=(0, 1))  # a tiny decoder's (gateway.decode.tiny_decoder.TinyStreamDecoder)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import grpc
 import pytest
 import torch
 
-from gateway.admission import GIB, Admission, DecoderMemory, Refused
-from gateway.batched_decoder import BatchedDecoder
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import Decoders, resolve_config
-from gateway.stream import StreamHost, StreamLimits, StreamRun
-from gateway.tiny_decoder import load_tiny_decoder
-from gateway.vae_cost import VaeCost, VaeReporter, measure_vae, tiny_cost
+from gateway.decode.batched_decoder import BatchedDecoder
+from gateway.decode.tiny_decoder import load_tiny_decoder
+from gateway.decode.vae_cost import VaeCost, VaeReporter, measure_vae, tiny_cost
+from gateway.edge.admission import GIB, Admission, DecoderMemory, Refused
+from gateway.edge.config import Decoders, resolve_config
+from gateway.stream.run import StreamHost, StreamLimits, StreamRun
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.client import stream_config
 
@@ -222,8 +222,10 @@ def test_the_gateway_serves_tiny_streams_on_the_batched_decoder_and_admits_by_de
     gw = service.Gateway(opts)
     try:
         assert isinstance(gw.models.tiny_decoder, BatchedDecoder)
-        # A CPU measures nothing for the GPUs' model.
-        assert gw.vae_reporter is None and gw.models.decoder_costs() == [None]
+        # A CPU measures its full VAE, the frames' encode included (coordinator/slo.py, "A CPU host"); the tiny
+        # decoder is measured only on a GPU.
+        (full,) = gw.models.decoder_costs()
+        assert gw.vae_reporter is not None and full.device == "cpu" and full.chunk_ms > full.encode_ms > 0
         memory = gw.table.decoder_memory
         assert memory.per_pixel["full"] > memory.per_pixel["tiny"] > 0
         full_cfg = resolve_config(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from coordinator.options import CoordinatorOptions
+from gateway.edge.quotas import QuotaOptions
 from gateway.options import GatewayOptions, VAEStageOptions
-from gateway.quotas import QuotaOptions
 from stage_service.options import StageOptions
 from stagecast.flags import HelpFormatter, add_flags, argv_for, flag, from_args, nested, to_argv
 from web.options import WebConfig

@@ -197,7 +197,7 @@ def test_a_hung_gateway_is_marked_down_and_taken_back_when_it_answers_again(flee
 
 
 def test_a_stream_through_the_door_ends_with_its_status(fleet):
-    """The SDK closes its side at End and the gateway ends the call after that (gateway.stream.END_LINGER_S), so
+    """The SDK closes its side at End and the gateway ends the call after that (gateway.stream.run.END_LINGER_S), so
     HAProxy 2.6, which resets a call whose response ends while its request is open (DOOR_RESET), ends none here."""
     fleet.wait_idle()
     with fleet.door_client() as client:

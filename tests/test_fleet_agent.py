@@ -8,8 +8,8 @@ import threading
 import grpc
 import pytest
 
-from gateway.admission import Refused
-from gateway.agent import Fleet, FleetOptions, PipelineSlots, agent_reply
+from gateway.edge.admission import Refused
+from gateway.edge.agent import Fleet, FleetOptions, PipelineSlots, agent_reply
 from launcher import door
 from launcher.fleet import check_fleet_flags, check_gpus
 from stagecast.internal.v1 import pipeline_pb2 as ipb
@@ -50,11 +50,11 @@ class _Call:
 def test_the_agents_cap_counts_only_the_streams_the_door_sent_on():
     from types import SimpleNamespace
 
-    from gateway.admission import CostBudget, DecoderMemory
-    from gateway.client_identity import ClientIdentity
+    from gateway.edge.admission import CostBudget, DecoderMemory
+    from gateway.edge.client_identity import ClientIdentity
+    from gateway.edge.quotas import QuotaOptions, Quotas
+    from gateway.edge.stream_table import StreamTable
     from gateway.metrics import GatewayMetrics
-    from gateway.quotas import QuotaOptions, Quotas
-    from gateway.stream_table import StreamTable
 
     identity = ClientIdentity(None, ["10.0.0.5"])
     forwarded = ("x-forwarded-for", "203.0.113.9")

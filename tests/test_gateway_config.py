@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from gateway.channel import CLOSED, BoundedChannel
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import ConfigError, Decoders, duration_plan, frames_after_chunks, resolve_config
+from gateway.edge.config import ConfigError, Decoders, duration_plan, frames_after_chunks, resolve_config
+from gateway.stream.channel import CLOSED, BoundedChannel
 from stagecast.client import stream_config
 from stagecast.v1 import stream_pb2 as pb
 

@@ -8,9 +8,9 @@ import grpc
 import numpy as np
 import pytest
 
-from gateway.admission import Admission, CostBudget, Refused
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import (
+from gateway.edge.admission import Admission, CostBudget, Refused
+from gateway.edge.config import (
     DEFAULT_QUALITY,
     MAX_CHUNK_FRAMES,
     MAX_FPS,

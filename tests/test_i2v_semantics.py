@@ -15,7 +15,7 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 from PIL import Image
 
-from gateway.stream_vae import StreamVAEEncoder
+from gateway.decode.stream_vae import StreamVAEEncoder
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
 from stage_service.sampler import FlowSampler, chunk_noise

@@ -170,7 +170,7 @@ def test_the_checks_see_writers_and_private_names(tmp_path):
     module.write_text(
         "import torch\n"
         "import stagecast.client\n"
-        "from gateway.stream_vae import _helper\n"
+        "from gateway.decode.stream_vae import _helper\n"
         "def write_tiny(folder, model):\n"
         "    from safetensors.torch import save_file\n"
         "    save_file(model.state_dict(), folder)\n"
@@ -180,6 +180,6 @@ def test_the_checks_see_writers_and_private_names(tmp_path):
     )
     assert [w.split(": ")[1] for w in weight_writes(module)] == ["save_file", "torch.save", "model.save_pretrained"]
     assert sorted(h.split(": ")[1] for h in private_imports(module)) == [
-        "gateway.stream_vae._helper",
+        "gateway.decode.stream_vae._helper",
         "stagecast.client._prompt_update",
     ]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.decoder import LocalDecoder
-from gateway.stream_vae import StreamVAE, decoder_units, to_uint8_frames
+from gateway.decode.decoder import LocalDecoder
+from gateway.decode.stream_vae import StreamVAE, decoder_units, to_uint8_frames
 from launcher.demo_checkpoint import write_tiny_vae
 
 pytestmark = pytest.mark.parity
@@ -152,7 +152,7 @@ def test_compiled_slices_get_room_for_their_variants(vae_folder):
     # Under dynamo's default limit of 8, the third slice of three would silently run eagerly.
     import torch._dynamo
 
-    from gateway.stream_vae import split_decoder
+    from gateway.decode.stream_vae import split_decoder
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from coordinator import slo
-from gateway import admission
 from gateway.checkpoint import MAX_NEGATIVE_PROMPT_CHARS, MAX_WINDOW, ServingDefaults
-from gateway.config import MAX_PROMPT_CHARS, MAX_REQUEST_BYTES
+from gateway.edge import admission
+from gateway.edge.config import MAX_PROMPT_CHARS, MAX_REQUEST_BYTES
 from stagecast import api
 from stagecast.microstep import DEFAULT_MAX_BATCH, POLICIES, StreamSpec, chunk_levels
 from stagecast.model.config import DiTConfig

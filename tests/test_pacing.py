@@ -144,7 +144,7 @@ def test_a_pace_offset_out_of_range_is_refused_naming_it(rate, offset):
 
 
 def test_the_gateway_paces_by_the_frames_each_chunk_holds():
-    from gateway.config import EffectiveConfig
+    from gateway.edge.config import EffectiveConfig
 
     base = dict(
         prompt="p", width=64, height=64, chunk_frames=1, steps=1, seed=0, guidance_scale=1.0, codec="jpeg", fps=16.0,

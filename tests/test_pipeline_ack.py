@@ -5,7 +5,7 @@ lead by what it has seen consumed, so the latest acknowledgement must reach it. 
 import grpc
 import pytest
 
-from gateway.pipeline import ACK_RETRIES, PipelineCall
+from gateway.stream.pipeline import ACK_RETRIES, PipelineCall
 
 pytestmark = pytest.mark.unit
 

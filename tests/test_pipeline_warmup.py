@@ -1,4 +1,4 @@
-"""The gateway's warm-up stream (``gateway.pipeline_warmup``): one stream of the serving defaults through the pipeline
+"""The gateway's warm-up stream (``gateway.stream.warmup``): one stream of the serving defaults through the pipeline
 before the gateway serves, marked ``warmup`` so that stages capture its batches' CUDA graphs in line (the in-line
 capture itself is tested in ``tests/test_graphs.py``).  End to end with real processes on loopback (gloo)."""
 
@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import resolve_config
-from gateway.pipeline_warmup import MAX_WARMUP_CHUNKS, warm_pipeline, warmup_spec
+from gateway.edge.config import resolve_config
+from gateway.stream.warmup import MAX_WARMUP_CHUNKS, warm_pipeline, warmup_spec
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher

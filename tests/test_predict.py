@@ -51,7 +51,7 @@ def tiny_attention(graphed: float = 6.0, eager1: float = 8.0, eager4: float = 14
 def test_the_vae_cut_by_macs_is_the_gateways_default():
     from diffusers import AutoencoderKLWan
 
-    from gateway.stream_vae import decoder_cut
+    from gateway.decode.stream_vae import decoder_cut
     from stagecast.model.vae_configs import vae_config
 
     vae = AutoencoderKLWan(**vae_config("tiny-wan2.1"))

@@ -18,7 +18,7 @@ import torch
 
 import stagecast
 from gateway.checkpoint import ModelInfo
-from gateway.stream_vae import StreamVAE
+from gateway.decode.stream_vae import StreamVAE
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher

@@ -78,3 +78,9 @@ def test_a_reserve_request_names_a_bad_text_shape_and_admits_a_guided_stream_wit
     guided = OpenRequest.for_hold(reserve_msg(spec=small_spec(guidance_scale=5.0)))
     assert guided.negative_text is not None and tuple(guided.text.shape) == tuple(TEXT.shape)
     assert guided.text.untyped_storage().nbytes() <= 4  # a stand-in of the shape, not a tensor of that size
+
+
+def test_an_image_to_video_stream_is_reserved_before_its_image_is_encoded():
+    held = OpenRequest.for_hold(reserve_msg(spec=small_spec(image_latents=True)))
+    assert held.image is not None and tuple(held.image.shape) == (1, 16, 1, 4, 6)
+    assert OpenRequest.for_hold(reserve_msg()).image is None

@@ -11,7 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import ConfigError, resolve_config
+from gateway.edge.config import ConfigError, resolve_config
 from stage_service.sampler import FlowSampler
 from stagecast import wire
 from stagecast.client import stream_config

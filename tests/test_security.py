@@ -479,8 +479,8 @@ def _free_port_block(n: int) -> int:
 def test_the_revocation_watch_ends_only_streams_whose_token_is_gone_or_changed_tenant(tmp_path):
     import grpc as grpc_mod
 
-    from gateway.revocation import RevocationWatch
-    from gateway.timers import Timers
+    from gateway.edge.revocation import RevocationWatch
+    from gateway.stream.timers import Timers
     from stagecast.security import TokenAuth
 
     path = tmp_path / "tokens"

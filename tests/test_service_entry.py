@@ -1,4 +1,5 @@
-"""Services start as themselves: ``python -m coordinator`` (and stage_service, gateway, web, gateway.vae_stage) is
+"""Services start as themselves: ``python -m coordinator`` (and stage_service, gateway, web, gateway.decode.vae_stage)
+is
 the same command as ``stagecast <role>``, and a service process the launcher starts never imports the launcher."""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_python_m_service_help_is_the_stagecast_role_and_imports_no_launcher(rol
 
 def test_a_launcher_starts_services_as_themselves_and_other_commands_through_its_cli():
     assert module_args(["coordinator", "--stages", "1"]) == ["coordinator", "--stages", "1"]
-    assert module_args(["vae-stage", "--index", "0"]) == ["gateway.vae_stage", "--index", "0"]
+    assert module_args(["vae-stage", "--index", "0"]) == ["gateway.decode.vae_stage", "--index", "0"]
     assert module_args(["selftest", "--stages", "1"]) == ["launcher.cli", "selftest", "--stages", "1"]
 
 

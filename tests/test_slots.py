@@ -2,8 +2,8 @@
 that refuses, so that "k free" means k more default streams are admitted and the next one is refused.
 
 The default stream here is the one the gateway sends for a request that sets nothing, over the demo checkpoint's serving
-defaults (``launcher.demo_checkpoint.DEMO_SERVING``, its model ``tiny-wan2.1``): resolved by ``gateway.config`` and
-opened with the fields ``gateway.stream.StreamRun.open_pipeline`` sends.
+defaults (``launcher.demo_checkpoint.DEMO_SERVING``, its model ``tiny-wan2.1``): resolved by ``gateway.edge.config`` and
+opened with the fields ``gateway.stream.run.StreamRun.open_pipeline`` sends.
 """
 
 import json
@@ -16,7 +16,7 @@ from coordinator.errors import AdmissionError
 from coordinator.requests import OpenRequest
 from coordinator.slots import Slots, StreamDefaults
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import resolve_config
+from gateway.edge.config import resolve_config
 from launcher.demo_checkpoint import DEMO_MODEL, DEMO_SERVING
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.kv_memory import stream_kv_bytes

@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.options import CoordinatorOptions
+from gateway.edge.status import STARTING, STARTING_RETRY_S
 from gateway.options import GatewayOptions
-from gateway.status import STARTING, STARTING_RETRY_S
 from launcher.demo_checkpoint import write_demo_checkpoint
 from launcher.local_cluster import stage_args
 from launcher.process import Launcher

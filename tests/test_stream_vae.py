@@ -16,7 +16,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
 
-from gateway.stream_vae import (
+from gateway.decode.stream_vae import (
     StreamVAE,
     StreamVAESlice,
     decoder_units,

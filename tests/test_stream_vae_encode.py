@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from gateway.stream_vae import StreamVAEEncoder
+from gateway.decode.stream_vae import StreamVAEEncoder
 from stagecast.model.vae_configs import spatial_factor, vae_config
 
 pytestmark = pytest.mark.parity

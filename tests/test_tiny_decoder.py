@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from gateway import tiny_decoder as td
-from gateway.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
+from gateway.decode import tiny_decoder as td
+from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from launcher.demo_checkpoint import write_tiny_decoder
 
 pytestmark = pytest.mark.unit

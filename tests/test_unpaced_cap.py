@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from gateway.admission import CostBudget, DecoderMemory, Refused
+from gateway.edge.admission import CostBudget, DecoderMemory, Refused
+from gateway.edge.quotas import QuotaOptions, Quotas
+from gateway.edge.stream_table import StreamTable
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import QuotaOptions, Quotas
-from gateway.stream_table import StreamTable
 
 pytestmark = pytest.mark.unit
 

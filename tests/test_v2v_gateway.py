@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import stagecast
-from gateway.stream_vae import StreamVAE, StreamVAEEncoder, to_uint8_frames
+from gateway.decode.stream_vae import StreamVAE, StreamVAEEncoder, to_uint8_frames
+from gateway.stream.video_input import input_noise, noise_to
 from gateway.text_encoder import TextEncoder
-from gateway.video_input import input_noise, noise_to
 from launcher.demo_checkpoint import DEMO_SERVING, write_demo_checkpoint
 from launcher.local_cluster import start_pipeline
 from launcher.process import Launcher
@@ -242,7 +242,7 @@ def ti2v(tmp_path_factory):
 
 
 def test_image_to_video_first_frame_equals_the_reference_bit_for_bit(ti2v):
-    from gateway.video_input import encode_image
+    from gateway.stream.video_input import encode_image
 
     side = 64  # the tiny Wan2.2 VAE is 16x: 4x4 latents
     rgb = np.random.default_rng(9).integers(0, 256, (side, side, 3), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""VAE graph slots (gateway.vae_graphs): a graphed decode equals the eager one bit for bit, streams never share a
+"""VAE graph slots (gateway.decode.vae_graphs): a graphed decode equals the eager one bit for bit, streams never share a
 slot's cache, slots come back when streams end, and a capture that fails or differs leaves the part eager.
 
 On CPU the capture is ``rerun_capture`` (a replay re-runs the frame on the slot's static buffers), so everything but
@@ -17,14 +17,14 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from benchmarks import vae_graphs_check
-from gateway.decoder import LocalDecoder
-from gateway.stream_vae import (
+from gateway.decode.decoder import LocalDecoder
+from gateway.decode.stream_vae import (
     StreamVAE,
     StreamVAESlice,
     split_decoder,
     to_uint8_frames,
 )
-from gateway.vae_graphs import capture_graphs
+from gateway.decode.vae_graphs import capture_graphs
 from launcher.demo_checkpoint import write_tiny_vae
 from stagecast.cuda_graphs import rerun_capture
 from stagecast.model.vae_configs import vae_config
@@ -171,7 +171,7 @@ def test_a_capture_that_raises_leaves_the_part_eager_with_a_warning(vae, caplog)
         return capture
 
     part = StreamVAE(vae)
-    with caplog.at_level(logging.WARNING, logger="gateway.vae_graphs"):
+    with caplog.at_level(logging.WARNING, logger="gateway.decode.vae_graphs"):
         assert capture_graphs([part], latent_hw=(H, W), slots=2, capture_for=broken) == [False]
     assert part.graphs is None and "could not be captured" in caplog.text
     z = latents(vae, 11)
@@ -190,7 +190,7 @@ def test_a_graph_that_differs_from_eager_at_build_leaves_the_part_eager(vae, cap
         return capture
 
     parts = split_decoder(vae, 2)
-    with caplog.at_level(logging.WARNING, logger="gateway.vae_graphs"):
+    with caplog.at_level(logging.WARNING, logger="gateway.decode.vae_graphs"):
         assert capture_graphs(parts, latent_hw=(H, W), slots=1, capture_for=wrong) == [False, False]
     assert all(p.graphs is None for p in parts) and "differs from the eager one" in caplog.text
 
@@ -320,7 +320,7 @@ def cudnn_benchmark_flag():
 
 
 def test_cudnn_autotune_is_turned_on_only_for_a_vae_on_a_gpu(cudnn_benchmark_flag):
-    from gateway.stream_vae import use_cudnn_autotune
+    from gateway.decode.stream_vae import use_cudnn_autotune
 
     assert use_cudnn_autotune(["cpu", "cpu"]) is False
     assert torch.backends.cudnn.benchmark is False  # CPU outputs, and so the parity tests, never see it

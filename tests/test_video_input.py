@@ -13,9 +13,9 @@ from diffusers import AutoencoderKLWan
 from PIL import Image
 
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import ConfigError, resolve_config
-from gateway.stream_vae import StreamVAEEncoder
-from gateway.video_input import InputPath, decode_frame, input_noise, noise_to
+from gateway.decode.stream_vae import StreamVAEEncoder
+from gateway.edge.config import ConfigError, resolve_config
+from gateway.stream.video_input import InputPath, decode_frame, input_noise, noise_to
 from stagecast.client import stream_config
 from stagecast.model.vae_configs import vae_config
 from stagecast.sampling import SamplerConfig, sigmas

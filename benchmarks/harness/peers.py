@@ -50,7 +50,7 @@ def latent_geometry(args, vae) -> tuple[int, int, int]:
 def flops_per_frame(args, dit, vae, device, dtype, text_len) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gateway.stream_vae import StreamVAE
+    from gateway.decode.stream_vae import StreamVAE
 
     c, h, w = latent_geometry(args, vae)
     x = torch.randn(1, c, 1, h, w, device=device, dtype=dtype)
@@ -83,7 +83,7 @@ def flops_per_frame(args, dit, vae, device, dtype, text_len) -> dict:
 def run_peer(args, dit, vae, device, dtype, text_len, chunks: int, compiled: bool = False) -> dict:
     """diffusers, one GPU, sequential: every step of a chunk through the whole DiT, then VAE decode; eager, or with
     ``torch.compile`` on the DiT and the VAE decoder (compiled during the warm-up chunks, not timed)."""
-    from gateway.stream_vae import StreamVAE
+    from gateway.decode.stream_vae import StreamVAE
 
     c, h, w = latent_geometry(args, vae)
     text = torch.randn(1, text_len, dit.config.text_dim, device=device, dtype=dtype)

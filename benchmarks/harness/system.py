@@ -24,8 +24,8 @@ from benchmarks.harness.rows import (
     percentile,
 )
 from coordinator.options import CoordinatorOptions, parse_stage_ms
+from gateway.edge.quotas import QuotaOptions
 from gateway.options import GatewayOptions
-from gateway.quotas import QuotaOptions
 from stage_service.options import StageOptions
 from stagecast.flags import add_flags, to_argv
 from stagecast.microstep import DEFAULT_MAX_BATCH

@@ -1,6 +1,7 @@
 """Every stream's ready chunk in one decode call: the tiny decoder shared by all streams of a gateway.
 
-Usage (the surface of ``gateway.decoder.LocalDecoder``; ``gateway.stream`` drives a session from two threads)::
+Usage (the surface of ``gateway.decode.decoder.LocalDecoder``; ``gateway.stream.run`` drives a session from two
+threads)::
 
     decoder = BatchedDecoder(load_tiny_decoder(path, device="cuda", dtype=torch.float16, compile=True),
                              buckets=(1, 2, 4, 8, 16))
@@ -30,7 +31,7 @@ the call that waited least for other work on the GPU.  On a GPU the decoder shar
 also holds the stage's kernels that ran between its own, which the stage's measured forwards count already (the SLO
 model adds both); the least-waiting call is the decoder's own work under the conditions it serves in.  ``warm``
 measures each bucket before serving.  ``batch_ms`` merges both for the coordinator's SLO model
-(``VaeCost.batch_ms``, ``gateway.vae_cost``).
+(``VaeCost.batch_ms``, ``gateway.decode.vae_cost``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from gateway.tiny_decoder import MAX_BATCH, TinyStreamDecoder, tiny_to_uint8_frames
+from gateway.decode.tiny_decoder import MAX_BATCH, TinyStreamDecoder, tiny_to_uint8_frames
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +165,11 @@ class BatchedDecoder:
 
     @classmethod
     def tiny(cls, path, *, compile: bool = False, buckets: tuple[int, ...] | None = None, **checks) -> BatchedDecoder:
-        """The checked tiny decoder (``gateway.decoder.load_checked_tiny``, given ``checks``: its device, dtype and the
+        """The checked tiny decoder (``gateway.decode.decoder.load_checked_tiny``, given ``checks``: its device, dtype
+        and the
         geometry it must fit) behind one worker; compiled on a GPU, padded to ``buckets`` (default
         ``DEFAULT_BUCKETS``), else not padded."""
-        from gateway.decoder import load_checked_tiny
+        from gateway.decode.decoder import load_checked_tiny
 
         part = load_checked_tiny(path, compile=compile, **checks)
         if buckets is None and part.device.type == "cuda" and compile:
@@ -225,7 +227,7 @@ class BatchedDecoder:
         """Before serving: ``chunks`` chunks at every bucket (or batch sizes 1, 2, 4, .. up to ``max_batch`` without
         buckets) on fresh scratch states, so that every compiled variant is built now, and the steady chunks (from
         the third) timed: returns rows -> median ms of a call, also kept for ``batch_ms``."""
-        from gateway.vae_cost import STEADY_FROM
+        from gateway.decode.vae_cost import STEADY_FROM
 
         if chunks <= STEADY_FROM:
             raise ValueError(f"chunks must be > {STEADY_FROM}, got {chunks}")

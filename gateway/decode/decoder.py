@@ -1,7 +1,7 @@
 """Where a stream's latents become frames: the VAE in the gateway process (whole, or cut into slices over several
 devices), or a chain of VAE stage processes.
 
-Usage (one session per client stream; ``gateway.stream`` drives it from two threads)::
+Usage (one session per client stream; ``gateway.stream.run`` drives it from two threads)::
 
     decoder = LocalDecoder(StreamVAE.from_folder(root / "vae"))       # or RemoteDecoder("127.0.0.1:50070"), or
     decoder = LocalDecoder.from_folder(root / "vae", dtype=torch.bfloat16, devices=["cuda:0", "cuda:1"])
@@ -15,7 +15,7 @@ Usage (one session per client stream; ``gateway.stream`` drives it from two thre
     session.close()                       # consumer thread, last: frees the stream's VAE cache (remote: waits
                                           # until every stage has freed it)
 
-Both are exact: ``gateway.stream_vae`` decodes chunk by chunk bit-identically however the decoder is cut.
+Both are exact: ``gateway.decode.stream_vae`` decodes chunk by chunk bit-identically however the decoder is cut.
 
 In process (``--vae-devices cuda:0,cuda:1``, ``--vae-split``), each part runs in a worker thread of its own per stream
 with its own cache slots and hands one tensor per chunk to the next, so consecutive chunks are in different parts at
@@ -23,7 +23,8 @@ once.  Each part's decodes pass a ``DecodeGate`` (two slots on a GPU: one launch
 where a waiting paced stream's decode goes before any unpaced one's (``open(capacity, paced=...)``), so unpaced
 streams' full-VAE decodes never queue ahead of a paced stream's.
 
-A tiny streaming decoder (``gateway.tiny_decoder``) is one more part: ``LocalDecoder([load_tiny_decoder(path)])``.
+A tiny streaming decoder (``gateway.decode.tiny_decoder``) is one more part:
+``LocalDecoder([load_tiny_decoder(path)])``.
 Each part says what range its video is in (``output_range``: the Wan VAE's [-1, 1], a tiny decoder's [0, 1]) and
 ``uint8_frames`` maps it with that range's own arithmetic.
 """
@@ -42,9 +43,9 @@ import grpc
 import numpy as np
 import torch
 
-from gateway.channel import CLOSED, BoundedChannel
-from gateway.stream_vae import ChunkDecoder, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
-from gateway.timers import Timers
+from gateway.decode.stream_vae import ChunkDecoder, StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames
+from gateway.stream.channel import CLOSED, BoundedChannel
+from gateway.stream.timers import Timers
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.internal.v1 import vae_pb2 as vpb
@@ -63,7 +64,7 @@ def uint8_frames(part, video: torch.Tensor) -> torch.Tensor:
     if (low, high) == (-1.0, 1.0):
         return to_uint8_frames(video)
     if (low, high) == (0.0, 1.0):
-        from gateway.tiny_decoder import tiny_to_uint8_frames
+        from gateway.decode.tiny_decoder import tiny_to_uint8_frames
 
         return tiny_to_uint8_frames(video)
     raise ValueError(f"a decoder part whose video is in [{low}, {high}]: no uint8 mapping for that range")
@@ -88,10 +89,11 @@ def load_checked_tiny(
     temporal_factor: int,
     compile: bool = False,
 ):
-    """A tiny streaming decoder (``gateway.tiny_decoder``) checked against the checkpoint it serves: a file for other
+    """A tiny streaming decoder (``gateway.decode.tiny_decoder``) checked against the checkpoint it serves: a file for
+    other
     latents (taew2_1 is for Wan2.1 / Wan2.2-A14B, taew2_2 for Wan2.2-TI2V-5B) or another frame geometry is refused,
     naming ``--tiny-decoder``."""
-    from gateway.tiny_decoder import load_tiny_decoder
+    from gateway.decode.tiny_decoder import load_tiny_decoder
 
     try:
         part = load_tiny_decoder(path, device=device, dtype=dtype, compile=compile)
@@ -209,8 +211,9 @@ class LocalDecoder:
     def tiny(
         cls, path, *, device: str, dtype: torch.dtype, latent_channels: int, spatial_factor: int, temporal_factor: int
     ) -> LocalDecoder:
-        """A tiny streaming decoder (``gateway.tiny_decoder``) as the one part, decoding one stream per call
-        (``load_checked_tiny``; the gateway shares one across its streams instead: ``gateway.batched_decoder``)."""
+        """A tiny streaming decoder (``gateway.decode.tiny_decoder``) as the one part, decoding one stream per call
+        (``load_checked_tiny``; the gateway shares one across its streams instead:
+        ``gateway.decode.batched_decoder``)."""
         return cls(
             load_checked_tiny(
                 path,
@@ -265,10 +268,11 @@ class LocalDecoder:
         return cls(parts)
 
     def capture_graphs(self, latent_hw: tuple[int, int], slots: int, capture_for=None) -> list[bool]:
-        """Capture ``slots`` CUDA graph slots per part for streams of ``latent_hw`` latents (``gateway.vae_graphs``:
+        """Capture ``slots`` CUDA graph slots per part for streams of ``latent_hw`` latents
+        (``gateway.decode.vae_graphs``:
         a stream's frames from its third on replay its slot's graph; a stream without a free slot decodes eagerly).
         Call before serving, after any compile warm-up. Returns, per part, whether it is graphed."""
-        from gateway.vae_graphs import capture_graphs, default_capture
+        from gateway.decode.vae_graphs import capture_graphs, default_capture
 
         return capture_graphs(self.parts, latent_hw=latent_hw, slots=slots, capture_for=capture_for or default_capture)
 

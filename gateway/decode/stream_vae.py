@@ -115,7 +115,7 @@ class VAEStreamState:
     latent_frames: int = 0  # latent frames decoded so far; 0 means the next one is the stream's frame 0
     latent_hw: tuple[int, int] | None = None  # fixed by the first chunk: the cached frames only fit that size
     released: bool = False
-    # The graph slot (``gateway.vae_graphs``) this stream holds, if any: then ``feat_cache`` is the slot's static
+    # The graph slot (``gateway.decode.vae_graphs``) this stream holds, if any: then ``feat_cache`` is the slot's static
     # buffers, which only this stream's replays read and update, until ``release`` gives the slot back.
     graph: object = None
     # Held across a decode and by ``release``: a state is never released (nor its slot reused) mid-decode.
@@ -163,7 +163,7 @@ class ChunkDecoder:
         # Frames per latent frame (after frame 0, which is always one) in the tensor this decoder receives.
         self.in_factor = in_factor
         self.num_slots = slots
-        # Set by ``gateway.vae_graphs.capture_graphs``: captured steady-state frames, one per stream slot.
+        # Set by ``gateway.decode.vae_graphs.capture_graphs``: captured steady-state frames, one per stream slot.
         self.graphs = None
         if takes_latents:
             z_dim = vae.config.z_dim

@@ -2,7 +2,7 @@
 
 It loads the published weights (``taew2_1.pth``: Wan2.1 and Wan2.2-A14B latents, 16 channels; ``taew2_2.pth``:
 Wan2.2-TI2V-5B, 48 channels and a 2x2 pixel-shuffle patch; or their ``.safetensors``) by their own key names and
-has the surface of ``gateway.stream_vae.ChunkDecoder``, so ``LocalDecoder([decoder])`` drives it::
+has the surface of ``gateway.decode.stream_vae.ChunkDecoder``, so ``LocalDecoder([decoder])`` drives it::
 
     decoder = load_tiny_decoder("/models/taew2_1.pth", device="cuda", dtype=torch.float16)
     state = decoder.new_state()                          # one per stream
@@ -202,7 +202,7 @@ class TinyStreamState:
 class TinyStreamDecoder:
     """Decodes any number of streams chunk by chunk with one ``TinyDecoder``; holds no per-stream data.
 
-    The surface of ``gateway.stream_vae.ChunkDecoder`` (``LocalDecoder([it])`` works), plus ``decode_batch``.
+    The surface of ``gateway.decode.stream_vae.ChunkDecoder`` (``LocalDecoder([it])`` works), plus ``decode_batch``.
     """
 
     takes_latents = True
@@ -243,7 +243,7 @@ class TinyStreamDecoder:
         Returns each stream's video, as ``decode_chunk`` of it alone would (bit for bit on a CPU).
 
         ``pad_to``: run the pass at this batch size, the rows past the streams' being zeros that no stream keeps (so
-        a compiled pass sees a few batch sizes only, ``gateway.batched_decoder``'s buckets)."""
+        a compiled pass sees a few batch sizes only, ``gateway.decode.batched_decoder``'s buckets)."""
         if pad_to is not None and not len(states) <= pad_to <= MAX_BATCH:
             raise ValueError(f"pad_to must be in {len(states)}..{MAX_BATCH} (the streams..MAX_BATCH), got {pad_to}")
         if len(states) != len(xs):

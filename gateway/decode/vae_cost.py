@@ -146,7 +146,8 @@ def _state_bytes(state) -> int:
 
 
 def tiny_cost(decoder, latent_shape: tuple[int, ...], up_to: int | None = None) -> VaeCost | None:
-    """The batched tiny decoder's (``gateway.batched_decoder``) cost as it stands: per-stream ms at each batch size
+    """The batched tiny decoder's (``gateway.decode.batched_decoder``) cost as it stands: per-stream ms at each batch
+    size
     (start-up measurements merged with the calls served), ``chunk_ms`` one stream alone, and the streams its recent
     calls held; None before any is known."""
     batch = decoder.batch_ms(up_to)

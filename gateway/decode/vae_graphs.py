@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from gateway.stream_vae import GRAPHED_FROM, ChunkDecoder, VAEStreamState
+from gateway.decode.stream_vae import GRAPHED_FROM, ChunkDecoder, VAEStreamState
 from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
 
 logger = logging.getLogger(__name__)

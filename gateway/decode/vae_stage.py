@@ -15,8 +15,9 @@ state lives exactly as long as its call, and is released before the call ends.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # python -m gateway.vae_stage: the VAE stage service as itself (stagecast vae-stage)
-    # Dispatched before this module's imports: ``service_main`` exits, and serving imports ``gateway.vae_stage`` as
+if __name__ == "__main__":  # python -m gateway.decode.vae_stage: the VAE stage service as itself (stagecast vae-stage)
+    # Dispatched before this module's imports: ``service_main`` exits, and serving imports ``gateway.decode.vae_stage``
+    # as
     # a module (``gateway.cli``), so ``--help`` or a flag error does not import torch and diffusers first, and the
     # module's body runs once rather than as ``__main__`` and again as itself.
     from stagecast.service import service_main
@@ -30,9 +31,9 @@ from pathlib import Path
 import grpc
 import torch
 
+from gateway.decode.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames, use_cudnn_autotune
+from gateway.decode.vae_graphs import capture_graphs, default_capture
 from gateway.options import VAEStageOptions
-from gateway.stream_vae import StreamVAE, StreamVAESlice, decoder_cut, to_uint8_frames, use_cudnn_autotune
-from gateway.vae_graphs import capture_graphs, default_capture
 from stagecast import wire
 from stagecast.grpc_util import CHANNEL_OPTIONS, make_server, serve_health, set_serving
 from stagecast.internal.v1 import vae_pb2 as vpb

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.checkpoint import ServingDefaults
-from gateway.config import EffectiveConfig
+from gateway.edge.config import EffectiveConfig
 from stagecast.microstep import chunk_levels
 
 # Multiples of the checkpoint's serving size (frame pixels) and of its serving cost (pixels x fps x steps) that a

@@ -148,11 +148,11 @@ class Fleet:
         return agent_reply(self._slots, draining=self.draining.is_set(), streams=self.streams(), backend=backend)
 
     def refuse_while_draining(self, cfg) -> None:
-        """An admission check (``gateway.admission.Admission``): nothing new is admitted while draining."""
+        """An admission check (``gateway.edge.admission.Admission``): nothing new is admitted while draining."""
         if self.draining.is_set():
             import grpc
 
-            from gateway.admission import Refused
+            from gateway.edge.admission import Refused
 
             where = f"pipeline {self.name}" if self.name else "this pipeline"
             raise Refused(

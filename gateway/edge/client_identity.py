@@ -1,6 +1,6 @@
 """Which client a gateway call belongs to, for its quotas and its fair share of the pending pool.
 
-Usage (``gateway.handlers`` asks for every call; ``gateway.service.Gateway`` holds one)::
+Usage (``gateway.edge.handlers`` asks for every call; ``gateway.service.Gateway`` holds one)::
 
     identity = ClientIdentity(auth, opts.trusted_proxy)   # --trusted-proxy ADDR[,ADDR ...], repeatable
     who = identity.of(context)      # "tenant 'alice'" with --tokens, else "address 10.0.0.7"

@@ -30,7 +30,7 @@ from stagecast.sampling import MAX_STEPS, SamplerError, as_f32
 from stagecast.v1 import stream_pb2 as pb
 
 # The hard limits of the public API (the ranges in proto/stagecast/v1/stream.proto say the same).  A gateway's cost
-# budget (gateway.admission) may refuse a stream inside them.
+# budget (gateway.edge.admission) may refuse a stream inside them.
 MAX_PROMPT_CHARS = MAX_NEGATIVE_PROMPT_CHARS  # tokenising is the real limit; this stops absurd payloads before it runs
 MAX_SIDE = 4096
 MAX_CHUNK_FRAMES = 16

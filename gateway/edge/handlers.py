@@ -6,9 +6,9 @@ Usage (``gateway.service.Gateway`` builds its server with these)::
     make_server(port, [(add_stream_service, servicer, SERVICE_NAME)], ...)
 
 ``Generate`` waits for its config within a bounded budget of pending calls (each client within its quota), resolves
-and admits the config, encodes the prompt, opens the pipeline stream (``gateway.stream.StreamRun``) and yields its
+and admits the config, encodes the prompt, opens the pipeline stream (``gateway.stream.run.StreamRun``) and yields its
 messages; every refusal ends the call with a gRPC status (``_abort``) and counts in the rejected-calls metric.
-``GetStatus`` and ``WatchStatus`` report ``gateway.status.StatusReport`` as the caller may see it.
+``GetStatus`` and ``WatchStatus`` report ``gateway.edge.status.StatusReport`` as the caller may see it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.admission import Refused
-from gateway.config import (
+from gateway.edge.admission import Refused
+from gateway.edge.config import (
     MAX_REQUEST_BYTES,
     ConfigError,
     Decoders,
@@ -33,8 +33,8 @@ from gateway.config import (
     parse_status_request,
     resolve_config,
 )
-from gateway.revocation import credentials_of
-from gateway.stream import StreamFailed, StreamRun, release_hold, reserve
+from gateway.edge.revocation import credentials_of
+from gateway.stream.run import StreamFailed, StreamRun, release_hold, reserve
 from stagecast import telemetry
 from stagecast.fair_pool import PoolFull
 from stagecast.grpc_util import abort_with_retry, retry_after_of
@@ -46,11 +46,11 @@ if TYPE_CHECKING:
     import torch
 
     from gateway.checkpoint import ModelInfo, ServingDefaults
-    from gateway.client_identity import ClientIdentity
+    from gateway.edge.client_identity import ClientIdentity
+    from gateway.edge.status import StatusReport
+    from gateway.edge.stream_table import StreamTable
     from gateway.metrics import GatewayMetrics
-    from gateway.status import StatusReport
-    from gateway.stream import StreamHost
-    from gateway.stream_table import StreamTable
+    from gateway.stream.run import StreamHost
     from stagecast.security import TokenAuth
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Usage::
     release()                                  # exactly once, when the call stops holding the slot
 
 A client is its tenant when the gateway asks for tokens (every connection of a tenant counts together), else its
-peer's address, or behind a trusted proxy the address it forwarded for (``gateway.client_identity``: one rule with
+peer's address, or behind a trusted proxy the address it forwarded for (``gateway.edge.client_identity``: one rule with
 the web edge).  Each kind of slot has its quota per client, below the gateway's global bound for that kind
 (``--max-streams``, ``--max-unpaced``, ``--max-pending``, ``--max-watchers``), which still bounds all clients
 together:
@@ -19,7 +19,7 @@ together:
 * ``unpaced``: of those, streams with ``pace: false`` (best effort: they yield to paced streams in the coordinator's
   scheduler and take none of their capacity, and this bounds how many one client holds);
 * ``pending``: Generate calls that have not sent their config yet (counted by the gateway's ``FairPool``, which
-  also evicts fairly when the global bound is full: ``gateway.stream_table``);
+  also evicts fairly when the global bound is full: ``gateway.edge.stream_table``);
 * ``watchers``: WatchStatus calls.
 
 The defaults sit above what one client needs to reach the pipeline's capacity (a client opening ``--max-streams``
@@ -94,7 +94,7 @@ class Quotas:
         """One slot of ``kind`` for ``client``; returns what gives it back (call it once)."""
         import grpc
 
-        from gateway.admission import Refused
+        from gateway.edge.admission import Refused
 
         flag, what = KINDS[kind]
         limit = self.limits[kind]

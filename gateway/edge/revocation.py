@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from gateway.timers import TimerEntry, Timers
+from gateway.stream.timers import TimerEntry, Timers
 from stagecast.security import TokenAuth
 
 logger = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ import time
 
 import grpc
 
-from gateway.admission import CostBudget, passes
 from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.config import resolve_config
-from gateway.stream_table import StreamTable, vae_bytes
+from gateway.edge.admission import CostBudget, passes
+from gateway.edge.config import resolve_config
+from gateway.edge.stream_table import StreamTable, vae_bytes
 from stagecast import api
 from stagecast.grpc_util import abort_with_retry
 from stagecast.internal.v1 import pipeline_pb2 as ipb
@@ -81,7 +81,7 @@ class StatusReport:
         self.max_streams = max_streams
         self.coordinator_target = coordinator_target
         self.cost_budget = cost_budget
-        self.fleet = fleet  # gateway.agent.Fleet: the pipeline's name, slots and drain (None: not reported)
+        self.fleet = fleet  # gateway.edge.agent.Fleet: the pipeline's name, slots and drain (None: not reported)
         self.startup = startup  # the gateway's own start-up steps (None: not reported)
         self._lock = threading.Lock()
         self._cluster: tuple[float, ipb.ClusterStatus | None] | None = None  # (when asked, the answer)
@@ -157,11 +157,11 @@ class StatusReport:
 class StartingFront:
     """The StreamService the public server holds from the moment its port is bound.  While the gateway loads, GetStatus
     and WatchStatus answer its start-up (``GatewayStatus.starting``, ``startup``: its own steps and its stages') and
-    Generate is refused UNAVAILABLE; once ``open()``, every call is the servicer's (``gateway.handlers``)."""
+    Generate is refused UNAVAILABLE; once ``open()``, every call is the servicer's (``gateway.edge.handlers``)."""
 
     def __init__(self, gw):
         self.gw = gw  # gateway.service.Gateway: its startup, options and coordinator stub
-        self.servicer = None  # gateway.handlers.StreamServicer, once the parts it serves with are loaded
+        self.servicer = None  # gateway.edge.handlers.StreamServicer, once the parts it serves with are loaded
         self._open = threading.Event()
 
     def open(self, servicer) -> None:

@@ -6,15 +6,15 @@ Usage::
                         metrics=metrics)
     entry = table.enter_pending(client, on_evict)   # a Generate call waiting for its config (raises PoolFull)
     table.leave_pending(entry)
-    release = table.admit(cfg, client)      # raises gateway.admission.Refused; release gives everything back
+    release = table.admit(cfg, client)      # raises gateway.edge.admission.Refused; release gives everything back
     table.register(run, release)            # the stream is open
     table.forget(run)                       # its pipeline side and VAE state are gone: release runs
     table.door_streams()                    # how many of them came through the fleet's door (the agent's maxconn)
     with table.cond: table.cond.wait_for(lambda: table.version != seen)   # WatchStatus follows ``version``
 
-Admission runs the client's quotas (``gateway.quotas``), then the chain: the count cap (``max_streams``, from
+Admission runs the client's quotas (``gateway.edge.quotas``), then the chain: the count cap (``max_streams``, from
 admission until the stream is forgotten), the unpaced cap (``max_unpaced``), the per-stream cost budget and the
-decoder memory (``gateway.admission``).  The calls waiting for their config are a ``stagecast.fair_pool.FairPool``
+decoder memory (``gateway.edge.admission``).  The calls waiting for their config are a ``stagecast.fair_pool.FairPool``
 (``max_pending``, and the client's ``--max-pending-per-client``): a full pool makes room for a client below its fair
 share by evicting the oldest waiting call of the client that holds the most.
 """
@@ -27,9 +27,9 @@ import threading
 
 import grpc
 
-from gateway.admission import Admission, CostBudget, DecoderMemory, Refused
+from gateway.edge.admission import Admission, CostBudget, DecoderMemory, Refused
+from gateway.edge.quotas import KINDS, MAX_QUOTA, Quotas
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import KINDS, MAX_QUOTA, Quotas
 from stagecast.fair_pool import Entry, FairPool
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A gateway stream's two sides of the client's call: ``Outbox`` (what goes out) and ``ClientRequests`` (what comes in).
 
-Usage (``gateway.stream.StreamRun`` holds one of each; ``gateway.stream`` describes the buffering policy)::
+Usage (``gateway.stream.run.StreamRun`` holds one of each; ``gateway.stream.run`` describes the buffering policy)::
 
     outbox = Outbox(limits, timers, ended=..., fail=..., release_call=...)
     outbox.send(msg)                      # from the decoder thread; False once the stream ended or the client is gone
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.channel import CLOSED, BoundedChannel
-from gateway.config import ConfigError, RequestTooLarge, check_prompt, check_transition
-from gateway.pipeline import StreamFailed
+from gateway.edge.config import ConfigError, RequestTooLarge, check_prompt, check_transition
+from gateway.stream.channel import CLOSED, BoundedChannel
+from gateway.stream.pipeline import StreamFailed
 from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamLimits:
-    """A stream's bounds, the same for every stream of a gateway (``gateway.stream.StreamHost.limits``)."""
+    """A stream's bounds, the same for every stream of a gateway (``gateway.stream.run.StreamHost.limits``)."""
 
     buffer_chunks: int  # latent chunks queued between the pipeline and the VAE
     buffer_messages: int  # encoded messages queued between the encoder and the client
@@ -57,7 +57,7 @@ class Outbox:
         release_call: Callable[[], None],
     ):
         self.limits = limits
-        self.timers = timers  # gateway.timers.Timers
+        self.timers = timers  # gateway.stream.timers.Timers
         self._ended = ended  # whether the stream has an outcome
         self._fail = fail  # ends the stream with a status (StreamRun.fail)
         self._release_call = release_call  # cancels the call after the abandon timeout
@@ -167,10 +167,10 @@ class ClientRequests:
         fail: Callable[[grpc.StatusCode, str, str], None],
     ):
         self.id = stream_id
-        self.cfg = cfg  # gateway.config.EffectiveConfig
-        self.input = input  # gateway.video_input.InputPath, or None
-        self.pipeline = pipeline  # gateway.pipeline.PipelineCall
-        self.trace = trace  # gateway.stream_trace.StreamTrace: a prompt's encoding is traced under the stream
+        self.cfg = cfg  # gateway.edge.config.EffectiveConfig
+        self.input = input  # gateway.stream.video_input.InputPath, or None
+        self.pipeline = pipeline  # gateway.stream.pipeline.PipelineCall
+        self.trace = trace  # gateway.stream.trace.StreamTrace: a prompt's encoding is traced under the stream
         self.encode_prompt = encode_prompt
         self.send = send
         self.stop_pipeline = stop_pipeline

@@ -1,6 +1,6 @@
 """A gateway stream's frames: each decoded chunk's frames encoded, stamped and queued for the client.
 
-Usage (``gateway.stream.StreamRun``'s decoder thread, one chunk at a time)::
+Usage (``gateway.stream.run.StreamRun``'s decoder thread, one chunk at a time)::
 
     frames = FrameEmitter(cfg, metrics=metrics, trace=trace, now_ms=run.ms, send=outbox.send, outcome=...)
     if not frames.emit(tag, decoded, encoder, run.input): ...   # False: the call ended or the stream failed
@@ -47,20 +47,21 @@ class FrameEmitter:
         outcome: Callable[[], str | None],
         gate=None,
     ):
-        self.cfg = cfg  # gateway.config.EffectiveConfig
+        self.cfg = cfg  # gateway.edge.config.EffectiveConfig
         self.metrics = metrics  # gateway.metrics.GatewayMetrics
-        self.trace = trace  # gateway.stream_trace.StreamTrace
+        self.trace = trace  # gateway.stream.trace.StreamTrace
         self.now_ms = now_ms  # the stream's clock
         self.send = send  # queues a message for the client (Outbox.send)
         self.outcome = outcome  # why the stream ended, once it did
-        self.gate = gate  # the gateway's encode gate (gateway.decoder.encode_gate): a paced stream's encodes first
+        self.gate = gate  # the encode gate (gateway.decode.decoder.encode_gate): a paced stream's encodes first
         self.frames_emitted = 0  # frames the decoder queued for the client
         self.first_frame_ms: float | None = None
         self.first_pts = 0.0
         self.last_frame_ms: float | None = None
 
     def emit(self, chunk: ChunkTag, frames, encoder, input) -> bool:
-        """Encode and queue one chunk's frames (``input``: a video-to-video stream's ``gateway.video_input.InputPath``,
+        """Encode and queue one chunk's frames (``input``: a video-to-video stream's
+        ``gateway.stream.video_input.InputPath``,
         else None).  False once the call ended or the stream failed."""
         cfg, metrics = self.cfg, self.metrics
         decoded_ms = self.now_ms()

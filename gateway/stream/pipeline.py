@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import grpc
 
-from gateway.stream_trace import StreamTrace
+from gateway.stream.trace import StreamTrace
 from stagecast import telemetry, wire
 from stagecast.grpc_util import StatusError
 from stagecast.internal.v1 import pipeline_pb2 as ipb

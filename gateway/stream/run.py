@@ -1,6 +1,6 @@
 """One client stream inside the gateway: pipeline chunks -> StreamVAE -> frame encoder -> the client's gRPC call.
 
-Usage (the servicer in ``gateway.handlers`` does this per ``Generate`` call)::
+Usage (the servicer in ``gateway.edge.handlers`` does this per ``Generate`` call)::
 
     run = StreamRun(gateway.stream_host, cfg, text, context, t0)   # StreamHost: what a stream needs
     run.open_pipeline()                  # coordinator OpenStream; raises grpc.RpcError as the coordinator says
@@ -12,7 +12,7 @@ Threads and bounded buffers (per stream)::
     coordinator --(reader)--> decode session [buffer_chunks] --(decoder thread: encoder)--> out [buffer_messages]
                                                                                               --(handler)--> client
 
-The decode session (``gateway.decoder``) is the VAE in this process (latents queue, decoded by one worker thread
+The decode session (``gateway.decode.decoder``) is the VAE in this process (latents queue, decoded by one worker thread
 per VAE part, the parts possibly on several GPUs; the decoder thread takes finished frames and encodes them while
 the next chunk decodes) or a chain of VAE stage processes (chunks in flight through the chain).
 
@@ -35,11 +35,12 @@ BDP probing: about 4 MiB; without: 64 KiB) before its sends stop completing, so 
 Cleanup: when the client asks to stop, the pipeline stream is stopped with StopStream (no new chunks; the chunks in
 flight still reach the client).  Whenever the call ends otherwise (failed, cancelled or disconnected), the pipeline
 call is cancelled: the coordinator plans nothing more for the stream, and its close frees the KV cache on every stage
-once the batches already planned have run (``gateway.pipeline.PipelineCall`` holds those calls, and
-``gateway.stream_trace.StreamTrace`` the stream's spans).  The decode session releases the stream's VAE cache (in
+once the batches already planned have run (``gateway.stream.pipeline.PipelineCall`` holds those calls, and
+``gateway.stream.trace.StreamTrace`` the stream's spans).  The decode session releases the stream's VAE cache (in
 every VAE stage, when they are remote).  The stream stays in the gateway's status (state "draining") until both
 happened, so ``GatewayStatus`` shows what the gateway and the pipeline still hold.  Deadlines (a stopped stream's
-drain, a failed stream's unread error) run on the gateway's one timer thread (``gateway.timers``), not on a thread
+drain, a failed stream's unread error) run on the gateway's one timer thread (``gateway.stream.timers``), not on a
+thread
 per stream.
 """
 
@@ -57,23 +58,23 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import torch
 
-from gateway.config import EffectiveConfig
-from gateway.pipeline import PipelineCall, StreamFailed
-from gateway.stream_client import ClientRequests, Outbox, StreamLimits
-from gateway.stream_frames import ChunkTag, FrameEmitter
-from gateway.stream_trace import StreamTrace
-from gateway.timers import Deadlines
-from gateway.video_input import InputPath, encode_image
+from gateway.edge.config import EffectiveConfig
+from gateway.stream.client import ClientRequests, Outbox, StreamLimits
+from gateway.stream.frames import ChunkTag, FrameEmitter
+from gateway.stream.pipeline import PipelineCall, StreamFailed
+from gateway.stream.timers import Deadlines
+from gateway.stream.trace import StreamTrace
+from gateway.stream.video_input import InputPath, encode_image
 from stagecast import api, wire
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 from stagecast.media import make_encoder
 from stagecast.v1 import stream_pb2 as pb
 
 if TYPE_CHECKING:
-    from gateway.decoder import DecodeGate
+    from gateway.decode.decoder import DecodeGate
+    from gateway.decode.stream_vae import StreamVAEEncoder
     from gateway.metrics import GatewayMetrics
-    from gateway.stream_vae import StreamVAEEncoder
-    from gateway.timers import Timers
+    from gateway.stream.timers import Timers
     from stagecast.internal.v1.pipeline_pb2_grpc import CoordinatorServiceStub
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ __all__ = ["StreamFailed", "StreamHost", "StreamLimits", "StreamRun", "open_requ
 
 
 class DecodeSession(Protocol):
-    """One stream's decode on a decoder (``gateway.decoder``'s LocalSession / RemoteSession, the batched tiny
+    """One stream's decode on a decoder (``gateway.decode.decoder``'s LocalSession / RemoteSession, the batched tiny
     decoder's BatchedSession): chunks in, frames out in order."""
 
     def submit(self, tag, latents: torch.Tensor) -> bool: ...
@@ -98,7 +99,8 @@ class DecodeSession(Protocol):
 
 
 class Decoder(Protocol):
-    """A decoder streams open sessions on (``gateway.decoder.LocalDecoder``, ``RemoteDecoder``, the batched one)."""
+    """A decoder streams open sessions on (``gateway.decode.decoder.LocalDecoder``, ``RemoteDecoder``, the batched
+    one)."""
 
     def open(self, capacity: int, paced: bool = False) -> DecodeSession: ...
     def depth(self, capacity: int) -> int: ...
@@ -110,7 +112,7 @@ class StreamHost:
 
     coordinator: CoordinatorServiceStub
     coordinator_target: str
-    # By StreamConfig.decoder: "full" (gateway.decoder.LocalDecoder or RemoteDecoder: the VAE), and "tiny" (a
+    # By StreamConfig.decoder: "full" (gateway.decode.decoder.LocalDecoder or RemoteDecoder: the VAE), and "tiny" (a
     # LocalDecoder of a tiny streaming decoder) where the deployment has one.
     decoders: Mapping[str, Decoder]
     metrics: GatewayMetrics
@@ -125,7 +127,7 @@ class StreamHost:
     touch: Callable[[], None]  # the stream's state changed (status watchers)
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
     pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
-    encode_gate: DecodeGate | None = None  # gateway.decoder.encode_gate: a paced stream's frame encodes go first
+    encode_gate: DecodeGate | None = None  # gateway.decode.decoder.encode_gate: a paced stream's frame encodes go first
 
 
 def open_request(cfg: EffectiveConfig, host: StreamHost) -> ipb.OpenStreamRequest:
@@ -196,9 +198,9 @@ class StreamRun:
         self.chunks_received = 0
         self.last_steps = cfg.steps  # the steps of the last chunk received
         self.decoder = host.decoders[cfg.decoder]  # the one this stream asked for (resolve_config checked it exists)
-        self.session = None  # the decode session (gateway.decoder), opened by start()
+        self.session = None  # the decode session (gateway.decode.decoder), opened by start()
         self.end_reason: str | None = None  # the pipeline's, once it ended the stream
-        self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.video_input)
+        self.input: InputPath | None = None  # video-to-video: the input frames' path (gateway.stream.video_input)
         self.via_door = False  # a trusted proxy (the fleet's door) sent it on: what the agent's maxconn counts
         self._lock = threading.Lock()
         self.deadlines = Deadlines(host.timers)  # this stream's timer entries, cancelled when the stream is gone

@@ -1,6 +1,6 @@
 """Video-to-video input in the gateway: a stream's input frames in, noised latent chunks out to the pipeline.
 
-Usage (``gateway.stream.StreamRun`` does this for a stream whose config has ``strength``)::
+Usage (``gateway.stream.run.StreamRun`` does this for a stream whose config has ``strength``)::
 
     path = InputPath(cfg, encoder, submit=pipeline.submit_input, metrics=metrics, now_ms=run.ms)
     path.offer(frame_msg)            # request reader: decode and check (ConfigError naming the field), then queue
@@ -11,7 +11,8 @@ Usage (``gateway.stream.StreamRun`` does this for a stream whose config has ``st
     path.abort()                     # the stream ended otherwise: wake and stop everything, free the VAE cache
 
 **The path of a frame.** The request reader decodes it (JPEG or raw RGB; its size must be the stream's) and queues it.
-The input thread VAE-encodes frames as they complete latent frames (``gateway.stream_vae.StreamVAEEncoder``: frame 0
+The input thread VAE-encodes frames as they complete latent frames (``gateway.decode.stream_vae.StreamVAEEncoder``:
+frame 0
 alone, then groups of 4, with the encoder's causal-conv cache kept per stream), gathers ``chunk_frames`` latent frames
 into a chunk, noises it to the stream's ``strength`` (flow matching: ``(1 - sigma) z + sigma noise``, the noise drawn
 from the stream's seed and the chunk's index, as ``FlowMatchEulerDiscreteScheduler.scale_noise`` does) and submits it
@@ -48,8 +49,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gateway.config import ConfigError, EffectiveConfig
-from gateway.stream_vae import StreamVAEEncoder
+from gateway.decode.stream_vae import StreamVAEEncoder
+from gateway.edge.config import ConfigError, EffectiveConfig
 from stagecast.sampling import sigmas
 from stagecast.v1 import stream_pb2 as pb
 
