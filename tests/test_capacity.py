@@ -2,8 +2,9 @@
 (``--stage-ms``, ``--slo-fixed``), 2 stages (gloo) and a gateway, real processes on loopback.
 
 With 85 ms per stage forward of one micro-step (growth 5%, batches of 4) one micro-step costs 24.4 ms of each stage,
-and both stages run on this one CPU host, so 48.9 ms of it (their sum: coordinator/slo.py, "A CPU host").  A stream at 16 FPS (4 chunks/s) at s steps needs 4 x s x 48.9 ms = 19.6% x s of it.  The controller holds 90%
-and raises steps below 80%: one stream runs 4 steps (78%), two run 2 each (78%), a third is refused at once.
+and both stages run on this one CPU host, so 48.9 ms of it (their sum: coordinator/slo.py, "A CPU host").  A stream
+at 16 FPS (4 chunks/s) at s steps needs 4 x s x 48.9 ms = 19.6% x s of it.  The controller holds 90% and raises steps
+below 80%: one stream runs 4 steps (78%), two run 2 each (78%), a third is refused at once.
 """
 
 from __future__ import annotations
