@@ -12,7 +12,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        return text if not shows_default(action) else super()._get_help_string(action)
+        return text if not shows_default(action) else super()._get_help_string(action) or text
 
 
 def shows_default(action: argparse.Action) -> bool:
