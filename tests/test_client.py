@@ -84,6 +84,37 @@ def test_the_sdk_is_exported_from_the_package():
         assert name in stagecast.__all__ and getattr(stagecast, name)
 
 
+def test_the_server_names_are_the_client_distributions_modules_and_stream_proto_is_registered_once():
+    import sys
+
+    import stagecast.v1.stream_pb2
+    import stagecast_client
+    import stagecast_client.client
+    from google.protobuf import descriptor_pool
+    from stagecast_client.errors import retry_after_of as client_retry_after_of
+    from stagecast_client.v1 import stream_pb2 as client_pb
+
+    import stagecast.client
+    from stagecast.grpc_util import retry_after_of
+    from stagecast.v1 import stream_pb2 as server_pb
+
+    assert server_pb is client_pb is stagecast.v1.stream_pb2 and stagecast.v1 is sys.modules["stagecast_client.v1"]
+    assert server_pb.StreamConfig is client_pb.StreamConfig and client_pb.__name__ == "stagecast_client.v1.stream_pb2"
+    assert stagecast.client is stagecast_client.client and stagecast.Client is stagecast_client.Client
+    assert stagecast.InvalidArgumentError is stagecast_client.InvalidArgumentError
+    assert retry_after_of is client_retry_after_of  # one reading of a refusal's RetryInfo
+    # One generated module holds stream.proto, however many names it is imported under.
+    holders = {
+        id(m)
+        for name, m in list(sys.modules.items())
+        if name.endswith("_pb2")
+        and getattr(getattr(m, "DESCRIPTOR", None), "name", None) == "stagecast/v1/stream.proto"
+    }
+    assert len(holders) == 1
+    assert descriptor_pool.Default().FindFileByName("stagecast/v1/stream.proto") is client_pb.DESCRIPTOR
+    assert sorted(stagecast.__all__) == sorted(stagecast_client.__all__)
+
+
 def test_an_unknown_input_format_is_refused_naming_the_field_before_any_call():
     from stagecast.client import Transform
     from stagecast.v1 import stream_pb2
