@@ -505,7 +505,10 @@ def balanced_partition(cfg: SelftestConfig, transformer: str) -> str | None:
 def adaptive_args(cfg: SelftestConfig) -> list[str]:
     if not cfg.adaptive:
         return []
-    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[cfg.stage_ms] * cfg.stages, slo_learn=False)
+    # ``stage_ms`` is what one micro-step costs the pipeline's bottleneck: each stage's on devices of their own, and
+    # on one CPU host, where a micro-step costs the stages' sum (coordinator/slo.py, "A CPU host"), a share of it.
+    per_stage = cfg.stage_ms / cfg.stages if cfg.device == "cpu" else cfg.stage_ms
+    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[per_stage] * cfg.stages, slo_learn=False)
     return to_argv(fixed, only=["stage_ms", "slo_learn"])  # --stage-ms ... --slo-fixed
 
 
