@@ -62,6 +62,9 @@ class Pricing(Protocol):
 
     def micro_step_ms(self) -> float | None: ...
 
+    @property
+    def bottleneck(self) -> str: ...  # what the busy share is of: "the slowest stage", or "the host" (one CPU host)
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -352,7 +355,7 @@ class Admission:
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
         detail = (
             f"{len(demands)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
-            f"{newcomer.decoder} decoder would need {need:.0%} of the slowest stage (the limit is "
+            f"{newcomer.decoder} decoder would need {need:.0%} of {self.pricing.bottleneck} (the limit is "
             f"{self.pricing.target:.0%})"
         )
         return Capacity(False, detail, admitted.retry_after_s)

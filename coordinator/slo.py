@@ -522,6 +522,11 @@ class SloController:
             dit = sum(rate * levels * rows * ms for rate, levels, rows in loads)
         return (dit + self.cost.decode_ms(demands, more)) / 1e3
 
+    @property
+    def bottleneck(self) -> str:
+        """What the busy share is of: the slowest stage, or on one CPU host the host (the stages' sum)."""
+        return "the host" if self.cost.shared_host else "the slowest stage"
+
     def micro_step_ms(self) -> float | None:
         """A micro-step's modelled ms (None until stage times are known): whether capacity can be priced."""
         return self.cost.micro_step_ms()
