@@ -668,7 +668,7 @@ def test_the_page_records_a_stream_with_a_prompt_switch_into_a_file_and_a_sideca
     assert browser.find_element(By.ID, "record").text.startswith("Record (armed")
     browser.find_element(By.ID, "start").click()
     until(browser, "window.stagecast.recording && !window.stagecast.recording.armed")
-    until(browser, "window.stagecast.frames >= 12")
+    until(browser, "window.stagecast.frames >= 12 && window.stagecast.recording.shown >= 4")
     prompt = browser.find_element(By.ID, "prompt")
     prompt.clear()
     prompt.send_keys(OTHER)
@@ -694,25 +694,32 @@ def test_the_page_records_a_stream_with_a_prompt_switch_into_a_file_and_a_sideca
     fps = config["target_fps"]
     chunk_s = config.get("chunk_frames", 1) * 4 / fps  # one latent frame is 4 video frames
     sidecar = saved["sidecar"]
-    late = sidecar["last_frame_late_s"]  # the page shows the stream as it comes: a late server makes it longer
+    stream_s = seconds - sidecar["first_pts_s"]  # the stream from its first picture recorded
+    late = sidecar["last_frame_late_s"] - sidecar["first_frame_late_s"]  # the web process's lateness, for the log
     print(
-        f"{transport}: {video['type']} recording of {duration:.3f} s, {frames} frames; the {seconds} s stream's last "
-        f"frame {late:.3f} s late"
+        f"{transport}: {video['type']} recording of {duration:.3f} s, {frames} frames; the screen showed "
+        f"{sidecar['shown_frames']} pictures over {sidecar['shown_s']} s from pts {sidecar['first_pts_s']}; the "
+        f"{seconds} s stream's last frame left the web process {late:.3f} s later than its first recorded"
     )
-    expected = seconds - sidecar["first_pts_s"] + late  # from the first frame recorded, as the stream came
-    # One chunk is the bound on a machine that keeps real time; under load the delivery itself jitters by about as
-    # much again (0.38 s seen with the machine shared), so two chunks here.
-    assert abs(duration - expected) <= 2 * chunk_s, (duration, expected, chunk_s, sidecar)
+    # The file holds what the screen showed, within one chunk: from the first picture shown to the last.
+    assert abs(duration - sidecar["shown_s"]) <= chunk_s, (duration, chunk_s, sidecar)
+    # The screen showed the whole stream: its duration or, from a server slower than real time, longer (a loaded
+    # browser's compositor skips some pictures: 34 of 48 seen). How much longer is the machine's: the web process's
+    # lateness misses the encoding, RTP and jitter buffer after it (up to 0.66 s more seen on this shared machine).
+    assert duration >= stream_s - chunk_s, (duration, stream_s, chunk_s, sidecar)
+    assert sidecar["shown_frames"] >= 0.5 * stream_s * fps, sidecar
+    stretch = max(0.0, sidecar["shown_s"] - stream_s, late)
     # The sidecar: the stream, its first prompt, and the switch at its time on the recording's clock.
     assert sidecar["file"] == video["name"] and sidecar["stream_id"] == state["started"]["stream_id"]
-    assert sidecar["prompt"] == config["prompt"] and abs(sidecar["duration_s"] - duration) <= chunk_s
+    assert sidecar["prompt"] == config["prompt"] and duration <= sidecar["duration_s"] + chunk_s
     (switch,) = sidecar["prompt_switches"]
     assert switch["prompt"] == OTHER and 0 < switch["at_s"] < duration
-    # Told of the switch after at least 12 frames had come: at that point of the stream (its pts), and on the
-    # recording's clock no earlier than that, nor later than the stream's lateness by the end allows.
+    # Told of the switch after at least 4 pictures were shown since the recording started: at that point of the
+    # stream (its pts on the screen) or later, and on the recording's clock no earlier than that, nor later than
+    # the stream's stretch by the end allows.
     since_first = switch["stream_s"] - sidecar["first_pts_s"]
-    assert since_first >= 11 / fps, (switch, sidecar["first_pts_s"])
-    assert since_first - chunk_s <= switch["at_s"] <= since_first + late + chunk_s, (switch, sidecar)
+    assert since_first >= 3 / fps, (switch, sidecar["first_pts_s"])
+    assert since_first - chunk_s <= switch["at_s"] <= since_first + stretch + chunk_s, (switch, sidecar)
     side_path = tmp_path / kinds["sidecar"]["name"]
     _saved(browser, kinds["sidecar"]["url"], side_path)
     assert json.loads(side_path.read_text()) == sidecar

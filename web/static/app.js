@@ -324,8 +324,6 @@ async function start() {
 // The first container the browser's MediaRecorder makes: MP4 (H.264) where it can, else WebM.
 const RECORD_TYPES = ["video/mp4;codecs=avc1", "video/mp4", "video/webm;codecs=vp9", "video/webm;codecs=vp8",
   "video/webm"];
-// After the stream's end, the last frames still reach the screen (the jitter or media buffer): record them too.
-const RECORD_TAIL_MS = 150;
 let rec = null; // {armed} before the first frame; then {t0, recorders, switches, ...} while recording
 window.stagecastFiles = new Map();
 
@@ -368,13 +366,36 @@ function newRecorder(stream, type, kind) {
   return { kind, recorder, done, type: recorder.mimeType || type };
 }
 
-// Called on every frame the page is told of: an armed recording starts at the first one the video element has a
-// track for (WebRTC's from its start; the MSE player's once its first bytes play).
+const recentLate = []; // [{pts, late}] of the last frames told of: how late the picture now shown left the server
+
+// Called on every frame the page is told of: an armed recording starts once the video element has a track.  WebRTC's
+// track carries each frame as it is sent, so its recorder starts at once (the frame told of is its first); the MSE
+// player's captured track repeats the picture it shows, so its recorder starts when the first picture is on screen.
+
 function recordFrame(msg) {
-  if (msg) { state.lastPts = msg.pts; state.lastLateMs = msg.late_ms; }
-  if (!rec || !rec.armed) return;
+  if (msg) {
+    state.lastPts = msg.pts; state.lastLateMs = msg.late_ms;
+    recentLate.push({ pts: msg.pts, late: msg.late_ms }); if (recentLate.length > 64) recentLate.shift();
+  }
+  if (!rec || !rec.armed || rec.waiting) return;
   const stream = shownStream();
   if (!stream || !stream.getVideoTracks().length) return; // not yet playing: the next frame tries again
+  const video = $("video");
+  if (!video.requestVideoFrameCallback || video.srcObject instanceof MediaStream) { recordBegin(stream); return; }
+  const armed = rec; armed.waiting = true;
+  video.requestVideoFrameCallback((now, meta) => { if (rec === armed) recordBegin(stream, meta); });
+}
+
+// The pts of the picture on the screen: the MSE player's media time is the stream's (the gateway's fMP4 counts
+// frames at 1 / fps from 0); WebRTC's frames reach the screen as they are told of, so the last one's.
+function shownPts(mediaTime) {
+  const mse = !($("video").srcObject instanceof MediaStream);
+  if (mse) return round3(typeof mediaTime === "number" ? mediaTime : $("video").currentTime);
+  return typeof state.lastPts === "number" ? round3(state.lastPts) : null;
+}
+
+// `meta`: the first picture's presentation (requestVideoFrameCallback), where the browser tells it.
+function recordBegin(stream, meta) {
   const type = recordType();
   const recorders = [newRecorder(stream, type, "output")];
   if ($("record-input").checked && camera) recorders.push(newRecorder(camera, type, "input"));
@@ -382,11 +403,29 @@ function recordFrame(msg) {
   rec = {
     armed: false, t0: performance.now(), startedAt: new Date().toISOString(), recorders, switches: [],
     streamId: started.stream_id || null, config: started.config, transport: state.transport,
-    firstPts: msg ? msg.pts : state.lastPts, frames: state.frames,
+    firstPts: shownPts(meta && meta.mediaTime), frames: state.frames, shown: meta ? [meta.presentationTime] : [],
   };
-  state.recording = { armed: false, type, startedAt: rec.startedAt };
+  const first = recentLate.reduce((a, f) => (a && Math.abs(a.pts - rec.firstPts) <= Math.abs(f.pts - rec.firstPts) ?
+    a : f), null);
+  rec.firstLateMs = first ? first.late : state.lastLateMs;
+  watchShown(rec);
+  state.recording = { armed: false, type, startedAt: rec.startedAt, shown: 0 };
   showRecording();
   log("record", `recording ${type}${recorders.length > 1 ? " and the webcam input" : ""}`);
+}
+
+// When each new picture reached the screen while recording (the browser's own presentation times): the span the
+// viewer saw, which the file must hold.
+function watchShown(r) {
+  const video = $("video");
+  if (!video.requestVideoFrameCallback) return;
+  const onFrame = (now, meta) => {
+    if (rec !== r) return;
+    r.shown.push(meta.presentationTime);
+    if (state.recording) state.recording.shown = r.shown.length;
+    video.requestVideoFrameCallback(onFrame);
+  };
+  video.requestVideoFrameCallback(onFrame);
 }
 
 function recordSwitch(prompt) {
@@ -394,13 +433,33 @@ function recordSwitch(prompt) {
   rec.switches.push({
     prompt,
     at_s: round3((performance.now() - rec.t0) / 1000), // on the recording's clock: when the page was told
-    stream_s: typeof state.lastPts === "number" ? round3(state.lastPts) : null, // the last frame's pts then
+    stream_s: shownPts(), // the pts of the picture on the screen then
   });
 }
 
+// After the stream's end the last pictures still reach the screen (the jitter buffer, or up to a second of the MSE
+// player's: pump): the recording stops once the screen has shown no new picture for RECORD_QUIET_FRAMES frame times
+// and the MSE player holds nothing more to play (or after RECORD_DRAIN_MAX_MS).
+const RECORD_QUIET_FRAMES = 2;
+const RECORD_DRAIN_MAX_MS = 3000;
+
 function recordEnd() {
-  if (rec && !rec.armed) setTimeout(() => { if (rec && !rec.armed) recordStop(); }, RECORD_TAIL_MS);
+  if (!rec || rec.armed) return;
+  const r = rec; const video = $("video"); const ended = performance.now();
+  const quietMs = (RECORD_QUIET_FRAMES * 1000) / fpsOf(r.config);
+  const check = () => {
+    if (rec !== r) return;
+    const now = performance.now(); const b = video.buffered;
+    const last = r.shown.length ? r.shown[r.shown.length - 1] : ended;
+    const played = video.srcObject instanceof MediaStream || !b.length || video.paused ||
+      video.currentTime >= b.end(b.length - 1) - 0.1;
+    if ((played && now - Math.max(last, ended) >= quietMs) || now - ended > RECORD_DRAIN_MAX_MS) recordStop();
+    else setTimeout(check, 20);
+  };
+  check();
 }
+
+function fpsOf(config) { return (config && config.target_fps) || 16; }
 
 function round3(x) { return Math.round(x * 1000) / 1000; }
 
@@ -420,8 +479,13 @@ async function recordStop() {
     file: files[0].name, input_file: files[1] ? files[1].name : null, type: files[0].type,
     started_at: r.startedAt, duration_s: durationS, stream_id: r.streamId, transport: r.transport,
     config: r.config, first_pts_s: r.firstPts === undefined ? null : r.firstPts,
-    // how late the last frame left the web process: the recording is the stream's duration plus this (a slow server)
+    // how late the last frame left the web process (a server slower than real time)
     last_frame_late_s: typeof state.lastLateMs === "number" ? round3(state.lastLateMs / 1000) : null,
+    // and how late the first picture recorded did: the recording is longer than the stream by the difference
+    first_frame_late_s: typeof r.firstLateMs === "number" ? round3(r.firstLateMs / 1000) : null,
+    // the pictures the screen showed while recording: how many, and from the first to the last one's end
+    shown_frames: r.shown.length,
+    shown_s: r.shown.length ? round3((r.shown[r.shown.length - 1] - r.shown[0]) / 1000 + 1 / fpsOf(r.config)) : null,
     prompt: r.config && r.config.prompt !== undefined ? r.config.prompt : null, prompt_switches: r.switches,
   };
   const json = new Blob([JSON.stringify(sidecar, null, 2)], { type: "application/json" });
