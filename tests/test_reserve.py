@@ -29,14 +29,14 @@ def engine(max_streams: int = 2):
 
 
 def test_held_places_count_as_admitted_streams_and_the_open_claims_its_own():
-    eng, _ = engine(max_streams=2)
+    eng, clock = engine(max_streams=2)
     first = eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     with pytest.raises(AdmissionError) as info:  # two places held, none open yet: the count cap refuses now
         eng.admitter.reserve(OpenRequest.for_hold(reserve_msg()))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     session = eng.open(OpenRequest(small_spec(timesteps=(1000.0, 500.0)), TEXT), first)  # claims its place
-    assert session.id in eng.sessions and eng.streams.holds(0.0 + 100.0) == 1  # the other hold still counts
+    assert session.id in eng.sessions and eng.streams.holds(clock.t) == 1  # the other hold still counts
     with pytest.raises(AdmissionError):  # one open + one held: still full
         eng.open(OpenRequest(small_spec(), TEXT))
 

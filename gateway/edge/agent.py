@@ -16,10 +16,9 @@ HAProxy's agent-check protocol: HAProxy connects, sends one line (the template's
 ``overflow``), reads one line and closes.  On ``grpc`` (the capped backend) the answer is ``up ready P% maxconn:N``
 with P the free slots in percent of the pipeline's slots and N the streams this gateway holds through the door (those
 with an ``x-forwarded-for``, from a ``--trusted-proxy`` where one is named: HAProxy counts only its own) plus its
-free slots, so the door
-may send exactly the free ones more; a full pipeline answers 1% capped at those streams (0% when it has none through
-the door), so a slot freed by one ending is the door's at once; ``drain`` while
-draining and ``down`` while the pipeline is not ready (or its coordinator cannot be reached).  On ``overflow`` (the
+free slots, so the door may send exactly the free ones more; a full pipeline answers 1% capped at those streams (0%
+when it has none through the door), so a slot freed by one ending is the door's at once; ``drain`` while draining and
+``down`` while the pipeline is not ready (or its coordinator cannot be reached).  On ``overflow`` (the
 uncapped twin a full fleet takes) it is ``up ready 100%``, ``drain`` or ``down``: there a full pipeline refuses the
 stream itself, with its retry delay.
 
