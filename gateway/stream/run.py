@@ -147,7 +147,7 @@ def open_request(cfg: EffectiveConfig, host: StreamHost) -> ipb.OpenStreamReques
     )
 
 
-def reserve(cfg: EffectiveConfig, host: StreamHost, text_shape: tuple[int, ...], parent_span=None) -> str:
+def reserve(cfg: EffectiveConfig, host: StreamHost, text_shape: tuple[int, ...]) -> str:
     """Admission before the prompt is encoded (the coordinator's Reserve): its hold, which the open claims; raises
     the refusal's ``grpc.RpcError`` (a full pipeline: RESOURCE_EXHAUSTED with its retry delay) at once.  A coordinator
     without Reserve (UNIMPLEMENTED): "" (the open decides, after the encode, as before)."""
