@@ -215,6 +215,9 @@ class TextEncoder:
         self._queue: list[_Pending] = []  # prompts waiting for the next batched forward
         self._pending: dict[str, _Pending] = {}  # queued or being encoded, by cleaned prompt
         self._forward_lock = threading.Lock()  # held by the one caller running a batched forward
+        # A fast tokenizer is not safe across threads: each call sets its padding and truncation on the one Rust
+        # tokenizer it wraps, so a count (no padding) racing a batch (padded to max_len) yields ragged batches.
+        self._tokenizer_lock = threading.Lock()
         self.batches: list[int] = []  # the size of every batched forward so far (tests, benchmarks)
         self._graphed: _GraphedForward | None = None
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
@@ -250,7 +253,11 @@ class TextEncoder:
 
     def count_tokens(self, prompt: str) -> int:
         """Tokens the prompt takes after cleaning, including the end-of-sequence token."""
-        ids = self.tokenizer(prompt_clean(prompt), add_special_tokens=True, truncation=False, verbose=False)
+        return self._count_cleaned(prompt_clean(prompt))
+
+    def _count_cleaned(self, cleaned: str) -> int:
+        with self._tokenizer_lock:
+            ids = self.tokenizer(cleaned, add_special_tokens=True, truncation=False, verbose=False)
         return len(ids["input_ids"])
 
     def encode(self, prompt: str) -> torch.Tensor:
@@ -278,7 +285,7 @@ class TextEncoder:
                 return cached, True
             self._misses += 1
 
-        n_tokens = len(self.tokenizer(cleaned, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+        n_tokens = self._count_cleaned(cleaned)
         if n_tokens > self.max_len:
             # diffusers would truncate silently and the video would ignore the tail of the prompt; say so instead.
             raise ValueError(
@@ -352,15 +359,16 @@ class TextEncoder:
     def _embed_on_stream(self, cleaned: list[str]) -> torch.Tensor:
         # Mirrors diffusers WanPipeline._get_t5_prompt_embeds for already cleaned prompts (its batch is a list too).
         max_sequence_length = self.max_len
-        text_inputs = self.tokenizer(
-            cleaned,
-            padding="max_length",
-            max_length=max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
+        with self._tokenizer_lock:
+            text_inputs = self.tokenizer(
+                cleaned,
+                padding="max_length",
+                max_length=max_sequence_length,
+                truncation=True,
+                add_special_tokens=True,
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
         text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
         seq_lens = mask.gt(0).sum(dim=1).long()
 

@@ -372,3 +372,29 @@ def test_the_cache_is_bounded_in_bytes_and_evicts_the_least_recently_used(tiny_f
     tiny = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=100, cache_bytes=one - 1)  # smaller than one
     first = tiny.encode("a")
     assert tiny.encode("a") is not first and tiny.cache_bytes == 0 and tiny.stats.size == 0
+
+
+def test_counting_and_batched_misses_from_many_threads_never_race_on_the_tokenizer(tiny_folder):
+    # A fast tokenizer keeps its padding and truncation on the one Rust tokenizer it wraps: a count (no padding) from
+    # one gRPC thread racing a padded batch from another gave ragged batches ("Unable to create tensor").  Every miss
+    # here counts and then joins a batch, so without the tokenizer's lock this fails within a few hundred calls.
+    import threading
+
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for k in range(150):
+                enc.encode(f"prompt {i} {k} x")
+                enc.count_tokens(f"a count {i} {k}")
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sum(enc.batches) == 8 * 150  # every miss was embedded once
