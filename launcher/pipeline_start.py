@@ -89,6 +89,7 @@ def start_stages(
         sp=args.sp,
         cfg_parallel=args.cfg_parallel,
         coordinator_args=coordinator_args,
+        stage_extra_args=["--dit-levers", args.dit_levers] if args.dit_levers else [],
         wait=False,  # the gateway (started next) loads its models while the stages load theirs
     )
 

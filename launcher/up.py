@@ -30,7 +30,7 @@ from stagecast.service import announce_ready, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
 COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
-STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "loras")
+STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "dit_levers", "loras")
 
 
 def add_parser(sub) -> None:
@@ -150,6 +150,15 @@ def _check_flags(args: argparse.Namespace) -> str | None:
     """The flags ``up`` itself checks before anything starts (one line naming the flag), or None."""
     if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
         return f"error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}"
+    if args.dit_levers:
+        from stage_service.dit_levers import parse_levers
+
+        try:
+            levers = parse_levers(args.dit_levers)  # a bad name fails here, not in every stage after the weights load
+        except ValueError as exc:
+            return f"error: {exc}"
+        if "fp8" in levers and args.fp8:
+            return "error: --dit-levers fp8 and --fp8 both turn the block linears to float8: choose one"
     if args.fp8:
         from stagecast.fp8 import Fp8Unavailable, check_fp8
 

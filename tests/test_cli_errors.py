@@ -61,3 +61,50 @@ def test_coordinator_with_a_negative_vae_cost_exits_naming_the_flag():
     proc = run_cli("coordinator", "--stages", "1", "--port", "0", "--insecure-internal", "--vae-ms-per-chunk", "-3")
     assert proc.returncode != 0 and "--vae-ms-per-chunk: must be in [0, 100000)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dit-levers", "fused,warp"], "--dit-levers: unknown lever(s) warp"),
+        (["--dit-levers", "fp8", "--fp8"], "--dit-levers fp8 and --fp8 both turn the block linears to float8"),
+    ],
+)
+def test_up_with_bad_dit_levers_exits_2_naming_the_flag_before_anything_starts(checkpoint, flags, message):
+    proc = run_cli("up", "--checkpoint", str(checkpoint), "--port", "0", "--gateway-port", "-1", *flags)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "READY" not in proc.stdout  # nothing was started
+
+
+def test_up_passes_dit_levers_to_every_stage(checkpoint, monkeypatch):
+    import argparse
+
+    import launcher.local_cluster as local_cluster
+    from launcher import pipeline_start
+
+    seen = {}
+    monkeypatch.setattr(local_cluster, "start_pipeline", lambda launcher, **kw: seen.update(kw) or "pipe")
+    args = argparse.Namespace(
+        pace_grid=False,
+        stage_ms=None,
+        slo_learn=False,
+        checkpoint=str(checkpoint),
+        stages=1,
+        device="cpu",
+        dtype="float32",
+        max_batch=4,
+        host="127.0.0.1",
+        cuda_graphs=False,
+        fp8=False,
+        loras=[],
+        sp=1,
+        cfg_parallel=1,
+        dit_levers="fused",
+    )
+    plan = argparse.Namespace(partition=None)
+    assert pipeline_start.start_stages(None, args, plan, port=0, metrics_port=0, health_port=-1) == "pipe"
+    assert seen["stage_extra_args"] == ["--dit-levers", "fused"]
+    args.dit_levers = ""
+    pipeline_start.start_stages(None, args, plan, port=0, metrics_port=0, health_port=-1)
+    assert seen["stage_extra_args"] == []  # the exact default path: no lever flag at all
