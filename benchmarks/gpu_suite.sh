@@ -103,6 +103,8 @@ need_torchao() {  # --fp8 needs torchao: the carried wheel, installed once besid
   export PYTHONPATH="/tmp/site-fp8${PYTHONPATH:+:$PYTHONPATH}"
 }
 mkdir -p "$out"
+# The SDK is its own distribution (clients/python); a checkout that has not installed it reads it from there.
+python -c "import stagecast_client" 2>/dev/null || export PYTHONPATH="$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 harness=(python -m benchmarks.harness --cuda-graphs --vae-compile)
 
 for part in "$@"; do
