@@ -26,8 +26,11 @@ from the same prompt encoded alone in the last bits (the stages and the referenc
 pipeline's exactness is untouched).
 
 ``graph=`` (a ``stagecast.cuda_graphs`` capture; the gateway passes ``cuda_graph_capture`` on a GPU) runs the forward
-as one captured graph on static token buffers: the input is always ``max_len`` tokens, so one graph serves every
-prompt.  UMT5-XXL is hundreds of small kernels, each launched from Python: in a gateway whose decode and encode
+as captured graphs on static token buffers: the input is always ``max_len`` tokens, so one graph per batch size
+serves every prompt.  Sizes 1, 2, 4, ... up to ``batch_max`` are captured (one memory pool); a batch of n runs the
+smallest graph of at least n rows, its spare rows empty (an all-zero mask) and dropped.  A burst's batch ran
+eagerly before: 7 prompts took about 275 ms on an H200, where one prompt's graph takes about 40 ms (2026-12-03).
+UMT5-XXL is hundreds of small kernels, each launched from Python: in a gateway whose decode and encode
 threads hold the GIL, every launch can wait a switch interval (5 ms), the suspected cause of prompt updates that took
 seconds on a busy gateway (BENCHMARKS.md).  A replay is one launch.  The graph is checked against the eager forward
 once when it is built; a capture that fails or differs leaves the encoder eager (a warning says why).
@@ -219,10 +222,10 @@ class TextEncoder:
         # tokenizer it wraps, so a count (no padding) racing a batch (padded to max_len) yields ragged batches.
         self._tokenizer_lock = threading.Lock()
         self.batches: list[int] = []  # the size of every batched forward so far (tests, benchmarks)
-        self._graphed: _GraphedForward | None = None
+        self._graphed: _GraphedBatches | None = None
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         if graph is not None:
-            self._graphed = _GraphedForward.build(self.model, self.max_len, self.device, graph)
+            self._graphed = _GraphedBatches.build(self.model, self.max_len, self.device, graph, self.batch_max)
         self._hits = 0
         self._misses = 0
         if self.device.type == "cuda" and self.batch_max > 1:
@@ -372,27 +375,36 @@ class TextEncoder:
         text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
         seq_lens = mask.gt(0).sum(dim=1).long()
 
-        if self._graphed is not None and len(cleaned) == 1:  # the graph is of one prompt's static buffers
+        if self._graphed is not None:  # the graph of the smallest captured batch that holds these prompts
             prompt_embeds = self._graphed(text_input_ids, mask)
         else:
             prompt_embeds = self.model(text_input_ids.to(self.device), mask.to(self.device)).last_hidden_state
         prompt_embeds = prompt_embeds.to(dtype=self.dtype, device=self.device)
         # The encoder still writes values at padded positions; the Wan DiT expects exact zeros there.
-        prompt_embeds = [u[:v] for u, v in zip(prompt_embeds, seq_lens)]
-        prompt_embeds = torch.stack(
-            [torch.cat([u, u.new_zeros(max_sequence_length - u.size(0), u.size(1))]) for u in prompt_embeds], dim=0
+        rows = [u[:v] for u, v in zip(prompt_embeds, seq_lens)]
+        return torch.stack(
+            [torch.cat([u, u.new_zeros(max_sequence_length - u.size(0), u.size(1))]) for u in rows], dim=0
         )
-        return prompt_embeds
+
+
+def graph_sizes(batch_max: int) -> list[int]:
+    """The batch sizes the encoder captures: 1, 2, 4, ... below ``batch_max``, and ``batch_max``."""
+    sizes, b = [], 1
+    while b < batch_max:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, batch_max]
 
 
 class _GraphedForward:
-    """The encoder's forward on static ``(1, max_len)`` token and mask buffers, captured once; calls are serialized
-    (one set of buffers)."""
+    """The encoder's forward on static ``(batch, max_len)`` token and mask buffers, captured once; calls are
+    serialized (one set of buffers)."""
 
-    def __init__(self, model, max_len: int, device: torch.device, capture: Capture):
+    def __init__(self, model, batch: int, max_len: int, device: torch.device, capture: Capture):
         self.model = model
-        self.ids = torch.zeros(1, max_len, dtype=torch.long, device=device)
-        self.mask = torch.zeros(1, max_len, dtype=torch.long, device=device)
+        self.batch = batch
+        self.ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.out: torch.Tensor | None = None
         self.lock = threading.Lock()
         self.replay = capture(self._forward)
@@ -405,33 +417,67 @@ class _GraphedForward:
         else:
             self.out.copy_(out)
 
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The first ``len(ids)`` rows' embeddings (a copy); the buffers' other rows are emptied first."""
+        n = ids.shape[0]
+        with self.lock:
+            self.ids[:n].copy_(ids)
+            self.mask[:n].copy_(mask)
+            if n < self.batch:
+                self.ids[n:].zero_()
+                self.mask[n:].zero_()
+            self.replay()
+            assert self.out is not None
+            return self.out[:n].clone()
+
+
+class _GraphedBatches:
+    """One ``_GraphedForward`` per size of ``graph_sizes``; a batch runs on the smallest that holds it."""
+
+    def __init__(self, graphs: dict[int, _GraphedForward]):
+        self.graphs = dict(sorted(graphs.items()))
+
     @classmethod
-    def build(cls, model, max_len: int, device: torch.device, capture: Capture) -> _GraphedForward | None:
-        """The graphed forward, checked bit for bit against the eager one on a probe; None (eager) when it cannot be
-        captured or differs."""
-        ids = torch.zeros(1, max_len, dtype=torch.long)
-        mask = torch.zeros(1, max_len, dtype=torch.long)
-        ids[0, :3] = torch.tensor([5, 7, 1])  # a few tokens and the padding the tokenizer adds
-        mask[0, :3] = 1
+    def build(
+        cls, model, max_len: int, device: torch.device, capture: Capture, batch_max: int = 1
+    ) -> _GraphedBatches | None:
+        """The graphed forwards, each checked bit for bit against the eager forward at its own size on a probe; None
+        (eager) when one cannot be captured or differs."""
+        graphs: dict[int, _GraphedForward] = {}
         try:
-            graphed = cls(model, max_len, device, capture)
-            with torch.no_grad():
-                eager = model(ids.to(device), mask.to(device)).last_hidden_state
-            got = graphed(ids, mask)
+            for b in graph_sizes(batch_max):
+                ids = torch.zeros(b, max_len, dtype=torch.long)
+                mask = torch.zeros(b, max_len, dtype=torch.long)
+                ids[0, :3] = torch.tensor([5, 7, 1])  # a few tokens and the padding the tokenizer adds
+                mask[0, :3] = 1
+                if b > 1:  # a second prompt of another length; the rest are empty rows, as a short batch pads
+                    ids[1, :5] = torch.tensor([9, 4, 6, 8, 1])
+                    mask[1, :5] = 1
+                graphed = graphs[b] = _GraphedForward(model, b, max_len, device, capture)
+                with torch.no_grad():
+                    eager = model(ids.to(device), mask.to(device)).last_hidden_state
+                got = graphed(ids, mask)
+                if not torch.equal(got, eager):
+                    diff = (got.float() - eager.float()).abs().max().item()
+                    logger.warning(
+                        "text encoder: the graphed forward of %d prompts differs from the eager one (max %.3g); eager",
+                        b,
+                        diff,
+                    )
+                    return None
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the encoder eager
             logger.warning("text encoder: the forward could not be captured as a graph (%s); it runs eagerly", exc)
             return None
-        if not torch.equal(got, eager):
-            diff = (got.float() - eager.float()).abs().max().item()
-            logger.warning("text encoder: the graphed forward differs from the eager one (max %.3g); eager", diff)
-            return None
-        logger.info("text encoder: the forward runs as one captured graph (%d tokens)", max_len)
-        return graphed
+        logger.info(
+            "text encoder: the forward runs as captured graphs (%d tokens, batches of %s prompts)",
+            max_len,
+            ", ".join(map(str, graphs)),
+        )
+        return cls(graphs)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        with self.lock:
-            self.ids.copy_(ids)
-            self.mask.copy_(mask)
-            self.replay()
-            assert self.out is not None
-            return self.out.clone()
+        n = ids.shape[0]
+        graph = next((g for b, g in self.graphs.items() if b >= n), None)
+        if graph is None:  # never more than batch_max prompts reach a forward
+            raise ValueError(f"{n} prompts in one forward; the graphs hold {max(self.graphs)} at most")
+        return graph(ids, mask)

@@ -267,7 +267,7 @@ def test_the_graphed_forward_equals_the_eager_one_and_serves_concurrent_callers(
     eager = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
     with caplog.at_level("INFO", logger="gateway.text_encoder"):
         graphed = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, graph=rerun_capture)
-    assert graphed._graphed is not None and "one captured graph" in caplog.text
+    assert graphed._graphed is not None and "captured graphs" in caplog.text
     for prompt in PROMPTS:
         assert torch.equal(graphed.encode(prompt), eager.encode(prompt))
     want = {p: eager.encode(p) for p in PROMPTS}
@@ -398,3 +398,33 @@ def test_counting_and_batched_misses_from_many_threads_never_race_on_the_tokeniz
         t.join()
     assert errors == []
     assert sum(enc.batches) == 8 * 150  # every miss was embedded once
+
+
+def test_a_burst_on_the_graphed_encoder_runs_the_smallest_graph_that_holds_it_equal_to_one_by_one(tiny_folder):
+    # 3 prompts run the graph of 4 (spare row empty and dropped), 5 the graph of batch_max 5: sizes 1, 2, 4 and 5.
+    from gateway.text_encoder import graph_sizes
+    from stagecast.cuda_graphs import rerun_capture
+
+    assert graph_sizes(1) == [1] and graph_sizes(5) == [1, 2, 4, 5] and graph_sizes(16) == [1, 2, 4, 8, 16]
+    alone = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0)
+    prompts = [*PROMPTS, "a fifth prompt"]
+    want = {p: alone.encode(p) for p in prompts}
+    enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, batch_max=5, graph=rerun_capture)
+    assert enc._graphed is not None and list(enc._graphed.graphs) == [1, 2, 4, 5]
+    replays: list[int] = []
+
+    def counted(replay, size: int):
+        def run() -> None:
+            replays.append(size)
+            replay()
+
+        return run
+
+    for b, g in enc._graphed.graphs.items():
+        g.replay = counted(g.replay, b)
+    for burst in (prompts[:3], prompts):
+        replays.clear()
+        got = _queue_while_held(enc, burst)
+        assert replays == [4 if len(burst) == 3 else 5]  # one replay, of the smallest graph that holds the burst
+        for p in burst:
+            assert got[p][0].shape == (1, MAX_LEN, D_MODEL) and torch.equal(got[p][0], want[p])
