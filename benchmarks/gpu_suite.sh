@@ -244,10 +244,10 @@ for part in "$@"; do
       # Capacity rows only (harness --capacity): each part skips the first stream, TTFF, the interactive stream and
       # the peers; the JSON is written as each decoder's row finishes (<json>.partial) and, when `timeout` cuts
       # the run, as a result marked partial.
-      # SLO_VAE_MS=N prices every stream's decode at N ms per chunk (--slo-vae-ms; a what-if: the coordinator here
-      # prices every stream at the gateway's measured full-VAE cost, whatever decoder it runs on).
+      # SLO_VAE_MS=N (the full VAE) or KIND=MS[,KIND=MS] prices each stream's decode at that many ms per chunk
+      # (--slo-vae-ms; a what-if over the gateway's measurements; JSON names end _vae<value>ms, '=' and ',' as '-').
       cap=(--capacity --capacity-seconds 20 --first-seconds 0 --ttff-runs 0 --interactive-updates 0 --no-peers)
-      sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); sfx="_vae${SLO_VAE_MS}ms"; }
+      sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); v="${SLO_VAE_MS//=/-}"; sfx="_vae${v//,/-}ms"; }
       [ -n "${PACE_GRID:-}" ] && { cap+=(--pace-grid); sfx="${sfx}_grid"; }
       [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
       [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//,/-}"; }

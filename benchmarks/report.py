@@ -67,9 +67,12 @@ def config_name(r: dict) -> str:
         name += ", no warm-up stream"
     if a.get("load_min_steps") and a.get("load"):  # SLO-adaptive load rows: paced, steps chosen online
         seeds = r.get("system", {}).get("slo_model") or {}
-        vae = seeds.get("vae_chunk_ms", a.get("slo_vae_ms", 0))
+        fixed = a.get("slo_vae_ms") or 0
+        vae = seeds.get("vae_chunk_ms", fixed if not isinstance(fixed, dict) else fixed.get("full", 0))
         origin = " measured" if seeds.get("vae_source") == "gateway" else ""
         name += f", SLO load rows (steps {a['load_min_steps']}–{a['steps']}, VAE {vae:.3g} ms/chunk{origin})"
+    if isinstance(a.get("slo_vae_ms"), dict):  # a what-if: the decode priced at fixed ms, not as the gateway measured
+        name += ", decode priced at " + ",".join(f"{k}={v:g}" for k, v in a["slo_vae_ms"].items()) + " ms (what-if)"
     if a.get("balance"):  # --partition auto: the planner's answer from a measured profile
         b = a["balance"]
         name += f", balanced {b['partition']} / VAE split {','.join(map(str, b['vae_split'])) or '-'}"

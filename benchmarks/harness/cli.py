@@ -127,7 +127,7 @@ from benchmarks.harness.system import (
     vae_devices_of,
     write_assets,
 )
-from coordinator.options import CoordinatorOptions
+from coordinator.options import CoordinatorOptions, parse_vae_ms
 from gateway.options import GatewayOptions
 from stage_service.options import StageOptions
 from stagecast.api import DEFAULT_FPS
@@ -369,9 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--slo-vae-ms",
-        type=float,
-        default=0.0,
-        help="the coordinator's --vae-ms-per-chunk: the VAE's ms per chunk on each GPU, in the SLO controller's model",
+        type=parse_vae_ms,
+        default=None,
+        help="the coordinator's --vae-ms-per-chunk, a what-if: a number (the full VAE's ms per chunk on each GPU) or "
+        "KIND=MS[,KIND=MS] per decoder kind, fixed in the SLO controller's model over the gateway's measurements",
     )
     ap.add_argument("--load-seconds", type=float, default=20.0, help="video per stream in a load row")
     ap.add_argument(

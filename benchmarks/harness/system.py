@@ -227,7 +227,7 @@ ONE_PIPELINE = {
     "balance_profile": None,
     "sp": 1,
     "cfg_parallel": 1,
-    "slo_vae_ms": 0.0,
+    "slo_vae_ms": None,
     "slo_stage_ms": None,
     "capacity": False,
     "capacity_max": 0,
@@ -348,13 +348,21 @@ def most_streams(args) -> int:
     return max(max(args.load or [1]), capacity, getattr(args, "burst", 0))
 
 
+def vae_what_if(value) -> dict[str, float] | None:
+    """``--slo-vae-ms`` as the coordinator's ``--vae-ms-per-chunk`` (None: the gateway's measurements): a KIND=MS
+    dict, or a number (older result files: the full VAE's ms; 0 there meant none)."""
+    if isinstance(value, dict):
+        return value or None
+    return {"full": float(value)} if value else None
+
+
 def coordinator_args(args) -> list[str]:
     """The SLO model's fixed parts: ``--slo-vae-ms`` (the VAE's ms per chunk), ``--slo-stage-ms`` (the stages' ms,
     kept fixed: the coordinator's ``--stage-ms ... --slo-fixed``)."""
     stage_ms = getattr(args, "slo_stage_ms", None)
     options = CoordinatorOptions(
         stages=args.stages,
-        vae_ms_per_chunk={"full": float(args.slo_vae_ms)} if args.slo_vae_ms else None,
+        vae_ms_per_chunk=vae_what_if(args.slo_vae_ms),
         stage_ms=parse_stage_ms(stage_ms) if stage_ms else None,
         slo_learn=not stage_ms,
         pace_grid=getattr(args, "pace_grid", False),
