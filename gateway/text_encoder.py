@@ -25,10 +25,18 @@ a lone prompt runs at once, alone.  On a CPU a batched encode equals the one-by-
 from the same prompt encoded alone in the last bits (the stages and the reference get the same embeddings, so the
 pipeline's exactness is untouched).
 
+**Short prompts run short.**  Every prompt is padded to ``max_len`` tokens, as diffusers pads it, but the encoder
+runs on the first L of them only: L the smallest of 64, 128, 256, ... ``max_len`` that holds the batch's longest
+prompt (``run_lengths``).  The padding is masked out of every attention, so the rows of the real tokens are the same
+function of them either way, and the rows past them are zeros in the output whatever was run; only the summation
+order inside a kernel may change with L, so on a GPU an embedding may differ in the last bits from a full-length
+encode, as a batched one may (on the CPU they were equal in every case tested).  A 30-token prompt then costs an
+eighth of a 512-token forward: a burst of 7 took about 255 ms at full length on an H200 (2026-12-03).
+
 ``graph=`` (a ``stagecast.cuda_graphs`` capture; the gateway passes ``cuda_graph_capture`` on a GPU) runs the forward
-as captured graphs on static token buffers: the input is always ``max_len`` tokens, so one graph per batch size
-serves every prompt.  Sizes 1, 2, 4, ... up to ``batch_max`` are captured (one memory pool); a batch of n runs the
-smallest graph of at least n rows, its spare rows empty (an all-zero mask) and dropped.  A burst's batch ran
+as captured graphs on static token buffers, one per batch size and run length: sizes 1, 2, 4, ... up to
+``batch_max`` at each length of ``run_lengths`` (one memory pool); a batch of n runs the smallest graph of at least
+n rows at its length, its spare rows empty (an all-zero mask) and dropped.  A burst's batch ran
 eagerly before: 7 prompts took about 275 ms on an H200, where one prompt's graph takes about 40 ms (2026-12-03).
 UMT5-XXL is hundreds of small kernels, each launched from Python: in a gateway whose decode and encode
 threads hold the GIL, every launch can wait a switch interval (5 ms), the suspected cause of prompt updates that took
@@ -73,6 +81,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_LEN = 512  # WanPipeline.__call__'s max_sequence_length; the Wan DiT was trained with 512 text tokens.
 DEFAULT_CACHE_BYTES = 1 << 30  # 256 prompts of UMT5-XXL embeddings (4 MiB each)
 DEFAULT_BATCH_MAX = 16  # prompts in one batched forward at most
+MIN_RUN_LEN = 64  # the shortest token length a forward runs at (see "Short prompts run short")
 
 # A text_encoder/config.json with this key set true and no weights: the encoder is built with random weights on the
 # device (``launcher.demo_checkpoint.write_random_text_encoder``; benchmarks of the real-size UMT5-XXL).
@@ -156,6 +165,7 @@ class TextEncoder:
         cache_size: how many prompts to keep; 0 disables caching.
         cache_bytes: how many bytes of embeddings to keep at most (the least recently used go first).
         batch_max: prompts one batched forward takes at most (see the module docstring).
+        min_run_len: the shortest token length a forward runs at (``run_lengths``; ``max_len``: always full length).
         device: where the model runs.  The embeddings are returned on the CPU (they travel to the coordinator as
             bytes).  On a GPU the forward and that copy run on a high-priority CUDA stream of the encoder's own, so an
             encode waits for the encoder alone: on the default stream it queued behind every VAE decode the gateway's
@@ -172,6 +182,7 @@ class TextEncoder:
         cache_size: int = 128,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         batch_max: int = DEFAULT_BATCH_MAX,
+        min_run_len: int = MIN_RUN_LEN,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         graph: Capture | None = None,
@@ -186,6 +197,8 @@ class TextEncoder:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
+        if min_run_len < 1:
+            raise ValueError(f"min_run_len must be >= 1, got {min_run_len}")
         folder = Path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"text encoder folder not found: {folder}")
@@ -194,6 +207,7 @@ class TextEncoder:
         self.cache_size = int(cache_size)
         self.cache_bytes_max = int(cache_bytes)
         self.batch_max = int(batch_max)
+        self.run_lengths = run_lengths(self.max_len, int(min_run_len))
         self.tokenizer = AutoTokenizer.from_pretrained(_resolve(folder, "tokenizer"))
         model_folder = _resolve(folder, "text_encoder")
         config_file = model_folder / "config.json"
@@ -225,7 +239,7 @@ class TextEncoder:
         self._graphed: _GraphedBatches | None = None
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         if graph is not None:
-            self._graphed = _GraphedBatches.build(self.model, self.max_len, self.device, graph, self.batch_max)
+            self._graphed = _GraphedBatches.build(self.model, self.run_lengths, self.device, graph, self.batch_max)
         self._hits = 0
         self._misses = 0
         if self.device.type == "cuda" and self.batch_max > 1:
@@ -374,6 +388,9 @@ class TextEncoder:
             )
         text_input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
         seq_lens = mask.gt(0).sum(dim=1).long()
+        # Run on the first L tokens only (the padding is on the right, masked out of every attention).
+        run_len = next(n for n in self.run_lengths if n >= int(seq_lens.max()))
+        text_input_ids, mask = text_input_ids[:, :run_len].contiguous(), mask[:, :run_len].contiguous()
 
         if self._graphed is not None:  # the graph of the smallest captured batch that holds these prompts
             prompt_embeds = self._graphed(text_input_ids, mask)
@@ -387,6 +404,15 @@ class TextEncoder:
         )
 
 
+def run_lengths(max_len: int, min_run_len: int = MIN_RUN_LEN) -> list[int]:
+    """The token lengths a forward runs at: ``min_run_len``, twice that, ... below ``max_len``, and ``max_len``."""
+    lengths, n = [], min_run_len
+    while n < max_len:
+        lengths.append(n)
+        n *= 2
+    return [*lengths, max_len]
+
+
 def graph_sizes(batch_max: int) -> list[int]:
     """The batch sizes the encoder captures: 1, 2, 4, ... below ``batch_max``, and ``batch_max``."""
     sizes, b = [], 1
@@ -397,14 +423,14 @@ def graph_sizes(batch_max: int) -> list[int]:
 
 
 class _GraphedForward:
-    """The encoder's forward on static ``(batch, max_len)`` token and mask buffers, captured once; calls are
+    """The encoder's forward on static ``(batch, length)`` token and mask buffers, captured once; calls are
     serialized (one set of buffers)."""
 
-    def __init__(self, model, batch: int, max_len: int, device: torch.device, capture: Capture):
+    def __init__(self, model, batch: int, length: int, device: torch.device, capture: Capture):
         self.model = model
         self.batch = batch
-        self.ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        self.mask = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+        self.mask = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.out: torch.Tensor | None = None
         self.lock = threading.Lock()
         self.replay = capture(self._forward)
@@ -432,52 +458,56 @@ class _GraphedForward:
 
 
 class _GraphedBatches:
-    """One ``_GraphedForward`` per size of ``graph_sizes``; a batch runs on the smallest that holds it."""
+    """One ``_GraphedForward`` per batch size of ``graph_sizes`` and run length; a batch runs on the smallest that
+    holds it, at its length."""
 
-    def __init__(self, graphs: dict[int, _GraphedForward]):
+    def __init__(self, graphs: dict[tuple[int, int], _GraphedForward]):
         self.graphs = dict(sorted(graphs.items()))
 
     @classmethod
     def build(
-        cls, model, max_len: int, device: torch.device, capture: Capture, batch_max: int = 1
+        cls, model, lengths: list[int], device: torch.device, capture: Capture, batch_max: int = 1
     ) -> _GraphedBatches | None:
-        """The graphed forwards, each checked bit for bit against the eager forward at its own size on a probe; None
+        """The graphed forwards, each checked bit for bit against the eager forward at its own shape on a probe; None
         (eager) when one cannot be captured or differs."""
-        graphs: dict[int, _GraphedForward] = {}
+        graphs: dict[tuple[int, int], _GraphedForward] = {}
         try:
-            for b in graph_sizes(batch_max):
-                ids = torch.zeros(b, max_len, dtype=torch.long)
-                mask = torch.zeros(b, max_len, dtype=torch.long)
-                ids[0, :3] = torch.tensor([5, 7, 1])  # a few tokens and the padding the tokenizer adds
-                mask[0, :3] = 1
-                if b > 1:  # a second prompt of another length; the rest are empty rows, as a short batch pads
-                    ids[1, :5] = torch.tensor([9, 4, 6, 8, 1])
-                    mask[1, :5] = 1
-                graphed = graphs[b] = _GraphedForward(model, b, max_len, device, capture)
-                with torch.no_grad():
-                    eager = model(ids.to(device), mask.to(device)).last_hidden_state
-                got = graphed(ids, mask)
-                if not torch.equal(got, eager):
-                    diff = (got.float() - eager.float()).abs().max().item()
-                    logger.warning(
-                        "text encoder: the graphed forward of %d prompts differs from the eager one (max %.3g); eager",
-                        b,
-                        diff,
-                    )
-                    return None
+            for length in lengths:
+                for b in graph_sizes(batch_max):
+                    ids = torch.zeros(b, length, dtype=torch.long)
+                    mask = torch.zeros(b, length, dtype=torch.long)
+                    ids[0, :3] = torch.tensor([5, 7, 1])  # a few tokens and the padding the tokenizer adds
+                    mask[0, :3] = 1
+                    if b > 1:  # a second prompt of another length; the rest are empty rows, as a short batch pads
+                        ids[1, : min(5, length)] = torch.tensor([9, 4, 6, 8, 1])[: min(5, length)]
+                        mask[1, : min(5, length)] = 1
+                    graphed = graphs[(b, length)] = _GraphedForward(model, b, length, device, capture)
+                    with torch.no_grad():
+                        eager = model(ids.to(device), mask.to(device)).last_hidden_state
+                    got = graphed(ids, mask)
+                    if not torch.equal(got, eager):
+                        diff = (got.float() - eager.float()).abs().max().item()
+                        logger.warning(
+                            "text encoder: the graphed forward of %d prompts at %d tokens differs from the eager one "
+                            "(max %.3g); eager",
+                            b,
+                            length,
+                            diff,
+                        )
+                        return None
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the encoder eager
             logger.warning("text encoder: the forward could not be captured as a graph (%s); it runs eagerly", exc)
             return None
         logger.info(
-            "text encoder: the forward runs as captured graphs (%d tokens, batches of %s prompts)",
-            max_len,
-            ", ".join(map(str, graphs)),
+            "text encoder: the forward runs as captured graphs (batches of %s prompts at %s tokens)",
+            ", ".join(map(str, graph_sizes(batch_max))),
+            ", ".join(map(str, lengths)),
         )
         return cls(graphs)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        n = ids.shape[0]
-        graph = next((g for b, g in self.graphs.items() if b >= n), None)
-        if graph is None:  # never more than batch_max prompts reach a forward
-            raise ValueError(f"{n} prompts in one forward; the graphs hold {max(self.graphs)} at most")
+        n, length = ids.shape
+        graph = next((g for (b, L), g in self.graphs.items() if b >= n and L == length), None)
+        if graph is None:  # never more than batch_max prompts, nor a length not in run_lengths, reach a forward
+            raise ValueError(f"{n} prompts of {length} tokens in one forward: no graph holds them")
         return graph(ids, mask)

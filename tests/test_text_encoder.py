@@ -410,7 +410,7 @@ def test_a_burst_on_the_graphed_encoder_runs_the_smallest_graph_that_holds_it_eq
     prompts = [*PROMPTS, "a fifth prompt"]
     want = {p: alone.encode(p) for p in prompts}
     enc = TextEncoder(tiny_folder, max_len=MAX_LEN, cache_size=0, batch_max=5, graph=rerun_capture)
-    assert enc._graphed is not None and list(enc._graphed.graphs) == [1, 2, 4, 5]
+    assert enc._graphed is not None and list(enc._graphed.graphs) == [(b, MAX_LEN) for b in (1, 2, 4, 5)]
     replays: list[int] = []
 
     def counted(replay, size: int):
@@ -420,7 +420,7 @@ def test_a_burst_on_the_graphed_encoder_runs_the_smallest_graph_that_holds_it_eq
 
         return run
 
-    for b, g in enc._graphed.graphs.items():
+    for (b, _), g in enc._graphed.graphs.items():
         g.replay = counted(g.replay, b)
     for burst in (prompts[:3], prompts):
         replays.clear()
@@ -428,3 +428,25 @@ def test_a_burst_on_the_graphed_encoder_runs_the_smallest_graph_that_holds_it_eq
         assert replays == [4 if len(burst) == 3 else 5]  # one replay, of the smallest graph that holds the burst
         for p in burst:
             assert got[p][0].shape == (1, MAX_LEN, D_MODEL) and torch.equal(got[p][0], want[p])
+
+
+def test_short_prompts_run_at_the_shortest_length_that_holds_them_and_equal_a_full_length_encode(tiny_folder):
+    from gateway.text_encoder import run_lengths
+    from stagecast.cuda_graphs import rerun_capture
+
+    assert run_lengths(512) == [64, 128, 256, 512] and run_lengths(16) == [16] and run_lengths(100, 32) == [32, 64, 100]
+    full = TextEncoder(tiny_folder, max_len=64, cache_size=0, min_run_len=64)
+    short = TextEncoder(tiny_folder, max_len=64, cache_size=0, min_run_len=16, graph=rerun_capture)
+    assert short.run_lengths == [16, 32, 64] and short._graphed is not None
+    ran: list[tuple[int, ...]] = []
+    short.model.register_forward_pre_hook(lambda _m, args: ran.append(tuple(args[0].shape)))
+    long_prompt = "a cat and a dog on the moon in slow motion at the beach with fish and chips"  # past 16 tokens
+    for prompt in [*PROMPTS, long_prompt]:
+        ran.clear()
+        got = short.encode(prompt)
+        n = short.count_tokens(prompt)
+        assert got.shape == (1, 64, D_MODEL) and torch.equal(got, full.encode(prompt))
+        assert ran == [(1, 16 if n <= 16 else 32)]  # the graph replay runs the model at the run length
+        assert not got[0, n:].any()  # the rows past the prompt are zeros, as at full length
+    with pytest.raises(ValueError, match="min_run_len must be >= 1"):
+        TextEncoder(tiny_folder, max_len=64, min_run_len=0)
