@@ -63,7 +63,8 @@ nothing until the first measured batches.  Either way a measured batch refines t
 batch size is averaged into its calibrated value, not put in its place.  Calibrated sizes not served yet are scaled by
 how much slower the served sizes ran than their calibration (``_StageFit.sharing``): on a GPU the stage shares with
 the decoder, its forwards stretch by the decode work between their kernels, and a ramp of streams forms its largest
-batches only once the set is in, after the admission that priced them.
+batches only once the set is in, after the admission that priced them.  The scale is never below 1: served sizes
+that ran faster than their calibration (one taken beside the gateway's start-up work) leave the others at theirs.
 
 **The batch.** ``--max-batch`` is a ceiling: the stages calibrate (and pre-capture the graphs of) batches of
 1..``--max-batch`` micro-steps, and the coordinator's scheduler forms batches of at most the size their calibration
@@ -242,9 +243,13 @@ class _StageFit:
     def sharing(self) -> float:
         """How much slower the stage's served batches ran than its calibration at the same sizes (the mean ratio;
         1 before any calibrated size is served): on a GPU the stage shares with the decoder, its forwards stretch by
-        the decode work that runs between their kernels, which the calibration, alone at READY, did not see."""
+        the decode work that runs between their kernels, which the calibration, alone at READY, did not see.  Never
+        below 1: served sizes that ran faster than their calibration say that calibration was slow (the gateway's
+        start-up work on the same GPU ran beside it), not that the sizes not served yet will be.  On one H200 a
+        calibration taken beside the gateway's warm-up (41.5 ms at batch 1, served at 25.7) scaled the batch of 4 to
+        ~0.6 of its 77.7 ms, and a ramp admitted 10 streams of which none held (2026-12-03)."""
         ratios = [self.by_batch[b] / c for b, c in self.calibrated.items() if b in self.by_batch and c > 0]
-        return min(MAX_SHARING, max(1 / MAX_SHARING, sum(ratios) / len(ratios))) if ratios else 1.0
+        return min(MAX_SHARING, max(1.0, sum(ratios) / len(ratios))) if ratios else 1.0
 
     def points(self) -> dict[int, float]:
         """ms per batch size: served sizes as served, calibrated sizes not served yet scaled by ``sharing``."""

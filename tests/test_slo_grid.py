@@ -180,3 +180,27 @@ def test_each_timed_batch_is_learned_at_its_own_size_and_one_run_without_its_gra
     eng.slo.observe(0, done)
     assert set(eng.slo.cost.fits[0].by_batch) == {2}  # round(5 / 3)
     assert eng.slo.cost.fits[0].by_batch[2] == pytest.approx((1 - ewma) * 47.0 + ewma * 342.0 / 3)
+
+
+def test_served_sizes_faster_than_their_calibration_never_price_the_unserved_ones_below_it():
+    # One H200 (2026-12-03, 1.3B 1 step, tiny decoder, pace grid, levers fused): the stage calibrated beside the
+    # gateway's warm-up on the same GPU (41.5 ms at batch 1), the ramp then served batches of one at 25.7 ms, and
+    # scaling the batch of 4 by that 0.62 priced it near 48 ms where it ran at 87: 10 streams were admitted and none
+    # held (15.2 FPS each; 9 fit).  Unserved sizes now keep their calibration, and the 10th is refused.
+    calibration = {1: 41.53, 2: 49.16, 3: 58.42, 4: 77.65}
+    tiny = (4.201, 4.164, 4.167, 3.126, 4.32, 3.6, 3.086, 2.7, 4.713, 4.242, 3.856, 3.535, 3.263, 3.03, 2.828, 2.651)
+    model = CostModel(stages=1, max_batch=4, aligned=True)
+    model.calibrate(0, calibration)
+    model.report_vae(VaeReport("tiny", tiny[0], tiny))
+    for _ in range(50):
+        model.observe(0, 1, 25.7)
+    assert model.stage_ms(1)[0] == pytest.approx(25.7, rel=1e-3)  # served: as served
+    assert model.stage_ms(4)[0] == pytest.approx(77.65)  # not served yet: its calibration, not 0.62 of it
+    ctl = SloController(model)
+    admitted: list[Demand] = []
+    while len(admitted) < 16:
+        newcomer = Demand(len(admitted) + 1, RATE, (1,), decoder="tiny")
+        if not ctl.admits(newcomer, admitted):
+            break
+        admitted.append(newcomer)
+    assert len(admitted) < 10
