@@ -120,6 +120,9 @@ def _capacity_config(a: dict, decoder: str) -> str:
     grid = ", pace grid" if a.get("pace_grid") else ""
     grid += f", lookahead {a['lookahead']}" if a.get("lookahead") else ""  # a fixed one (the coordinator's --lookahead)
     grid += f", levers {a['dit_levers']}" if a.get("dit_levers") else ""  # the stages' --dit-levers
+    grid += f", batch ≤ {a['batch']}" if a.get("batch", 4) != 4 else ""  # a Stream Batch ceiling other than 4
+    if isinstance(a.get("slo_vae_ms"), dict):  # a what-if: the decode priced at fixed ms, not as the gateway measured
+        grid += ", decode priced " + ",".join(f"{k}={v:g}" for k, v in a["slo_vae_ms"].items()) + " ms (what-if)"
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
 
 
