@@ -3,7 +3,7 @@ burst of paced streams from several clients, on the demo checkpoint, through the
 
 Usage::
 
-    python -m benchmarks.cpu_host                 # the measurement: a few minutes on 2 cores, keep the machine quiet
+    python -m benchmarks.cpu_host                 # the measurement: about 35 s on 2 cores; keep the machine quiet
     python -m benchmarks.cpu_host --smoke --json /tmp/cpu_host.json     # the path only: 2 unpaced, a burst of 4
 
 What it does:
