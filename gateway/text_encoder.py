@@ -242,10 +242,11 @@ class TextEncoder:
             self._graphed = _GraphedBatches.build(self.model, self.run_lengths, self.device, graph, self.batch_max)
         self._hits = 0
         self._misses = 0
-        if self.device.type == "cuda" and self.batch_max > 1:
+        if self.device.type == "cuda" and self.batch_max > 1 and self._graphed is None:
             # A burst's first batched forward made the caching allocator grow by the batch's activations and paid
             # cuBLAS's first calls at its shapes: about 0.45 s for 11 prompts on an H200, with every stream of the
-            # burst waiting (2026-12-03).  Pay it here, at start-up, at the largest batch.
+            # burst waiting (2026-12-03).  Pay it here, at start-up, at the largest batch (of the shortest run
+            # length).  Graphs need none: capturing each shape ran it, and a replay allocates nothing.
             self._embed_many(["warm-up"] * self.batch_max)
         logger.info(
             "text encoder loaded from %s: d_model=%d max_len=%d dtype=%s device=%s cache_size=%d",
