@@ -119,6 +119,7 @@ class PipelineEngine:
             vae_ms_per_chunk=opts.vae_ms_per_chunk,
             pace_grid=opts.pace_grid,
             host_share=opts.host_share,
+            gpu_sharing=opts.gpu_sharing,
         )
         self.admission = Admission(registry, self.slo.pricing, max_streams=opts.max_streams)
         self.generations = Generations(

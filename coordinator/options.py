@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from coordinator.slo import GPU_SHARING, MAX_SHARING
 from stagecast.flags import flag
 from stagecast.microstep import DEFAULT_MAX_BATCH
 from stagecast.service import health_port_flag, metrics_host_flag
@@ -90,6 +91,13 @@ class CoordinatorOptions:
         help="SLO controller: the share of its host this pipeline sizes its streams for, in (0, 1] (pipelines that "
         "share one machine's CPU or GPU split it: `stagecast up --pipelines N` on a CPU gives each 1/N)",
     )
+    gpu_sharing: float = flag(
+        GPU_SHARING,
+        type=float,
+        help="SLO controller: a stage forward beside the gateway's decoder on one GPU is priced at no less than this "
+        "many times its calibration alone (two processes time-slice the GPU; measured 1.16-1.23 on one H200), in "
+        "[1, 4]; 1 prices the calibration as measured",
+    )
     lookahead: int | None = flag(
         type=int,
         help="pacing: batches planned ahead of the last stage; default one per stage, plus one waiting at the first "
@@ -139,6 +147,8 @@ class CoordinatorOptions:
                 raise ValueError(f"--vae-ms-per-chunk: must be in [0, 100000) ms, got {ms} for {kind}")
         if not 0 < self.host_share <= 1:  # also NaN
             raise ValueError(f"--host-share must be in (0, 1], got {self.host_share}")
+        if not 1 <= self.gpu_sharing <= MAX_SHARING:  # also NaN
+            raise ValueError(f"--gpu-sharing must be in [1, {MAX_SHARING:g}], got {self.gpu_sharing}")
         if self.lookahead is not None and not 1 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"--lookahead must be in 1..{MAX_LOOKAHEAD} batches, got {self.lookahead}")
         if self.cfg_parallel > 1 and self.sp > 1:

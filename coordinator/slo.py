@@ -56,6 +56,16 @@ targets are that share of the host.  Best-effort work is never counted: it yield
 still applies on top: a CPU host whose real cost the sum misses (threads contending, the prompt encodes) is found
 from the streams that fall behind, and scales the whole model.
 
+**Two processes on one GPU.**  Where a decoder is charged to the stage GPUs (``decoder_on_gpu``: the gateway's
+decoder, or its VAE slices, time-slice them with the stage), a forward beside it runs longer than its calibration,
+taken alone at READY, and the more so the more the decoder has to do: the two CUDA contexts take turns, and each
+forward's work outside its timed kernels waits behind the decode.  Summing the costs each measured alone
+underpriced a ramp on one H200 by 16-18% (9 streams priced at 82.7% of the GPU ran at 97.5%, 16.4 FPS of 16 and
+ever later; none held), and a size served early in a ramp, while the decoder had few streams, ran faster than the
+same size later at load.  So every calibrated size is priced at no less than ``gpu_sharing`` times its
+calibration (the coordinator's ``--gpu-sharing``, default ``GPU_SHARING`` = 1.2), served or not; a size served
+slower than that is priced as served.  A CPU host has no such factor (its stages' and decoder's costs are summed).
+
 **Where the stage times start.**  In order of precedence: the operator's ``--stage-ms`` (ms for a batch of one per
 stage, ``seed_ms``; the stages' calibrations are then ignored), else each stage's calibration at READY
 (``calibrate``: its measured ms per batch size 1..max_batch with a full KV window, ``FormReply.calibration``), else
@@ -125,6 +135,11 @@ FULL = "full"  # the Wan VAE: the decoder a stream without one named runs on
 MAX_DECODE_BATCH = 256  # entries of a decoder's batch_ms (per-stream ms at 1..n streams decoding together)
 MAX_STATE_BYTES = 1 << 40
 MAX_SHARING = 4.0  # the most a calibrated size is scaled by (served / calibrated stage time, _StageFit.sharing)
+# A stage and the gateway's decoder on one GPU (``CostModel.gpu_sharing``, the coordinator's ``--gpu-sharing``): how
+# much longer a forward runs beside the decoder at load than its calibration alone.  One H200 (2026-12-03, 1.3B 1
+# step, tiny decoder, pace grid): alone-summed costs of 9 streams 82.7% of the GPU ran at 97.5%, of 10 streams 90.2%
+# at 105% (1.16-1.18); the batch of 4 served at 89.7 ms a forward where it calibrated at 73.0 (1.23).
+GPU_SHARING = 1.2
 MAX_CAPACITY_STREAMS = 1 << 20  # capacity_streams stops counting here (a model that costs next to nothing)
 # The DiT's share of a joining stream's first frame a Stream Batch may cost (``CostModel.pick_batch``): the 400 ms
 # first-frame goal at capacity, less its decode, encode and delivery.
@@ -235,6 +250,9 @@ class _StageFit:
     by_batch: dict[int, float] = field(default_factory=dict)  # batch size -> ms per batch (EWMA)
     seed_ms: float | None = None  # ms for a batch of one, the operator's (--stage-ms)
     calibrated: dict[int, float] = field(default_factory=dict)  # batch size -> ms, the stage's calibration
+    # The least a calibrated size is scaled by, served or not (``CostModel.gpu_sharing`` where a decoder shares the
+    # stage's GPU; 1 otherwise).
+    floor: float = 1.0
 
     def observe(self, batch: int, ms: float) -> None:
         old = self.by_batch.get(batch, self.points().get(batch))
@@ -252,9 +270,15 @@ class _StageFit:
         return min(MAX_SHARING, max(1.0, sum(ratios) / len(ratios))) if ratios else 1.0
 
     def points(self) -> dict[int, float]:
-        """ms per batch size: served sizes as served, calibrated sizes not served yet scaled by ``sharing``."""
-        share = self.sharing()
-        return {**{b: c * share for b, c in self.calibrated.items()}, **self.by_batch}
+        """ms per batch size: served sizes as served, calibrated sizes not served yet scaled by ``sharing``; where a
+        decoder shares the GPU (``floor`` > 1), no calibrated size below ``floor`` times its calibration, served or
+        not (a size served while the decoder had little to do ran faster than it will at load)."""
+        share = max(self.sharing(), self.floor)
+        points = {**{b: c * share for b, c in self.calibrated.items()}, **self.by_batch}
+        if self.floor > 1.0:
+            for b, c in self.calibrated.items():
+                points[b] = max(points[b], c * self.floor)
+        return points
 
     def ms(self, batch: int, growth: float) -> float | None:
         pts = self.points()
@@ -297,7 +321,10 @@ class CostModel:
         growth: float = 0.05,
         chunk_ms: float | dict[str, float | DecoderCost] | None = None,
         aligned: bool = False,
+        gpu_sharing: float = 1.0,
     ):
+        if not 1.0 <= gpu_sharing <= MAX_SHARING:  # also NaN
+            raise ValueError(f"--gpu-sharing must be in [1, {MAX_SHARING:g}], got {gpu_sharing}")
         if seed_ms is not None and len(seed_ms) != stages:
             raise ValueError(f"seed_ms has {len(seed_ms)} entries for {stages} stages")
         # Work per chunk on the busiest stage GPU besides the DiT, whatever the steps: the decode of the decoder the
@@ -331,7 +358,30 @@ class CostModel:
         self.fits = [_StageFit(seed_ms=None if seed_ms is None else seed_ms[p]) for p in range(stages)]
         # Every stage on the CPU of one host (module docstring, "A CPU host"): a micro-step costs the sum of the stages'
         # ms, and a decoder measured on the CPU counts.  Set at each Form from the stages' registrations.
-        self.shared_host = False
+        self._shared_host = False
+        # A decoder on the stage GPUs stretches the forwards beside it (module docstring, "Two processes on one GPU").
+        self.gpu_sharing = gpu_sharing
+        self._share_floor()
+
+    @property
+    def shared_host(self) -> bool:
+        return self._shared_host
+
+    @shared_host.setter
+    def shared_host(self, shared: bool) -> None:
+        self._shared_host = shared
+        self._share_floor()
+
+    @property
+    def decoder_on_gpu(self) -> bool:
+        """A decode is charged to the stage GPUs: some decoder kind costs time there (measured on a GPU, or the
+        operator's), and the stages are not one CPU host."""
+        return not self._shared_host and any(d.chunk_ms > 0 and not d.on_cpu for d in self.decoders.values())
+
+    def _share_floor(self) -> None:
+        floor = self.gpu_sharing if self.decoder_on_gpu else 1.0
+        for fit in self.fits:
+            fit.floor = floor
 
     def calibrate(self, stage: int, ms_by_batch: dict[int, float]) -> bool:
         """Seed ``stage`` with its own timing (batch size -> ms per forward) unless the operator seeded the model
@@ -379,6 +429,7 @@ class CostModel:
         )
         changed = new != self.decoders[kind]
         self.decoders[kind] = new
+        self._share_floor()
         return changed
 
     def decode_ms(self, demands: list[Demand], extra: tuple[str, float, int] | None = None) -> float:

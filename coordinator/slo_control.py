@@ -21,6 +21,7 @@ from coordinator.registry import StageRegistry
 from coordinator.scheduler import StreamBatchScheduler
 from coordinator.slo import (
     FULL,
+    GPU_SHARING,
     RAISE_UTILIZATION,
     TARGET_UTILIZATION,
     CostModel,
@@ -81,6 +82,7 @@ class SloControl:
         vae_ms_per_chunk: float | dict[str, float] | None = None,
         pace_grid: bool = False,
         host_share: float = 1.0,
+        gpu_sharing: float = GPU_SHARING,
     ):
         if not 0 < host_share <= 1:  # also NaN
             raise ValueError(f"--host-share must be in (0, 1], got {host_share}")
@@ -97,7 +99,12 @@ class SloControl:
             vae_ms_per_chunk = {kind: given.get(kind) or 0.0 for kind in DECODERS}
         # Under --pace-grid the batches a set of paced streams forms are predicted from the set (CostModel.aligned_ms).
         self.cost = CostModel(
-            registry.world_size, max_batch, seed_ms=stage_ms, chunk_ms=vae_ms_per_chunk, aligned=pace_grid
+            registry.world_size,
+            max_batch,
+            seed_ms=stage_ms,
+            chunk_ms=vae_ms_per_chunk,
+            aligned=pace_grid,
+            gpu_sharing=gpu_sharing,  # --gpu-sharing: forwards beside a decoder on their GPU
         )
         self.calibrated: set[int] = set()  # stages whose model started from their own calibration
         # The serving size the stages' calibration timed (stagecast.json's, as the gateway reads it); None: not reported

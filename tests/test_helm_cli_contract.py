@@ -163,6 +163,7 @@ SERVICE_DEFAULT = {
         "--pace-grid": "off until a GPU run shows it pays (BENCHMARKS.md); pacing tuning through extraArgs",
         "--lookahead": "the default bound fits every topology; an A/B knob for benchmarks, through extraArgs",
         "--host-share": "each pipeline of the chart has its own GPUs (1, the default); a shared host through extraArgs",
+        "--gpu-sharing": "the measured default prices a stage beside the gateway's decoder; tuning through extraArgs",
     },
     "stage": {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",

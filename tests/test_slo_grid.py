@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.scheduler import StreamBatchScheduler
-from coordinator.slo import CostModel, Demand, SloController, VaeReport
+from coordinator.slo import GPU_SHARING, CostModel, Demand, SloController, VaeReport
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from tests.engine_helpers import hand_driven_engine, small_spec
 
@@ -204,3 +204,63 @@ def test_served_sizes_faster_than_their_calibration_never_price_the_unserved_one
             break
         admitted.append(newcomer)
     assert len(admitted) < 10
+
+
+def _ramp(model: CostModel) -> int:
+    ctl = SloController(model)
+    admitted: list[Demand] = []
+    while len(admitted) < 16:
+        newcomer = Demand(len(admitted) + 1, RATE, (1,), decoder="tiny")
+        if not ctl.admits(newcomer, admitted):
+            break
+        admitted.append(newcomer)
+    return len(admitted)
+
+
+# One H200 (2026-12-03, r19: 1.3B 1 step, tiny decoder, pace grid, levers fused): the stage's calibration at READY
+# and the gateway's tiny decoder as it reported at start-up.  The ramp admitted 9 and none held: each ran at
+# 16.2-16.5 FPS but 340-440 ms late, the batch of 4 serving at 89.7 ms a forward beside the decoder.  A ramp of 8
+# (r17, the same configuration) held every one.
+R19_CALIBRATION = {1: 23.02, 2: 37.64, 3: 55.09, 4: 72.96}
+R19_TINY = (4.181, 4.135, 4.204, 3.153, 4.615, 3.846, 3.297, 2.884, 4.622, 4.16, 3.782, 3.467, 3.2, 2.971, 2.773, 2.6)
+
+
+def _r19_model(gpu_sharing: float) -> CostModel:
+    model = CostModel(stages=1, max_batch=4, aligned=True, gpu_sharing=gpu_sharing)
+    model.calibrate(0, R19_CALIBRATION)
+    model.report_vae(VaeReport("tiny", R19_TINY[0], R19_TINY))
+    return model
+
+
+def test_forwards_beside_a_decoder_on_their_gpu_are_priced_as_they_run_at_load_not_alone():
+    assert _ramp(_r19_model(1.0)) == 9  # the calibration alone: what the GPU showed held none
+    assert _ramp(_r19_model(GPU_SHARING)) == 8  # the coordinator's default: what held
+    # Served early in the ramp, while the decoder had few streams, a size runs at its calibration; that does not
+    # lower its price at load below the factor.  Served slower than the factor, it is priced as served.
+    model = _r19_model(GPU_SHARING)
+    for _ in range(60):
+        model.observe(0, 4, R19_CALIBRATION[4])
+        model.observe(0, 1, R19_CALIBRATION[1] * 1.5)
+    assert model.stage_ms(4)[0] == pytest.approx(R19_CALIBRATION[4] * GPU_SHARING)
+    assert model.stage_ms(1)[0] == pytest.approx(R19_CALIBRATION[1] * 1.5, rel=1e-3)
+    assert _ramp(model) == 8
+
+
+def test_no_sharing_factor_without_a_decoder_on_the_stage_gpus():
+    # No decoder charged yet, or one measured on the CPU beside GPU stages: the calibration as measured.
+    model = CostModel(stages=1, max_batch=4, aligned=True, gpu_sharing=GPU_SHARING)
+    model.calibrate(0, R19_CALIBRATION)
+    assert not model.decoder_on_gpu and model.stage_ms(4)[0] == pytest.approx(R19_CALIBRATION[4])
+    model.report_vae(VaeReport("tiny", 40.0, on_cpu=True))
+    assert not model.decoder_on_gpu and model.stage_ms(4)[0] == pytest.approx(R19_CALIBRATION[4])
+    model.report_vae(VaeReport("full", 60.0))
+    assert model.decoder_on_gpu and model.stage_ms(4)[0] == pytest.approx(R19_CALIBRATION[4] * GPU_SHARING)
+    # A CPU host sums its stages and decoder instead: no factor there.
+    model.shared_host = True
+    assert not model.decoder_on_gpu and model.stage_ms(4)[0] == pytest.approx(R19_CALIBRATION[4])
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.99, 4.5, float("nan")])
+def test_the_sharing_factor_is_checked(bad):
+    with pytest.raises(ValueError, match="--gpu-sharing"):
+        CostModel(stages=1, max_batch=4, gpu_sharing=bad)
