@@ -695,31 +695,34 @@ def test_the_page_records_a_stream_with_a_prompt_switch_into_a_file_and_a_sideca
     chunk_s = config.get("chunk_frames", 1) * 4 / fps  # one latent frame is 4 video frames
     sidecar = saved["sidecar"]
     stream_s = seconds - sidecar["first_pts_s"]  # the stream from its first picture recorded
-    late = sidecar["last_frame_late_s"] - sidecar["first_frame_late_s"]  # the web process's lateness, for the log
     print(
-        f"{transport}: {video['type']} recording of {duration:.3f} s, {frames} frames; the screen showed "
-        f"{sidecar['shown_frames']} pictures over {sidecar['shown_s']} s from pts {sidecar['first_pts_s']}; the "
-        f"{seconds} s stream's last frame left the web process {late:.3f} s later than its first recorded"
+        f"{transport}: {video['type']} recording of {duration:.3f} s, {frames} frames ({sidecar['frames']} drawn); "
+        f"the {seconds} s stream from pts {sidecar['first_pts_s']} is {stream_s:.3f} s; the screen showed "
+        f"{sidecar['shown_frames']} pictures over {sidecar['shown_s']} s; {sidecar['pauses']} stalls left out, "
+        f"{sidecar['paused_s']} s of {sidecar['wall_s']} s"
     )
-    # The file holds what the screen showed, within one chunk: from the first picture shown to the last.
-    assert abs(duration - sidecar["shown_s"]) <= chunk_s, (duration, chunk_s, sidecar)
-    # The screen showed the whole stream: its duration or, from a server slower than real time, longer (a loaded
-    # browser's compositor skips some pictures: 34 of 48 seen). How much longer is the machine's: the web process's
-    # lateness misses the encoding, RTP and jitter buffer after it (up to 0.66 s more seen on this shared machine).
-    assert duration >= stream_s - chunk_s, (duration, stream_s, chunk_s, sidecar)
-    assert sidecar["shown_frames"] >= 0.5 * stream_s * fps, sidecar
-    stretch = max(0.0, sidecar["shown_s"] - stream_s, late)
+    # The file plays the stream at its rate: its duration is the stream's, from its first picture recorded, within
+    # one chunk either way, however late the pictures reached the screen (the stalls are left out: paused_s).
+    assert abs(duration - stream_s) <= chunk_s, (duration, stream_s, chunk_s, sidecar)
+    assert abs(duration - sidecar["duration_s"]) <= chunk_s, (duration, sidecar)
+    # What was left out adds up: the recording's clock plus the stalls is the wall clock from the first picture, and
+    # the screen took at least the file's span to show it (a loaded browser's compositor skips some pictures: 34 of
+    # 48 seen, so at least half of the stream's).
+    assert sidecar["paused_s"] >= 0 and (sidecar["pauses"] > 0 or sidecar["paused_s"] == 0), sidecar
+    assert abs(sidecar["duration_s"] + sidecar["paused_s"] - sidecar["wall_s"]) <= 0.01, sidecar
+    assert sidecar["shown_s"] >= duration - chunk_s, (duration, sidecar)
+    assert sidecar["shown_frames"] >= 0.5 * stream_s * fps and sidecar["frames"] >= 0.5 * stream_s * fps, sidecar
     # The sidecar: the stream, its first prompt, and the switch at its time on the recording's clock.
     assert sidecar["file"] == video["name"] and sidecar["stream_id"] == state["started"]["stream_id"]
-    assert sidecar["prompt"] == config["prompt"] and duration <= sidecar["duration_s"] + chunk_s
+    assert sidecar["prompt"] == config["prompt"]
     (switch,) = sidecar["prompt_switches"]
     assert switch["prompt"] == OTHER and 0 < switch["at_s"] < duration
     # Told of the switch after at least 4 pictures were shown since the recording started: at that point of the
-    # stream (its pts on the screen) or later, and on the recording's clock no earlier than that, nor later than
-    # the stream's stretch by the end allows.
+    # stream (its pts on the screen) or later, and on the recording's clock at that point of the stream: within one
+    # chunk (WebRTC's pts on the screen is the last frame told of, a little ahead of the picture shown).
     since_first = switch["stream_s"] - sidecar["first_pts_s"]
     assert since_first >= 3 / fps, (switch, sidecar["first_pts_s"])
-    assert since_first - chunk_s <= switch["at_s"] <= since_first + stretch + chunk_s, (switch, sidecar)
+    assert abs(switch["at_s"] - since_first) <= chunk_s, (switch, sidecar)
     side_path = tmp_path / kinds["sidecar"]["name"]
     _saved(browser, kinds["sidecar"]["url"], side_path)
     assert json.loads(side_path.read_text()) == sidecar

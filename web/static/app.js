@@ -3,9 +3,10 @@
 // prompt_updated, end, error.  WebRTC that does not connect within 5 s, or a browser without it, falls back to the
 // WebSocket by itself; an error shows in the status line in plain words, resets the stats and leaves the page idle.
 // The size list offers only what the gateway's cost budget admits (api/budget), its default included.  Lateness is
-// judged on a playout clock that starts once a buffer's worth of frames has come.  Record saves what the video element shows (MediaRecorder: MP4 where
-// the browser makes it, else WebM), optionally the webcam too, with a sidecar JSON of the prompt switches and their
-// times.  window.stagecast exposes the page's state (tests read it).
+// judged on a playout clock that starts once a buffer's worth of frames has come.  Record saves the pictures the
+// video element shows on the stream's own clock, stalls left out (MediaRecorder: MP4 where the browser makes it, else
+// WebM), optionally the webcam too, with a sidecar JSON of the prompt switches, their times and what was left out.
+// window.stagecast exposes the page's state (tests read it).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -324,7 +325,7 @@ async function start() {
 // The first container the browser's MediaRecorder makes: MP4 (H.264) where it can, else WebM.
 const RECORD_TYPES = ["video/mp4;codecs=avc1", "video/mp4", "video/webm;codecs=vp9", "video/webm;codecs=vp8",
   "video/webm"];
-let rec = null; // {armed} before the first frame; then {t0, recorders, switches, ...} while recording
+let rec = null; // {armed} before the first picture; then the recording (recordBegin) until it is stopped
 window.stagecastFiles = new Map();
 
 function recordType() {
@@ -348,7 +349,8 @@ function showRecording() {
   $("record").textContent = !on ? "Record" : rec.armed ? "Record (armed: starts at the next frame)" : "Stop recording";
 }
 
-// The picture as the viewer sees it: WebRTC's MediaStream, or the MSE player captured.
+// The picture as the viewer sees it: WebRTC's MediaStream, or the MSE player captured (only where the browser
+// cannot say when each picture reaches the screen: see recordBegin).
 function shownStream() {
   const video = $("video");
   if (video.srcObject instanceof MediaStream) return video.srcObject;
@@ -368,22 +370,21 @@ function newRecorder(stream, type, kind) {
 
 const recentLate = []; // [{pts, late}] of the last frames told of: how late the picture now shown left the server
 
-// Called on every frame the page is told of: an armed recording starts once the video element has a track.  WebRTC's
-// track carries each frame as it is sent, so its recorder starts at once (the frame told of is its first); the MSE
-// player's captured track repeats the picture it shows, so its recorder starts when the first picture is on screen.
-
+// Called on every frame the page is told of: an armed recording starts at the next picture on the screen.
 function recordFrame(msg) {
   if (msg) {
     state.lastPts = msg.pts; state.lastLateMs = msg.late_ms;
     recentLate.push({ pts: msg.pts, late: msg.late_ms }); if (recentLate.length > 64) recentLate.shift();
   }
   if (!rec || !rec.armed || rec.waiting) return;
-  const stream = shownStream();
-  if (!stream || !stream.getVideoTracks().length) return; // not yet playing: the next frame tries again
   const video = $("video");
-  if (!video.requestVideoFrameCallback || video.srcObject instanceof MediaStream) { recordBegin(stream); return; }
+  if (!video.requestVideoFrameCallback) { // no presentation times: the shown stream as it comes, stalls and all
+    const stream = shownStream();
+    if (stream && stream.getVideoTracks().length) recordBegin(null, stream);
+    return;
+  }
   const armed = rec; armed.waiting = true;
-  video.requestVideoFrameCallback((now, meta) => { if (rec === armed) recordBegin(stream, meta); });
+  video.requestVideoFrameCallback((now, meta) => { if (rec === armed) recordBegin(meta); });
 }
 
 // The pts of the picture on the screen: the MSE player's media time is the stream's (the gateway's fMP4 counts
@@ -394,45 +395,144 @@ function shownPts(mediaTime) {
   return typeof state.lastPts === "number" ? round3(state.lastPts) : null;
 }
 
-// `meta`: the first picture's presentation (requestVideoFrameCallback), where the browser tells it.
-function recordBegin(stream, meta) {
-  const type = recordType();
-  const recorders = [newRecorder(stream, type, "output")];
-  if ($("record-input").checked && camera) recorders.push(newRecorder(camera, type, "input"));
+// The recording holds the stream's own timeline, not the screen's: on a loaded machine pictures reach the screen in
+// bursts with stalls between them, and a MediaRecorder on the video element would keep both.  So each new picture
+// shown (requestVideoFrameCallback) is copied, stamped with its time in the stream (the MSE player's media time; a
+// WebRTC picture's RTP timestamp, which web/rtc.py's PacedTrack advances by 1 / fps a frame at 90 kHz) and drawn
+// into a canvas track at that time on the recording's clock.  The recorders run while a picture is due and pause
+// once the last one drawn has had its frame time and no next one has come (the stream stalled), resuming at the next
+// picture: their clock (MediaRecorder leaves paused spans out of the file) is the stream's.  A picture that came in
+// a burst waits its turn; a stall costs the file at most a timer's lateness, once.  The webcam input's recorder
+// pauses with the output's, so the two files share a clock.  The sidecar says what was left out (paused_s, pauses).
+const RTP_CLOCK = 90000;
+const RECORD_QUEUE_MAX = 64; // pictures waiting their turn (a burst): past this the oldest is drawn at once
+
+// `meta`: the first picture's presentation (requestVideoFrameCallback); `direct`: a stream to record as it comes
+// where the browser does not tell presentations.
+function recordBegin(meta, direct) {
+  const type = recordType(); const video = $("video");
   const started = state.started || { config: {} };
-  rec = {
-    armed: false, t0: performance.now(), startedAt: new Date().toISOString(), recorders, switches: [],
-    streamId: started.stream_id || null, config: started.config, transport: state.transport,
+  const r = {
+    armed: false, startedAt: new Date().toISOString(), switches: [], streamId: started.stream_id || null,
+    config: started.config, transport: state.transport, fps: fpsOf(started.config),
     firstPts: shownPts(meta && meta.mediaTime), frames: state.frames, shown: meta ? [meta.presentationTime] : [],
+    t0: performance.now(), webrtc: video.srcObject instanceof MediaStream, direct: Boolean(direct),
+    queue: [], pool: [], lastDue: 0, queuedDue: 0, base: null, drawn: 0, timer: null,
+    runMs: 0, runningSince: null, pausedAt: null, pausedMs: 0, pauses: 0, stopping: false, finished: false,
   };
-  const first = recentLate.reduce((a, f) => (a && Math.abs(a.pts - rec.firstPts) <= Math.abs(f.pts - rec.firstPts) ?
+  let stream = direct;
+  if (!direct) {
+    r.canvas = document.createElement("canvas");
+    r.canvas.width = video.videoWidth || 64; r.canvas.height = video.videoHeight || 64;
+    r.ctx = r.canvas.getContext("2d");
+    stream = r.canvas.captureStream(0); r.track = stream.getVideoTracks()[0];
+  }
+  r.recorders = [newRecorder(stream, type, "output")];
+  if ($("record-input").checked && camera) r.recorders.push(newRecorder(camera, type, "input"));
+  r.runningSince = performance.now();
+  rec = r;
+  if (!direct) { r.base = { t: pictureTime(r, meta), due: 0 }; paint(r, copyPicture(r)); watchShown(r); recTick(r); }
+  const first = recentLate.reduce((a, f) => (a && Math.abs(a.pts - r.firstPts) <= Math.abs(f.pts - r.firstPts) ?
     a : f), null);
-  rec.firstLateMs = first ? first.late : state.lastLateMs;
-  watchShown(rec);
-  state.recording = { armed: false, type, startedAt: rec.startedAt, shown: 0 };
+  r.firstLateMs = first ? first.late : state.lastLateMs;
+  state.recording = { armed: false, type, startedAt: r.startedAt, shown: r.shown.length, pauses: 0 };
   showRecording();
-  log("record", `recording ${type}${recorders.length > 1 ? " and the webcam input" : ""}`);
+  log("record", `recording ${type}${r.recorders.length > 1 ? " and the webcam input" : ""}`);
 }
 
-// When each new picture reached the screen while recording (the browser's own presentation times): the span the
-// viewer saw, which the file must hold.
+// A picture's time in the stream (s): WebRTC's RTP timestamp (mod 2^32, from the first recorded), else media time.
+function pictureTime(r, meta) {
+  if (r.webrtc && typeof meta.rtpTimestamp === "number") {
+    if (r.rtp0 === undefined) r.rtp0 = meta.rtpTimestamp;
+    const ticks = (meta.rtpTimestamp - r.rtp0) >>> 0;
+    return (ticks >= 2 ** 31 ? ticks - 2 ** 32 : ticks) / RTP_CLOCK;
+  }
+  return meta.mediaTime;
+}
+
+// The picture on the screen now, copied (the video element shows the next one by the time its turn comes).
+function copyPicture(r) {
+  const video = $("video");
+  const c = r.pool.pop() || document.createElement("canvas");
+  if (c.width !== video.videoWidth || c.height !== video.videoHeight) {
+    c.width = video.videoWidth || r.canvas.width; c.height = video.videoHeight || r.canvas.height;
+  }
+  c.getContext("2d").drawImage(video, 0, 0, c.width, c.height);
+  return c;
+}
+
+function paint(r, picture) {
+  r.ctx.drawImage(picture, 0, 0, r.canvas.width, r.canvas.height);
+  r.track.requestFrame();
+  r.drawn += 1;
+  r.pool.push(picture);
+}
+
+// The recording's clock (ms): time the recorders ran.
+function recClockMs(r, now) { return r.runMs + (r.runningSince === null ? 0 : now - r.runningSince); }
+
+function recRun(r, now) {
+  if (r.runningSince !== null) return;
+  r.recorders.forEach((x) => { if (x.recorder.state === "paused") x.recorder.resume(); });
+  r.pausedMs += now - r.pausedAt; r.pausedAt = null; r.runningSince = now;
+}
+
+function recHold(r, now) {
+  if (r.runningSince === null) return;
+  r.recorders.forEach((x) => { if (x.recorder.state === "recording") x.recorder.pause(); });
+  r.runMs += now - r.runningSince; r.runningSince = null; r.pausedAt = now; r.pauses += 1;
+  if (state.recording && rec === r) state.recording.pauses = r.pauses;
+}
+
+// Draw every picture whose time has come; run while one is due, hold once the last drawn has had its frame time.
+function recTick(r) {
+  if (r.finished) return;
+  clearTimeout(r.timer); r.timer = null;
+  const now = performance.now(); const c = recClockMs(r, now);
+  while (r.queue.length && (r.queue[0].due * 1000 <= c + 1 || r.queue.length > RECORD_QUEUE_MAX)) {
+    const next = r.queue.shift(); paint(r, next.picture); r.lastDue = next.due;
+  }
+  let wait;
+  if (r.queue.length) {
+    recRun(r, now); wait = r.queue[0].due * 1000 - c;
+  } else {
+    const held = (r.lastDue + 1 / r.fps) * 1000; // the last picture's own frame time
+    if (c >= held - 1) {
+      if (r.stopping) { recFinish(r); return; }
+      recHold(r, now); return; // no next picture yet: the stream stalled
+    }
+    recRun(r, now); wait = held - c;
+  }
+  r.timer = setTimeout(() => recTick(r), Math.max(0, wait));
+}
+
+// Each new picture shown while recording: its presentation time (what the screen showed) and, in the queue, its
+// time on the recording's clock.  A picture earlier in the stream than the last (a new stream, a seek) follows the
+// last one by a frame time.
 function watchShown(r) {
   const video = $("video");
-  if (!video.requestVideoFrameCallback) return;
   const onFrame = (now, meta) => {
     if (rec !== r) return;
     r.shown.push(meta.presentationTime);
     if (state.recording) state.recording.shown = r.shown.length;
+    const t = pictureTime(r, meta);
+    let due = r.base.due + (t - r.base.t);
+    if (due < r.queuedDue - 1e-4) { r.base = { t, due: r.queuedDue + 1 / r.fps }; due = r.base.due; }
+    if (due > r.queuedDue + 1e-4) { // a new picture (not the last one again)
+      r.queue.push({ due, picture: copyPicture(r) }); r.queuedDue = due;
+      recTick(r);
+    }
     video.requestVideoFrameCallback(onFrame);
   };
   video.requestVideoFrameCallback(onFrame);
 }
 
+// A switch's time on the recording's clock: that of the picture on the screen when the page was told of it.
 function recordSwitch(prompt) {
   if (!rec || rec.armed) return;
   rec.switches.push({
     prompt,
-    at_s: round3((performance.now() - rec.t0) / 1000), // on the recording's clock: when the page was told
+    at_s: round3(rec.direct ? (performance.now() - rec.t0) / 1000 : rec.queuedDue),
     stream_s: shownPts(), // the pts of the picture on the screen then
   });
 }
@@ -446,7 +546,7 @@ const RECORD_DRAIN_MAX_MS = 3000;
 function recordEnd() {
   if (!rec || rec.armed) return;
   const r = rec; const video = $("video"); const ended = performance.now();
-  const quietMs = (RECORD_QUIET_FRAMES * 1000) / fpsOf(r.config);
+  const quietMs = (RECORD_QUIET_FRAMES * 1000) / r.fps;
   const check = () => {
     if (rec !== r) return;
     const now = performance.now(); const b = video.buffered;
@@ -463,10 +563,21 @@ function fpsOf(config) { return (config && config.target_fps) || 16; }
 
 function round3(x) { return Math.round(x * 1000) / 1000; }
 
-async function recordStop() {
+// Stop taking pictures; the ones waiting their turn are still drawn, then the recorders stop (recFinish).
+function recordStop() {
   const r = rec; rec = null; showRecording();
   if (!r || r.armed) { state.recording = null; return; }
-  const durationS = round3((performance.now() - r.t0) / 1000);
+  r.stopping = true;
+  if (r.direct) recFinish(r); else recTick(r);
+}
+
+async function recFinish(r) {
+  if (r.finished) return;
+  r.finished = true; clearTimeout(r.timer);
+  const now = performance.now();
+  if (r.pausedAt !== null) { r.pausedMs += now - r.pausedAt; r.pausedAt = null; } // stopped in a stall
+  const durationS = round3((r.direct ? now - r.t0 : recClockMs(r, now)) / 1000);
+  const wallS = round3((now - r.t0) / 1000);
   r.recorders.forEach((x) => x.recorder.stop());
   const blobs = await Promise.all(r.recorders.map((x) => x.done));
   const stamp = r.startedAt.replace(/[:.]/g, "-");
@@ -477,15 +588,18 @@ async function recordStop() {
   });
   const sidecar = {
     file: files[0].name, input_file: files[1] ? files[1].name : null, type: files[0].type,
-    started_at: r.startedAt, duration_s: durationS, stream_id: r.streamId, transport: r.transport,
-    config: r.config, first_pts_s: r.firstPts === undefined ? null : r.firstPts,
+    started_at: r.startedAt, stream_id: r.streamId, transport: r.transport, config: r.config,
+    // the file's timeline (the recording's clock) and the stalls left out of it: wall_s = duration_s + paused_s
+    duration_s: durationS, wall_s: wallS, paused_s: r.direct ? null : round3(r.pausedMs / 1000),
+    pauses: r.direct ? null : r.pauses, frames: r.direct ? null : r.drawn,
+    first_pts_s: r.firstPts === undefined ? null : r.firstPts,
     // how late the last frame left the web process (a server slower than real time)
     last_frame_late_s: typeof state.lastLateMs === "number" ? round3(state.lastLateMs / 1000) : null,
-    // and how late the first picture recorded did: the recording is longer than the stream by the difference
+    // and how late the first picture recorded did
     first_frame_late_s: typeof r.firstLateMs === "number" ? round3(r.firstLateMs / 1000) : null,
-    // the pictures the screen showed while recording: how many, and from the first to the last one's end
+    // the pictures the screen showed while recording: how many, and from the first to the last one's end (stalls in)
     shown_frames: r.shown.length,
-    shown_s: r.shown.length ? round3((r.shown[r.shown.length - 1] - r.shown[0]) / 1000 + 1 / fpsOf(r.config)) : null,
+    shown_s: r.shown.length ? round3((r.shown[r.shown.length - 1] - r.shown[0]) / 1000 + 1 / r.fps) : null,
     prompt: r.config && r.config.prompt !== undefined ? r.config.prompt : null, prompt_switches: r.switches,
   };
   const json = new Blob([JSON.stringify(sidecar, null, 2)], { type: "application/json" });
@@ -500,8 +614,9 @@ async function recordStop() {
   $("recordings").prepend(li);
   const listed = files.map(({ kind, type, name, url, blob }) => ({ kind, type, name, url, bytes: blob.size }));
   state.recordings.push({ files: listed, sidecar });
-  state.recording = null;
-  log("record", `saved ${files.map((f) => f.name).join(", ")}`);
+  if (!rec) state.recording = null;
+  log("record", `saved ${files.map((f) => f.name).join(", ")}` +
+    (r.pauses ? ` (${r.pauses} stalls, ${sidecar.paused_s} s, left out)` : ""));
 }
 
 // ---- the playout clock: is the picture late? ---------------------------------------------------------------
