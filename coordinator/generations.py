@@ -9,7 +9,9 @@ callbacks it is given and these calls:
 - ``on_formed`` (engine): every stage answered Form; the plan restarts, admission and the SLO model take the replies;
 - ``on_chunk`` / ``on_done`` (engine): a stage's results of the current generation;
 - ``end_all`` (stream table): every active stream ends with a failure when a generation does;
-- ``heartbeat`` / ``on_registered`` / ``fail`` (coordinator.server, through the engine): a stage says where it stands.
+- ``heartbeat`` / ``on_registered`` / ``fail`` (coordinator.server, through the engine): a stage says where it stands;
+- ``on_fatal`` (coordinator.server): a stage refused Form with RESOURCE_EXHAUSTED (its KV budget holds no stream at the
+  serving defaults): nothing is re-formed, the pipeline never becomes READY and the coordinator's start-up fails.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class Generations:
         self.on_chunk = on_chunk  # a stage's chunk result of the current generation (plan loop's side)
         self.on_done = on_done  # a stage's batch done (plan loop's side)
         self.end_all = end_all  # every active stream ends with a failure when a generation does
+        # A Form refused for want of memory for one stream (RESOURCE_EXHAUSTED): the coordinator's start-up fails with
+        # this message (``coordinator.server.Coordinator``); None: it is retried like any failed Form.
+        self.on_fatal: Callable[[str], None] | None = None
         self._generation = 0
         self._ready = False
         self.forming = False
@@ -221,6 +226,19 @@ class Generations:
         done, silent = self._wait_forming(futures, links)
         pool.shutdown(wait=False)
         errors = [f.exception() for f in done if f.exception() is not None]
+        short = [e for e in errors if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        if silent is None and short and self.on_fatal is not None:
+            # A stage that holds no stream at the serving defaults (stage_service.kv_budget.stream_fit_problem): no
+            # re-forming helps, so the pipeline never becomes READY and the coordinator's start-up fails saying why.
+            detail = short[0].details()
+            logger.error("forming generation %d failed: %s", gen, detail)
+            for link in links:
+                link.close()
+            with self.cond:
+                self.forming = False
+                self._last_error = f"start-up failed: {detail}"
+            self.on_fatal(detail)
+            return
         if silent is not None or errors or len(done) < len(futures):
             if silent is not None:
                 detail = f"stage {silent.index} stopped answering health checks while forming"

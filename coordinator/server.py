@@ -280,9 +280,18 @@ class Coordinator:
             interceptors=[RoleGuard(ROLE_RULES)] if opts.mtls else [],
         )
         self.probe = None
+        # Why start-up failed after READY was printed (a stage holds no stream: ``_fail_start``); "" while it has not.
+        self.failure = ""
+        self.stop_event = threading.Event()  # ``serve`` gives its own
+        self.engine.generations.on_fatal = self._fail_start
         self.address = f"{opts.advertise_host or opts.host}:{self.port}"
         servicer.address = self.address
         self.metrics = telemetry.MetricsServer()
+
+    def _fail_start(self, detail: str) -> None:
+        """A stage cannot hold one stream (``Generations.on_fatal``): stop, and let ``serve`` fail naming it."""
+        self.failure = detail
+        self.stop_event.set()
 
     def _on_ready(self, ready: bool) -> None:
         self.health.set(SERVICE_NAME, 1 if ready else 2)  # SERVING / NOT_SERVING
@@ -308,12 +317,19 @@ class Coordinator:
 def serve(opts: CoordinatorOptions, stop: threading.Event | None = None) -> None:
     telemetry.init("coordinator")  # before the Coordinator, as its construction may trace (init is idempotent)
     coord = Coordinator(opts)
+    coord.stop_event = stop if stop is not None else threading.Event()
 
     def start() -> dict:
         coord.start()
         return {"address": coord.address}
 
-    serve_lifecycle("coordinator", start, coord.stop, stop, role="coordinator")
+    serve_lifecycle("coordinator", start, coord.stop, coord.stop_event, role="coordinator")
+    if coord.failure:  # stagecast coordinator: error: ..., exit status 2 (stagecast.service.run_service)
+        raise StartupFailure(coord.failure)
+
+
+class StartupFailure(ValueError):
+    """The pipeline cannot serve one stream as it stands: the coordinator stops without becoming READY."""
 
 
 __all__ = ["CHANNEL_OPTIONS", "Coordinator", "CoordinatorOptions", "serve"]

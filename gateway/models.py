@@ -6,7 +6,7 @@ Usage (``gateway.service.Gateway`` holds one)::
     models.encoder.encode_cached(prompt)     # the text encoder (UMT5, cached per prompt)
     models.decoder, models.tiny_decoder      # the full VAE (in process, or VAE stages) and the tiny decoder, if any
     models.decoder_costs()                   # what the VaeReporter sends the coordinator
-    models.decoder_memory()                  # the admission bound on the streams' decoder state
+    models.decoder_memory()                  # the bound on the streams' decoder state (ValueError: no stream fits)
     models.warm_pipeline(coordinator, wait_s, buffer_chunks)   # one stream through the pipeline before serving
     models.input_encoder()                   # the VAE encoder video-to-video streams share, loaded on first use
     models.close()
@@ -35,7 +35,7 @@ from gateway.decode.decoder import LocalDecoder, RemoteDecoder
 from gateway.decode.stream_vae import StreamVAE, StreamVAEEncoder, use_cudnn_autotune
 from gateway.decode.vae_cost import VaeCost, measure_vae, tiny_cost, with_encode
 from gateway.decode.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
-from gateway.edge.admission import DecoderMemory
+from gateway.edge.admission import FULL_VAE_STATE_BYTES, FULL_VAE_STATE_ITEMSIZE, DecoderMemory
 from gateway.edge.config import Decoders, resolve_config
 from gateway.stream.timers import Timers
 from gateway.stream.warmup import warm_pipeline
@@ -48,11 +48,6 @@ from stagecast.startup import Startup
 from stagecast.v1 import stream_pb2 as pb
 
 logger = logging.getLogger(__name__)
-
-# The Wan VAE's per-stream caches when not measured (VAE on the CPU, or the measurement failed): ~1.8 GiB at 480x832
-# in bfloat16 (scaled by the dtype and frame pixels).
-FULL_VAE_STATE_BYTES = int(1.8 * 1024**3)
-FULL_VAE_STATE_ITEMSIZE = 2
 
 
 class GatewayModels:
@@ -281,8 +276,10 @@ class GatewayModels:
         return costs
 
     def decoder_memory(self) -> DecoderMemory:
-        """The admission bound on decoder state (``--decoder-memory-gib``): each local decoder's one-stream state at
-        the serving size (the VAE's as measured, else estimated; VAE stages hold theirs elsewhere)."""
+        """The admission bound on decoder state (``--decoder-memory-gib``, else from ``--device-memory-gib`` or the
+        free memory): each local decoder's one-stream state at the serving size (the VAE's as measured, else
+        estimated; VAE stages hold theirs elsewhere).  Raises ValueError when it holds no stream of the default
+        decoder at the serving size."""
         shape = self.latent_shape()
         per_stream: dict[str, int] = {}
         if isinstance(self.decoder, LocalDecoder):
@@ -297,12 +294,29 @@ class GatewayModels:
         if self.tiny_decoder is not None:
             per_stream["tiny"] = self.tiny_decoder.state_bytes_at((shape[-2], shape[-1]))
         devices = self.opts.vae_devices or [self.opts.device]
-        return DecoderMemory.derive(
+        serving_hw = (self.defaults.height, self.defaults.width)
+        memory = DecoderMemory.derive(
             devices[0],
             per_stream,
-            (self.defaults.height, self.defaults.width),
+            serving_hw,
             budget_gib=self.opts.decoder_memory_gib,
+            share_gib=self.opts.device_memory_gib,
+            held_bytes=lambda: self._held_bytes(devices[0]),
         )
+        # A gateway that holds no stream of its default decoder fails start-up naming the numbers, rather than serve
+        # READY and refuse every stream (stagecast.service.run_service: one line, exit status 2).
+        problem = memory.stream_fit_problem(self.decoders.default, serving_hw)
+        if problem is not None:
+            raise ValueError(problem)
+        return memory
+
+    def _held_bytes(self, device: str) -> int:
+        """What this gateway holds on ``device`` now (its models loaded, warmed and graphed), and the prompt cache's
+        room still to fill there: the part of a planned share (``--device-memory-gib``) that is not decoder state."""
+        held = torch.cuda.memory_allocated(torch.device(device))
+        if torch.device(self.opts.text_device or self.opts.device) == torch.device(device):
+            held += max(0, self.encoder.cache_bytes_max - self.encoder.cache_bytes)
+        return held
 
     def input_encoder(self) -> StreamVAEEncoder:
         """The VAE encoder video-to-video streams share (each holds its own cache): the in-process decoder's VAE, or,

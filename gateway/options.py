@@ -65,6 +65,14 @@ class GatewayOptions:
         "; a stream past it is refused with RESOURCE_EXHAUSTED. 0: on a GPU its free memory at start-up less a "
         "reserve (8 GiB or 10%%), on a CPU unbounded",
     )
+    # The most of its GPU this gateway plans for (gateway.edge.admission.DecoderMemory); 0: its free memory at start-up.
+    device_memory_gib: float = flag(
+        0.0,
+        help="the most of its decoder's GPU this gateway plans for, in GiB: the decoder-memory budget is this share "
+        "less what the gateway holds once its models are loaded and warmed and a reserve, so it does not depend on "
+        "when a stage beside it on the GPU loads (stagecast up sets it when stages share the GPU); 0: the free "
+        "memory at start-up; --decoder-memory-gib wins",
+    )
     # A stream's steady-state VAE frames as CUDA graph replays (gateway.decode.vae_graphs), captured before serving for
     # ``vae_graph_slots`` streams at the default size (0: ``max_streams``); the rest decode eagerly.
     vae_cuda_graphs: bool = flag(

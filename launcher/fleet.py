@@ -19,10 +19,12 @@ exits 0.  SIGTERM to ``up`` drains every gateway at once, within ``--drain-s`` (
 ``--state-file PATH`` holds ``{"door": "HOST:PORT", "pipelines": [{"name", "gateway", "coordinator", "pids":
 {"gateway", "coordinator", "stages": [...]}}]}``, written at READY and again whenever a process restarts.
 
-On GPUs each pipeline has GPUs of its own (``CUDA_VISIBLE_DEVICES``: pipeline i takes the next stages x sp x
-cfg-parallel); a layout where pipelines would share a GPU is refused at start, since their memory is not yet
-planned together.  On a CPU the pipelines share the host's cores: the coordinator has no knob for a share of the
-host yet, so each pipeline prices its admission as if it had the host alone (docs/operator-guide.md says so).
+On GPUs pipeline i takes the next stages x sp x cfg-parallel GPUs (``CUDA_VISIBLE_DEVICES``, ``pipeline_gpus``),
+wrapping around: with more pipelines than that many GPUs hold, pipelines share GPUs, and every shared GPU is split
+into shares by one memory plan across the pipelines (``launcher.memory_plan``: each process gets its
+``--device-memory-gib``; ``up`` exits 2 before starting anything when a share holds no stream).  On a CPU the
+pipelines share the host's cores: the coordinator has no knob for a share of the host yet, so each pipeline prices
+its admission as if it had the host alone (docs/operator-guide.md says so).
 """
 
 from __future__ import annotations
@@ -65,30 +67,24 @@ def check_fleet_flags(args: argparse.Namespace) -> str | None:
         return f"error: {exc}"
     if not 0 <= args.fleet_drain_s <= 3600:  # also NaN
         return f"error: --drain-s must be in [0, 3600], got {args.fleet_drain_s}"
-    if args.device.startswith("cuda"):
-        return check_gpus(args.pipelines, args.stages * args.sp * args.cfg_parallel)
     return None
 
 
 def host_share(args: argparse.Namespace) -> float:
     """Each pipeline's share of the host its coordinator sizes its streams for (``--host-share``): on a CPU the
-    pipelines share its cores, 1/N each; on GPUs each pipeline has its own (``check_gpus``)."""
+    pipelines share its cores, 1/N each; on GPUs each pipeline prices its own GPUs' time (``pipeline_gpus``)."""
     return 1.0 / args.pipelines if args.device == "cpu" else 1.0
 
 
-def check_gpus(pipelines: int, ranks: int, gpus: int | None = None) -> str | None:
-    """Every pipeline on GPUs of its own: pipelines sharing a GPU would each plan its memory alone."""
+def pipeline_gpus(args: argparse.Namespace, index: int, gpus: int | None = None) -> list[int]:
+    """Pipeline ``index``'s GPUs, by rank: the next stages x sp x cfg-parallel of this machine's, wrapping around
+    (pipelines then share GPUs, planned together by ``launcher.memory_plan``)."""
     if gpus is None:
         import torch
 
         gpus = torch.cuda.device_count()
-    need = pipelines * ranks
-    if need <= gpus:
-        return None
-    return (
-        f"error: --pipelines {pipelines} with {ranks} GPU(s) per pipeline needs {need} GPUs, this machine has {gpus}: "
-        "pipelines sharing a GPU are refused (their memory is not planned together yet); give fewer --pipelines"
-    )
+    ranks = args.stages * args.sp * args.cfg_parallel
+    return [(index * ranks + j) % max(gpus, 1) for j in range(ranks)]
 
 
 def _free_port(host: str) -> int:
@@ -150,7 +146,7 @@ class Fleet:
             health = args.health_port + i if args.health_port > 0 else -1
             pipe = start_stages(
                 launcher, args, self.plan, port=args.port + i if args.port else 0, metrics_port=metrics,
-                health_port=health, host_share=host_share(args),
+                health_port=health, host_share=host_share(args), pipeline=pipeline.name,
             )  # fmt: skip
             pipeline.coordinator = pipe.coordinator
             gateway = launcher.start("gateway", [*self._gateway_args(pipeline, metrics, 0), "--port", "0"])
@@ -169,7 +165,7 @@ class Fleet:
         # The public TLS moves to the door; behind it, the gateways speak plaintext on --host.
         argv = gateway_argv(
             args, self.plan, pipeline.coordinator, metrics_port=metrics + 1 if metrics else 0, fleet=fleet,
-            tls_cert=None, tls_key=None,
+            tls_cert=None, tls_key=None, pipeline=pipeline.name,
         )  # fmt: skip
         if "trusted_proxy" in flag_names(GatewayOptions):  # the door's x-forwarded-for names the client
             argv += ["--trusted-proxy", self._door_source()]
@@ -298,8 +294,7 @@ def _gpu_env(args: argparse.Namespace, index: int) -> dict[str, str]:
     """Pipeline ``index``'s GPUs (the next stages x sp x cfg-parallel), as its processes see them."""
     if not args.device.startswith("cuda"):
         return {}
-    ranks = args.stages * args.sp * args.cfg_parallel
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(index * ranks + j) for j in range(ranks))}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in pipeline_gpus(args, index))}
 
 
 def run_fleet(args: argparse.Namespace, plan: Plan, stop: threading.Event) -> int:

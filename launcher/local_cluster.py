@@ -17,13 +17,15 @@ decoders (``GatewayModels(before_measure=...)``), so a stage's calibration and t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.options import CoordinatorOptions
-from launcher.process import Child, Launcher
+from launcher.process import Child, Launcher, LaunchError
 from stage_service.options import StageOptions
 from stagecast.flags import to_argv
 from stagecast.grpc_util import wait_healthy
@@ -45,12 +47,23 @@ class LocalPipeline:
         """Block until every stage printed its READY line and the coordinator reports itself healthy."""
         for child in self.stage_children.values():
             launcher.wait_ready(child, timeout=timeout)
-        wait_healthy(
-            self.coordinator,
-            timeout,
-            service=COORDINATOR_SERVICE,
-            channel=lambda: launcher.channel(self.coordinator, "coordinator"),
-        )
+        try:
+            wait_healthy(
+                self.coordinator,
+                timeout,
+                service=COORDINATOR_SERVICE,
+                channel=lambda: launcher.channel(self.coordinator, "coordinator"),
+            )
+        except TimeoutError:
+            # A coordinator whose start-up failed (a stage that holds no stream: coordinator.generations) exits
+            # saying why: that line, not a health timeout.
+            proc = self.coordinator_child.proc
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10.0)
+            if proc.poll() is None:
+                raise
+            tail = "\n".join(self.coordinator_child.log[-10:])
+            raise LaunchError(f"the coordinator exited with code {proc.poll()} before it was ready:\n{tail}") from None
         return self
 
 
@@ -109,13 +122,15 @@ def start_pipeline(
     cfg_parallel: int = 1,
     fp8: bool = False,
     stage_extra_args: Sequence[str] = (),
+    rank_args: dict[int, list[str]] | None = None,
     wait: bool = True,
 ) -> LocalPipeline:
     """``metrics_port`` N (0: off): the coordinator's /metrics on N, stage rank i's on N+2+i (N+1 is the gateway's).
     ``sp`` S: each stage is S processes (sequence-parallel ranks), keyed by rank ``stage * S + sp_rank``.
     ``cfg_parallel`` 2 starts two pipelines of ``stages`` stages (indices 0..stages-1 and stages..2*stages-1).
     ``fp8``: every stage runs ``--fp8`` (float8 block linears; each stage refuses it where it cannot run).
-    ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``).
+    ``stage_extra_args``: appended to every stage's command line (e.g. ``--calibration-s 0``); ``rank_args``: to one
+    rank's (e.g. its ``--device-memory-gib``, ``launcher.memory_plan``).
     ``wait`` False: return once the stages are started, not ready (``LocalPipeline.wait_ready``), so that a gateway
     loads its models while the stages load theirs."""
     options = CoordinatorOptions(
@@ -144,7 +159,7 @@ def start_pipeline(
                 index = i if sp > 1 else rank  # a sequence-parallel stage derives its rank from --sp-rank
                 pipe.stage_args[rank] = stage_args(
                     index, address, checkpoint, device, dtype, host, cuda_graphs, loras, stage_metrics, sp, r, fp8
-                ) + list(stage_extra_args)
+                ) + [*stage_extra_args, *(rank_args or {}).get(rank, [])]
                 name = f"stage-{rank}" if sp == 1 else f"stage-{i}-sp{r}"
                 pipe.stage_children[rank] = launcher.start(name, pipe.stage_args[rank])
     return pipe.wait_ready(launcher, ready_timeout) if wait else pipe

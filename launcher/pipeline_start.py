@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.options import CoordinatorOptions
@@ -32,16 +32,32 @@ GATEWAY_FLAGS = (
     "tokens",
     "tls_cert",
     "tls_key",
+    "decoder_memory_gib",
 )
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one pipeline of ``up`` runs where: the placement, the stage partition and the gateway's VAE cut."""
+    """What one pipeline of ``up`` runs where: the placement, the stage partition and the gateway's VAE cut, and the
+    shares of shared GPUs (``launcher.memory_plan.share_of``: GiB by (pipeline, "stage", rank) and (pipeline,
+    "gateway", device); none: no GPU shared)."""
 
     placement: Any  # launcher.local_cluster.Placement
     partition: str | None
     vae_split: list[int] | None
+    shares: dict = field(default_factory=dict)
+
+    def stage_args(self, pipeline: str = "") -> dict[int, list[str]]:
+        """Each stage rank's ``--device-memory-gib`` where its GPU is shared."""
+        return {
+            key[2]: ["--device-memory-gib", repr(gib)]
+            for key, gib in self.shares.items()
+            if key[0] == pipeline and key[1] == "stage"
+        }
+
+    def gateway_share(self, pipeline: str = "") -> float:
+        """The gateway's ``--device-memory-gib`` (0: its decoder's GPU is not shared)."""
+        return next((gib for key, gib in self.shares.items() if key[0] == pipeline and key[1] == "gateway"), 0.0)
 
 
 def has_gateway(args: argparse.Namespace) -> bool:
@@ -59,9 +75,11 @@ def start_stages(
     metrics_port: int,
     health_port: int,
     host_share: float = 1.0,
+    pipeline: str = "",
 ):
     """The coordinator and stages of one pipeline, started, not waited for (``LocalPipeline.wait_ready``);
-    ``host_share``: the share of the host its coordinator sizes streams for (``--host-share``)."""
+    ``host_share``: the share of the host its coordinator sizes streams for (``--host-share``); ``pipeline``: its
+    name in the plan's shares (a fleet's "p0", ...)."""
     from launcher.local_cluster import start_pipeline
 
     coordinator_args = argv_for(
@@ -89,13 +107,21 @@ def start_stages(
         sp=args.sp,
         cfg_parallel=args.cfg_parallel,
         coordinator_args=coordinator_args,
-        stage_extra_args=["--dit-levers", args.dit_levers] if args.dit_levers else [],
+        stage_extra_args=[
+            *(["--dit-levers", args.dit_levers] if args.dit_levers else []),
+            *(["--kv-budget-gib", repr(args.kv_budget_gib)] if getattr(args, "kv_budget_gib", 0) else []),
+        ],
+        rank_args=plan.stage_args(pipeline),
         wait=False,  # the gateway (started next) loads its models while the stages load theirs
     )
 
 
-def gateway_argv(args: argparse.Namespace, plan: Plan, coordinator: str, *, metrics_port: int, **values) -> list[str]:
-    """A gateway's command line, without ``--port`` (``values``: other ``GatewayOptions`` fields, e.g. ``fleet``)."""
+def gateway_argv(
+    args: argparse.Namespace, plan: Plan, coordinator: str, *, metrics_port: int, pipeline: str = "", **values
+) -> list[str]:
+    """A gateway's command line, without ``--port`` (``values``: other ``GatewayOptions`` fields, e.g. ``fleet``;
+    ``pipeline``: its name in the plan's shares)."""
+    values.setdefault("device_memory_gib", plan.gateway_share(pipeline))
     options = from_args(
         GatewayOptions,
         args,

@@ -30,7 +30,7 @@ from stagecast.service import announce_ready, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
 COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
-STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "dit_levers", "loras")
+STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "dit_levers", "loras", "kv_budget_gib")
 
 
 def add_parser(sub) -> None:
@@ -53,6 +53,13 @@ def add_parser(sub) -> None:
         help="measured ms per chunk of every block and VAE unit (python -m benchmarks.balance), for --partition auto",
     )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (stage i on cuda:i: one GPU per stage)")
+    p.add_argument(
+        "--gateway-device",
+        default=None,
+        metavar="cuda:N",
+        help="with --device cuda, the GPU of the gateway's text encoder and decoders (default: the last stage's; its "
+        "VAE too unless --vae-devices): a GPU of its own leaves the stages' GPUs to their KV",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument(
@@ -136,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
     stop = stop_event()
     try:
         plan = _plan(args)
+        plan = plan_memory(args, plan)
     except (ValueError, OSError) as exc:
         print(f"stagecast up: error: {exc}", file=sys.stderr)
         return 2
@@ -203,8 +211,91 @@ def _plan(args: argparse.Namespace) -> Plan:
     placement = Placement.plan(
         args.device, args.stages, vae_devices=args.vae_devices, sp=args.sp, cfg_parallel=args.cfg_parallel
     )
+    if args.gateway_device:
+        placement = _gateway_on(args, placement)
     partition, vae_split = _balance(args, placement)
     return Plan(placement, partition, vae_split)
+
+
+def _gateway_on(args: argparse.Namespace, placement, gpus: int | None = None):
+    """``--gateway-device cuda:N``: the gateway's text encoder and decoders there (its VAE too, unless
+    ``--vae-devices``); ValueError naming the flag for a device that is not one of this machine's GPUs."""
+    import dataclasses
+
+    device = args.gateway_device
+    if not args.device.startswith("cuda"):
+        raise ValueError("--gateway-device: only with --device cuda (on a CPU everything shares the host)")
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    head, _, index = device.partition(":")
+    if head != "cuda" or not index.isdigit() or int(index) >= gpus:
+        raise ValueError(f"--gateway-device: must be cuda:N with N < {gpus} (this machine's GPUs), got {device!r}")
+    vae = args.vae_devices or [device]
+    return dataclasses.replace(placement, gateway_device=device, vae_devices=vae)
+
+
+def plan_memory(args: argparse.Namespace, plan: Plan, totals: dict[str, int] | None = None) -> Plan:
+    """The shares of every GPU several of ``up``'s processes use (``launcher.memory_plan``), one line each; raises
+    ValueError naming the part to move when one holds no stream (and, on any device, an operator's --kv-budget-gib
+    that holds none).  ``totals``: each GPU's bytes (default: torch's); a fleet's pipelines are planned together."""
+    import dataclasses
+
+    if not args.device.startswith("cuda") and not args.kv_budget_gib:
+        return plan  # a CPU: no budget to plan (the OS decides what fits)
+    from launcher import memory_plan
+
+    pipelines = max(1, getattr(args, "pipelines", 1))
+    layouts = []
+    for i in range(pipelines):
+        name = f"p{i}" if pipelines > 1 else ""
+        device_of = _fleet_device(args, i) if pipelines > 1 else (lambda d: d)
+        layouts.append(
+            memory_plan.pipeline_layout(args, plan.placement, plan.partition, pipeline=name, device_of=device_of)
+        )
+    transformer = resolve_transformer(args.checkpoint)
+    from stagecast.kv_memory import describe_spec
+    from stagecast.model.config import checkpoint_config
+
+    spec, sf, _ = memory_plan.serving_of(transformer, checkpoint_config(transformer))
+    serving = describe_spec(spec, sf)
+    problems = memory_plan.stage_fit_problems(layouts[0], serving)
+    if problems:
+        raise ValueError(problems[0])
+    if not args.device.startswith("cuda"):
+        return plan
+    parts = [part for layout in layouts for part in memory_plan.layout_parts(layout)]
+    if totals is None:
+        totals = _gpu_totals({part.device for part in parts})
+    plans = memory_plan.plan_devices(totals, parts, serving)
+    for device in plans:
+        if device.problem:
+            raise ValueError(device.problem)
+    for device in plans:
+        if device.shared:
+            print(f"stagecast up: memory: {device.line()}", flush=True)
+    return dataclasses.replace(plan, shares=memory_plan.share_of(plans))
+
+
+def _fleet_device(args: argparse.Namespace, index: int, gpus: int | None = None):
+    """Pipeline ``index``'s device names as this machine numbers its GPUs (``launcher.fleet.pipeline_gpus``)."""
+    from launcher.fleet import pipeline_gpus
+
+    visible = pipeline_gpus(args, index, gpus)
+
+    def device_of(device: str) -> str:
+        head, _, n = device.partition(":")
+        return f"cuda:{visible[int(n)]}" if head == "cuda" and n.isdigit() else device
+
+    return device_of
+
+
+def _gpu_totals(devices: set[str]) -> dict[str, int]:
+    """Each CUDA device's total bytes (``torch.cuda.get_device_properties``)."""
+    import torch
+
+    return {d: torch.cuda.get_device_properties(torch.device(d)).total_memory for d in devices}
 
 
 def _run_one(args: argparse.Namespace, plan: Plan, stop) -> int:

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def _stage_index(args: argparse.Namespace) -> int:
     """The rank this process registers as, from ``--index`` or ``STAGECAST_STAGE_INDEX`` (and ``--sp-rank``), with
     every flag ``main`` checks before loading anything; ValueError names the flag."""
-    from stage_service.kv_budget import check_kv_budget_gib
+    from stage_service.kv_budget import check_device_memory_gib, check_kv_budget_gib
 
     index = args.index if args.index is not None else os.environ.get("STAGECAST_STAGE_INDEX")
     if index is None:
@@ -45,6 +45,7 @@ def _stage_index(args: argparse.Namespace) -> int:
     if args.calibration_s is not None and not 0 <= args.calibration_s <= 600:
         raise ValueError(f"--calibration-s: must be in [0, 600], got {args.calibration_s}")
     check_kv_budget_gib(args.kv_budget_gib)
+    check_device_memory_gib(args.device_memory_gib)
     if args.sp_rank is not None:
         index = index * args.sp + args.sp_rank  # the rank this process registers as
     return index

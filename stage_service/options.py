@@ -76,6 +76,14 @@ class StageOptions:
         "stage holds the admitted streams' worst-case KV plus its own (0: derive it: on a GPU the memory free after "
         "loading and calibrating less a reserve for activations and graphs; on a CPU no limit)",
     )
+    # this process's share of its GPU (``stage_service.kv_budget``; ``stagecast up`` plans it on a shared GPU); 0: none
+    device_memory_gib: float = flag(
+        0.0,
+        help="the most of its GPU this stage plans for, in GiB: the KV budget is this share less what the stage holds "
+        "after loading and calibrating, its activation peak, the graphs' buffer cap and a reserve (fractions of the "
+        "share), so it does not depend on when a process beside it on the GPU loads (stagecast up sets it when the "
+        "gateway or another pipeline shares the GPU); 0: derive from the device's free memory; --kv-budget-gib wins",
+    )
     metrics_port: int = flag(0, help="Prometheus port (0: off)")
     # ``stage_service.lora.LoraSpec`` s merged into the slice at load, in order (PATH[:SCALE] texts on the command line)
     loras: tuple = flag(

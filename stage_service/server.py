@@ -39,7 +39,7 @@ import torch
 from stage_service.dit_levers import parse_levers
 from stage_service.executor import ExecutorEvent
 from stage_service.generation import Generation
-from stage_service.kv_budget import check_kv_budget_gib
+from stage_service.kv_budget import check_device_memory_gib, check_kv_budget_gib
 from stage_service.membership import Membership, StageHealth, reexec
 from stage_service.metrics import StageTelemetry
 from stage_service.options import StageOptions
@@ -90,6 +90,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         self.config = checkpoint_config(opts.checkpoint)
         check_sp(opts.sp, self.config["num_attention_heads"])  # at start-up, before registering
         check_kv_budget_gib(opts.kv_budget_gib)
+        check_device_memory_gib(opts.device_memory_gib)
         self.world_size = 0
         self.gen: Generation | None = None
         self.lock = threading.RLock()
@@ -189,6 +190,14 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     f" (with --sp {self.opts.sp})",
                 )
             assert self.loader.slice is not None
+            # A stage that holds no stream at the serving defaults refuses to form: the coordinator's start-up then
+            # fails with this message (coordinator.generations) instead of becoming READY and refusing every stream.
+            group = max(1, request.world_size // cfg_parallel)
+            cfg_rank = request.rank // group
+            short = self.loader.stream_fit_problem(sp=self.opts.sp, cfg_rank=cfg_rank, cfg_size=cfg_parallel)
+            if short is not None:
+                logger.error("%s", short)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, short)
             self.gen = Generation.form(
                 request,
                 self.loader.slice,

@@ -25,10 +25,11 @@ from stage_service.checkpoint import load_slice_state_dict, random_slice_state_d
 from stage_service.dit_levers import apply_levers, parse_levers, warm_levers
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
-from stage_service.kv_budget import graph_buffer_cap, measure_kv_budget
+from stage_service.kv_budget import KvBudget, graph_buffer_cap, measure_kv_budget_detail, stream_fit_problem
 from stage_service.metrics import StageTelemetry
+from stagecast.kv_memory import describe_spec, serving_spec, spatial_factor, stream_kv_bytes
 from stagecast.microstep import DEFAULT_MAX_BATCH
-from stagecast.model.config import RANDOM_PREFIX
+from stagecast.model.config import RANDOM_PREFIX, DiTConfig, checkpoint_folder
 from stagecast.startup import Startup
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class SliceLoader:
         self.max_batch = DEFAULT_MAX_BATCH
         self.calibration: Calibration | None = None  # of the loaded slice; None: not calibrated
         self.kv_budget = 0  # bytes for streams' KV, measured after loading (FormReply.kv_budget_bytes; 0: no limit)
-        # What the CUDA graphs' static buffers may hold (None: no cap, no graphs); kept out of the KV budget.
-        self.graph_cap = graph_buffer_cap(device, opts.cuda_graphs)
+        self.kv_budget_origin = ""  # where it came from (a Form refused for want of room for one stream says it)
+        # What the CUDA graphs' static buffers may hold (None: no cap, no graphs); kept out of the KV budget: a
+        # fraction of this process's share of its GPU (--device-memory-gib), else of the GPU.
+        self.graph_cap = graph_buffer_cap(device, opts.cuda_graphs, opts.device_memory_gib)
 
     def load(self, layers: range) -> float:
         """Load ``layers`` unless they are loaded already; returns the seconds it took (the caller holds the lock)."""
@@ -105,13 +108,45 @@ class SliceLoader:
         peak = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
         if cuda:
             torch.cuda.empty_cache()
-        self.kv_budget = measure_kv_budget(
-            self.device, operator_gib=self.opts.kv_budget_gib, activation_peak=peak, graph_bytes=self.graph_cap or 0
+        budget: KvBudget = measure_kv_budget_detail(
+            self.device,
+            operator_gib=self.opts.kv_budget_gib,
+            activation_peak=peak,
+            graph_bytes=self.graph_cap or 0,
+            share_gib=self.opts.device_memory_gib,
         )
+        self.kv_budget, self.kv_budget_origin = budget.bytes, budget.origin
         gib = self.kv_budget / (1 << 30)
-        limit = f"{gib:.3f} GiB" if self.kv_budget else "no limit (on a CPU: --kv-budget-gib sets one)"
+        limit = f"{gib:.3f} GiB ({budget.origin})" if self.kv_budget else budget.origin
         logger.info("stage %d gives streams' KV %s", self.opts.index, limit)
         return took
+
+    def stream_fit_problem(self, *, sp: int, cfg_rank: int, cfg_size: int) -> str | None:
+        """Why this stage may not form: its KV budget holds no stream at the serving defaults
+        (``stagecast.kv_memory.serving_spec``, priced as the coordinator prices it); None when it holds one, has no
+        limit, or the serving defaults cannot be read (logged: the gateway refuses such a checkpoint itself)."""
+        if self.kv_budget <= 0 or self.layers is None:
+            return None
+        folder = checkpoint_folder(self.opts.checkpoint)
+        root = None if folder is None else folder.parent if folder.name == "transformer" else folder
+        try:
+            spec = serving_spec(root, self.config)
+            spatial = spatial_factor(root, self.config)
+            need = stream_kv_bytes(
+                spec,
+                DiTConfig.from_kwargs(self.config),
+                layers=len(self.layers),
+                element_bytes=torch.empty((), dtype=self.dtype).element_size(),
+                sp=sp,
+                cfg_rank=cfg_rank,
+                cfg_size=cfg_size,
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("stage %d: no serving stream to check the KV budget against (%s)", self.opts.index, exc)
+            return None
+        budget = KvBudget(self.kv_budget, self.kv_budget_origin)
+        what = f"{describe_spec(spec, spatial)}, on layers {self.layers.start}:{self.layers.stop}"
+        return stream_fit_problem(budget, need, stage=self.opts.index, stream=what)
 
     def _warm_levers(self) -> None:
         """The fused lever's kernels compiled at the serving shape before the calibration times the slice."""

@@ -20,12 +20,29 @@ the row also holds that chunk's own frames before the frames it no longer sees a
 unbounded window over a bounded stream), an upper bound by at most ``rows - 1`` chunks' frames otherwise.  The
 stream's text K/V, latents in flight and the forward's activations are not counted here; a stage leaves them in the
 reserve it keeps out of its budget (``stage_service.server``).
+
+``serving_spec(root, config)`` is the stream a request that sets nothing runs, as far as its KV is concerned (the
+checkpoint's ``stagecast.json`` size, chunk, steps, text length and window, else the API's defaults; an unbounded
+default window counts as the benchmark protocol's 6 frames with 3 sinks, as the gateway's warm-up stream does): what a
+stage must hold at least one of to form (``stage_service.kv_budget.stream_fit_problem``) and what ``stagecast up``'s
+memory plan sizes a shared GPU for (``launcher.memory_plan``).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from stagecast.api import DEFAULT_CHUNK_FRAMES, DEFAULT_HEIGHT, DEFAULT_STEPS, DEFAULT_TEXT_LEN, DEFAULT_WIDTH
 from stagecast.microstep import StreamSpec, context_frames, stream_branches
 from stagecast.model.config import DiTConfig
+
+SERVING_FILE = "stagecast.json"  # the checkpoint's serving defaults (gateway.checkpoint.ServingDefaults reads it all)
+# The window a stream at the serving defaults is counted with when the checkpoint leaves it unbounded: the benchmark
+# protocol's (gateway.stream.warmup's DEFAULT_WINDOW / DEFAULT_SINK); an unbounded one grows to the RoPE limit, which
+# no real model's KV holds on one GPU (a client asking for it is refused naming ``window``).
+PROTOCOL_WINDOW = 6
+PROTOCOL_SINK = 3
 
 
 def max_context_frames(spec: StreamSpec, rope_limit: int) -> int:
@@ -81,3 +98,63 @@ def format_bytes(n: float) -> str:
             value = n / size
             return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
     return f"{int(n)} B"
+
+
+def spatial_factor(root: Path | None, config: dict) -> int:
+    """Video pixels per latent pixel: the checkpoint's VAE's (``vae/config.json``), else the Wan VAEs'."""
+    if root is not None and (root / "vae" / "config.json").is_file():
+        from stagecast.model import vae_configs
+        from stagecast.model.config import read_vae_config
+
+        return vae_configs.spatial_factor(read_vae_config(root / "vae"))
+    return 16 if config.get("in_channels") == 48 else 8  # the Wan2.2 VAE (48 channels) is 16x, Wan2.1's 8x
+
+
+def serving_spec(root: Path | None, config: dict) -> StreamSpec:
+    """The stream at the serving defaults of the checkpoint folder ``root`` (holding ``transformer/``,
+    ``stagecast.json`` and ``vae/``; None: the API's defaults) for the transformer ``config``: its KV shape, the
+    guidance the gateway defaults to (none: one branch) and its steps (placeholder timesteps: only their count
+    matters to the KV).  Raises ValueError naming ``stagecast.json`` when it is unreadable."""
+    data: dict = {}
+    if root is not None and (root / SERVING_FILE).is_file():
+        try:
+            data = json.loads((root / SERVING_FILE).read_text())
+        except ValueError as exc:
+            raise ValueError(f"{root / SERVING_FILE}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{root / SERVING_FILE}: must hold a JSON object")
+
+    def pick(key: str, default: int) -> int:
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            where = root / SERVING_FILE if root else SERVING_FILE
+            raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
+        return value
+
+    height, width = pick("height", DEFAULT_HEIGHT), pick("width", DEFAULT_WIDTH)
+    steps, window, sink = pick("steps", DEFAULT_STEPS), pick("window", 0), pick("sink", 0)
+    if window == 0:
+        window, sink = PROTOCOL_WINDOW, PROTOCOL_SINK
+    sf = spatial_factor(root, config)
+    _, p_h, p_w = config["patch_size"]
+    return StreamSpec(
+        stream_id=0,
+        latent_channels=int(config.get("in_channels", 16)),
+        chunk_frames=max(1, pick("chunk_frames", DEFAULT_CHUNK_FRAMES)),
+        latent_height=max(p_h, height // sf // p_h * p_h),
+        latent_width=max(p_w, width // sf // p_w * p_w),
+        timesteps=tuple(1000.0 * (1 - i / max(steps, 1)) for i in range(max(steps, 1))),
+        window=window,
+        sink=min(sink, window),
+        text_len=pick("text_len", DEFAULT_TEXT_LEN),
+    )
+
+
+def describe_spec(spec: StreamSpec, spatial: int) -> str:
+    """A serving stream for a message (``spatial``: the VAE's ``spatial_factor``): "832x480, 1 latent frame a chunk,
+    4 steps, a 6-frame window"."""
+    frames = "1 latent frame" if spec.chunk_frames == 1 else f"{spec.chunk_frames} latent frames"
+    return (
+        f"{spec.latent_width * spatial}x{spec.latent_height * spatial}, {frames} a chunk, {spec.steps} step"
+        f"{'s' if spec.steps != 1 else ''}, a {spec.window}-frame window"
+    )

@@ -102,7 +102,7 @@ def test_up_passes_dit_levers_to_every_stage(checkpoint, monkeypatch):
         cfg_parallel=1,
         dit_levers="fused",
     )
-    plan = argparse.Namespace(partition=None)
+    plan = pipeline_start.Plan(placement=None, partition=None, vae_split=None)
     assert pipeline_start.start_stages(None, args, plan, port=0, metrics_port=0, health_port=-1) == "pipe"
     assert seen["stage_extra_args"] == ["--dit-levers", "fused"]
     args.dit_levers = ""

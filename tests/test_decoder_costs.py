@@ -216,9 +216,17 @@ def test_the_gateway_serves_tiny_streams_on_the_batched_decoder_and_admits_by_de
     from launcher.demo_checkpoint import write_demo_checkpoint
 
     root = write_demo_checkpoint(tmp_path / "ckpt", tiny_decoder=True)
-    opts = service.GatewayOptions(
-        coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=0, decoder_memory_gib=1e-9
-    )
+    base = dict(coordinator="127.0.0.1:1", checkpoint=str(root), port=0, pipeline_warmup_s=0, default_decoder="tiny")
+    # Each kind's state per pixel, from a gateway without a bound (a CPU's), then a bound that holds one stream of the
+    # default (tiny) decoder at the serving size and a half, but no full one.
+    probe = service.Gateway(service.GatewayOptions(**base))
+    try:
+        per_pixel = dict(probe.table.decoder_memory.per_pixel)
+    finally:
+        probe.stop(grace=0)
+    serving = probe.defaults.width * probe.defaults.height
+    assert per_pixel["full"] > 1.5 * per_pixel["tiny"] > 0
+    opts = service.GatewayOptions(**base, decoder_memory_gib=1.5 * per_pixel["tiny"] * serving / GIB)
     gw = service.Gateway(opts)
     try:
         assert isinstance(gw.models.tiny_decoder, BatchedDecoder)

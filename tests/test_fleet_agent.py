@@ -11,7 +11,7 @@ import pytest
 from gateway.edge.admission import Refused
 from gateway.edge.agent import Fleet, FleetOptions, PipelineSlots, agent_reply
 from launcher import door
-from launcher.fleet import check_fleet_flags, check_gpus
+from launcher.fleet import check_fleet_flags
 from stagecast.internal.v1 import pipeline_pb2 as ipb
 
 pytestmark = pytest.mark.unit
@@ -184,9 +184,3 @@ def test_missing_haproxy_fails_at_once_naming_the_package(monkeypatch):
     args = argparse.Namespace(gateway_port=0, checkpoint="ckpt", cfg_parallel=1, fleet_drain_s=30.0, device="cpu")
     monkeypatch.setattr("launcher.fleet.has_gateway", lambda args: True)
     assert "apt-get install haproxy" in check_fleet_flags(args)
-
-
-def test_pipelines_sharing_a_gpu_are_refused():
-    assert check_gpus(2, 2, gpus=4) is None
-    problem = check_gpus(2, 2, gpus=3)
-    assert "--pipelines 2" in problem and "needs 4 GPUs" in problem and "sharing a GPU" in problem

@@ -168,11 +168,13 @@ SERVICE_DEFAULT = {
     "stage": {
         "--calibration-s": "the GPU default (10 s) is the deployment's; through extraArgs",
         "--kv-budget-gib": "derived from free GPU memory by default; through extraArgs",
+        "--device-memory-gib": "each stage pod has a GPU of its own (the free memory is its own); through extraArgs",
         "--lora": "LoRA files are per deployment; through extraArgs with the model volume's paths",
         "--dit-levers": "opt-in levers that change the numbers (none by default); through extraArgs",
     },
     "gateway": {
         "--text-len": "the checkpoint's serving defaults",
+        "--device-memory-gib": "the gateway pod's GPU is its own (its free memory is its own); through extraArgs",
         "--text-dtype": "auto: bfloat16 on a GPU",
         "--text-device": "the gateway's --device",
         "--no-text-graph": "the captured text encoder is checked against eager at start; through extraArgs",

@@ -24,7 +24,7 @@ from tests.test_telemetry_e2e import _free_port, scrape
 
 pytestmark = pytest.mark.multiprocess
 
-W, H = 48, 32  # latents 6 x 4
+W, H = 64, 64  # latents 8 x 8: the demo checkpoint's serving size (a stage must hold one such stream to form)
 STAGES = 2
 TIMEOUT = 120
 STREAM = dict(width=W, height=H, codec="jpeg", steps=2, chunk_frames=1, policy="per_level", timeout=TIMEOUT)

@@ -132,6 +132,39 @@ GIB = 1024**3
 MEMORY_RESERVE_BYTES = 8 * GIB
 MEMORY_RESERVE_FRACTION = 0.1
 MAX_BUDGET_GIB = 1 << 20  # a budget past a petabyte is not a budget
+# The Wan VAE's per-stream caches when not measured (VAE on the CPU, or the measurement failed): ~1.8 GiB at 480x832
+# in bfloat16 (scaled by the dtype and frame pixels).  And a tiny decoder's, as ``stagecast up``'s memory plan
+# estimates it before anything runs (the gateway measures its own: ``BatchedDecoder.state_bytes_at``).
+FULL_VAE_STATE_BYTES = int(1.8 * 1024**3)
+FULL_VAE_STATE_ITEMSIZE = 2
+TINY_STATE_BYTES = 64 << 20
+STATE_PIXELS = 480 * 832  # the frame size of those figures
+# With a planned share of the device (--device-memory-gib): what the gateway holds that torch.cuda.memory_allocated does
+# not count (the CUDA context, cuDNN's and cuBLAS's workspaces), and the reserve for a decode call's activations and
+# the allocator's slack.  No neighbour grows into a planned share, so the reserve is smaller than the derived one's.
+CONTEXT_BYTES = 1 * GIB
+PLANNED_RESERVE_BYTES = 2 * GIB
+
+
+def planned_reserve(share: int) -> int:
+    """The reserve kept out of a planned share's decoder budget: 2 GiB, or 10% of the share."""
+    return max(PLANNED_RESERVE_BYTES, int(MEMORY_RESERVE_FRACTION * share))
+
+
+def share_decoder_budget(share: int, held: int) -> int:
+    """The decoder-state budget of a gateway given ``share`` bytes of its GPU that holds ``held`` bytes
+    (``torch.cuda.memory_allocated`` once its models are loaded and warmed): the rest less ``CONTEXT_BYTES`` and
+    ``planned_reserve``; at least 0."""
+    return max(0, share - held - CONTEXT_BYTES - planned_reserve(share))
+
+
+def share_for_decoder(room: int, held: int) -> int:
+    """The smallest share whose ``share_decoder_budget`` is at least ``room`` (a plan's inverse)."""
+    fixed = room + held + CONTEXT_BYTES
+    share = max(fixed + PLANNED_RESERVE_BYTES, int(fixed / (1.0 - MEMORY_RESERVE_FRACTION)) + 1)
+    while share_decoder_budget(share, held) < room:
+        share += 1 << 20
+    return share
 
 
 @dataclass
@@ -159,10 +192,14 @@ class DecoderMemory:
         *,
         budget_gib: float = 0,
         free_bytes: Callable[[], tuple[int, int]] | None = None,
+        share_gib: float = 0,
+        held_bytes: Callable[[], int] | None = None,
     ) -> DecoderMemory:
         """``state_bytes``: each decoder kind's one-stream state at the serving size ``serving_hw`` (height, width).
-        ``budget_gib`` > 0 is the budget; 0 derives it: on a GPU its free memory now (``free_bytes() -> (free,
-        total)``, by default ``torch.cuda.mem_get_info``) less a reserve, on a CPU unbounded."""
+        ``budget_gib`` > 0 is the budget; 0 derives it: on a GPU with ``share_gib`` > 0 (``--device-memory-gib``, the
+        gateway's planned share of the device) that share less what the gateway holds now (``held_bytes()``, by
+        default ``torch.cuda.memory_allocated``; ``share_decoder_budget``), else its free memory now (``free_bytes()
+        -> (free, total)``, by default ``torch.cuda.mem_get_info``) less a reserve; on a CPU unbounded."""
         if not 0 <= budget_gib <= MAX_BUDGET_GIB:
             raise ValueError(f"--decoder-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {budget_gib}")
         for kind, held in state_bytes.items():
@@ -176,6 +213,20 @@ class DecoderMemory:
             return cls(int(budget_gib * GIB), per_pixel, device, "set")
         if not device.startswith("cuda"):
             return cls(None, per_pixel, device, "unbounded on a CPU")
+        if not 0 <= share_gib <= MAX_BUDGET_GIB:
+            raise ValueError(f"--device-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {share_gib}")
+        if share_gib > 0:
+            if held_bytes is None:
+                import torch
+
+                held_bytes = lambda: torch.cuda.memory_allocated(torch.device(device))  # noqa: E731
+            share, held = int(share_gib * GIB), held_bytes()
+            origin = (
+                f"its {share_gib:.1f} GiB share of {device} (--device-memory-gib) less the {held / GIB:.1f} GiB its "
+                f"models hold, {CONTEXT_BYTES / GIB:.0f} GiB of CUDA context and a {planned_reserve(share) / GIB:.1f} "
+                "GiB reserve"
+            )
+            return cls(share_decoder_budget(share, held), per_pixel, device, origin)
         if free_bytes is None:
             import torch
 
@@ -185,6 +236,19 @@ class DecoderMemory:
         budget = max(0, free - reserve)
         origin = f"{device}'s {free / GIB:.1f} GiB free at start-up less a {reserve / GIB:.1f} GiB reserve"
         return cls(budget, per_pixel, device, origin)
+
+    def stream_fit_problem(self, decoder: str, serving_hw: tuple[int, int]) -> str | None:
+        """Why this gateway may not start: its budget holds no stream of its default ``decoder`` at the serving size
+        ``serving_hw`` (height, width); None when it holds one, is unbounded, or that decoder holds no state here."""
+        need = int(self.per_pixel.get(decoder, 0.0) * serving_hw[0] * serving_hw[1])
+        if self.budget is None or need == 0 or need <= self.budget:
+            return None
+        return (
+            f"decoder memory: one {serving_hw[1]}x{serving_hw[0]} stream on the {decoder} decoder (the default) holds "
+            f"{need / GIB:.2f} GiB of decoder state on {self.device}, and this gateway has {self.budget / GIB:.2f} GiB "
+            f"for streams ({self.origin}): give it --decoder-memory-gib or a larger --device-memory-gib, put it on "
+            "another GPU, or make the tiny decoder the default (--default-decoder tiny)"
+        )
 
     def need(self, cfg: EffectiveConfig) -> int:
         return int(self.per_pixel.get(cfg.decoder, 0.0) * cfg.width * cfg.height)
