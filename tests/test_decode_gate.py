@@ -175,3 +175,105 @@ def test_paced_prompts_pass_the_encode_gate_at_once_and_unpaced_ones_wait_until_
         assert order == ["paced"] and gate.free == 1
     later.join()
     assert order == ["paced", "unpaced"] and gate.paced_running == 0 and gate.free == 1
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _ticket(gate) -> int:
+    """An unpaced waiter's place at the head of the queue, for asking ``_unpaced_may_start`` directly."""
+    ticket = next(gate._tickets)
+    gate.unpaced_queue.append(ticket)
+    return ticket
+
+
+def test_between_a_paced_streams_decodes_unpaced_work_takes_at_most_its_share_of_the_gate():
+    clock = FakeClock()
+    gate = DecodeGate(1, share=0.25, window_s=1.0, clock=clock)
+    queued = [False]
+    key = gate.watch(lambda: queued[0])
+    with gate.hold(False):  # an unpaced decode of 0.2 s, no paced work anywhere
+        clock.t += 0.2
+    assert gate.unpaced_cost_s == pytest.approx(0.2)
+    ticket = _ticket(gate)
+    # No paced work pending: a free slot is the unpaced stream's.
+    assert gate._unpaced_may_start(ticket) == (True, None)
+    # A paced session has its next latents queued (between two of its decodes): 0.2 s taken + 0.2 s more would pass
+    # 25% of the last second, so the unpaced hold waits, and says for how long at most.
+    queued[0] = True
+    ok, retry = gate._unpaced_may_start(ticket)
+    assert not ok and retry == pytest.approx(0.15)
+    clock.t += 0.1
+    assert not gate._unpaced_may_start(ticket)[0]
+    # Once the earlier decode slides out of the window, best-effort work moves again, paced work still queued.
+    clock.t += 0.86
+    assert gate.unpaced_busy_s(clock()) == pytest.approx(0.04) and gate._unpaced_may_start(ticket)[0]
+    clock.t += 0.1
+    assert gate._unpaced_may_start(ticket) == (True, None)
+    # A paced hold waiting or running always goes first.
+    with gate.hold(True):
+        assert gate.paced_pending() and not gate._unpaced_may_start(ticket)[0]  # and no slot is free anyway
+    gate.unwatch(key)
+    gate.unpaced_queue.remove(ticket)
+    assert not gate.paced_pending()
+
+
+def test_unpaced_holds_take_the_gate_oldest_first():
+    gate = DecodeGate(1)
+    order = []
+
+    def decode(name):
+        with gate.hold(False):
+            order.append(name)
+
+    threads = []
+    with gate.hold(True):
+        for i in range(4):
+            threads.append(threading.Thread(target=decode, args=(f"unpaced-{i}",)))
+            threads[-1].start()
+            waiting(gate, 0, i + 1)
+    for t in threads:
+        t.join()
+    assert order == [f"unpaced-{i}" for i in range(4)]
+    with pytest.raises(ValueError, match="share must be in"):
+        DecodeGate(1, share=0)
+
+
+def test_a_paced_session_with_latents_queued_keeps_an_unpaced_decode_waiting_until_its_budget_allows(tmp_path):
+    # The CPU host (issue 50): between two of a paced stream's decodes, its next latents already queued, the free slot
+    # went to a waiting unpaced decode, so every paced chunk waited behind one (a 1 s stream took 1.87x its time
+    # alone beside 8 unpaced streams).
+    part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
+    log = []
+    clock = FakeClock()
+    decoder = LocalDecoder(Recording(part, log), gate_slots=1)
+    gate = decoder.gates[0]
+    gate.clock = clock
+    gate.unpaced_spans.append([clock.t - 0.2, clock.t])  # best-effort decodes took 0.2 of the last second
+    gate.unpaced_cost_s = 0.2
+    x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    unpaced, paced = decoder.open(2), decoder.open(4, paced=True)
+    unpaced.states[0].name, paced.states[0].name = "unpaced", "paced"
+    try:
+        with gate.hold(True):  # a paced decode runs; its stream's next two chunks are queued
+            for i in range(2):
+                paced.submit(SimpleNamespace(index=i), x)
+            unpaced.submit(SimpleNamespace(index=0), x)
+            with gate.cond:
+                assert gate.cond.wait_for(lambda: gate.waiting[0] == 1 and gate.waiting[1] == 1, timeout=60)
+        # Every queued paced chunk decodes before the unpaced one: its budget is spent while paced work is pending.
+        paced.finish()
+        assert [t.index for t, _f, _w in paced.results()] == [0, 1]
+        # The paced session's work is done (its worker left the gate): the unpaced decode goes at once.
+        unpaced.finish()
+        (frames,) = [f for _t, f, _w in unpaced.results()]
+        assert np.array_equal(frames, tiny_to_uint8_frames(part.decode_chunk(part.new_state(), x)).numpy())
+        assert log == ["paced", "paced", "unpaced"] and not gate.probes
+    finally:
+        unpaced.close()
+        paced.close()

@@ -21,7 +21,8 @@ In process (``--vae-devices cuda:0,cuda:1``, ``--vae-split``), each part runs in
 with its own cache slots and hands one tensor per chunk to the next, so consecutive chunks are in different parts at
 once.  Each part's decodes pass a ``DecodeGate`` (two slots on a GPU: one launching while one finishes; one on a CPU)
 where a waiting paced stream's decode goes before any unpaced one's (``open(capacity, paced=...)``), so unpaced
-streams' full-VAE decodes never queue ahead of a paced stream's.
+streams' full-VAE decodes never queue ahead of a paced stream's, and while a paced stream has latents queued there,
+unpaced decodes take only a bounded share of the part (``DecodeGate``).
 
 A tiny streaming decoder (``gateway.decode.tiny_decoder``) is one more part:
 ``LocalDecoder([load_tiny_decoder(path)])``.
@@ -31,6 +32,7 @@ Each part says what range its video is in (``output_range``: the Wan VAE's [-1, 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -120,43 +122,145 @@ GPU_GATE_SLOTS = 2  # decodes in flight per GPU part: one launching while one fi
 CPU_GATE_SLOTS = 1
 
 
+# While paced work is pending at a gate (queued in a paced session, waiting, or running), unpaced work takes at most
+# this share of the gate's time over any window of UNPACED_WINDOW_S (its next hold priced at its recent holds), so a
+# paced stream's decodes lose at most about that share to best-effort ones, and best-effort streams still move.
+UNPACED_SHARE = 0.25
+UNPACED_WINDOW_S = 1.0
+UNPACED_COST_HOLDS = 8  # an unpaced hold is priced at the longest of this many recent ones
+
+
 class DecodeGate:
-    """At most ``slots`` decodes at once on one part (one device); a paced stream's waiting decode goes before any
-    unpaced one's, so unpaced streams' decodes never queue ahead of a paced stream's on a shared GPU or CPU.  The
-    gateway's encodes pass one of their own (``encode_gate``).
+    """At most ``slots`` decodes at once on one part (one device), paced streams first.
 
-    Usage: ``with gate.hold(paced): ...decode...``.  Unpaced waiters wait while any paced one does (paced streams
-    run at their frame rate, so they leave room unless the GPU is over-committed, when they should win)."""
+    Usage: ``with gate.hold(paced): ...decode...``; a paced session with work queued for this gate says so with
+    ``watch(probe)`` (``probe()`` True while it has latents waiting for this part; ``unwatch`` at its end).
 
-    def __init__(self, slots: int):
+    - A paced hold that waits goes before every unpaced one.
+    - While paced work is pending here (a paced hold waiting or running, or a watched paced session with work
+      queued), an unpaced hold starts only if the unpaced holds of the last ``window_s`` plus its own (priced at
+      the longest recent one) stay within ``share`` of that window, or if no unpaced hold ran in that window:
+      between two decodes of a paced stream whose next latents are already queued, the free slot is not the
+      unpaced stream's for the asking.  So best-effort work gets ``share`` of the gate or one hold per
+      ``window_s``, whichever is more, and a paced stream loses no more (a decode is not preempted: one that runs
+      when the paced stream's work arrives finishes first).
+    - With no paced work pending, unpaced holds take free slots as they come, oldest waiter first.
+
+    The gateway's encodes (prompts, JPEG and H.264 frames) pass one of their own (``encode_gate``)."""
+
+    def __init__(
+        self,
+        slots: int,
+        *,
+        share: float = UNPACED_SHARE,
+        window_s: float = UNPACED_WINDOW_S,
+        clock=time.monotonic,
+    ):
         if not 1 <= slots <= MAX_GATE_SLOTS:
             raise ValueError(f"decode gate slots must be in 1..{MAX_GATE_SLOTS}, got {slots}")
+        if not 0 < share <= 1 or not window_s > 0:
+            raise ValueError(f"decode gate: share must be in (0, 1] and window_s > 0, got {share}, {window_s}")
         self.slots = slots
         self.free = slots
         self.waiting = [0, 0]  # paced, unpaced
         self.paced_running = 0  # paced work that passed ``yielding`` (it takes no slot)
+        self.paced_holding = 0  # paced holds in progress
+        self.share = share
+        self.window_s = window_s
+        self.clock = clock
+        self.probes: dict[int, object] = {}  # watched paced sessions' "work queued here?" probes
+        self._probe_ids = itertools.count()
+        self.unpaced_spans: list[list[float]] = []  # [start, end] of recent unpaced holds (end inf: running)
+        # The next unpaced hold is priced at the longest of the last few (a stream's first chunk decodes in a fraction
+        # of a later one's time); None before one.
+        self.unpaced_costs: collections.deque[float] = collections.deque(maxlen=UNPACED_COST_HOLDS)
+        self.unpaced_cost_s: float | None = None
+        self._tickets = itertools.count()
+        self.unpaced_queue: list[int] = []  # waiting unpaced holds' tickets, oldest first
         self.cond = threading.Condition()
+
+    def watch(self, probe) -> int:
+        """A paced session's probe: True while it has work queued for this gate.  Returns a key for ``unwatch``."""
+        with self.cond:
+            key = next(self._probe_ids)
+            self.probes[key] = probe
+            return key
+
+    def unwatch(self, key: int) -> None:
+        with self.cond:
+            self.probes.pop(key, None)
+            self.cond.notify_all()
+
+    def paced_pending(self) -> bool:
+        """Paced work waits, runs or is queued here (under ``cond``)."""
+        return bool(
+            self.waiting[0] or self.paced_running or self.paced_holding or any(p() for p in self.probes.values())
+        )
+
+    def unpaced_busy_s(self, now: float) -> float:
+        """Seconds of the last ``window_s`` unpaced holds took, the running ones up to ``now`` (under ``cond``)."""
+        since = now - self.window_s
+        self.unpaced_spans = [s for s in self.unpaced_spans if s[1] > since]
+        return sum(min(end, now) - max(start, since) for start, end in self.unpaced_spans)
+
+    def _unpaced_may_start(self, ticket: int) -> tuple[bool, float | None]:
+        """Whether the unpaced hold ``ticket`` may take a slot now, else how long until the budget could allow it
+        (None: wait for a notification)."""
+        if self.free <= 0 or self.waiting[0] or self.paced_running or self.unpaced_queue[0] != ticket:
+            return False, None
+        if not self.paced_pending():
+            return True, None
+        now = self.clock()
+        busy = self.unpaced_busy_s(now)
+        room = self.share * self.window_s - busy - (self.unpaced_cost_s or 0.0)
+        if room >= 0 or busy == 0:  # within the share, or none in the window: best-effort work always moves
+            return True, None
+        # The window slides at one second per second: by then either the room is there or the window is empty.
+        return False, min(-room, self.window_s)
 
     @contextlib.contextmanager
     def hold(self, paced: bool):
-        kind = 0 if paced else 1
         with self.cond:
-            self.waiting[kind] += 1
-            self.cond.notify_all()  # whoever watches the queue (a test) sees it grow
-            try:
-                self.cond.wait_for(
-                    lambda: self.free > 0 and (paced or (self.waiting[0] == 0 and self.paced_running == 0))
-                )
-            finally:
-                self.waiting[kind] -= 1
-                # The last paced waiter leaving may let an unpaced one take a slot still free (slots > 1).
+            if paced:
+                self.waiting[0] += 1
+                self.cond.notify_all()  # whoever watches the queue (a test) sees it grow
+                try:
+                    self.cond.wait_for(lambda: self.free > 0)
+                finally:
+                    self.waiting[0] -= 1
+                    # The last paced waiter leaving may let an unpaced one take a slot still free (slots > 1).
+                    self.cond.notify_all()
+                self.paced_holding += 1
+            else:
+                ticket = next(self._tickets)
+                self.waiting[1] += 1
+                self.unpaced_queue.append(ticket)
                 self.cond.notify_all()
+                try:
+                    while True:
+                        ok, retry_s = self._unpaced_may_start(ticket)
+                        if ok:
+                            break
+                        self.cond.wait(retry_s)
+                finally:
+                    self.waiting[1] -= 1
+                    self.unpaced_queue.remove(ticket)
+                    self.cond.notify_all()  # the next unpaced waiter is first now
+                span = [self.clock(), float("inf")]
+                self.unpaced_spans.append(span)
             self.free -= 1
         try:
             yield
         finally:
             with self.cond:
                 self.free += 1
+                if paced:
+                    self.paced_holding -= 1
+                else:
+                    span[1] = self.clock()
+                    took = span[1] - span[0]
+                    self.unpaced_costs.append(took)
+                    self.unpaced_cost_s = max(self.unpaced_costs)
                 self.cond.notify_all()
 
     @contextlib.contextmanager
@@ -304,6 +408,12 @@ class LocalSession:
         self.states = [part.new_state() for part in parts]
         # inbox (capacity) -> part 0 -> [1] -> part 1 -> ... -> [1] -> results()
         self.channels = [BoundedChannel(capacity)] + [BoundedChannel(1) for _ in parts]
+        # A paced session tells each part's gate while it has latents queued for that part (``DecodeGate.watch``),
+        # so that an unpaced decode does not take the slot between two of its decodes.
+        self.watched = [
+            gate.watch(lambda ch=channel: len(ch) > 0) if paced and gate is not None else None
+            for gate, channel in zip(self.gates, self.channels, strict=False)
+        ]
         self.workers = [
             threading.Thread(target=self._work, args=(i,), daemon=True, name=f"vae-part-{i}") for i in range(len(parts))
         ]
@@ -337,6 +447,9 @@ class LocalSession:
             # Chunks this part finished before failing are good and still queued for the next part: they go
             # first, then the failure (dropping them lost a good chunk whenever the next part had not taken it).
             outbox.put_final(_Failure(exc))
+        finally:
+            if self.watched[i] is not None:  # no more work for this part's gate from this stream
+                self.gates[i].unwatch(self.watched[i])
 
     def submit(self, tag, latents: torch.Tensor) -> bool:
         return self.channels[0].put((tag, latents, None))
