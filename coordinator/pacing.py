@@ -41,6 +41,12 @@ __all__ = ["MAX_CHUNK_RATE", "PACE_EARLY_S", "PLAYOUT_S", "Pacing"]
 # a tick that came early for a chunk the credit did not yet allow was never repeated (it is kicked once per chunk
 # count), and the stream stalled until some other event woke the loop.
 PACE_EARLY_S = 1e-3
+# Among ready micro-steps, a joining stream's first chunk is due this long after its open (``Pacing.deadline``): its
+# viewer waits for the first frame, but the second chunk of a stream that joined just before it is due one frame
+# after that stream's first and would otherwise wait behind every joiner's first chunk.  On one H200 a burst of 7
+# 1.3B streams ran all 7 first chunks (two forwards) before any second one, and 3 of them started 2-4 frames late,
+# missing "held" (99% on time) by those frames alone (2026-12-04).
+FIRST_CHUNK_GRACE_S = 0.1
 
 
 @dataclass
@@ -144,12 +150,14 @@ class Pacing:
         (``first_consumed_at``, the first frame's time: chunk c is due ``c / chunk_rate`` after it, less
         ``pace_offset_s`` past the first chunk); before, at its slot (``pace_slot``), which is no later.  A joining
         stream's second chunk is due one frame after its first, while a running stream's next chunks start up to the
-        playout buffer before they are due: that chunk goes first, or its viewer's picture freezes after one frame."""
+        playout buffer before they are due: that chunk goes first, or its viewer's picture freezes after one frame.
+        A joining stream's first chunk is due ``FIRST_CHUNK_GRACE_S`` after its slot: in a burst of joiners, the
+        first ones' second chunks go before the last ones' first chunks."""
         schedule = self._schedules.get(stream_id)
         if schedule is None:
             return None
         if schedule.first_consumed_at is None:
-            return self._slot(schedule, chunk)
+            return self._slot(schedule, chunk) + (FIRST_CHUNK_GRACE_S if chunk == 0 else 0.0)
         offset = schedule.pace_offset_s if chunk > 0 else 0.0
         return schedule.first_consumed_at + chunk / schedule.chunk_rate - offset
 

@@ -9,6 +9,8 @@ driven by hand here, under a fake clock, as in ``tests/test_pacing.py``.
 
 import pytest
 
+import coordinator.pacing
+from coordinator.pacing import FIRST_CHUNK_GRACE_S
 from coordinator.requests import OpenRequest
 from coordinator.scheduler import StreamBatchScheduler
 from stagecast import wire
@@ -101,7 +103,10 @@ def test_a_deadline_is_the_pace_slot_until_the_first_chunk_is_consumed_then_the_
     tick(eng)
     pacing = eng.pacing
     assert pacing.since(s.id) == pytest.approx(100.0)
-    assert [pacing.deadline(s.id, c) for c in range(3)] == [pacing.pace_slot(s.id, c) for c in range(3)]
+    # Chunk 0 is due a grace after its slot (its viewer waits for the first frame, but a joiner before it needs its
+    # second chunk sooner); the later ones at their slots.
+    assert pacing.deadline(s.id, 0) == pytest.approx(pacing.pace_slot(s.id, 0) + FIRST_CHUNK_GRACE_S)
+    assert [pacing.deadline(s.id, c) for c in (1, 2)] == [pacing.pace_slot(s.id, c) for c in (1, 2)]
     assert pacing.deadline(s.id, 1) == pytest.approx(100.0 + 1 / RATE - OFFSET)
     clock.t = 100.31  # its first frame reached the viewer
     consume_first(eng, s)
@@ -141,3 +146,21 @@ def test_deadlines_order_ready_steps_and_equal_ones_keep_the_arrival_order():
         sched.add_stream(small_spec(stream_id=sid, timesteps=ONE_STEP, num_chunks=4))
     sched.set_due(2, lambda c: 1e9)
     assert [s.stream for s in sched.tick()] == [2]
+
+
+@pytest.mark.parametrize("grace", [FIRST_CHUNK_GRACE_S, 0.0])
+def test_in_a_burst_the_first_joiners_second_chunks_go_before_the_last_joiners_first_chunks(grace, monkeypatch):
+    # One H200, a burst of 7 (2026-12-04): all 7 first chunks ran (two forwards) before any second chunk, due one
+    # frame after each stream's first frame, and 3 of the 7 streams started 2-4 frames late.
+    monkeypatch.setattr(coordinator.pacing, "FIRST_CHUNK_GRACE_S", grace)
+    clock = Clock()
+    eng = engine(clock)
+    burst = [open_paced(eng) for _ in range(4)]  # batches of 2
+    first = tick(eng)
+    assert sorted(first) == [(burst[0].id, 0), (burst[1].id, 0)]
+    second = tick(eng)
+    if grace:
+        assert sorted(second) == [(burst[0].id, 1), (burst[1].id, 1)]
+        assert sorted(tick(eng)) == [(burst[2].id, 0), (burst[3].id, 0)]  # one forward later
+    else:  # each joiner's first chunk due at once: every first chunk went first
+        assert sorted(second) == [(burst[2].id, 0), (burst[3].id, 0)]
