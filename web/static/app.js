@@ -369,12 +369,16 @@ function newRecorder(stream, type, kind) {
 }
 
 const recentLate = []; // [{pts, late}] of the last frames told of: how late the picture now shown left the server
+const told = { id: null, pts: [] }; // the pts of every frame told of in the running stream, in order
 
 // Called on every frame the page is told of: an armed recording starts at the next picture on the screen.
 function recordFrame(msg) {
   if (msg) {
     state.lastPts = msg.pts; state.lastLateMs = msg.late_ms;
     recentLate.push({ pts: msg.pts, late: msg.late_ms }); if (recentLate.length > 64) recentLate.shift();
+    const id = state.started ? state.started.stream_id : null;
+    if (told.id !== id) { told.id = id; told.pts = []; }
+    told.pts.push(msg.pts);
   }
   if (!rec || !rec.armed || rec.waiting) return;
   const video = $("video");
@@ -419,6 +423,9 @@ function recordBegin(meta, direct) {
     t0: performance.now(), webrtc: video.srcObject instanceof MediaStream, direct: Boolean(direct),
     queue: [], pool: [], lastDue: 0, queuedDue: 0, base: null, drawn: 0, timer: null,
     runMs: 0, runningSince: null, pausedAt: null, pausedMs: 0, pauses: 0, stopping: false, finished: false,
+    rebased: false, maxGapMs: 0, lastIndex: 0,
+    // WebRTC: the frame number in the stream of the first picture recorded, at most (see watchShown)
+    told: { id: told.id, pts: told.pts, first: told.pts.length - 1 },
   };
   let stream = direct;
   if (!direct) {
@@ -513,11 +520,18 @@ function watchShown(r) {
   const video = $("video");
   const onFrame = (now, meta) => {
     if (rec !== r) return;
+    r.maxGapMs = Math.max(r.maxGapMs, meta.presentationTime - r.shown[r.shown.length - 1]);
     r.shown.push(meta.presentationTime);
     if (state.recording) state.recording.shown = r.shown.length;
     const t = pictureTime(r, meta);
     let due = r.base.due + (t - r.base.t);
-    if (due < r.queuedDue - 1e-4) { r.base = { t, due: r.queuedDue + 1 / r.fps }; due = r.base.due; }
+    if (due < r.queuedDue - 1e-4) { r.base = { t, due: r.queuedDue + 1 / r.fps }; due = r.base.due; r.rebased = true; }
+    if (webrtcCounted(r)) {
+      // The k-th frame after the first recorded one is on the screen, so its frame was told of (the message leaves
+      // the web process before the frame is encoded): the first recorded is at most the frames told of less k + 1.
+      r.lastIndex = Math.round(t * r.fps);
+      r.told.first = Math.min(r.told.first, told.pts.length - 1 - r.lastIndex);
+    }
     if (due > r.queuedDue + 1e-4) { // a new picture (not the last one again)
       r.queue.push({ due, picture: copyPicture(r) }); r.queuedDue = due;
       recTick(r);
@@ -527,21 +541,28 @@ function watchShown(r) {
   video.requestVideoFrameCallback(onFrame);
 }
 
+// WebRTC pictures counted in frames from the first recorded, in the stream that was on then (RTP timestamps).
+function webrtcCounted(r) { return r.webrtc && r.rtp0 !== undefined && !r.rebased && r.told.id === told.id; }
+
 // A switch's time on the recording's clock: that of the picture on the screen when the page was told of it.
 function recordSwitch(prompt) {
   if (!rec || rec.armed) return;
   rec.switches.push({
     prompt,
     at_s: round3(rec.direct ? (performance.now() - rec.t0) / 1000 : rec.queuedDue),
-    stream_s: shownPts(), // the pts of the picture on the screen then
+    stream_s: shownPts(), // the pts of the picture on the screen then (WebRTC: see recFinish)
+    index: webrtcCounted(rec) ? rec.lastIndex : null,
   });
 }
 
-// After the stream's end the last pictures still reach the screen (the jitter buffer, or up to a second of the MSE
-// player's: pump): the recording stops once the screen has shown no new picture for RECORD_QUIET_FRAMES frame times
-// and the MSE player holds nothing more to play (or after RECORD_DRAIN_MAX_MS).
+// After the stream's end the last pictures still reach the screen (the web process's encoder, RTP and the jitter
+// buffer, or up to a second of the MSE player's: pump), seconds later on a loaded machine: the recording stops once
+// the last frame is on the screen (the MSE player holds nothing more to play; WebRTC's picture of the last frame
+// told of, counted from a recording that began at the stream's first) and no new picture came for
+// RECORD_QUIET_FRAMES frame times.  A WebRTC recording begun later in the stream stops once no picture came for
+// twice the longest stall it saw (or RECORD_QUIET_FRAMES frame times); any after RECORD_DRAIN_MAX_MS.
 const RECORD_QUIET_FRAMES = 2;
-const RECORD_DRAIN_MAX_MS = 3000;
+const RECORD_DRAIN_MAX_MS = 10000;
 
 function recordEnd() {
   if (!rec || rec.armed) return;
@@ -551,9 +572,11 @@ function recordEnd() {
     if (rec !== r) return;
     const now = performance.now(); const b = video.buffered;
     const last = r.shown.length ? r.shown[r.shown.length - 1] : ended;
-    const played = video.srcObject instanceof MediaStream || !b.length || video.paused ||
-      video.currentTime >= b.end(b.length - 1) - 0.1;
-    if ((played && now - Math.max(last, ended) >= quietMs) || now - ended > RECORD_DRAIN_MAX_MS) recordStop();
+    const quiet = now - Math.max(last, ended);
+    const played = r.webrtc ? webrtcCounted(r) && r.lastIndex >= told.pts.length - 1 :
+      !b.length || video.paused || video.currentTime >= b.end(b.length - 1) - 0.1;
+    const stalled = r.webrtc && !played && quiet >= Math.max(quietMs, 2 * r.maxGapMs);
+    if ((played && quiet >= quietMs) || stalled || now - ended > RECORD_DRAIN_MAX_MS) recordStop();
     else setTimeout(check, 20);
   };
   check();
@@ -578,6 +601,12 @@ async function recFinish(r) {
   if (r.pausedAt !== null) { r.pausedMs += now - r.pausedAt; r.pausedAt = null; } // stopped in a stall
   const durationS = round3((r.direct ? now - r.t0 : recClockMs(r, now)) / 1000);
   const wallS = round3((now - r.t0) / 1000);
+  if (r.webrtc && r.rtp0 !== undefined && r.told.pts.length) { // the pts of the pictures, by their frame numbers
+    const first = Math.max(0, r.told.first); const pts = (i) => r.told.pts[Math.min(i, r.told.pts.length - 1)];
+    r.firstPts = round3(pts(first));
+    r.switches.forEach((x) => { if (x.index !== null) x.stream_s = round3(pts(first + x.index)); });
+  }
+  r.switches.forEach((x) => { delete x.index; });
   r.recorders.forEach((x) => x.recorder.stop());
   const blobs = await Promise.all(r.recorders.map((x) => x.done));
   const stamp = r.startedAt.replace(/[:.]/g, "-");
