@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         smoke_system(args)
-        args.steps, args.seconds, args.window, args.sink, args.timeout = 2, 1.0, 2, 1, 120.0
+        # The protocol's window (6, 3 sinks): a stage whose budget holds no stream at the serving defaults (counted
+        # with that window) does not form; 3 s: two such streams overflow the budget, and so does one without a window.
+        args.steps, args.seconds, args.window, args.sink, args.timeout = 2, 3.0, 6, 3, 120.0
         args.kv_budget_gib = smoke_budget_gib(args)
     device_kind = system_device(args)
     args.load = [args.max_open]  # the gateway's and the coordinator's stream caps leave room for every stream

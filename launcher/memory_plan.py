@@ -1,11 +1,11 @@
 """One memory budget per shared GPU: ``stagecast up`` splits a device that several of its processes use into shares.
 
-Usage (``launcher.up`` before anything starts, when the stages run on GPUs)::
+Usage (``launcher.up.plan_memory`` before anything starts, when the stages run on GPUs; the benchmark harness too)::
 
-    parts = pipeline_parts(args, plan, spec_of=..., pipeline="")     # what each process holds and needs per stream
-    plans = plan_devices({"cuda:0": total_bytes}, parts)           # pure: injected totals and parts
-    for p in plans: p.problem or p.line()                          # one line per shared device, or why none fits
-    share_of(plans)                                                 # {part key: GiB} for --device-memory-gib
+    layout = pipeline_layout(args, placement, partition)            # what each process holds and needs per stream
+    plans = plan_devices({"cuda:0": total_bytes}, layout_parts(layout), serving)   # pure: injected totals and parts
+    for p in plans: p.problem or p.line()                           # why no stream fits, or one line per shared GPU
+    share_of(plans)                                                 # {part key: GiB} for each --device-memory-gib
 
 Each process sizes its memory budget itself (a stage its KV, ``stage_service.kv_budget``; the gateway its decoder
 states, ``gateway.edge.admission.DecoderMemory``).  Measured from the device's free memory, those budgets depend on

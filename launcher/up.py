@@ -236,7 +236,9 @@ def _gateway_on(args: argparse.Namespace, placement, gpus: int | None = None):
     return dataclasses.replace(placement, gateway_device=device, vae_devices=vae)
 
 
-def plan_memory(args: argparse.Namespace, plan: Plan, totals: dict[str, int] | None = None) -> Plan:
+def plan_memory(
+    args: argparse.Namespace, plan: Plan, totals: dict[str, int] | None = None, who: str = "stagecast up"
+) -> Plan:
     """The shares of every GPU several of ``up``'s processes use (``launcher.memory_plan``), one line each; raises
     ValueError naming the part to move when one holds no stream (and, on any device, an operator's --kv-budget-gib
     that holds none).  ``totals``: each GPU's bytes (default: torch's); a fleet's pipelines are planned together."""
@@ -274,7 +276,7 @@ def plan_memory(args: argparse.Namespace, plan: Plan, totals: dict[str, int] | N
             raise ValueError(device.problem)
     for device in plans:
         if device.shared:
-            print(f"stagecast up: memory: {device.line()}", flush=True)
+            print(f"{who}: memory: {device.line()}", flush=True)
     return dataclasses.replace(plan, shares=memory_plan.share_of(plans))
 
 

@@ -105,6 +105,8 @@ def test_the_gateways_share_counts_its_own_memory(wan14b):
     assert "its 16.0 GiB share of cuda:0 (--device-memory-gib)" in planned.origin
     assert DecoderMemory.derive("cuda:0", {"full": GIB}, (48, 64), budget_gib=3, share_gib=16).budget == 3 * GIB
     assert DecoderMemory.derive("cpu", {"full": GIB}, (48, 64), share_gib=16).budget is None  # a CPU: unbounded
+    with pytest.raises(ValueError, match="--device-memory-gib must be in"):
+        DecoderMemory.derive("cpu", {"full": GIB}, (48, 64), share_gib=-1)
     short = DecoderMemory.derive("cuda:0", {"full": 2 * GIB}, (480, 832), free_bytes=lambda: (9 * GIB, H200))
     problem = short.stream_fit_problem("full", (480, 832))
     assert problem.startswith("decoder memory: one 832x480 stream on the full decoder (the default) holds 2.00 GiB")
@@ -362,3 +364,24 @@ def test_a_gateway_whose_decoder_memory_holds_no_default_stream_exits_2_naming_i
         proc.stderr
     )
     assert "this gateway has 0.00 GiB for streams (set)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_benchmark_harness_plans_a_shared_gpu_as_up_does(checkpoint_14b, capsys):
+    from benchmarks.harness.system import memory_shares
+
+    args = argparse.Namespace(
+        stages=1, sp=1, cfg_parallel=1, dtype="bfloat16", cuda_graphs=True, gpus=None, stage_extra_args=None
+    )
+    plan = memory_shares(checkpoint_14b, args, "cuda", None, "cuda:0", ["cuda:0"], None, totals={"cuda:0": H200})
+    assert capsys.readouterr().out.startswith("harness: memory: cuda:0 (140.4 GiB) shared")
+    assert 100 < float(plan.stage_args()[0][1]) < 125 and 12 < plan.gateway_share() < 30
+    assert memory_shares(checkpoint_14b, args, "cpu", None, "cpu", None, None).shares == {}
+
+
+def test_a_stage_with_a_negative_share_exits_2_naming_the_flag(demo):
+    from tests.cli_run import run_cli
+
+    args = ["stage", "--index", "0", "--coordinator", "127.0.0.1:1", "--checkpoint", str(demo / "transformer")]
+    proc = run_cli(*args, "--insecure-internal", "--device-memory-gib", "-1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "stagecast stage: error: --device-memory-gib: must be in [0, " in proc.stderr

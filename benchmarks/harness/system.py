@@ -285,6 +285,9 @@ def start_system(launcher, root: Path, args, device_kind: str):
     ranks = gpus_of(args)  # one GPU per stage rank
     vae_devices = vae_devices_of(args, device_kind)
     partition, vae_split = balance(root, args, device_kind, vae_devices)
+    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
+    tiny = getattr(args, "tiny_decoder", None)  # else a tiny decoder, if listed, is the checkpoint's tiny_decoder/
+    shares = memory_shares(root, args, device_kind, partition, gw_device, vae_devices, tiny)
     pipe = start_pipeline(
         launcher,
         # Random weights of the config written in root (write_assets): the stages then calibrate and pre-capture at
@@ -303,11 +306,10 @@ def start_system(launcher, root: Path, args, device_kind: str):
         fp8=args.fp8,
         coordinator_args=coordinator_args(args),
         stage_extra_args=stage_extra_args(args),
+        rank_args=shares.stage_args(),  # --device-memory-gib of a stage whose GPU the gateway shares
         wait=False,  # the gateway loads its models while the stages load theirs
     )
-    gw_device = f"cuda:{args.gateway_gpu if args.gateway_gpu is not None else ranks - 1}"
     most = max(8, most_streams(args) + 2)
-    tiny = getattr(args, "tiny_decoder", None)  # else a tiny decoder, if listed, is the checkpoint's tiny_decoder/
     gateway_options = GatewayOptions(
         coordinator=pipe.coordinator,
         checkpoint=str(root),
@@ -324,12 +326,38 @@ def start_system(launcher, root: Path, args, device_kind: str):
         vae_devices=vae_devices,
         vae_split=[int(v) for v in vae_split.split(",")] if vae_split else None,
         tiny_decoder=os.path.abspath(tiny) if tiny else None,
+        device_memory_gib=shares.gateway_share(),
     )
     gw_args = ["gateway", *to_argv(gateway_options)]
     gateway = launcher.start("gateway", gw_args)
     pipe.wait_ready(launcher, 600.0)
     launcher.wait_ready(gateway, timeout=900)
     return pipe, gateway.info["address"]
+
+
+def memory_shares(root: Path, args, device_kind: str, partition, gw_device: str, vae_devices, tiny, totals=None):
+    """On GPUs, the shares of every GPU the stages and the gateway share, planned as ``stagecast up`` plans them
+    (``launcher.memory_plan``; a ``Plan`` whose ``stage_args()`` and ``gateway_share()`` give each its
+    ``--device-memory-gib``); raises ValueError naming the part to move when a GPU holds no stream.  ``totals``: each
+    GPU's bytes (default: torch's)."""
+    import argparse
+
+    from launcher.local_cluster import Placement
+    from launcher.pipeline_start import Plan
+    from launcher.up import plan_memory
+
+    if device_kind != "cuda":
+        return Plan(None, partition, None)
+    extra = stage_extra_args(args)
+    kv = float(extra[extra.index("--kv-budget-gib") + 1]) if "--kv-budget-gib" in extra else 0.0
+    ranks = gpus_of(args)
+    placement = Placement([f"cuda:{i}" for i in range(ranks)], gw_device, vae_devices or [gw_device])
+    flags = argparse.Namespace(
+        checkpoint=str(root), stages=args.stages, sp=args.sp, cfg_parallel=args.cfg_parallel, device="cuda",
+        dtype=args.dtype, cuda_graphs=args.cuda_graphs, gateway_port=0, tiny_decoder=tiny, default_decoder="full",
+        vae_cuda_graphs=getattr(args, "vae_cuda_graphs", False), kv_budget_gib=kv, decoder_memory_gib=0.0, pipelines=1,
+    )  # fmt: skip
+    return plan_memory(flags, Plan(placement, partition, None), totals=totals, who="harness")
 
 
 def stage_extra_args(args) -> list[str]:

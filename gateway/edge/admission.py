@@ -202,6 +202,8 @@ class DecoderMemory:
         -> (free, total)``, by default ``torch.cuda.mem_get_info``) less a reserve; on a CPU unbounded."""
         if not 0 <= budget_gib <= MAX_BUDGET_GIB:
             raise ValueError(f"--decoder-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {budget_gib}")
+        if not 0 <= share_gib <= MAX_BUDGET_GIB:
+            raise ValueError(f"--device-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {share_gib}")
         for kind, held in state_bytes.items():
             if held < 0:
                 raise ValueError(f"decoder state bytes of {kind!r} must be >= 0, got {held}")
@@ -213,8 +215,6 @@ class DecoderMemory:
             return cls(int(budget_gib * GIB), per_pixel, device, "set")
         if not device.startswith("cuda"):
             return cls(None, per_pixel, device, "unbounded on a CPU")
-        if not 0 <= share_gib <= MAX_BUDGET_GIB:
-            raise ValueError(f"--device-memory-gib must be in [0, {MAX_BUDGET_GIB}] (0: derived), got {share_gib}")
         if share_gib > 0:
             if held_bytes is None:
                 import torch
