@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.decode.decoder import CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
+from gateway.decode.decoder import BACKGROUND_NICE, CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
 from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.metrics import GatewayMetrics
 from gateway.stream.frames import ChunkTag, FrameEmitter
@@ -79,7 +79,7 @@ class Recording:
 def test_local_sessions_decode_the_paced_streams_chunk_first_and_stay_exact(tmp_path):
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     log = []
-    decoder = LocalDecoder(Recording(part, log), gate_slots=1)
+    decoder = LocalDecoder(Recording(part, log), gate_slots=1, background=False)  # the GPU's gate, on a CPU part
     gate = decoder.gates[0]
     x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     unpaced, paced = decoder.open(2), decoder.open(2, paced=True)
@@ -101,13 +101,76 @@ def test_local_sessions_decode_the_paced_streams_chunk_first_and_stay_exact(tmp_
         paced.close()
 
 
-def test_a_cpu_part_gets_a_one_slot_gate_by_default(tmp_path):
-    """The gate is on for every device: on a CPU one decode at a time (it spreads over the cores itself), paced
-    first."""
+def test_a_cpu_part_gets_a_one_slot_gate_with_a_background_lane_by_default(tmp_path):
+    """The gate is on for every device: on a CPU one paced decode at a time (it spreads over the cores itself), and
+    unpaced ones in a lane of their own at the lowest CPU priority."""
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
-    assert [g.slots for g in LocalDecoder(part).gates] == [CPU_GATE_SLOTS] == [1]
+    (gate,) = LocalDecoder(part).gates
+    assert gate.slots == CPU_GATE_SLOTS == 1 and gate.background and gate.lane.slots == 1
     assert LocalDecoder(part, gate_slots=3).gates[0].slots == 3
+    assert not LocalDecoder(part, background=False).gates[0].background
     assert LocalDecoder(part, gate_slots=0).gates == [None]
+    gpu_like = SimpleNamespace(takes_latents=True, gives_video=True, device=torch.device("cuda", 0))
+    (gpu_gate,) = LocalDecoder(gpu_like).gates  # a GPU part: the share, no lane (the OS does not run its kernels)
+    assert gpu_gate.slots == 2 and not gpu_gate.background
+
+
+def test_with_a_background_lane_unpaced_decodes_never_hold_a_paced_one_and_go_one_at_a_time_oldest_first():
+    gate = DecodeGate(1, background=True)
+    order = []
+
+    def decode(name):
+        with gate.hold(False):
+            order.append(name)
+
+    with gate.hold(False):  # an unpaced decode runs: a paced one passes at once, the slot is not the unpaced one's
+        with gate.hold(True):
+            assert gate.free == 0 and gate.lane.free == 0
+        threads = [threading.Thread(target=decode, args=(f"unpaced-{i}",)) for i in range(3)]
+        for i, t in enumerate(threads):
+            t.start()
+            waiting(gate.lane, 0, i + 1)  # they wait in the lane, one behind the other
+        assert gate.waiting == [0, 0] and gate.free == 1
+    for t in threads:
+        t.join()
+    assert order == ["unpaced-0", "unpaced-1", "unpaced-2"]
+    assert gate.lane.free == 1 and gate.free == 1
+
+
+class Priority:
+    """A part that records the CPU priority (nice) of the thread that decodes each stream's chunk."""
+
+    def __init__(self, part, seen):
+        self.part, self.seen = part, seen
+
+    def __getattr__(self, name):
+        return getattr(self.part, name)
+
+    def decode_chunk(self, state, x):
+        self.seen[state.name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return self.part.decode_chunk(state, x)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this OS")
+def test_unpaced_decodes_on_a_cpu_run_at_the_lowest_priority_and_paced_ones_at_the_process_priority(tmp_path):
+    part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
+    seen = {}
+    decoder = LocalDecoder(Priority(part, seen))
+    x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    unpaced, paced = decoder.open(2), decoder.open(2, paced=True)
+    unpaced.states[0].name, paced.states[0].name = "unpaced", "paced"
+    want = tiny_to_uint8_frames(part.decode_chunk(part.new_state(), x)).numpy()
+    try:
+        for s in (unpaced, paced):
+            s.submit(SimpleNamespace(index=0), x)
+            s.finish()
+            (frames,) = [f for _t, f, _w in s.results()]
+            assert np.array_equal(frames, want)  # exact either way
+    finally:
+        unpaced.close()
+        paced.close()
+    assert seen == {"unpaced": BACKGROUND_NICE, "paced": os.getpriority(os.PRIO_PROCESS, 0)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 class GatedJpeg:
@@ -251,7 +314,7 @@ def test_a_paced_session_with_latents_queued_keeps_an_unpaced_decode_waiting_unt
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     log = []
     clock = FakeClock()
-    decoder = LocalDecoder(Recording(part, log), gate_slots=1)
+    decoder = LocalDecoder(Recording(part, log), gate_slots=1, background=False)  # the GPU's gate, on a CPU part
     gate = decoder.gates[0]
     gate.clock = clock
     gate.unpaced_spans.append([clock.t - 0.2, clock.t])  # best-effort decodes took 0.2 of the last second

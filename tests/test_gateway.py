@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 import stagecast
+import stagecast.client
 from gateway.decode.stream_vae import StreamVAE, to_uint8_frames
 from gateway.text_encoder import TextEncoder
 from launcher.demo_checkpoint import DEMO_SERVING

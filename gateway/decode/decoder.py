@@ -21,8 +21,9 @@ In process (``--vae-devices cuda:0,cuda:1``, ``--vae-split``), each part runs in
 with its own cache slots and hands one tensor per chunk to the next, so consecutive chunks are in different parts at
 once.  Each part's decodes pass a ``DecodeGate`` (two slots on a GPU: one launching while one finishes; one on a CPU)
 where a waiting paced stream's decode goes before any unpaced one's (``open(capacity, paced=...)``), so unpaced
-streams' full-VAE decodes never queue ahead of a paced stream's, and while a paced stream has latents queued there,
-unpaced decodes take only a bounded share of the part (``DecodeGate``).
+streams' full-VAE decodes never queue ahead of a paced stream's. On a GPU, while a paced stream has latents queued
+there, unpaced decodes take only a bounded share of the part; on a CPU they run beside paced ones, one at a time, at
+the lowest CPU priority, on what the cores have left (``DecodeGate``).
 
 A tiny streaming decoder (``gateway.decode.tiny_decoder``) is one more part:
 ``LocalDecoder([load_tiny_decoder(path)])``.
@@ -145,6 +146,12 @@ class DecodeGate:
       ``window_s``, whichever is more, and a paced stream loses no more (a decode is not preempted: one that runs
       when the paced stream's work arrives finishes first).
     - With no paced work pending, unpaced holds take free slots as they come, oldest waiter first.
+    - ``background`` (a part on a CPU, ``LocalDecoder``'s default there): unpaced holds take none of the slots nor
+      the share. They pass a lane of one slot of their own, oldest waiter first, from threads that run at the
+      lowest CPU priority (``lower_thread_priority``, which the caller does: ``LocalSession``'s unpaced workers), so
+      the OS scheduler, which can preempt a decode where this gate cannot, gives them only the cores that paced
+      work leaves, and a paced decode never waits for one. On a 2-core host a decode-bound paced stream leaves
+      about half a core: best-effort decodes then move at about two chunks a second in all.
 
     The gateway's encodes (prompts, JPEG and H.264 frames) pass one of their own (``encode_gate``)."""
 
@@ -155,6 +162,7 @@ class DecodeGate:
         share: float = UNPACED_SHARE,
         window_s: float = UNPACED_WINDOW_S,
         clock=time.monotonic,
+        background: bool = False,
     ):
         if not 1 <= slots <= MAX_GATE_SLOTS:
             raise ValueError(f"decode gate slots must be in 1..{MAX_GATE_SLOTS}, got {slots}")
@@ -178,6 +186,14 @@ class DecodeGate:
         self._tickets = itertools.count()
         self.unpaced_queue: list[int] = []  # waiting unpaced holds' tickets, oldest first
         self.cond = threading.Condition()
+        # background: unpaced holds pass this one-slot lane instead (no paced hold ever waits in it)
+        self.lane: DecodeGate | None = (
+            DecodeGate(1, share=share, window_s=window_s, clock=clock) if background else None
+        )
+
+    @property
+    def background(self) -> bool:
+        return self.lane is not None
 
     def watch(self, probe) -> int:
         """A paced session's probe: True while it has work queued for this gate.  Returns a key for ``unwatch``."""
@@ -218,8 +234,14 @@ class DecodeGate:
         # The window slides at one second per second: by then either the room is there or the window is empty.
         return False, min(-room, self.window_s)
 
-    @contextlib.contextmanager
     def hold(self, paced: bool):
+        """A context manager: one decode through this gate (``paced`` first)."""
+        if not paced and self.lane is not None:
+            return self.lane._hold(False)
+        return self._hold(paced)
+
+    @contextlib.contextmanager
+    def _hold(self, paced: bool):
         with self.cond:
             if paced:
                 self.waiting[0] += 1
@@ -282,6 +304,21 @@ class DecodeGate:
                 self.cond.notify_all()
 
 
+BACKGROUND_NICE = 19  # the lowest CPU priority: a thread at it gets a core only when nothing else wants one
+
+
+def lower_thread_priority() -> bool:
+    """Run the calling thread (and the OpenMP threads it starts from now on, which inherit it) at
+    ``BACKGROUND_NICE``, for good: an unprivileged thread cannot raise its priority again, so call it only from a
+    thread that does best-effort work alone. False where the OS refuses or has no per-thread priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError) as exc:
+        logger.debug("best-effort decode thread keeps its priority: %s", exc)
+        return False
+    return True
+
+
 def encode_gate() -> DecodeGate:
     """The gateway's one gate for CPU encodes (prompts, JPEG and H.264 frames), a slot per core: a paced stream's
     encode that waits goes before every unpaced stream's (``StreamHost.encode_gate``, ``Gateway.encode_prompt``)."""
@@ -297,19 +334,28 @@ class LocalDecoder:
 
     ``gate_slots``: each part's decodes pass a ``DecodeGate`` of that many slots (paced streams' first); None: one of
     ``GPU_GATE_SLOTS`` for a part on a GPU, of ``CPU_GATE_SLOTS`` on a CPU (where the threads share the cores); 0:
-    none.
+    none. ``background``: unpaced decodes pass the gate's lane at the lowest CPU priority (``DecodeGate``); None:
+    for a part on a CPU, where the OS scheduler shares the cores, not for one on a GPU (whose kernels it does not
+    schedule), where unpaced decodes take a bounded share of the gate instead.
     """
 
-    def __init__(self, parts: ChunkDecoder | list[ChunkDecoder], gate_slots: int | None = None):
+    def __init__(
+        self,
+        parts: ChunkDecoder | list[ChunkDecoder],
+        gate_slots: int | None = None,
+        background: bool | None = None,
+    ):
         self.parts = list(parts) if isinstance(parts, list | tuple) else [parts]
         if not self.parts or not self.parts[0].takes_latents or not self.parts[-1].gives_video:
             raise ValueError("a local decoder needs parts that take latents first and give video last")
         self.gates = []
         for part in self.parts:
+            on_gpu = getattr(part.device, "type", "cpu") == "cuda"
             slots = gate_slots
             if slots is None:
-                slots = GPU_GATE_SLOTS if getattr(part.device, "type", "cpu") == "cuda" else CPU_GATE_SLOTS
-            self.gates.append(DecodeGate(slots) if slots else None)
+                slots = GPU_GATE_SLOTS if on_gpu else CPU_GATE_SLOTS
+            lane = (not on_gpu) if background is None else background
+            self.gates.append(DecodeGate(slots, background=lane) if slots else None)
 
     @classmethod
     def tiny(
@@ -426,12 +472,14 @@ class LocalSession:
         try:
             if part.device.type == "cuda":
                 torch.cuda.set_device(part.device)  # per thread; the .cpu() sync below then waits on this GPU
+            gate = self.gates[i]
+            if not self.paced and gate is not None and gate.background:
+                lower_thread_priority()  # before its first decode: the OpenMP threads it starts inherit it
             while (item := inbox.get()) is not CLOSED:
                 if isinstance(item, _Failure):
                     outbox.put_final(item)
                     return
                 tag, x, started_ns = item
-                gate = self.gates[i]
                 with gate.hold(self.paced) if gate is not None else contextlib.nullcontext():
                     started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
                     y = part.decode_chunk(state, x)
