@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.decode.decoder import BACKGROUND_NICE, CPU_GATE_SLOTS, DecodeGate, LocalDecoder, encode_gate
+from gateway.decode.decoder import (
+    BACKGROUND_NICE,
+    BACKGROUND_SLOTS,
+    CPU_GATE_SLOTS,
+    DecodeGate,
+    LocalDecoder,
+    encode_gate,
+)
 from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.metrics import GatewayMetrics
 from gateway.stream.frames import ChunkTag, FrameEmitter
@@ -106,7 +113,7 @@ def test_a_cpu_part_gets_a_one_slot_gate_with_a_background_lane_by_default(tmp_p
     unpaced ones in a lane of their own at the lowest CPU priority."""
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     (gate,) = LocalDecoder(part).gates
-    assert gate.slots == CPU_GATE_SLOTS == 1 and gate.background and gate.lane.slots == 1
+    assert gate.slots == CPU_GATE_SLOTS == 1 and gate.background and gate.lane.slots == BACKGROUND_SLOTS == 2
     assert LocalDecoder(part, gate_slots=3).gates[0].slots == 3
     assert not LocalDecoder(part, background=False).gates[0].background
     assert LocalDecoder(part, gate_slots=0).gates == [None]
@@ -115,7 +122,7 @@ def test_a_cpu_part_gets_a_one_slot_gate_with_a_background_lane_by_default(tmp_p
     assert gpu_gate.slots == 2 and not gpu_gate.background
 
 
-def test_with_a_background_lane_unpaced_decodes_never_hold_a_paced_one_and_go_one_at_a_time_oldest_first():
+def test_with_a_background_lane_unpaced_decodes_never_hold_a_paced_one_and_go_oldest_first():
     gate = DecodeGate(1, background=True)
     order = []
 
@@ -123,18 +130,23 @@ def test_with_a_background_lane_unpaced_decodes_never_hold_a_paced_one_and_go_on
         with gate.hold(False):
             order.append(name)
 
-    with gate.hold(False):  # an unpaced decode runs: a paced one passes at once, the slot is not the unpaced one's
-        with gate.hold(True):
-            assert gate.free == 0 and gate.lane.free == 0
-        threads = [threading.Thread(target=decode, args=(f"unpaced-{i}",)) for i in range(3)]
-        for i, t in enumerate(threads):
-            t.start()
-            waiting(gate.lane, 0, i + 1)  # they wait in the lane, one behind the other
-        assert gate.waiting == [0, 0] and gate.free == 1
+    holds = [gate.hold(False) for _ in range(BACKGROUND_SLOTS)]
+    for h in holds:  # unpaced decodes fill the lane: a paced one still passes at once
+        h.__enter__()
+    with gate.hold(True):
+        assert gate.free == 0 and gate.lane.free == 0
+    threads = [threading.Thread(target=decode, args=(f"unpaced-{i}",)) for i in range(3)]
+    for i, t in enumerate(threads):
+        t.start()
+        waiting(gate.lane, 0, i + 1)  # they wait in the lane, one behind the other
+    assert gate.waiting == [0, 0] and gate.free == 1
+    holds[0].__exit__(None, None, None)  # one lane slot frees: the waiters pass through it, oldest first
     for t in threads:
         t.join()
-    assert order == ["unpaced-0", "unpaced-1", "unpaced-2"]
-    assert gate.lane.free == 1 and gate.free == 1
+    assert order == ["unpaced-0", "unpaced-1", "unpaced-2"] and gate.lane.free == 1
+    for h in holds[1:]:
+        h.__exit__(None, None, None)
+    assert gate.lane.free == BACKGROUND_SLOTS and gate.free == 1
 
 
 class Priority:

@@ -129,6 +129,10 @@ CPU_GATE_SLOTS = 1
 UNPACED_SHARE = 0.25
 UNPACED_WINDOW_S = 1.0
 UNPACED_COST_HOLDS = 8  # an unpaced hold is priced at the longest of this many recent ones
+# Unpaced decodes at once in a CPU part's background lane: two, so that two best-effort streams move in the cores'
+# spare time, not one at a time behind each other (on 2 cores beside a paced stream, one alone often finished a
+# single chunk in a second, two finished one each).
+BACKGROUND_SLOTS = 2
 
 
 class DecodeGate:
@@ -147,11 +151,12 @@ class DecodeGate:
       when the paced stream's work arrives finishes first).
     - With no paced work pending, unpaced holds take free slots as they come, oldest waiter first.
     - ``background`` (a part on a CPU, ``LocalDecoder``'s default there): unpaced holds take none of the slots nor
-      the share. They pass a lane of one slot of their own, oldest waiter first, from threads that run at the
+      the share. They pass a lane of their own (``BACKGROUND_SLOTS``), oldest waiter first, from threads at the
       lowest CPU priority (``lower_thread_priority``, which the caller does: ``LocalSession``'s unpaced workers), so
       the OS scheduler, which can preempt a decode where this gate cannot, gives them only the cores that paced
-      work leaves, and a paced decode never waits for one. On a 2-core host a decode-bound paced stream leaves
-      about half a core: best-effort decodes then move at about two chunks a second in all.
+      work leaves: a paced decode never waits here for one, and where both want a core the unpaced thread gets
+      about 1.5% of it (nice 19 against 0). On 2 cores beside a decode-bound paced stream, best-effort decodes
+      then move at two to three chunks a second in all (``benchmarks.cpu_host``).
 
     The gateway's encodes (prompts, JPEG and H.264 frames) pass one of their own (``encode_gate``)."""
 
@@ -186,9 +191,9 @@ class DecodeGate:
         self._tickets = itertools.count()
         self.unpaced_queue: list[int] = []  # waiting unpaced holds' tickets, oldest first
         self.cond = threading.Condition()
-        # background: unpaced holds pass this one-slot lane instead (no paced hold ever waits in it)
+        # background: unpaced holds pass this lane instead (no paced hold ever waits in it)
         self.lane: DecodeGate | None = (
-            DecodeGate(1, share=share, window_s=window_s, clock=clock) if background else None
+            DecodeGate(BACKGROUND_SLOTS, share=share, window_s=window_s, clock=clock) if background else None
         )
 
     @property
