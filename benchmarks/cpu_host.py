@@ -16,8 +16,9 @@ What it does:
    one admitted or refused before the next step, read as fast as frames come; while they run, the same paced stream
    from another client. The checks: it completes with every frame in at most ``--max-ratio`` (1.5) x its time alone;
    at least ``--min-unpaced`` (2) unpaced streams deliver frames while it runs; never more unpaced streams at once than
-   the gateway's ``--max-unpaced`` (read from the gateway's command line: ``stagecast up`` does not pass that flag, so
-   it is the gateway's default), counted both from the frames and from the gateway's own status;
+   the gateway's ``--max-unpaced`` (read from the gateway's command line: ``stagecast up`` passes it on only when
+   given, and this benchmark gives none, so it is the gateway's default), counted both from the frames and from the
+   gateway's own status;
 3. **a burst**: ``--burst-clients`` (5) clients x ``--burst-per-client`` (4) paced streams opened at one instant (the
    harness's ``BurstStream``: threads released by one barrier), run ``--burst-seconds`` (3) once all have started,
    then stopped. Each admitted stream is judged by the harness's on-time rule (``capacity_stream``: frame i is due at
@@ -210,7 +211,7 @@ def gateway_max_unpaced(argv: list[str]) -> tuple[int, str]:
         if a.startswith("--max-unpaced="):
             return int(a.split("=", 1)[1]), "the gateway's command line"
     default = {f.name: f.default for f in dataclasses.fields(GatewayOptions)}["max_unpaced"]
-    return int(default), "the gateway's default (stagecast up does not pass --max-unpaced)"
+    return int(default), "the gateway's default (stagecast up was not given --max-unpaced)"
 
 
 class CpuMeter:

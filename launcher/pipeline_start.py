@@ -33,6 +33,8 @@ GATEWAY_FLAGS = (
     "tls_cert",
     "tls_key",
     "decoder_memory_gib",
+    "max_unpaced",
+    "quotas_unpaced",
 )
 
 

@@ -63,3 +63,25 @@ def test_the_clients_own_quota_refuses_first_naming_its_flag():
 def test_max_unpaced_out_of_range_is_refused_naming_the_flag(bad):
     with pytest.raises(ValueError, match="--max-unpaced must be in"):
         table(max_unpaced=bad)
+
+
+def test_up_passes_both_unpaced_caps_on_to_its_gateway_and_leaves_the_defaults_to_the_gateway(tmp_path):
+    import argparse
+
+    from launcher import up
+    from launcher.local_cluster import Placement
+    from launcher.pipeline_start import Plan, gateway_argv
+
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    plan = Plan(Placement.plan("cpu", 2), None, None)
+
+    def gateway(*flags: str) -> list[str]:
+        args = parser.parse_args(["up", "--checkpoint", str(tmp_path), *flags])
+        return gateway_argv(args, plan, "127.0.0.1:1", metrics_port=0)
+
+    argv = gateway("--max-unpaced", "6", "--max-unpaced-per-client", "3")
+    assert argv[argv.index("--max-unpaced") + 1] == "6"
+    assert argv[argv.index("--max-unpaced-per-client") + 1] == "3"
+    plain = gateway()  # not given: the gateway's own defaults apply (4 and 2)
+    assert "--max-unpaced" not in plain and "--max-unpaced-per-client" not in plain

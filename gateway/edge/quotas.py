@@ -58,7 +58,7 @@ class QuotaOptions:
     unpaced: int = flag(
         2,
         name=KINDS["unpaced"][0],
-        help="of those, unpaced (pace: false) streams: best effort, they yield to paced streams",
+        help="unpaced (pace: false) streams one client holds at once: best effort, they yield to paced streams",
     )
     pending: int = flag(
         32,
