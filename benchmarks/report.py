@@ -490,10 +490,8 @@ def tables(runs: list[dict], page: bool = False) -> str:
         out.append("\n" + "\n".join(notes))
     if page:
         out.append(
-            "\nFiles behind these rows (versions and commands: `benchmarks/results/INDEX.md`; every earlier row: "
-            "`benchmarks/results/HISTORY.md`): "
-            + "; ".join(f"`{r['_file']}` ({r.get('date', '–')}, {r['commit']})" for r in runs)
-            + "."
+            "\nFiles behind these rows (dates, versions and commands: `benchmarks/results/INDEX.md`; every earlier "
+            "row: `benchmarks/results/HISTORY.md`): " + ", ".join(f"`{r['_file']}`" for r in runs) + "."
         )
     else:
         out += runs_table(runs)

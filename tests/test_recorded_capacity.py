@@ -28,13 +28,16 @@ UNDER = {
     "v2_cap_5b_1step_1gpu_grid_r2.json": "5B tiny decoder at its batches (7-53 ms a stream) priced low",
     "v2_cap_13b_1step_1gpu_grid_r9.json": "the full VAE beside the stage: 2 priced at 69%, 1 of 2 held",
 }
-# (result file, decoder): a 14B row, a 5B row, and a full-VAE row beside tiny ones (1.3B).
+# (result file, decoder): 14B rows, 5B rows, and full-VAE rows beside tiny ones (1.3B).
 ROWS = [
     ("v2_cap_14b_1step_1gpu_grid.json", "tiny"),
     ("v2_cap_5b_1step_1gpu_grid_r2.json", "tiny"),
     ("v2_cap_13b_1step_1gpu_grid_r9.json", "full"),
     ("v2_cap_13b_1step_1gpu_grid_r9.json", "tiny"),
     ("v2_cap_13b_1step_1gpu_grid_fused_b12_burst12_tiny_r17.json", "tiny"),
+    # bcd6468 (2026-12-04): 5B at 1280x704 and the full VAE, fused levers, pace grid; each 2 admitted, 2 held.
+    ("v2_cap_5b_1step_1gpu_grid_fused.json", "tiny"),
+    ("v2_cap_13b_1step_1gpu_grid_fused_full.json", "full"),
 ]
 CASES = [
     pytest.param(
