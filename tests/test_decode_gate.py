@@ -70,23 +70,25 @@ def test_slots_bound_the_decodes_in_flight_and_are_themselves_bounded():
 
 
 class Recording:
-    """A part that records which stream's chunk it decodes, in order."""
+    """A part that calls ``seen(state)`` for each stream's chunk it decodes, in the decoding thread."""
 
-    def __init__(self, part, log):
-        self.part, self.log = part, log
+    def __init__(self, part, seen):
+        self.part, self.seen = part, seen
 
     def __getattr__(self, name):
         return getattr(self.part, name)
 
     def decode_chunk(self, state, x):
-        self.log.append(state.name)
+        self.seen(state)
         return self.part.decode_chunk(state, x)
 
 
 def test_local_sessions_decode_the_paced_streams_chunk_first_and_stay_exact(tmp_path):
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     log = []
-    decoder = LocalDecoder(Recording(part, log), gate_slots=1, background=False)  # the GPU's gate, on a CPU part
+    decoder = LocalDecoder(
+        Recording(part, lambda s: log.append(s.name)), gate_slots=1, background=False
+    )  # the GPU's gate, on a CPU part
     gate = decoder.gates[0]
     x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     unpaced, paced = decoder.open(2), decoder.open(2, paced=True)
@@ -149,25 +151,15 @@ def test_with_a_background_lane_unpaced_decodes_never_hold_a_paced_one_and_go_ol
     assert gate.lane.free == BACKGROUND_SLOTS and gate.free == 1
 
 
-class Priority:
-    """A part that records the CPU priority (nice) of the thread that decodes each stream's chunk."""
-
-    def __init__(self, part, seen):
-        self.part, self.seen = part, seen
-
-    def __getattr__(self, name):
-        return getattr(self.part, name)
-
-    def decode_chunk(self, state, x):
-        self.seen[state.name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return self.part.decode_chunk(state, x)
-
-
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this OS")
 def test_unpaced_decodes_on_a_cpu_run_at_the_lowest_priority_and_paced_ones_at_the_process_priority(tmp_path):
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     seen = {}
-    decoder = LocalDecoder(Priority(part, seen))
+
+    def nice(state):  # the CPU priority of the thread that decodes this stream's chunk
+        seen[state.name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    decoder = LocalDecoder(Recording(part, nice))
     x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     unpaced, paced = decoder.open(2), decoder.open(2, paced=True)
     unpaced.states[0].name, paced.states[0].name = "unpaced", "paced"
@@ -326,7 +318,9 @@ def test_a_paced_session_with_latents_queued_keeps_an_unpaced_decode_waiting_unt
     part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
     log = []
     clock = FakeClock()
-    decoder = LocalDecoder(Recording(part, log), gate_slots=1, background=False)  # the GPU's gate, on a CPU part
+    decoder = LocalDecoder(
+        Recording(part, lambda s: log.append(s.name)), gate_slots=1, background=False
+    )  # the GPU's gate, on a CPU part
     gate = decoder.gates[0]
     gate.clock = clock
     gate.unpaced_spans.append([clock.t - 0.2, clock.t])  # best-effort decodes took 0.2 of the last second
