@@ -88,14 +88,17 @@ between).  On one H200 the smallest of a tie (2, where 3 and 4 held as many by t
 tiny-decoder streams with TTFF p95 485 ms, where 4 had held 7 at 330-392 ms.  Without a calibration from every stage
 (``--stage-ms``, ``--slo-fixed``, a CPU stage without ``--calibration-s``) the ceiling is the batch.
 
-**The decision.** Every stream starts at its ``max_steps``.  While the set is not held, the controller lowers
-one stream one offered step count (the stream with the most steps; among equals, the newest), down to its
-``min_steps``: quality falls evenly before anyone misses a deadline.  Steps rise again, one count at a time
-(oldest stream first), only while the set stays held at ``raise_utilization`` (default 0.8): the gap between the
-two thresholds keeps decisions from flapping.  Steps do not rise for a few seconds after a stream joins
-(``decide(raise_steps=False)``; the engine's ``RAISE_HOLD_S``): a ramp of joins only lowers.  ``latency_first``
-streams stay at their ``min_steps``.  Unpaced streams (``chunk_rate`` 0) are best-effort: they are not counted and
-keep their steps.
+**The decision.** Every stream starts at its ``max_steps``.  When the set is not held, the controller lowers
+one stream one offered step count at a time (the stream with the most steps; among equals, the newest; none below
+its ``min_steps``) until the set is back at ``raise_utilization``: quality falls evenly before anyone misses a
+deadline, and a set left just under the target has no room for what a lowering does not undo at once (on one H200,
+a ramp of 6 SLO 1-4 streams lowered to just under the target, two still at 2 steps, ran two streams late: the
+chunks planned at more steps before it, and a 2-step chunk's second pass waiting on its first).  Steps rise again,
+one count at a time (oldest stream first), only while the set stays held at ``raise_utilization`` (default 0.8):
+the gap between the two thresholds keeps decisions from flapping.  Steps do not rise for a few seconds after a
+stream joins (``decide(raise_steps=False)``; the engine's ``RAISE_HOLD_S``): a ramp of joins only lowers.
+``latency_first`` streams stay at their ``min_steps``.  Unpaced streams (``chunk_rate`` 0) are best-effort: they
+are not counted and keep their steps.
 
 **Correction from missed deadlines.** The model sees the DiT stages and a decode cost per chunk, not everything a
 chunk costs: the stage and the decoder are separate processes time-slicing each GPU, a batching decoder's streams do
@@ -126,6 +129,7 @@ from stagecast.microstep import chunk_levels
 
 TARGET_UTILIZATION = 0.9
 RAISE_UTILIZATION = 0.8
+UTILIZATION_EPS = 1e-9  # a set priced at the raise threshold to within rounding is at it
 EWMA = 0.2  # weight of a new measurement in a batch size's average
 BATCH_EWMA = 0.05  # weight of a new batch in the average batch size the stages form (about the last 20 batches)
 LATE_MARGIN = 1.05  # a late stream puts the set it ran in this far past the target
@@ -621,14 +625,17 @@ class SloController:
                 steps[d.stream_id] = max([s for s in d.allowed if s <= d.steps] or [d.min_steps])
         if self.cost.micro_step_ms() is None:
             return steps  # nothing measured yet: keep what runs
-        # Lower, most steps first (the newest among equals), until the set is held.
-        while (self.utilization(demands, steps) or 0.0) > self.target:
-            lowerable = [d for d in paced if steps[d.stream_id] > d.min_steps]
-            if not lowerable:
-                break
+        # Past the target, lower, most steps first (the newest among equals), down to the raise threshold: a set left
+        # just under the target has no room for the chunks already planned at more steps, nor for a stream's second
+        # pass waiting on its first.
+        if (self.utilization(demands, steps) or 0.0) > self.target:
             order = {d.stream_id: i for i, d in enumerate(demands)}
-            d = max(lowerable, key=lambda d: (steps[d.stream_id], order[d.stream_id]))
-            steps[d.stream_id] = max(s for s in d.allowed if s < steps[d.stream_id])
+            while (self.utilization(demands, steps) or 0.0) > self.raise_at + UTILIZATION_EPS:
+                lowerable = [d for d in paced if steps[d.stream_id] > d.min_steps]
+                if not lowerable:
+                    break
+                d = max(lowerable, key=lambda d: (steps[d.stream_id], order[d.stream_id]))
+                steps[d.stream_id] = max(s for s in d.allowed if s < steps[d.stream_id])
         # Raise, fewest steps first (the oldest among equals), while the set stays under the raise threshold.
         while raise_steps:
             raisable = [d for d in paced if steps[d.stream_id] < d.max_steps]
