@@ -22,7 +22,7 @@ with its own cache slots and hands one tensor per chunk to the next, so consecut
 once.  Each part's decodes pass a ``DecodeGate`` (two slots on a GPU: one launching while one finishes; one on a CPU)
 where a waiting paced stream's decode goes before any unpaced one's (``open(capacity, paced=...)``), so unpaced
 streams' full-VAE decodes never queue ahead of a paced stream's. On a GPU, while a paced stream has latents queued
-there, unpaced decodes take only a bounded share of the part; on a CPU they run beside paced ones, one at a time, at
+there, unpaced decodes take only a bounded share of the part; on a CPU they run beside paced ones, two at a time, at
 the lowest CPU priority, on what the cores have left (``DecodeGate``).
 
 A tiny streaming decoder (``gateway.decode.tiny_decoder``) is one more part:
@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -315,7 +316,10 @@ BACKGROUND_NICE = 19  # the lowest CPU priority: a thread at it gets a core only
 def lower_thread_priority() -> bool:
     """Run the calling thread (and the OpenMP threads it starts from now on, which inherit it) at
     ``BACKGROUND_NICE``, for good: an unprivileged thread cannot raise its priority again, so call it only from a
-    thread that does best-effort work alone. False where the OS refuses or has no per-thread priority."""
+    thread that does best-effort work alone. False where the OS refuses or has no per-thread priority (only Linux
+    gives each thread its own: elsewhere ``setpriority`` takes a process id, not a thread's)."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError) as exc:
