@@ -165,7 +165,7 @@ def test_smoke_under_stagecast_up_records_every_stream_and_stops_every_process(t
         assert not os.path.exists(f"/proc/{service['pid']}"), service
     # Alone: a warm-up and one run, each 16 frames (1 s at 16 FPS) in order, completion = the last arrival.
     for run in [r["alone"]["warmup"], *r["alone"]["runs"]]:
-        assert run["frames"] == run["total_frames"] == 16 and run["error"] is None
+        assert run["frames"] == run["total_frames"] == 16 and run["error"] is None, (run["error"], proc.stderr[-3000:])
         assert run["arrivals_s"] == sorted(run["arrivals_s"])
         assert run["completion_s"] == pytest.approx(run["arrivals_s"][-1], abs=1e-5)
     # Beside 2 unpaced streams of 2 tenants: both admitted (within the default --max-unpaced 4), both delivering.
