@@ -39,6 +39,9 @@
 #   bash benchmarks/gpu_suite.sh dit-levers # the DiT levers (fp8, fused, cudnn, each and together) at batch 1, 4,
 #                                         # 8, 12: ms per stream-chunk and the error vs bf16 (benchmarks/dit_levers.py,
 #                                         # one GPU, ~3 min)
+#   bash benchmarks/gpu_suite.sh sdpa-backends # each SDPA kernel (flash, efficient, cuDNN, math) forced alone on the
+#                                         # DiT's self- and cross-attention shapes, eager and graphed, two layouts:
+#                                         # ms, TFLOP/s, refusals with torch's reason (benchmarks/sdpa_backends.py, ~1 min)
 #   bash benchmarks/gpu_suite.sh attention-check # grouped self-attention (one SDPA per group of equal KV context) against
 #                                         # the per-item loop: one stage's blocks (1.3B, 14B) at batch 1, 2, 4 with full
 #                                         # 6-frame windows, eager and graphed, ms and max difference
@@ -80,7 +83,9 @@
 #                                         # (not bit-exact; JSON names end _fused); BATCH=N: the Stream Batch ceiling
 #                                         # (--batch, default 4; _bN); BURST=N: after the capacity rows, N paced
 #                                         # streams opened at one instant (--burst; _burstN); DECODERS=tiny: that
-#                                         # decoder only (default tiny,full; _tiny)
+#                                         # decoder only (default tiny,full; _tiny); GPU_SHARING=X: the
+#                                         # coordinator's --gpu-sharing (_gsX); MPS=1 (any part): the processes
+#                                         # share the GPU through a CUDA MPS server (below; _mps)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
 #                                         # the VAE cut by MACs, then --partition auto from that profile (read
@@ -106,6 +111,14 @@ mkdir -p "$out"
 # The SDK is its own distribution (clients/python); a checkout that has not installed it reads it from there.
 python -c "import stagecast_client" 2>/dev/null || export PYTHONPATH="$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 harness=(python -m benchmarks.harness --cuda-graphs --vae-compile)
+# MPS=1: the processes share each GPU through a CUDA MPS server started here (their kernels run side by side rather
+# than time-slicing the GPU), stopped when the suite ends; the results record it (args.cuda_mps, JSON names _mps).
+if [ -n "${MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/stagecast-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/stagecast-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "gpu_suite: MPS=1, but nvidia-cuda-mps-control -d failed"; exit 2; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 
 for part in "$@"; do
   case "$part" in
@@ -252,6 +265,8 @@ for part in "$@"; do
       [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
       [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//,/-}"; }
       [ -n "${BATCH:-}" ] && { cap+=(--batch "$BATCH"); sfx="${sfx}_b${BATCH}"; }
+      [ -n "${GPU_SHARING:-}" ] && { cap+=(--gpu-sharing "$GPU_SHARING"); sfx="${sfx}_gs${GPU_SHARING}"; }
+      [ -n "${MPS:-}" ] && sfx="${sfx}_mps"
       t=420; [ -n "${BURST:-}" ] && { cap+=(--burst "$BURST"); sfx="${sfx}_burst${BURST}"; t=540; }
       dec="${DECODERS:-tiny,full}"; [ -n "${DECODERS:-}" ] && sfx="${sfx}_${DECODERS//,/-}"
       case "$part" in
@@ -275,6 +290,9 @@ for part in "$@"; do
             --stages "$stages" --decoder tiny --capacity-max 10 --seconds 0 \
             --json "$out/v2_cap_5b_1step_${stages}gpu${sfx}.json" ;;
       esac
+      ;;
+    sdpa-backends)
+      timeout 150 python -m benchmarks.sdpa_backends --json "$out/sdpa_backends_1gpu.json"
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \

@@ -28,6 +28,8 @@ import re
 import sys
 from pathlib import Path
 
+from coordinator.slo import GPU_SHARING
+
 BEGIN, END = "<!-- harness-v2:begin -->", "<!-- harness-v2:end -->"
 DEC_BEGIN, DEC_END = "<!-- decoders:begin -->", "<!-- decoders:end -->"
 LEV_BEGIN, LEV_END = "<!-- dit-levers:begin -->", "<!-- dit-levers:end -->"
@@ -121,6 +123,8 @@ def _capacity_config(a: dict, decoder: str) -> str:
     grid += f", lookahead {a['lookahead']}" if a.get("lookahead") else ""  # a fixed one (the coordinator's --lookahead)
     grid += f", levers {a['dit_levers']}" if a.get("dit_levers") else ""  # the stages' --dit-levers
     grid += f", batch ≤ {a['batch']}" if a.get("batch", 4) != 4 else ""  # a Stream Batch ceiling other than 4
+    grid += f", GPU sharing priced {a['gpu_sharing']:g}" if a.get("gpu_sharing", GPU_SHARING) != GPU_SHARING else ""
+    grid += ", CUDA MPS" if a.get("cuda_mps") else ""  # the stage and the gateway shared the GPU through MPS
     if isinstance(a.get("slo_vae_ms"), dict):  # a what-if: the decode priced at fixed ms, not as the gateway measured
         grid += ", decode priced " + ",".join(f"{k}={v:g}" for k, v in a["slo_vae_ms"].items()) + " ms (what-if)"
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"

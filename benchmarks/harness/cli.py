@@ -97,6 +97,7 @@ from benchmarks.harness.rows import (
     TIMESTEPS_FIELD,
     capacity_of,
     comm_summary,
+    cuda_mps,
     decoder_list,
     decoders_of,
     git_commit,
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--balance-profile", default=None, help="measured costs (python -m benchmarks.balance) for --partition auto"
     )
     add_flags(ap, CoordinatorOptions, only=["sp", "cfg_parallel"])  # the layout's, passed on; one GPU per rank
-    add_flags(ap, CoordinatorOptions, only=["pace_grid", "lookahead"])  # passed on to the coordinator
+    add_flags(ap, CoordinatorOptions, only=["pace_grid", "lookahead", "gpu_sharing"])  # passed on to the coordinator
     ap.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     ap.add_argument("--negative-prompt", default="", help="the unconditional branch's prompt (with --guidance > 1)")
     ap.add_argument("--batch", type=int, default=DEFAULT_MAX_BATCH)
@@ -571,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         "dirty": tree_dirty(),
         "versions": versions(),
         "command": command,
-        "args": vars(args),
+        "args": {**vars(args), "cuda_mps": cuda_mps()},
         "timesteps": list(LADDER[: args.steps]) if TIMESTEPS_FIELD else "gateway default (evenly spaced from 1000)",
         "floor": {"matmul_peak_tflops": peak, **flops, "fps": floor_fps} if flops else None,
         "peer": peer,

@@ -193,6 +193,12 @@ def versions() -> dict:
     return out
 
 
+def cuda_mps() -> bool:
+    """Whether this run's processes share their GPUs through a CUDA MPS server (their kernels run side by side)
+    instead of time-slicing them: a client process finds the server through this variable (gpu_suite.sh's MPS=1)."""
+    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+
+
 def tree_dirty() -> bool | None:
     if os.environ.get("STAGECAST_DIRTY") is not None:  # the device machine's copy has no .git
         return os.environ["STAGECAST_DIRTY"] == "1"

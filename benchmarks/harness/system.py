@@ -24,6 +24,7 @@ from benchmarks.harness.rows import (
     percentile,
 )
 from coordinator.options import CoordinatorOptions, parse_stage_ms
+from coordinator.slo import GPU_SHARING
 from gateway.edge.quotas import QuotaOptions
 from gateway.options import GatewayOptions
 from stage_service.options import StageOptions
@@ -395,8 +396,10 @@ def coordinator_args(args) -> list[str]:
         slo_learn=not stage_ms,
         pace_grid=getattr(args, "pace_grid", False),
         lookahead=getattr(args, "lookahead", None),
+        gpu_sharing=getattr(args, "gpu_sharing", GPU_SHARING),
     )
-    return to_argv(options, only=["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid", "lookahead"])
+    only = ["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid", "lookahead", "gpu_sharing"]
+    return to_argv(options, only=only)
 
 
 def vae_devices_of(args, device_kind: str) -> list[str]:
