@@ -10,9 +10,9 @@ layers (what ``STAGES=1`` serves), built afresh per variant from the same seed. 
 (DESIGN.md section 4): one latent frame per chunk at 480x832 (1560 tokens), a KV window of 6 latent frames (3 sinks +
 3 recent: 9360 context tokens per item, fixed random K/V, the same for every variant), text length 512, timestep 700.
 
-Variants (``stage_service.dit_levers``; run in this order, because ``cudnn`` sets torch's SDPA priority for the rest
-of the process): ``bf16`` (today's default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``,
-``fp8+fused``, ``cudnn``, ``fused+cudnn``, ``all``.  Per variant and batch:
+Variants (``stage_service.dit_levers``; ``cudnn`` sets the SDPA backends of its own slice only): ``bf16`` (today's
+default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``, ``fp8+fused``, ``cudnn``,
+``fused+cudnn``, ``all``.  Per variant and batch:
 
 - ``ms``: median (p10, p90) of ``--iters`` graphed forwards of the blocks (CUDA events, after ``--warmup``), which
   include copying the batch's KV windows into the graph's static buffers, as a stage does; ``ms_per_chunk`` is that

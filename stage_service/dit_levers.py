@@ -19,8 +19,11 @@ latents after one step) beside its time at batch 1, 4, 8 and 12:
   block instead of dozens of eager ones; the compiled kernels sit inside the blocks' CUDA graphs like any other.
   On a CPU the same functions run uncompiled, and there they equal diffusers' ops bit for bit
   (``tests/test_dit_levers.py``): on a GPU the compiled kernels keep intermediates in float32, hence the error.
-- ``cudnn``: scaled-dot-product attention runs cuDNN's kernel (flash and memory-efficient attention off for the
-  process; a shape cuDNN refuses falls to the math kernel).
+- ``cudnn``: the slice's scaled-dot-product attention prefers cuDNN's kernel (``DiTSlice.attention_backends``, set
+  around each of its SDPA calls: flash, then memory-efficient, then math take a call cuDNN refuses).  Forced alone on
+  the protocol's shapes on an H200 it runs self-attention at 566 TFLOP/s against flash's 316 at batch 4
+  (``benchmarks/sdpa_backends.py``).  Process-wide flags set once (an earlier form of this lever) left the blocks on
+  flash: the same time and the same bits.
 
 This module is pure computation, like ``stage_service.dit_slice``: it swaps modules and forwards on a built slice.
 """
@@ -37,6 +40,8 @@ from torch import nn
 from stage_service.dit_slice import AttentionContext, DiTSlice, apply_rotary_emb
 
 LEVERS = ("fp8", "fused", "cudnn")
+# ``cudnn``: the slice's SDPA backends, first preferred; a call cuDNN refuses runs on the next.
+CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 ALIGN = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
 MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
@@ -301,20 +306,9 @@ def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | 
                 module.quantize = shared.quantize
         done["fused_blocks"] = len(dit_slice.model.blocks)
     if "cudnn" in levers:
-        prefer_cudnn_attention()
-        done["sdpa"] = "cudnn, then math"
+        dit_slice.attention_backends = CUDNN_FIRST
+        done["sdpa"] = ", ".join(CUDNN_FIRST)
     return done
-
-
-def prefer_cudnn_attention() -> None:
-    """For the rest of the process, SDPA chooses between cuDNN's kernel and the math one: flash and memory-efficient
-    attention are off.  torch's backend flags are process-wide (the stage's executor and its graph-capture thread
-    must agree), so they are set once and never restored.  (A priority order that puts cuDNN first,
-    ``sdpa_kernel(..., set_priority=True)``, left the choice on flash on an H200 with torch 2.11: no change in time
-    or bits, ``benchmarks/results/dit_levers_1gpu_bf93871.json``.)"""
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 __all__ = [
@@ -322,7 +316,7 @@ __all__ = [
     "Fp8Linear",
     "FusedBlock",
     "Kernels",
-    "prefer_cudnn_attention",
+    "CUDNN_FIRST",
     "apply_levers",
     "parse_levers",
     "quantize_rows",

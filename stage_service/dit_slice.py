@@ -17,6 +17,7 @@ our processors, which read per-item context (KV cache, cached text K/V, RoPE off
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -243,6 +244,9 @@ class DiTSlice(nn.Module):
         # Grouped attention reads a CUDA graph's static K/V stack where window and new K/V lie together, rather than
         # concatenating them (same result bit for bit; off: the copy, which ``benchmarks/attention_check`` compares).
         self.kv_in_place = True
+        # The SDPA backends this slice's attention runs on, first preferred (``--dit-levers cudnn``); None: torch's
+        # default choice (flash on a GPU for these shapes), the path that is bit-exact against the reference.
+        self.attention_backends: tuple[str, ...] | None = None
         # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
         self._local = threading.local()
         for i, block in enumerate(model.blocks):
@@ -444,9 +448,22 @@ class DiTSlice(nn.Module):
             raise RuntimeError("slice attention called outside DiTSlice.run_blocks")
         return ctx
 
+    def attention_scope(self):
+        """Where every SDPA of this slice runs: under ``attention_backends`` (torch's ``SDPBackend`` names, first
+        preferred; a backend that refuses a call passes it to the next), else under torch's own choice."""
+        if self.attention_backends is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([getattr(SDPBackend, b) for b in self.attention_backends], set_priority=True)
+
     def self_attend(self, layer: int, query, key, value, ctx: AttentionContext) -> torch.Tensor:
         """Self-attention of slice-local ``layer`` on (B, L, H, Dh) q/k/v with RoPE applied: the items' KV window
         reads and writes, then one SDPA per group of equal windows (or per item, ``grouped_attention`` off)."""
+        with self.attention_scope():
+            return self._self_attend(layer, query, key, value, ctx)
+
+    def _self_attend(self, layer: int, query, key, value, ctx: AttentionContext) -> torch.Tensor:
         if ctx.self_mask is not None or not ctx.self_kv:
             return _sdpa(query, key, value, ctx.self_mask).type_as(query)
         # KV reads and writes, item by item in batch order (read, then write), as each item's view expects.
@@ -465,7 +482,8 @@ class DiTSlice(nn.Module):
         per_item = [item[layer] for item in ctx.cross_kv]
         key = torch.cat([k for k, _ in per_item], dim=0)
         value = torch.cat([v for _, v in per_item], dim=0)
-        return _sdpa(query, key, value).type_as(query)
+        with self.attention_scope():
+            return _sdpa(query, key, value).type_as(query)
 
     def head(self, hidden_states: torch.Tensor, cond: Conditioning, latent_shape: torch.Size) -> torch.Tensor:
         if not self.last:

@@ -134,3 +134,25 @@ def test_warm_levers_runs_the_blocks_at_the_serving_shape_and_changes_no_weight(
     before = {k: v.clone() for k, v in sl.model.state_dict().items()}
     warm_levers(sl, 1, 4, 6, 7)
     assert all(torch.equal(v, before[k]) for k, v in sl.model.state_dict().items())
+
+
+def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_refuses(tiny_model):
+    """``cudnn`` sets the slice's SDPA backends around each of its calls (cuDNN first): on a CPU, where cuDNN refuses
+    every call, the next backend runs it, and the process's own SDPA flags are left as they were."""
+    from torch.nn.attention import SDPBackend
+
+    from stage_service.dit_levers import CUDNN_FIRST
+
+    plain, cudnn = slice_of(tiny_model, torch.float32), slice_of(tiny_model, torch.float32)
+    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    assert apply_levers(cudnn, ["cudnn"])["sdpa"] == ", ".join(CUDNN_FIRST)
+    assert cudnn.attention_backends == CUDNN_FIRST and plain.attention_backends is None
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == flags
+    latents, text, windows = inputs(plain, torch.float32)
+    expected = forward(plain, latents, text, windows)
+    got = forward(cudnn, latents, text, windows)
+    torch.testing.assert_close(got, expected)  # CPU kernels after cuDNN's refusal: the same attention
+    # The scope is in effect: cuDNN alone cannot run on a CPU, and says so.
+    cudnn.attention_backends = (SDPBackend.CUDNN_ATTENTION.name,)
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        forward(cudnn, latents, text, windows)
