@@ -400,11 +400,17 @@ def _main_key(r: dict) -> tuple:
     return (config_name({"args": r["args"]}), _gpus(r["args"]))
 
 
+def priced_by_hand(a: dict) -> bool:
+    """A what-if of admission's pricing: the decode priced at fixed ms (``--slo-vae-ms``) or ``--gpu-sharing`` off
+    its default.  Such runs are experiments, in HISTORY.md only: BENCHMARKS.md's rows are priced as served."""
+    return isinstance(a.get("slo_vae_ms"), dict) or a.get("gpu_sharing", GPU_SHARING) != GPU_SHARING
+
+
 def current(runs: list[dict]) -> list[dict]:
     """The newest result of each configuration: copies of the runs holding only the parts no later run measured again
     (capacity rows by config and decoder, a burst by config, the main stream by config, load rows by config and stream
-    count); runs left with nothing are dropped."""
-    runs = sorted(runs, key=_order)
+    count); runs left with nothing, and what-ifs of the pricing (``priced_by_hand``), are dropped."""
+    runs = sorted((r for r in runs if not priced_by_hand(r["args"])), key=_order)
     newest: dict[tuple, int] = {}
     for i, r in enumerate(runs):
         a, s = r["args"], r.get("system") or {}
@@ -685,12 +691,23 @@ def load_levers(results: Path) -> list[dict]:
     return runs
 
 
+def shown_lever_runs(runs: list[dict]) -> list[dict]:
+    """The lever runs BENCHMARKS.md shows: the fullest (most variant x batch cells; the oldest of a tie) and the
+    newest (by date, then file name), in date order; every run stays listed in the results index."""
+    if not runs:
+        return []
+    fullest = max(runs, key=lambda r: (len(r["variants"]) * len(r["batches"]), [-ord(c) for c in r.get("date", "")]))
+    newest = max(runs, key=lambda r: (r.get("date", ""), r["_file"]))
+    return sorted({id(r): r for r in (fullest, newest)}.values(), key=lambda r: (r.get("date", ""), r["_file"]))
+
+
 def lever_tables(runs: list[dict]) -> str:
-    """One table per ``dit_levers`` run: ms per stream-chunk per lever and batch (``dit_levers.markdown``)."""
+    """One table per shown ``dit_levers`` run (``shown_lever_runs``): ms per stream-chunk per lever and batch
+    (``dit_levers.markdown``)."""
     from benchmarks.dit_levers import markdown  # torch and the stage's modules: only when there are lever runs
 
     out = []
-    for r in runs:
+    for r in shown_lever_runs(runs):
         p = r.get("protocol") or {}
         out.append(
             f"{r.get('date', '–')}, commit {r.get('commit', '–')}, {r.get('versions', {}).get('gpu', '–')}, "

@@ -421,7 +421,7 @@ function recordBegin(meta, direct) {
     config: started.config, transport: state.transport, fps: fpsOf(started.config),
     firstPts: shownPts(meta && meta.mediaTime), frames: state.frames, shown: meta ? [meta.presentationTime] : [],
     t0: performance.now(), webrtc: video.srcObject instanceof MediaStream, direct: Boolean(direct),
-    queue: [], pool: [], lastDue: 0, queuedDue: 0, base: null, drawn: 0, timer: null,
+    queue: [], pool: [], lastDue: 0, queuedDue: 0, queuedPts: null, base: null, drawn: 0, timer: null,
     runMs: 0, runningSince: null, pausedAt: null, pausedMs: 0, pauses: 0, stopping: false, finished: false,
     rebased: false, maxGapMs: 0, lastIndex: 0,
     // WebRTC: the frame number in the stream of the first picture recorded, at most (see watchShown)
@@ -436,9 +436,13 @@ function recordBegin(meta, direct) {
   }
   r.recorders = [newRecorder(stream, type, "output")];
   if ($("record-input").checked && camera) r.recorders.push(newRecorder(camera, type, "input"));
-  r.runningSince = performance.now();
+  // The recording's clock and the wall clock start at one instant, so that wall_s = duration_s + paused_s exactly.
+  r.t0 = r.runningSince = performance.now();
   rec = r;
-  if (!direct) { r.base = { t: pictureTime(r, meta), due: 0 }; paint(r, copyPicture(r)); watchShown(r); recTick(r); }
+  if (!direct) {
+    r.base = { t: pictureTime(r, meta), due: 0 }; r.queuedPts = r.base.t;
+    paint(r, copyPicture(r)); watchShown(r); recTick(r);
+  }
   const first = recentLate.reduce((a, f) => (a && Math.abs(a.pts - r.firstPts) <= Math.abs(f.pts - r.firstPts) ?
     a : f), null);
   r.firstLateMs = first ? first.late : state.lastLateMs;
@@ -533,7 +537,7 @@ function watchShown(r) {
       r.told.first = Math.min(r.told.first, told.pts.length - 1 - r.lastIndex);
     }
     if (due > r.queuedDue + 1e-4) { // a new picture (not the last one again)
-      r.queue.push({ due, picture: copyPicture(r) }); r.queuedDue = due;
+      r.queue.push({ due, picture: copyPicture(r) }); r.queuedDue = due; r.queuedPts = t;
       recTick(r);
     }
     video.requestVideoFrameCallback(onFrame);
@@ -550,7 +554,9 @@ function recordSwitch(prompt) {
   rec.switches.push({
     prompt,
     at_s: round3(rec.direct ? (performance.now() - rec.t0) / 1000 : rec.queuedDue),
-    stream_s: shownPts(), // the pts of the picture on the screen then (WebRTC: see recFinish)
+    // the pts of the picture on the screen then: the last one shown (MSE: its media time, which the player's clock,
+    // read now, runs past when a loaded browser skips pictures; WebRTC: see recFinish)
+    stream_s: rec.webrtc || rec.queuedPts === null ? shownPts() : round3(rec.queuedPts),
     index: webrtcCounted(rec) ? rec.lastIndex : null,
   });
 }
