@@ -483,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         procs = services(up.proc.pid)
         progress(f"READY in {ready_s:.1f} s: gateway {gateway}, services {sorted(procs)}")
         alone = measure_alone(gateway, tenants, sargs, args)
+        failed = [run["error"] for run in [alone["warmup"], *alone["runs"]] if run["error"]]
+        if failed:  # what the services said meanwhile, for whoever reads the failure
+            progress(f"an alone stream failed ({failed[0]}); stagecast up's last lines:\n" + "\n".join(up.log[-40:]))
         neighbours = measure_neighbours(gateway, tenants, sargs, args, procs, alone["completion_s"])
         progress(f"beside unpaced: {neighbours['beside_s']} s, ratio {neighbours['ratio']}")
         burst = measure_burst(gateway, tenants, sargs, args, launcher, coordinator, procs)
