@@ -31,6 +31,7 @@ This module is pure computation, like ``stage_service.dit_slice``: it swaps modu
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -280,14 +281,40 @@ def warm_levers(dit_slice: DiTSlice, frames: int, height: int, width: int, text_
     """Forwards of the blocks at batch 1 and 2 of the serving shape (latent ``frames x height x width``), so that the
     ``fused`` lever's kernels are compiled before the stage calibrates and captures its graphs: compiled while
     calibrating, they took its whole budget at batch 1 (one H200, 2026-12-03)."""
+    for batch in (1, 2):
+        _serving_forward(dit_slice, batch, frames, height, width, text_len)
+
+
+def _serving_forward(dit_slice: DiTSlice, batch: int, frames: int, height: int, width: int, text_len: int) -> None:
+    """One forward of the blocks at the serving shape: zero latents and text, no KV window."""
     tokens = frames * dit_slice.tokens_per_frame(height, width)
     text = torch.zeros(1, text_len, dit_slice.config["text_dim"], device=dit_slice.device, dtype=dit_slice.dtype)
     cross = dit_slice.cross_kv(dit_slice.embed_text(text))
-    for batch in (1, 2):
-        hidden = torch.zeros(batch, tokens, dit_slice.inner_dim, device=dit_slice.device, dtype=dit_slice.dtype)
-        cond = dit_slice.condition(torch.full((batch,), 500.0, device=dit_slice.device), tokens=tokens)
-        rotary = dit_slice.rotary(frames, height, width, [0] * batch)
-        dit_slice.run_blocks(hidden, cond, AttentionContext(rotary=rotary, cross_kv=[cross] * batch))
+    hidden = torch.zeros(batch, tokens, dit_slice.inner_dim, device=dit_slice.device, dtype=dit_slice.dtype)
+    cond = dit_slice.condition(torch.full((batch,), 500.0, device=dit_slice.device), tokens=tokens)
+    rotary = dit_slice.rotary(frames, height, width, [0] * batch)
+    dit_slice.run_blocks(hidden, cond, AttentionContext(rotary=rotary, cross_kv=[cross] * batch))
+
+
+@torch.no_grad()
+def cudnn_refusal(dit_slice: DiTSlice, frames: int, height: int, width: int, text_len: int) -> str | None:
+    """Whether cuDNN's SDPA takes the blocks' own attention calls: one forward at the serving shape (batch 1, no
+    window) with cuDNN as the only backend.  None when it ran; else why not, in torch's words (the reasons it warns
+    of for each backend it rules out, else its error).  ``cudnn`` falls back to the next backend where cuDNN
+    refuses, so without this the lever would change nothing and say nothing."""
+    saved = dit_slice.attention_backends
+    dit_slice.attention_backends = ("CUDNN_ATTENTION",)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                _serving_forward(dit_slice, 1, frames, height, width, text_len)
+            except RuntimeError as exc:
+                reasons = list(dict.fromkeys(str(w.message).strip() for w in caught))[:10]
+                return "; ".join(reasons) or str(exc).splitlines()[0]
+        return None
+    finally:
+        dit_slice.attention_backends = saved
 
 
 def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | None = None) -> dict:
@@ -318,6 +345,7 @@ __all__ = [
     "Kernels",
     "CUDNN_FIRST",
     "apply_levers",
+    "cudnn_refusal",
     "parse_levers",
     "quantize_rows",
     "to_fp8",

@@ -22,7 +22,7 @@ import torch
 
 from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import load_slice_state_dict, random_slice_state_dict
-from stage_service.dit_levers import apply_levers, parse_levers, warm_levers
+from stage_service.dit_levers import apply_levers, cudnn_refusal, parse_levers, warm_levers
 from stage_service.dit_slice import DiTSlice
 from stage_service.fp8 import convert_to_fp8
 from stage_service.kv_budget import KvBudget, graph_buffer_cap, measure_kv_budget_detail, stream_fit_problem
@@ -149,11 +149,27 @@ class SliceLoader:
         return stream_fit_problem(budget, need, stage=self.opts.index, stream=what)
 
     def _warm_levers(self) -> None:
-        """The fused lever's kernels compiled at the serving shape before the calibration times the slice."""
-        if "fused" not in parse_levers(self.opts.dit_levers) or self.device.type != "cuda":
+        """The fused lever's kernels compiled at the serving shape before the calibration times the slice; with
+        ``cudnn``, whether cuDNN takes the blocks' attention (logged where it refuses: the lever then changes
+        nothing)."""
+        levers = parse_levers(self.opts.dit_levers)
+        if self.device.type != "cuda" or not {"fused", "cudnn"} & set(levers):
             return
         shape = self.serving_shape()
         if shape is None:
+            return
+        if "cudnn" in levers:
+            why = cudnn_refusal(self.slice, shape.chunk_frames, shape.latent_height, shape.latent_width, shape.text_len)
+            if why is None:
+                logger.info("stage %d: --dit-levers cudnn: cuDNN runs the blocks' attention", self.opts.index)
+            else:
+                logger.warning(
+                    "stage %d: --dit-levers cudnn: cuDNN refuses the blocks' attention, which runs on the next "
+                    "backend (flash): %s",
+                    self.opts.index,
+                    why,
+                )
+        if "fused" not in levers:
             return
         t = time.perf_counter()
         warm_levers(self.slice, shape.chunk_frames, shape.latent_height, shape.latent_width, shape.text_len)

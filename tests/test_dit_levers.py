@@ -156,3 +156,14 @@ def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_
     cudnn.attention_backends = (SDPBackend.CUDNN_ATTENTION.name,)
     with pytest.raises(RuntimeError, match="No viable backend"):
         forward(cudnn, latents, text, windows)
+
+
+def test_cudnn_refusal_says_why_cudnn_does_not_take_the_blocks_attention(tiny_model):
+    """On a CPU cuDNN never runs: the probe says why, in torch's words, and leaves the slice's backends as they were."""
+    from stage_service.dit_levers import CUDNN_FIRST, cudnn_refusal
+
+    sl = slice_of(tiny_model, torch.float32)
+    apply_levers(sl, ["cudnn"])
+    why = cudnn_refusal(sl, 1, 4, 6, 7)
+    assert why and isinstance(why, str)
+    assert sl.attention_backends == CUDNN_FIRST
