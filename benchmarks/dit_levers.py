@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.fp8_check import FixedWindow, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
-from stage_service.dit_levers import apply_levers
+from stage_service.dit_levers import apply_levers, cudnn_refusal
 from stage_service.dit_slice import AttentionContext, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
@@ -146,6 +146,9 @@ def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
 
 def run_variant(cfg: dict, args, device: torch.device, levers: tuple, row: dict, refs: dict, label: str) -> None:
     sl, row["applied"] = build(cfg, device, levers)
+    if "cudnn" in levers and device.type == "cuda":  # None: cuDNN takes the blocks' attention; else torch's reasons
+        row["cudnn_refusal"] = cudnn_refusal(sl, args.chunk_frames, args.height, args.width, args.text_len)
+        print(f"{label}: cuDNN refusal: {row['cudnn_refusal']}", flush=True)
     with torch.no_grad():
         for batch in args.batches:
             inputs = inputs_for(cfg, batch, args, device)
