@@ -80,10 +80,11 @@ class CoordinatorOptions:
         help="pacing: a stream with a frame rate starts each chunk at most this many seconds before its real-time slot",
     )
     pace_grid: bool = flag(
-        False,
-        action="store_true",
+        True,
+        action="optional",
         help="pacing: paced streams of one chunk rate take their slots on one grid of whole chunk periods, so their "
-        "chunks are due together and batch (each stream's slots move up to one chunk period sooner)",
+        "chunks are due together and batch (each stream's slots move up to one chunk period sooner; one H200 held 7-8 "
+        "1.3B streams with it, 5-7 without); --no-pace-grid: each stream on slots of its own",
     )
     host_share: float = flag(
         1.0,

@@ -59,12 +59,15 @@ def section() -> str:
             action = actions[spec.dest]
             if action.required:
                 default = "required"
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                default = "on" if action.default else "off"  # --x / --no-x
             elif action.nargs == 0:
                 default = "off"  # a switch: off unless given
             else:
                 default = f"`{action.default}`" if action.default not in (None, [], ()) else ""
             text = (action.help or "").replace("%%", "%").replace("|", "\\|")
-            lines.append(f"| `{spec.name}` | {default} | {text} |")
+            name = " / ".join(f"`{o}`" for o in action.option_strings) if spec.flag.action == "optional" else None
+            lines.append(f"| {name or f'`{spec.name}`'} | {default} | {text} |")
     return "\n".join([*lines, "", END])
 
 

@@ -42,7 +42,9 @@ class Flag:
     type: Callable[[str], Any] | None = None  # None: int, float or str from the annotation (or the default)
     choices: Sequence[Any] | None = None
     required: bool = False
-    action: str | None = None  # "store_true", "store_false" (``--no-x`` sets the field False), "append"
+    # "store_true", "store_false" (``--no-x`` sets the field False), "optional" (``--x`` / ``--no-x``: argparse's
+    # BooleanOptionalAction, for a switch on by default that may be turned off), "append"
+    action: str | None = None
     metavar: str | None = None
     format: Callable[[Any], str] | None = None  # a value back to its text for ``to_argv`` (None: str, lists joined)
 
@@ -137,6 +139,8 @@ def add_flags(
         action = spec.flag.action
         if action in ("store_true", "store_false"):
             kwargs.update(action=action, default=spec.default())
+        elif action == "optional":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=spec.default())
         else:
             if action is not None:
                 kwargs["action"] = action
@@ -201,6 +205,8 @@ def _argv(spec: _Spec, value: Any) -> list[str]:
     action = spec.flag.action
     if action in ("store_true", "store_false"):
         return [spec.name]
+    if action == "optional":
+        return [spec.name if value else "--no-" + spec.name.removeprefix("--")]
     if action == "append":
         return [arg for item in value for arg in (spec.name, _text(spec, item))]
     return [spec.name, _text(spec, value)]

@@ -104,7 +104,8 @@ def test_the_coordinators_lookahead_flag_fixes_the_bound_and_is_checked():
         with pytest.raises(ValueError, match=f"--lookahead must be in 1..{MAX_LOOKAHEAD} batches, got {bad}"):
             CoordinatorOptions(stages=1, lookahead=bad)
     # The harness hands it to the coordinator (gpu_suite.sh LOOKAHEAD=N: an A/B against the default bound).
-    args = SimpleNamespace(stages=1, slo_vae_ms=None, slo_stage_ms=None, pace_grid=True, lookahead=2)
+    args = SimpleNamespace(stages=1, slo_vae_ms=None, slo_stage_ms=None, pace_grid=False, lookahead=2)
     argv = coordinator_args(args)
-    assert argv[argv.index("--lookahead") + 1] == "2" and "--pace-grid" in argv
+    assert argv[argv.index("--lookahead") + 1] == "2" and "--no-pace-grid" in argv  # the grid is on by default
+    assert "--pace-grid" not in coordinator_args(SimpleNamespace(**{**vars(args), "pace_grid": True}))
     assert "--lookahead" not in coordinator_args(SimpleNamespace(**{**vars(args), "lookahead": None}))

@@ -134,7 +134,10 @@ LADDERS = [(1000.0,), (1000.0, 500.0), (1000.0, 667.0, 333.0)]
 def _engine(stage_ms: float, clock=lambda: 0.0):
     from tests.engine_helpers import hand_driven_engine, stream_opener
 
-    eng = hand_driven_engine(lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock)
+    # Off the pace grid: these tests' arithmetic prices the average batch measured (tests/test_slo_grid.py: the grid's).
+    eng = hand_driven_engine(
+        lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock, pace_grid=False
+    )
     return eng, stream_opener(eng, chunk_rate=4.0, ladders=LADDERS)
 
 

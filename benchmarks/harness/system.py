@@ -394,7 +394,7 @@ def coordinator_args(args) -> list[str]:
         vae_ms_per_chunk=vae_what_if(args.slo_vae_ms),
         stage_ms=parse_stage_ms(stage_ms) if stage_ms else None,
         slo_learn=not stage_ms,
-        pace_grid=getattr(args, "pace_grid", False),
+        pace_grid=getattr(args, "pace_grid", CoordinatorOptions.pace_grid),
         lookahead=getattr(args, "lookahead", None),
         gpu_sharing=getattr(args, "gpu_sharing", GPU_SHARING),
     )
