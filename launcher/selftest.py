@@ -508,8 +508,11 @@ def adaptive_args(cfg: SelftestConfig) -> list[str]:
     # ``stage_ms`` is what one micro-step costs the pipeline's bottleneck: each stage's on devices of their own, and
     # on one CPU host, where a micro-step costs the stages' sum (coordinator/slo.py, "A CPU host"), a share of it.
     per_stage = cfg.stage_ms / cfg.stages if cfg.device == "cpu" else cfg.stage_ms
-    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[per_stage] * cfg.stages, slo_learn=False)
-    return to_argv(fixed, only=["stage_ms", "slo_learn"])  # --stage-ms ... --slo-fixed
+    # Off the pace grid: ``stage_ms`` is sized for the average-batch model (one stream at 3 steps 60% of the
+    # bottleneck, two 120%), which lowers steps while both streams are admitted; the grid prices each period's own
+    # batches (tests/test_slo_grid.py), and on a CPU host it refuses the second stream.
+    fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[per_stage] * cfg.stages, slo_learn=False, pace_grid=False)
+    return to_argv(fixed, only=["stage_ms", "slo_learn", "pace_grid"])  # --stage-ms ... --slo-fixed --no-pace-grid
 
 
 def adaptive_request(cfg: SelftestConfig, req: pb.OpenStreamRequest) -> None:

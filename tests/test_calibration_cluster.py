@@ -36,7 +36,11 @@ def one_step(status: pb.ClusterStatus) -> float | None:
 def test_stages_seed_the_model_at_ready_and_the_gateways_vae_cost_lowers_capacity(root):
     with Launcher() as launcher:
         pipe = start_pipeline(
-            launcher, checkpoint=str(root / "transformer"), stages=2, stage_extra_args=["--calibration-s", "60"]
+            launcher,
+            checkpoint=str(root / "transformer"),
+            stages=2,
+            coordinator_args=["--no-pace-grid"],  # the capacity below is the average-batch model's arithmetic
+            stage_extra_args=["--calibration-s", "60"],
         )
         channel, stub = coordinator_stub(pipe.coordinator, launcher)
         with channel:
@@ -78,7 +82,7 @@ def test_operator_flags_take_precedence_and_a_stage_out_of_calibration_budget_st
             launcher,
             checkpoint=str(root / "transformer"),
             stages=2,
-            coordinator_args=["--stage-ms", "170,170", "--vae-ms-per-chunk", "7"],
+            coordinator_args=["--stage-ms", "170,170", "--vae-ms-per-chunk", "7", "--no-pace-grid"],
             stage_extra_args=["--calibration-s", "60"],
         )
         channel, stub = coordinator_stub(pipe.coordinator, launcher)

@@ -33,7 +33,7 @@ def gateway(tmp_path_factory):
             launcher,
             checkpoint=str(root / "transformer"),
             stages=2,
-            coordinator_args=["--stage-ms", "85,85", "--slo-fixed"],
+            coordinator_args=["--stage-ms", "85,85", "--slo-fixed", "--no-pace-grid"],  # the average-batch model
         )
         gw = launcher.spawn("gateway", ["gateway", "--coordinator", pipe.coordinator, "--checkpoint", str(root)])
         with stagecast.Client(gw.info["address"]) as client:
