@@ -19,6 +19,7 @@ and the ms the 30 layers' attention would cost per stream-chunk.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import warnings
@@ -26,6 +27,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.harness.rows import git_commit
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(rec)
                     print(json.dumps(rec), flush=True)
     result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),

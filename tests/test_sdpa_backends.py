@@ -12,10 +12,12 @@ from benchmarks import sdpa_backends
 pytestmark = pytest.mark.unit
 
 
-def test_smoke_times_each_case_it_can_run_and_records_the_shapes(tmp_path):
+def test_smoke_times_each_case_it_can_run_and_records_the_shapes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sdpa_backends, "git_commit", lambda: "abc1234")  # (git runs a process: not in this tier)
     out = tmp_path / "sdpa.json"
     assert sdpa_backends.main(["--smoke", "--batches", "1,2", "--iters", "2", "--warmup", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
+    assert r["commit"] == "abc1234" and r["date"]
     assert r["device"] == "cpu" and r["command"].startswith("python -m benchmarks.sdpa_backends --smoke")
     cases = r["cases"]
     # On a CPU only the math kernel is forced (the fused ones are CUDA's): self and cross, two layouts, two batches.
