@@ -8,12 +8,12 @@ Usage (one GPU; a smoke run works on a CPU with tiny shapes)::
 The shapes are the benchmark protocol's (DESIGN.md section 4) for Wan2.1-1.3B: a chunk's 1560 query tokens, self-
 attention over a full 6-frame window (9360 cached + 1560 new keys) and cross-attention over 512 text tokens, 12 heads
 of 128, bf16, at batch 1 and 4.  Each of torch's SDPA backends (flash, memory-efficient, cuDNN; math at batch 1 only:
-it materialises the scores) is forced alone with ``torch.nn.attention.sdpa_kernel`` and timed with CUDA events
-(median of ``--iters`` after ``--warmup``), eagerly and replayed from a captured CUDA graph (how the stage runs its
-blocks), in two layouts: ``permuted`` (the (B, L, H, D) tensors the DiT holds, permuted to (B, H, L, D) as
-``stage_service.dit_slice._sdpa`` passes them) and ``contiguous`` ((B, H, L, D) in memory).  A backend that refuses a
-case is recorded with torch's reason.  Per case: ms, TFLOP/s, the max |difference| from the flash kernel's output,
-and the ms the 30 layers' attention would cost per stream-chunk.
+it materialises the scores) is forced alone (and cuDNN first by priority with flash after it, to see which runs) with
+``torch.nn.attention.sdpa_kernel`` and timed with CUDA events (median of ``--iters`` after ``--warmup``), eagerly and
+replayed from a captured CUDA graph (how the stage runs its blocks), in two layouts: ``permuted`` (the (B, L, H, D)
+tensors the DiT holds, permuted to (B, H, L, D) as ``stage_service.dit_slice._sdpa`` passes them) and ``contiguous``
+((B, H, L, D) in memory).  A backend that refuses a case is recorded with torch's reason.  Per case: ms, TFLOP/s, the
+max |difference| from the flash kernel's output, and the ms the 30 layers' attention would cost per stream-chunk.
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.harness.rows import git_commit
 
+# name -> (the backends enabled, whether their order is a priority: ``sdpa_kernel(..., set_priority=True)``)
 BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
+    "flash": ([SDPBackend.FLASH_ATTENTION], False),
+    "efficient": ([SDPBackend.EFFICIENT_ATTENTION], False),
+    "cudnn": ([SDPBackend.CUDNN_ATTENTION], False),
+    "math": ([SDPBackend.MATH], False),
+    # cuDNN first by priority, flash enabled after it: which one torch runs (max_diff_vs_flash 0: flash)
+    "cudnn>flash (priority)": ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], True),
 }
 LAYERS = 30
 
@@ -87,11 +90,11 @@ def graphed(fn, device):
     return graph.replay, out
 
 
-def run_case(name, backend, q, k, v, reference, args, device) -> dict:
+def run_case(name, backends, priority, q, k, v, reference, args, device) -> dict:
     record: dict = {"backend": name}
     call = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
     try:
-        with sdpa_kernel([backend]), warnings.catch_warnings(record=True) as caught:
+        with sdpa_kernel(backends, set_priority=priority), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = call()
             record["eager_ms"] = round(time_call(call, device, args.warmup, args.iters), 4)
@@ -132,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 if device.type == "cuda":
                     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                         reference = F.scaled_dot_product_attention(q, k, v)
-                for name, backend in BACKENDS.items():
+                for name, (backends, priority) in BACKENDS.items():
                     if name == "math" and batch > 1 and not args.smoke:
                         continue
                     if device.type != "cuda" and name != "math":
                         continue
-                    rec = run_case(name, backend, q, k, v, reference, args, device)
+                    rec = run_case(name, backends, priority, q, k, v, reference, args, device)
                     rec.update(batch=batch, attention=kind, layout=layout, queries=queries, keys=keys)
                     ms = rec.get("graphed_ms", rec.get("eager_ms"))
                     if ms:

@@ -19,11 +19,13 @@ latents after one step) beside its time at batch 1, 4, 8 and 12:
   block instead of dozens of eager ones; the compiled kernels sit inside the blocks' CUDA graphs like any other.
   On a CPU the same functions run uncompiled, and there they equal diffusers' ops bit for bit
   (``tests/test_dit_levers.py``): on a GPU the compiled kernels keep intermediates in float32, hence the error.
-- ``cudnn``: the slice's scaled-dot-product attention prefers cuDNN's kernel (``DiTSlice.attention_backends``, set
-  around each of its SDPA calls: flash, then memory-efficient, then math take a call cuDNN refuses).  Forced alone on
-  the protocol's shapes on an H200 it runs self-attention at 566 TFLOP/s against flash's 316 at batch 4
-  (``benchmarks/sdpa_backends.py``).  Process-wide flags set once (an earlier form of this lever) left the blocks on
-  flash: the same time and the same bits.
+- ``cudnn``: the slice's scaled-dot-product attention runs cuDNN's kernel (``DiTSlice.attention_backends``): each
+  SDPA call tries cuDNN alone, and a call it refuses runs on torch's choice among flash, memory-efficient and math.
+  Forced alone on the protocol's shapes on an H200, cuDNN runs self-attention at 566 TFLOP/s against flash's 316 at
+  batch 4 (``benchmarks/sdpa_backends.py``).  Two earlier forms of this lever left the blocks on flash, with the same
+  time and the same bits: process-wide flags set once, and a priority order with cuDNN first
+  (``sdpa_kernel(..., set_priority=True)``).  At start-up the stage checks that cuDNN takes the blocks' own calls
+  (``cudnn_refusal``) and logs torch's reasons where it does not.
 
 This module is pure computation, like ``stage_service.dit_slice``: it swaps modules and forwards on a built slice.
 """
@@ -41,7 +43,7 @@ from torch import nn
 from stage_service.dit_slice import AttentionContext, DiTSlice, apply_rotary_emb
 
 LEVERS = ("fp8", "fused", "cudnn")
-# ``cudnn``: the slice's SDPA backends, first preferred; a call cuDNN refuses runs on the next.
+# ``cudnn``: the slice's SDPA backends: cuDNN alone, else torch's choice among the rest (``dit_slice._sdpa_on``).
 CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 ALIGN = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16

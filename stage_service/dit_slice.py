@@ -18,6 +18,7 @@ our processors, which read per-item context (KV cache, cached text K/V, RoPE off
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,12 +81,36 @@ def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs
     return out.type_as(hidden_states)
 
 
+# The SDPA backends of the slice whose attention runs now (``DiTSlice.attention_scope``): torch's ``SDPBackend``
+# names, the first tried alone, the rest (torch's choice among them) where it refuses the call; None: torch's choice.
+_SDPA_BACKENDS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("sdpa_backends", default=None)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     # (B, L, H, Dh) layout in and out, exactly like diffusers' native attention backend.
-    out = F.scaled_dot_product_attention(
-        q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask, dropout_p=0.0
-    )
+    q, k, v = q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    backends = _SDPA_BACKENDS.get()
+    if backends is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+    else:
+        out = _sdpa_on(backends, q, k, v, mask)
     return out.permute(0, 2, 1, 3)
+
+
+def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
+    """SDPA on ``backends[0]`` alone, else (it refused the call: torch raises before launching anything, so a CUDA
+    graph capture is unharmed) on torch's choice among the rest.  Not a priority order: torch 2.11 on an H200 kept
+    flash for the DiT's calls under ``sdpa_kernel(..., set_priority=True)`` with cuDNN first."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backends[0])]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+    except RuntimeError:
+        if len(backends) == 1:
+            raise
+    with sdpa_kernel([getattr(SDPBackend, b) for b in backends[1:]]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
 
 
 def sequence_to_heads(sp: SequenceGroup, *qkv: torch.Tensor) -> list[torch.Tensor]:
@@ -244,8 +269,8 @@ class DiTSlice(nn.Module):
         # Grouped attention reads a CUDA graph's static K/V stack where window and new K/V lie together, rather than
         # concatenating them (same result bit for bit; off: the copy, which ``benchmarks/attention_check`` compares).
         self.kv_in_place = True
-        # The SDPA backends this slice's attention runs on, first preferred (``--dit-levers cudnn``); None: torch's
-        # default choice (flash on a GPU for these shapes), the path that is bit-exact against the reference.
+        # The SDPA backends this slice's attention runs on (``--dit-levers cudnn``; ``_sdpa_on``: the first alone,
+        # else the rest); None: torch's choice (flash on a GPU for these shapes), bit-exact against the reference.
         self.attention_backends: tuple[str, ...] | None = None
         # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
         self._local = threading.local()
@@ -448,14 +473,15 @@ class DiTSlice(nn.Module):
             raise RuntimeError("slice attention called outside DiTSlice.run_blocks")
         return ctx
 
+    @contextlib.contextmanager
     def attention_scope(self):
-        """Where every SDPA of this slice runs: under ``attention_backends`` (torch's ``SDPBackend`` names, first
-        preferred; a backend that refuses a call passes it to the next), else under torch's own choice."""
-        if self.attention_backends is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([getattr(SDPBackend, b) for b in self.attention_backends], set_priority=True)
+        """Where every SDPA of this slice runs (``_sdpa`` reads it): under ``attention_backends``, else under
+        torch's own choice.  A context variable, so that a forward on another thread (a graph capture) has its own."""
+        token = _SDPA_BACKENDS.set(self.attention_backends)
+        try:
+            yield
+        finally:
+            _SDPA_BACKENDS.reset(token)
 
     def self_attend(self, layer: int, query, key, value, ctx: AttentionContext) -> torch.Tensor:
         """Self-attention of slice-local ``layer`` on (B, L, H, Dh) q/k/v with RoPE applied: the items' KV window
