@@ -75,8 +75,8 @@
 #                                         # weights: 48 latent channels, patch 2); capacity only (~4 min)
 #                                         # SLO_VAE_MS=N before any capacity part: admission prices each stream's decode
 #                                         # at N ms per chunk (--slo-vae-ms, a what-if; JSON names end _vaeNms)
-#                                         # PACE_GRID=1 before any capacity part: the coordinator's --pace-grid (paced
-#                                         # streams' chunks due together, so they batch; JSON names end _grid)
+#                                         # The coordinator's pace grid (paced streams' chunks due together, so they
+#                                         # batch) is on by default (JSON names end _grid); PACE_GRID=0: --no-pace-grid
 #                                         # LOOKAHEAD=N before any capacity part: the coordinator's --lookahead N, a
 #                                         # fixed bound on batches in flight (JSON names end _laN)
 #                                         # DIT_LEVERS=fused (or fp8,fused,cudnn ...): the stages' --dit-levers
@@ -261,7 +261,7 @@ for part in "$@"; do
       # (--slo-vae-ms; a what-if over the gateway's measurements; JSON names end _vae<value>ms, '=' and ',' as '-').
       cap=(--capacity --capacity-seconds 20 --first-seconds 0 --ttff-runs 0 --interactive-updates 0 --no-peers)
       sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); v="${SLO_VAE_MS//=/-}"; sfx="_vae${v//,/-}ms"; }
-      [ -n "${PACE_GRID:-}" ] && { cap+=(--pace-grid); sfx="${sfx}_grid"; }
+      if [ "${PACE_GRID:-1}" = 0 ]; then cap+=(--no-pace-grid); else sfx="${sfx}_grid"; fi
       [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
       [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//,/-}"; }
       [ -n "${BATCH:-}" ] && { cap+=(--batch "$BATCH"); sfx="${sfx}_b${BATCH}"; }
