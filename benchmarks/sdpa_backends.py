@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.fp8_check import time_forwards
 from benchmarks.harness.rows import git_commit
 
 # name -> (the backends enabled, whether their order is a priority: ``sdpa_kernel(..., set_priority=True)``)
@@ -54,29 +55,6 @@ def make_inputs(batch: int, queries: int, keys: int, heads: int, dim: int, layou
     return one(queries), one(keys), one(keys)
 
 
-def time_call(fn, device, warmup: int, iters: int) -> float:
-    """Median ms of ``fn()`` (CUDA events on a GPU, wall clock on a CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def graphed(fn, device):
     """``fn`` captured once into a CUDA graph; returns (replay, its static output)."""
     stream = torch.cuda.Stream(device)
@@ -97,10 +75,10 @@ def run_case(name, backends, priority, q, k, v, reference, args, device) -> dict
         with sdpa_kernel(backends, set_priority=priority), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = call()
-            record["eager_ms"] = round(time_call(call, device, args.warmup, args.iters), 4)
+            record["eager_ms"] = round(time_forwards(call, device, args.warmup, args.iters)["median_ms"], 4)
             if device.type == "cuda":
                 replay, static = graphed(call, device)
-                record["graphed_ms"] = round(time_call(replay, device, args.warmup, args.iters), 4)
+                record["graphed_ms"] = round(time_forwards(replay, device, args.warmup, args.iters)["median_ms"], 4)
                 record["graphed_max_diff_vs_eager"] = float((static - out).abs().max())
     except RuntimeError as exc:
         record["error"] = str(exc).splitlines()[0][:400]

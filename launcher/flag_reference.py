@@ -57,17 +57,18 @@ def section() -> str:
         lines += ["", f"### `stagecast {command}`", "", "| flag | default | what |", "|---|---|---|"]
         for spec in specs(cls):
             action = actions[spec.dest]
+            optional = isinstance(action, argparse.BooleanOptionalAction)  # --x / --no-x
             if action.required:
                 default = "required"
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                default = "on" if action.default else "off"  # --x / --no-x
+            elif optional:
+                default = "on" if action.default else "off"
             elif action.nargs == 0:
                 default = "off"  # a switch: off unless given
             else:
                 default = f"`{action.default}`" if action.default not in (None, [], ()) else ""
             text = (action.help or "").replace("%%", "%").replace("|", "\\|")
-            name = " / ".join(f"`{o}`" for o in action.option_strings) if spec.flag.action == "optional" else None
-            lines.append(f"| {name or f'`{spec.name}`'} | {default} | {text} |")
+            name = " / ".join(f"`{o}`" for o in action.option_strings) if optional else f"`{spec.name}`"
+            lines.append(f"| {name} | {default} | {text} |")
     return "\n".join([*lines, "", END])
 
 

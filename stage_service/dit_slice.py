@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
@@ -101,8 +102,6 @@ def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
     """SDPA on ``backends[0]`` alone, else (it refused the call: torch raises before launching anything, so a CUDA
     graph capture is unharmed) on torch's choice among the rest.  Not a priority order: torch 2.11 on an H200 kept
     flash for the DiT's calls under ``sdpa_kernel(..., set_priority=True)`` with cuDNN first."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     try:
         with sdpa_kernel([getattr(SDPBackend, backends[0])]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)

@@ -24,7 +24,6 @@ from benchmarks.harness.rows import (
     percentile,
 )
 from coordinator.options import CoordinatorOptions, parse_stage_ms
-from coordinator.slo import GPU_SHARING
 from gateway.edge.quotas import QuotaOptions
 from gateway.options import GatewayOptions
 from stage_service.options import StageOptions
@@ -396,7 +395,7 @@ def coordinator_args(args) -> list[str]:
         slo_learn=not stage_ms,
         pace_grid=getattr(args, "pace_grid", CoordinatorOptions.pace_grid),
         lookahead=getattr(args, "lookahead", None),
-        gpu_sharing=getattr(args, "gpu_sharing", GPU_SHARING),
+        gpu_sharing=getattr(args, "gpu_sharing", CoordinatorOptions.gpu_sharing),
     )
     only = ["vae_ms_per_chunk", "stage_ms", "slo_learn", "pace_grid", "lookahead", "gpu_sharing"]
     return to_argv(options, only=only)
