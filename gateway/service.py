@@ -66,6 +66,7 @@ from stagecast.grpc_util import (
     ConcurrencyLimits,
     make_health_server,
     make_server,
+    reconnected,
     set_serving,
 )
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
@@ -209,6 +210,7 @@ class Gateway:
         self.stream_host = StreamHost(
             coordinator=self.coordinator,
             coordinator_target=opts.coordinator,
+            reconnected=lambda: reconnected(self.channel),
             decoders=self.models.by_kind(),
             metrics=self.metrics,
             timers=self.timers,

@@ -48,6 +48,9 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# How long a caller waits for such a channel to come back when a call found it down: past one backoff at its cap,
+# so a service that is up again is reached; a service still down is reported after this, not after a call's deadline.
+RECONNECT_WAIT_S = 1.5
 # A server owns its port: with gRPC's default SO_REUSEPORT, a second server on a taken port starts
 # "successfully" and the kernel splits the clients between two unrelated processes.
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
@@ -206,6 +209,19 @@ def make_health_server(
 class AddressInUseError(OSError):
     def __init__(self, host: str, port: int):
         super().__init__(errno.EADDRINUSE, f"{host}:{port}: address already in use")
+
+
+def reconnected(channel: grpc.Channel, timeout_s: float = RECONNECT_WAIT_S) -> bool:
+    """Whether ``channel`` is (again) connected within ``timeout_s``: for a call that failed UNAVAILABLE on a
+    RECONNECT_OPTIONS channel, which may be waiting out a backoff while the service is already back."""
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        ready.cancel()
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -5,14 +5,24 @@ hold lapses or is released, and an open whose hold lapsed is decided again."""
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent import futures
+from types import SimpleNamespace
+
 import grpc
 import pytest
 
 from coordinator.errors import AdmissionError
 from coordinator.holds import HOLD_S
 from coordinator.requests import OpenRequest
+from gateway.checkpoint import ModelInfo, ServingDefaults
+from gateway.edge.config import Decoders, resolve_config
+from gateway.stream.run import StreamHost, StreamLimits, reserve
 from stagecast import wire
+from stagecast.client import stream_config
+from stagecast.grpc_util import EXCLUSIVE_PORT, RECONNECT_OPTIONS, reconnected
 from stagecast.internal.v1 import pipeline_pb2 as pb
+from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from tests.engine_helpers import TEXT, Clock, hand_driven_engine, small_spec
 
 pytestmark = pytest.mark.unit
@@ -84,3 +94,108 @@ def test_an_image_to_video_stream_is_reserved_before_its_image_is_encoded():
     held = OpenRequest.for_hold(reserve_msg(spec=small_spec(image_latents=True)))
     assert held.image is not None and tuple(held.image.shape) == (1, 16, 1, 4, 6)
     assert OpenRequest.for_hold(reserve_msg()).image is None
+
+
+class ReserveServicer(ipb_grpc.CoordinatorServiceServicer):
+    def __init__(self, name: str):
+        self.name = name
+
+    def Reserve(self, request, context):  # noqa: N802
+        return pb.ReserveReply(hold=self.name)
+
+
+def serve_reserve(name: str, port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[EXCLUSIVE_PORT])
+    ipb_grpc.add_CoordinatorServiceServicer_to_server(ReserveServicer(name), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
+def gateway_host(channel) -> StreamHost:
+    return StreamHost(
+        coordinator=ipb_grpc.CoordinatorServiceStub(channel),
+        coordinator_target="loopback",
+        decoders={"full": SimpleNamespace(depth=lambda c: 2)},
+        metrics=None,
+        timers=None,
+        limits=StreamLimits(4, 8, 1.0, 1.0, 1.0),
+        latent_channels=16,
+        text_len=32,
+        model_name="test",
+        encode_prompt=None,
+        input_encoder=None,
+        temporal_factor=4,
+        touch=lambda: None,
+        forget=lambda run: None,
+        reconnected=lambda: reconnected(channel),
+    )
+
+
+def gateway_config():
+    model = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
+    return resolve_config(
+        stream_config("a cat"),
+        defaults=ServingDefaults(text_len=32, width=64, height=48),
+        model=model,
+        decoders=Decoders(tiny=False, default="full"),
+    )
+
+
+def test_the_gateways_reserve_reaches_a_restarted_coordinator_through_the_channels_backoff():
+    # A coordinator that restarts is back on its port before the gateway's channel has waited out its reconnect
+    # backoff: the gateway's Reserve waits for the channel (a bound past one backoff) and asks again, instead of
+    # refusing the client "failed to connect to all addresses".  One still down is reported UNAVAILABLE.
+    first, port = serve_reserve("before")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=RECONNECT_OPTIONS)
+    servers = [first]
+    try:
+        host, cfg = gateway_host(channel), gateway_config()
+        assert reserve(cfg, host, (1, 32, 8)) == "before"
+        first.stop(None).wait()
+        with pytest.raises(grpc.RpcError) as down:
+            reserve(cfg, host, (1, 32, 8))
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+        servers.append(serve_reserve("after", port)[0])  # the channel is in its backoff now
+        assert reserve(cfg, host, (1, 32, 8)) == "after"
+    finally:
+        channel.close()
+        for server in servers:
+            server.stop(None).wait()
+
+
+class FlakyCoordinator:
+    """Reserve fails with ``codes`` in turn, then answers."""
+
+    def __init__(self, *codes):
+        self.codes = list(codes)
+        self.calls = 0
+
+    def Reserve(self, request, timeout=None):  # noqa: N802
+        self.calls += 1
+        if self.codes:
+            code = self.codes.pop(0)
+            raise type("Refused", (grpc.RpcError,), {"code": lambda self: code, "details": lambda self: "x"})()
+        return pb.ReserveReply(hold="held")
+
+
+@pytest.mark.parametrize(
+    ("codes", "back", "hold", "calls"),
+    [
+        ((grpc.StatusCode.UNAVAILABLE,), True, "held", 2),  # reconnected: asked again, once
+        ((grpc.StatusCode.UNAVAILABLE,), False, None, 1),  # still down after the bound: the client hears so
+        ((grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE), True, None, 2),  # never more than once again
+        ((grpc.StatusCode.RESOURCE_EXHAUSTED,), True, None, 1),  # a refusal is the answer: never asked again
+        ((grpc.StatusCode.UNIMPLEMENTED,), True, "", 1),  # a coordinator without Reserve: the open decides
+    ],
+)
+def test_the_gateways_reserve_asks_again_only_once_and_only_when_the_channel_came_back(codes, back, hold, calls):
+    stub = FlakyCoordinator(*codes)
+    host = dataclasses.replace(gateway_host(grpc.insecure_channel("127.0.0.1:9")), coordinator=stub)
+    host = dataclasses.replace(host, reconnected=lambda: back)
+    if hold is None:
+        with pytest.raises(grpc.RpcError):
+            reserve(gateway_config(), host, (1, 32, 8))
+    else:
+        assert reserve(gateway_config(), host, (1, 32, 8)) == hold
+    assert stub.calls == calls

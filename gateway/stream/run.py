@@ -128,6 +128,9 @@ class StreamHost:
     forget: Callable[[StreamRun], None]  # the stream is gone from the pipeline and the VAE
     pipeline: str = ""  # this pipeline's name (--pipeline-name), in Started.pipeline
     encode_gate: DecodeGate | None = None  # gateway.decode.decoder.encode_gate: a paced stream's frame encodes go first
+    # Whether the coordinator's channel is connected (again) within a bound (stagecast.grpc_util.reconnected): a
+    # restarted coordinator is back before the channel's backoff ends.  None: no such wait (a test's stub).
+    reconnected: Callable[[], bool] | None = None
 
 
 def open_request(cfg: EffectiveConfig, host: StreamHost) -> ipb.OpenStreamRequest:
@@ -152,12 +155,19 @@ def reserve(cfg: EffectiveConfig, host: StreamHost, text_shape: tuple[int, ...])
     the refusal's ``grpc.RpcError`` (a full pipeline: RESOURCE_EXHAUSTED with its retry delay) at once.  A coordinator
     without Reserve (UNIMPLEMENTED): "" (the open decides, after the encode, as before)."""
     msg = ipb.ReserveRequest(open=open_request(cfg, host), text_shape=list(text_shape))
-    try:
-        return host.coordinator.Reserve(msg, timeout=RESERVE_TIMEOUT_S).hold
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return ""
-        raise
+    for attempt in range(2):
+        try:
+            return host.coordinator.Reserve(msg, timeout=RESERVE_TIMEOUT_S).hold
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ""
+            # Unreachable: the coordinator may be back while the channel waits out its reconnect backoff.  Asked
+            # again once it is connected; still down after the bound, the client hears so now.
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt or host.reconnected is None:
+                raise
+            if not host.reconnected():
+                raise
+    raise AssertionError("unreachable")
 
 
 def release_hold(host: StreamHost, hold: str) -> None:
