@@ -8,27 +8,17 @@ import grpc
 import pytest
 import torch
 
-from gateway.checkpoint import ModelInfo, ServingDefaults
 from gateway.decode.batched_decoder import BatchedDecoder
 from gateway.decode.tiny_decoder import load_tiny_decoder
 from gateway.decode.vae_cost import VaeCost, VaeReporter, measure_vae, tiny_cost
 from gateway.edge.admission import GIB, Admission, DecoderMemory, Refused
-from gateway.edge.config import Decoders, resolve_config
-from gateway.stream.run import StreamHost, StreamLimits, StreamRun
+from gateway.edge.config import resolve_config
+from gateway.stream.run import StreamRun
 from launcher.demo_checkpoint import write_tiny_decoder
 from stagecast.client import stream_config
+from tests.gateway_helpers import resolve, stub_stream_host
 
 pytestmark = pytest.mark.unit
-
-WAN21 = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
-DEFAULTS = ServingDefaults(text_len=32, width=64, height=48)
-
-
-def resolve(**kw):
-    return resolve_config(
-        stream_config("a cat", **kw), defaults=DEFAULTS, model=WAN21, decoders=Decoders(tiny=True, default="full")
-    )
-
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
@@ -132,22 +122,7 @@ def test_every_stream_opens_its_pipeline_naming_its_decoder():
             requests.append(request)
             raise RuntimeError("captured")
 
-    host = StreamHost(
-        coordinator=Coordinator(),
-        coordinator_target="test",
-        decoders={"full": SimpleNamespace(depth=lambda c: 2), "tiny": SimpleNamespace(depth=lambda c: 2)},
-        metrics=None,
-        timers=None,
-        limits=StreamLimits(4, 8, 1.0, 1.0, 1.0),
-        latent_channels=16,
-        text_len=32,
-        model_name="test",
-        encode_prompt=None,
-        input_encoder=None,
-        temporal_factor=4,
-        touch=lambda: None,
-        forget=lambda run: None,
-    )
+    host = stub_stream_host(Coordinator())
     for kind in ("tiny", "full"):
         run = StreamRun(host, resolve(decoder=kind), torch.zeros(1, 32, 8), None, 0.0)
         with pytest.raises(RuntimeError, match="captured"):

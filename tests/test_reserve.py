@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent import futures
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -15,15 +14,14 @@ import pytest
 from coordinator.errors import AdmissionError
 from coordinator.holds import HOLD_S
 from coordinator.requests import OpenRequest
-from gateway.checkpoint import ModelInfo, ServingDefaults
-from gateway.edge.config import Decoders, resolve_config
-from gateway.stream.run import StreamHost, StreamLimits, reserve
+from gateway.edge.config import Decoders
+from gateway.stream.run import reserve
 from stagecast import wire
-from stagecast.client import stream_config
 from stagecast.grpc_util import EXCLUSIVE_PORT, RECONNECT_OPTIONS, reconnected
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.internal.v1 import pipeline_pb2_grpc as ipb_grpc
 from tests.engine_helpers import TEXT, Clock, hand_driven_engine, small_spec
+from tests.gateway_helpers import resolve, stub_stream_host
 
 pytestmark = pytest.mark.unit
 
@@ -112,34 +110,14 @@ def serve_reserve(name: str, port: int = 0) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def gateway_host(channel) -> StreamHost:
-    return StreamHost(
-        coordinator=ipb_grpc.CoordinatorServiceStub(channel),
-        coordinator_target="loopback",
-        decoders={"full": SimpleNamespace(depth=lambda c: 2)},
-        metrics=None,
-        timers=None,
-        limits=StreamLimits(4, 8, 1.0, 1.0, 1.0),
-        latent_channels=16,
-        text_len=32,
-        model_name="test",
-        encode_prompt=None,
-        input_encoder=None,
-        temporal_factor=4,
-        touch=lambda: None,
-        forget=lambda run: None,
-        reconnected=lambda: reconnected(channel),
+def gateway_host(channel):
+    return stub_stream_host(
+        ipb_grpc.CoordinatorServiceStub(channel), kinds=("full",), reconnected=lambda: reconnected(channel)
     )
 
 
 def gateway_config():
-    model = ModelInfo(latent_channels=16, patch_hw=(2, 2), spatial_factor=8, temporal_factor=4)
-    return resolve_config(
-        stream_config("a cat"),
-        defaults=ServingDefaults(text_len=32, width=64, height=48),
-        model=model,
-        decoders=Decoders(tiny=False, default="full"),
-    )
+    return resolve(decoders=Decoders(tiny=False, default="full"))
 
 
 def test_the_gateways_reserve_reaches_a_restarted_coordinator_through_the_channels_backoff():
