@@ -20,6 +20,7 @@ from tests.gateway_helpers import resolve, stub_stream_host
 
 pytestmark = pytest.mark.unit
 
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return write_tiny_decoder(tmp_path_factory.mktemp("costs") / "taew.pth", latent_channels=16, seed=4)
