@@ -11,7 +11,7 @@ import torch
 
 from coordinator.slo import EWMA, CostModel, Demand, SloController, VaeReport
 from gateway.decode.vae_cost import STEADY_FROM, measure_vae
-from stage_service.calibration import ServingShape, calibrate, serving_shape
+from stage_service.calibration import RECHECKS, ServingShape, calibrate, implausible, serving_shape
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_slice import DiTSlice
 from stage_service.runner import SliceRunner
@@ -114,6 +114,76 @@ def test_calibration_stops_at_its_budget_and_keeps_the_batch_sizes_it_finished()
     cal = calibrate(make_slice(True, False), 4, SHAPE, budget_s=6.5, clock=clock, timer=lambda fn: (fn(), 1.0)[1])
     assert "budget of 6.5s" in cal.error and "batch size 2" in cal.error
     assert cal.empty_ms == [1.0] and cal.full_ms == [1.0]  # batch size 1 finished; 2 did not
+
+
+@pytest.mark.parametrize(
+    ("ms", "flagged"),
+    [
+        ([26.14, 85.68, 61.31, 76.88], [2]),  # one H200, 1.3B beside the gateway's start-up: 2 over 3 and 4
+        ([28.28, 47.88, 105.87, 89.60], [3]),  # over 4, and a row that cost more than a lone forward
+        ([21.87, 37.92, 54.83, 143.82], [4]),  # the largest size: only the row rule sees it
+        ([74.02, 131.18, 186.93, 120.45], [2, 3]),  # 5B: two sizes over the largest
+        ([22.51, 37.99, 53.81, 73.78], []),  # a clean one
+        ([15.0, 25.0, 35.0], []),
+        ([20.0, 19.5, 40.0], []),  # within the timing noise
+    ],
+)
+def test_a_size_is_implausible_when_it_times_over_a_larger_one_or_a_row_over_a_lone_forward(ms, flagged):
+    assert implausible(ms) == flagged
+
+
+def waiting_timer(runner_calls: list, waits: dict[int, int]):
+    """``fake_timer`` whose first ``waits[b]`` full-window timings of batch size b waited 50 ms on other work."""
+    plain = fake_timer(runner_calls)
+
+    def timer(fn):
+        before = len(runner_calls)
+        ms = plain(fn)
+        steps, context = runner_calls[before]
+        if context and waits.get(len(steps), 0) > 0:
+            waits[len(steps)] -= 1
+            ms += 50.0
+        return ms
+
+    return timer
+
+
+def test_a_size_that_waited_on_other_work_is_timed_again_after_the_others_and_keeps_its_least_time():
+    calls: list = []
+    sl = make_slice(True, True)
+    timer = waiting_timer(calls, {2: 1})
+    cal = calibrate(sl, 3, SHAPE, window=4, sink=2, budget_s=600, timer=timer, forward=recording_forward(calls))
+    assert not cal.error and cal.full_ms == [15.0, 25.0, 35.0] and cal.empty_ms == [10.0, 20.0, 30.0]
+    # 1, 2 and 3 once each, then 2 again (its 75 ms was over 3's 35): four forwards a size.
+    assert [len(s) for s, _ in calls] == [b for b in (1, 2, 3, 2) for _ in range(4)]
+
+
+def test_a_size_that_stays_implausible_is_timed_again_a_bounded_number_of_times_and_kept():
+    calls: list = []
+    timer = waiting_timer(calls, {2: 99})  # always slow: measured as it is
+    cal = calibrate(
+        make_slice(True, True), 3, SHAPE, window=4, sink=2, budget_s=600, timer=timer, forward=recording_forward(calls)
+    )
+    assert not cal.error and cal.full_ms == [15.0, 75.0, 35.0]
+    assert sum(1 for s, ctx in calls if len(s) == 2 and ctx) == 2 * (1 + RECHECKS)  # untimed + timed, each round
+
+
+def test_timing_a_size_again_never_spends_more_than_the_budget_nor_reports_an_error():
+    now = [0.0]
+
+    def clock():  # one second per look: the budget check before every forward
+        now[0] += 1.0
+        return now[0]
+
+    calls: list = []
+    timer = waiting_timer(calls, {2: 99})
+    # 3 sizes x 4 forwards = 12 looks, plus the start: the budget runs out while size 2 is timed again.
+    cal = calibrate(
+        make_slice(True, True), 3, SHAPE, window=4, sink=2, budget_s=15.5, clock=clock, timer=timer,
+        forward=recording_forward(calls),
+    )  # fmt: skip
+    assert not cal.error and cal.full_ms == [15.0, 75.0, 35.0]
+    assert [len(s) for s, _ in calls].count(2) == 4 + 3  # the second timing of 2 stopped before its last forward
 
 
 def test_a_failing_calibration_is_reported_not_raised():
