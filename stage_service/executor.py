@@ -81,6 +81,7 @@ class ExecutorEvent:
     # swap of guided predictions with the other group's last stage (``--cfg-parallel 2``).
     exchange_ms: float = 0.0
     steps: int = 0  # "chunk": the denoising steps the chunk ran
+    finished_with: int = 0  # "chunk": the chunks its batch finished, this one included
     batches: int = 0  # "done": batches whose times forward_ms sums
     eager: bool = False  # "done": this batch ran without a CUDA graph (with --cuda-graphs: a signature not captured)
     timed: list[BatchTime] = field(default_factory=list)  # "done": the batches forward_ms sums, one by one
@@ -289,6 +290,7 @@ class StageExecutor:
                 peer = tp.exchange_guidance(own)
         results = runner.finish(steps, out, peer)
         t_compute = time.time_ns()
+        finished = sum(1 for res in results if res.finished is not None)
         for res in results:
             if res.next_latent is not None and distributed:
                 tp.send_latent(res.next_latent)
@@ -302,6 +304,7 @@ class StageExecutor:
                         chunk=res.step.chunk,
                         latents=res.finished,
                         steps=runner.spec_at(res.step.stream, res.step.chunk).steps,
+                        finished_with=finished,
                     )
                 )
         return t_compute

@@ -232,6 +232,7 @@ class Generation:
                     latents=wire.tensor_to_proto(ev.latents),
                     seq=ev.seq,
                     steps=ev.steps,
+                    finished_with=ev.finished_with,
                 )
             )
         if ev.kind == "done":

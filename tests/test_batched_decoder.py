@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.decode import batched_decoder
 from gateway.decode.batched_decoder import SERVED_MIN, BatchedDecoder, BatchTimes
 from gateway.decode.tiny_decoder import load_tiny_decoder, tiny_to_uint8_frames
 from gateway.decode.vae_cost import tiny_cost
@@ -366,4 +367,73 @@ def test_the_state_a_stream_holds_is_known_before_it_starts(tiny_path):
         assert s.state_bytes == decoder.state_bytes_at(HW) > 0
     finally:
         s.close()
+        decoder.close()
+
+
+def next_frames(session):
+    """The session's next decoded chunk's frames (the session stays open)."""
+    return next(session.results())[1]
+
+
+def batch_tag(i, seq, chunks):
+    return SimpleNamespace(index=i, batch_seq=seq, batch_chunks=chunks)
+
+
+def wait_for_sibling_waits(decoder, n):
+    with decoder.cond:
+        assert decoder.cond.wait_for(lambda: decoder.sibling_waits >= n, timeout=30), "the worker never waited"
+
+
+def test_the_chunks_one_pipeline_batch_finished_wait_for_each_other_and_decode_in_one_call(tiny_path, monkeypatch):
+    monkeypatch.setattr(batched_decoder, "SIBLING_WAIT_NS", 120 * 10**9)  # only the arrival ends this wait
+    gated = Gated(load_tiny_decoder(tiny_path))
+    decoder = BatchedDecoder(gated)
+    a, b = decoder.open(2), decoder.open(2)
+    try:
+        a.submit(batch_tag(0, seq=7, chunks=2), latents(1, 1))
+        wait_for_sibling_waits(decoder, 1)  # the first of two arrived: the worker waits for the other
+        assert gated.calls == []
+        b.submit(batch_tag(0, seq=7, chunks=2), latents(1, 2))
+        assert next_frames(a).shape == next_frames(b).shape == (1, 64, 64, 3)
+        assert [{id(s) for s in call} for call in gated.calls] == [{id(a.state), id(b.state)}]
+        # The next batch's chunks of the same two streams: a batch of one (or unknown) never waits.
+        a.submit(batch_tag(1, seq=8, chunks=1), latents(1, 3))
+        next_frames(a)
+        assert len(gated.calls) == 2 and decoder.sibling_waits == 1
+    finally:
+        for s in (a, b):
+            s.close()
+        decoder.close()
+
+
+def test_a_chunk_that_is_due_starts_the_call_at_once_with_the_waiting_ones(tiny_path, monkeypatch):
+    monkeypatch.setattr(batched_decoder, "SIBLING_WAIT_NS", 120 * 10**9)
+    gated = Gated(load_tiny_decoder(tiny_path))
+    decoder = BatchedDecoder(gated)
+    a, b, c = decoder.open(2), decoder.open(2), decoder.open(2)
+    try:
+        a.submit(batch_tag(0, seq=3, chunks=2), latents(1, 1))
+        wait_for_sibling_waits(decoder, 1)
+        c.submit(tag(0), latents(1, 3))  # not announced as part of a batch: due now, and a takes the same call
+        next_frames(a), next_frames(c)
+        assert [{id(s) for s in call} for call in gated.calls] == [{id(a.state), id(c.state)}]
+        b.submit(batch_tag(0, seq=3, chunks=2), latents(1, 2))  # the late one: its batch has all arrived, no wait
+        next_frames(b)
+        assert len(gated.calls) == 2 and decoder.sibling_waits == 1
+    finally:
+        for s in (a, b, c):
+            s.close()
+        decoder.close()
+
+
+def test_a_batch_whose_other_chunks_never_come_decodes_after_the_bound(tiny_path):
+    # One of its two chunks went to another decoder (a stream on the full VAE): the wait is bounded.
+    decoder = BatchedDecoder(load_tiny_decoder(tiny_path))
+    a = decoder.open(2)
+    try:
+        a.submit(batch_tag(0, seq=5, chunks=2), latents(1, 1))
+        frames = next_frames(a)
+        assert frames.shape == (1, 64, 64, 3) and decoder.calls == 1
+    finally:
+        a.close()
         decoder.close()

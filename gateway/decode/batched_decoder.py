@@ -18,7 +18,10 @@ threads)::
 One worker thread per decoder.  Each round it takes, from every open session whose previous chunk is done and whose
 results have room, its oldest chunk (so a stream's chunks decode strictly in order, one per call): paced streams'
 first, then unpaced ones, each by how long their chunk has waited, at most ``max_batch`` in all; an unpaced flood
-therefore never pushes a paced stream's chunk out of a call.  The chunks are grouped by latent shape, each group is
+therefore never pushes a paced stream's chunk out of a call.  Chunks one pipeline batch finished (``ChunkTag.batch_seq``,
+with ``batch_chunks`` of them) reach the gateway one stream at a time: a round whose ready chunks all belong to such
+batches, some of whose chunks have not arrived yet, waits for them, at most ``SIBLING_WAIT_NS`` after a batch's
+first, so that the batch decodes in one call.  The chunks are grouped by latent shape, each group is
 one ``decode_batch`` call (on a GPU padded up to the next of ``buckets``, so a compiled pass sees few batch sizes),
 its video becomes uint8 on the device, one copy brings all of it to the host, and each stream's frames go to its
 session's results.  A chunk that fails alone (bad shape, another size than its stream's) fails only its stream; a
@@ -56,6 +59,10 @@ SERVED_MIN = 3
 MAX_CAPACITY = 1024  # chunks a session may hold waiting
 REPORTED_BATCH = 16  # batch sizes whose cost is reported (VaeCost.batch_ms) by default
 FORMED_CALLS = 64  # the recent calls whose streams per call are reported (VaeCost.formed_batch)
+# How long a chunk waits for the other chunks its pipeline batch finished (ChunkTag.batch_chunks) to arrive, so that
+# one call decodes them together: the coordinator sends them one stream at a time, a millisecond or so apart.
+SIBLING_WAIT_NS = 5_000_000
+BATCH_RECORD_NS = 1_000_000_000  # how long a pipeline batch's arrivals are remembered
 
 
 def _held_bytes(state) -> int:
@@ -160,6 +167,9 @@ class BatchedDecoder:
         self.calls = 0  # decode_batch calls made
         self.batch_sizes: list[int] = []  # streams per call, the last 1000
         self._seq = 0
+        # Pipeline batch (ChunkTag.batch_seq) -> [its chunks, those arrived here, the first arrival's ns] (under cond).
+        self._batches: dict[int, list[int]] = {}
+        self.sibling_waits = 0  # times the worker waited for a pipeline batch's other chunks
         self.worker = threading.Thread(target=self._run, daemon=True, name="tiny-decode")
         self.worker.start()
 
@@ -289,14 +299,48 @@ class BatchedDecoder:
         ready.sort(key=lambda s: (not s.paced, s.pending[0][2], s.seq))
         return ready[: self.max_batch]
 
+    def _arrived(self, tag) -> None:
+        """A chunk reached a session (under the lock): counted in its pipeline batch's arrivals."""
+        seq, chunks = getattr(tag, "batch_seq", 0), getattr(tag, "batch_chunks", 0)
+        if seq and chunks > 1:
+            now = time.monotonic_ns()
+            for old in [k for k, (_n, _got, first) in self._batches.items() if now - first > BATCH_RECORD_NS]:
+                del self._batches[old]
+            self._batches.setdefault(seq, [chunks, 0, now])[1] += 1
+
+    def _sibling_wait_s(self, ready: list[BatchedSession]) -> float:
+        """0: decode now; else how long to wait for the rest of a pipeline batch (under the lock).  A call starts as
+        soon as any ready chunk is due: its batch is complete here, was never announced, or has waited
+        ``SIBLING_WAIT_NS`` since its first chunk arrived.  So no chunk waits longer than that, however batches
+        keep arriving.  A batch's chunk that goes to another decoder (a stream on the full VAE) never arrives here:
+        its siblings wait the bound."""
+        now, wait = time.monotonic_ns(), None
+        for s in ready:
+            tag = s.pending[0][0]
+            entry = self._batches.get(getattr(tag, "batch_seq", 0))
+            if entry is None or entry[1] >= entry[0]:
+                return 0.0
+            left = entry[2] + SIBLING_WAIT_NS - now
+            if left <= 0:
+                return 0.0
+            wait = left if wait is None else min(wait, left)
+        return 0.0 if wait is None else wait / 1e9
+
     def _run(self) -> None:
         if self.part.device.type == "cuda":
             torch.cuda.set_device(self.part.device)
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.closed or any(s._ready() for s in self.sessions))
-                if self.closed:
-                    return
+                while True:
+                    self.cond.wait_for(lambda: self.closed or any(s._ready() for s in self.sessions))
+                    if self.closed:
+                        return
+                    wait_s = self._sibling_wait_s(self._ready())
+                    if wait_s <= 0:
+                        break
+                    self.sibling_waits += 1
+                    self.cond.notify_all()
+                    self.cond.wait(timeout=wait_s)  # an arrival, or the bound
                 taken = []
                 for s in self._ready():
                     tag, x, _queued_ns = s.pending.popleft()
@@ -438,6 +482,7 @@ class BatchedSession:
             if self.aborted or self.failure is not None or self.finished:
                 return False
             self.pending.append((tag, latents, time.monotonic_ns()))
+            self.decoder._arrived(tag)
             cond.notify_all()
             return True
 

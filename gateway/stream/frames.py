@@ -31,6 +31,8 @@ class ChunkTag:
     arrived_ns: int = 0  # wall clock, for the VAE decode span
     span: object = None  # the chunk's span, when the stream is traced
     steps: int = 0  # the denoising steps the chunk ran (the SLO controller's choice)
+    batch_seq: int = 0  # the pipeline batch that finished it (ChunkResult.seq; 0: not known)
+    batch_chunks: int = 0  # the chunks that batch finished, this one included (ChunkResult.finished_with)
 
 
 class FrameEmitter:

@@ -411,7 +411,15 @@ class StreamRun:
                     if self.input is not None:
                         self.input.progress()
                     span = self.trace.chunk_span(ev.chunk.chunk, self.last_steps)
-                    tag = ChunkTag(ev.chunk.chunk, self.ms(), time.time_ns(), span, self.last_steps)
+                    tag = ChunkTag(
+                        ev.chunk.chunk,
+                        self.ms(),
+                        time.time_ns(),
+                        span,
+                        self.last_steps,
+                        batch_seq=ev.chunk.seq,
+                        batch_chunks=ev.chunk.finished_with,
+                    )
                     # Blocks while the decoder is behind (backpressure); False once aborted: we are only draining.
                     if not self.session.submit(tag, wire.tensor_from_proto(ev.chunk.latents)) and tag.span is not None:
                         tag.span.set_attribute("stagecast.chunk.dropped", True)

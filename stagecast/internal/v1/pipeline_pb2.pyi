@@ -165,18 +165,20 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted_seq: _Optional[int] = ...) -> None: ...
 
 class ChunkResult(_message.Message):
-    __slots__ = ("stream_id", "chunk", "latents", "seq", "steps")
+    __slots__ = ("stream_id", "chunk", "latents", "seq", "steps", "finished_with")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LATENTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_WITH_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     chunk: int
     latents: Tensor
     seq: int
     steps: int
-    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    finished_with: int
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[int] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., seq: _Optional[int] = ..., steps: _Optional[int] = ..., finished_with: _Optional[int] = ...) -> None: ...
 
 class BatchDone(_message.Message):
     __slots__ = ("seq", "forward_ms", "wait_ms", "micro_steps", "exchange_ms", "batches", "eager", "timed")
