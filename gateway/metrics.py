@@ -14,9 +14,10 @@ Each gateway owns its registry, so several gateways in one process (tests) do no
 * ``stagecast_gateway_active_streams``, ``stagecast_gateway_vae_state_bytes`` (VAE decode caches),
   ``stagecast_gateway_queued_chunks`` (latent chunks waiting for the VAE), ``stagecast_gateway_queued_messages``
   (encoded messages waiting for clients), ``stagecast_gateway_waiting_calls`` (Generate calls that have not sent their
-  config yet: a flood of idle calls shows here), ``stagecast_gateway_slots_free`` and ``stagecast_gateway_slots`` (the
-  pipeline's free and total slots for a default stream, its coordinator's own arithmetic: ``gateway.edge.agent``)
-  (gauges);
+  config yet: a flood of idle calls shows here), ``stagecast_gateway_tiny_formed_batch`` (streams per tiny decoder call
+  over its recent calls: what the coordinator prices a tiny stream's decode at), ``stagecast_gateway_slots_free`` and
+  ``stagecast_gateway_slots`` (the pipeline's free and total slots for a default stream, its coordinator's own
+  arithmetic: ``gateway.edge.agent``) (gauges);
 * ``stagecast_gateway_streams_ended_total{reason}``, ``stagecast_gateway_streams_rejected_total{code}``,
   ``stagecast_gateway_chunks_received_total``, ``stagecast_gateway_frames_total`` (frames queued for clients),
   ``stagecast_gateway_late_frames_total`` (encoded after their presentation time: the first frame's encode time plus
@@ -53,6 +54,7 @@ class GatewayMetrics:
         waiting_calls: Callable[[], int] = lambda: 0,
         slots_free: Callable[[], int] = lambda: 0,
         slots: Callable[[], int] = lambda: 0,
+        tiny_formed_batch: Callable[[], float] = lambda: 0.0,
     ):
         self._server = None
         self.registry = CollectorRegistry()
@@ -111,6 +113,11 @@ class GatewayMetrics:
             "Latent chunks received and waiting for (or in) the VAE, all streams",
             registry=self.registry,
         ).set_function(queued_chunks)
+        Gauge(
+            "stagecast_gateway_tiny_formed_batch",
+            "Streams per tiny decoder call, over its recent calls (what the coordinator prices a tiny stream at)",
+            registry=self.registry,
+        ).set_function(tiny_formed_batch)
         Gauge(
             "stagecast_gateway_queued_messages",
             "Encoded messages waiting for their clients to read, all streams",

@@ -183,6 +183,7 @@ class Gateway:
             waiting_calls=lambda: self.table.pending,
             slots_free=lambda: self.fleet.slots.free,
             slots=lambda: self.fleet.slots.total,
+            tiny_formed_batch=self._tiny_formed_batch,
         )
         self.encode_gate = encode_gate()  # prompts and frames: a paced stream's encodes first (gateway.decode.decoder)
         self.table = StreamTable(
@@ -235,6 +236,11 @@ class Gateway:
         )
         # A revoked token ends the streams it opened (gateway.edge.revocation).
         self.revocation = RevocationWatch(self.auth, self.table.runs, self.timers) if self.auth else None
+
+    def _tiny_formed_batch(self) -> float:
+        models = getattr(self, "models", None)  # scraped before the models load: none yet
+        tiny = None if models is None else models.tiny_decoder
+        return 0.0 if tiny is None else tiny.formed_batch()
 
     def _wait_pipeline(self, wait_s: float) -> None:
         """Before the decoders' costs are measured: wait (within the warm-up budget) until the coordinator reports its

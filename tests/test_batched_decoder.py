@@ -437,3 +437,25 @@ def test_a_batch_whose_other_chunks_never_come_decodes_after_the_bound(tiny_path
     finally:
         a.close()
         decoder.close()
+
+
+def test_the_gateway_exports_the_streams_per_call_its_tiny_decoder_formed(tiny_path):
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    decoder = BatchedDecoder(load_tiny_decoder(tiny_path))
+    metrics = GatewayMetrics(active=lambda: 0, vae_bytes=lambda: 0, tiny_formed_batch=decoder.formed_batch)
+    a, b = decoder.open(2), decoder.open(2)
+    try:
+        assert b"stagecast_gateway_tiny_formed_batch 0.0" in generate_latest(metrics.registry)
+        a.submit(tag(0), latents(1, 1))
+        next_frames(a)
+        b.submit(tag(0), latents(1, 2))
+        next_frames(b)
+        assert decoder.formed_batch() == 1.0
+        assert b"stagecast_gateway_tiny_formed_batch 1.0" in generate_latest(metrics.registry)
+    finally:
+        for s in (a, b):
+            s.close()
+        decoder.close()

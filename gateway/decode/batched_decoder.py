@@ -15,18 +15,18 @@ threads)::
     decoder.batch_ms(16)                   # per-stream ms per chunk at 1..16 streams in one call
     decoder.close()
 
-One worker thread per decoder.  Each round it takes, from every open session whose previous chunk is done and whose
-results have room, its oldest chunk (so a stream's chunks decode strictly in order, one per call): paced streams'
-first, then unpaced ones, each by how long their chunk has waited, at most ``max_batch`` in all; an unpaced flood
-therefore never pushes a paced stream's chunk out of a call.  Chunks one pipeline batch finished (``ChunkTag.batch_seq``,
-with ``batch_chunks`` of them) reach the gateway one stream at a time: a round whose ready chunks all belong to such
-batches, some of whose chunks have not arrived yet, waits for them, at most ``SIBLING_WAIT_NS`` after a batch's
-first, so that the batch decodes in one call.  The chunks are grouped by latent shape, each group is
-one ``decode_batch`` call (on a GPU padded up to the next of ``buckets``, so a compiled pass sees few batch sizes),
-its video becomes uint8 on the device, one copy brings all of it to the host, and each stream's frames go to its
-session's results.  A chunk that fails alone (bad shape, another size than its stream's) fails only its stream; a
-group whose call fails is decoded again stream by stream (``decode_batch`` changes no state before it finishes), so
-that only the streams that fail alone fail.  Waiting is on one condition variable, never by polling.
+One worker thread per decoder. Each round it takes, from every open session whose previous chunk is done and whose
+results have room, its oldest chunk (so a stream's chunks decode strictly in order, one per call): paced streams' first,
+then unpaced ones, each by how long their chunk has waited, at most ``max_batch`` in all; an unpaced flood therefore
+never pushes a paced stream's chunk out of a call. Chunks one pipeline batch finished (``ChunkTag.batch_seq``, with
+``batch_chunks`` of them) reach the gateway one stream at a time: a round whose ready chunks all belong to such batches,
+some of whose chunks have not arrived yet, waits for them, at most ``SIBLING_WAIT_NS`` after a batch's first, so that
+the batch decodes in one call. The chunks are grouped by latent shape, each group is one ``decode_batch`` call (on a GPU
+padded up to the next of ``buckets``, so a compiled pass sees few batch sizes), its video becomes uint8 on the device,
+one copy brings all of it to the host, and each stream's frames go to its session's results. A chunk that fails alone
+(bad shape, another size than its stream's) fails only its stream; a group whose call fails is decoded again stream by
+stream (``decode_batch`` changes no state before it finishes), so that only the streams that fail alone fail. Waiting is
+on one condition variable, never by polling.
 
 Costs: every call is timed, its uint8 conversion and copy to the host included (CUDA events on a GPU, wall time on a
 CPU), and each batch size's cost is the least per-stream ms among its recent calls once it has a few (``BatchTimes``):
