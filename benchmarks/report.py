@@ -696,7 +696,7 @@ def shown_lever_runs(runs: list[dict]) -> list[dict]:
     newest (by date, then file name), in date order; every run stays listed in the results index."""
     if not runs:
         return []
-    fullest = max(runs, key=lambda r: (len(r["variants"]) * len(r["batches"]), [-ord(c) for c in r.get("date", "")]))
+    fullest = min(runs, key=lambda r: (-len(r["variants"]) * len(r["batches"]), r.get("date", "")))
     newest = max(runs, key=lambda r: (r.get("date", ""), r["_file"]))
     return sorted({id(r): r for r in (fullest, newest)}.values(), key=lambda r: (r.get("date", ""), r["_file"]))
 

@@ -295,8 +295,9 @@ def _recheck(cal: Calibration, time_size: Callable[[int], dict[int, float]], chu
                 return
             cal.empty_ms[b - 1] = min(cal.empty_ms[b - 1], timed[0])
             cal.full_ms[b - 1] = min(cal.full_ms[b - 1], timed[chunks])
-    if implausible(cal.full_ms):
-        logger.warning("calibration: batch sizes %s still time implausibly: %s", implausible(cal.full_ms), cal.full_ms)
+    left = implausible(cal.full_ms)
+    if left:
+        logger.warning("calibration: batch sizes %s still time implausibly: %s", left, cal.full_ms)
 
 
 def implausible(ms: list[float]) -> list[int]:

@@ -5,7 +5,6 @@ hold lapses or is released, and an open whose hold lapsed is decided again."""
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent import futures
 
 import grpc
@@ -169,8 +168,7 @@ class FlakyCoordinator:
 )
 def test_the_gateways_reserve_asks_again_only_once_and_only_when_the_channel_came_back(codes, back, hold, calls):
     stub = FlakyCoordinator(*codes)
-    host = dataclasses.replace(gateway_host(grpc.insecure_channel("127.0.0.1:9")), coordinator=stub)
-    host = dataclasses.replace(host, reconnected=lambda: back)
+    host = stub_stream_host(stub, kinds=("full",), reconnected=lambda: back)
     if hold is None:
         with pytest.raises(grpc.RpcError):
             reserve(gateway_config(), host, (1, 32, 8))

@@ -155,19 +155,23 @@ def reserve(cfg: EffectiveConfig, host: StreamHost, text_shape: tuple[int, ...])
     the refusal's ``grpc.RpcError`` (a full pipeline: RESOURCE_EXHAUSTED with its retry delay) at once.  A coordinator
     without Reserve (UNIMPLEMENTED): "" (the open decides, after the encode, as before)."""
     msg = ipb.ReserveRequest(open=open_request(cfg, host), text_shape=list(text_shape))
-    for attempt in range(2):
+
+    def ask() -> str:
         try:
             return host.coordinator.Reserve(msg, timeout=RESERVE_TIMEOUT_S).hold
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return ""
-            # Unreachable: the coordinator may be back while the channel waits out its reconnect backoff.  Asked
-            # again once it is connected; still down after the bound, the client hears so now.
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt or host.reconnected is None:
-                raise
-            if not host.reconnected():
-                raise
-    raise AssertionError("unreachable")
+            raise
+
+    try:
+        return ask()
+    except grpc.RpcError as exc:
+        # Unreachable: the coordinator may be back while the channel waits out its reconnect backoff.  Asked again
+        # once it is connected; still down after the bound, the client hears so now.
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or host.reconnected is None or not host.reconnected():
+            raise
+    return ask()
 
 
 def release_hold(host: StreamHost, hold: str) -> None:
