@@ -167,3 +167,16 @@ def test_cudnn_refusal_says_why_cudnn_does_not_take_the_blocks_attention(tiny_mo
     why = cudnn_refusal(sl, 1, 4, 6, 7)
     assert why and isinstance(why, str)
     assert sl.attention_backends == CUDNN_FIRST
+
+
+def test_the_results_page_shows_the_fullest_lever_run_oldest_first_on_a_tie_and_the_newest():
+    from benchmarks.report import shown_lever_runs
+
+    def run(name, date, variants, batches):
+        return {"_file": name, "date": date, "variants": variants, "batches": batches}
+
+    old_full = run("a.json", "2026-12-01", ["bf16", "fused"], [1, 4, 8, 12])
+    same_later = run("b.json", "2026-12-02", ["bf16", "cudnn"], [1, 4, 8, 12])
+    newest = run("c.json", "2026-12-03", ["bf16"], [1, 4])
+    assert shown_lever_runs([newest, same_later, old_full]) == [old_full, newest]
+    assert shown_lever_runs([same_later]) == [same_later] and shown_lever_runs([]) == []
