@@ -54,7 +54,18 @@ def announce_ready(role: str | None = None, **info: object) -> None:
     fields = [role] if role else []
     fields += [f"{key}={value}" for key, value in info.items()]
     _READY.set()  # first: a launcher may stop us the moment it reads the line, and that stop shuts down in order
-    print(" ".join([READY_PREFIX, *fields]), flush=True)
+    print_line(" ".join([READY_PREFIX, *fields]))
+
+
+def print_line(line: str) -> None:
+    """Write ``line`` and its newline to stdout in one write, then flush.
+
+    ``print`` writes the text and its end separately; with ``PYTHONUNBUFFERED`` (launchers set it) each is its own
+    write to the pipe, and a log line from another thread on stderr (the same pipe) can land between them: a READY
+    line once read ``address=127.0.0.1:38165`` with the next line's date glued to the port.  One write of a line
+    shorter than ``PIPE_BUF`` is never split."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def process_age() -> float:

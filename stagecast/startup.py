@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stagecast.service import process_age
+from stagecast.service import print_line, process_age
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Startup:
             self.changed.notify_all()
             line = step.line()
         if self.echo:
-            print(line, flush=True)
+            print_line(line)
         if self.report is not None:
             self.report(self)
         return step

@@ -4,13 +4,16 @@ the same command as ``stagecast <role>``, and a service process the launcher sta
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from unittest.mock import ANY
 
 import pytest
 
 from launcher.process import module_args
-from stagecast.service import SERVICE_MODULES
+from stagecast.service import READY_PREFIX, SERVICE_MODULES
+from stagecast.startup import STARTUP_PREFIX, StartupStep, parse_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,3 +55,41 @@ def test_no_running_service_process_imports_the_launcher(shared_system):
         assert child.proc.args[1] == "-m" and not child.proc.args[2].startswith("launcher"), (name, child.proc.args)
         assert child.pid in armed, f"{name}: its import watch never ran"
     assert imports == []
+
+
+CHATTY_CHILD = r"""
+import logging, sys, threading
+from stagecast.service import announce_ready
+from stagecast.startup import Startup
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # stderr: the launcher's pipe too
+stop = threading.Event()
+def chatter():
+    while not stop.is_set():
+        logging.info("another thread logs")
+threading.Thread(target=chatter, daemon=True).start()
+startup = Startup("gateway")
+for i in range(int(sys.argv[1])):
+    announce_ready("gateway", address=f"127.0.0.1:{i}")
+    startup.step("weights", i, 1000)
+stop.set()
+"""
+
+
+def test_ready_and_startup_lines_stay_whole_while_another_thread_logs_to_the_same_pipe():
+    """A launcher runs services unbuffered with stderr on stdout's pipe; a READY line split by a log line once gave a
+    test the address ``127.0.0.1:381652026-12-05`` (``print`` writes the text and its newline separately)."""
+    count = 500
+    proc = subprocess.run(
+        [sys.executable, "-c", CHATTY_CHILD, str(count)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    ready = [line for line in lines if line.startswith(READY_PREFIX)]
+    steps = [line for line in lines if line.startswith(STARTUP_PREFIX)]
+    assert ready == [f"{READY_PREFIX} gateway address=127.0.0.1:{i}" for i in range(count)]
+    assert [parse_line(line) for line in steps] == [StartupStep("weights", i, 1000, ANY, "") for i in range(count)]
