@@ -1,6 +1,7 @@
 """Paced first at the gateway's shared resources: the decode gate of each part (gateway.decode.decoder), on a GPU and
 on a CPU, and the encode gate a stream's frame encodes pass (gateway.stream.frames)."""
 
+import contextlib
 import os
 import sys
 import threading
@@ -109,6 +110,63 @@ def test_local_sessions_decode_the_paced_streams_chunk_first_and_stay_exact(tmp_
     finally:
         unpaced.close()
         paced.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_hold_abandoned_while_it_waits_gives_false_at_once_and_takes_no_slot(background):
+    gate = DecodeGate(1, background=background)
+    lane = gate.lane or gate
+    gone = threading.Event()
+    got = {}
+
+    def decode(name, paced):
+        with gate.hold(paced, gone.is_set) as granted:
+            got[name] = granted
+
+    with contextlib.ExitStack() as busy:  # every slot is taken (the background lane's too)
+        busy.enter_context(gate.hold(True))
+        for _ in range(lane.slots if background else 0):
+            busy.enter_context(lane.hold(False))
+        threads = [threading.Thread(target=decode, args=(name, name == "paced")) for name in ("paced", "unpaced")]
+        for t in threads:
+            t.start()
+        if background:
+            waiting(gate, 1, 0)
+            waiting(lane, 0, 1)
+        else:
+            waiting(gate, 1, 1)
+        gone.set()
+        gate.wake()
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive()  # it stopped waiting while the slots were still held
+        assert got == {"paced": False, "unpaced": False}
+        assert gate.free == 0 and lane.free == 0 and gate.waiting == [0, 0] and lane.waiting == [0, 0]
+    assert gate.free == gate.slots and lane.free == lane.slots and gate.paced_holding == 0
+    assert len(lane.unpaced_spans) == (lane.slots if background else 0)  # the abandoned hold ran none
+    with gate.hold(False) as granted:  # the abandoned ones left nothing behind: a hold passes as before
+        assert granted is True
+
+
+def test_closing_a_session_whose_chunk_waits_at_the_gate_neither_waits_for_the_gate_nor_decodes_it(tmp_path):
+    """A cancelled stream's gateway slot is free once its session closes; a chunk it had at the gate once kept it
+    (and the stream's count in --max-streams) up to 3 s behind other streams' decodes on a loaded CPU, then decoded
+    for nobody."""
+    part = load_tiny_decoder(write_tiny_decoder(tmp_path / "t.pth", latent_channels=16))
+    decoded = []
+    decoder = LocalDecoder(Recording(part, decoded.append), gate_slots=1, background=False)
+    gate = decoder.gates[0]
+    x = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    session = decoder.open(2, paced=True)
+    with gate.hold(True):  # another stream's decode holds the device
+        assert session.submit(SimpleNamespace(index=0), x)
+        waiting(gate, 1, 0)
+        closing = threading.Thread(target=session.close)
+        closing.start()
+        closing.join(timeout=30)
+        assert not closing.is_alive()  # closed with the gate still held: the worker did not wait for it
+    closing.join()
+    assert decoded == [] and gate.free == 1 and gate.waiting == [0, 0]
 
 
 def test_a_cpu_part_gets_a_one_slot_gate_with_a_background_lane_by_default(tmp_path):

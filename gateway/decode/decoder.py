@@ -42,6 +42,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -240,32 +241,45 @@ class DecodeGate:
         # The window slides at one second per second: by then either the room is there or the window is empty.
         return False, min(-room, self.window_s)
 
-    def hold(self, paced: bool):
-        """A context manager: one decode through this gate (``paced`` first)."""
+    def hold(self, paced: bool, abandoned: Callable[[], bool] | None = None):
+        """A context manager: one decode through this gate (``paced`` first).  It gives True once the decode holds a
+        slot.  ``abandoned``: True once nobody wants this decode (its stream was cancelled); checked while waiting
+        (``wake`` has waiters check it at once), the hold then gives False and takes no slot, so a cancelled stream
+        is not kept waiting behind other streams' decodes for one whose frames nobody reads."""
         if not paced and self.lane is not None:
-            return self.lane._hold(False)
-        return self._hold(paced)
+            return self.lane._hold(False, abandoned)
+        return self._hold(paced, abandoned)
+
+    def wake(self) -> None:
+        """Have the waiting holds check their ``abandoned`` at once (a session calls it when it aborts)."""
+        for gate in (self, self.lane):
+            if gate is not None:
+                with gate.cond:
+                    gate.cond.notify_all()
 
     @contextlib.contextmanager
-    def _hold(self, paced: bool):
+    def _hold(self, paced: bool, abandoned: Callable[[], bool] | None = None):
+        gone = abandoned or (lambda: False)
         with self.cond:
             if paced:
                 self.waiting[0] += 1
                 self.cond.notify_all()  # whoever watches the queue (a test) sees it grow
                 try:
-                    self.cond.wait_for(lambda: self.free > 0)
+                    self.cond.wait_for(lambda: self.free > 0 or gone())
                 finally:
                     self.waiting[0] -= 1
                     # The last paced waiter leaving may let an unpaced one take a slot still free (slots > 1).
                     self.cond.notify_all()
-                self.paced_holding += 1
+                granted = not gone()
+                if granted:
+                    self.paced_holding += 1
             else:
                 ticket = next(self._tickets)
                 self.waiting[1] += 1
                 self.unpaced_queue.append(ticket)
                 self.cond.notify_all()
                 try:
-                    while True:
+                    while granted := not gone():
                         ok, retry_s = self._unpaced_may_start(ticket)
                         if ok:
                             break
@@ -274,11 +288,16 @@ class DecodeGate:
                     self.waiting[1] -= 1
                     self.unpaced_queue.remove(ticket)
                     self.cond.notify_all()  # the next unpaced waiter is first now
-                span = [self.clock(), float("inf")]
-                self.unpaced_spans.append(span)
-            self.free -= 1
+                if granted:
+                    span = [self.clock(), float("inf")]
+                    self.unpaced_spans.append(span)
+            if granted:
+                self.free -= 1
+        if not granted:
+            yield False
+            return
         try:
-            yield
+            yield True
         finally:
             with self.cond:
                 self.free += 1
@@ -489,7 +508,14 @@ class LocalSession:
                     outbox.put_final(item)
                     return
                 tag, x, started_ns = item
-                with gate.hold(self.paced) if gate is not None else contextlib.nullcontext():
+                # An abort closes every channel: a chunk waiting at the gate then is dropped, not decoded for nobody.
+                hold = (
+                    gate.hold(self.paced, lambda: outbox.closed) if gate is not None else contextlib.nullcontext(True)
+                )
+                with hold as granted:
+                    if not granted or outbox.closed:
+                        inbox.close(drop=True)
+                        return
                     started_ns = started_ns or time.time_ns()  # the first part stamps when the decode began
                     y = part.decode_chunk(state, x)
                     if part.gives_video:
@@ -517,6 +543,9 @@ class LocalSession:
     def abort(self) -> None:
         for channel in self.channels:
             channel.close(drop=True)
+        for gate in self.gates:
+            if gate is not None:
+                gate.wake()  # a worker waiting at its gate stops waiting (it would decode for nobody)
 
     def results(self):
         while (item := self.channels[-1].get()) is not CLOSED:
