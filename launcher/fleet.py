@@ -47,7 +47,7 @@ from launcher.door import Door, DoorError, Server, find_haproxy, render
 from launcher.pipeline_start import Plan, gateway_argv, has_gateway, start_stages, start_web, watch_pipeline
 from launcher.process import Child, Launcher, LaunchError, Supervisor
 from stagecast.flags import flag_names
-from stagecast.service import announce_ready
+from stagecast.service import announce_ready, print_line
 
 DOOR_READY_S = 30.0  # after every pipeline is READY, the most the door may take to see each gateway up
 STOP_EXTRA_S = 15.0  # beyond --drain-s: a drained gateway's own stop
@@ -263,16 +263,16 @@ class Fleet:
         pipeline = self._pipeline_of(child)
         gateway = pipeline.gateway_child()
         if child is not gateway and gateway is not None and gateway.proc.poll() is None:
-            print(f"stagecast up: {child.name} stopped: draining {pipeline.name}", file=sys.stderr, flush=True)
+            print_line(f"stagecast up: {child.name} stopped: draining {pipeline.name}", sys.stderr)
             gateway.proc.send_signal(signal.SIGTERM)  # its drained exit comes back here
             return
         for name, other in pipeline.children.items():
             if other is not child and name not in self.supervisor.retired:
                 self.supervisor.retire(other)
         pipeline.stopped = True
-        print(f"stagecast up: pipeline {pipeline.name} stopped; the door sends its streams elsewhere", flush=True)
+        print_line(f"stagecast up: pipeline {pipeline.name} stopped; the door sends its streams elsewhere")
         if all(p.stopped for p in self.pipelines):
-            print("stagecast up: every pipeline stopped", flush=True)
+            print_line("stagecast up: every pipeline stopped")
             self.supervisor.stop.set()
 
     def drain_all(self) -> None:
@@ -325,8 +325,8 @@ def run_fleet(args: argparse.Namespace, plan: Plan, stop: threading.Event) -> in
         failure = supervisor.wait()
         signal.alarm(0)  # the stop's usual deadline is for one service; a fleet's is --drain-s (drain_all)
         if failure is not None:
-            print(f"stagecast up: {failure}", file=sys.stderr, flush=True)
-        print("draining every pipeline" if failure is None else "shutting down", flush=True)
+            print_line(f"stagecast up: {failure}", sys.stderr)
+        print_line("draining every pipeline" if failure is None else "shutting down")
         fleet.drain_all()
     return 1 if failure is not None else 0
 
@@ -339,11 +339,11 @@ def _with_web_port(args: argparse.Namespace, port: int) -> argparse.Namespace:
 
 def _say_fleet_up(fleet: Fleet, ready: dict[str, str]) -> None:
     for p in fleet.pipelines:
-        print(f"pipeline {p.name}: gateway {p.gateway} (agent port {p.agent_port}), coordinator {p.coordinator}")
+        print_line(f"pipeline {p.name}: gateway {p.gateway} (agent port {p.agent_port}), coordinator {p.coordinator}")
     shape = f"{len(fleet.pipelines)} pipelines of {fleet.args.stages} stages"
-    print(f"stagecast is up: door {fleet.door_address} (HAProxy), {shape}", flush=True)
+    print_line(f"stagecast is up: door {fleet.door_address} (HAProxy), {shape}")
     if fleet.door is not None:
-        print(f"the door's HAProxy master CLI (show stat): {fleet.door.socket}", flush=True)
+        print_line(f"the door's HAProxy master CLI (show stat): {fleet.door.socket}")
     if "web" in ready:
-        print(f"watch and steer it in a browser: {ready['web']}", flush=True)
+        print_line(f"watch and steer it in a browser: {ready['web']}")
     announce_ready(**ready)

@@ -59,7 +59,7 @@ from launcher.startup_view import StartupView
 from stagecast.diagnostics import STACK_CACHE_OFF
 from stagecast.grpc_util import CHANNEL_OPTIONS
 from stagecast.security import MTLS, MTLS_ENV, connect, write_deployment
-from stagecast.service import PARENT_PID_ENV, READY_PREFIX, SERVICE_MODULES
+from stagecast.service import PARENT_PID_ENV, READY_PREFIX, SERVICE_MODULES, print_line
 from stagecast.startup import STARTUP_PREFIX, StartupStep, parse_line
 
 # The certificate each service command runs with.
@@ -303,7 +303,7 @@ class Launcher:
                 elif step is not None and view is not None:
                     view.step(name, step)
                 elif self.echo:
-                    print(f"[{name}] {line}", file=sys.stderr, flush=True)
+                    print_line(f"[{name}] {line}", sys.stderr)
             ready.set()  # EOF: the child exited
 
         threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
@@ -442,7 +442,7 @@ class Supervisor:
         if not (self.clean_exit_stops and code == 0):
             return False
         self.retired.add(child.name)
-        print(f"{self.command}: {child.name} stopped (exit code 0): not restarting it", file=sys.stderr, flush=True)
+        print_line(f"{self.command}: {child.name} stopped (exit code 0): not restarting it", sys.stderr)
         if self.on_stop is not None:
             self.on_stop(child)
         return True
@@ -468,7 +468,7 @@ class Supervisor:
                 return
             delay = min(self.backoff[1], self.backoff[0] * 2 ** (len(deaths) - 1))
             logger.warning("%s; restarting it in %.1f s", what, delay)
-            print(f"{self.command}: {what}; restarting it in {delay:.1f} s", file=sys.stderr, flush=True)
+            print_line(f"{self.command}: {what}; restarting it in {delay:.1f} s", sys.stderr)
             if self.stop.wait(delay):
                 return
             try:
@@ -477,7 +477,7 @@ class Supervisor:
                 self._give_up(f"{what} and could not be restarted: {exc}")
                 return
             self.restarts[name] = self.restarts.get(name, 0) + 1
-            print(f"{self.command}: {name} restarted (pid {child.pid})", file=sys.stderr, flush=True)
+            print_line(f"{self.command}: {name} restarted (pid {child.pid})", sys.stderr)
             if self.on_restart is not None:
                 self.on_restart(child)
 
@@ -506,6 +506,6 @@ class Supervisor:
                 if now - failing_since >= self.hang_s and child.proc.poll() is None:
                     what = f"{child.name} failed its health checks for {self.hang_s:g} s; killing it"
                     logger.warning("%s", what)
-                    print(f"{self.command}: {what}", file=sys.stderr, flush=True)
+                    print_line(f"{self.command}: {what}", sys.stderr)
                     child.proc.kill()  # works on a stopped process too; the watch then restarts it
                     return

@@ -20,6 +20,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from stagecast.service import print_line
 from stagecast.startup import StartupStep
 
 
@@ -60,4 +61,4 @@ class StartupView:
         if self._bars:
             tqdm.write(line, file=self.stream)  # above the bars, which stay whole
         else:
-            print(line, file=self.stream, flush=True)
+            print_line(line, self.stream)

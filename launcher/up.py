@@ -26,7 +26,7 @@ from launcher.pipeline_start import (
 )
 from stage_service.options import StageOptions
 from stagecast.flags import HelpFormatter, add_flags
-from stagecast.service import announce_ready, resolve_transformer, stop_event
+from stagecast.service import announce_ready, print_line, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
 COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
@@ -403,7 +403,7 @@ def _say_up(args: argparse.Namespace, ready: dict[str, str], shape: str) -> None
     from stagecast.service import process_age
 
     for line in summary(args, ready, shape, took=process_age()):
-        print(line, flush=True)
+        print_line(line)
     announce_ready(**ready)
 
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from stagecast.flags import flag
 
@@ -57,15 +57,17 @@ def announce_ready(role: str | None = None, **info: object) -> None:
     print_line(" ".join([READY_PREFIX, *fields]))
 
 
-def print_line(line: str) -> None:
-    """Write ``line`` and its newline to stdout in one write, then flush.
+def print_line(line: str, file: TextIO | None = None) -> None:
+    """Write ``line`` and its newline to ``file`` (stdout) in one write, then flush.
 
     ``print`` writes the text and its end separately; with ``PYTHONUNBUFFERED`` (launchers set it) each is its own
     write to the pipe, and a log line from another thread on stderr (the same pipe) can land between them: a READY
     line once read ``address=127.0.0.1:38165`` with the next line's date glued to the port.  One write of a line
-    shorter than ``PIPE_BUF`` is never split."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    shorter than ``PIPE_BUF`` is never split.  A launcher's own lines (``stagecast up``'s summary, its children's
+    echoed lines) go through here too: a summary line once read ``... 2 stages[gateway] ...`` in CI."""
+    out = sys.stdout if file is None else file
+    out.write(line + "\n")
+    out.flush()
 
 
 def process_age() -> float:

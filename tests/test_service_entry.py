@@ -93,3 +93,43 @@ def test_ready_and_startup_lines_stay_whole_while_another_thread_logs_to_the_sam
     steps = [line for line in lines if line.startswith(STARTUP_PREFIX)]
     assert ready == [f"{READY_PREFIX} gateway address=127.0.0.1:{i}" for i in range(count)]
     assert [parse_line(line) for line in steps] == [StartupStep("weights", i, 1000, ANY, "") for i in range(count)]
+
+
+CHATTY_LAUNCHER = r"""
+import sys, threading
+from launcher.startup_view import StartupView
+from stagecast.service import print_line
+stop = threading.Event()
+view = StartupView(tty=False)
+def echo():  # what a launcher's pump threads write: children's lines and their READY times, on stderr
+    while not stop.is_set():
+        print_line("[stage-0] a child's log line", sys.stderr)
+        view.ready("gateway", 1.5)
+threading.Thread(target=echo, daemon=True).start()
+for i in range(int(sys.argv[1])):
+    print_line(f"stagecast is up in {i}.0 s: 2 stages")
+stop.set()
+"""
+
+
+def test_a_launchers_summary_stays_whole_while_its_children_are_echoed_to_the_same_pipe():
+    """``stagecast up`` echoes its children (stderr) while it prints its summary (stdout), both on a test's one pipe:
+    with ``print`` a summary line once read ``stagecast is up in 3.1 s: 2 stages[gateway] ...`` in CI."""
+    count = 3000
+    proc = subprocess.run(
+        [sys.executable, "-c", CHATTY_LAUNCHER, str(count)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("stagecast")] == [
+        f"stagecast is up in {i}.0 s: 2 stages" for i in range(count)
+    ]
+    assert set(lines) - {f"stagecast is up in {i}.0 s: 2 stages" for i in range(count)} <= {
+        "[stage-0] a child's log line",
+        "[gateway] READY in 1.50 s",
+    }
