@@ -39,7 +39,7 @@ import torch
 from benchmarks.fp8_check import FixedWindow, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_levers import apply_levers, cudnn_refusal
-from stage_service.dit_slice import AttentionContext, DiTSlice
+from stage_service.dit_slice import SDPA_FALLBACKS, AttentionContext, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
 from stagecast.sampling import sigmas
@@ -152,8 +152,12 @@ def run_variant(cfg: dict, args, device: torch.device, levers: tuple, row: dict,
     with torch.no_grad():
         for batch in args.batches:
             inputs = inputs_for(cfg, batch, args, device)
+            SDPA_FALLBACKS.take()
             got = measure(sl, inputs, args)
             entry = got["result"]
+            entry["sdpa_fallbacks"] = SDPA_FALLBACKS.take()  # calls whose first backend refused them (cudnn)
+            for what, calls in entry["sdpa_fallbacks"].items():
+                print(f"{label} batch {batch}: {calls} attention call(s): {what}", flush=True)
             if not levers:
                 refs[batch] = got["step"]
             elif batch in refs:

@@ -17,6 +17,7 @@ our processors, which read per-item context (KV cache, cached text K/V, RoPE off
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import threading
@@ -98,6 +99,30 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.permute(0, 2, 1, 3)
 
 
+class SdpaFallbacks:
+    """The SDPA calls whose first backend refused them (``_sdpa_on``), by backend, shapes and torch's first line of
+    reason: a forward captured into a CUDA graph runs this Python once, at capture, so the counts say which kernel
+    each graphed call replays.  ``take()`` returns the counts so far and starts again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def note(self, backend: str, q: torch.Tensor, k: torch.Tensor, exc: BaseException) -> None:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        key = f"{backend} refused q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}/{k.dtype}: {reason}"
+        with self._lock:
+            self._counts[key] += 1
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            counts, self._counts = dict(self._counts), collections.Counter()
+        return counts
+
+
+SDPA_FALLBACKS = SdpaFallbacks()
+
+
 def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
     """SDPA on ``backends[0]`` alone, else (it refused the call: torch raises before launching anything, so a CUDA
     graph capture is unharmed) on torch's choice among the rest.  Not a priority order: torch 2.11 on an H200 kept
@@ -105,9 +130,10 @@ def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
     try:
         with sdpa_kernel([getattr(SDPBackend, backends[0])]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
-    except RuntimeError:
+    except RuntimeError as exc:
         if len(backends) == 1:
             raise
+        SDPA_FALLBACKS.note(backends[0], q, k, exc)
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends[1:]]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
 

@@ -142,6 +142,7 @@ def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_
     from torch.nn.attention import SDPBackend
 
     from stage_service.dit_levers import CUDNN_FIRST
+    from stage_service.dit_slice import SDPA_FALLBACKS
 
     plain, cudnn = slice_of(tiny_model, torch.float32), slice_of(tiny_model, torch.float32)
     flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
@@ -149,9 +150,17 @@ def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_
     assert cudnn.attention_backends == CUDNN_FIRST and plain.attention_backends is None
     assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == flags
     latents, text, windows = inputs(plain, torch.float32)
+    SDPA_FALLBACKS.take()
     expected = forward(plain, latents, text, windows)
+    assert SDPA_FALLBACKS.take() == {}  # no lever, no first backend to refuse
     got = forward(cudnn, latents, text, windows)
     torch.testing.assert_close(got, expected)  # CPU kernels after cuDNN's refusal: the same attention
+    # Every call of the slice fell back, counted by backend, shapes and torch's reason (what a stage logs).
+    fallbacks = SDPA_FALLBACKS.take()
+    layers = len(cudnn.model.blocks)
+    assert sum(fallbacks.values()) >= 2 * layers  # self- and cross-attention in every block, at least
+    assert all(what.startswith("CUDNN_ATTENTION refused q(") and "torch.float32" in what for what in fallbacks)
+    assert SDPA_FALLBACKS.take() == {}  # taken: counting starts again
     # The scope is in effect: cuDNN alone cannot run on a CPU, and says so.
     cudnn.attention_backends = (SDPBackend.CUDNN_ATTENTION.name,)
     with pytest.raises(RuntimeError, match="No viable backend"):
