@@ -39,7 +39,7 @@ import torch
 from benchmarks.fp8_check import FixedWindow, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_levers import apply_levers, cudnn_refusal
-from stage_service.dit_slice import SDPA_FALLBACKS, AttentionContext, DiTSlice
+from stage_service.dit_slice import SDPA_CALLS, AttentionContext, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
 from stagecast.sampling import sigmas
@@ -109,9 +109,12 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
     graphs = GraphedBlocks(sl)
     graphed_out = graphs.run(hidden, cond, context)
     timing = time_forwards(lambda: graphs.run(hidden, cond, context), device, args.warmup, args.iters)
+    # Eager too: a kernel that a graph capture would not take (or took otherwise) shows as eager and graphed apart.
+    eager = time_forwards(lambda: sl.run_blocks(hidden, cond, context), device, 1, max(args.iters // 3, 2))
     step = one_step(sl, lambda h, c: graphs.run(h, c, ctx()), inputs, args)
     result = {
         "ms": timing,
+        "eager_ms": eager["median_ms"],
         "ms_per_chunk": timing["median_ms"] / batch,
         "graphs_captured": graphs.captures,
         "graph_failure": graphs.failure,
@@ -152,11 +155,11 @@ def run_variant(cfg: dict, args, device: torch.device, levers: tuple, row: dict,
     with torch.no_grad():
         for batch in args.batches:
             inputs = inputs_for(cfg, batch, args, device)
-            SDPA_FALLBACKS.take()
+            SDPA_CALLS.take()
             got = measure(sl, inputs, args)
             entry = got["result"]
-            entry["sdpa_fallbacks"] = SDPA_FALLBACKS.take()  # calls whose first backend refused them (cudnn)
-            for what, calls in entry["sdpa_fallbacks"].items():
+            entry["sdpa_calls"] = SDPA_CALLS.take()  # under a backend scope (cudnn): which backend ran each call
+            for what, calls in entry["sdpa_calls"].items():
                 print(f"{label} batch {batch}: {calls} attention call(s): {what}", flush=True)
             if not levers:
                 refs[batch] = got["step"]
@@ -186,6 +189,8 @@ def run_variants(cfg: dict, args, device: torch.device, result: dict) -> None:
 
 def describe(label: str, batch: int, e: dict) -> str:
     line = f"{label:12s} batch {batch:2d}: {e['ms']['median_ms']:8.2f} ms, {e['ms_per_chunk']:6.2f} ms/chunk"
+    if "eager_ms" in e:
+        line += f" (eager {e['eager_ms']:.2f} ms)"
     if e.get("graph_failure"):
         line += f" (graph capture FAILED: {e['graph_failure']})"
     if "vs_bf16" in e:

@@ -99,28 +99,33 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.permute(0, 2, 1, 3)
 
 
-class SdpaFallbacks:
-    """The SDPA calls whose first backend refused them (``_sdpa_on``), by backend, shapes and torch's first line of
-    reason: a forward captured into a CUDA graph runs this Python once, at capture, so the counts say which kernel
-    each graphed call replays.  ``take()`` returns the counts so far and starts again."""
+class SdpaCalls:
+    """The slice's SDPA calls under a backend scope (``_sdpa_on``), by backend, shapes and outcome: ran, or refused
+    with torch's first line of reason.  A forward captured into a CUDA graph runs this Python once, at capture, so
+    the counts say which kernel each graphed call replays.  ``take()`` returns the counts so far and starts again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
 
-    def note(self, backend: str, q: torch.Tensor, k: torch.Tensor, exc: BaseException) -> None:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        key = f"{backend} refused q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}/{k.dtype}: {reason}"
+    def note(self, backend: str, q: torch.Tensor, k: torch.Tensor, refused: BaseException | None = None) -> None:
+        what = f"{backend} {'refused' if refused else 'ran'} q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}"
+        if refused is not None:
+            what += ": " + (str(refused).strip().splitlines() or [type(refused).__name__])[0][:300]
         with self._lock:
-            self._counts[key] += 1
+            self._counts[what] += 1
 
     def take(self) -> dict[str, int]:
         with self._lock:
             counts, self._counts = dict(self._counts), collections.Counter()
         return counts
 
+    @staticmethod
+    def refusals(counts: dict[str, int]) -> dict[str, int]:
+        return {what: n for what, n in counts.items() if " refused " in what}
 
-SDPA_FALLBACKS = SdpaFallbacks()
+
+SDPA_CALLS = SdpaCalls()
 
 
 def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
@@ -129,11 +134,13 @@ def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
     flash for the DiT's calls under ``sdpa_kernel(..., set_priority=True)`` with cuDNN first."""
     try:
         with sdpa_kernel([getattr(SDPBackend, backends[0])]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        SDPA_CALLS.note(backends[0], q, k)
+        return out
     except RuntimeError as exc:
+        SDPA_CALLS.note(backends[0], q, k, exc)
         if len(backends) == 1:
             raise
-        SDPA_FALLBACKS.note(backends[0], q, k, exc)
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends[1:]]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
 

@@ -23,7 +23,7 @@ import torch
 from stage_service.calibration import DEFAULT_BUDGET_S, Calibration, ServingShape, calibrate, serving_shape
 from stage_service.checkpoint import load_slice_state_dict, random_slice_state_dict
 from stage_service.dit_levers import apply_levers, cudnn_refusal, parse_levers, warm_levers
-from stage_service.dit_slice import SDPA_FALLBACKS, DiTSlice
+from stage_service.dit_slice import SDPA_CALLS, DiTSlice
 from stage_service.fp8 import convert_to_fp8
 from stage_service.kv_budget import KvBudget, graph_buffer_cap, measure_kv_budget_detail, stream_fit_problem
 from stage_service.metrics import StageTelemetry
@@ -215,7 +215,8 @@ class SliceLoader:
             logger.warning("stage %d: calibration incomplete: %s", self.opts.index, cal.summary())
         else:
             logger.info("stage %d: calibration: %s", self.opts.index, cal.summary())
-        for what, calls in SDPA_FALLBACKS.take().items():  # --dit-levers cudnn: calls that run on the next backend
-            logger.warning("stage %d: calibration: %d attention call(s): %s", self.opts.index, calls, what)
+        for what, calls in SDPA_CALLS.take().items():  # --dit-levers cudnn: which backend its calls ran on
+            log = logger.warning if " refused " in what else logger.info
+            log("stage %d: calibration: %d attention call(s): %s", self.opts.index, calls, what)
         self.telemetry.startup("calibration", cal.seconds)
         return cal

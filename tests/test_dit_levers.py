@@ -142,7 +142,7 @@ def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_
     from torch.nn.attention import SDPBackend
 
     from stage_service.dit_levers import CUDNN_FIRST
-    from stage_service.dit_slice import SDPA_FALLBACKS
+    from stage_service.dit_slice import SDPA_CALLS
 
     plain, cudnn = slice_of(tiny_model, torch.float32), slice_of(tiny_model, torch.float32)
     flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
@@ -150,17 +150,22 @@ def test_cudnn_lever_scopes_the_slices_own_attention_and_falls_back_where_cudnn_
     assert cudnn.attention_backends == CUDNN_FIRST and plain.attention_backends is None
     assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == flags
     latents, text, windows = inputs(plain, torch.float32)
-    SDPA_FALLBACKS.take()
+    SDPA_CALLS.take()
     expected = forward(plain, latents, text, windows)
-    assert SDPA_FALLBACKS.take() == {}  # no lever, no first backend to refuse
+    assert SDPA_CALLS.take() == {}  # no lever, no backend scope
     got = forward(cudnn, latents, text, windows)
     torch.testing.assert_close(got, expected)  # CPU kernels after cuDNN's refusal: the same attention
-    # Every call of the slice fell back, counted by backend, shapes and torch's reason (what a stage logs).
-    fallbacks = SDPA_FALLBACKS.take()
-    layers = len(cudnn.model.blocks)
-    assert sum(fallbacks.values()) >= 2 * layers  # self- and cross-attention in every block, at least
-    assert all(what.startswith("CUDNN_ATTENTION refused q(") and "torch.float32" in what for what in fallbacks)
-    assert SDPA_FALLBACKS.take() == {}  # taken: counting starts again
+    # Every call of the slice was refused by cuDNN, counted by backend, shapes and torch's reason (what a stage logs).
+    calls = SDPA_CALLS.take()
+    assert SDPA_CALLS.refusals(calls) == calls
+    assert sum(calls.values()) >= 2 * len(cudnn.model.blocks)  # self- and cross-attention in every block, at least
+    assert all(what.startswith("CUDNN_ATTENTION refused q(") and "torch.float32: " in what for what in calls)
+    assert SDPA_CALLS.take() == {}  # taken: counting starts again
+    # A first backend that takes the calls is counted as having run them.
+    cudnn.attention_backends = (SDPBackend.MATH.name, SDPBackend.FLASH_ATTENTION.name)
+    torch.testing.assert_close(forward(cudnn, latents, text, windows), expected)
+    calls = SDPA_CALLS.take()
+    assert calls and SDPA_CALLS.refusals(calls) == {} and all(w.startswith("MATH ran q(") for w in calls)
     # The scope is in effect: cuDNN alone cannot run on a CPU, and says so.
     cudnn.attention_backends = (SDPBackend.CUDNN_ATTENTION.name,)
     with pytest.raises(RuntimeError, match="No viable backend"):
