@@ -133,8 +133,13 @@ def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
     graph capture is unharmed) on torch's choice among the rest.  Not a priority order: torch 2.11 on an H200 kept
     flash for the DiT's calls under ``sdpa_kernel(..., set_priority=True)`` with cuDNN first."""
     try:
-        with sdpa_kernel([getattr(SDPBackend, backends[0])]):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        if backends[0] == "CUDNN_ATTENTION" and q.is_cuda:
+            # cuDNN's op itself, with no backend selection between the call and the kernel (through
+            # ``sdpa_kernel`` two GPU runs saw flash's time in the blocks where a probe of the same shapes saw cuDNN's).
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, False)[0]
+        else:
+            with sdpa_kernel([getattr(SDPBackend, backends[0])]):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
         SDPA_CALLS.note(backends[0], q, k)
         return out
     except RuntimeError as exc:
