@@ -111,6 +111,8 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
     timing = time_forwards(lambda: graphs.run(hidden, cond, context), device, args.warmup, args.iters)
     # Eager too: a kernel that a graph capture would not take (or took otherwise) shows as eager and graphed apart.
     eager = time_forwards(lambda: sl.run_blocks(hidden, cond, context), device, 1, max(args.iters // 3, 2))
+    if args.profile:
+        print(kernel_table(lambda: sl.run_blocks(hidden, cond, context), device), flush=True)
     step = one_step(sl, lambda h, c: graphs.run(h, c, ctx()), inputs, args)
     result = {
         "ms": timing,
@@ -122,6 +124,19 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
     }
     graphs.close()
     return {"result": result, "step": step}
+
+
+def kernel_table(forward, device: torch.device, rows: int = 12) -> str:
+    """One forward under torch's profiler: its costliest kernels (device time on a GPU, else CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
+        forward()
+        if gpu:
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
@@ -244,6 +259,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="print each eager forward's 12 costliest kernels")
     args = ap.parse_args(argv)
     try:
         args.batches = [int(b) for b in args.batches.split(",") if b]
