@@ -19,12 +19,12 @@ latents after one step) beside its time at batch 1, 4, 8 and 12:
   block instead of dozens of eager ones; the compiled kernels sit inside the blocks' CUDA graphs like any other.
   On a CPU the same functions run uncompiled, and there they equal diffusers' ops bit for bit
   (``tests/test_dit_levers.py``): on a GPU the compiled kernels keep intermediates in float32, hence the error.
-- ``cudnn``: the slice's scaled-dot-product attention runs cuDNN's kernel (``DiTSlice.attention_backends``): each
-  SDPA call tries cuDNN alone, and a call it refuses runs on torch's choice among flash, memory-efficient and math.
-  Forced alone on the protocol's shapes on an H200, cuDNN runs self-attention at 566 TFLOP/s against flash's 316 at
-  batch 4 (``benchmarks/sdpa_backends.py``).  Two earlier forms of this lever left the blocks on flash, with the same
-  time and the same bits: process-wide flags set once, and a priority order with cuDNN first
-  (``sdpa_kernel(..., set_priority=True)``).  At start-up the stage checks that cuDNN takes the blocks' own calls
+- ``cudnn``: the slice's scaled-dot-product attention runs cuDNN's kernel (``DiTSlice.attention_backends``): on a
+  GPU each SDPA call runs cuDNN's op itself, and a call it refuses runs on torch's choice among flash,
+  memory-efficient and math (``dit_slice.SDPA_CALLS`` counts which ran; the stage logs them after its calibration).
+  On an H200 with torch 2.11 this changes nothing: a kernel profile shows torch's own choice for the blocks' calls
+  is already cuDNN's kernel (``benchmarks/results/dit_profile_1gpu_4aea243.log``).  The lever matters where torch
+  would pick another kernel.  At start-up the stage checks that cuDNN takes the blocks' own calls
   (``cudnn_refusal``) and logs torch's reasons where it does not.
 
 This module is pure computation, like ``stage_service.dit_slice``: it swaps modules and forwards on a built slice.
