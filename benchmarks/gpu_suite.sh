@@ -42,6 +42,9 @@
 #   bash benchmarks/gpu_suite.sh sdpa-backends # each SDPA kernel (flash, efficient, cuDNN, math) forced alone on the
 #                                         # DiT's self- and cross-attention shapes, eager and graphed, two layouts:
 #                                         # ms, TFLOP/s, refusals with torch's reason (benchmarks/sdpa_backends.py, ~1 min)
+#   bash benchmarks/gpu_suite.sh fused-kernels # the fused lever's kernels alone at batch 1 and 4: us, MB, TB/s against a
+#                                         # copy's, compiled dynamic (the lever) and static, RoPE without strided
+#                                         # writes (benchmarks/fused_kernels.py, ~1 min)
 #   bash benchmarks/gpu_suite.sh attention-check # grouped self-attention (one SDPA per group of equal KV context) against
 #                                         # the per-item loop: one stage's blocks (1.3B, 14B) at batch 1, 2, 4 with full
 #                                         # 6-frame windows, eager and graphed, ms and max difference
@@ -293,6 +296,9 @@ for part in "$@"; do
       ;;
     sdpa-backends)
       timeout 150 python -m benchmarks.sdpa_backends --json "$out/sdpa_backends_1gpu.json"
+      ;;
+    fused-kernels)
+      timeout 240 python -m benchmarks.fused_kernels --json "$out/fused_kernels_1gpu.json"
       ;;
     balance-profile)
       timeout 560 python -m benchmarks.balance --model wan2.1-1.3b --steps 1 --cuda-graphs --vae-compile \

@@ -732,6 +732,8 @@ FILE_KINDS = (
     ("balance_", "a measured (or derived) stage and VAE profile for the balance planner (`benchmarks/predict.py`)"),
     ("attention_", "the DiT blocks' attention timed per batch and layout (`benchmarks/attention_check.py`)"),
     ("sdpa_backends", "each SDPA kernel forced alone on the DiT's attention shapes (`benchmarks/sdpa_backends.py`)"),
+    ("fused_kernels", "the fused lever's kernels alone: time, bytes, rate (`benchmarks/fused_kernels.py`)"),
+    ("dit_profile", "a DiT forward's costliest kernels under torch's profiler (`benchmarks/dit_levers.py --profile`)"),
     ("fp8_check", "FP8 blocks against bf16: time and error (`benchmarks/fp8_check.py`)"),
     ("vae_cudnn", "the VAE with and without cuDNN's algorithm search (`benchmarks/vae_graphs_check.py`)"),
     ("vae_graphs", "the VAE eager, compiled and CUDA-graphed (`benchmarks/vae_graphs_check.py`)"),
