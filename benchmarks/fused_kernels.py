@@ -11,6 +11,8 @@ a layer for about 80 MB (0.35 TB/s where a copy runs near 4).  Each case here is
 
 - ``dynamic``: ``torch.compile(fullgraph=True, dynamic=True)``, what the lever runs (one compile for every batch);
 - ``static``: ``dynamic=False``, one compile per batch size (the lever's graphs are captured per batch anyway);
+- ``rows``: ``dynamic=False`` with every dimension but the channels marked dynamic (``rows_dynamic``): one compile
+  for every batch and token count with static reductions and strides;
 - ``pairs`` (q/k norm + RoPE only): RoPE as ``x * cos + rotate(x) * sin`` with full tables, no strided writes
   (``rope_pairs``); on a CPU, uncompiled, it equals diffusers' form bit for bit (``tests/test_fused_kernels.py``).
 
@@ -87,21 +89,46 @@ CASES: tuple[tuple[str, str, Callable], ...] = (
     ("qk_norm_rope", "static", qk_norm_rope),
     ("qk_norm_rope", "pairs dynamic", qk_norm_rope_pairs),
     ("qk_norm_rope", "pairs static", qk_norm_rope_pairs),
+    ("qk_norm_rope", "rows", qk_norm_rope),
+    ("qk_norm_rope", "pairs rows", qk_norm_rope_pairs),
     ("mod_norm", "dynamic", mod_norm),
     ("mod_norm", "static", mod_norm),
+    ("mod_norm", "rows", mod_norm),
     ("add_mod_norm", "dynamic", add_mod_norm),
     ("add_mod_norm", "static", add_mod_norm),
+    ("add_mod_norm", "rows", add_mod_norm),
     ("gate_residual", "dynamic", gate_residual),
     ("gate_residual", "static", gate_residual),
+    ("gate_residual", "rows", gate_residual),
 )
 # The eager function each kernel's forms are checked against.
 REFERENCE = {f.__name__: f for f in (qk_norm_rope, mod_norm, add_mod_norm, gate_residual)}
 
 
 def compiled(fn: Callable, form: str, compile: bool) -> Callable:
+    """``fn`` as ``form`` compiles it (eager where ``compile`` is off: a CPU smoke run)."""
     if not compile:
         return fn
+    if form.endswith("rows"):
+        return rows_dynamic(torch.compile(fn, fullgraph=True, dynamic=False))
     return torch.compile(fn, fullgraph=True, dynamic=not form.endswith("static"))
+
+
+def rows_dynamic(fn: Callable) -> Callable:
+    """``fn`` with every tensor argument's dimensions but the last marked dynamic (where larger than 1): one compile
+    for every batch and token count, as ``dynamic=True`` gives, with the channels (the reductions' length, the
+    index math's strides) left static, as ``dynamic=False`` gives.  Dimensions of size 1 stay static (torch
+    specializes them), so batch 1 compiles apart."""
+
+    def call(*args):
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                for d in range(t.ndim - 1):
+                    if t.shape[d] > 1:
+                        torch._dynamo.mark_dynamic(t, d)
+        return fn(*args)
+
+    return call
 
 
 def max_diff(out, ref) -> float:
