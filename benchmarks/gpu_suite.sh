@@ -87,7 +87,8 @@
 #                                         # (--batch, default 4; _bN); BURST=N: after the capacity rows, N paced
 #                                         # streams opened at one instant (--burst; _burstN); DECODERS=tiny: that
 #                                         # decoder only (default tiny,full; _tiny); GPU_SHARING=X: the
-#                                         # coordinator's --gpu-sharing (_gsX); MPS=1 (any part): the processes
+#                                         # coordinator's --gpu-sharing (_gsX); TINY_GRAPHS=1: the gateway's
+#                                         # --tiny-cuda-graphs (_tgraphs); MPS=1 (any part): the processes
 #                                         # share the GPU through a CUDA MPS server (below; _mps)
 #   bash benchmarks/gpu_suite.sh balance-profile   # 1.3B 1 step: ms per chunk of every block and VAE unit, one GPU
 #   bash benchmarks/gpu_suite.sh balance-even balance-auto   # 1.3B 1 step, 60 s: the even partition 15,15 with
@@ -270,6 +271,7 @@ for part in "$@"; do
       [ -n "${BATCH:-}" ] && { cap+=(--batch "$BATCH"); sfx="${sfx}_b${BATCH}"; }
       [ -n "${GPU_SHARING:-}" ] && { cap+=(--gpu-sharing "$GPU_SHARING"); sfx="${sfx}_gs${GPU_SHARING}"; }
       [ -n "${MPS:-}" ] && sfx="${sfx}_mps"
+      [ -n "${TINY_GRAPHS:-}" ] && { cap+=(--tiny-cuda-graphs); sfx="${sfx}_tgraphs"; }
       t=420; [ -n "${BURST:-}" ] && { cap+=(--burst "$BURST"); sfx="${sfx}_burst${BURST}"; t=540; }
       dec="${DECODERS:-tiny,full}"; [ -n "${DECODERS:-}" ] && sfx="${sfx}_${DECODERS//,/-}"
       case "$part" in

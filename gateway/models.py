@@ -261,7 +261,7 @@ class GatewayModels:
             return False
         start = time.perf_counter()
         try:
-            self.tiny_decoder.warm(self.latent_shape())
+            self.tiny_decoder.warm(self.latent_shape(), graphs=self.opts.tiny_cuda_graphs)
         except Exception:  # noqa: BLE001 - a measurement for the SLO model, never a reason not to serve
             logger.warning("warming and measuring the tiny decoder's batches failed", exc_info=True)
             return False

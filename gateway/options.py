@@ -82,6 +82,14 @@ class GatewayOptions:
         "and VAE part, captured before serving at the default size and checked bit for bit against eager (a stream "
         "without a free slot, or of another size, decodes eagerly)",
     )
+    # The tiny decoder's pass at its small buckets as CUDA graph replays (gateway.decode.tiny_graphs), captured at
+    # start-up after the compile warm-up; off until a GPU capacity run shows it pays.
+    tiny_cuda_graphs: bool = flag(
+        False,
+        action="store_true",
+        help="run the tiny decoder's pass for calls of up to 4 streams as CUDA graph replays, captured before serving "
+        "at the default size and checked bit for bit against the pass (GPU; other calls run as before)",
+    )
     # cuDNN picks each VAE convolution's algorithm by timing (gateway.decode.stream_vae.use_cudnn_autotune; GPU only).
     vae_cudnn_benchmark: bool = flag(
         False,

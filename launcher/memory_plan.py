@@ -353,6 +353,7 @@ class Layout:
     vae_bytes: int = 0
     vae_graph_bytes: int = 0  # --vae-cuda-graphs: each graph slot holds a stream's VAE cache
     tiny_bytes: int = 0
+    tiny_graph_bytes: int = 0  # --tiny-cuda-graphs: each graphed row's memory in and out, and its frames out
     stream_state: int = 0
     decoder: str = "full"
     max_streams: int = 16
@@ -393,6 +394,8 @@ def layout_parts(layout: Layout) -> list[Part]:
                 models.append(("VAE graph slots", layout.vae_graph_bytes // len(vae)))
         if device == layout.gateway_device and layout.tiny_bytes:
             models.append(("tiny decoder", layout.tiny_bytes))
+            if layout.tiny_graph_bytes:
+                models.append(("tiny decoder graphs", layout.tiny_graph_bytes))
         here = device == decoder_device
         parts.append(
             GatewayPart(
@@ -484,6 +487,12 @@ def pipeline_layout(args, placement, partition: str | None, *, pipeline: str = "
     if args.vae_cuda_graphs and cuda:
         slots = min(layout.max_streams, MAX_GRAPH_SLOTS)
         layout.vae_graph_bytes = slots * decoder_state_bytes("full", width, height, vae_item)
+    if getattr(args, "tiny_cuda_graphs", False) and cuda and tiny is not None:
+        from gateway.decode.batched_decoder import DEFAULT_BUCKETS, graphed_rows
+
+        rows = sum(graphed_rows(DEFAULT_BUCKETS))
+        frames = 4 * 3 * width * height * vae_item  # a latent frame's four raw output frames
+        layout.tiny_graph_bytes = rows * (2 * decoder_state_bytes("tiny", width, height, vae_item) + frames)
     layout.decoder_room = gib(getattr(args, "decoder_memory_gib", 0))
     return layout
 

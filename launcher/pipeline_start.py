@@ -26,6 +26,7 @@ from stagecast.service import resolve_transformer
 GATEWAY_FLAGS = (
     "vae_compile",
     "vae_cuda_graphs",
+    "tiny_cuda_graphs",
     "vae_devices",
     "tiny_decoder",
     "default_decoder",

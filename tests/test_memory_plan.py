@@ -385,3 +385,20 @@ def test_a_stage_with_a_negative_share_exits_2_naming_the_flag(demo):
     proc = run_cli(*args, "--insecure-internal", "--device-memory-gib", "-1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "stagecast stage: error: --device-memory-gib: must be in [0, " in proc.stderr
+
+
+def test_tiny_decoder_graphs_are_planned_in_the_gateways_share_and_passed_on(checkpoint_14b, tmp_path, capsys):
+    from launcher.demo_checkpoint import write_tiny_decoder
+    from launcher.up import plan_memory
+
+    tiny = write_tiny_decoder(tmp_path / "taew.pth", latent_channels=16, seed=1)
+    placement = Placement.plan("cuda", 1, gpus=1)
+    plain = plan_memory(up_args(checkpoint_14b, tiny_decoder=str(tiny)), Plan(placement, None, None), {"cuda:0": H200})
+    assert "tiny decoder graphs" not in capsys.readouterr().out
+    args = up_args(checkpoint_14b, tiny_decoder=str(tiny), tiny_cuda_graphs=True)
+    graphed = plan_memory(args, Plan(placement, None, None), totals={"cuda:0": H200})
+    # Buckets 1, 2 and 4 graphed: 7 rows, each with a stream's memory in and out and four 480x832 frames out.
+    want = 7 * (2 * memory_plan.decoder_state_bytes("tiny", 832, 480, 2) + 4 * 3 * 832 * 480 * 2) / GIB
+    assert f"tiny decoder graphs {want:.1f}" in capsys.readouterr().out
+    assert graphed.gateway_share() - plain.gateway_share() == pytest.approx(want, abs=0.15)
+    assert "--tiny-cuda-graphs" in gateway_argv(args, graphed, "127.0.0.1:1", metrics_port=0)

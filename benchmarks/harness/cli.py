@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--gateway-gpu", type=int, default=None, help="GPU for text encoder + VAE (default: last stage's)")
     # The gateway's and the stages' own flags, passed on as given.
-    add_flags(ap, GatewayOptions, only=["vae_compile", "vae_cuda_graphs", "vae_cudnn_benchmark", "tiny_decoder"])
+    gateway_flags = ["vae_compile", "vae_cuda_graphs", "tiny_cuda_graphs", "vae_cudnn_benchmark", "tiny_decoder"]
+    add_flags(ap, GatewayOptions, only=gateway_flags)
     add_flags(ap, StageOptions, only=["cuda_graphs", "fp8", "dit_levers"])
     ap.add_argument(
         "--no-pipeline-warmup",

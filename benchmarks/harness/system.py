@@ -321,6 +321,7 @@ def start_system(launcher, root: Path, args, device_kind: str):
         quotas=QuotaOptions(unpaced=most),
         vae_compile=args.vae_compile and device_kind == "cuda",
         vae_cuda_graphs=getattr(args, "vae_cuda_graphs", False),  # the other benchmarks here lack these flags
+        tiny_cuda_graphs=getattr(args, "tiny_cuda_graphs", False),
         vae_cudnn_benchmark=getattr(args, "vae_cudnn_benchmark", False),
         pipeline_warmup_s=None if getattr(args, "pipeline_warmup", True) else 0.0,
         vae_devices=vae_devices,
@@ -356,6 +357,7 @@ def memory_shares(root: Path, args, device_kind: str, partition, gw_device: str,
         checkpoint=str(root), stages=args.stages, sp=args.sp, cfg_parallel=args.cfg_parallel, device="cuda",
         dtype=args.dtype, cuda_graphs=args.cuda_graphs, gateway_port=0, tiny_decoder=tiny, default_decoder="full",
         vae_cuda_graphs=getattr(args, "vae_cuda_graphs", False), kv_budget_gib=kv, decoder_memory_gib=0.0, pipelines=1,
+        tiny_cuda_graphs=getattr(args, "tiny_cuda_graphs", False),
     )  # fmt: skip
     return plan_memory(flags, Plan(placement, partition, None), totals=totals, who="harness")
 

@@ -52,6 +52,16 @@ from gateway.decode.tiny_decoder import MAX_BATCH, TinyStreamDecoder, tiny_to_ui
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+# With --tiny-cuda-graphs, the buckets up to this many streams a call replay CUDA graphs (serving forms 1-4); each
+# graph holds its rows' memory in and out (64 MiB a stream at 480x832), so larger buckets stay compiled kernels.
+GRAPHED_MAX_ROWS = 4
+
+
+def graphed_rows(buckets: tuple[int, ...]) -> list[int]:
+    """The buckets whose passes ``--tiny-cuda-graphs`` captures."""
+    return [r for r in buckets if r <= GRAPHED_MAX_ROWS]
+
+
 OUT_CAPACITY = 2  # decoded chunks a session holds for its consumer before the worker skips it
 SERVED_WINDOW = 32  # a batch size's recent served calls, the least of which is its cost
 # Served calls of a size before they replace its start-up measurement (one call is one sample of how long it waited).
@@ -233,15 +243,32 @@ class BatchedDecoder:
         return next((b for b in self.buckets if b >= n), n)
 
     @torch.no_grad()
-    def warm(self, latent_shape: tuple[int, ...], chunks: int = 4) -> dict[int, float]:
+    def warm(self, latent_shape: tuple[int, ...], chunks: int = 4, *, graphs: bool = False) -> dict[int, float]:
         """Before serving: ``chunks`` chunks at every bucket (or batch sizes 1, 2, 4, .. up to ``max_batch`` without
         buckets) on fresh scratch states, so that every compiled variant is built now, and the steady chunks (from
-        the third) timed: returns rows -> median ms of a call, also kept for ``batch_ms``."""
+        the third) timed: returns rows -> median ms of a call, also kept for ``batch_ms``.  ``graphs``: then the
+        passes of the buckets up to ``GRAPHED_MAX_ROWS`` streams are captured as CUDA graphs
+        (``TinyStreamDecoder.capture_graphs``) and every bucket is timed again, as it will run."""
         from gateway.decode.vae_cost import STEADY_FROM
 
         if chunks <= STEADY_FROM:
             raise ValueError(f"chunks must be > {STEADY_FROM}, got {chunks}")
         sizes = self.buckets or tuple(b for b in DEFAULT_BUCKETS if b <= self.max_batch)
+        out = self._time_sizes(sizes, latent_shape, chunks, STEADY_FROM)
+        if graphs:
+            graphed = self.part.capture_graphs((latent_shape[-2], latent_shape[-1]), graphed_rows(sizes))
+            logger.info("tiny decoder: CUDA graphs for %s streams a call", graphed or "no")
+            out = self._time_sizes(sizes, latent_shape, chunks, STEADY_FROM)
+        logger.info(
+            "tiny decoder batches (%s latents): %s",
+            "x".join(map(str, latent_shape[2:])),
+            ", ".join(f"{r} streams {ms:.2f} ms ({ms / r:.2f} each)" for r, ms in out.items()),
+        )
+        return out
+
+    def _time_sizes(
+        self, sizes: tuple[int, ...], latent_shape: tuple[int, ...], chunks: int, steady_from: int
+    ) -> dict[int, float]:
         gen = torch.Generator(device="cpu").manual_seed(0)
         out = {}
         for rows in sizes:
@@ -254,18 +281,13 @@ class BatchedDecoder:
                     start()
                     to_host_uint8(self.part.decode_batch(states, xs, pad_to=rows))
                     ms = stop()
-                    if c >= STEADY_FROM:
+                    if c >= steady_from:
                         samples.append(ms)
             finally:
                 for s in states:
                     self.part.release(s)
             out[rows] = float(np.median(samples))
             self.times.set_measured(rows, out[rows])
-        logger.info(
-            "tiny decoder batches (%s latents): %s",
-            "x".join(map(str, latent_shape[2:])),
-            ", ".join(f"{r} streams {ms:.2f} ms ({ms / r:.2f} each)" for r, ms in out.items()),
-        )
         return out
 
     def state_bytes_at(self, latent_hw: tuple[int, int]) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -39,6 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gateway.decode.tiny_graphs import TinyFrameGraphs
+from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +224,7 @@ class TinyStreamDecoder:
         self.spatial_factor = 8 * model.patch_size
         # torch.compile of one latent frame's pass: every call has the same shapes for a given batch and size.
         self._compiled = torch.compile(model.frame, dynamic=False) if compile else None
+        self.graphs: TinyFrameGraphs | None = None  # the passes captured as CUDA graphs (``capture_graphs``)
 
     def new_state(self) -> TinyStreamState:
         return TinyStreamState()
@@ -306,10 +311,38 @@ class TinyStreamDecoder:
         return videos
 
     def _frame(self, x: torch.Tensor, memory: list[torch.Tensor]):
+        if self.graphs is not None:
+            replayed = self.graphs.run(x, memory)
+            if replayed is not None:
+                return replayed
+        return self._pass(x, memory)
+
+    def _pass(self, x: torch.Tensor, memory: list[torch.Tensor]):
+        """One latent frame's pass as it runs without graphs: compiled (``compile``), else eager."""
         if self._compiled is None:
             return self.model.frame(x, memory)
         with _COMPILED_CALLS:
             return self._compiled(x, memory)
+
+    def capture_graphs(
+        self, latent_hw: tuple[int, int], rows: Sequence[int], capture: Capture | None = None
+    ) -> list[int]:
+        """A CUDA graph of the pass for each batch size in ``rows`` at ``latent_hw`` (``gateway.decode.tiny_graphs``;
+        after any compile warm-up, before serving); on a CPU the stand-in that re-runs the pass.  Returns the batch
+        sizes graphed (each checked bit for bit against the pass); every other call runs as before."""
+        if capture is None:
+            capture = cuda_graph_capture(self.device) if self.device.type == "cuda" else rerun_capture
+        self.graphs = TinyFrameGraphs.capture(
+            self._pass,
+            rows=rows,
+            latent_channels=self.latent_channels,
+            memory_shapes=self.model.memory_shapes(latent_hw),
+            latent_hw=latent_hw,
+            device=self.device,
+            dtype=self.dtype,
+            capture=capture,
+        )
+        return self.graphs.rows
 
     def _gather(self, states: list[TinyStreamState], hw: tuple[int, int]) -> list[torch.Tensor]:
         if len(states) == 1 and states[0].memory is not None:

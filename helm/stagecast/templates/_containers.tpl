@@ -131,6 +131,9 @@ streams are placed as any other), agentPort, extraArgs, mtlsVolume.
     {{- if $g.vaeCudaGraphs }}
     - --vae-cuda-graphs
     {{- end }}
+    {{- if $g.tinyCudaGraphs }}
+    - --tiny-cuda-graphs
+    {{- end }}
     {{- if gt (int $g.gpus) 1 }}
     {{- $devices := list }}
     {{- range $i := until (int $g.gpus) }}
