@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from benchmarks.fp8_check import FixedWindow, protocol_inputs, time_forwards, versions, write_result
+from benchmarks.fp8_check import FixedWindow, parse_batches, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_levers import apply_levers, cudnn_refusal
 from stage_service.dit_slice import SDPA_CALLS, AttentionContext, DiTSlice
@@ -261,12 +261,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print each eager forward's 12 costliest kernels")
     args = ap.parse_args(argv)
-    try:
-        args.batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
-    if not args.batches or min(args.batches) < 1:
-        ap.error(f"--batches: comma-separated positive integers, got {args.batches}")
+    args.batches = parse_batches(ap, args.batches)
     wanted = [v for v in args.variants.split(",") if v]
     known = dict(VARIANTS)
     bad = [v for v in wanted if v not in known]

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.fp8_check import time_forwards
+from benchmarks.fp8_check import parse_batches, time_forwards
 from stage_service.dit_levers import add_mod_norm, gate_residual, mod_norm, qk_norm_rope
 
 
@@ -201,12 +201,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    try:
-        args.batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        ap.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
-    if not args.batches or min(args.batches) < 1:
-        ap.error(f"--batches: comma-separated positive integers, got {args.batches}")
+    args.batches = parse_batches(ap, args.batches)
     if args.dim % (2 * args.heads):
         ap.error(f"--dim: a multiple of twice --heads ({2 * args.heads}), got {args.dim}")
     if args.smoke:

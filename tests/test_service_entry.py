@@ -57,6 +57,21 @@ def test_no_running_service_process_imports_the_launcher(shared_system):
     assert imports == []
 
 
+def unbuffered_lines(script: str, count: int) -> list[str]:
+    """The lines ``script`` (given ``count``) writes, stdout and stderr on one pipe, run unbuffered as a launcher runs
+    its services."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(count)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    return proc.stdout.splitlines()
+
+
 CHATTY_CHILD = r"""
 import logging, sys, threading
 from stagecast.service import announce_ready
@@ -79,16 +94,7 @@ def test_ready_and_startup_lines_stay_whole_while_another_thread_logs_to_the_sam
     """A launcher runs services unbuffered with stderr on stdout's pipe; a READY line split by a log line once gave a
     test the address ``127.0.0.1:381652026-12-05`` (``print`` writes the text and its newline separately)."""
     count = 500
-    proc = subprocess.run(
-        [sys.executable, "-c", CHATTY_CHILD, str(count)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    lines = proc.stdout.splitlines()
+    lines = unbuffered_lines(CHATTY_CHILD, count)
     ready = [line for line in lines if line.startswith(READY_PREFIX)]
     steps = [line for line in lines if line.startswith(STARTUP_PREFIX)]
     assert ready == [f"{READY_PREFIX} gateway address=127.0.0.1:{i}" for i in range(count)]
@@ -116,16 +122,7 @@ def test_a_launchers_summary_stays_whole_while_its_children_are_echoed_to_the_sa
     """``stagecast up`` echoes its children (stderr) while it prints its summary (stdout), both on a test's one pipe:
     with ``print`` a summary line once read ``stagecast is up in 3.1 s: 2 stages[gateway] ...`` in CI."""
     count = 3000
-    proc = subprocess.run(
-        [sys.executable, "-c", CHATTY_LAUNCHER, str(count)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    lines = proc.stdout.splitlines()
+    lines = unbuffered_lines(CHATTY_LAUNCHER, count)
     assert [line for line in lines if line.startswith("stagecast")] == [
         f"stagecast is up in {i}.0 s: 2 stages" for i in range(count)
     ]
