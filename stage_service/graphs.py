@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_service.dit_slice import AttentionContext, Conditioning, DiTSlice
-from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
+from stagecast.cuda_graphs import Capture, device_capture
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class GraphedBlocks:
         self._pending_bytes = 0  # private slots of background captures not yet in ``private_slots``
         self._over_cap_logged = False
         if capture is None:
-            capture = cuda_graph_capture(dit_slice.device) if dit_slice.device.type == "cuda" else rerun_capture
+            capture = device_capture(dit_slice.device)
         self.capture = capture
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}

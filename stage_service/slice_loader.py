@@ -215,8 +215,10 @@ class SliceLoader:
             logger.warning("stage %d: calibration incomplete: %s", self.opts.index, cal.summary())
         else:
             logger.info("stage %d: calibration: %s", self.opts.index, cal.summary())
-        for what, calls in SDPA_CALLS.take().items():  # --dit-levers cudnn: which backend its calls ran on
-            log = logger.warning if " refused " in what else logger.info
+        ran = SDPA_CALLS.take()  # --dit-levers cudnn: which backend its calls ran on
+        refused = SDPA_CALLS.refusals(ran)
+        for what, calls in ran.items():
+            log = logger.warning if what in refused else logger.info
             log("stage %d: calibration: %d attention call(s): %s", self.opts.index, calls, what)
         self.telemetry.startup("calibration", cal.seconds)
         return cal

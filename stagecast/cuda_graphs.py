@@ -4,6 +4,7 @@ Usage::
 
     capture = cuda_graph_capture(torch.device("cuda:0"))   # a GPU: torch.cuda.CUDAGraph, warmed up on a side stream
     capture = rerun_capture                                # a CPU stand-in: replay runs the function again
+    capture = device_capture(device)                       # the first on a GPU, the second elsewhere
     replay = capture(fn)                                   # fn reads and writes only static buffers
     replay()
 
@@ -25,6 +26,11 @@ def rerun_capture(fn: Callable[[], None]) -> Callable[[], None]:
     """The CPU stand-in for a graph: replay runs ``fn`` again on the same static buffers."""
     fn()
     return fn
+
+
+def device_capture(device: torch.device) -> Capture:
+    """A CUDA graph capture on ``device`` (its own memory pool) where it is a GPU, else ``rerun_capture``."""
+    return cuda_graph_capture(device) if device.type == "cuda" else rerun_capture
 
 
 def cuda_graph_capture(device: torch.device, pool=None, warmup: int = 2) -> Capture:

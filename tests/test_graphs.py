@@ -15,7 +15,8 @@ import torch
 
 from launcher.reference import ReferenceExecutor, StreamRequest
 from stage_service.dit_slice import DiTSlice
-from stage_service.graphs import GraphedBlocks, rerun_capture
+from stage_service.graphs import GraphedBlocks
+from stagecast.cuda_graphs import rerun_capture
 from stagecast.microstep import StreamSpec
 
 pytestmark = pytest.mark.parity

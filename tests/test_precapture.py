@@ -16,8 +16,9 @@ import torch
 from launcher.reference import ReferenceExecutor
 from stage_service.calibration import ServingShape
 from stage_service.dit_slice import DiTSlice
-from stage_service.graphs import GraphedBlocks, rerun_capture
+from stage_service.graphs import GraphedBlocks
 from stage_service.precapture import precapture
+from stagecast.cuda_graphs import rerun_capture
 from stagecast.microstep import MicroStep, PlanEvent, StreamSpec
 from tests.engine_helpers import small_spec
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gateway.decode.tiny_graphs import TinyFrameGraphs
-from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
+from stagecast.cuda_graphs import Capture, device_capture
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class TinyStreamDecoder:
         after any compile warm-up, before serving); on a CPU the stand-in that re-runs the pass.  Returns the batch
         sizes graphed (each checked bit for bit against the pass); every other call runs as before."""
         if capture is None:
-            capture = cuda_graph_capture(self.device) if self.device.type == "cuda" else rerun_capture
+            capture = device_capture(self.device)
         self.graphs = TinyFrameGraphs.capture(
             self._pass,
             rows=rows,

@@ -76,7 +76,7 @@ class TinyFrameGraphs:
 
     @property
     def rows(self) -> list[int]:
-        return sorted(key[0] for key in self.graphs)
+        return sorted(key[0][0] for key in self.graphs)
 
     def run(self, x: torch.Tensor, memory: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The pass of ``x`` and ``memory`` as a replay, or None where no graph has their shapes."""
@@ -122,4 +122,4 @@ class TinyFrameGraphs:
 
 
 def _key(x: torch.Tensor, memory: list[torch.Tensor]) -> tuple:
-    return (x.shape[0], tuple(x.shape[1:]), x.dtype, x.device, tuple(tuple(m.shape) for m in memory))
+    return (tuple(x.shape), x.dtype, x.device, tuple(tuple(m.shape) for m in memory))

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from gateway.decode.stream_vae import GRAPHED_FROM, ChunkDecoder, VAEStreamState
-from stagecast.cuda_graphs import Capture, cuda_graph_capture, rerun_capture
+from stagecast.cuda_graphs import Capture, device_capture
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ MAX_SLOTS = 64  # slots per part; each holds a whole stream cache of that part
 def default_capture(part: ChunkDecoder) -> Capture:
     """A CUDA graph capture on the part's GPU (one memory pool per part); on a CPU the stand-in that re-runs the
     frame on the static buffers (the same slot rule, no speed-up)."""
-    return cuda_graph_capture(part.device) if part.device.type == "cuda" else rerun_capture
+    return device_capture(part.device)
 
 
 class GraphSlot:
