@@ -12,7 +12,8 @@ layers (what ``STAGES=1`` serves), built afresh per variant from the same seed. 
 
 Variants (``stage_service.dit_levers``; ``cudnn`` sets the SDPA backends of its own slice only): ``bf16`` (today's
 default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``, ``fp8+fused``, ``cudnn``,
-``fused+cudnn``, ``all``.  Per variant and batch:
+``fused+cudnn``, ``all``, and the fused lever compiled in its other forms, ``fused@rows`` and ``fused@static``
+(``dit_levers.FUSED_FORMS``; ``fused`` is the stage's form).  Per variant and batch:
 
 - ``ms``: median (p10, p90) of ``--iters`` graphed forwards of the blocks (CUDA events, after ``--warmup``), which
   include copying the batch's KV windows into the graph's static buffers, as a stage does; ``ms_per_chunk`` is that
@@ -38,7 +39,7 @@ import torch
 
 from benchmarks.fp8_check import FixedWindow, parse_batches, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
-from stage_service.dit_levers import apply_levers, cudnn_refusal
+from stage_service.dit_levers import DEFAULT_FUSED_FORM, apply_levers, cudnn_refusal
 from stage_service.dit_slice import SDPA_CALLS, AttentionContext, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
@@ -52,15 +53,20 @@ VARIANTS = (
     ("cudnn", ("cudnn",)),
     ("fused+cudnn", ("fused", "cudnn")),
     ("all", ("fp8", "fused", "cudnn")),
+    # the fused lever compiled in its other forms (``dit_levers.FUSED_FORMS``): which one the stage should run
+    ("fused@rows", ("fused",)),
+    ("fused@static", ("fused",)),
 )
 TIMESTEP, SHIFT = 700.0, 5.0
 
 
-def build(cfg: dict, device: torch.device, levers: tuple[str, ...]) -> tuple[DiTSlice, dict]:
+def build(cfg: dict, device: torch.device, levers: tuple[str, ...], label: str = "") -> tuple[DiTSlice, dict]:
+    """The slice with ``levers`` on; a label ``NAME@FORM`` compiles the fused lever as ``FORM``."""
     layers = range(0, cfg["num_layers"])
     sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=torch.bfloat16, device=device)
     sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
-    return sl, apply_levers(sl, levers)
+    form = label.partition("@")[2] or DEFAULT_FUSED_FORM
+    return sl, apply_levers(sl, levers, fused_form=form)
 
 
 def inputs_for(cfg: dict, batch: int, args, device: torch.device) -> dict:
@@ -163,7 +169,7 @@ def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
 
 
 def run_variant(cfg: dict, args, device: torch.device, levers: tuple, row: dict, refs: dict, label: str) -> None:
-    sl, row["applied"] = build(cfg, device, levers)
+    sl, row["applied"] = build(cfg, device, levers, label)
     if "cudnn" in levers and device.type == "cuda":  # None: cuDNN takes the blocks' attention; else torch's reasons
         row["cudnn_refusal"] = cudnn_refusal(sl, args.chunk_frames, args.height, args.width, args.text_len)
         print(f"{label}: cuDNN refusal: {row['cudnn_refusal']}", flush=True)

@@ -11,8 +11,8 @@ a layer for about 80 MB (0.35 TB/s where a copy runs near 4).  Each case here is
 
 - ``dynamic``: ``torch.compile(fullgraph=True, dynamic=True)``, what the lever runs (one compile for every batch);
 - ``static``: ``dynamic=False``, one compile per batch size (the lever's graphs are captured per batch anyway);
-- ``rows``: ``dynamic=False`` with every dimension but the channels marked dynamic (``rows_dynamic``): one compile
-  for every batch and token count with static reductions and strides;
+- ``rows``: ``dynamic=False`` with every dimension but the channels marked dynamic (``dit_levers.rows_dynamic``):
+  one compile for every batch and token count with static reductions and strides;
 - ``pairs`` (q/k norm + RoPE only): RoPE as ``x * cos + rotate(x) * sin`` with full tables, no strided writes
   (``rope_pairs``); on a CPU, uncompiled, it equals diffusers' form bit for bit (``tests/test_fused_kernels.py``).
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.fp8_check import parse_batches, time_forwards
-from stage_service.dit_levers import add_mod_norm, gate_residual, mod_norm, qk_norm_rope
+from stage_service.dit_levers import add_mod_norm, compile_form, gate_residual, mod_norm, qk_norm_rope
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,26 +109,7 @@ def compiled(fn: Callable, form: str, compile: bool) -> Callable:
     """``fn`` as ``form`` compiles it (eager where ``compile`` is off: a CPU smoke run)."""
     if not compile:
         return fn
-    if form.endswith("rows"):
-        return rows_dynamic(torch.compile(fn, fullgraph=True, dynamic=False))
-    return torch.compile(fn, fullgraph=True, dynamic=not form.endswith("static"))
-
-
-def rows_dynamic(fn: Callable) -> Callable:
-    """``fn`` with every tensor argument's dimensions but the last marked dynamic (where larger than 1): one compile
-    for every batch and token count, as ``dynamic=True`` gives, with the channels (the reductions' length, the
-    index math's strides) left static, as ``dynamic=False`` gives.  Dimensions of size 1 stay static (torch
-    specializes them), so batch 1 compiles apart."""
-
-    def call(*args):
-        for t in args:
-            if isinstance(t, torch.Tensor):
-                for d in range(t.ndim - 1):
-                    if t.shape[d] > 1:
-                        torch._dynamo.mark_dynamic(t, d)
-        return fn(*args)
-
-    return call
+    return compile_form(fn, form.split()[-1])
 
 
 def max_diff(out, ref) -> float:

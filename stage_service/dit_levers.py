@@ -173,11 +173,52 @@ def quantized(fn: Callable) -> Callable:
     return wrapper
 
 
+# How ``Kernels`` compiles the fused functions (``apply_levers(fused_form=...)``; ``benchmarks/dit_levers.py`` times
+# each as variant ``fused@FORM``):
+# - ``dynamic``: ``dynamic=True``: one compile for every batch and token count, every dimension symbolic (the
+#   channels too: looped reductions and runtime index math);
+# - ``rows``: ``dynamic=False`` with every dimension but the last marked dynamic at each call (``rows_dynamic``): one
+#   compile for every batch above 1 and every token count, with the channels static;
+# - ``static``: ``dynamic=False``: one compile per shape (the blocks' graphs are captured per batch size anyway).
+FUSED_FORMS = ("dynamic", "rows", "static")
+DEFAULT_FUSED_FORM = "dynamic"
+
+
+def rows_dynamic(fn: Callable) -> Callable:
+    """``fn`` with every tensor argument's dimensions but the last marked dynamic (where larger than 1): one compile
+    for every batch and token count, as ``dynamic=True`` gives, with the channels (the reductions' length, the
+    index math's strides) left static, as ``dynamic=False`` gives.  Dimensions of size 1 stay static (torch
+    specializes them), so batch 1 compiles apart."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                for d in range(t.ndim - 1):
+                    if t.shape[d] > 1:
+                        torch._dynamo.mark_dynamic(t, d)
+        return fn(*args)
+
+    return call
+
+
+def compile_form(fn: Callable, form: str, backend="inductor") -> Callable:
+    """``fn`` compiled as ``form`` (one of ``FUSED_FORMS``) with ``fullgraph=True`` (``backend``: torch.compile's)."""
+    if form == "rows":
+        return rows_dynamic(torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
+    if form in ("dynamic", "static"):
+        return torch.compile(fn, fullgraph=True, dynamic=form == "dynamic", backend=backend)
+    raise ValueError(f"fused form: one of {', '.join(FUSED_FORMS)}, got {form!r}")
+
+
 class Kernels:
-    """The fused lever's functions, compiled on a GPU (``torch.compile``, dynamic shapes).  One
+    """The fused lever's functions, compiled on a GPU (``torch.compile`` as ``form``, one of ``FUSED_FORMS``).  One
     instance per process and setting (``kernels``): slices that share it share the compiled code."""
 
-    def __init__(self, compile: bool):
+    def __init__(self, compile: bool, form: str = DEFAULT_FUSED_FORM):
+        if form not in FUSED_FORMS:
+            raise ValueError(f"fused form: one of {', '.join(FUSED_FORMS)}, got {form!r}")
+        self.form = form
         if compile:  # a function is compiled once static and once dynamic per wrapper; ``quantized`` shares a frame
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             torch._dynamo.config.accumulated_cache_size_limit = max(
@@ -185,8 +226,7 @@ class Kernels:
             )
 
         def wrap(fn):
-            # dynamic: one compile serves every batch and token count (batch 1 is still specialized: warm_levers)
-            return torch.compile(fn, fullgraph=True, dynamic=True) if compile else fn
+            return compile_form(fn, form) if compile else fn
 
         self.mod_norm, self.gate_residual, self.affine_norm = wrap(mod_norm), wrap(gate_residual), wrap(affine_norm)
         self.add_mod_norm, self.qk_norm_rope, self.gelu = wrap(add_mod_norm), wrap(qk_norm_rope), wrap(gelu_tanh)
@@ -197,8 +237,8 @@ class Kernels:
 
 
 @functools.cache
-def kernels(compile: bool) -> Kernels:
-    return Kernels(compile)
+def kernels(compile: bool, form: str = DEFAULT_FUSED_FORM) -> Kernels:
+    return Kernels(compile, form)
 
 
 class FusedBlock:
@@ -319,21 +359,28 @@ def cudnn_refusal(dit_slice: DiTSlice, frames: int, height: int, width: int, tex
         dit_slice.attention_backends = saved
 
 
-def apply_levers(dit_slice: DiTSlice, levers: Sequence[str], *, compile: bool | None = None) -> dict:
+def apply_levers(
+    dit_slice: DiTSlice,
+    levers: Sequence[str],
+    *,
+    compile: bool | None = None,
+    fused_form: str = DEFAULT_FUSED_FORM,
+) -> dict:
     """Turn ``levers`` (``parse_levers``' names) on for ``dit_slice`` in place; returns what changed.  ``compile``:
-    whether ``fused`` compiles its kernels (default: on a GPU)."""
+    whether ``fused`` compiles its kernels (default: on a GPU); ``fused_form``: how (``FUSED_FORMS``)."""
     levers = parse_levers(levers)
     done: dict = {"levers": list(levers)}
     if "fp8" in levers:
         done["fp8_linears"] = len(to_fp8(dit_slice))
     if "fused" in levers:
-        shared = kernels(dit_slice.device.type == "cuda" if compile is None else compile)
+        shared = kernels(dit_slice.device.type == "cuda" if compile is None else compile, fused_form)
         for layer, block in enumerate(dit_slice.model.blocks):
             block.forward = FusedBlock(dit_slice, block, layer, shared)
         for module in dit_slice.model.blocks.modules():
             if isinstance(module, Fp8Linear):
                 module.quantize = shared.quantize
         done["fused_blocks"] = len(dit_slice.model.blocks)
+        done["fused_form"] = fused_form
     if "cudnn" in levers:
         dit_slice.attention_backends = CUDNN_FIRST
         done["sdpa"] = ", ".join(CUDNN_FIRST)
@@ -346,6 +393,7 @@ __all__ = [
     "FusedBlock",
     "Kernels",
     "CUDNN_FIRST",
+    "FUSED_FORMS",
     "apply_levers",
     "cudnn_refusal",
     "parse_levers",

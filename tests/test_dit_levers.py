@@ -194,3 +194,34 @@ def test_the_results_page_shows_the_fullest_lever_run_oldest_first_on_a_tie_and_
     newest = run("c.json", "2026-12-03", ["bf16"], [1, 4])
     assert shown_lever_runs([newest, same_later, old_full]) == [old_full, newest]
     assert shown_lever_runs([same_later]) == [same_later] and shown_lever_runs([]) == []
+
+
+@pytest.mark.parametrize(
+    "form, compiles",
+    [
+        # one compile serves batches 2-4 at both token counts (batch 1 specializes apart); static compiles per shape
+        ("rows", 2),
+        ("static", 7),
+    ],
+)
+def test_each_fused_form_compiles_as_documented_and_equals_the_eager_function(form, compiles):
+    from torch._dynamo.testing import CompileCounter
+
+    from stage_service.dit_levers import compile_form, mod_norm
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = compile_form(mod_norm, form, backend=counter)
+    gen = torch.Generator().manual_seed(5)
+    for batch, tokens in [(1, 10), (2, 10), (3, 10), (4, 10), (2, 12), (3, 12), (4, 12)]:
+        h = torch.randn(batch, tokens, 16, generator=gen).to(torch.bfloat16)
+        shift, scale = (torch.randn(batch, 1, 16, generator=gen) for _ in range(2))
+        assert torch.equal(fn(h, shift, scale, 1e-6), mod_norm(h, shift, scale, 1e-6))
+    assert counter.frame_count == compiles
+
+
+def test_an_unknown_fused_form_is_refused_by_name():
+    from stage_service.dit_levers import Kernels
+
+    with pytest.raises(ValueError, match="fused form: one of dynamic, rows, static"):
+        Kernels(compile=False, form="sideways")
