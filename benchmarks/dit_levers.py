@@ -13,7 +13,7 @@ layers (what ``STAGES=1`` serves), built afresh per variant from the same seed. 
 Variants (``stage_service.dit_levers``; ``cudnn`` sets the SDPA backends of its own slice only): ``bf16`` (today's
 default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``, ``fp8+fused``, ``cudnn``,
 ``fused+cudnn``, ``all``, and the fused lever compiled in its other forms, ``fused@rows`` and ``fused@static``
-(``dit_levers.FUSED_FORMS``; ``fused`` is the stage's form).  Per variant and batch:
+and ``fp8+fused@rows`` (``dit_levers.FUSED_FORMS``; ``fused`` is the stage's form).  Per variant and batch:
 
 - ``ms``: median (p10, p90) of ``--iters`` graphed forwards of the blocks (CUDA events, after ``--warmup``), which
   include copying the batch's KV windows into the graph's static buffers, as a stage does; ``ms_per_chunk`` is that
@@ -56,6 +56,7 @@ VARIANTS = (
     # the fused lever compiled in its other forms (``dit_levers.FUSED_FORMS``): which one the stage should run
     ("fused@rows", ("fused",)),
     ("fused@static", ("fused",)),
+    ("fp8+fused@rows", ("fp8", "fused")),
 )
 TIMESTEP, SHIFT = 700.0, 5.0
 
