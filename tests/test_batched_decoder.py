@@ -400,6 +400,11 @@ def test_the_chunks_one_pipeline_batch_finished_wait_for_each_other_and_decode_i
         a.submit(batch_tag(1, seq=8, chunks=1), latents(1, 3))
         next_frames(a)
         assert len(gated.calls) == 2 and decoder.sibling_waits == 1
+        # What a closed stream logs: the calls by streams a call, and the waits.
+        assert decoder.formed_summary() == (
+            "tiny decoder: 2 calls; the last 2 by streams a call {1: 1, 2: 1}; "
+            "1 waits for a pipeline batch's other chunks"
+        )
     finally:
         for s in (a, b):
             s.close()

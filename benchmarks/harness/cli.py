@@ -279,6 +279,9 @@ def run_system(root: Path, args, device_kind: str) -> dict:
                 burst = measure_burst(client, launcher, pipe.coordinator, args, decoders_of(args)[0], f"{nonce} b")
                 print(f"[harness] burst of {args.burst}: {burst['verdict']}", flush=True)
                 done("burst", burst=burst)
+            if args.json:  # each service's last lines while serving (e.g. the tiny decoder's batches), beside the JSON
+                lines = [f"[{c.name}] {line}" for c in launcher.children for line in c.log]
+                Path(args.json + ".serving.log").write_text("\n".join(lines) + "\n")
         mem = gpu_memory()
     for rec in (first, main, *firsts, inter, *by_decoder.values()):
         if rec is not None and rec.error:

@@ -236,6 +236,18 @@ class BatchedDecoder:
             recent = self.batch_sizes[-calls:]
         return sum(recent) / len(recent) if recent else 0.0
 
+    def formed_summary(self) -> str:
+        """The streams per call of the recent calls (``batch_sizes``), counted by size, and the sibling waits: one
+        log line a closed stream (why serving forms the batches it does)."""
+        with self.cond:
+            sizes, waits, calls = list(self.batch_sizes), self.sibling_waits, self.calls
+        counts = {n: sizes.count(n) for n in sorted(set(sizes))}
+        by_size = ", ".join(f"{n}: {c}" for n, c in counts.items()) or "none"
+        return (
+            f"tiny decoder: {calls} calls; the last {len(sizes)} by streams a call {{{by_size}}}; "
+            f"{waits} waits for a pipeline batch's other chunks"
+        )
+
     def bucket(self, n: int) -> int:
         """The batch size a call of ``n`` streams runs at."""
         if self.buckets is None:
@@ -557,6 +569,7 @@ class BatchedSession:
             if self in self.decoder.sessions:
                 self.decoder.sessions.remove(self)
         self.decoder.part.release(self.state)
+        logger.info("%s", self.decoder.formed_summary())
 
     @property
     def queued(self) -> int:
