@@ -10,7 +10,6 @@ below 80%: one stream runs 4 steps (78%), two run 2 each (78%), a third is refus
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -68,11 +67,10 @@ def test_capacity_is_reported_and_the_first_stream_past_it_is_refused_with_a_ret
         client.generate("a third stream", **kw).wait_started()
     assert "over capacity" in info.value.details
     assert 0 < info.value.retry_after <= 3.5  # when the sooner of the two admitted streams ends
-    frames, ended = {}, {}
+    frames = {}
 
     def read(name, gen):
         frames[name] = [f.steps for f in gen]
-        ended[name] = time.monotonic()
 
     threads = [threading.Thread(target=read, args=(n, g)) for n, g in (("a", a), ("b", b))]
     for t in threads:
@@ -82,9 +80,11 @@ def test_capacity_is_reported_and_the_first_stream_past_it_is_refused_with_a_ret
     assert len(frames["a"]) == len(frames["b"]) == 48
     # Alone, a ran its max_steps; once b came the controller lowered both to min_steps (b from its start).  After one
     # ends the controller may raise the other again (below 80%): its last frames depend on how far apart the two
-    # started, and on a loaded machine either may end first; the first to end ran its last frames beside the other.
-    first = min(ended, key=ended.__getitem__)
-    assert frames["a"][0] == 4 and frames["b"][0] == 2 and frames[first][-1] == 2, (frames, first)
+    # started, and on a loaded machine either may end first.  The first to end on the server ran its last frames
+    # beside the other, at min_steps (which one that was, the clients' reading order does not tell: a reader may
+    # drain a stream's buffered frames after the other's reader is done).
+    assert frames["a"][0] == 4 and frames["b"][0] == 2, frames
+    assert 2 in (frames["a"][-1], frames["b"][-1]), frames
     assert set(frames["a"]) <= {2, 3, 4} and set(frames["b"]) <= {2, 3, 4}
     wait_until(lambda: capacity(client)[2] > 2, 10, what="the capacity to come back once both ended")
     assert capacity(client) == expected(0)
