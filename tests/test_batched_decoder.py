@@ -411,7 +411,9 @@ def test_the_chunks_one_pipeline_batch_finished_wait_for_each_other_and_decode_i
         decoder.close()
 
 
-def test_a_chunk_that_is_due_starts_the_call_at_once_with_the_waiting_ones(tiny_path, monkeypatch):
+def test_a_chunk_that_is_due_is_decoded_at_once_and_a_waiting_batch_keeps_waiting_for_its_sibling(
+    tiny_path, monkeypatch
+):
     monkeypatch.setattr(batched_decoder, "SIBLING_WAIT_NS", 120 * 10**9)
     gated = Gated(load_tiny_decoder(tiny_path))
     decoder = BatchedDecoder(gated)
@@ -419,12 +421,12 @@ def test_a_chunk_that_is_due_starts_the_call_at_once_with_the_waiting_ones(tiny_
     try:
         a.submit(batch_tag(0, seq=3, chunks=2), latents(1, 1))
         wait_for_sibling_waits(decoder, 1)
-        c.submit(tag(0), latents(1, 3))  # not announced as part of a batch: due now, and a takes the same call
-        next_frames(a), next_frames(c)
-        assert [{id(s) for s in call} for call in gated.calls] == [{id(a.state), id(c.state)}]
-        b.submit(batch_tag(0, seq=3, chunks=2), latents(1, 2))  # the late one: its batch has all arrived, no wait
-        next_frames(b)
-        assert len(gated.calls) == 2 and decoder.sibling_waits == 1
+        c.submit(tag(0), latents(1, 3))  # not announced as part of a batch: due now; a's batch is not
+        next_frames(c)
+        assert [{id(s) for s in call} for call in gated.calls] == [{id(c.state)}]
+        b.submit(batch_tag(0, seq=3, chunks=2), latents(1, 2))  # a's sibling: the batch decodes whole
+        next_frames(a), next_frames(b)
+        assert [{id(s) for s in call} for call in gated.calls] == [{id(c.state)}, {id(a.state), id(b.state)}]
     finally:
         for s in (a, b, c):
             s.close()
@@ -462,5 +464,36 @@ def test_the_gateway_exports_the_streams_per_call_its_tiny_decoder_formed(tiny_p
         assert b"stagecast_gateway_tiny_formed_batch 1.0" in generate_latest(metrics.registry)
     finally:
         for s in (a, b):
+            s.close()
+        decoder.close()
+
+
+def test_a_call_for_a_complete_batch_leaves_the_next_batch_still_arriving_to_the_next_call(tiny_path, monkeypatch):
+    """A batch is not split between calls: the first chunk of a batch whose sibling has not arrived stays when a
+    call starts for a complete one, and decodes with its sibling."""
+    monkeypatch.setattr(batched_decoder, "SIBLING_WAIT_NS", 120 * 10**9)  # only arrivals end a wait
+    gated = Gated(load_tiny_decoder(tiny_path), hold=True)
+    decoder = BatchedDecoder(gated)
+    a, b, c, d, e = (decoder.open(2) for _ in range(5))
+    try:
+        e.submit(tag(0), latents(1, 9))  # an unannounced chunk: due at once, and its call holds the worker
+        assert gated.entered.acquire(timeout=30)
+        a.submit(batch_tag(0, seq=7, chunks=2), latents(1, 1))
+        b.submit(batch_tag(0, seq=7, chunks=2), latents(1, 2))  # batch 7: complete
+        c.submit(batch_tag(0, seq=8, chunks=2), latents(1, 3))  # batch 8: its first chunk only
+        gated.go.release()  # the next call starts with batch 7 complete and batch 8 half here
+        assert gated.entered.acquire(timeout=30)
+        d.submit(batch_tag(0, seq=8, chunks=2), latents(1, 4))
+        gated.go.release()
+        assert gated.entered.acquire(timeout=30)
+        gated.go.release()
+        for s in (a, b, c, d, e):
+            assert next_frames(s).shape == (1, 64, 64, 3)
+        calls = [{id(st) for st in call} for call in gated.calls]
+        assert calls == [{id(e.state)}, {id(a.state), id(b.state)}, {id(c.state), id(d.state)}], calls
+    finally:
+        gated.hold = False
+        gated.go.release(10)
+        for s in (a, b, c, d, e):
             s.close()
         decoder.close()

@@ -21,7 +21,8 @@ then unpaced ones, each by how long their chunk has waited, at most ``max_batch`
 never pushes a paced stream's chunk out of a call. Chunks one pipeline batch finished (``ChunkTag.batch_seq``, with
 ``batch_chunks`` of them) reach the gateway one stream at a time: a round whose ready chunks all belong to such batches,
 some of whose chunks have not arrived yet, waits for them, at most ``SIBLING_WAIT_NS`` after a batch's first, so that
-the batch decodes in one call. The chunks are grouped by latent shape, each group is one ``decode_batch`` call (on a GPU
+the batch decodes in one call; and a call that starts for other chunks leaves a batch still arriving to the next. The
+chunks are grouped by latent shape, each group is one ``decode_batch`` call (on a GPU
 padded up to the next of ``buckets``, so a compiled pass sees few batch sizes), its video becomes uint8 on the device,
 one copy brings all of it to the host, and each stream's frames go to its session's results. A chunk that fails alone
 (bad shape, another size than its stream's) fails only its stream; a group whose call fails is decoded again stream by
@@ -328,10 +329,24 @@ class BatchedDecoder:
     # ---- the worker ---------------------------------------------------------------------------------------------
 
     def _ready(self) -> list[BatchedSession]:
-        """Sessions with a chunk to decode now, paced first, each kind oldest chunk first (under the lock)."""
+        """Sessions with a chunk to decode, paced first, each kind oldest chunk first (under the lock)."""
         ready = [s for s in self.sessions if s._ready()]
         ready.sort(key=lambda s: (not s.paced, s.pending[0][2], s.seq))
-        return ready[: self.max_batch]
+        return ready
+
+    def _due(self, session: BatchedSession, now: int) -> bool:
+        """Whether the session's next chunk may go into a call now (under the lock): its pipeline batch has all
+        arrived here, was never announced, or has waited ``SIBLING_WAIT_NS`` since its first chunk arrived."""
+        entry = self._batches.get(getattr(session.pending[0][0], "batch_seq", 0))
+        return entry is None or entry[1] >= entry[0] or now - entry[2] >= SIBLING_WAIT_NS
+
+    def _take(self) -> list[BatchedSession]:
+        """The sessions whose chunks the next call decodes (under the lock): the ready ones that are due, in
+        ``_ready``'s order (paced first), at most ``max_batch``.  The chunks of a batch still arriving stay for the
+        next call, so that a batch is not split between two calls (on a CPU pipeline, a call that started for a
+        complete batch took the first chunk of the next, whose sibling arrived 0.2 ms later and was decoded alone)."""
+        now = time.monotonic_ns()
+        return [s for s in self._ready() if self._due(s, now)][: self.max_batch]
 
     def _arrived(self, tag) -> None:
         """A chunk reached a session (under the lock): counted in its pipeline batch's arrivals."""
@@ -350,13 +365,10 @@ class BatchedDecoder:
         its siblings wait the bound."""
         now, wait = time.monotonic_ns(), None
         for s in ready:
-            tag = s.pending[0][0]
-            entry = self._batches.get(getattr(tag, "batch_seq", 0))
-            if entry is None or entry[1] >= entry[0]:
+            if self._due(s, now):
                 return 0.0
+            entry = self._batches[getattr(s.pending[0][0], "batch_seq", 0)]
             left = entry[2] + SIBLING_WAIT_NS - now
-            if left <= 0:
-                return 0.0
             wait = left if wait is None else min(wait, left)
         return 0.0 if wait is None else wait / 1e9
 
@@ -376,7 +388,7 @@ class BatchedDecoder:
                     self.cond.notify_all()
                     self.cond.wait(timeout=wait_s)  # an arrival, or the bound
                 taken = []
-                for s in self._ready():
+                for s in self._take():
                     tag, x, _queued_ns = s.pending.popleft()
                     s.busy = True
                     taken.append((s, tag, x))
