@@ -424,6 +424,7 @@ def pipeline_layout(args, placement, partition: str | None, *, pipeline: str = "
     import torch
 
     from gateway.checkpoint import tiny_decoder_file
+    from gateway.decode.batched_decoder import DEFAULT_BUCKETS, graphed_rows
     from gateway.decode.vae_graphs import MAX_SLOTS as MAX_GRAPH_SLOTS
     from gateway.options import GatewayOptions
     from gateway.text_encoder import DEFAULT_CACHE_BYTES
@@ -488,8 +489,6 @@ def pipeline_layout(args, placement, partition: str | None, *, pipeline: str = "
         slots = min(layout.max_streams, MAX_GRAPH_SLOTS)
         layout.vae_graph_bytes = slots * decoder_state_bytes("full", width, height, vae_item)
     if getattr(args, "tiny_cuda_graphs", False) and cuda and tiny is not None:
-        from gateway.decode.batched_decoder import DEFAULT_BUCKETS, graphed_rows
-
         rows = sum(graphed_rows(DEFAULT_BUCKETS))
         frames = 4 * 3 * width * height * vae_item  # a latent frame's four raw output frames
         layout.tiny_graph_bytes = rows * (2 * decoder_state_bytes("tiny", width, height, vae_item) + frames)

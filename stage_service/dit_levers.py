@@ -202,13 +202,18 @@ def rows_dynamic(fn: Callable) -> Callable:
     return call
 
 
+def check_fused_form(form: str) -> str:
+    """``form`` if it is one of ``FUSED_FORMS``; else ValueError naming them."""
+    if form not in FUSED_FORMS:
+        raise ValueError(f"fused form: one of {', '.join(FUSED_FORMS)}, got {form!r}")
+    return form
+
+
 def compile_form(fn: Callable, form: str, backend="inductor") -> Callable:
     """``fn`` compiled as ``form`` (one of ``FUSED_FORMS``) with ``fullgraph=True`` (``backend``: torch.compile's)."""
-    if form == "rows":
+    if check_fused_form(form) == "rows":
         return rows_dynamic(torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
-    if form in ("dynamic", "static"):
-        return torch.compile(fn, fullgraph=True, dynamic=form == "dynamic", backend=backend)
-    raise ValueError(f"fused form: one of {', '.join(FUSED_FORMS)}, got {form!r}")
+    return torch.compile(fn, fullgraph=True, dynamic=form == "dynamic", backend=backend)
 
 
 class Kernels:
@@ -216,9 +221,7 @@ class Kernels:
     instance per process and setting (``kernels``): slices that share it share the compiled code."""
 
     def __init__(self, compile: bool, form: str = DEFAULT_FUSED_FORM):
-        if form not in FUSED_FORMS:
-            raise ValueError(f"fused form: one of {', '.join(FUSED_FORMS)}, got {form!r}")
-        self.form = form
+        check_fused_form(form)  # also where nothing compiles (a CPU)
         if compile:  # a function is compiled once static and once dynamic per wrapper; ``quantized`` shares a frame
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             torch._dynamo.config.accumulated_cache_size_limit = max(
