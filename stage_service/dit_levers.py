@@ -2,7 +2,7 @@
 
 Usage::
 
-    levers = parse_levers("fp8,fused,cudnn")     # validated names (ValueError naming --dit-levers), in LEVERS order
+    levers = parse_levers("fp8,fused@rows,cudnn") # Levers: names in LEVERS order, fused's compile form (ValueError)
     apply_levers(dit_slice, levers)              # after loading and LoRA merges, before CUDA graphs capture the blocks
     warm_levers(dit_slice, 1, 60, 104, 512)      # fused: compile at the serving shape before calibrating
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,14 +50,66 @@ FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 ALIGN = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
 MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
+# How ``Kernels`` compiles the fused functions (``apply_levers(fused_form=...)``; ``benchmarks/dit_levers.py`` times
+# each as variant ``fused@FORM``):
+# - ``dynamic``: ``dynamic=True``: one compile for every batch and token count, every dimension symbolic (the
+#   channels too: looped reductions and runtime index math);
+# - ``rows``: ``dynamic=False`` with every dimension but the last marked dynamic at each call (``rows_dynamic``): one
+#   compile for every batch above 1 and every token count, with the channels static;
+# - ``static``: ``dynamic=False``: one compile per shape (the blocks' graphs are captured per batch size anyway).
+FUSED_FORMS = ("dynamic", "rows", "static")
+DEFAULT_FUSED_FORM = "dynamic"
+# The forms a stage may run (``--dit-levers fused@FORM``): ``static`` compiles once per batch size, which serving meets
+# inside its graphs' captures and calibration; the benchmark times it.
+SERVING_FORMS = ("dynamic", "rows")
 
-def parse_levers(text: str | Sequence[str]) -> tuple[str, ...]:
-    """``--dit-levers``: comma-separated names from ``LEVERS`` (empty: none), returned in ``LEVERS`` order."""
-    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
-    bad = [n for n in names if n not in LEVERS]
+
+@dataclass(frozen=True)
+class Levers:
+    """``--dit-levers`` parsed: the lever names in ``LEVERS`` order, and how ``fused`` compiles (``fused@FORM``; a
+    bare ``fused`` is ``DEFAULT_FUSED_FORM``).  ``"fused" in levers`` asks for a lever by name."""
+
+    names: tuple[str, ...] = ()
+    fused_form: str = DEFAULT_FUSED_FORM
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def __str__(self) -> str:
+        form = f"@{self.fused_form}" if self.fused_form != DEFAULT_FUSED_FORM else ""
+        return ",".join(n + form if n == "fused" else n for n in self.names)
+
+
+def parse_levers(text: str | Sequence[str] | Levers) -> Levers:
+    """``--dit-levers``: comma-separated names from ``LEVERS`` (empty: none), ``fused`` optionally as ``fused@FORM``
+    with FORM one of ``SERVING_FORMS``; a ValueError naming ``--dit-levers`` for anything else."""
+    if isinstance(text, Levers):
+        return text
+    entries = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    names, form = set(), DEFAULT_FUSED_FORM
+    bad = []
+    for entry in entries:
+        name, at, given = entry.partition("@")
+        if name not in LEVERS:
+            bad.append(entry)
+            continue
+        if at:
+            if name != "fused" or given not in SERVING_FORMS:
+                raise ValueError(
+                    f"--dit-levers: {entry!r}: only fused takes a compile form, one of "
+                    f"{', '.join('fused@' + f for f in SERVING_FORMS)}"
+                )
+            form = given
+        names.add(name)
     if bad:
         raise ValueError(f"--dit-levers: unknown lever(s) {', '.join(bad)}; choose from {', '.join(LEVERS)}")
-    return tuple(n for n in LEVERS if n in names)
+    return Levers(tuple(n for n in LEVERS if n in names), form)
 
 
 # ---- float8 rowwise linears -------------------------------------------------------------------------------------
@@ -171,17 +224,6 @@ def quantized(fn: Callable) -> Callable:
         return (*out[:-1], q, scale) if isinstance(out, tuple) else (q, scale)
 
     return wrapper
-
-
-# How ``Kernels`` compiles the fused functions (``apply_levers(fused_form=...)``; ``benchmarks/dit_levers.py`` times
-# each as variant ``fused@FORM``):
-# - ``dynamic``: ``dynamic=True``: one compile for every batch and token count, every dimension symbolic (the
-#   channels too: looped reductions and runtime index math);
-# - ``rows``: ``dynamic=False`` with every dimension but the last marked dynamic at each call (``rows_dynamic``): one
-#   compile for every batch above 1 and every token count, with the channels static;
-# - ``static``: ``dynamic=False``: one compile per shape (the blocks' graphs are captured per batch size anyway).
-FUSED_FORMS = ("dynamic", "rows", "static")
-DEFAULT_FUSED_FORM = "dynamic"
 
 
 def rows_dynamic(fn: Callable) -> Callable:
@@ -367,11 +409,13 @@ def apply_levers(
     levers: Sequence[str],
     *,
     compile: bool | None = None,
-    fused_form: str = DEFAULT_FUSED_FORM,
+    fused_form: str | None = None,
 ) -> dict:
-    """Turn ``levers`` (``parse_levers``' names) on for ``dit_slice`` in place; returns what changed.  ``compile``:
-    whether ``fused`` compiles its kernels (default: on a GPU); ``fused_form``: how (``FUSED_FORMS``)."""
+    """Turn ``levers`` (``parse_levers``' input or result) on for ``dit_slice`` in place; returns what changed.
+    ``compile``: whether ``fused`` compiles its kernels (default: on a GPU); ``fused_form``: how (``FUSED_FORMS``;
+    default: the one ``levers`` names)."""
     levers = parse_levers(levers)
+    fused_form = levers.fused_form if fused_form is None else fused_form
     done: dict = {"levers": list(levers)}
     if "fp8" in levers:
         done["fp8_linears"] = len(to_fp8(dit_slice))
@@ -392,11 +436,13 @@ def apply_levers(
 
 __all__ = [
     "LEVERS",
+    "Levers",
     "Fp8Linear",
     "FusedBlock",
     "Kernels",
     "CUDNN_FIRST",
     "FUSED_FORMS",
+    "SERVING_FORMS",
     "apply_levers",
     "cudnn_refusal",
     "parse_levers",

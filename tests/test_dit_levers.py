@@ -61,11 +61,32 @@ def inputs(sl: DiTSlice, dtype, batch: int = 3):
 
 
 def test_lever_names_are_checked_and_ordered():
-    assert parse_levers("cudnn, fp8") == ("fp8", "cudnn")
-    assert parse_levers("") == ()
-    assert parse_levers(list(LEVERS)) == LEVERS
+    assert parse_levers("cudnn, fp8").names == ("fp8", "cudnn")
+    assert not parse_levers("") and parse_levers("").names == ()
+    assert parse_levers(list(LEVERS)).names == LEVERS
     with pytest.raises(ValueError, match="--dit-levers: unknown lever.*fp4"):
         parse_levers("fused,fp4")
+
+
+def test_the_fused_lever_names_its_compile_form_and_a_bad_one_is_refused_by_flag():
+    from stage_service.dit_levers import DEFAULT_FUSED_FORM
+
+    rows = parse_levers("cudnn,fused@rows")
+    assert rows.names == ("fused", "cudnn") and rows.fused_form == "rows" and "fused" in rows
+    assert str(rows) == "fused@rows,cudnn" and parse_levers(str(rows)) == rows
+    assert parse_levers("fused").fused_form == DEFAULT_FUSED_FORM
+    for bad in ("fused@static", "fused@sideways", "fp8@rows"):  # static compiles per batch size: benchmark only
+        with pytest.raises(ValueError, match=f"--dit-levers: '{bad}': only fused takes a compile form"):
+            parse_levers(bad)
+
+
+def test_apply_levers_compiles_fused_in_the_form_the_flag_names(tiny_model):
+    from stage_service.dit_levers import kernels
+
+    for flag, form in [("fused@rows", "rows"), ("fused", "dynamic"), ("fused@dynamic", "dynamic")]:
+        sl = slice_of(tiny_model, torch.float32)
+        assert apply_levers(sl, parse_levers(flag), compile=False)["fused_form"] == form
+        assert all(block.forward.k is kernels(False, form) for block in sl.model.blocks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
