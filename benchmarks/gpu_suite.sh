@@ -82,7 +82,7 @@
 #                                         # batch) is on by default (JSON names end _grid); PACE_GRID=0: --no-pace-grid
 #                                         # LOOKAHEAD=N before any capacity part: the coordinator's --lookahead N, a
 #                                         # fixed bound on batches in flight (JSON names end _laN)
-#                                         # DIT_LEVERS=fused (or fp8,fused,cudnn ...): the stages' --dit-levers
+#                                         # DIT_LEVERS=fused (or fused@rows, fp8,fused,cudnn ...): the stages' --dit-levers
 #                                         # (not bit-exact; JSON names end _fused); BATCH=N: the Stream Batch ceiling
 #                                         # (--batch, default 4; _bN); BURST=N: after the capacity rows, N paced
 #                                         # streams opened at one instant (--burst; _burstN); DECODERS=tiny: that
@@ -267,7 +267,7 @@ for part in "$@"; do
       sfx=""; [ -n "${SLO_VAE_MS:-}" ] && { cap+=(--slo-vae-ms "$SLO_VAE_MS"); v="${SLO_VAE_MS//=/-}"; sfx="_vae${v//,/-}ms"; }
       if [ "${PACE_GRID:-1}" = 0 ]; then cap+=(--no-pace-grid); else sfx="${sfx}_grid"; fi
       [ -n "${LOOKAHEAD:-}" ] && { cap+=(--lookahead "$LOOKAHEAD"); sfx="${sfx}_la${LOOKAHEAD}"; }
-      [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//,/-}"; }
+      [ -n "${DIT_LEVERS:-}" ] && { cap+=(--dit-levers "$DIT_LEVERS"); sfx="${sfx}_${DIT_LEVERS//[,@]/-}"; }
       [ -n "${BATCH:-}" ] && { cap+=(--batch "$BATCH"); sfx="${sfx}_b${BATCH}"; }
       [ -n "${GPU_SHARING:-}" ] && { cap+=(--gpu-sharing "$GPU_SHARING"); sfx="${sfx}_gs${GPU_SHARING}"; }
       [ -n "${MPS:-}" ] && sfx="${sfx}_mps"
