@@ -12,8 +12,8 @@ layers (what ``STAGES=1`` serves), built afresh per variant from the same seed. 
 
 Variants (``stage_service.dit_levers``; ``cudnn`` sets the SDPA backends of its own slice only): ``bf16`` (today's
 default: the blocks as a CUDA graph, ``GraphedBlocks``), ``fp8``, ``fused``, ``fp8+fused``, ``cudnn``,
-``fused+cudnn``, ``all``, and the fused lever compiled in its other forms, ``fused@rows`` and ``fused@static``
-and ``fp8+fused@rows`` (``dit_levers.FUSED_FORMS``; ``fused`` is the stage's form).  Per variant and batch:
+``fused+cudnn``, ``all``, and the fused lever compiled in its other forms, ``fused@dynamic`` and ``fused@static``
+(``dit_levers.FUSED_FORMS``; ``fused`` is the stage's default form, ``rows``).  Per variant and batch:
 
 - ``ms``: median (p10, p90) of ``--iters`` graphed forwards of the blocks (CUDA events, after ``--warmup``), which
   include copying the batch's KV windows into the graph's static buffers, as a stage does; ``ms_per_chunk`` is that
@@ -54,9 +54,8 @@ VARIANTS = (
     ("fused+cudnn", ("fused", "cudnn")),
     ("all", ("fp8", "fused", "cudnn")),
     # the fused lever compiled in its other forms (``dit_levers.FUSED_FORMS``): which one the stage should run
-    ("fused@rows", ("fused",)),
+    ("fused@dynamic", ("fused",)),
     ("fused@static", ("fused",)),
-    ("fp8+fused@rows", ("fp8", "fused")),
 )
 TIMESTEP, SHIFT = 700.0, 5.0
 

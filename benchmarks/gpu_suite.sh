@@ -82,7 +82,7 @@
 #                                         # batch) is on by default (JSON names end _grid); PACE_GRID=0: --no-pace-grid
 #                                         # LOOKAHEAD=N before any capacity part: the coordinator's --lookahead N, a
 #                                         # fixed bound on batches in flight (JSON names end _laN)
-#                                         # DIT_LEVERS=fused (or fused@rows, fp8,fused,cudnn ...): the stages' --dit-levers
+#                                         # DIT_LEVERS=fused (or fused@dynamic, fp8,fused,cudnn ...): the stages' --dit-levers
 #                                         # (not bit-exact; JSON names end _fused); BATCH=N: the Stream Batch ceiling
 #                                         # (--batch, default 4; _bN); BURST=N: after the capacity rows, N paced
 #                                         # streams opened at one instant (--burst; _burstN); DECODERS=tiny: that

@@ -59,8 +59,8 @@ class StageOptions:
         "",
         help="comma-separated DiT levers, none by default: fp8 (block linears as float8 with rowwise scales, "
         "torch._scaled_mm), fused (the work between the GEMMs compiled into a few kernels per block), cudnn (cuDNN's "
-        "attention op itself; torch 2.11 on an H200 already picks it); fused@rows compiles fused with static channels "
-        "(fused@dynamic: the default form); each changes the numbers a little "
+        "attention op itself; torch 2.11 on an H200 already picks it); fused@dynamic compiles fused with every "
+        "dimension symbolic (the default, fused@rows, keeps the channels static); each changes the numbers a little "
         "(benchmarks/dit_levers.py measures time and error)",
     )
     # READY calibration's budget (0: none; None: 10 s on a GPU, none on a CPU)

@@ -71,10 +71,11 @@ def test_lever_names_are_checked_and_ordered():
 def test_the_fused_lever_names_its_compile_form_and_a_bad_one_is_refused_by_flag():
     from stage_service.dit_levers import DEFAULT_FUSED_FORM
 
-    rows = parse_levers("cudnn,fused@rows")
-    assert rows.names == ("fused", "cudnn") and rows.fused_form == "rows" and "fused" in rows
-    assert str(rows) == "fused@rows,cudnn" and parse_levers(str(rows)) == rows
-    assert parse_levers("fused").fused_form == DEFAULT_FUSED_FORM
+    dynamic = parse_levers("cudnn,fused@dynamic")
+    assert dynamic.names == ("fused", "cudnn") and dynamic.fused_form == "dynamic" and "fused" in dynamic
+    assert str(dynamic) == "fused@dynamic,cudnn" and parse_levers(str(dynamic)) == dynamic
+    assert parse_levers("fused").fused_form == DEFAULT_FUSED_FORM == parse_levers("fused@rows").fused_form == "rows"
+    assert str(parse_levers("fused@rows")) == "fused"
     for bad in ("fused@static", "fused@sideways", "fp8@rows"):  # static compiles per batch size: benchmark only
         with pytest.raises(ValueError, match=f"--dit-levers: '{bad}': only fused takes a compile form"):
             parse_levers(bad)
@@ -83,7 +84,7 @@ def test_the_fused_lever_names_its_compile_form_and_a_bad_one_is_refused_by_flag
 def test_apply_levers_compiles_fused_in_the_form_the_flag_names(tiny_model):
     from stage_service.dit_levers import kernels
 
-    for flag, form in [("fused@rows", "rows"), ("fused", "dynamic"), ("fused@dynamic", "dynamic")]:
+    for flag, form in [("fused@rows", "rows"), ("fused", "rows"), ("fused@dynamic", "dynamic")]:
         sl = slice_of(tiny_model, torch.float32)
         assert apply_levers(sl, parse_levers(flag), compile=False)["fused_form"] == form
         assert all(block.forward.k is kernels(False, form) for block in sl.model.blocks)
@@ -204,7 +205,7 @@ def test_cudnn_refusal_says_why_cudnn_does_not_take_the_blocks_attention(tiny_mo
     assert sl.attention_backends == CUDNN_FIRST
 
 
-def test_the_results_page_shows_the_fullest_lever_run_oldest_first_on_a_tie_and_the_newest():
+def test_the_results_page_shows_the_newest_of_the_fullest_lever_runs_and_a_later_probe():
     from benchmarks.report import shown_lever_runs
 
     def run(name, date, variants, batches):
@@ -212,8 +213,11 @@ def test_the_results_page_shows_the_fullest_lever_run_oldest_first_on_a_tie_and_
 
     old_full = run("a.json", "2026-12-01", ["bf16", "fused"], [1, 4, 8, 12])
     same_later = run("b.json", "2026-12-02", ["bf16", "cudnn"], [1, 4, 8, 12])
-    newest = run("c.json", "2026-12-03", ["bf16"], [1, 4])
-    assert shown_lever_runs([newest, same_later, old_full]) == [old_full, newest]
+    same_day_probe = run("c.json", "2026-12-02", ["bf16"], [4])
+    newest = run("d.json", "2026-12-03", ["bf16"], [1, 4])
+    # a full run of a later day supersedes an older one of as many cells; a probe of that same day is not shown
+    assert shown_lever_runs([newest, same_later, old_full, same_day_probe]) == [same_later, newest]
+    assert shown_lever_runs([old_full, same_day_probe, same_later]) == [same_later]
     assert shown_lever_runs([same_later]) == [same_later] and shown_lever_runs([]) == []
 
 
