@@ -116,7 +116,7 @@ def _eager(stage: dict) -> str:
     return f" ({eager} of {stage.get('batches')} eager)" if eager else ""
 
 
-def _capacity_config(a: dict, decoder: str) -> str:
+def capacity_config(a: dict, decoder: str) -> str:
     lo = a.get("load_min_steps")
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
     grid = ", pace grid" if a.get("pace_grid") else ""
@@ -125,6 +125,7 @@ def _capacity_config(a: dict, decoder: str) -> str:
     grid += f", batch ≤ {a['batch']}" if a.get("batch", 4) != 4 else ""  # a Stream Batch ceiling other than 4
     grid += f", GPU sharing priced {a['gpu_sharing']:g}" if a.get("gpu_sharing", GPU_SHARING) != GPU_SHARING else ""
     grid += ", CUDA MPS" if a.get("cuda_mps") else ""  # the stage and the gateway shared the GPU through MPS
+    grid += ", tiny graphs" if a.get("tiny_cuda_graphs") else ""  # the gateway's --tiny-cuda-graphs
     if isinstance(a.get("slo_vae_ms"), dict):  # a what-if: the decode priced at fixed ms, not as the gateway measured
         grid += ", decode priced " + ",".join(f"{k}={v:g}" for k, v in a["slo_vae_ms"].items()) + " ms (what-if)"
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
@@ -185,7 +186,7 @@ def _capacity_row(r: dict, row: dict, gpus: int) -> str:
     held = f"**{cap / gpus:g}**" if cap is not None else f"– ({row['verdict']})"
     stages = row.get("stages") or []
     mem = row.get("memory") or {}
-    cfg = _capacity_config(a, row["decoder"])
+    cfg = capacity_config(a, row["decoder"])
     priced = row.get("slo_model") or {}
     kind = (priced.get("decoders") or {}).get(row["decoder"])
     if kind:  # the decode cost admission counted for this row's decoder, and where it came from
@@ -219,7 +220,7 @@ def _looks(runs: list[dict]) -> list[str]:
         gpus = a["stages"] * a.get("sp", 1) * a.get("cfg_parallel", 1)
         held = f"**{look['held'] / gpus:g}**" if look["exact"] else f"– ({look['held']} of {look['admitted']} held)"
         looks.append(
-            f"| {_capacity_config(a, (a.get('decoders') or ['full'])[0])} (load rows: {row['streams']} opened at once, "
+            f"| {capacity_config(a, (a.get('decoders') or ['full'])[0])} (load rows: {row['streams']} opened at once, "
             f"`{r['_file']}`) | {gpus} | {held} | {look['admitted']} / {look['held']} | {look['code']} | "
             f"{_ms(row.get('ttff_p50_s'))} / {_ms(row.get('ttff_p95_s'))} | {_f(row.get('on_time_min'), '.1%')} | "
             f"{_share(look['steps'])} (frames) | {r['commit']} |"
@@ -253,7 +254,7 @@ def _ramps(runs: list[dict]) -> list[str]:
                     ),
                 )
             if parts:
-                ramps.append(f"- {_capacity_config(a, row['decoder'])} ({r['commit']}): " + "; ".join(parts))
+                ramps.append(f"- {capacity_config(a, row['decoder'])} ({r['commit']}): " + "; ".join(parts))
     return ramps
 
 
@@ -266,7 +267,7 @@ def _slowest(runs: list[dict]) -> list[str]:
             if parts and "first_chunk" in parts:
                 total = sum(parts[k] for k in ("pipeline", "vae", "encode", "rest"))
                 slowest.append(
-                    f"- {_capacity_config(r['args'], row['decoder'])} ({r['commit']}): {total:.0f} ms = "
+                    f"- {capacity_config(r['args'], row['decoder'])} ({r['commit']}): {total:.0f} ms = "
                     + " + ".join(f"{name} {parts[k]:.0f}" for k, name in TTFF_PARTS)
                 )
     return slowest
@@ -322,7 +323,7 @@ def capacity_table(runs: list[dict], page: bool = False) -> str:
         out += slowest
     missing = sorted(
         {
-            (part, _capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))
+            (part, capacity_config(dict(zip(("model", "steps", "load_min_steps", "width", "height"), k[:5])), k[5]))
             for k, part in CAPACITY_CONFIGS.items()
             if k not in seen
         }
@@ -363,7 +364,7 @@ def burst_table(runs: list[dict]) -> str:
             continue
         a = r["args"]
         rows.append(
-            f"| {_capacity_config(a, b['decoder'])} | {b['streams']} | {b['admitted']} / {b['held']} / "
+            f"| {capacity_config(a, b['decoder'])} | {b['streams']} | {b['admitted']} / {b['held']} / "
             f"{b['refused']} | {_ms(b.get('ttff_p50_s'))} / {_ms(b.get('ttff_p95_s'))} | "
             f"{_f(b.get('refusal_ms_p50'), '.0f')} / {_f(b.get('refusal_ms_max'), '.0f')} | "
             f"{_f(b.get('on_time_min'), '.1%')} | {b['verdict']} | {r['commit']} |"
@@ -415,9 +416,9 @@ def current(runs: list[dict]) -> list[dict]:
     for i, r in enumerate(runs):
         a, s = r["args"], r.get("system") or {}
         for row in s.get("capacity") or []:
-            newest["capacity", _capacity_config(a, row["decoder"]), _gpu_count(a)] = i
+            newest["capacity", capacity_config(a, row["decoder"]), _gpu_count(a)] = i
         if s.get("burst"):
-            newest["burst", _capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] = i
+            newest["burst", capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] = i
         if _has_main(r):
             newest[("main", *_main_key(r))] = i
         for row in s.get("load") or []:
@@ -433,9 +434,9 @@ def current(runs: list[dict]) -> list[dict]:
             s["capacity"] = [
                 row
                 for row in s["capacity"]
-                if newest["capacity", _capacity_config(a, row["decoder"]), _gpu_count(a)] == i
+                if newest["capacity", capacity_config(a, row["decoder"]), _gpu_count(a)] == i
             ]
-        if s.get("burst") and newest["burst", _capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] != i:
+        if s.get("burst") and newest["burst", capacity_config(a, s["burst"]["decoder"]), _gpu_count(a)] != i:
             s["burst"] = None
         main = _has_main(r) and newest[("main", *_main_key(r))] == i
         if _has_main(r) and not main:
@@ -692,13 +693,15 @@ def load_levers(results: Path) -> list[dict]:
 
 
 def shown_lever_runs(runs: list[dict]) -> list[dict]:
-    """The lever runs BENCHMARKS.md shows: the fullest (most variant x batch cells; the oldest of a tie) and the
-    newest (by date, then file name), in date order; every run stays listed in the results index."""
+    """The lever runs BENCHMARKS.md shows: the fullest (most variant x batch cells; the newest of a tie, which
+    supersedes the older) and the newest (by date, then file name) where it is dated after the fullest (a probe of a
+    later day), in date order; every run stays listed in the results index."""
     if not runs:
         return []
-    fullest = min(runs, key=lambda r: (-len(r["variants"]) * len(r["batches"]), r.get("date", "")))
+    fullest = max(runs, key=lambda r: (len(r["variants"]) * len(r["batches"]), r.get("date", ""), r["_file"]))
     newest = max(runs, key=lambda r: (r.get("date", ""), r["_file"]))
-    return sorted({id(r): r for r in (fullest, newest)}.values(), key=lambda r: (r.get("date", ""), r["_file"]))
+    shown = [fullest] + ([newest] if newest.get("date", "") > fullest.get("date", "") else [])
+    return sorted(shown, key=lambda r: (r.get("date", ""), r["_file"]))
 
 
 def lever_tables(runs: list[dict]) -> str:
@@ -787,7 +790,7 @@ def describe(name: str, r: dict | None, of: dict | None = None) -> tuple[str, st
         what = _harness_what(r)
         capacity = (r.get("system") or {}).get("capacity") or []
         if capacity and not _has_main(r) and not (r.get("system") or {}).get("load"):  # a capacity run: its rows
-            config = "; ".join(dict.fromkeys(_capacity_config(a, row["decoder"]) for row in capacity))
+            config = "; ".join(dict.fromkeys(capacity_config(a, row["decoder"]) for row in capacity))
         elif a.get("model"):
             config = config_name(r)
     elif "peer" in r and "floor" in r and "system" in r:

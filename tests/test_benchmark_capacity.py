@@ -341,3 +341,12 @@ def test_the_page_shows_the_newest_run_of_each_configuration_and_the_history_eve
     assert "`v2_cap_x_r10.json`" in page and "v2_cap_x_r2.json" not in page
     assert "| **44.0** |" in history and "| **40.0** |" in history and history.count("| 8 | 6.0 / 6.5 |") == 2
     assert "| **7** | 7 / 7 |" in history and "### Runs" in history and "### Runs" not in page
+
+
+@pytest.mark.unit
+def test_a_capacity_configuration_names_the_levers_and_the_tiny_graphs_it_ran_with():
+    args = {"model": "wan2.1-1.3b", "width": 832, "height": 480, "steps": 1, "pace_grid": True}
+    plain = report.capacity_config(args, "tiny")
+    graphed = report.capacity_config(args | {"tiny_cuda_graphs": True, "dit_levers": "fused@rows"}, "tiny")
+    assert plain == "1.3B, 1 step, 832×480, tiny, pace grid"
+    assert graphed == "1.3B, 1 step, 832×480, tiny, pace grid, levers fused@rows, tiny graphs"
