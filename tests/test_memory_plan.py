@@ -397,8 +397,8 @@ def test_tiny_decoder_graphs_are_planned_in_the_gateways_share_and_passed_on(che
     assert "tiny decoder graphs" not in capsys.readouterr().out
     args = up_args(checkpoint_14b, tiny_decoder=str(tiny), tiny_cuda_graphs=True)
     graphed = plan_memory(args, Plan(placement, None, None), totals={"cuda:0": H200})
-    # Buckets 1, 2 and 4 graphed: 7 rows, each with a stream's memory in and out and four 480x832 frames out.
-    want = 7 * (2 * memory_plan.decoder_state_bytes("tiny", 832, 480, 2) + 4 * 3 * 832 * 480 * 2) / GIB
+    # Buckets 1, 2, 3 and 4 graphed: 10 rows, each with a stream's memory in and out and four 480x832 frames out.
+    want = 10 * (2 * memory_plan.decoder_state_bytes("tiny", 832, 480, 2) + 4 * 3 * 832 * 480 * 2) / GIB
     assert f"tiny decoder graphs {want:.1f}" in capsys.readouterr().out
     assert graphed.gateway_share() - plain.gateway_share() == pytest.approx(want, abs=0.15)
     assert "--tiny-cuda-graphs" in gateway_argv(args, graphed, "127.0.0.1:1", metrics_port=0)
