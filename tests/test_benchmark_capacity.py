@@ -245,6 +245,11 @@ def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_t
     s = capacity_stream(_rec(frozen), 3.0, 9.0, 16.0)
     assert s["freezes"] == 1 and s["max_gap_ms"] == pytest.approx(462.5) and not s["held"]
     assert s["late_max_ms"] == pytest.approx(400.0) and s["late_first_s"] == pytest.approx(2.0)  # due at 5.0 s
+    # The first late frames listed on the stream's clock: frame 64 (due 1 + 64/16 s), then every one after, 400 ms.
+    listed = s["late_listed"]
+    assert listed[0] == [64, 5.0, 400.0] and [i for i, _, _ in listed] == list(range(64, 76))
+    assert all(ms == pytest.approx(400.0) for _, _, ms in listed)
+    assert [x[2] for x in capacity_stream(_rec(cut), 3.0, 9.0, 16.0)["late_listed"]] == [None] * 12  # never came
     # A stream that ended with an error is not held whatever its punctuality.
     assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]
 

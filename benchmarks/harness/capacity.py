@@ -17,6 +17,7 @@ from benchmarks.harness.system import StreamRecord, coordinator_status, slo_mode
 # How long the capacity mode waits for a newly admitted stream's first frame before it gives up on the row.
 CAPACITY_FIRST_FRAME_S = 30.0
 FREEZE_MS = 250.0
+LATE_LISTED = 12  # late frames a capacity stream's row lists (``late_listed``)
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -153,6 +154,10 @@ def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: flo
         "late_frames": len(late),
         "late_max_ms": max((ms for _, _, ms in late if ms is not None), default=None),  # None: only frames never sent
         "late_first_s": late[0][1] - start if late else None,
+        # The first late frames themselves, on the stream's own clock (s from its call, as ``start``): frame index,
+        # when it was due, ms late (None: never came).  In a burst every call starts at once, so these line up
+        # across streams with each one's TTFF, and say which chunk of which stream the start-up pushed late.
+        "late_listed": [[i, round(d, 4), None if ms is None else round(ms, 1)] for i, d, ms in late[:LATE_LISTED]],
         "steady_fps": (len(win) - 1) / (win[-1] - win[0]) if len(win) > 2 and win[-1] > win[0] else None,
         "max_gap_ms": max(gaps) if gaps else None,
         "freezes": sum(g > FREEZE_MS for g in gaps),  # gaps over 250 ms from the first frame to the stop
