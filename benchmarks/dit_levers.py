@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.fp8_check import FixedWindow, parse_batches, protocol_inputs, time_forwards, versions, write_result
 from stage_service.checkpoint import random_slice_state_dict
-from stage_service.dit_levers import DEFAULT_FUSED_FORM, apply_levers, cudnn_refusal
+from stage_service.dit_levers import DEFAULT_FUSED_FORM, Levers, apply_levers, cudnn_refusal
 from stage_service.dit_slice import SDPA_CALLS, AttentionContext, DiTSlice
 from stage_service.graphs import GraphedBlocks
 from stagecast.model.dit_configs import model_config
@@ -66,7 +66,7 @@ def build(cfg: dict, device: torch.device, levers: tuple[str, ...], label: str =
     sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=torch.bfloat16, device=device)
     sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
     form = label.partition("@")[2] or DEFAULT_FUSED_FORM
-    return sl, apply_levers(sl, levers, fused_form=form)
+    return sl, apply_levers(sl, Levers(levers, form))
 
 
 def inputs_for(cfg: dict, batch: int, args, device: torch.device) -> dict:

@@ -50,7 +50,7 @@ FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 ALIGN = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
 MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
-# How ``Kernels`` compiles the fused functions (``apply_levers(fused_form=...)``; ``benchmarks/dit_levers.py`` times
+# How ``Kernels`` compiles the fused functions (``Levers.fused_form``; ``benchmarks/dit_levers.py`` times
 # each as variant ``fused@FORM``):
 # - ``dynamic``: ``dynamic=True``: one compile for every batch and token count, every dimension symbolic (the
 #   channels too: looped reductions and runtime index math);
@@ -409,28 +409,26 @@ def cudnn_refusal(dit_slice: DiTSlice, frames: int, height: int, width: int, tex
 
 def apply_levers(
     dit_slice: DiTSlice,
-    levers: Sequence[str],
+    levers: Sequence[str] | Levers,
     *,
     compile: bool | None = None,
-    fused_form: str | None = None,
 ) -> dict:
-    """Turn ``levers`` (``parse_levers``' input or result) on for ``dit_slice`` in place; returns what changed.
-    ``compile``: whether ``fused`` compiles its kernels (default: on a GPU); ``fused_form``: how (``FUSED_FORMS``;
-    default: the one ``levers`` names)."""
+    """Turn ``levers`` (``parse_levers``' input or result; a ``Levers`` built directly may name any of
+    ``FUSED_FORMS``, as the benchmark does) on for ``dit_slice`` in place; returns what changed.  ``compile``: whether
+    ``fused`` compiles its kernels (default: on a GPU)."""
     levers = parse_levers(levers)
-    fused_form = levers.fused_form if fused_form is None else fused_form
     done: dict = {"levers": list(levers)}
     if "fp8" in levers:
         done["fp8_linears"] = len(to_fp8(dit_slice))
     if "fused" in levers:
-        shared = kernels(dit_slice.device.type == "cuda" if compile is None else compile, fused_form)
+        shared = kernels(dit_slice.device.type == "cuda" if compile is None else compile, levers.fused_form)
         for layer, block in enumerate(dit_slice.model.blocks):
             block.forward = FusedBlock(dit_slice, block, layer, shared)
         for module in dit_slice.model.blocks.modules():
             if isinstance(module, Fp8Linear):
                 module.quantize = shared.quantize
         done["fused_blocks"] = len(dit_slice.model.blocks)
-        done["fused_form"] = fused_form
+        done["fused_form"] = levers.fused_form
     if "cudnn" in levers:
         dit_slice.attention_backends = CUDNN_FIRST
         done["sdpa"] = ", ".join(CUDNN_FIRST)
