@@ -45,7 +45,8 @@ PACE_EARLY_S = 1e-3
 # viewer waits for the first frame, but the second chunk of a stream that joined just before it is due one frame
 # after that stream's first and would otherwise wait behind every joiner's first chunk.  On one H200 a burst of 7
 # 1.3B streams ran all 7 first chunks (two forwards) before any second one, and 3 of them started 2-4 frames late,
-# missing "held" (99% on time) by those frames alone (2026-12-04).
+# missing "held" (99% on time) by those frames alone (2026-12-04).  The grace counts from the open itself, not from
+# its slot on the pace grid (``Pacing.deadline`` says why).
 FIRST_CHUNK_GRACE_S = 0.1
 
 
@@ -55,7 +56,8 @@ class _Schedule:
 
     chunk_rate: float
     pace_offset_s: float
-    since: float  # clock time its first chunk could start (its open was planned)
+    since: float  # clock time its first chunk could start (its open was planned; on the pace grid, that period's start)
+    opened: float  # clock time its open was planned (``since`` before the pace grid moves it back)
     first_consumed_at: float | None = None  # clock time chunk 0 was consumed: the viewer's clock
 
 
@@ -92,7 +94,7 @@ class Pacing:
             return
         now = self.clock()
         since = math.floor(now * session.chunk_rate) / session.chunk_rate if self.grid else now
-        self._schedules[session.id] = _Schedule(session.chunk_rate, session.pace_offset_s, since)
+        self._schedules[session.id] = _Schedule(session.chunk_rate, session.pace_offset_s, since, now)
 
     def since(self, stream_id: int) -> float | None:
         """When the paced stream's schedule started (None: unpaced, or its open is not planned yet)."""
@@ -148,17 +150,28 @@ class Pacing:
         """When a paced stream's chunk is due at its viewer (None for an unpaced stream), the scheduler's order among
         ready micro-steps (``StreamBatchScheduler.set_due``): once chunk 0 is consumed, on the viewer's own clock
         (``first_consumed_at``, the first frame's time: chunk c is due ``c / chunk_rate`` after it, less
-        ``pace_offset_s`` past the first chunk); before, at its slot (``pace_slot``), which is no later.  A joining
-        stream's second chunk is due one frame after its first, while a running stream's next chunks start up to the
-        playout buffer before they are due: that chunk goes first, or its viewer's picture freezes after one frame.
-        A joining stream's first chunk is due ``FIRST_CHUNK_GRACE_S`` after its slot: in a burst of joiners, the
-        first ones' second chunks go before the last ones' first chunks."""
+        ``pace_offset_s`` past the first chunk).  Before that:
+
+        - chunk 0 is due ``FIRST_CHUNK_GRACE_S`` after the open (its viewer waits for the first frame, but a stream
+          that joined just before it needs its next chunk sooner);
+        - a later chunk as if the first frame came now, the soonest it can: its viewer's clock has not started, so
+          its deadlines lie no earlier.  A joining stream's second chunk is then due one frame from now, while a
+          running stream's next chunks start up to the playout buffer before they are due: the joiner's goes first,
+          or its picture freezes after one frame; but a running chunk due within that frame goes before it.
+
+        Neither counts from the stream's slot on the pace grid (``pace_slot``), which lies up to a chunk period
+        before the open: from there, a burst's first and second chunks were all due before the burst began, every
+        one of them went before any running stream's next chunk, and on one H200 the first stream admitted (its
+        first frame out 82 ms after its call) saw its third chunk wait behind four forwards of the joiners' first
+        two, 5 frames late (r27, 2026-12-07)."""
         schedule = self._schedules.get(stream_id)
         if schedule is None:
             return None
-        if schedule.first_consumed_at is None:
-            return self._slot(schedule, chunk) + (FIRST_CHUNK_GRACE_S if chunk == 0 else 0.0)
         offset = schedule.pace_offset_s if chunk > 0 else 0.0
+        if schedule.first_consumed_at is None:
+            if chunk == 0:
+                return schedule.opened + FIRST_CHUNK_GRACE_S
+            return self.clock() + chunk / schedule.chunk_rate - offset
         return schedule.first_consumed_at + chunk / schedule.chunk_rate - offset
 
     def credit(self, session: StreamSession) -> int:

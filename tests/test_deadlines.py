@@ -95,7 +95,7 @@ def test_a_running_stream_that_fell_behind_goes_before_one_on_time():
     assert [sid for sid, _ in tick(eng)][0] == c.id
 
 
-def test_a_deadline_is_the_pace_slot_until_the_first_chunk_is_consumed_then_the_viewers_clock():
+def test_a_deadline_counts_from_the_open_until_the_first_chunk_is_consumed_then_from_the_viewers_clock():
     clock = Clock()
     eng = engine(clock)
     clock.t = 100.1  # the pace grid moves its schedule back to 100.0
@@ -103,11 +103,14 @@ def test_a_deadline_is_the_pace_slot_until_the_first_chunk_is_consumed_then_the_
     tick(eng)
     pacing = eng.pacing
     assert pacing.since(s.id) == pytest.approx(100.0)
-    # Chunk 0 is due a grace after its slot (its viewer waits for the first frame, but a joiner before it needs its
-    # second chunk sooner); the later ones at their slots.
-    assert pacing.deadline(s.id, 0) == pytest.approx(pacing.pace_slot(s.id, 0) + FIRST_CHUNK_GRACE_S)
-    assert [pacing.deadline(s.id, c) for c in (1, 2)] == [pacing.pace_slot(s.id, c) for c in (1, 2)]
-    assert pacing.deadline(s.id, 1) == pytest.approx(100.0 + 1 / RATE - OFFSET)
+    # Chunk 0 is due a grace after the open, not after its slot on the grid (its viewer waits for the first frame,
+    # but a joiner before it needs its second chunk sooner); a later chunk as if the first frame came now.
+    assert pacing.deadline(s.id, 0) == pytest.approx(100.1 + FIRST_CHUNK_GRACE_S)
+    assert pacing.deadline(s.id, 0) > pacing.pace_slot(s.id, 0) + FIRST_CHUNK_GRACE_S
+    assert pacing.deadline(s.id, 1) == pytest.approx(100.1 + 1 / RATE - OFFSET)
+    clock.t = 100.2  # the first frame has not come yet: no deadline of the viewer's lies before now
+    assert pacing.deadline(s.id, 0) == pytest.approx(100.1 + FIRST_CHUNK_GRACE_S)
+    assert pacing.deadline(s.id, 2) == pytest.approx(100.2 + 2 / RATE - OFFSET)
     clock.t = 100.31  # its first frame reached the viewer
     consume_first(eng, s)
     assert pacing.deadline(s.id, 0) == pytest.approx(100.31)
@@ -164,3 +167,46 @@ def test_in_a_burst_the_first_joiners_second_chunks_go_before_the_last_joiners_f
         assert sorted(tick(eng)) == [(burst[2].id, 0), (burst[3].id, 0)]  # one forward later
     else:  # each joiner's first chunk due at once: every first chunk went first
         assert sorted(second) == [(burst[2].id, 0), (burst[3].id, 0)]
+
+
+def open_and_first_frame(eng, clock: Clock, opened: float, first_frame: float):
+    """A paced stream opened at ``opened`` whose chunk 0 ran alone and reached its viewer at ``first_frame``."""
+    clock.t = opened
+    s = open_paced(eng)
+    assert tick(eng) == [(s.id, 0)]
+    clock.t = first_frame
+    consume_first(eng, s)
+    return s
+
+
+def test_joiners_first_chunks_on_the_pace_grid_do_not_go_before_a_running_chunk_due_sooner():
+    # One H200, a burst of 12 (r27, 2026-12-07): the first stream admitted had its first frame out 82 ms after its
+    # call, and the others opened 50-80 ms after it.  Their first chunks, due a grace after their slot on the pace
+    # grid (up to a chunk period before the open), went before its next chunk, which came 5 frames late.
+    clock = Clock()
+    eng = engine(clock)
+    running = open_and_first_frame(eng, clock, 100.1, 100.1875)  # the grid puts every slot at 100.0
+    assert eng.pacing.deadline(running.id, 1) == pytest.approx(100.25)
+    clock.t = 100.2
+    joiners = [open_paced(eng) for _ in range(2)]  # due 100.3 by their open, 100.1 by their slot
+    first = tick(eng)
+    assert (running.id, 1) in first  # due at 100.25: before either joiner's first chunk
+    assert (joiners[0].id, 0) in first  # and the earlier joiner fills the batch
+    second = tick(eng)
+    assert (joiners[1].id, 0) in second
+
+
+def test_a_running_chunk_due_within_a_frame_goes_before_a_joiners_later_chunks():
+    clock = Clock()
+    eng = engine(clock)
+    running = open_and_first_frame(eng, clock, 100.0, 100.02)  # chunk 2 due at 100.3325
+    clock.t = 100.03
+    a, b = open_paced(eng), open_paced(eng)
+    assert sorted(tick(eng)) == sorted([(running.id, 1), (a.id, 0)])  # due 100.0825 and 100.13
+    assert sorted(tick(eng)) == sorted([(a.id, 1), (b.id, 0)])  # a's second chunk: one frame from now
+    # Neither joiner's first frame has reached its viewer at 100.29: b's second chunk is due one frame from now and
+    # a's third a chunk period later, so the running stream's chunk, due at 100.3325, goes in; by their slots on the
+    # grid (100.0625 and 100.3125) both joiners' chunks went first and it waited a forward more.
+    clock.t = 100.29
+    assert eng.pacing.deadline(running.id, 2) == pytest.approx(100.3325)
+    assert sorted(tick(eng)) == sorted([(running.id, 2), (b.id, 1)])
