@@ -355,3 +355,27 @@ def test_a_capacity_configuration_names_the_levers_and_the_tiny_graphs_it_ran_wi
     graphed = report.capacity_config(args | {"tiny_cuda_graphs": True, "dit_levers": "fused@rows"}, "tiny")
     assert plain == "1.3B, 1 step, 832×480, tiny, pace grid"
     assert graphed == "1.3B, 1 step, 832×480, tiny, pace grid, levers fused@rows, tiny graphs"
+
+
+@pytest.mark.unit
+def test_gpu_busy_summarises_each_gpus_samples_and_says_none_without_nvml(monkeypatch):
+    import builtins
+
+    from benchmarks.harness.capacity import GpuBusy
+
+    real_import = builtins.__import__
+
+    def no_nvml(name, *args, **kwargs):
+        if name == "pynvml":
+            raise ImportError("no NVML here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nvml)
+    with GpuBusy(period=0.01) as busy:
+        pass
+    assert busy.summary() is None and busy.samples == []  # nothing sampled, the row says None
+    busy.samples = [[50, 10], [70, 30], [90, 20], [100, 40]]  # two GPUs, four samples
+    s = busy.summary()
+    assert s["samples"] == 4
+    assert s["mean_pct"] == [77.5, 25.0]
+    assert s["p90_pct"] == [100, 40] and s["p10_pct"] == [50, 10]

@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 
-from benchmarks.harness.capacity import CAPACITY_FIRST_FRAME_S, capacity_stream, wait_idle
+from benchmarks.harness.capacity import CAPACITY_FIRST_FRAME_S, GpuBusy, capacity_stream, wait_idle
 from benchmarks.harness.rows import log, percentile
 from benchmarks.harness.system import StreamRecord
 
@@ -102,7 +102,8 @@ def measure_burst(client, launcher, coordinator: str, args, decoder: str, tag: s
     failed += [f"{r.error}" for r in recs if not r.arrivals and refusal_ms(r) is None and r.error]
     t_all = time.monotonic()
     log(f"burst {decoder}: {len(admitted)} of {n} admitted, {len(refused)} refused")
-    time.sleep(args.burst_seconds if admitted else 0.0)
+    with GpuBusy() as busy:
+        time.sleep(args.burst_seconds if admitted else 0.0)
     t_end = time.monotonic()
     stop_all(streams)
     per_stream = [capacity_stream(r, t_all - r.gen.t0, t_end - r.gen.t0, args.target_fps) for r in admitted]
@@ -129,6 +130,7 @@ def measure_burst(client, launcher, coordinator: str, args, decoder: str, tag: s
         "ttff_slowest_parts_ms": max(
             (s for s in per_stream if s["ttff_s"] is not None), key=lambda s: s["ttff_s"], default={}
         ).get("ttff_parts_ms"),
+        "gpu_busy": busy.summary(),
         "per_stream": per_stream,
     }
 

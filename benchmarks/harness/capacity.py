@@ -120,6 +120,57 @@ class StatusSampler:
         self._thread.join()
 
 
+class GpuBusy:
+    """While a measured window runs: how busy each visible GPU was, from NVML's utilization (the share of each
+    sample period, 1/6 s to 1 s, in which any kernel ran, whichever process launched it), read every ``period``
+    seconds.  It sees what admission's model cannot: the stages' forwards, the decoder's calls and whatever runs
+    between them, together.  ``summary()``: None where NVML is missing (a CPU run, or no ``nvidia-ml-py``)."""
+
+    def __init__(self, period: float = 0.25):
+        self.period = period
+        self.samples: list[list[int]] = []  # per sample: each GPU's percent busy
+        self._handles: list = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # noqa: BLE001 - no NVML here: nothing to sample
+            self._nvml = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.samples.append([int(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles])
+            except Exception:  # noqa: BLE001 - a missed sample
+                pass
+
+    def summary(self) -> dict | None:
+        """Per GPU, the mean and the 10th and 90th percentiles of the samples (percent busy), and how many."""
+        if not self.samples:
+            return None
+        per_gpu = list(zip(*self.samples))
+        return {
+            "mean_pct": [round(statistics.mean(g), 1) for g in per_gpu],
+            "p10_pct": [percentile(list(g), 0.10) for g in per_gpu],
+            "p90_pct": [percentile(list(g), 0.90) for g in per_gpu],
+            "samples": len(self.samples),
+        }
+
+    def __enter__(self) -> GpuBusy:
+        if self._handles:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: float) -> dict:
     """One admitted stream of a capacity row.  ``start``/``end``: the measured window on the stream's own clock (all
     admitted streams running).  Frame i is due at the first frame's arrival + i / fps (the harness's rule); the
@@ -213,7 +264,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
     t_all = time.monotonic()
     before = stage_stats(coordinator, launcher)
     cpu0 = process_cpu_s(pid)
-    with StatusSampler(coordinator, launcher, client) as sampler:
+    with StatusSampler(coordinator, launcher, client) as sampler, GpuBusy() as busy:
         time.sleep(args.capacity_seconds if recs else 0.0)
     cpu1 = process_cpu_s(pid)
     t_end = time.monotonic()
@@ -285,6 +336,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
             "samples_missed": sampler.errors,
         },
         "gateway_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        "gpu_busy": busy.summary(),  # NVML over the window: what the admitted set really kept each GPU busy
         "frames_delivered": delivered,
         "frames_due": frames,
         "gateway_cpu_ms_per_frame": (
