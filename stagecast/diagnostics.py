@@ -1,10 +1,12 @@
 """What a service process holds, on demand: ``kill -USR2 <pid>`` prints one line to stdout::
 
-    STAGECAST_RESOURCES rss_kb=181234 fds=41 threads=37 pool_threads=12 listening=2
+    STAGECAST_RESOURCES rss_kb=181234 fds=41 threads=37 pool_threads=12 engine_threads=4 listening=2
 
 after collecting garbage and handing freed heap back to the OS (``malloc_trim``), so that RSS is comparable
 between two reports (leak measurements read it; operators may too).  ``pool_threads`` counts the gRPC servers'
-worker threads (a pool that grows on demand up to its limit and is not a leak).
+worker threads (a pool that grows on demand up to its limit and is not a leak), and ``engine_threads`` gRPC core's
+own (its EventEngine's work pool, OS threads named ``event_engine``, which likewise grows while callbacks back up,
+as after a process stopped and resumed, and shrinks on gRPC's schedule).
 
 Usage: ``diagnostics.install()`` once, from the main thread, in every service (the CLI does).  It also bounds
 glibc's heap (``tune_malloc``): with its defaults, a process that frees tensors of a few MB from many short-lived
@@ -70,13 +72,26 @@ def resources() -> dict[str, int]:
                 rss_kb = int(line.split()[1])
     fds = os.listdir("/proc/self/fd")
     pool = sum(1 for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor"))
+    tasks = os.listdir("/proc/self/task")
     return {
         "rss_kb": rss_kb,
         "fds": len(fds),
-        "threads": len(os.listdir("/proc/self/task")),
+        "threads": len(tasks),
         "pool_threads": pool,
+        "engine_threads": sum(_thread_name(tid) == GRPC_ENGINE_THREAD for tid in tasks),
         "listening": _listening(fds),
     }
+
+
+GRPC_ENGINE_THREAD = "event_engine"  # what gRPC core names its EventEngine's work-pool threads (comm)
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def _listening(fds: list[str]) -> int:
