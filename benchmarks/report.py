@@ -116,6 +116,9 @@ def _eager(stage: dict) -> str:
     return f" ({eager} of {stage.get('batches')} eager)" if eager else ""
 
 
+PAGE_GPU = "H200"  # the card the page's one-GPU rows ran on; a run on another names its card in its configuration
+
+
 def capacity_config(a: dict, decoder: str) -> str:
     lo = a.get("load_min_steps")
     steps = f"SLO {lo}–{a['steps']} steps" if lo else f"{a['steps']} step" + ("s" if a["steps"] > 1 else "")
@@ -126,6 +129,7 @@ def capacity_config(a: dict, decoder: str) -> str:
     grid += f", GPU sharing priced {a['gpu_sharing']:g}" if a.get("gpu_sharing", GPU_SHARING) != GPU_SHARING else ""
     grid += ", CUDA MPS" if a.get("cuda_mps") else ""  # the stage and the gateway shared the GPU through MPS
     grid += ", tiny graphs" if a.get("tiny_cuda_graphs") else ""  # the gateway's --tiny-cuda-graphs
+    grid += f", on {a['card']}" if a.get("card") else ""  # a GPU other than the page's (``load``)
     if isinstance(a.get("slo_vae_ms"), dict):  # a what-if: the decode priced at fixed ms, not as the gateway measured
         grid += ", decode priced " + ",".join(f"{k}={v:g}" for k, v in a["slo_vae_ms"].items()) + " ms (what-if)"
     return f"{MODEL_NAMES.get(a['model'], a['model'])}, {steps}, {a['width']}×{a['height']}, {decoder}{grid}"
@@ -351,6 +355,9 @@ def load(results: Path) -> list[dict]:
         r = json.loads(path.read_text())
         if r.get("harness") == 2:
             r["_file"] = path.name
+            gpu = str(r.get("gpu") or "")
+            if gpu and PAGE_GPU not in gpu:  # another card: its rows name it, and never stand for the page's card
+                r["args"] = {**r["args"], "card": gpu.removeprefix("NVIDIA ")}
             runs.append(r)
     return runs
 

@@ -358,6 +358,20 @@ def test_a_capacity_configuration_names_the_levers_and_the_tiny_graphs_it_ran_wi
 
 
 @pytest.mark.unit
+def test_a_run_on_another_card_names_it_and_never_stands_for_the_pages_card(tmp_path):
+    h200 = {**copy.deepcopy(_run()), "date": "2026-12-02", "commit": "aaa0001", "gpu": "NVIDIA H200"}
+    h100 = {**copy.deepcopy(_run(admitted=4, held=4, capacity=4)), "date": "2026-12-03", "commit": "bbb0002"}
+    h100["gpu"] = "NVIDIA H100 80GB HBM3"  # newer, same configuration: on an H200 page it must not replace the row
+    for i, r in enumerate((h200, h100)):
+        (tmp_path / f"v2_cap_x_r{i + 1}.json").write_text(json.dumps(r))
+    runs = report.load(tmp_path)
+    page, history = report.page_tables(runs), report.tables(runs)
+    rows = [line for line in page.splitlines() if line.startswith("| 1.3B, SLO 1–2 steps, 832×480, tiny")]
+    assert [("on H100" in line, line.endswith("| aaa0001 |")) for line in rows] == [(False, True), (True, False)]
+    assert "tiny, on H100 80GB HBM3 |" in history and "| **4** | 4 / 4 |" in history and "| **7** | 7 / 7 |" in page
+
+
+@pytest.mark.unit
 def test_gpu_busy_summarises_each_gpus_samples_and_says_none_without_nvml(monkeypatch):
     import builtins
 
