@@ -21,6 +21,14 @@ stage: it is timed again after the others (``RECHECKS`` rounds at most, within t
 times.  The window is filled without forwards: the K/V of a stream's chunk 0 stand in for every earlier frame
 (attention costs what its context's length costs, whatever the values).
 
+**What a forward needs in memory** (``Calibration.activation_bytes``, on a GPU): the most any one calibrated forward
+allocated above what was allocated when it began, less what it added to the CUDA graphs' static buffers (their cap is
+reserved apart: ``stage_service.kv_budget``).  The streams' K/V windows, which the calibration fills without forwards,
+were allocated before, so they are not counted: the stage's KV budget is for them.  Measured over the whole
+calibration instead, the peak held the K/V of every calibration stream open at once (8 full 6-frame windows at a
+batch of 4: 12.85 GiB of a 13.48 GiB "activation peak" for 1.3B) and took it from the streams' budget a second time:
+an H100 stage gave streams 8.56 GiB, 4 streams (r29).
+
 **What it leaves alone.** It runs on a runner of its own with its own streams (closed at the end), so serving state
 is untouched: no KV cache, no stream, no graph (with ``--cuda-graphs`` it captures into a ``GraphedBlocks`` of its
 own, dropped afterwards) and no random generator it does not own (the global CPU and CUDA generators are restored).
@@ -136,6 +144,9 @@ class Calibration:
     full_ms: list[float] = field(default_factory=list)  # the same with a full window
     seconds: float = 0.0
     error: str = ""  # why it stopped before max_batch ("" when complete)
+    # The most one forward allocated above what it began with, graph buffers it added not counted (module docstring,
+    # "What a forward needs in memory"); None: not measured (a CPU, or no forward ran).
+    activation_bytes: int | None = None
 
     def to_proto(self) -> pb.StageCalibration:
         return pb.StageCalibration(
@@ -164,6 +175,41 @@ class Calibration:
 
 class _Budget(Exception):
     pass
+
+
+class CudaMemory:
+    """The caching allocator's counters on one device: what ``track_activation`` reads around each forward."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def track_activation(run: Callable, cal: Calibration, memory) -> Callable:
+    """``run`` (``forward(runner, steps, inputs)``) that also keeps in ``cal.activation_bytes`` the most one call
+    allocated above what was allocated when it began, less what it added to the runner's graphs' static buffers
+    (``GraphedBlocks.nbytes``).  ``memory``: ``CudaMemory``, or any object with its three methods."""
+
+    def tracked(runner, steps, inputs):
+        graphs = runner.graphs
+        buffers = graphs.nbytes() if graphs is not None else 0
+        before = memory.allocated()
+        memory.reset_peak()
+        out = run(runner, steps, inputs)
+        grown = (graphs.nbytes() if graphs is not None else 0) - buffers
+        used = max(0, memory.peak() - before - max(0, grown))
+        cal.activation_bytes = max(cal.activation_bytes or 0, used)
+        return out
+
+    return tracked
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -200,10 +246,12 @@ def calibrate(
     timer: Callable[[Callable[[], object]], float] | None = None,
     forward: Callable[[SliceRunner, list[MicroStep], torch.Tensor | None], object] | None = None,
     on_batch: Callable[[int, int], None] | None = None,
+    memory=None,
 ) -> Calibration:
     """Time this slice (see the module docstring).  ``on_batch(b, max_batch)`` is called as each batch size is timed
-    (start-up progress).  ``clock``, ``timer`` and ``forward`` are for tests: a fake clock, a timing function
-    ``timer(fn) -> ms``, and what runs one forward (default ``runner.forward(steps, inputs)``)."""
+    (start-up progress).  ``clock``, ``timer``, ``forward`` and ``memory`` are for tests: a fake clock, a timing
+    function ``timer(fn) -> ms``, what runs one forward (default ``runner.forward(steps, inputs)``) and the memory
+    counters a forward's activation is read from (``CudaMemory``, the default on a GPU; none on a CPU)."""
     if not 1 <= max_batch <= MAX_CALIBRATION_BATCH:
         raise ValueError(f"max_batch must be in [1, {MAX_CALIBRATION_BATCH}], got {max_batch}")
     if not 0 < budget_s <= MAX_BUDGET_S:
@@ -211,6 +259,8 @@ def calibrate(
     device = dit_slice.device
     use_graphs = graphs and device.type == "cuda"
     cal = Calibration(shape=shape, window=window, graphs=use_graphs)
+    if memory is None and device.type == "cuda":
+        memory = CudaMemory(device)
     started = clock()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -224,7 +274,10 @@ def calibrate(
             graphed = GraphedBlocks(dit_slice, reserve_rows=max_batch)
         runner = SliceRunner(dit_slice, graphs=graphed)
         timer = timer or _timer(device)
-        _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, forward, on_batch)
+        run = forward or (lambda r, steps, inputs: r.forward(steps, inputs))
+        if memory is not None:
+            run = track_activation(run, cal, memory)
+        _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clock, timer, run, on_batch)
     except _Budget as exc:
         cal.error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a seed, never a reason not to serve
@@ -249,7 +302,7 @@ def _measure(runner, cal, max_batch, shape, window, sink, started, budget_s, clo
     text = torch.randn(1, shape.text_len, sl.config["text_dim"], generator=gen)
     tokens = sl.tokens_per_frame(shape.latent_height, shape.latent_width) * shape.chunk_frames
     chunks = math.ceil(window / shape.chunk_frames)  # chunk index whose window is full
-    run = forward or (lambda r, steps, inputs: r.forward(steps, inputs))
+    run = forward
     next_id = itertools.count(1)  # the calibration's own streams, on a runner of its own
 
     def check(what: str) -> None:

@@ -18,15 +18,16 @@ run a stage out of memory and take every other stream down with it.
   holds after loading and calibrating (``torch.cuda.memory_allocated``, plus ``CONTEXT_BYTES`` for the CUDA context,
   cuBLAS / NCCL workspaces and whatever else the allocator does not see), less the calibration's activation peak,
   less the graphs' static buffers' cap (``GRAPH_FRACTION`` of G) and a reserve (``RESERVE_FRACTION`` of G).
-- Otherwise on a GPU it is measured once the slice is loaded and calibrated: the memory free to this process (what
-  the driver reports free plus what PyTorch's allocator holds unused) less a reserve of ``activation_peak`` (the most
-  the calibration's forwards of the coordinator's batch sizes allocated above the weights, measured; 0 when it did
-  not run) plus ``RESERVE_FRACTION`` of the GPU for what is not per-stream KV (the CUDA graphs' memory pool, NCCL's
-  buffers, the streams' text K/V and latents, the allocator's fragmentation), and with ``--cuda-graphs`` the graphs'
-  static buffers' cap (``graph_buffer_cap``: ``GRAPH_FRACTION`` of the GPU, which ``GraphedBlocks`` keeps to by
-  running a batch signature eagerly when its new buffers would pass it).  What another process takes on the same GPU
-  after the measurement is not seen (a gateway whose text encoder and VAE share the stage's GPU): on a shared GPU
-  give the stage its share (``--device-memory-gib``, which ``stagecast up`` plans) or ``--kv-budget-gib``.
+- Otherwise on a GPU it is measured once the slice is loaded and calibrated: the memory free to this process (what the
+  driver reports free plus what PyTorch's allocator holds unused) less a reserve of ``activation_peak`` (what one
+  calibration forward of the coordinator's batch sizes allocated above what it began with, measured, twice with CUDA
+  graphs: ``activation_reserve``; 0 when it did not run) plus ``RESERVE_FRACTION`` of the GPU for what is not
+  per-stream KV (NCCL's buffers, the streams' text K/V and latents, the allocator's fragmentation), and with
+  ``--cuda-graphs`` the graphs' static buffers' cap (``graph_buffer_cap``: ``GRAPH_FRACTION`` of the GPU, which
+  ``GraphedBlocks`` keeps to by running a batch signature eagerly when its new buffers would pass it).  What another
+  process takes on the same GPU after the measurement is not seen (a gateway whose text encoder and VAE share the
+  stage's GPU): on a shared GPU give the stage its share (``--device-memory-gib``, which ``stagecast up`` plans) or
+  ``--kv-budget-gib``.
 - A budget that comes out below one byte is one byte (0 would mean "no limit").  A stage whose budget holds no stream
   at the serving defaults (``stagecast.kv_memory.serving_spec``) refuses to form (``stream_fit_problem``), so the
   coordinator never becomes READY on it: its start-up fails naming the numbers.
@@ -82,6 +83,17 @@ class KvBudget:
 
     bytes: int
     origin: str
+
+
+def activation_reserve(per_forward: int | None, whole_peak: int, *, cuda_graphs: bool) -> int:
+    """What a stage keeps out of its KV budget for its forwards' activations (``activation_peak`` below): its
+    calibration's per-forward measurement (``Calibration.activation_bytes``), twice with CUDA graphs (a new batch
+    signature captures in the background while the batch runs eagerly: two forwards' activations at once, and the
+    graphs' pool keeps the captured ones'); where that was not measured, ``whole_peak``, the calibration's peak over
+    everything it allocated (its own streams' K/V included: too much, never too little)."""
+    if per_forward is None:
+        return max(0, whole_peak)
+    return max(0, per_forward) * (2 if cuda_graphs else 1)
 
 
 def kv_budget(operator_gib: float, *, free: int, total: int, activation_peak: int, graph_bytes: int = 0) -> int:

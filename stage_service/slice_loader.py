@@ -25,7 +25,13 @@ from stage_service.checkpoint import load_slice_state_dict, random_slice_state_d
 from stage_service.dit_levers import apply_levers, cudnn_refusal, parse_levers, warm_levers
 from stage_service.dit_slice import SDPA_CALLS, DiTSlice
 from stage_service.fp8 import convert_to_fp8
-from stage_service.kv_budget import KvBudget, graph_buffer_cap, measure_kv_budget_detail, stream_fit_problem
+from stage_service.kv_budget import (
+    KvBudget,
+    activation_reserve,
+    graph_buffer_cap,
+    measure_kv_budget_detail,
+    stream_fit_problem,
+)
 from stage_service.metrics import StageTelemetry
 from stagecast.kv_memory import describe_spec, serving_spec, spatial_factor, stream_kv_bytes
 from stagecast.microstep import DEFAULT_MAX_BATCH
@@ -105,7 +111,9 @@ class SliceLoader:
             torch.cuda.reset_peak_memory_stats(self.device)
             loaded = torch.cuda.memory_allocated(self.device)
         self.calibration = self._calibrate()
-        peak = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
+        whole = torch.cuda.max_memory_allocated(self.device) - loaded if cuda else 0
+        per_forward = self.calibration.activation_bytes if self.calibration is not None else None
+        peak = activation_reserve(per_forward, whole, cuda_graphs=bool(self.graph_cap)) if cuda else 0
         if cuda:
             torch.cuda.empty_cache()
         budget: KvBudget = measure_kv_budget_detail(

@@ -305,3 +305,74 @@ def test_the_gateways_vae_cost_lowers_capacity():
     admitted = [Demand(i, chunk_rate=4.0, allowed=(1,)) for i in range(5)]  # 18% of the GPU each
     newcomer = Demand(9, chunk_rate=4.0, allowed=(1,))
     assert ctl.admits(newcomer, admitted[:3]) and not ctl.admits(newcomer, admitted)
+
+
+class FakeMemory:
+    """The allocator's counters: ``held`` bytes allocated, and the peak since the last reset."""
+
+    def __init__(self, held: int):
+        self.held, self.top = held, held
+
+    def allocated(self) -> int:
+        return self.held
+
+    def reset_peak(self) -> None:
+        self.top = self.held
+
+    def peak(self) -> int:
+        return self.top
+
+    def spike(self, transient: int, kept: int = 0) -> None:
+        """A forward's activations (``transient``, freed by its end) and what it keeps (``kept``)."""
+        self.top = max(self.top, self.held + kept + transient)
+        self.held += kept
+
+
+def test_a_forwards_activation_is_what_it_allocated_above_what_it_began_with_not_the_streams_kv():
+    # 1.3B on an H100 (r29): the calibration's peak over everything held its 8 streams' full K/V windows (12.85 of
+    # 13.48 GiB), and the stage took it from the streams' KV budget a second time: 8.56 GiB for streams, 4 streams.
+    mem = FakeMemory(held=50_000)  # weights and the calibration streams' windows, filled without forwards
+    calls: list = []
+
+    def forward(runner, steps, inputs):
+        mem.spike(transient=1000 * len(steps), kept=10 * len(steps))  # activations; the chunk's own K/V rows
+        return recording_forward(calls)(runner, steps, inputs)
+
+    sl = make_slice(True, True)
+    cal = calibrate(sl, 3, SHAPE, window=4, sink=2, budget_s=600, timer=fake_timer(calls), forward=forward, memory=mem)
+    assert not cal.error and len(cal.full_ms) == 3
+    assert cal.activation_bytes == 1000 * 3 + 10 * 3  # the largest batch's forward, not the 50 000 held before it
+    assert calibrate(sl, 2, SHAPE, budget_s=600).activation_bytes is None  # a CPU: nothing measured
+
+
+def test_graph_buffers_a_forward_adds_are_not_its_activation():
+    from stage_service.calibration import Calibration, track_activation
+
+    class Graphs:
+        def __init__(self):
+            self.bytes = 0
+
+        def nbytes(self) -> int:
+            return self.bytes
+
+    class Runner:
+        graphs = Graphs()
+
+    mem, cal = FakeMemory(held=1_000), Calibration(SHAPE, window=4)
+
+    def capture(runner, steps, inputs):  # a first forward of a signature: its static buffers, then its activations
+        runner.graphs.bytes += 4_000
+        mem.spike(transient=300, kept=4_000)
+
+    track_activation(capture, cal, mem)(Runner(), [], None)
+    assert cal.activation_bytes == 300
+    track_activation(lambda r, s, i: mem.spike(transient=200), cal, mem)(Runner(), [], None)  # a replay
+    assert cal.activation_bytes == 300  # the most of any forward
+
+
+def test_a_stage_reserves_twice_a_forwards_activation_with_cuda_graphs_and_the_whole_peak_when_unmeasured():
+    from stage_service.kv_budget import activation_reserve
+
+    assert activation_reserve(1_000, 13_000, cuda_graphs=True) == 2_000  # a capture beside an eager forward
+    assert activation_reserve(1_000, 13_000, cuda_graphs=False) == 1_000
+    assert activation_reserve(None, 13_000, cuda_graphs=True) == 13_000  # no forward measured: never too little
