@@ -356,7 +356,7 @@ def load(results: Path) -> list[dict]:
         if r.get("harness") == 2:
             r["_file"] = path.name
             gpu = str(r.get("gpu") or "")
-            if gpu and PAGE_GPU not in gpu:  # another card: its rows name it, and never stand for the page's card
+            if gpu not in ("", "cpu") and PAGE_GPU not in gpu:  # another card: its rows name it, never the page's
                 r["args"] = {**r["args"], "card": gpu.removeprefix("NVIDIA ")}
             runs.append(r)
     return runs

@@ -200,11 +200,11 @@ def track_activation(run: Callable, cal: Calibration, memory) -> Callable:
 
     def tracked(runner, steps, inputs):
         graphs = runner.graphs
-        buffers = graphs.nbytes() if graphs is not None else 0
+        buffers = graphs.nbytes if graphs is not None else 0
         before = memory.allocated()
         memory.reset_peak()
         out = run(runner, steps, inputs)
-        grown = (graphs.nbytes() if graphs is not None else 0) - buffers
+        grown = (graphs.nbytes if graphs is not None else 0) - buffers
         used = max(0, memory.peak() - before - max(0, grown))
         cal.activation_bytes = max(cal.activation_bytes or 0, used)
         return out

@@ -347,13 +347,13 @@ def test_a_forwards_activation_is_what_it_allocated_above_what_it_began_with_not
 
 def test_graph_buffers_a_forward_adds_are_not_its_activation():
     from stage_service.calibration import Calibration, track_activation
+    from stage_service.graphs import GraphedBlocks
 
-    class Graphs:
+    assert isinstance(GraphedBlocks.nbytes, property)  # what ``track_activation`` reads, as the fake below has it
+
+    class Graphs:  # GraphedBlocks' static buffer bytes
         def __init__(self):
-            self.bytes = 0
-
-        def nbytes(self) -> int:
-            return self.bytes
+            self.nbytes = 0
 
     class Runner:
         graphs = Graphs()
@@ -361,7 +361,7 @@ def test_graph_buffers_a_forward_adds_are_not_its_activation():
     mem, cal = FakeMemory(held=1_000), Calibration(SHAPE, window=4)
 
     def capture(runner, steps, inputs):  # a first forward of a signature: its static buffers, then its activations
-        runner.graphs.bytes += 4_000
+        runner.graphs.nbytes += 4_000
         mem.spike(transient=300, kept=4_000)
 
     track_activation(capture, cal, mem)(Runner(), [], None)
