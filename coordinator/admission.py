@@ -39,7 +39,7 @@ import grpc
 from coordinator.errors import AdmissionError
 from coordinator.registry import StageRegistry
 from coordinator.requests import OpenRequest
-from coordinator.slo import Demand
+from coordinator.slo import STARTUP_UTILIZATION, Demand
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import format_bytes, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec
@@ -49,6 +49,9 @@ from stagecast.model.dit_configs import expands_timesteps
 logger = logging.getLogger("coordinator.engine")
 
 RETRY_AFTER_S = 5.0  # the retry hint when no admitted stream has a known end
+# The retry hint for a stream refused while others start (``SloController.startup_utilization``): their first frames
+# come within a second of their opens, and then the steady price alone decides.
+STARTUP_RETRY_S = 1.0
 
 
 class Pricing(Protocol):
@@ -59,6 +62,8 @@ class Pricing(Protocol):
     def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool: ...
 
     def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None: ...
+
+    def startup_utilization(self, demands: list[Demand]) -> float | None: ...
 
     def micro_step_ms(self) -> float | None: ...
 
@@ -237,6 +242,7 @@ def newcomer(request: OpenRequest, cfg_parallel: int) -> Demand:
         latency_first=request.latency_first,
         rows=rows(spec, cfg_parallel),
         decoder=request.decoder,
+        starting=True,
     )
 
 
@@ -351,11 +357,21 @@ class Admission:
         demands = list(admitted.demands)
         if self.pricing.admits(newcomer, demands):
             return Capacity(True)
-        need = self.pricing.utilization(demands + [newcomer], {d.stream_id: d.min_steps for d in demands}) or 0.0
+        every = demands + [newcomer]
+        need = self.pricing.utilization(every, {d.stream_id: d.min_steps for d in every}) or 0.0
         # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
-        detail = (
+        streams = (
             f"{len(demands)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
-            f"{newcomer.decoder} decoder would need {need:.0%} of {self.pricing.bottleneck} (the limit is "
-            f"{self.pricing.target:.0%})"
+            f"{newcomer.decoder} decoder"
         )
+        if need <= self.pricing.target:  # the steady set fits: their start does not
+            start = self.pricing.startup_utilization(every) or 0.0
+            starting = sum(d.starting for d in every)
+            detail = (
+                f"{streams} fit, but {starting} of them starting at once would need {start:.0%} of "
+                f"{self.pricing.bottleneck} (the limit while streams start is {STARTUP_UTILIZATION:.0%})"
+            )
+            return Capacity(False, detail, STARTUP_RETRY_S)
+        limit = f"the limit is {self.pricing.target:.0%}"
+        detail = f"{streams} would need {need:.0%} of {self.pricing.bottleneck} ({limit})"
         return Capacity(False, detail, admitted.retry_after_s)

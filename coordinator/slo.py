@@ -110,13 +110,21 @@ the target. Steps then fall at the next decision, and admission refuses what wou
 relaxes (``relax``, half-life ``CORRECTION_HALF_LIFE_S``) while no stream is late, so capacity that comes back is
 found again.
 
-**Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its
-``min_steps`` would not be held.  A paced stream on a pipeline with no other paced stream is always admitted (it can
-push no admitted stream below its rate), even where the model says it alone is not held (a CPU deployment): it
-runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams at 16 FPS" is how many more streams of
-a given rate, step count and decoder fit beside the admitted ones at their ``min_steps``: the largest whole number
-n of such streams that is held, plus the fraction of the next one that the utilization left over pays for.
-"""
+**Admission** refuses a stream when the admitted streams at their ``min_steps`` plus the newcomer at its ``min_steps``
+would not be held, or when their start would not be (``startup_utilization``): a stream's first second holds one chunk
+more than its rate (Wan's chunk 0 decodes to one frame, and chunk 1 comes due one frame after it), and streams that
+start together (the newcomer, and those whose viewer has no frame yet: ``Demand.starting``) ask for that chunk at
+once.  The set with each starting stream's extra chunk must stay within ``STARTUP_UTILIZATION`` (all of the
+bottleneck: a start may use the headroom the target keeps for jitter, not more).  One stream joining a running set (a
+ramp) adds a fraction of its own share and is never refused for it below the target; a burst of joiners on an idle
+pipeline is held to ``STARTUP_UTILIZATION / (1 + 1 / (chunk_rate x STARTUP_WINDOW_S))`` of it, 80% at 16 FPS.  On one
+H200 a burst of 12 admitted 9 at the steady price, and its first second ran late; on an H100, a burst of 9 ran every
+stream 4-20 frames late in its first two seconds and on time after (r27, r30).  A paced stream on a pipeline with no
+other paced stream is always admitted (it can push no admitted stream below its rate), even where the model says it
+alone is not held (a CPU deployment): it runs at its ``min_steps`` as fast as the pipeline goes.  Capacity in "streams
+at 16 FPS" is how many more streams of a given rate, step count and decoder fit beside the admitted ones at their
+``min_steps``: the largest whole number n of such streams that is held, plus the fraction of the next one that the
+utilization left over pays for."""
 
 from __future__ import annotations
 
@@ -144,6 +152,10 @@ MAX_SHARING = 4.0  # the most a calibrated size is scaled by (served / calibrate
 # step, tiny decoder, pace grid): alone-summed costs of 9 streams 82.7% of the GPU ran at 97.5%, of 10 streams 90.2%
 # at 105% (1.16-1.18); the batch of 4 served at 89.7 ms a forward where it calibrated at 73.0 (1.23).
 GPU_SHARING = 1.2
+# A starting stream's extra chunk (module docstring, "Admission") is priced over this much of its start, and the set
+# with it must stay within this share of the bottleneck.
+STARTUP_WINDOW_S = 1.0
+STARTUP_UTILIZATION = 1.0
 MAX_CAPACITY_STREAMS = 1 << 20  # capacity_streams stops counting here (a model that costs next to nothing)
 # The DiT's share of a joining stream's first frame a Stream Batch may cost (``CostModel.pick_batch``): the 400 ms
 # first-frame goal at capacity, less its decode, encode and delivery.
@@ -224,6 +236,9 @@ class Demand:
     latency_first: bool = False  # hold min_steps; spare capacity goes to latency, not steps
     rows: int = 1  # batch rows per micro-step: 2 for a guided stream in one pipeline (sequential CFG)
     decoder: str = FULL  # the decoder its chunks are decoded on ("full" | "tiny"): what each chunk's decode costs
+    # Its viewer has no frame yet (a stream asking to open, or open with no chunk consumed): admission prices its
+    # start (``SloController.startup_utilization``).
+    starting: bool = False
 
     def __post_init__(self) -> None:
         self.decoder = decoder_kind(self.decoder)
@@ -650,13 +665,31 @@ class SloController:
         return steps
 
     def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool:
-        """Whether ``newcomer`` fits beside ``admitted`` with everyone at min_steps (True while unmeasured)."""
+        """Whether ``newcomer`` fits beside ``admitted`` with everyone at min_steps, and their start with it
+        (``startup_utilization``; True while unmeasured)."""
         if newcomer.chunk_rate <= 0:
             return True  # best-effort
         if not any(d.chunk_rate > 0 for d in admitted):
             return True  # alone it pushes no admitted stream below its rate; refusing it would serve no one
-        util = self.utilization(admitted + [newcomer], {d.stream_id: d.min_steps for d in admitted + [newcomer]})
-        return util is None or util <= self.target
+        every = admitted + [newcomer]
+        util = self.utilization(every, {d.stream_id: d.min_steps for d in every})
+        if util is None:
+            return True
+        start = self.startup_utilization(every)
+        return util <= self.target and (start is None or start <= STARTUP_UTILIZATION)
+
+    def startup_utilization(self, demands: list[Demand]) -> float | None:
+        """The busy share of ``demands`` at their min_steps while the starting ones (``Demand.starting``) start: the
+        set's, plus each starting stream's extra chunk over ``STARTUP_WINDOW_S`` (the starting streams' own share
+        divided by their chunks in that window, at the slowest of their rates).  None while unmeasured."""
+        paced = [d for d in demands if d.chunk_rate > 0]
+        floor = {d.stream_id: d.min_steps for d in paced}
+        util = self.utilization(paced, floor)
+        starting = [d for d in paced if d.starting]
+        if util is None or not starting:
+            return util
+        own = self.utilization(starting, floor) or 0.0
+        return util + own / (min(d.chunk_rate for d in starting) * STARTUP_WINDOW_S)
 
     def capacity_streams(
         self, admitted: list[Demand], chunk_rate: float, steps: int, clean: bool = False, decoder: str = FULL

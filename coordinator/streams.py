@@ -161,7 +161,11 @@ class StreamTable:
         for session in self.sessions.values():
             for index, nbytes in session.kv.items():
                 kv[index] = kv.get(index, 0) + nbytes
-        demands = tuple(s.reservation.demand for s in sorted(self.sessions.values(), key=lambda s: s.id))
+        # A stream whose viewer has no frame yet is still starting: admission prices its start.
+        demands = tuple(
+            replace(s.reservation.demand, starting=s.delivered == 0)
+            for s in sorted(self.sessions.values(), key=lambda s: s.id)
+        )
         admitted = Admitted(len(self.sessions), kv, demands, self.retry_after())
         if now is not None:
             self._lapse(now)

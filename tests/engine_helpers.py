@@ -50,15 +50,19 @@ def small_spec(**kw) -> StreamSpec:
     return StreamSpec(**(fields | kw))
 
 
-def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders):
+def stream_opener(eng: PipelineEngine, *, chunk_rate: float, ladders, running: bool = False):
     """``open_stream(**kw)``: a paced, acknowledging stream on ``ladders`` (starting on the last), each call a new
-    one."""
+    one.  ``running``: its chunk 0 counts as consumed once it opens, so admission prices the next stream beside it at
+    its steady rate, not its start (``coordinator.slo.SloController.startup_utilization``)."""
 
     def open_stream(num_chunks=None, **kw):
         spec = small_spec(timesteps=tuple(ladders[-1]), num_chunks=num_chunks)
-        return eng.open(
+        stream = eng.open(
             OpenRequest(spec, TEXT, acknowledges=True, consumer_depth=8, chunk_rate=chunk_rate, ladders=ladders, **kw)
         )
+        if running:
+            consume_first(eng, stream)
+        return stream
 
     return open_stream
 

@@ -138,7 +138,7 @@ def _engine(stage_ms: float, clock=lambda: 0.0):
     eng = hand_driven_engine(
         lookahead=10**6, stage_ms=[stage_ms, stage_ms], slo_learn=False, clock=clock, pace_grid=False
     )
-    return eng, stream_opener(eng, chunk_rate=4.0, ladders=LADDERS)
+    return eng, stream_opener(eng, chunk_rate=4.0, ladders=LADDERS, running=True)  # priced at their steady rate
 
 
 def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_delay():

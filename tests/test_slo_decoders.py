@@ -29,7 +29,7 @@ def _engine(vae_ms=None):
         vae_ms_per_chunk=vae_ms,
         pace_grid=False,
     )
-    return eng, stream_opener(eng, chunk_rate=RATE, ladders=LADDERS)
+    return eng, stream_opener(eng, chunk_rate=RATE, ladders=LADDERS, running=True)  # priced at their steady rate
 
 
 def _open_until_refused(open_stream, limit=40, **kw) -> int:
