@@ -9,7 +9,9 @@ A slot is one more stream of the public defaults (what a client that sets nothin
 ``gateway.edge.config.resolve_config`` over the checkpoint's serving defaults), priced by the very admission that
 refuses
 streams (stream cap, KV memory, SLO capacity with its decoder's cost): hypothetical newcomers are added one by one
-until the first refusal, and nothing is reserved.  A pipeline that is not formed has no free slot.
+until the first refusal, and nothing is reserved.  The newcomers start together (none has a frame yet), so their start
+is priced as a burst's (``coordinator.slo``, "Admission"): the count is what that many streams arriving at once would
+get, and a door that sends them at once is not refused past it.  A pipeline that is not formed has no free slot.
 
 ``StreamDefaults`` holds what the gateway fills in for such a request; its defaults are the gateway's without a
 ``stagecast.json`` (``gateway.checkpoint.ServingDefaults``) and the public API's (``stagecast.api``).  Where the
