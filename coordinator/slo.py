@@ -116,15 +116,15 @@ more than its rate (Wan's chunk 0 decodes to one frame, and chunk 1 comes due on
 start together (the newcomer, and those whose viewer has no frame yet: ``Demand.starting``) ask for that chunk at
 once.  The set with each starting stream's extra chunk must stay within ``STARTUP_UTILIZATION`` (all of the
 bottleneck: a start may use the headroom the target keeps for jitter, not more).  One stream joining a running set (a
-ramp) adds a fraction of its own share and is never refused for it below the target; a burst of joiners on an idle
-pipeline is held to ``STARTUP_UTILIZATION / (1 + 1 / (chunk_rate x STARTUP_WINDOW_S))`` of it, 80% at 16 FPS.  On one
-H200 a burst of 12 admitted 9 at the steady price and one of them ran 5 frames late in its first second; on an H100, a
-burst of 9 ran every stream 4-20 frames late in its first two seconds and on time after (r27, r30).  A paced stream on
-a pipeline with no other paced stream is always admitted (it can push no admitted stream below its rate), even where
-the model says it alone is not held (a CPU deployment): it runs at its ``min_steps`` as fast as the pipeline goes.
-Capacity in "streams at 16 FPS" is how many more streams of a given rate, step count and decoder fit beside the
-admitted ones at their ``min_steps``: the largest whole number n of such streams that is held, plus the fraction of
-the next one that the utilization left over pays for."""
+ramp) adds a quarter of its own share at 16 FPS, which refuses it below the target only where it alone takes over 40%
+of the bottleneck; a burst of joiners on an idle pipeline is held to ``STARTUP_UTILIZATION / (1 + 1 / (chunk_rate x
+STARTUP_WINDOW_S))`` of it, 80% at 16 FPS.  On one H200 a burst of 12 admitted 9 at the steady price and one of them
+ran 5 frames late in its first second; on an H100, a burst of 9 ran every stream 4-20 frames late in its first two
+seconds and on time after (r27, r30).  A paced stream on a pipeline with no other paced stream is always admitted (it
+can push no admitted stream below its rate), even where the model says it alone is not held (a CPU deployment): it
+runs at its ``min_steps`` as fast as the pipeline goes. Capacity in "streams at 16 FPS" is how many more streams of a
+given rate, step count and decoder fit beside the admitted ones at their ``min_steps``: the largest whole number n of
+such streams that is held, plus the fraction of the next one that the utilization left over pays for."""
 
 from __future__ import annotations
 
