@@ -157,13 +157,14 @@ class SloControl:
 
     def status(self, into: pb.ClusterStatus) -> None:
         """Its part of GetStatus: the capacity on the full VAE, each decoder's cost, the calibrated stages, the Stream
-        Batch."""
+        Batch, and the model's busy share of the streams open now."""
         into.capacity.extend(pb.Capacity(steps=n, streams=c, decoder=FULL) for n, c in self.capacity())
         into.vae_chunk_ms = self.cost.chunk_ms
         into.vae_source = self.cost.vae_source
         into.calibrated_stages.extend(sorted(self.calibrated))
         into.decoders.extend(self.decoder_status())
         into.max_batch = self.cost.max_batch
+        into.utilization = self.utilization() or 0.0
 
     @property
     def pricing(self) -> SloController:

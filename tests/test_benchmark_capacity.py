@@ -61,6 +61,8 @@ def test_capacity_mode_opens_streams_until_admission_refuses_one_and_writes_the_
     assert row["mean_batch"] >= 1 and len(row["stages"]) == 2 and all(st["batches"] > 0 for st in row["stages"])
     assert row["memory"]["decoder_state_bytes_per_stream"] > 0  # the gateway's tiny decoder state
     assert row["frames_delivered"] > 0 and row["gateway_cpu_ms_per_frame"] > 0
+    # The model's busy share of the two admitted streams (36.8% each on this host), beside NVML's (none on a CPU).
+    assert row["priced_busy_pct"] == pytest.approx(73.6, abs=0.5) and row["gpu_busy"] is None
     assert row["slo_model"]["vae_source"] in ("none", "operator", "gateway")  # what admission priced the decode at
     # This row's decoder as priced when the first stream opened, and after the window: --slo-stage-ms fixes the
     # model (--slo-fixed), so the gateway's reports are not counted and the decode costs the operator's 0.

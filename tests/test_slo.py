@@ -161,6 +161,8 @@ def test_the_engine_plans_step_changes_and_refuses_past_capacity_with_a_retry_de
     assert [(s.stream_id, s.steps) for s in status.streams] == [(a.id, 2), (b.id, 1)]
     # Beside two streams at min 1 step (40%), 50 ms x 4 chunks/s = 20% more per stream at 1 step: 2.5 streams.
     assert [(c.steps, round(c.streams, 2)) for c in status.capacity] == [(1, 2.5), (2, 1.25), (3, 0.83), (4, 0.62)]
+    assert status.utilization == pytest.approx(eng.utilization())  # the model's busy share of the open set
+    assert status.utilization == pytest.approx(0.6, abs=0.01)  # 2 x 4 x 2 x 50 ms + 4 x 50 ms a second
     open_stream()
     open_stream()
     with pytest.raises(AdmissionError) as info:

@@ -47,8 +47,9 @@ def gateway_pid(launcher) -> int | None:
 
 
 class StatusSampler:
-    """While a capacity row's streams run: the coordinator's per-stream steps (the SLO controller's choice) and the
-    stages' KV bytes, and the gateway's decoder state bytes, sampled every ``period`` seconds.
+    """While a capacity row's streams run: the coordinator's per-stream steps (the SLO controller's choice), the
+    model's busy share of the open set (``ClusterStatus.utilization``) and the stages' KV bytes, and the gateway's
+    decoder state bytes, sampled every ``period`` seconds.
 
     Fields read with ``getattr`` (a status without them samples 0 and the row says None): ``StageDescription.kv_bytes``
     / ``kv_reserved_bytes`` / ``open_streams`` (coordinator), ``GatewayStatus.vae_state_bytes`` and
@@ -61,6 +62,7 @@ class StatusSampler:
         self.kv_reserved_per_stream: list[float] = []
         self.vae_per_stream: list[float] = []  # gateway vae_state_bytes / its active streams
         self.vae_stream_bytes: list[int] = []  # each StreamStatus.vae_state_bytes seen
+        self.priced: list[float] = []  # ClusterStatus.utilization: the SLO model's busy share of the open set
         self.errors = 0
         self._stages: dict = {}  # stage address -> StageService stub
         self._stop = threading.Event()
@@ -77,6 +79,8 @@ class StatusSampler:
 
     def _sample(self) -> None:
         status = coordinator_status(self.coordinator, self.launcher)
+        if getattr(status, "utilization", 0.0) > 0:
+            self.priced.append(float(status.utilization))
         for s in status.streams:
             per = self.steps.setdefault(int(s.stream_id), {})
             steps = int(getattr(s, "steps", 0))
@@ -337,6 +341,8 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
         },
         "gateway_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
         "gpu_busy": busy.summary(),  # NVML over the window: what the admitted set really kept each GPU busy
+        # What admission's model priced the same set at over the window (its bottleneck's busy share, percent).
+        "priced_busy_pct": round(100 * mean(sampler.priced), 1) if sampler.priced else None,
         "frames_delivered": delivered,
         "frames_due": frames,
         "gateway_cpu_ms_per_frame": (

@@ -605,7 +605,7 @@ class StartupProgress(_message.Message):
     def __init__(self, process: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StartupStep, _Mapping]]] = ..., ready: _Optional[bool] = ..., ready_s: _Optional[float] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch", "slots_free", "slots_total", "startup")
+    __slots__ = ("generation", "ready", "world_size", "stages", "active_streams", "stage_stats", "streams", "capacity", "cfg_parallel", "vae_chunk_ms", "vae_source", "calibrated_stages", "decoders", "max_batch", "slots_free", "slots_total", "startup", "utilization")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -623,6 +623,7 @@ class ClusterStatus(_message.Message):
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     generation: int
     ready: bool
     world_size: int
@@ -640,4 +641,5 @@ class ClusterStatus(_message.Message):
     slots_free: int
     slots_total: int
     startup: _containers.RepeatedCompositeFieldContainer[StartupProgress]
-    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., startup: _Optional[_Iterable[_Union[StartupProgress, _Mapping]]] = ...) -> None: ...
+    utilization: float
+    def __init__(self, generation: _Optional[int] = ..., ready: _Optional[bool] = ..., world_size: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageDescription, _Mapping]]] = ..., active_streams: _Optional[int] = ..., stage_stats: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., streams: _Optional[_Iterable[_Union[StreamProgress, _Mapping]]] = ..., capacity: _Optional[_Iterable[_Union[Capacity, _Mapping]]] = ..., cfg_parallel: _Optional[int] = ..., vae_chunk_ms: _Optional[float] = ..., vae_source: _Optional[str] = ..., calibrated_stages: _Optional[_Iterable[int]] = ..., decoders: _Optional[_Iterable[_Union[DecoderCostStatus, _Mapping]]] = ..., max_batch: _Optional[int] = ..., slots_free: _Optional[int] = ..., slots_total: _Optional[int] = ..., startup: _Optional[_Iterable[_Union[StartupProgress, _Mapping]]] = ..., utilization: _Optional[float] = ...) -> None: ...
