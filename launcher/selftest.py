@@ -91,7 +91,11 @@ class SelftestConfig:
     # plan and replayed by the reference.
     adaptive: bool = False
     chunk_rate: float = 4.0
-    stage_ms: float = 174.0
+    # 160 ms a forward of one micro-step, 5% more a micro-step: 46 ms each in batches of 4.  One stream at 3 steps
+    # takes 55% of the bottleneck and two 110%, so steps fall; two clean streams at 1 step (2 passes) 74%, whose start
+    # together (x 1.25: each one's first second holds one chunk more, coordinator/slo.py, "Admission") stays within
+    # 100%: both are admitted.
+    stage_ms: float = 160.0
     guidance: list[float] = field(default_factory=lambda: [1.0])  # guidance scales, cycled like the ladders
     cfg_parallel: int = 1  # 2: two pipelines of ``stages`` stages, one per CFG branch
     prompt_update: bool = False  # every text stream changes its prompt after its first chunk
@@ -508,8 +512,8 @@ def adaptive_args(cfg: SelftestConfig) -> list[str]:
     # ``stage_ms`` is what one micro-step costs the pipeline's bottleneck: each stage's on devices of their own, and
     # on one CPU host, where a micro-step costs the stages' sum (coordinator/slo.py, "A CPU host"), a share of it.
     per_stage = cfg.stage_ms / cfg.stages if cfg.device == "cpu" else cfg.stage_ms
-    # Off the pace grid: ``stage_ms`` is sized for the average-batch model (one stream at 3 steps 60% of the
-    # bottleneck, two 120%), which lowers steps while both streams are admitted; the grid prices each period's own
+    # Off the pace grid: ``stage_ms`` is sized for the average-batch model (one stream at 3 steps 55% of the
+    # bottleneck, two 110%), which lowers steps while both streams are admitted; the grid prices each period's own
     # batches (tests/test_slo_grid.py), and on a CPU host it refuses the second stream.
     fixed = CoordinatorOptions(stages=cfg.stages, stage_ms=[per_stage] * cfg.stages, slo_learn=False, pace_grid=False)
     return to_argv(fixed, only=["stage_ms", "slo_learn", "pace_grid"])  # --stage-ms ... --slo-fixed --no-pace-grid
