@@ -675,8 +675,10 @@ class SloController:
         util = self.utilization(every, {d.stream_id: d.min_steps for d in every})
         if util is None:
             return True
+        if util > self.target:
+            return False  # the steady set does not fit: its start need not be priced
         start = self.startup_utilization(every)
-        return util <= self.target and (start is None or start <= STARTUP_UTILIZATION)
+        return start is None or start <= STARTUP_UTILIZATION
 
     def startup_utilization(self, demands: list[Demand]) -> float | None:
         """The busy share of ``demands`` at their min_steps while the starting ones (``Demand.starting``) start: the
