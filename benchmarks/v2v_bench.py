@@ -30,7 +30,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -120,7 +119,7 @@ class V2VRecord:
             self.error = f"{type(exc).__name__}: {exc}"
         return self
 
-    def json(self, dropped: int | None) -> dict:
+    def json(self) -> dict:
         stats = frame_stats(self.arrivals, self.args.live_fps) if self.arrivals else {}
         lat = self.latencies_ms
         return {
@@ -128,7 +127,7 @@ class V2VRecord:
             "ttff_s": self.tr.ttff,
             "input_frames": self.tr.frames_sent,
             "output_frames": len(self.arrivals),
-            "input_dropped": dropped,
+            "input_dropped": self.tr.end.input_dropped if self.tr.end else None,  # the gateway's count (LIVE)
             "end": self.tr.end.reason if self.tr.end else None,
             "latency_ms": {
                 "p50": percentile(lat, 0.5) if lat else None,
@@ -138,24 +137,6 @@ class V2VRecord:
             **stats,
             "error": self.error,
         }
-
-
-def dropped_of(client, pipeline_id: int, seen: dict) -> None:
-    """Watch the gateway's status for the stream and keep its last input_frames_dropped (streams leave the status
-    when they end)."""
-
-    def watch():
-        try:
-            for status in client.watch_status(timeout=3600):
-                for s in status.streams:
-                    if s.pipeline_stream_id == pipeline_id or not pipeline_id:
-                        seen["dropped"] = s.input_frames_dropped
-                if seen.get("done"):
-                    return
-        except Exception:  # noqa: BLE001 - the figure is then missing, not wrong
-            return
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def run(args, root: Path, device_kind: str) -> dict:
@@ -170,15 +151,11 @@ def run(args, root: Path, device_kind: str) -> dict:
         log("ready")
         with stagecast.Client(gateway) as client:
             warm = V2VRecord(client, args, args.warmup_frames, PROMPT, live_fps=None).run()
-            out["warmup"] = warm.json(None)
+            out["warmup"] = warm.json()
             log("warm-up stream")
             for name, live in (("throughput", None), ("live", args.live_fps)):
-                seen: dict = {}
-                dropped_of(client, 0, seen)
                 frames = int(args.seconds * args.live_fps)
-                rec = V2VRecord(client, args, frames, PROMPT, live_fps=live).run()
-                seen["done"] = True
-                out[name] = rec.json(seen.get("dropped"))
+                out[name] = V2VRecord(client, args, frames, PROMPT, live_fps=live).run().json()
                 log(name)
     return out
 

@@ -97,9 +97,11 @@ def test_v2v_bench_smoke_mode_measures_throughput_and_live_latency(tmp_path):
     for name in ("throughput", "live"):
         row = r["system"][name]
         # 16 input frames (1 s at 16 FPS): 1 + 4 * 3 fill chunks, and the last 3 a chunk that a repeat of the last
-        # frame completes: all 16 come back restyled, in pts order.
+        # frame completes: every frame the gateway did not drop comes back restyled, in pts order.  A live input
+        # drops what the pipeline is behind on (on a loaded host, the first frames while the first encode runs), and
+        # the stream's End counts them.
         assert row["error"] is None and row["end"] == "stopped", row
-        assert row["input_frames"] == 16 and row["output_frames"] == 16
+        assert row["input_frames"] == 16 and row["output_frames"] + row["input_dropped"] == 16, row
         lat = row["latency_ms"]
         assert 0 < lat["p50"] <= lat["p95"] <= lat["max"]
     assert r["system"]["throughput"]["input_dropped"] == 0  # backpressure drops nothing

@@ -477,8 +477,7 @@ class StreamRun:
             if self.outcome is not None:
                 return
             self.outcome = reason
-        self.out.put_final(
-            pb.ServerMessage(
-                end=pb.End(reason=api.end_reason_value(reason), frames=self.frames_emitted, trailer=trailer)
-            )
-        )
+        end = pb.End(reason=api.end_reason_value(reason), frames=self.frames_emitted, trailer=trailer)
+        if self.input is not None:
+            end.input_frames_dropped = self.input.dropped
+        self.out.put_final(pb.ServerMessage(end=end))

@@ -368,7 +368,8 @@ class _StreamState:
         elif kind == "prompt_updated":
             self.prompt_updates.append(msg.prompt_updated.prompt)
         elif kind == "end":
-            self.end = EndInfo(api.end_reason_name(msg.end.reason), msg.end.frames, msg.end.trailer)
+            end = msg.end
+            self.end = EndInfo(api.end_reason_name(end.reason), end.frames, end.trailer, end.input_frames_dropped)
         return None
 
     def _note_gap(self, now: float, index: int) -> None:

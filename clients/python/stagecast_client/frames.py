@@ -178,6 +178,7 @@ class EndInfo:
     reason: str  # "completed" | "stopped" (the wire's EndReason)
     frames: int
     trailer: bytes = b""
+    input_dropped: int = 0  # video-to-video (LIVE): input frames the gateway dropped, the pipeline being behind
 
 
 class Mp4Writer:

@@ -243,14 +243,16 @@ class PromptUpdated(_message.Message):
     def __init__(self, prompt: _Optional[str] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("reason", "frames", "trailer")
+    __slots__ = ("reason", "frames", "trailer", "input_frames_dropped")
     REASON_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     reason: EndReason
     frames: int
     trailer: bytes
-    def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., frames: _Optional[int] = ..., trailer: _Optional[bytes] = ...) -> None: ...
+    input_frames_dropped: int
+    def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., frames: _Optional[int] = ..., trailer: _Optional[bytes] = ..., input_frames_dropped: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("started", "frame", "prompt_updated", "end")
