@@ -50,6 +50,7 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -433,6 +434,12 @@ class Generation(_StreamState):
         self._outbox: queue.Queue = queue.Queue()
         self._outbox.put(pb.ClientMessage(config=config))
         self._call = self._stub.Generate(_drain(self._outbox), timeout=self._timeout)
+        self._call_over = False  # the call ended (End, its status or an error) and our side is closed
+
+    def _close_side(self) -> None:
+        """The call is over: end the request iterator (gRPC's sending thread returns)."""
+        self._call_over = True
+        _put_done(self._outbox)
 
     def _read(self) -> pb.ServerMessage | None:
         """The next server message, None at the end of the call; raises the SDK error for a failed call (after the
@@ -441,13 +448,13 @@ class Generation(_StreamState):
             try:
                 msg = next(self._call)
                 if msg.WhichOneof("msg") == "end":
-                    _put_done(self._outbox)  # nothing more to send: close our side before the call's status
+                    self._close_side()  # nothing more to send: close our side before the call's status
                 return msg
             except StopIteration:
-                _put_done(self._outbox)
+                self._close_side()
                 return None
             except grpc.RpcError as exc:
-                _put_done(self._outbox)
+                self._close_side()
                 if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                     return None
                 error = from_rpc_error(exc)
@@ -500,7 +507,7 @@ class Generation(_StreamState):
         """End the stream now; iteration stops.  The gateway frees the stream's pipeline and VAE state."""
         self._cancelled = True
         self._call.cancel()
-        self._outbox.put(_DONE)
+        _put_done(self._outbox)
 
     def collect(self) -> list[Frame]:
         return list(self)
@@ -524,10 +531,13 @@ class Generation(_StreamState):
             self.cancel()
 
     def __del__(self) -> None:
-        # A dropped, unfinished generation must not keep its stream (and the gateway's resources) alive.
-        if self.end is None and not self._cancelled and hasattr(self, "_call"):
-            self._call.cancel()
-            self._outbox.put(_DONE)
+        # A dropped, unfinished generation must not keep its stream (and the gateway's resources) alive.  One whose
+        # call is over touches nothing: at the interpreter's exit (a generation in a reference cycle, such as a
+        # refused one held by its exception's traceback, is finalized then), the request queue's lock may be held by
+        # gRPC's sending thread, a daemon thread that the exit stopped for good, and taking it would hang the exit.
+        if getattr(self, "_call_over", True) or self._cancelled or sys.is_finalizing():
+            return
+        self.cancel()
 
 
 class Transform(Generation):
@@ -556,6 +566,7 @@ class Transform(Generation):
         self._outbox = queue.Queue(maxsize=window)
         self._outbox.put(pb.ClientMessage(config=config))
         self._call = stub.Generate(_drain(self._outbox), timeout=timeout)
+        self._call_over = False
         fps = _input_fps(config)
         self._sender = threading.Thread(
             target=self._send_frames, args=(frames, fps, input_format, input_quality), daemon=True, name="transform"
@@ -577,7 +588,7 @@ class Transform(Generation):
 
     def _put(self, msg) -> bool:
         """Blocks while ``window`` messages wait; False once the call is over."""
-        while not self._cancelled and self.end is None:
+        while not self._cancelled and not self._call_over:
             try:
                 self._outbox.put(msg, timeout=0.5)
                 return True
@@ -596,17 +607,6 @@ class Transform(Generation):
 
     def stop(self) -> None:
         self._put(pb.ClientMessage(stop=pb.Stop()))
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()
-        _put_done(self._outbox)
-
-    def __del__(self) -> None:
-        if self.end is None and not self._cancelled and hasattr(self, "_call"):
-            self._cancelled = True
-            self._call.cancel()
-            _put_done(self._outbox)
 
 
 def _put_done(outbox: queue.Queue) -> None:
