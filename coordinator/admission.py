@@ -7,10 +7,10 @@ Usage (``PipelineEngine.open`` and ``PipelineEngine.slots`` call it under the en
     table.open(request, reservation)                                         # the stream holds it while it is open
     admission.decide(request, table.admitted().plus(reservation), ...)       # a dry run: one more beside it
 
-``Admission`` prices a stream through a ``Pricing`` (the SLO controller: ``admits``, ``utilization``,
-``micro_step_ms``) and its KV on each stage once; ``decide`` answers a ``Reservation`` (the KV it holds per stage and
-its demand on the controller) or raises.  The open streams come in as an ``Admitted`` value: admission keeps no view of
-the stream table.  ``admit`` is the order of the checks over an ``AdmissionState``:
+``Admission`` prices a stream through a ``Pricing`` (the SLO controller: ``price``, a ``Fit`` with the shares that
+decided, and ``micro_step_ms``) and its KV on each stage once; ``decide`` answers a ``Reservation`` (the KV it holds
+per stage and its demand on the controller) or raises.  The open streams come in as an ``Admitted`` value: admission
+keeps no view of the stream table.  ``admit`` is the order of the checks over an ``AdmissionState``:
 
 The order: the pipeline is formed (UNAVAILABLE), the stream-count cap (RESOURCE_EXHAUSTED), the stream against the
 model (INVALID_ARGUMENT, ``stagecast.model.config.check_spec``), then KV memory (RESOURCE_EXHAUSTED), then capacity
@@ -39,7 +39,7 @@ import grpc
 from coordinator.errors import AdmissionError
 from coordinator.registry import StageRegistry
 from coordinator.requests import OpenRequest
-from coordinator.slo import STARTUP_UTILIZATION, Demand
+from coordinator.slo import STARTUP_UTILIZATION, Demand, Fit
 from stagecast.internal.v1 import pipeline_pb2 as pb
 from stagecast.kv_memory import format_bytes, max_context_frames, stream_kv_bytes
 from stagecast.microstep import StreamSpec
@@ -59,11 +59,7 @@ class Pricing(Protocol):
 
     target: float  # the bottleneck stage's busy share a held set may need at most
 
-    def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool: ...
-
-    def utilization(self, demands: list[Demand], steps: dict[int, int] | None = None) -> float | None: ...
-
-    def startup_utilization(self, demands: list[Demand]) -> float | None: ...
+    def price(self, newcomer: Demand, admitted: list[Demand]) -> Fit: ...
 
     def micro_step_ms(self) -> float | None: ...
 
@@ -355,23 +351,20 @@ class Admission:
         if newcomer.chunk_rate <= 0 or self.pricing.micro_step_ms() is None:
             return None
         demands = list(admitted.demands)
-        if self.pricing.admits(newcomer, demands):
+        fit = self.pricing.price(newcomer, demands)
+        if fit.fits:
             return Capacity(True)
-        every = demands + [newcomer]
-        need = self.pricing.utilization(every, {d.stream_id: d.min_steps for d in every}) or 0.0
-        # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
         streams = (
             f"{len(demands)} streams at their min_steps and this one at {newcomer.min_steps} steps on the "
             f"{newcomer.decoder} decoder"
         )
-        if need <= self.pricing.target:  # the steady set fits: their start does not
-            start = self.pricing.startup_utilization(every) or 0.0
-            starting = sum(d.starting for d in every)
+        if fit.start is not None:  # the steady set fits: their start does not
             detail = (
-                f"{streams} fit, but {starting} of them starting at once would need {start:.0%} of "
+                f"{streams} fit, but {fit.starting} of them starting at once would need {fit.start:.0%} of "
                 f"{self.pricing.bottleneck} (the limit while streams start is {STARTUP_UTILIZATION:.0%})"
             )
             return Capacity(False, detail, STARTUP_RETRY_S)
         limit = f"the limit is {self.pricing.target:.0%}"
-        detail = f"{streams} would need {need:.0%} of {self.pricing.bottleneck} ({limit})"
+        detail = f"{streams} would need {fit.steady or 0.0:.0%} of {self.pricing.bottleneck} ({limit})"
+        # Capacity comes back when a bounded stream ends: the soonest one's remaining chunks at its pace.
         return Capacity(False, detail, admitted.retry_after_s)

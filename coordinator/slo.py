@@ -10,6 +10,7 @@ Usage (the engine calls it under its lock; ``stagecast simulate --controller`` d
     ctl = SloController(cost)
     steps = ctl.decide([Demand(1, chunk_rate=4.0, allowed=(1, 2, 3, 4), decoder="tiny"), ...])  # {stream: steps}
     ctl.admits(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)                       # capacity admission
+    ctl.price(Demand(9, chunk_rate=4.0, allowed=(1, 2)), admitted)     # Fit(fits, steady, start, starting): why
     ctl.capacity_streams(admitted, chunk_rate=4.0, steps=1, decoder="tiny")               # streams at 16 FPS left
 
 **The model.** A stage forward of a batch of b micro-steps costs ``a_p + g_p * b`` ms on stage p (small batches are
@@ -222,6 +223,17 @@ def _levels(steps: int, clean: bool) -> int:
     """Micro-steps per chunk at ``steps`` (``stagecast.microstep.chunk_levels``; the controller knows only whether
     the policy is ``clean``)."""
     return chunk_levels(steps, "clean" if clean else "per_level")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The SLO model's verdict on a newcomer beside the admitted streams (``SloController.price``): whether it fits,
+    and the shares of the bottleneck that decided, each None where it was not priced."""
+
+    fits: bool
+    steady: float | None = None  # the set with the newcomer, everyone at min_steps
+    start: float | None = None  # the same while its starting streams start (priced only when the steady set fits)
+    starting: int = 0  # streams of that set starting at once
 
 
 @dataclass
@@ -664,21 +676,26 @@ class SloController:
             steps = trial
         return steps
 
-    def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool:
+    def price(self, newcomer: Demand, admitted: list[Demand]) -> Fit:
         """Whether ``newcomer`` fits beside ``admitted`` with everyone at min_steps, and their start with it
-        (``startup_utilization``; True while unmeasured)."""
+        (``startup_utilization``), with the shares that decided (it fits while unmeasured)."""
         if newcomer.chunk_rate <= 0:
-            return True  # best-effort
+            return Fit(True)  # best-effort
         if not any(d.chunk_rate > 0 for d in admitted):
-            return True  # alone it pushes no admitted stream below its rate; refusing it would serve no one
+            return Fit(True)  # alone it pushes no admitted stream below its rate; refusing it would serve no one
         every = admitted + [newcomer]
         util = self.utilization(every, {d.stream_id: d.min_steps for d in every})
         if util is None:
-            return True
+            return Fit(True)
         if util > self.target:
-            return False  # the steady set does not fit: its start need not be priced
+            return Fit(False, steady=util)  # the steady set does not fit: its start need not be priced
         start = self.startup_utilization(every)
-        return start is None or start <= STARTUP_UTILIZATION
+        starting = sum(d.starting for d in every)
+        return Fit(start is None or start <= STARTUP_UTILIZATION, steady=util, start=start, starting=starting)
+
+    def admits(self, newcomer: Demand, admitted: list[Demand]) -> bool:
+        """``price(...).fits``."""
+        return self.price(newcomer, admitted).fits
 
     def startup_utilization(self, demands: list[Demand]) -> float | None:
         """The busy share of ``demands`` at their min_steps while the starting ones (``Demand.starting``) start: the
