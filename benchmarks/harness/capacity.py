@@ -46,7 +46,40 @@ def gateway_pid(launcher) -> int | None:
     return None
 
 
-class StatusSampler:
+class Sampler:
+    """Calls ``_sample()`` every ``period`` seconds on a thread of its own while the ``with`` block runs (a sample that
+    raises is counted in ``errors`` and skipped); a subclass with nothing to sample sets ``active`` False."""
+
+    active = True
+
+    def __init__(self, period: float):
+        self.period = period
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._sample()
+            except Exception:  # noqa: BLE001 - a missed sample
+                self.errors += 1
+
+    def __enter__(self):
+        if self.active:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+class StatusSampler(Sampler):
     """While a capacity row's streams run: the coordinator's per-stream steps (the SLO controller's choice), the
     model's busy share of the open set (``ClusterStatus.utilization``) and the stages' KV bytes, and the gateway's
     decoder state bytes, sampled every ``period`` seconds.
@@ -56,17 +89,15 @@ class StatusSampler:
     ``StreamStatus.vae_state_bytes`` (gateway)."""
 
     def __init__(self, coordinator: str, launcher, client, period: float = 0.5):
-        self.coordinator, self.launcher, self.client, self.period = coordinator, launcher, client, period
+        super().__init__(period)
+        self.coordinator, self.launcher, self.client = coordinator, launcher, client
         self.steps: dict[int, dict[int, int]] = {}  # pipeline stream id -> steps -> samples
         self.kv_per_stream: list[float] = []  # sum over stages of kv_bytes / open_streams
         self.kv_reserved_per_stream: list[float] = []
         self.vae_per_stream: list[float] = []  # gateway vae_state_bytes / its active streams
         self.vae_stream_bytes: list[int] = []  # each StreamStatus.vae_state_bytes seen
         self.priced: list[float] = []  # ClusterStatus.utilization: the SLO model's busy share of the open set
-        self.errors = 0
         self._stages: dict = {}  # stage address -> StageService stub
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _describe(self, address: str):
         """A stage's own Describe (its actual KV bytes and open streams; the coordinator's copy may lag or be 0)."""
@@ -108,30 +139,15 @@ class StatusSampler:
             self.vae_per_stream.append(total / active)
         self.vae_stream_bytes += [int(getattr(s, "vae_state_bytes", 0)) for s in gw.streams if s.vae_state_bytes]
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                self._sample()
-            except Exception:  # noqa: BLE001 - a missed sample
-                self.errors += 1
 
-    def __enter__(self) -> StatusSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class GpuBusy:
+class GpuBusy(Sampler):
     """While a measured window runs: how busy each visible GPU was, from NVML's utilization (the share of each
     sample period, 1/6 s to 1 s, in which any kernel ran, whichever process launched it), read every ``period``
     seconds.  It sees what admission's model cannot: the stages' forwards, the decoder's calls and whatever runs
     between them, together.  ``summary()``: None where NVML is missing (a CPU run, or no ``nvidia-ml-py``)."""
 
     def __init__(self, period: float = 0.25):
-        self.period = period
+        super().__init__(period)
         self.samples: list[list[int]] = []  # per sample: each GPU's percent busy
         self._handles: list = []
         try:
@@ -142,15 +158,10 @@ class GpuBusy:
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         except Exception:  # noqa: BLE001 - no NVML here: nothing to sample
             self._nvml = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.active = bool(self._handles)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                self.samples.append([int(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles])
-            except Exception:  # noqa: BLE001 - a missed sample
-                pass
+    def _sample(self) -> None:
+        self.samples.append([int(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles])
 
     def summary(self) -> dict | None:
         """Per GPU, the mean and the 10th and 90th percentiles of the samples (percent busy), and how many."""
@@ -163,16 +174,6 @@ class GpuBusy:
             "p90_pct": [percentile(list(g), 0.90) for g in per_gpu],
             "samples": len(self.samples),
         }
-
-    def __enter__(self) -> GpuBusy:
-        if self._handles:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
 
 
 def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: float) -> dict:
