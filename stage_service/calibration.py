@@ -392,7 +392,7 @@ def _time_batch(runner, twins: list[list[int]], chunks: int, inputs, run, timer,
     for c in (0, chunks):
         if c:
             for ids in twins:
-                _fill_window(runner, ids, chunks)
+                fill_window(runner, ids, chunks)
         for k, ids in enumerate(twins):
             check(c)
             steps = [MicroStep(sid, c, 0) for sid in ids]
@@ -423,7 +423,7 @@ def synthetic_spec(
     )
 
 
-def _fill_window(runner: SliceRunner, ids: list[int], chunk: int) -> None:
+def fill_window(runner: SliceRunner, ids: list[int], chunk: int) -> None:
     """Make ``chunk`` of each stream see a full window without running the chunks before it: the K/V its chunk 0
     wrote stand in for every earlier frame (the cost of attention depends on how much context there is, not on its
     values)."""

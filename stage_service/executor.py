@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_service.host_copy import HostTensor, to_host
 from stage_service.metrics import BatchTiming, StageTelemetry
 from stage_service.runner import SliceRunner
 from stage_service.transport import PeerLost, PipeTransport, TransportAborted
@@ -72,7 +73,7 @@ class ExecutorEvent:
     seq: int
     stream_id: int = 0
     chunk: int = 0
-    latents: torch.Tensor | None = None
+    latents: HostTensor | None = None  # "chunk": the finished chunk's latents, on their way to the host
     message: str = ""
     forward_ms: float = 0.0
     wait_ms: float = 0.0
@@ -302,7 +303,7 @@ class StageExecutor:
                         item.seq,
                         stream_id=res.step.stream,
                         chunk=res.step.chunk,
-                        latents=res.finished,
+                        latents=to_host(res.finished),  # its copy starts now, behind the kernels that made it
                         steps=runner.spec_at(res.step.stream, res.step.chunk).steps,
                         finished_with=finished,
                     )

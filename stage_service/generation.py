@@ -229,7 +229,7 @@ class Generation:
                 chunk=pb.ChunkResult(
                     stream_id=ev.stream_id,
                     chunk=ev.chunk,
-                    latents=wire.tensor_to_proto(ev.latents),
+                    latents=wire.tensor_to_proto(ev.latents.wait()),
                     seq=ev.seq,
                     steps=ev.steps,
                     finished_with=ev.finished_with,

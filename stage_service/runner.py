@@ -38,6 +38,7 @@ import torch
 
 from stage_service.dit_slice import AttentionContext, Conditioning, DiTSlice
 from stage_service.graphs import GraphedBlocks
+from stage_service.host_copy import to_device
 from stage_service.kv_cache import KVOrderError, StreamKVCache
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stage_service.sampler import FlowSampler, chunk_noise
@@ -77,7 +78,7 @@ class _Stream:
         if self.image is None or chunk != 0:
             return x
         x = x.clone()
-        x[:, :, 0:1] = self.image.to(x.device, x.dtype)
+        x[:, :, 0:1] = to_device(self.image, x.device).to(x.dtype)
         return x
 
     samplers: dict[tuple[float, ...], FlowSampler] = field(default_factory=dict)
@@ -209,7 +210,9 @@ class SliceRunner:
         self.set_prompt(spec.stream_id, 0, text)
         if negative_text is not None and 1 in kv:
             with torch.no_grad():
-                stream.negative = self.slice.cross_kv(self.slice.embed_text(negative_text.to(self.slice.device)))
+                stream.negative = self.slice.cross_kv(
+                    self.slice.embed_text(to_device(negative_text, self.slice.device))
+                )
 
     def branches(self, spec: StreamSpec) -> tuple[int, ...]:
         return stream_branches(spec, self.cfg_rank, self.cfg_size)
@@ -231,7 +234,7 @@ class SliceRunner:
         if 0 not in self.branches(stream.spec):
             return  # CFG-parallel group 1 runs a guided stream's unconditional branch only
         with torch.no_grad():
-            kv = self.slice.cross_kv(self.slice.embed_text(text.to(self.slice.device)))
+            kv = self.slice.cross_kv(self.slice.embed_text(to_device(text, self.slice.device)))
         stream.prompts = [p for p in stream.prompts if p[0] < from_chunk] + [(from_chunk, kv)]
 
     def set_steps(self, stream_id: int, from_chunk: int, timesteps) -> None:
@@ -344,7 +347,7 @@ class SliceRunner:
         hidden = self._input_hidden(steps, rows, inputs)
         tokens = hidden.shape[1] * self.sp.size
         timesteps = self._timesteps(streams, specs, rows, tokens, f)
-        cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
+        cond = sl.condition(to_device(timesteps, sl.device), tokens=tokens)
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
             block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
@@ -380,7 +383,7 @@ class SliceRunner:
             return inputs
         if inputs is not None:
             raise ValueError("the first slice takes its latents from the store, not from inputs")
-        latents = {st: self.take_latent(st).to(sl.device) for st in steps if self.computes(st)}
+        latents = {st: to_device(self.take_latent(st), sl.device) for st in steps if self.computes(st)}
         if sl.last:
             # One process owns both ends: remember each input for the sampler step in finish().
             self._inputs = latents
@@ -456,7 +459,7 @@ class SliceRunner:
             if spec.policy == "per_level":  # row r is rebuilt from the clean latent re-noised to level r
                 sigma = sampler.sigmas[row]
                 x = (1.0 - sigma) * x + sigma * chunk_noise(spec, chunk, row)
-            hidden = sl.embed(stream.with_image(chunk, x).to(sl.device))
+            hidden = sl.embed(to_device(stream.with_image(chunk, x), sl.device))
         else:
             if inputs is None:
                 raise ValueError("a slice after the first needs the previous slice's hidden states")
@@ -467,7 +470,7 @@ class SliceRunner:
         if stream.image is not None and chunk == 0:
             timesteps = timesteps[:, None].expand(-1, tokens).clone()
             timesteps[0, : tokens // f] = 0.0
-        cond = sl.condition(timesteps.to(sl.device), tokens=tokens)
+        cond = sl.condition(to_device(timesteps, sl.device), tokens=tokens)
         window = context_frames(spec, from_chunk, self.rope_limit)
         view = stream.kv[0].recache_view(chunk, row, window)
         ctx = AttentionContext(
@@ -523,7 +526,7 @@ class SliceRunner:
                 v = combine_guidance(own[0], own[1].to(own[0].device), spec.guidance_scale)
             else:
                 v = own[0]
-            x = inputs[st].to(flow.device)
+            x = to_device(inputs[st], flow.device)
             nxt = stream.sampler(spec).step(
                 x, v, st.level, noise=lambda st=st, spec=spec: chunk_noise(spec, st.chunk, st.level + 1)
             )

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from stage_service.host_copy import to_device
 from stagecast.microstep import StreamSpec
 from stagecast.sampling import model_timestep, sigmas
 
@@ -59,4 +60,4 @@ class FlowSampler:
             return x0
         if noise is None:
             raise ValueError("the x0 rule needs fresh noise for every level but the last")
-        return (1.0 - sigma_next) * x0 + sigma_next * noise().to(x0.device)
+        return (1.0 - sigma_next) * x0 + sigma_next * to_device(noise(), x0.device)
