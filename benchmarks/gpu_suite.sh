@@ -45,6 +45,9 @@
 #   bash benchmarks/gpu_suite.sh fused-kernels # the fused lever's kernels alone at batch 1 and 4: us, MB, TB/s against a
 #                                         # copy's, compiled dynamic (the lever) and static, RoPE without strided
 #                                         # writes (benchmarks/fused_kernels.py, ~1 min)
+#   bash benchmarks/gpu_suite.sh host-sync # a stage's batches (1.3B, batch 1 and 4, the DIT_LEVERS, fused@rows unless
+#                                         # set): the CUDA syncs each makes, back to back against one at a time
+#                                         # (benchmarks/host_sync.py, one GPU, ~2 min)
 #   bash benchmarks/gpu_suite.sh attention-check # grouped self-attention (one SDPA per group of equal KV context) against
 #                                         # the per-item loop: one stage's blocks (1.3B, 14B) at batch 1, 2, 4 with full
 #                                         # 6-frame windows, eager and graphed, ms and max difference
@@ -233,6 +236,10 @@ for part in "$@"; do
       ;;
     attention-check)
       timeout 500 python -m benchmarks.attention_check --json "$out/attention_check.json"
+      ;;
+    host-sync)
+      timeout 300 python -m benchmarks.host_sync --dit-levers "${DIT_LEVERS:-fused@rows}" --batches 1,4 \
+        --json "$out/host_sync_1gpu.json"
       ;;
     fp8)
       need_torchao || { echo "fp8: torchao is not installed and .whl-fp8/ has no wheel"; exit 1; }
