@@ -16,7 +16,9 @@ Per batch size b (b streams, each chunk one latent frame at a full KV window of 
 - ``one_at_a_time_ms``: the same batches, each submitted once the previous one's latents were on the host: the
   GPU waits for every batch's host work (what a batch cost while its noise copy synchronized);
 - ``span_ms``: the median of the executor's own timings (``BatchDone.timed``, CUDA events), what the SLO model
-  learns from.
+  learns from;
+- ``calibrated_ms``: the stage's calibration at that size (``stage_service.calibration``, full window, graphed): what
+  admission prices a batch at (times ``--gpu-sharing``), each forward timed alone.
 
 ``one_at_a_time_ms - back_to_back_ms`` is the host work a batch no longer makes the GPU wait for.  On a CPU the
 timings are wall times and ``syncs`` is not counted (None).
@@ -36,7 +38,7 @@ import torch
 
 from benchmarks.dit_levers import commit
 from benchmarks.fp8_check import parse_batches, versions
-from stage_service.calibration import ServingShape, fill_window, synthetic_spec
+from stage_service.calibration import ServingShape, calibrate, fill_window, synthetic_spec
 from stage_service.checkpoint import random_slice_state_dict
 from stage_service.dit_levers import apply_levers, parse_levers
 from stage_service.dit_slice import DiTSlice
@@ -198,8 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in args.batches:
         row = measure(sl, b, args)
-        print(json.dumps(row), flush=True)
         rows.append(row)
+    shape = ServingShape(args.chunk_frames, args.height, args.width, args.text_len)
+    cal = calibrate(sl, max(args.batches), shape, budget_s=120.0, graphs=True, window=args.window)
+    for row in rows:
+        b = row["batch"]
+        row["calibrated_ms"] = round(cal.full_ms[b - 1], 3) if b <= len(cal.full_ms) else None
+        print(json.dumps(row), flush=True)
+    if cal.error:
+        print(f"calibration: {cal.error}", flush=True)
     result = {
         "benchmark": "host_sync",
         "commit": commit(),
@@ -210,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "dit_levers": args.dit_levers,
         "shape": [args.chunk_frames, args.height, args.width, args.text_len, args.window],
         "rows": rows,
+        "calibration_error": cal.error,
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -33,3 +33,4 @@ def test_the_host_sync_benchmark_times_a_stages_batches_both_ways(tmp_path):
     for row in result["rows"]:
         assert row["syncs"] is None  # counted on a GPU only
         assert row["back_to_back_ms"] > 0 and row["one_at_a_time_ms"] > 0 and row["span_ms"] > 0
+        assert row["calibrated_ms"] > 0  # the stage's own calibration at that size, beside them
