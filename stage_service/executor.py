@@ -401,5 +401,6 @@ class StageExecutor:
             timed=timed,
         )
         self.on_event(done)
+        runner.prefetch_noise(steps)  # while the GPU runs this batch (no wait on it above)
         if self.telemetry is not None:
             self.telemetry.batch(item, timing)  # after the done report: spans are off the critical path

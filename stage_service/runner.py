@@ -71,6 +71,8 @@ class _Stream:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     # Image-to-video (``spec.image_latents``): the clean latent of the stream's frame 0, (1, C, 1, h, w).
     image: torch.Tensor | None = None
+    # A chunk's level-0 noise made ahead (``SliceRunner.prefetch_noise``), on its way to the device: (chunk, noise).
+    noise_ahead: tuple[int, torch.Tensor] | None = None
 
     def with_image(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
         """``x`` with the stream's frame 0 set to the image latent: ``(1 - mask) * condition + mask * latents`` of
@@ -253,6 +255,7 @@ class SliceRunner:
             kv.clear()
         stream.latents.clear()
         stream.inputs.clear()
+        stream.noise_ahead = None
         if self.graphs is not None:
             self.graphs.forget_text([kv for _, kv in stream.prompts] + ([stream.negative] if stream.negative else []))
         stream.prompts.clear()
@@ -308,11 +311,36 @@ class SliceRunner:
         if (self.slice.first or self.slice.last) and self.branches(stream.spec):  # (CFG group 1 skips unguided)
             stream.inputs[chunk] = latents.float()
 
+    def prefetch_noise(self, steps) -> None:
+        """Make the level-0 noise of the chunk after each text stream's level-0 step in ``steps`` now, and start its
+        copy to the device (``take_latent`` takes it): the executor calls this once a batch is launched, so the host
+        draws the noise while the GPU runs that batch rather than while the next batch waits for it (a 480x832 chunk's
+        noise is 100k draws on the CPU, about half a millisecond).  The same draws as ``chunk_noise`` at the take."""
+        if not (self.slice.first or self.slice.last):
+            return  # a slice between them takes no latents
+        for st in steps:
+            stream = self.streams.get(st.stream)
+            if stream is None or st.level != 0 or stream.spec.input_latents or not self.computes(st):
+                continue
+            chunk = st.chunk + 1
+            if stream.spec.num_chunks is not None and chunk >= stream.spec.num_chunks:
+                continue
+            stream.noise_ahead = (chunk, to_device(chunk_noise(stream.spec, chunk, 0), self.slice.device))
+
+    def _noise(self, stream: _Stream, chunk: int) -> torch.Tensor:
+        """Chunk ``chunk``'s level-0 noise: the one made ahead for it, or drawn now."""
+        ahead = stream.noise_ahead
+        if ahead is not None and ahead[0] <= chunk:
+            stream.noise_ahead = None  # taken, or for a chunk that is past
+            if ahead[0] == chunk:
+                return ahead[1]
+        return chunk_noise(stream.spec, chunk, 0)
+
     def take_latent(self, step: MicroStep) -> torch.Tensor:
         stream = self._stream(step.stream)
         if step.level == 0:
             if not stream.spec.input_latents:
-                return stream.with_image(step.chunk, chunk_noise(stream.spec, step.chunk, 0))
+                return stream.with_image(step.chunk, self._noise(stream, step.chunk))
             latent = stream.inputs.pop(step.chunk, None)
             if latent is None:
                 raise KVOrderError(f"{step}: its input latents have not arrived; plan out of order")

@@ -34,3 +34,27 @@ def test_the_host_sync_benchmark_times_a_stages_batches_both_ways(tmp_path):
         assert row["syncs"] is None  # counted on a GPU only
         assert row["back_to_back_ms"] > 0 and row["one_at_a_time_ms"] > 0 and row["span_ms"] > 0
         assert row["calibrated_ms"] > 0  # the stage's own calibration at that size, beside them
+
+
+@pytest.mark.unit
+def test_a_chunks_noise_made_ahead_is_the_one_drawn_at_its_take_and_is_taken_once(tiny_model):
+    from stage_service.dit_slice import DiTSlice
+    from stage_service.runner import SliceRunner
+    from stage_service.sampler import chunk_noise
+    from stagecast.microstep import MicroStep
+    from tests.engine_helpers import TEXT, small_spec
+
+    model = tiny_model()
+    runner = SliceRunner(DiTSlice.from_model(model, layers=range(model.config.num_layers), first=True, last=True))
+    spec = small_spec(stream_id=1, timesteps=(1000.0,), num_chunks=3)
+    runner.open_stream(spec, TEXT)
+    step = MicroStep(1, 0, 0)
+    runner.finish([step], runner.forward([step]))
+    runner.prefetch_noise([step])  # what the executor does once the batch is launched
+    chunk, made = runner.streams[1].noise_ahead
+    assert chunk == 1 and torch.equal(made, chunk_noise(spec, 1, 0))
+    assert runner.take_latent(MicroStep(1, 1, 0)) is made  # taken, not drawn again
+    assert runner.streams[1].noise_ahead is None
+    assert torch.equal(runner.take_latent(MicroStep(1, 1, 0)), made)  # drawn again: the same draws
+    runner.prefetch_noise([MicroStep(1, 2, 0)])  # the stream's last chunk: nothing after it
+    assert runner.streams[1].noise_ahead is None
