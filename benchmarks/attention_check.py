@@ -134,17 +134,14 @@ def kv_copies(cfg: dict, inputs: dict, args, device: torch.device, dtype: torch.
     heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
     frames = args.window
     per_frame = inputs["context"] // frames
-    # The cache's layout: one tensor per (frame, layer) and K / V, as StreamKVCache.commit stores them.
+    # The cache's layout: one tensor per frame and K / V, every layer in it, as StreamKVCache.commit stores them.
     cached = [
         [
-            [
-                (
-                    w.keys[layer][:, f * per_frame : (f + 1) * per_frame].clone(),
-                    w.values[layer][:, f * per_frame : (f + 1) * per_frame].clone(),
-                )
-                for f in range(frames)
-            ]
-            for layer in range(layers)
+            (
+                w.keys[:, :, f * per_frame : (f + 1) * per_frame].clone(),
+                w.values[:, :, f * per_frame : (f + 1) * per_frame].clone(),
+            )
+            for f in range(frames)
         ]
         for w in inputs["windows"]
     ]
@@ -158,9 +155,8 @@ def kv_copies(cfg: dict, inputs: dict, args, device: torch.device, dtype: torch.
 
     def read_into() -> None:  # KVView.read_into, item by item
         for item, (k_in, v_in) in zip(cached, slots):
-            for layer in range(layers):
-                torch.cat([item[layer][f][0] for f in range(frames)], dim=1, out=k_in[layer])
-                torch.cat([item[layer][f][1] for f in range(frames)], dim=1, out=v_in[layer])
+            torch.cat([k for k, _ in item], dim=2, out=k_in)
+            torch.cat([v for _, v in item], dim=2, out=v_in)
 
     new_k = torch.randn(batch, tokens, heads, head_dim, device=device, dtype=dtype)
     new_v = torch.randn_like(new_k)

@@ -75,6 +75,9 @@ class FixedWindow:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         pass
 
+    def write_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        pass
+
     def read_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         keys.copy_(self.keys)
         values.copy_(self.values)

@@ -133,10 +133,10 @@ class _Slot:
         rows = slice(self.row, self.row + 1)
         return self.stack.k[:, rows, :tokens], self.stack.v[:, rows, :tokens]
 
-    def written(self, layer: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V the forward wrote after a window of ``context`` tokens, for one layer."""
+    def written(self, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V the forward wrote after a window of ``context`` tokens: ``(layers, 1, tokens, heads, head_dim)``."""
         rows, new = slice(self.row, self.row + 1), slice(context, context + self.stack.tokens)
-        return self.stack.k[layer, rows, new], self.stack.v[layer, rows, new]
+        return self.stack.k[:, rows, new], self.stack.v[:, rows, new]
 
 
 @dataclass
@@ -509,5 +509,4 @@ class GraphedBlocks:
     def _hand_over_writes(self, graph: _Graph, ctx: AttentionContext) -> None:
         for kv, slot in zip(ctx.self_kv, graph.slots, strict=False):
             if kv is not None and kv.writes:
-                for layer in range(self.slice.num_layers):
-                    kv.write(layer, *slot.written(layer, kv.context_tokens))
+                kv.write_all(*slot.written(kv.context_tokens))

@@ -10,7 +10,9 @@ Usage::
     cache.nbytes                     # bounded: rows * (window frames) * layers
     cache.clear()                    # when the stream ends
 
-K/V are stored after ``norm_k`` and RoPE, per absolute latent frame, in one row per KV row of the policy
+K/V are stored after ``norm_k`` and RoPE, per absolute latent frame (one ``FrameKV``: every layer's K and V of the
+frame in two tensors, so that a window is read into a CUDA graph's buffers with one copy per K and V, and a chunk is
+kept with one, where per-layer tensors took one per layer each), in one row per KV row of the policy
 (one per level under ``per_level``, one clean row under ``clean``).  A chunk reads exactly the frames that
 ``stagecast.microstep.context_frames`` names, in ascending order, so chunked attention equals a
 full-sequence forward under the corresponding block-causal mask.  Rows must be written in chunk order; a
@@ -26,6 +28,8 @@ earlier chunks whatever ladders made them, so a step change needs no new segment
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from stagecast.microstep import MicroStep, StreamSpec, context_frames
@@ -35,9 +39,24 @@ class KVOrderError(RuntimeError):
     """A micro-step needs KV that has not been written, or writes out of chunk order."""
 
 
+@dataclass(frozen=True)
+class FrameKV:
+    """One latent frame's K and V for every layer of the slice: ``(layers, 1, tokens, heads, head_dim)`` each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
 class _Row:
     def __init__(self, first_chunk: int = 0):
-        self.frames: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.frames: dict[int, FrameKV] = {}
         self.next_chunk = first_chunk
 
 
@@ -54,6 +73,7 @@ class KVView:
         self.frames = context_frames(spec, step.chunk, cache.rope_limit)
         self.writes = spec.writes_kv(step.level)
         self.pending: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.num_layers
+        self.pending_all: tuple[torch.Tensor, torch.Tensor] | None = None  # ``write_all``'s
         row = self.rows.get(self.row_id)
         stored = row.frames if row is not None else {}
         missing = [f for f in self.frames if f not in stored]
@@ -72,23 +92,50 @@ class KVView:
         return max(self.context_tokens, (window or 0) * self.cache.tokens_per_frame)
 
     def read_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Every layer's ``read`` into ``(layers, 1, context_tokens, heads, head_dim)`` buffers, one copy per layer."""
+        """Every layer's ``read`` into ``(layers, 1, context_tokens, heads, head_dim)`` buffers: one copy for K and
+        one for V."""
         frames = self.rows[self.row_id].frames
-        for layer in range(self.cache.num_layers):
-            torch.cat([frames[f][layer][0] for f in self.frames], dim=1, out=keys[layer])
-            torch.cat([frames[f][layer][1] for f in self.frames], dim=1, out=values[layer])
+        torch.cat([frames[f].k for f in self.frames], dim=2, out=keys)
+        torch.cat([frames[f].v for f in self.frames], dim=2, out=values)
 
     def read(self, layer: int):
         if not self.frames:
             return None
         frames = self.rows[self.row_id].frames
-        keys = [frames[f][layer][0] for f in self.frames]
-        values = [frames[f][layer][1] for f in self.frames]
+        keys = [frames[f].k[layer] for f in self.frames]
+        values = [frames[f].v[layer] for f in self.frames]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.writes:
             self.pending[layer] = (key, value)
+
+    def write_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every layer's ``write`` at once: ``(layers, 1, tokens, heads, head_dim)`` (a CUDA graph's buffers)."""
+        if self.writes:
+            self.pending_all = (keys, values)
+
+    @property
+    def pending_bytes(self) -> int:
+        """The bytes of the K/V written so far."""
+        if self.pending_all is not None:
+            k, v = self.pending_all
+            return k.numel() * k.element_size() + v.numel() * v.element_size()
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.pending))
+
+    def frame(self, j: int) -> FrameKV:
+        """Frame ``j`` of the chunk's written K/V, as tensors of their own (so that evicting it frees it)."""
+        tpf = self.cache.tokens_per_frame
+        sl = slice(j * tpf, (j + 1) * tpf)
+        if self.pending_all is not None:
+            k, v = self.pending_all
+            return FrameKV(k[:, :, sl].clone(), v[:, :, sl].clone())
+        if any(p is None for p in self.pending):
+            raise KVOrderError(f"{self.step}: forward did not produce K/V for every layer")
+        return FrameKV(
+            torch.stack([k[:, sl] for k, _ in self.pending]),  # type: ignore[misc]
+            torch.stack([v[:, sl] for _, v in self.pending]),  # type: ignore[misc]
+        )
 
 
 class RecacheView(KVView):
@@ -105,6 +152,7 @@ class RecacheView(KVView):
         self.window = set(window)
         self.writes = True
         self.pending = [None] * cache.num_layers
+        self.pending_all = None
         stored = cache.rows[row].frames if row in cache.rows else {}
         missing = [f for f in self.frames if f not in stored]
         if missing:
@@ -149,10 +197,10 @@ class StreamKVCache:
     def commit(self, view: KVView) -> None:
         if not view.writes:
             return
-        if any(p is None for p in view.pending):
+        if view.pending_all is None and any(p is None for p in view.pending):
             raise KVOrderError(f"{view.step}: forward did not produce K/V for every layer")
         chunk = view.step.chunk
-        spec, tpf = view.spec, self.tokens_per_frame
+        spec = view.spec
         row = view.rows.setdefault(view.row_id, _Row(spec.segment_start))
         if chunk != row.next_chunk:
             raise KVOrderError(f"{view.step}: KV row {view.row_id} expected chunk {row.next_chunk} next, got {chunk}")
@@ -162,10 +210,7 @@ class StreamKVCache:
             return
         f0 = chunk * spec.chunk_frames
         for j in range(spec.chunk_frames):
-            sl = slice(j * tpf, (j + 1) * tpf)
-            # Cloning detaches each frame from the chunk tensor so evicting a frame really frees it.
-            per_layer = [(k[:, sl].clone(), v[:, sl].clone()) for k, v in view.pending]  # type: ignore[misc]
-            row.frames[f0 + j] = per_layer
+            row.frames[f0 + j] = view.frame(j)
         row.next_chunk = chunk + 1
         # Keep only what the next chunk can still see; later chunks see a subset of that plus newer frames.
         keep = set(context_frames(spec, chunk + 1, self.rope_limit))
@@ -182,23 +227,19 @@ class StreamKVCache:
         return RecacheView(self, chunk, row, window)
 
     def commit_recache(self, view: RecacheView) -> None:
-        if any(p is None for p in view.pending):
+        if view.pending_all is None and any(p is None for p in view.pending):
             raise KVOrderError(f"recache of chunk {view.step.chunk}: forward did not produce K/V for every layer")
         row = self.rows[view.row_id]
-        spec, tpf = self.spec, self.tokens_per_frame
-        f0 = view.step.chunk * spec.chunk_frames
-        for j in range(spec.chunk_frames):
+        f0 = view.step.chunk * self.spec.chunk_frames
+        for j in range(self.spec.chunk_frames):
             if f0 + j in view.window:
-                sl = slice(j * tpf, (j + 1) * tpf)
-                row.frames[f0 + j] = [(k[:, sl].clone(), v[:, sl].clone()) for k, v in view.pending]  # type: ignore[misc]
+                row.frames[f0 + j] = view.frame(j)
 
     @property
     def nbytes(self) -> int:
         total = 0
         for row in [*self.rows.values(), *(r for _, rows in self.older.values() for r in rows.values())]:
-            for per_layer in row.frames.values():
-                for k, v in per_layer:
-                    total += k.numel() * k.element_size() + v.numel() * v.element_size()
+            total += sum(frame.nbytes for frame in row.frames.values())
         return total
 
     def frames_held(self, row: int) -> list[int]:

@@ -41,10 +41,6 @@ def full_slice(dtype: torch.dtype) -> DiTSlice:
     return DiTSlice.from_state_dict(CFG, sd, layers=layers, first=True, last=True)
 
 
-def _bytes(pairs) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
-
-
 @pytest.fixture
 def peaks(monkeypatch):
     """(id of cache, row) -> the most bytes the row held, its new chunk included, over every commit."""
@@ -55,9 +51,9 @@ def peaks(monkeypatch):
     def watched(self, view):
         if view.writes:
             row = self.rows.get(view.row_id)
-            held = sum(_bytes(per_layer) for per_layer in row.frames.values()) if row is not None else 0
+            held = sum(frame.nbytes for frame in row.frames.values()) if row is not None else 0
             key = (id(self), view.row_id)
-            seen[key] = max(seen.get(key, 0), held + _bytes(view.pending))
+            seen[key] = max(seen.get(key, 0), held + view.pending_bytes)
             caches.append(self)
         return commit(self, view)
 
@@ -179,7 +175,7 @@ def test_a_step_change_that_overlaps_the_old_ladder_holds_no_more_than_the_bound
 
     def watched(self, view):
         if view.writes:
-            most[0] = max(most[0], self.nbytes + _bytes(view.pending))
+            most[0] = max(most[0], self.nbytes + view.pending_bytes)
             overlapped[0] += any(r for _, r in self.older.values())
         commit(self, view)
         rows[0] = max(rows[0], len(self.rows) + sum(len(r) for _, r in self.older.values()))
