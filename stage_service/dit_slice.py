@@ -31,6 +31,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from stage_service.host_copy import to_device
 from stage_service.parallel_state import LOCAL, SequenceGroup
 from stagecast.model.dit_configs import WAN_ROPE_MAX_SEQ_LEN, expands_timesteps
 
@@ -126,6 +127,7 @@ class SdpaCalls:
 
 
 SDPA_CALLS = SdpaCalls()
+CONDITION_CACHE = 64  # conditionings a slice keeps by timestep value (``DiTSlice.condition``): a few ladders' levels
 
 
 def _sdpa_on(backends: tuple[str, ...], q, k, v, mask) -> torch.Tensor:
@@ -311,6 +313,7 @@ class DiTSlice(nn.Module):
         self.attention_backends: tuple[str, ...] | None = None
         # The running forward's context, per thread: a CUDA graph may be captured on another thread meanwhile.
         self._local = threading.local()
+        self._conditions: dict[tuple[float, torch.dtype], Conditioning] = {}  # by timestep value (``condition``)
         for i, block in enumerate(model.blocks):
             block.attn1.set_processor(_SliceAttnProcessor(self, i, cross=False))
             block.attn2.set_processor(_SliceAttnProcessor(self, i, cross=True))
@@ -440,14 +443,38 @@ class DiTSlice(nn.Module):
         """Timestep embedding for a batch; ``timestep`` is (B,) or, for per-token models, (B,) or (B, L).
 
         Computed item by item: a 1-row linear runs as a GEMV and a B-row one as a GEMM, which round
-        differently, and a micro-step's result must not depend on what shares its batch.
+        differently, and a micro-step's result must not depend on what shares its batch.  So an item's conditioning
+        is a function of its timestep's value alone, and a (B,) ``timestep`` on the host (what the stage passes) of a
+        model without per-token timesteps takes each item's from a cache by value (``CONDITION_CACHE`` entries): the
+        same computation on the same value, so the same bits, without its dozen kernel launches an item (a stream's
+        ladder has a few values; a one-step stream's forwards all share one).  Anything else is computed here, on
+        the slice's device.
         """
+        if timestep.device.type == "cpu" and timestep.ndim == 1 and not self.per_token_timesteps:
+            parts = [self._condition_of(t, timestep.dtype) for t in timestep.tolist()]
+            if len(parts) == 1:
+                return parts[0]
+            return Conditioning(
+                temb=torch.cat([p.temb for p in parts]), timestep_proj=torch.cat([p.timestep_proj for p in parts])
+            )
+        timestep = to_device(timestep, self.device)
         if timestep.shape[0] > 1:
             parts = [self._condition(timestep[i : i + 1], tokens) for i in range(timestep.shape[0])]
             return Conditioning(
                 temb=torch.cat([p.temb for p in parts]), timestep_proj=torch.cat([p.timestep_proj for p in parts])
             )
         return self._condition(timestep, tokens)
+
+    def _condition_of(self, t: float, dtype: torch.dtype) -> Conditioning:
+        """One item's conditioning at timestep ``t`` (a ``dtype`` value), from the cache or computed and kept."""
+        key = (t, dtype)
+        cond = self._conditions.get(key)
+        if cond is None:
+            if len(self._conditions) >= CONDITION_CACHE:
+                self._conditions.clear()
+            cond = self._condition(to_device(torch.tensor([t], dtype=dtype), self.device), 1)
+            self._conditions[key] = cond
+        return cond
 
     def _condition(self, timestep: torch.Tensor, tokens: int) -> Conditioning:
         ce = self.model.condition_embedder

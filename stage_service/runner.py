@@ -375,7 +375,7 @@ class SliceRunner:
         hidden = self._input_hidden(steps, rows, inputs)
         tokens = hidden.shape[1] * self.sp.size
         timesteps = self._timesteps(streams, specs, rows, tokens, f)
-        cond = sl.condition(to_device(timesteps, sl.device), tokens=tokens)
+        cond = sl.condition(timesteps, tokens=tokens)
         block_cond = cond
         if self.sp.size > 1 and cond.timestep_proj.ndim == 4:  # per-token timesteps: this rank's tokens only
             block_cond = Conditioning(temb=cond.temb, timestep_proj=self._shard(cond.timestep_proj))
@@ -498,7 +498,7 @@ class SliceRunner:
         if stream.image is not None and chunk == 0:
             timesteps = timesteps[:, None].expand(-1, tokens).clone()
             timesteps[0, : tokens // f] = 0.0
-        cond = sl.condition(to_device(timesteps, sl.device), tokens=tokens)
+        cond = sl.condition(timesteps, tokens=tokens)
         window = context_frames(spec, from_chunk, self.rope_limit)
         view = stream.kv[0].recache_view(chunk, row, window)
         ctx = AttentionContext(
