@@ -397,6 +397,8 @@ def _time_batch(runner, twins: list[list[int]], chunks: int, inputs, run, timer,
             check(c)
             steps = [MicroStep(sid, c, 0) for sid in ids]
             if k == 1:
+                if c:  # as serving draws a chunk's noise while the batch before it runs (``prefetch_noise``)
+                    runner.prefetch_noise([MicroStep(sid, c - 1, 0) for sid in ids])
                 timed[c] = timer(lambda steps=steps, inputs=inputs: run(runner, steps, inputs))
             else:
                 run(runner, steps, inputs)
