@@ -60,13 +60,19 @@ VARIANTS = (
 TIMESTEP, SHIFT = 700.0, 5.0
 
 
+def random_slice(
+    cfg: dict, device: torch.device, levers: Levers, dtype: torch.dtype = torch.bfloat16
+) -> tuple[DiTSlice, dict]:
+    """One slice of all of ``cfg``'s layers with random weights (what ``STAGES=1`` serves), ``levers`` on."""
+    layers = range(0, cfg["num_layers"])
+    sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=dtype, device=device)
+    sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
+    return sl, apply_levers(sl, levers)
+
+
 def build(cfg: dict, device: torch.device, levers: tuple[str, ...], label: str = "") -> tuple[DiTSlice, dict]:
     """The slice with ``levers`` on; a label ``NAME@FORM`` compiles the fused lever as ``FORM``."""
-    layers = range(0, cfg["num_layers"])
-    sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=torch.bfloat16, device=device)
-    sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
-    form = label.partition("@")[2] or DEFAULT_FUSED_FORM
-    return sl, apply_levers(sl, Levers(levers, form))
+    return random_slice(cfg, device, Levers(levers, label.partition("@")[2] or DEFAULT_FUSED_FORM))
 
 
 def inputs_for(cfg: dict, batch: int, args, device: torch.device) -> dict:

@@ -36,11 +36,10 @@ import warnings
 
 import torch
 
-from benchmarks.dit_levers import commit
-from benchmarks.fp8_check import parse_batches, versions
+from benchmarks.dit_levers import commit, random_slice
+from benchmarks.fp8_check import parse_batches, versions, write_result
 from stage_service.calibration import ServingShape, calibrate, fill_window, synthetic_spec
-from stage_service.checkpoint import random_slice_state_dict
-from stage_service.dit_levers import apply_levers, parse_levers
+from stage_service.dit_levers import parse_levers
 from stage_service.dit_slice import DiTSlice
 from stage_service.executor import ExecutorEvent, StageExecutor
 from stage_service.graphs import GraphedBlocks
@@ -192,15 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = model_config(args.model, **({"num_layers": args.num_layers} if args.num_layers else {}))
-    layers = range(0, cfg["num_layers"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sd = random_slice_state_dict(cfg, layers=layers, first=True, last=True, dtype=dtype, device=device)
-    sl = DiTSlice.from_state_dict(cfg, sd, layers=layers, first=True, last=True, device=device)
-    apply_levers(sl, args.levers)
-    rows = []
-    for b in args.batches:
-        row = measure(sl, b, args)
-        rows.append(row)
+    sl, _ = random_slice(cfg, device, args.levers, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rows = [measure(sl, b, args) for b in args.batches]
     shape = ServingShape(args.chunk_frames, args.height, args.width, args.text_len)
     cal = calibrate(sl, max(args.batches), shape, budget_s=120.0, graphs=True, window=args.window)
     for row in rows:
@@ -221,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "calibration_error": cal.error,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(args.json, result)
     return 0
 
 
