@@ -420,24 +420,24 @@ class DiTSlice(nn.Module):
         cos_parts = rope.freqs_cos.split(sizes, dim=1)
         sin_parts = rope.freqs_sin.split(sizes, dim=1)
         limit = rope.max_seq_len
-        out_cos, out_sin = [], []
         for f0 in frame_offsets:
             if f0 < 0 or f0 + ppf > limit:
                 raise ValueError(f"temporal RoPE position {f0}+{ppf} exceeds rope_max_seq_len={limit}")
-            tables = []
-            for parts in (cos_parts, sin_parts):
-                f = parts[0][f0 : f0 + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
-                h = parts[1][:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1)
-                w = parts[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)
-                tables.append(torch.cat([f, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
-            out_cos.append(tables[0])
-            out_sin.append(tables[1])
-        if len(frame_offsets) == 1:
-            return out_cos[0], out_sin[0]
+        b = len(frame_offsets)
         # One table per item even where the offsets agree: the same values (broadcasting one table gives the same
         # bits), and a batch's CUDA graph signature then depends on its size and windows only, so a graph captured
-        # before serving (items at one offset) is the one a batch of streams at different offsets replays.
-        return torch.cat(out_cos, dim=0), torch.cat(out_sin, dim=0)
+        # before serving (items at one offset) is the one a batch of streams at different offsets replays.  The
+        # batch's tables are built at once (each item's frame rows stacked, then one concatenation) rather than item
+        # by item: the same copies of the same values, in a few kernels a batch instead of a few an item.
+        tables = []
+        for parts in (cos_parts, sin_parts):
+            rows = [parts[0][f0 : f0 + ppf] for f0 in frame_offsets]
+            frame = (rows[0][None] if b == 1 else torch.stack(rows)).view(b, ppf, 1, 1, -1)
+            f = frame.expand(b, ppf, pph, ppw, -1)
+            h = parts[1][:pph].view(1, 1, pph, 1, -1).expand(b, ppf, pph, ppw, -1)
+            w = parts[2][:ppw].view(1, 1, 1, ppw, -1).expand(b, ppf, pph, ppw, -1)
+            tables.append(torch.cat([f, h, w], dim=-1).reshape(b, ppf * pph * ppw, 1, -1))
+        return tables[0], tables[1]
 
     def condition(self, timestep: torch.Tensor, *, tokens: int) -> Conditioning:
         """Timestep embedding for a batch; ``timestep`` is (B,) or, for per-token models, (B,) or (B, L).

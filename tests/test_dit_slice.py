@@ -78,3 +78,27 @@ def test_a_host_timesteps_conditioning_comes_from_a_cache_by_value_with_the_same
     monkeypatch.setattr(dit_slice, "CONDITION_CACHE", 2)
     sl.condition(torch.tensor([300.0]), tokens=16)
     assert len(sl._conditions) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny-wan2.1", "tiny-wan2.2-ti2v"])
+def test_rotary_tables_are_diffusers_full_sequence_tables_sliced_at_each_items_offset(tiny_model, name):
+    """A batch's RoPE tables: item i's rows are what diffusers' WanRotaryPosEmbed gives the whole video, sliced at
+    item i's frame offset; every item has its own table, also where offsets agree; an offset past the rope's length
+    is refused by name."""
+    model = tiny_model(name)
+    sl = DiTSlice.from_model(model, layers=range(0, 1), first=True, last=True)
+    p_t, p_h, p_w = model.config.patch_size
+    frames, height, width = 2 * p_t, 4 * p_h, 3 * p_w  # a chunk of 2 latent frames of 4 x 3 patches
+    tpf = 4 * 3
+    whole = torch.zeros(1, model.config.in_channels, 12 * p_t, height, width)
+    full_cos, full_sin = model.rope(whole)  # (1, 12 * tpf, 1, D)
+    offsets = [0, 7, 3, 7, 10]
+    cos, sin = sl.rotary(frames, height, width, offsets)
+    assert cos.shape == (len(offsets), 2 * tpf, 1, full_cos.shape[-1]) and sin.shape == cos.shape
+    for i, f0 in enumerate(offsets):
+        assert torch.equal(cos[i], full_cos[0, f0 * tpf : (f0 + 2) * tpf])
+        assert torch.equal(sin[i], full_sin[0, f0 * tpf : (f0 + 2) * tpf])
+    one_cos, one_sin = sl.rotary(frames, height, width, [7])
+    assert torch.equal(one_cos[0], cos[1]) and torch.equal(one_sin[0], sin[3])
+    with pytest.raises(ValueError, match="rope_max_seq_len"):
+        sl.rotary(frames, height, width, [0, model.rope.max_seq_len - 1])
