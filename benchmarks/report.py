@@ -298,7 +298,7 @@ def capacity_table(runs: list[dict], page: bool = False) -> str:
             out.append(_capacity_row(r, row, gpus))
     if not rows:
         out.append("| (no capacity rows yet: see Missing) |||||||||||||")
-    looks = _looks(runs)
+    looks = [] if page else _looks(runs)  # the page keeps the capacity mode's rows; HISTORY.md these looks too
     if looks:
         out.append(
             "\nA look from load rows (not the capacity mode: the streams of a row opened together, on time over the "
@@ -339,9 +339,8 @@ def capacity_table(runs: list[dict], page: bool = False) -> str:
             + "."
         )
     out.append(
-        "\nHeld per GPU is the capacity only where admission refused the stream right past the admitted ones and every "
-        "admitted stream held (≥ 99% of its frames due in the measured window on time); otherwise the cell says what "
-        "happened. Steps chosen: the SLO controller's choice per stream, as shares of the coordinator's status samples "
+        "\nHeld per GPU: the page's Columns. Steps chosen: the SLO controller's choice per stream, as shares of the "
+        "coordinator's status samples "
         "(or of frames, for a load-row look). Batch and DiT ms: the stages' forwards over the window (per stage). "
         "Memory: the gateway's decoder state per active stream and the stages' KV bytes per open stream, summed over "
         "stages (largest sample). Gateway CPU: its process's CPU seconds over the window per frame delivered.\n"
