@@ -46,9 +46,6 @@ class FrameKV:
     k: torch.Tensor
     v: torch.Tensor
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
-
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
@@ -119,9 +116,13 @@ class KVView:
     def pending_bytes(self) -> int:
         """The bytes of the K/V written so far."""
         if self.pending_all is not None:
-            k, v = self.pending_all
-            return k.numel() * k.element_size() + v.numel() * v.element_size()
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.pending))
+            return FrameKV(*self.pending_all).nbytes
+        return sum(FrameKV(k, v).nbytes for k, v in filter(None, self.pending))
+
+    def check_written(self, what: str) -> None:
+        """Raise ``KVOrderError`` (``what`` names the forward) unless the forward wrote every layer's K/V."""
+        if self.pending_all is None and any(p is None for p in self.pending):
+            raise KVOrderError(f"{what}: forward did not produce K/V for every layer")
 
     def frame(self, j: int) -> FrameKV:
         """Frame ``j`` of the chunk's written K/V, as tensors of their own (so that evicting it frees it)."""
@@ -130,8 +131,7 @@ class KVView:
         if self.pending_all is not None:
             k, v = self.pending_all
             return FrameKV(k[:, :, sl].clone(), v[:, :, sl].clone())
-        if any(p is None for p in self.pending):
-            raise KVOrderError(f"{self.step}: forward did not produce K/V for every layer")
+        self.check_written(str(self.step))
         return FrameKV(
             torch.stack([k[:, sl] for k, _ in self.pending]),  # type: ignore[misc]
             torch.stack([v[:, sl] for _, v in self.pending]),  # type: ignore[misc]
@@ -197,8 +197,7 @@ class StreamKVCache:
     def commit(self, view: KVView) -> None:
         if not view.writes:
             return
-        if view.pending_all is None and any(p is None for p in view.pending):
-            raise KVOrderError(f"{view.step}: forward did not produce K/V for every layer")
+        view.check_written(str(view.step))
         chunk = view.step.chunk
         spec = view.spec
         row = view.rows.setdefault(view.row_id, _Row(spec.segment_start))
@@ -227,8 +226,7 @@ class StreamKVCache:
         return RecacheView(self, chunk, row, window)
 
     def commit_recache(self, view: RecacheView) -> None:
-        if view.pending_all is None and any(p is None for p in view.pending):
-            raise KVOrderError(f"recache of chunk {view.step.chunk}: forward did not produce K/V for every layer")
+        view.check_written(f"recache of chunk {view.step.chunk}")
         row = self.rows[view.row_id]
         f0 = view.step.chunk * self.spec.chunk_frames
         for j in range(self.spec.chunk_frames):
