@@ -256,6 +256,49 @@ def test_a_capacity_stream_is_held_by_the_frames_due_in_the_window_and_a_frame_t
     assert not capacity_stream(_rec(paced, error="UnavailableError: gone"), 3.0, 9.0, 16.0)["held"]
 
 
+@pytest.mark.unit
+def test_a_late_frame_is_put_down_to_the_first_part_that_ran_past_its_due_time():
+    from benchmarks.harness import capacity_stream
+    from benchmarks.harness.capacity import late_totals
+
+    # 4 frames a chunk at 16 FPS from t = 1 s; chunk c's frames are due at 1 + (4c + k) / 16 s (k = 0..3).
+    frames = 16 * 8
+    arrivals = [1.0 + i / 16 for i in range(frames)]
+    chunks = {}
+    for c in range(frames // 4):
+        due_ms = (1.0 + 4 * c / 16) * 1e3
+        stamps = {"latents_ms": due_ms - 100, "decoded_ms": due_ms - 60, "encoded_ms": due_ms - 50}
+        chunks[c] = {"chunk": c, **stamps}
+    # Chunk 10's latents came 30 ms after its first frame was due; chunk 12 decoded 20 ms late; chunk 14 encoded 10 ms
+    # late; chunk 16 was on time at the gateway, and its first frame arrived 45 ms late anyway.
+    for c, stamps in ((10, (30, 35, 40)), (12, (-100, 20, 25)), (14, (-100, -60, 10))):
+        due_ms = (1.0 + 4 * c / 16) * 1e3
+        chunks[c] = {
+            "chunk": c,
+            **{k: due_ms + ms for k, ms in zip(("latents_ms", "decoded_ms", "encoded_ms"), stamps)},
+        }
+    late = {4 * c for c in (10, 12, 14, 16)}
+    arrivals = [t + (0.045 if i in late else 0.0) for i, t in enumerate(arrivals)]
+    rec = _rec(arrivals)
+    rec.chunks, rec.frame_chunk = chunks, [i // 4 for i in range(frames)]
+    s = capacity_stream(rec, 1.5, 8.9, 16.0)
+    assert s["late_frames"] == 4
+    causes = s["late_causes"]
+    assert causes["late_frames_by_cause"] == {"pipeline": 1, "decode": 1, "encode": 1, "delivery": 1, "missing": 0}
+    assert causes["decode_wait_ms"]["p50"] == 40.0 and causes["decode_wait_ms"]["max"] == 120.0  # chunk 12: -100..+20
+    # A row sums its streams' causes; a frame that never came counts as missing.
+    cut = _rec(arrivals[:100])
+    cut.chunks, cut.frame_chunk = {c: v for c, v in chunks.items() if c < 25}, [i // 4 for i in range(100)]
+    t = capacity_stream(cut, 1.5, 8.9, 16.0)
+    never = 127 - 100  # frames 100..126 were due by 8.9 s and never came
+    assert t["late_causes"]["late_frames_by_cause"]["missing"] == never and t["late_frames"] == never + 4
+    total = late_totals([s, t])
+    assert total["late_frames_by_cause"]["missing"] == never and total["late_frames_by_cause"]["decode"] == 2
+    # Without the gateway's stamps (an SDK that gives none) there is nothing to say.
+    assert capacity_stream(_rec(arrivals), 1.5, 9.0, 16.0)["late_causes"] is None
+    assert late_totals([capacity_stream(_rec(arrivals), 1.5, 9.0, 16.0)]) is None
+
+
 # BENCHMARKS.md as a results page: the committed page, history and index are what the report makes from the committed
 # JSON, the page stays short, and it shows the newest row of each configuration.
 ROOT = Path(__file__).resolve().parent.parent

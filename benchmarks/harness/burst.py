@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 
-from benchmarks.harness.capacity import CAPACITY_FIRST_FRAME_S, GpuBusy, capacity_stream, wait_idle
+from benchmarks.harness.capacity import CAPACITY_FIRST_FRAME_S, GpuBusy, capacity_stream, late_totals, wait_idle
 from benchmarks.harness.rows import log, percentile
 from benchmarks.harness.system import StreamRecord
 
@@ -131,6 +131,7 @@ def measure_burst(client, launcher, coordinator: str, args, decoder: str, tag: s
             (s for s in per_stream if s["ttff_s"] is not None), key=lambda s: s["ttff_s"], default={}
         ).get("ttff_parts_ms"),
         "gpu_busy": busy.summary(),
+        "late_causes": late_totals(per_stream),
         "per_stream": per_stream,
     }
 

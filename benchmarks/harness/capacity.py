@@ -176,6 +176,52 @@ class GpuBusy(Sampler):
         }
 
 
+LATE_CAUSES = ("pipeline", "decode", "encode", "delivery")
+
+
+def late_causes(rec: StreamRecord, late: list[tuple[int, float, float | None]]) -> dict | None:
+    """Where each late frame's time went, from the gateway's stamps on its chunk (ms since the gateway got the stream's
+    config, which the SDK's clock starts with to within the call's first hop): ``pipeline`` when the chunk's latents
+    reached the gateway after the frame was due, else ``decode`` when its decode ended after it, else ``encode`` when
+    the chunk's first frame was encoded after it, else ``delivery`` (the gateway's send and the network); ``missing``:
+    a frame that never came.  Also, over every chunk the stream got, the ms from its latents to its decoded frames
+    (p50, p95, max): a decoder that falls behind shows there before its frames are late.  None without the stamps."""
+    chunks, frame_chunk = getattr(rec, "chunks", None), getattr(rec, "frame_chunk", None)
+    if not chunks or frame_chunk is None:
+        return None
+    counts = dict.fromkeys((*LATE_CAUSES, "missing"), 0)
+    for i, due, _ in late:
+        stamps = chunks.get(frame_chunk[i]) if i < len(frame_chunk) else None
+        if stamps is None:
+            counts["missing"] += 1
+            continue
+        due_ms = due * 1e3
+        after = [stamps["latents_ms"], stamps["decoded_ms"], stamps["encoded_ms"]]
+        counts[next((c for c, t in zip(LATE_CAUSES, after) if t > due_ms), "delivery")] += 1
+    waits = [c["decoded_ms"] - c["latents_ms"] for c in chunks.values()]
+    return {
+        "late_frames_by_cause": counts,
+        "decode_wait_ms": {
+            "p50": round(percentile(waits, 0.5), 1),
+            "p95": round(percentile(waits, 0.95), 1),
+            "max": round(max(waits), 1),
+        },
+    }
+
+
+def late_totals(per_stream: list[dict]) -> dict | None:
+    """A row's late frames by cause over its streams (``late_causes``), and the worst stream's p95 decode wait."""
+    causes = [s["late_causes"] for s in per_stream if s.get("late_causes")]
+    if not causes:
+        return None
+    return {
+        "late_frames_by_cause": {
+            k: sum(c["late_frames_by_cause"][k] for c in causes) for k in causes[0]["late_frames_by_cause"]
+        },
+        "decode_wait_ms_p95_max": max(c["decode_wait_ms"]["p95"] for c in causes),
+    }
+
+
 def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: float) -> dict:
     """One admitted stream of a capacity row.  ``start``/``end``: the measured window on the stream's own clock (all
     admitted streams running).  Frame i is due at the first frame's arrival + i / fps (the harness's rule); the
@@ -214,6 +260,7 @@ def capacity_stream(rec: StreamRecord, start: float, end: float, target_fps: flo
         # when it was due, ms late (None: never came).  In a burst every call starts at once, so these line up
         # across streams with each one's TTFF, and say which chunk of which stream the start-up pushed late.
         "late_listed": [[i, round(d, 4), None if ms is None else round(ms, 1)] for i, d, ms in late[:LATE_LISTED]],
+        "late_causes": late_causes(rec, late),
         "steady_fps": (len(win) - 1) / (win[-1] - win[0]) if len(win) > 2 and win[-1] > win[0] else None,
         "max_gap_ms": max(gaps) if gaps else None,
         "freezes": sum(g > FREEZE_MS for g in gaps),  # gaps over 250 ms from the first frame to the stop
@@ -349,6 +396,7 @@ def measure_capacity(client, launcher, coordinator: str, args, decoder: str, tag
         "gateway_cpu_ms_per_frame": (
             (cpu1 - cpu0) * 1e3 / delivered if cpu0 is not None and cpu1 is not None and delivered else None
         ),
+        "late_causes": late_totals(per_stream),
         "per_stream": per_stream,
     }
 
