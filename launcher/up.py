@@ -10,6 +10,7 @@ and so restarted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -29,7 +30,7 @@ from stagecast.flags import HelpFormatter, add_flags
 from stagecast.service import announce_ready, print_line, resolve_transformer, stop_event
 
 # The service flags ``up`` takes and passes on; the rest of its flags are its own (a layout, ports it spreads).
-COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "stage_ms", "slo_learn")
+COORDINATOR_FLAGS = ("sp", "cfg_parallel", "max_batch", "pace_grid", "gpu_sharing", "stage_ms", "slo_learn")
 STAGE_FLAGS = ("dtype", "cuda_graphs", "fp8", "dit_levers", "loras", "kv_budget_gib")
 
 
@@ -97,6 +98,13 @@ def add_parser(sub) -> None:
         default=15.0,
         help="a stage whose health checks fail this long (stopped, or its executor hung) is killed and restarted",
     )
+    p.add_argument(
+        "--cuda-mps",
+        action="store_true",
+        help="with --device cuda: run a CUDA MPS control daemon of this run's own (nvidia-cuda-mps-control), so "
+        "processes sharing a GPU (a stage and the gateway's decoders) run their kernels side by side instead of "
+        "time-slicing it; stopped with up (docs/operator-guide.md, 'The most streams per GPU')",
+    )
     # The services' own flags, declared once in their options and passed on as given.
     layout = p.add_argument_group(
         "coordinator flags, passed on", "with --device cuda, one GPU per stage process: stages × sp × cfg-parallel"
@@ -147,17 +155,29 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"stagecast up: error: {exc}", file=sys.stderr)
         return 2
-    if args.pipelines > 1:
-        from launcher.fleet import run_fleet
+    with contextlib.ExitStack() as stack:
+        if args.cuda_mps:
+            from launcher.mps import CudaMps, MpsError
 
-        return run_fleet(args, plan, stop)
-    return _run_one(args, plan, stop)
+            try:
+                mps = stack.enter_context(CudaMps())
+            except MpsError as exc:
+                print(f"stagecast up: error: {exc}", file=sys.stderr)
+                return 2
+            print_line(f"CUDA MPS: a daemon of this run's own ({mps.env['CUDA_MPS_PIPE_DIRECTORY']})")
+        if args.pipelines > 1:
+            from launcher.fleet import run_fleet
+
+            return run_fleet(args, plan, stop)
+        return _run_one(args, plan, stop)
 
 
 def _check_flags(args: argparse.Namespace) -> str | None:
     """The flags ``up`` itself checks before anything starts (one line naming the flag), or None."""
     if not 1.0 <= args.stage_hang_s <= 3600.0:  # also NaN
         return f"error: --stage-hang-s must be in [1, 3600], got {args.stage_hang_s}"
+    if args.cuda_mps and not args.device.startswith("cuda"):
+        return "error: --cuda-mps: only with --device cuda (MPS shares a GPU between processes)"
     if args.dit_levers:
         from stage_service.dit_levers import parse_levers
 
