@@ -123,8 +123,10 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
     timing = time_forwards(lambda: graphs.run(hidden, cond, context), device, args.warmup, args.iters)
     # Eager too: a kernel that a graph capture would not take (or took otherwise) shows as eager and graphed apart.
     eager = time_forwards(lambda: sl.run_blocks(hidden, cond, context), device, 1, max(args.iters // 3, 2))
+    kernels = None
     if args.profile:
-        print(kernel_table(lambda: sl.run_blocks(hidden, cond, context), device), flush=True)
+        table, kernels = kernel_profile(lambda: sl.run_blocks(hidden, cond, context), device)
+        print(table, flush=True)
     step = one_step(sl, lambda h, c: graphs.run(h, c, ctx()), inputs, args)
     result = {
         "ms": timing,
@@ -134,12 +136,50 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
         "graph_failure": graphs.failure,
         "graphed_vs_eager_max_abs": (graphed_out.float() - eager_out.float()).abs().max().item(),
     }
+    if kernels is not None:
+        result["kernels"] = kernels
     graphs.close()
     return {"result": result, "step": step}
 
 
-def kernel_table(forward, device: torch.device, rows: int = 12) -> str:
-    """One forward under torch's profiler: its costliest kernels (device time on a GPU, else CPU time)."""
+# Which part of a forward a kernel is (``kernel_class``), by its name: the first class whose markers it holds.  The
+# names are cuDNN's, cuBLAS's and Inductor's as a profile on an H200 shows them
+# (``benchmarks/results/dit_profile_1gpu_4aea243.log``).
+KERNEL_CLASSES = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "scaled_mm", "addmm", "aten::mm", "bmm")),
+    ("copy", ("copy", "cat")),  # the K/V window into the graph's buffers; a fused kernel that also copies is "fused"
+    ("fused", ("triton_",)),  # the fused lever's compiled kernels (norms, RoPE, gates)
+)
+KERNEL_ROWS = 12
+
+
+def kernel_class(name: str) -> str:
+    """``attention``, ``gemm``, ``copy``, ``fused`` or ``elementwise`` (everything else: eager norms, adds, casts)."""
+    low = name.lower()
+    if low.startswith("triton_"):
+        return "fused"
+    return next((cls for cls, marks in KERNEL_CLASSES if any(m in low for m in marks)), "elementwise")
+
+
+def kernel_summary(events: list[tuple[str, float, int]], rows: int = KERNEL_ROWS) -> dict:
+    """(name, self ms, calls) per kernel of one forward: ms per class (``kernel_class``), their total, and the
+    costliest ``rows`` kernels with their class: where a forward's time goes, kept in the JSON beside its speed."""
+    by_class: dict[str, float] = {}
+    for name, ms, _ in events:
+        cls = kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+    top = sorted(events, key=lambda e: -e[1])[:rows]
+    return {
+        "total_ms": round(sum(ms for _, ms, _ in events), 3),
+        "by_class_ms": {k: round(v, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": n, "class": kernel_class(n), "ms": round(ms, 3), "calls": c} for n, ms, c in top],
+    }
+
+
+def kernel_profile(forward, device: torch.device, rows: int = KERNEL_ROWS) -> tuple[str, dict]:
+    """One forward under torch's profiler: its costliest kernels as a table (device time on a GPU, else CPU time),
+    and ``kernel_summary`` of every kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = device.type == "cuda"
@@ -148,7 +188,9 @@ def kernel_table(forward, device: torch.device, rows: int = 12) -> str:
         if gpu:
             torch.cuda.synchronize(device)
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    averages = prof.key_averages()
+    events = [(e.key, getattr(e, key) / 1e3, e.count) for e in averages if getattr(e, key) > 0]
+    return averages.table(sort_by=key, row_limit=rows, max_name_column_width=70), kernel_summary(events, rows)
 
 
 def cudnn_probe(cfg: dict, args, device: torch.device) -> dict:
@@ -271,7 +313,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="print each eager forward's 12 costliest kernels")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each eager forward's 12 costliest kernels, and keep its ms per kernel class in the JSON (kernels)",
+    )
     args = ap.parse_args(argv)
     args.batches = parse_batches(ap, args.batches)
     wanted = [v for v in args.variants.split(",") if v]

@@ -250,3 +250,29 @@ def test_an_unknown_fused_form_is_refused_by_name():
 
     with pytest.raises(ValueError, match="fused form: one of dynamic, rows, static"):
         Kernels(compile=False, form="sideways")
+
+
+def test_a_profiled_forward_is_summed_by_kernel_class_from_the_kernels_names():
+    from benchmarks.dit_levers import kernel_class, kernel_profile, kernel_summary
+
+    # Names as a profile of one H200 forward shows them (benchmarks/results/dit_profile_1gpu_4aea243.log).
+    named = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_gelubias_TNN": "gemm",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<...>": "copy",
+        "triton_poi_fused__fused_rms_norm_add_copy_mul_slice_sub_unbind_view_0": "fused",
+        "triton_red_fused__to_copy_add_mul_native_layer_norm_0": "fused",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>": "elementwise",
+        "aten::addmm": "gemm",
+    }
+    assert {n: kernel_class(n) for n in named} == named
+    events = [(n, ms, 30) for n, ms in zip(named, (24.3, 7.8, 4.3, 6.6, 4.2, 2.7, 1.0))]
+    summary = kernel_summary(events, rows=3)
+    assert summary["by_class_ms"] == {"attention": 24.3, "fused": 10.8, "gemm": 8.8, "copy": 4.3, "elementwise": 2.7}
+    assert list(summary["by_class_ms"]) == ["attention", "fused", "gemm", "copy", "elementwise"]  # costliest first
+    assert summary["total_ms"] == pytest.approx(50.9)
+    assert [(t["class"], t["ms"]) for t in summary["top"]] == [("attention", 24.3), ("gemm", 7.8), ("fused", 6.6)]
+    # On a CPU the profile is of CPU time, and a matrix multiply still counts as a GEMM.
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    table, got = kernel_profile(lambda: torch.relu(a @ b), torch.device("cpu"))
+    assert "Self CPU" in table and got["by_class_ms"].get("gemm", 0) > 0 and got["total_ms"] > 0
