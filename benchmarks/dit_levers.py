@@ -146,10 +146,10 @@ def measure(sl: DiTSlice, inputs: dict, args) -> dict:
 # names are cuDNN's, cuBLAS's and Inductor's as a profile on an H200 shows them
 # (``benchmarks/results/dit_profile_1gpu_4aea243.log``).
 KERNEL_CLASSES = (
+    ("fused", ("triton_",)),  # the fused lever's compiled kernels (norms, RoPE, gates), whatever else their names say
     ("attention", ("sdpa", "flash", "fmha", "attention")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "scaled_mm", "addmm", "aten::mm", "bmm")),
-    ("copy", ("copy", "cat")),  # the K/V window into the graph's buffers; a fused kernel that also copies is "fused"
-    ("fused", ("triton_",)),  # the fused lever's compiled kernels (norms, RoPE, gates)
+    ("copy", ("copy", "cat")),  # the K/V window into the graph's buffers
 )
 KERNEL_ROWS = 12
 
@@ -157,8 +157,6 @@ KERNEL_ROWS = 12
 def kernel_class(name: str) -> str:
     """``attention``, ``gemm``, ``copy``, ``fused`` or ``elementwise`` (everything else: eager norms, adds, casts)."""
     low = name.lower()
-    if low.startswith("triton_"):
-        return "fused"
     return next((cls for cls, marks in KERNEL_CLASSES if any(m in low for m in marks)), "elementwise")
 
 

@@ -24,7 +24,7 @@ import tempfile
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
-QUIT_TIMEOUT_S = 30.0
+CONTROL_TIMEOUT_S = 30.0  # each call of the control program: starting the daemon, telling it to quit
 
 
 class MpsError(RuntimeError):
@@ -58,7 +58,7 @@ class CudaMps:
             os.mkdir(path, 0o700)
         try:
             done = subprocess.run(
-                [binary, "-d"], env={**os.environ, **env}, capture_output=True, text=True, timeout=QUIT_TIMEOUT_S
+                [binary, "-d"], env={**os.environ, **env}, capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"--cuda-mps: {self.control} -d failed: {exc} (its log: {env[LOG_ENV]})") from exc
@@ -90,7 +90,7 @@ class CudaMps:
                     env={**os.environ, **env},
                     capture_output=True,
                     text=True,
-                    timeout=QUIT_TIMEOUT_S,
+                    timeout=CONTROL_TIMEOUT_S,
                 )
         except (OSError, subprocess.TimeoutExpired):
             pass  # the folder goes anyway: a daemon left behind cannot be reached through it
